@@ -1,0 +1,320 @@
+"""The stage contract: the run directory, `stage.json`, config hashes, and the rules for running a stage again.
+
+A run directory holds `spec.json` (the resolved pipeline spec) and one folder per stage:
+
+    <run-dir>/spec.json
+    <run-dir>/<stage>/stage.json        written last, atomically: the stage's record
+    <run-dir>/<stage>/model/            safetensors: adapter or merged weights (training stages)
+    <run-dir>/<stage>/checkpoints/      checkpoint-<step>/ folders, newest last
+    <run-dir>/<stage>/logs/             stage log, TensorBoard events
+
+Rules every stage follows (the same in a PyTorchJob pod and under --local):
+- a completed stage with the same config hash is a no-op that says so;
+- a completed stage with a different config hash is refused unless forced;
+- an incomplete stage resumes from its newest valid checkpoint;
+- only rank 0 writes `stage.json`; SIGTERM saves a checkpoint and exits with EXIT_RETRYABLE.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from workflows.loading import spec_from_json
+from workflows.spec import STAGE_ORDER, PipelineSpec
+
+SPEC_JSON = "spec.json"
+STAGE_JSON = "stage.json"
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_RETRYABLE = 75  # EX_TEMPFAIL: preempted; Argo's retry (or a rerun) resumes from the checkpoint
+
+StageStatus = Literal["running", "succeeded", "failed", "interrupted", "skipped"]
+
+# Parts of a stage's spec that change where or how fast it runs, not what it produces.
+_NOT_HASHED = {"enabled", "resources", "run_policy", "env"}
+
+
+class StageRefused(Exception):
+    """The stage must not run as asked (e.g. a completed stage with another config). Exit code 2."""
+
+
+class InputRef(BaseModel):
+    """An input of a stage: where it came from and its content fingerprint."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    uri: str = Field(description="Path or URI the input was read from.")
+    fingerprint: str = Field(description="Content fingerprint (sha256 over the bytes or upstream stage.json).")
+
+
+class StageResult(BaseModel):
+    """The record a stage leaves in `<run-dir>/<stage>/stage.json`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    stage: str = Field(description="Stage name.")
+    status: StageStatus = Field(description="running, succeeded, failed, interrupted (retryable) or skipped.")
+    config_hash: str = Field(description="Hash of the spec parts that determine this stage's outputs.")
+    inputs: dict[str, InputRef] = Field(default_factory=dict, description="Inputs with fingerprints.")
+    outputs: dict[str, str] = Field(default_factory=dict, description="Outputs, as paths relative to the run dir.")
+    metrics: dict[str, float] = Field(default_factory=dict, description="Final metrics.")
+    mlflow_run_id: str | None = Field(None, description="MLflow run of this stage (nested under the run's parent).")
+    wandb_run_path: str | None = Field(None, description="W&B run path entity/project/id, or the offline dir.")
+    started_at: str = Field(description="UTC ISO time the (first) attempt started.")
+    ended_at: str | None = Field(None, description="UTC ISO time it ended.")
+    attempts: int = Field(1, description="How many times the stage was started for this config.")
+    message: str = Field("", description="Human-readable outcome, e.g. the error or why it was skipped.")
+    host: str = Field(default_factory=socket.gethostname, description="Host that wrote the record.")
+    extra: dict[str, Any] = Field(default_factory=dict, description="Stage-specific details (e.g. gate decision).")
+
+
+def now() -> str:
+    """UTC now, ISO 8601."""
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write JSON to `path` so readers see the old file or the new one, never a torn one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2, ensure_ascii=False, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def rank() -> int:
+    """Global rank under torchrun (0 when not distributed)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def is_main_process() -> bool:
+    """True on the process that logs and writes records."""
+    return rank() == 0
+
+
+def canonical_hash(data: Any) -> str:
+    """sha256 of canonical JSON."""
+    blob = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+class RunDir:
+    """A run directory: the resolved spec plus one folder per stage."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root).absolute()
+
+    @property
+    def spec_path(self) -> Path:
+        return self.root / SPEC_JSON
+
+    def write_spec(self, spec: PipelineSpec) -> None:
+        """Store the resolved spec (profiles dropped: they were already applied)."""
+        write_json_atomic(self.spec_path, spec.model_dump(mode="json", exclude={"profiles"}))
+
+    def load_spec(self) -> PipelineSpec:
+        """The resolved spec; StageRefused when missing (run prepare first)."""
+        if not self.spec_path.is_file():
+            raise StageRefused(f"{self.spec_path} is missing: run the prepare stage first")
+        return spec_from_json(self.spec_path.read_text(encoding="utf-8"), str(self.spec_path))
+
+    def stage_dir(self, stage: str) -> Path:
+        return self.root / stage
+
+    def result_path(self, stage: str) -> Path:
+        return self.stage_dir(stage) / STAGE_JSON
+
+    def read_result(self, stage: str) -> StageResult | None:
+        """The stage's record, or None when it never started."""
+        path = self.result_path(stage)
+        if not path.is_file():
+            return None
+        return StageResult.model_validate_json(path.read_text(encoding="utf-8"))
+
+    def write_result(self, result: StageResult) -> None:
+        write_json_atomic(self.result_path(result.stage), result.model_dump(mode="json"))
+
+    def relative(self, path: Path) -> str:
+        return str(Path(path).absolute().relative_to(self.root))
+
+
+def stage_config(spec: PipelineSpec, stage: str) -> dict[str, Any]:
+    """What determines a stage's outputs: the model, the data version, the stage's own settings, and the
+    config hashes of the enabled stages before it (a changed upstream changes this stage too)."""
+    section = spec.stage(stage).model_dump(mode="json", exclude=_NOT_HASHED)
+    upstream = [s for s in STAGE_ORDER[: STAGE_ORDER.index(stage)] if spec.stage(s).enabled]
+    return {
+        "stage": stage,
+        "model": spec.model.model_dump(mode="json"),
+        "data_version": spec.data_version,
+        "section": section,
+        "upstream": {s: canonical_hash(stage_config(spec, s)) for s in upstream},
+    }
+
+
+def config_hash(spec: PipelineSpec, stage: str) -> str:
+    """Hash of `stage_config`."""
+    return canonical_hash(stage_config(spec, stage))
+
+
+class StageContext:
+    """What a stage gets: the run directory, the spec, its own folder, and the bookkeeping calls.
+
+    A stage module reads top to bottom as:
+
+        def run(ctx: StageContext) -> int:
+            if not ctx.begin():
+                return EXIT_OK                    # completed before with the same config
+            ...                                    # do the work, checkpointing into ctx.checkpoints_dir
+            return ctx.finish(outputs={...}, metrics={...})
+    """
+
+    def __init__(
+        self,
+        run_dir: RunDir,
+        stage: str,
+        spec: PipelineSpec,
+        force: bool = False,
+        outputs_dir: Path | None = None,
+    ) -> None:
+        self.run_dir = run_dir
+        self.stage = stage
+        self.spec = spec
+        self.force = force
+        self.outputs_dir = outputs_dir
+        self.config_hash = config_hash(spec, stage)
+        self.result: StageResult | None = None
+        self.resumed = False
+
+    @property
+    def dir(self) -> Path:
+        return self.run_dir.stage_dir(self.stage)
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.dir / "checkpoints"
+
+    @property
+    def model_dir(self) -> Path:
+        return self.dir / "model"
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.dir / "logs"
+
+    @property
+    def section(self) -> Any:
+        """This stage's part of the spec."""
+        return self.spec.stage(self.stage)
+
+    def begin(self) -> bool:
+        """Decide whether to run: False for a no-op (done before, same config); raises StageRefused for a
+        completed stage whose config changed (unless forced). Records the stage as running."""
+        previous = self.run_dir.read_result(self.stage)
+        if previous is not None and previous.status == "succeeded" and not self.force:
+            if previous.config_hash == self.config_hash:
+                print(f"[{self.stage}] already completed with the same config ({self.config_hash[:12]}): nothing to do")
+                self.result = previous
+                self.emit_outputs(previous)
+                return False
+            raise StageRefused(
+                f"[{self.stage}] already completed in {self.run_dir.root} with another config "
+                f"({previous.config_hash[:12]} there, {self.config_hash[:12]} now). Use a new run directory, "
+                "or --force to run it again over the old outputs."
+            )
+        attempts = 1
+        started = now()
+        if previous is not None and previous.config_hash == self.config_hash and previous.status != "succeeded":
+            attempts = previous.attempts + 1
+            started = previous.started_at
+            self.resumed = True
+        self.result = StageResult(
+            stage=self.stage,
+            status="running",
+            config_hash=self.config_hash,
+            started_at=started,
+            attempts=attempts,
+            mlflow_run_id=previous.mlflow_run_id if previous and self.resumed else None,
+            wandb_run_path=previous.wandb_run_path if previous and self.resumed else None,
+        )
+        for path in (self.dir, self.logs_dir):
+            path.mkdir(parents=True, exist_ok=True)
+        self._write()
+        return True
+
+    def add_input(self, name: str, uri: str, fingerprint: str) -> None:
+        assert self.result is not None
+        self.result.inputs[name] = InputRef(uri=uri, fingerprint=fingerprint)
+        self._write()
+
+    def set_tracking(self, mlflow_run_id: str | None = None, wandb_run_path: str | None = None) -> None:
+        """Remember tracking runs early, so a resumed attempt continues the same runs."""
+        assert self.result is not None
+        if mlflow_run_id:
+            self.result.mlflow_run_id = mlflow_run_id
+        if wandb_run_path:
+            self.result.wandb_run_path = wandb_run_path
+        self._write()
+
+    def finish(
+        self,
+        outputs: dict[str, Path] | None = None,
+        metrics: dict[str, float] | None = None,
+        extra: dict[str, Any] | None = None,
+        status: StageStatus = "succeeded",
+        message: str = "",
+    ) -> int:
+        """Record the outcome (succeeded or skipped) and publish step outputs. Returns EXIT_OK."""
+        assert self.result is not None
+        self.result.outputs = {k: self.run_dir.relative(v) for k, v in (outputs or {}).items()}
+        self.result.metrics = {k: float(v) for k, v in (metrics or {}).items()}
+        self.result.extra.update(extra or {})
+        self.result.status = status
+        self.result.message = message
+        self.result.ended_at = now()
+        self._write()
+        self.emit_outputs(self.result)
+        return EXIT_OK
+
+    def fail(self, message: str, retryable: bool = False) -> int:
+        """Record a failure (interrupted when retryable). Returns the exit code to use."""
+        if self.result is not None:
+            self.result.status = "interrupted" if retryable else "failed"
+            self.result.message = message
+            self.result.ended_at = now()
+            self._write()
+        return EXIT_RETRYABLE if retryable else EXIT_FAILED
+
+    def emit_outputs(self, result: StageResult) -> None:
+        """Write Argo output parameters (one file per value) when the step asked for them."""
+        if self.outputs_dir is None or not is_main_process():
+            return
+        self.outputs_dir.mkdir(parents=True, exist_ok=True)
+        values = {
+            "status": result.status,
+            **{k: str(v) for k, v in result.extra.items() if isinstance(v, str)},
+        }
+        for name, value in values.items():
+            (self.outputs_dir / name).write_text(value, encoding="utf-8")
+
+    def _write(self) -> None:
+        if self.result is not None and is_main_process():
+            self.run_dir.write_result(self.result)

@@ -1,0 +1,319 @@
+"""The compiler: a pipeline spec → Argo WorkflowTemplate, Workflow and CronWorkflow, built with Hera.
+
+The WorkflowTemplate is what users resubmit: it holds the DAG prepare → cpt → sft → rlhf → evaluate → deploy
+(disabled stages are left out and the edges close up), the UI form, and the compiled spec. The Workflow and the
+CronWorkflow only reference it, with explicit arguments, so "Resubmit" in the UI edits the same form.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+from hera.workflows import (
+    DAG,
+    Container,
+    CronWorkflow,
+    Parameter,
+    RawArtifact,
+    Resource,
+    Task,
+    Workflow,
+    WorkflowTemplate,
+)
+from hera.workflows import models as m
+
+from workflows import parameters as params
+from workflows.pytorchjob import (
+    FAILURE_CONDITION,
+    PIPELINE_LABEL,
+    STAGE_LABEL,
+    SUCCESS_CONDITION,
+    pod_env,
+    pod_security_context,
+    pytorchjob_manifest,
+    resource_requirements,
+    run_dir,
+    volumes,
+)
+from workflows.spec import TRAINING_STAGES, PipelineSpec, StageBase
+
+ENTRYPOINT = "pipeline"
+PARAMS_DIR = "/params"
+OUTPUTS_DIR = "/tmp/outputs"
+RUN_DIR = "{{workflow.name}}"
+NOTIFY = "notify"
+
+# Slack of the template-level deadline over the job's own deadline: the operator is the detector.
+DEADLINE_BACKSTOP_SECONDS = 3600
+
+
+@dataclass
+class CompiledPipeline:
+    """What a spec compiles to."""
+
+    spec: PipelineSpec
+    template: WorkflowTemplate
+    workflow: Workflow
+    cron: CronWorkflow | None
+
+    def documents(self) -> dict[str, dict[str, Any]]:
+        """File name → resource, as plain dicts ready for YAML."""
+        docs = {"workflowtemplate.yaml": self.template.to_dict(), "workflow.yaml": self.workflow.to_dict()}
+        if self.cron is not None:
+            docs["cronworkflow.yaml"] = self.cron.to_dict()
+        return docs
+
+
+# --------------------------------------------------------------------------- templates
+
+
+def _container_template(
+    spec: PipelineSpec,
+    name: str,
+    stage: StageBase,
+    command: list[str],
+    inputs: list[RawArtifact] | None = None,
+    outputs: list[Parameter] | None = None,
+    secret_env: bool = True,
+) -> Container:
+    """A single-pod step running in the trainer image with the volumes mounted (prepare, evaluate, deploy)."""
+    res = stage.resources
+    vols, mounts = volumes(spec, res.shm_size)
+    env = pod_env(spec, stage.env) if secret_env else []
+    return Container(
+        name=name,
+        image=res.image or spec.cluster.image,
+        image_pull_policy=spec.cluster.image_pull_policy,
+        command=command,
+        env=[m.EnvVar.model_validate(e) for e in env],
+        resources=m.ResourceRequirements.model_validate(
+            resource_requirements(res.cpu, res.memory, res.gpus_per_node, res.ephemeral_storage)
+        ),
+        volume_mounts=[m.VolumeMount.model_validate(v) for v in mounts],
+        volumes=[m.Volume.model_validate(v) for v in vols],
+        security_context=m.SecurityContext(allow_privilege_escalation=False, capabilities=m.Capabilities(drop=["ALL"])),
+        node_selector=dict(res.node_selector) or None,
+        tolerations=[m.Toleration.model_validate(t.to_k8s()) for t in res.tolerations] or None,
+        affinity=m.Affinity.model_validate(res.affinity) if res.affinity else None,
+        priority_class_name=res.priority_class,
+        labels={PIPELINE_LABEL: spec.name, STAGE_LABEL: name, **res.labels},
+        annotations=dict(res.annotations) or None,
+        inputs=inputs,
+        outputs=outputs,
+    )
+
+
+def prepare_template(spec: PipelineSpec, rundir: str) -> Container:
+    """prepare: every UI parameter arrives as a file, the compiled spec too; the step resolves and validates
+    them, writes `<run-dir>/spec.json`, and outputs which stages run."""
+    inputs = [RawArtifact(name="pipeline-spec", path=f"{PARAMS_DIR}/{params.SPEC_FILE}", data=params.embed_spec(spec))]
+    inputs += [
+        RawArtifact(name=p.name, path=f"{PARAMS_DIR}/{p.name}", data=f"{{{{workflow.parameters.{p.name}}}}}")
+        for p in params.ui_parameters(spec)
+    ]
+    switches = params.stage_switches(spec)
+    outputs = [Parameter(name=name, value_from=m.ValueFrom(path=f"{OUTPUTS_DIR}/{name}")) for name in switches]
+    command = [
+        "python", "-m", "stages", "prepare",
+        "--run-dir", rundir,
+        "--params-dir", PARAMS_DIR,
+        "--outputs-dir", OUTPUTS_DIR,
+    ]  # fmt: skip
+    return _container_template(spec, "prepare", spec.stages.prepare, command, inputs=inputs, outputs=outputs)
+
+
+def training_template(spec: PipelineSpec, stage_name: str) -> Resource:
+    """A training stage: create a PyTorchJob, wait on the operator's verdict, retry with a fresh job."""
+    stage = spec.stage(stage_name)
+    manifest = yaml.safe_dump(pytorchjob_manifest(spec, stage_name), sort_keys=False, allow_unicode=True)
+    rp = stage.run_policy
+    # activeDeadlineSeconds does not apply to resource templates; `timeout` bounds any leaf node.
+    timeout = f"{rp.active_deadline_seconds + DEADLINE_BACKSTOP_SECONDS}s" if rp.active_deadline_seconds else None
+    return Resource(
+        name=stage_name,
+        action="create",
+        set_owner_reference=True,
+        manifest=manifest,
+        success_condition=SUCCESS_CONDITION,
+        failure_condition=FAILURE_CONDITION,
+        outputs=[Parameter(name="job-name", value_from=m.ValueFrom(json_path="{.metadata.name}"))],
+        retry_strategy=m.RetryStrategy(
+            limit=str(rp.retries),
+            retry_policy="Always",
+            backoff=m.Backoff(duration=rp.retry_backoff, factor="2", max_duration="1h"),
+        ),
+        timeout=timeout,
+    )
+
+
+def evaluate_template(spec: PipelineSpec, rundir: str) -> Container:
+    """evaluate: one pod; its `gate` output ('pass'/'fail') decides whether deploy runs."""
+    command = ["python", "-m", "stages", "evaluate", "--run-dir", rundir, "--outputs-dir", OUTPUTS_DIR]
+    outputs = [Parameter(name="gate", value_from=m.ValueFrom(path=f"{OUTPUTS_DIR}/gate"))]
+    return _container_template(spec, "evaluate", spec.stages.evaluate, command, outputs=outputs)
+
+
+def deploy_template(spec: PipelineSpec, rundir: str) -> Container:
+    """deploy: register the model and move the aliases."""
+    command = ["python", "-m", "stages", "deploy", "--run-dir", rundir, "--outputs-dir", OUTPUTS_DIR]
+    return _container_template(spec, "deploy", spec.stages.deploy, command)
+
+
+def notify_template(spec: PipelineSpec) -> Container:
+    """The exit handler: post the outcome to Slack. The webhook URL comes from a Secret, nothing else does."""
+    ref = spec.cluster.secrets.slack_webhook
+    assert ref is not None  # the spec validator guarantees it when notifications.slack is on
+    values = {
+        "workflow-name": "{{workflow.name}}",
+        "workflow-namespace": "{{workflow.namespace}}",
+        "status": "{{workflow.status}}",
+        "failures": "{{workflow.failures}}",
+        "duration": "{{workflow.duration}}",
+        "ui-url": spec.cluster.argo_ui_url or "",
+        "notify-on": ",".join(spec.notifications.on),
+        "note": spec.notifications.channel_note or "",
+    }
+    inputs = [RawArtifact(name=k, path=f"{PARAMS_DIR}/{k}", data=v) for k, v in values.items()]
+    return Container(
+        name=NOTIFY,
+        image=spec.cluster.image,
+        image_pull_policy=spec.cluster.image_pull_policy,
+        command=["python", "-m", "workflows.notify", "--params-dir", PARAMS_DIR],
+        env=[
+            m.EnvVar(
+                name="SLACK_WEBHOOK_URL",
+                value_from=m.EnvVarSource(secret_key_ref=m.SecretKeySelector(name=ref.name, key=ref.key)),
+            )
+        ],
+        resources=m.ResourceRequirements.model_validate(resource_requirements("100m", "256Mi", 0)),
+        security_context=m.SecurityContext(allow_privilege_escalation=False, capabilities=m.Capabilities(drop=["ALL"])),
+        inputs=inputs,
+        retry_strategy=m.RetryStrategy(limit="2"),
+    )
+
+
+# --------------------------------------------------------------------------- the DAG
+
+
+def _when_enabled(stage: str) -> str:
+    return f"{{{{tasks.prepare.outputs.parameters.run-{stage}}}}} == true"
+
+
+def pipeline_dag(spec: PipelineSpec) -> DAG:
+    """prepare → enabled stages in order. A stage switched off at run time is Skipped, and a skipped task still
+    satisfies a plain `depends`, so the chain closes up; deploy needs evaluate to have Succeeded with gate=pass."""
+    tasks = [Task(name="prepare", template="prepare")]
+    previous = "prepare"
+    for stage in spec.stages.enabled():
+        if stage == "prepare":
+            continue
+        if stage == "deploy":
+            tasks.append(
+                Task(
+                    name="deploy",
+                    template="deploy",
+                    depends="evaluate.Succeeded",
+                    when=f"{_when_enabled('deploy')} && {{{{tasks.evaluate.outputs.parameters.gate}}}} == pass",
+                )
+            )
+            continue
+        tasks.append(Task(name=stage, template=stage, depends=previous, when=_when_enabled(stage)))
+        previous = stage
+    return DAG(name=ENTRYPOINT, tasks=tasks)
+
+
+def _labels(spec: PipelineSpec) -> dict[str, str]:
+    return {"app.kubernetes.io/part-of": "posttrain", PIPELINE_LABEL: spec.name, **spec.workflow.labels}
+
+
+def workflow_template(spec: PipelineSpec) -> WorkflowTemplate:
+    """The WorkflowTemplate: DAG, templates, UI form, retention and the exit handler."""
+    rundir = run_dir(spec, RUN_DIR)
+    templates: list[Any] = [pipeline_dag(spec), prepare_template(spec, rundir)]
+    for stage in spec.stages.enabled():
+        if stage in TRAINING_STAGES:
+            templates.append(training_template(spec, stage))
+    if spec.stages.evaluate.enabled:
+        templates.append(evaluate_template(spec, rundir))
+    if spec.stages.deploy.enabled:
+        templates.append(deploy_template(spec, rundir))
+    on_exit = None
+    if spec.notifications.slack:
+        templates.append(notify_template(spec))
+        on_exit = NOTIFY
+    wf = spec.workflow
+    annotations = {"workflows.argoproj.io/description": spec.description} if spec.description else None
+    return WorkflowTemplate(
+        name=spec.name,
+        namespace=spec.cluster.namespace,
+        labels=_labels(spec),
+        annotations=annotations,
+        entrypoint=ENTRYPOINT,
+        service_account_name=spec.cluster.service_account,
+        arguments=[
+            Parameter(name=p.name, value=p.default, description=p.description, enum=list(p.enum) if p.enum else None)
+            for p in params.ui_parameters(spec)
+        ],
+        templates=templates,
+        on_exit=on_exit,
+        pod_gc=m.PodGC(strategy=wf.pod_gc),
+        ttl_strategy=m.TTLStrategy(
+            seconds_after_success=wf.ttl_seconds_after_success,
+            seconds_after_failure=wf.ttl_seconds_after_failure,
+        ),
+        active_deadline_seconds=wf.active_deadline_seconds,
+        security_context=m.PodSecurityContext.model_validate(pod_security_context(spec)),
+        image_pull_secrets=[m.LocalObjectReference(name=n) for n in spec.cluster.image_pull_secrets] or None,
+    )
+
+
+def _arguments(spec: PipelineSpec, values: dict[str, str] | None) -> list[Parameter]:
+    known = {p.name: p.default for p in params.ui_parameters(spec)}
+    unknown = sorted(set(values or {}) - set(known))
+    if unknown:
+        raise ValueError(f"unknown workflow parameters {unknown}; the template has {sorted(known)}")
+    return [Parameter(name=k, value=(values or {}).get(k, v)) for k, v in known.items()]
+
+
+def submitted_workflow(spec: PipelineSpec, values: dict[str, str] | None = None) -> Workflow:
+    """A run of the template, with every argument explicit so the UI's Resubmit shows them."""
+    return Workflow(
+        generate_name=f"{spec.name}-",
+        namespace=spec.cluster.namespace,
+        labels=_labels(spec),
+        workflow_template_ref=m.WorkflowTemplateRef(name=spec.name),
+        arguments=_arguments(spec, values),
+    )
+
+
+def cron_workflow(spec: PipelineSpec) -> CronWorkflow | None:
+    """The schedule, referencing the template; None when the spec has no cron expressions."""
+    sched = spec.schedule
+    if not sched.cron:
+        return None
+    return CronWorkflow(
+        name=spec.name,
+        namespace=spec.cluster.namespace,
+        labels=_labels(spec),
+        schedules=list(sched.cron),
+        timezone=sched.timezone,
+        concurrency_policy=sched.concurrency_policy,
+        starting_deadline_seconds=sched.starting_deadline_seconds,
+        successful_jobs_history_limit=sched.successful_history,
+        failed_jobs_history_limit=sched.failed_history,
+        cron_suspend=sched.suspend or None,
+        workflow_template_ref=m.WorkflowTemplateRef(name=spec.name),
+        arguments=_arguments(spec, None),
+    )
+
+
+def compile_pipeline(spec: PipelineSpec, parameters: dict[str, str] | None = None) -> CompiledPipeline:
+    """Compile a validated spec. `parameters` overrides UI parameter values of the submitted Workflow."""
+    return CompiledPipeline(
+        spec=spec,
+        template=workflow_template(spec),
+        workflow=submitted_workflow(spec, parameters),
+        cron=cron_workflow(spec),
+    )

@@ -1,0 +1,159 @@
+"""The WorkflowTemplate's UI parameters, and how the prepare step resolves them into the spec in the cluster.
+
+The Argo UI form edits a handful of parameters (base model, data version and URIs, which stages run, free-form
+overrides). Their values never reach a shell or a command line: Argo writes each one into a file (a raw input
+artifact of the prepare step), and prepare validates them here with the same model as the CLI, so a bad value fails
+the run at its first step with the parameter and field named.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from workflows.loading import Origins, SpecError, apply_override, parse_override, validate_document
+from workflows.spec import OPTIONAL_STAGES, PipelineSpec
+
+SPEC_FILE = "pipeline.json.b64"
+"""The compiled spec inside the template, base64-encoded so Argo never reads '{{' in it as an expression."""
+
+OVERRIDES = "overrides"
+
+# Sections compiled into the template (pods, volumes, schedule...): changing them needs a new template.
+COMPILED_SECTIONS = ("name", "cluster", "schedule", "workflow", "notifications", "profiles")
+COMPILED_STAGE_FIELDS = ("enabled", "resources", "run_policy", "env")
+
+
+@dataclass(frozen=True)
+class UIParameter:
+    """One parameter of the Argo UI form."""
+
+    name: str
+    default: str
+    description: str
+    enum: tuple[str, ...] | None = None
+
+
+def _data_stages(spec: PipelineSpec) -> list[str]:
+    return [s for s in OPTIONAL_STAGES if spec.stage(s).enabled and getattr(spec.stage(s), "data", None) is not None]
+
+
+def _switchable_stages(spec: PipelineSpec) -> list[str]:
+    return [s for s in OPTIONAL_STAGES if spec.stage(s).enabled]
+
+
+def ui_parameters(spec: PipelineSpec) -> list[UIParameter]:
+    """The form: defaults come from the spec the template was compiled from."""
+    params = [
+        UIParameter("base-model", spec.model.name_or_path, "Base model: Hugging Face hub id or a path on a volume."),
+        UIParameter(
+            "data-version",
+            spec.data_version,
+            "Version label of the input data; replaces {data_version} in the data URIs and is recorded as lineage.",
+        ),
+    ]
+    for stage in _data_stages(spec):
+        data = spec.stage(stage).data
+        params.append(
+            UIParameter(f"{stage}-data", data.uri, f"{stage} data ({data.format}): path, hf://, gs://, s3://.")
+        )
+    for stage in _switchable_stages(spec):
+        params.append(UIParameter(f"run-{stage}", "true", f"Run the {stage} stage.", ("true", "false")))
+    params.append(
+        UIParameter(
+            OVERRIDES,
+            "",
+            "Extra settings, one path.to.field=value per line (e.g. stages.sft.training.learning_rate=1e-4). "
+            "Pods and volumes are fixed in the template: change them in the pipeline file and register again.",
+        )
+    )
+    return params
+
+
+def ui_parameter_names(spec: PipelineSpec) -> list[str]:
+    """Names of the template's parameters, in form order."""
+    return [p.name for p in ui_parameters(spec)]
+
+
+def embed_spec(spec: PipelineSpec) -> str:
+    """The spec as stored in the template (profiles already applied and dropped)."""
+    blob = json.dumps(spec.model_dump(mode="json", exclude={"profiles"}), sort_keys=True, ensure_ascii=False)
+    return base64.b64encode(blob.encode()).decode()
+
+
+def _check_not_compiled(keys: list[str], where: str) -> None:
+    if keys[0] in COMPILED_SECTIONS or (keys[0] == "stages" and len(keys) > 2 and keys[2] in COMPILED_STAGE_FIELDS):
+        field = ".".join(keys)
+        hint = "use the run-<stage> parameter" if keys[-1] == "enabled" else "edit the pipeline file and register again"
+        raise SpecError(
+            f"{where}: {field} is fixed when the template is compiled and cannot be changed per run; {hint}"
+        )
+
+
+def resolve_parameters(document: dict, values: dict[str, str]) -> PipelineSpec:
+    """Apply UI parameter values to the embedded spec document and validate the result."""
+    doc = json.loads(json.dumps(document))  # deep copy, JSON types only
+    origins = Origins()
+    known = set(values)
+
+    def put(keys: list[str], value: object, where: str) -> None:
+        apply_override(doc, keys, value, where)
+        origins.by_path[tuple(keys)] = where
+
+    if "base-model" in known:
+        if not values["base-model"].strip():
+            raise SpecError("parameter base-model: must not be empty")
+        put(["model", "name_or_path"], values["base-model"].strip(), "parameter base-model")
+    if "data-version" in known:
+        put(["data_version"], values["data-version"].strip(), "parameter data-version")
+    for stage in OPTIONAL_STAGES:
+        if f"{stage}-data" in known:
+            put(["stages", stage, "data", "uri"], values[f"{stage}-data"].strip(), f"parameter {stage}-data")
+        if f"run-{stage}" in known:
+            raw = values[f"run-{stage}"].strip()
+            if raw not in ("true", "false"):
+                raise SpecError(f"parameter run-{stage}: expected true or false, got {raw!r}")
+            put(["stages", stage, "enabled"], raw == "true", f"parameter run-{stage}")
+    for number, line in enumerate(values.get(OVERRIDES, "").splitlines(), start=1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        where = f"parameter overrides, line {number}"
+        try:
+            keys, value = parse_override(line.strip())
+        except SpecError as exc:
+            raise SpecError(f"{where}: {str(exc).removeprefix('--set ')}") from None
+        _check_not_compiled(keys, where)
+        put(keys, value, where)
+    return validate_document(doc, origins, "parameters")
+
+
+def read_params_dir(path: Path) -> tuple[dict, dict[str, str]]:
+    """The embedded spec document and the parameter values Argo wrote as files into `path`."""
+    spec_file = path / SPEC_FILE
+    if not spec_file.is_file():
+        raise SpecError(f"{spec_file} is missing: the template must provide the pipeline spec")
+    try:
+        document = json.loads(base64.b64decode(spec_file.read_text(encoding="ascii")))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise SpecError(f"{spec_file}: not a base64-encoded JSON spec ({exc})") from None
+    values = {}
+    for file in sorted(path.iterdir()):
+        if file.name != SPEC_FILE and file.is_file():
+            try:
+                values[file.name] = file.read_text(encoding="utf-8")
+            except UnicodeDecodeError:
+                raise SpecError(f"parameter {file.name}: not UTF-8 text") from None
+    return document, values
+
+
+def resolve_params_dir(path: Path) -> PipelineSpec:
+    """What prepare does first in the cluster: the resolved spec from the template's spec and the form."""
+    document, values = read_params_dir(path)
+    return resolve_parameters(document, values)
+
+
+def stage_switches(spec: PipelineSpec) -> dict[str, str]:
+    """Output parameters of prepare that gate the DAG's tasks: run-<stage> → 'true'/'false'."""
+    return {f"run-{stage}": str(spec.stage(stage).enabled).lower() for stage in OPTIONAL_STAGES}

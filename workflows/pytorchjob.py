@@ -1,0 +1,225 @@
+"""The Kubeflow PyTorchJob (kubeflow.org/v1) a training stage creates, and the Argo conditions that watch it.
+
+How the Training Operator (v1.7–v1.9) writes `status`, which the conditions below rely on:
+- `status.conditions` only grows at the end. `Created` is always first. `Running` and `Restarting`
+  replace each other; `Suspended` comes and goes; `Succeeded` or `Failed` is appended last, and once
+  `Failed` is there nothing changes any more. So `Failed` sits at some index 1..4, never at a fixed one.
+- `status.replicaStatuses.Master.succeeded` becomes 1 in the same status write that appends
+  `Succeeded` (the job succeeds when its Master succeeds, with or without Workers).
+- Deadline (`activeDeadlineSeconds`) and backoff-limit failures append `Failed` without bumping any
+  replica's `failed` counter, and with restart policies other than Never a replica's `failed` counter
+  is non-zero while the job is merely `Restarting`. Counters therefore never decide failure.
+
+How Argo evaluates them (workflow/executor/resource.go): each condition string is parsed as a
+Kubernetes label selector whose keys are gjson paths into the resource JSON. Failure requirements are
+OR-ed (any match fails the step), success requirements are AND-ed. Keys must be label-key shaped, so no
+array queries (`#(...)`) are possible; numeric indices are.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from workflows.spec import PipelineSpec, TrainingStage
+
+API_VERSION = "kubeflow.org/v1"
+KIND = "PyTorchJob"
+CONTAINER_NAME = "pytorch"  # the operator injects PET_* variables into the container of this name
+
+# `Created` is always at index 0; `Failed` can be appended after Suspended, Running/Restarting and Succeeded.
+_MAX_CONDITIONS = 5
+
+SUCCESS_CONDITION = "status.replicaStatuses.Master.succeeded > 0"
+FAILURE_CONDITION = ",".join(f"status.conditions.{i}.type == Failed" for i in range(1, _MAX_CONDITIONS + 1))
+
+RUN_ROOT = "runs"
+PART_OF = "posttrain"
+STAGE_LABEL = "posttrain.dev/stage"
+PIPELINE_LABEL = "posttrain.dev/pipeline"
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+
+
+def run_dir(spec: PipelineSpec, run_name: str) -> str:
+    """The run directory on the checkpoints volume for a run (a workflow name, or an Argo expression)."""
+    return f"{spec.cluster.checkpoints.mount_path}/{RUN_ROOT}/{run_name}"
+
+
+def stage_command(stage: str, run_directory: str) -> list[str]:
+    """The container argv of a training stage. torchrun reads nnodes, nproc-per-node, node rank and the
+    master address from the PET_* variables the operator sets; only the entry point and run directory are ours."""
+    return ["torchrun", "--module", "stages", stage, "--run-dir", run_directory]
+
+
+def volumes(spec: PipelineSpec, shm_size: str | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Pod volumes and the matching container mounts: the datasets and checkpoints PVCs, and /dev/shm."""
+    cluster = spec.cluster
+    vols: list[dict[str, Any]] = [
+        {
+            "name": "datasets",
+            "persistentVolumeClaim": {
+                "claimName": cluster.datasets.claim_name,
+                "readOnly": cluster.datasets.read_only,
+            },
+        },
+        {"name": "checkpoints", "persistentVolumeClaim": {"claimName": cluster.checkpoints.claim_name}},
+    ]
+    mounts: list[dict[str, Any]] = [
+        {
+            "name": "datasets",
+            "mountPath": cluster.datasets.mount_path,
+            "readOnly": cluster.datasets.read_only,
+        },
+        {"name": "checkpoints", "mountPath": cluster.checkpoints.mount_path},
+    ]
+    if shm_size:
+        vols.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_size}})
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    return vols, mounts
+
+
+def pod_env(spec: PipelineSpec, stage_env: dict[str, str]) -> list[dict[str, Any]]:
+    """Environment of a stage's container: plain settings, Argo identity, and secrets by reference only."""
+    cluster = spec.cluster
+    env: list[dict[str, Any]] = [
+        {"name": "ARGO_WORKFLOW_NAME", "value": "{{workflow.name}}"},
+        {"name": "ARGO_WORKFLOW_UID", "value": "{{workflow.uid}}"},
+        {"name": "HF_HOME", "value": f"{cluster.checkpoints.mount_path}/.cache/huggingface"},
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+    ]
+    for name, value in {**cluster.env, **stage_env}.items():
+        env.append({"name": name, "value": value})
+    for name, ref in cluster.secrets.env().items():
+        env.append(
+            {
+                "name": name,
+                "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key, "optional": True}},
+            }
+        )
+    return env
+
+
+def resource_requirements(
+    cpu: str | None, memory: str | None, gpus: int, ephemeral: str | None = None
+) -> dict[str, Any]:
+    """Requests equal to limits (Guaranteed QoS for training pods); GPUs as limits."""
+    amounts: dict[str, Any] = {}
+    if cpu:
+        amounts["cpu"] = cpu
+    if memory:
+        amounts["memory"] = memory
+    if ephemeral:
+        amounts["ephemeral-storage"] = ephemeral
+    limits = dict(amounts)
+    if gpus:
+        limits["nvidia.com/gpu"] = str(gpus)
+    out: dict[str, Any] = {}
+    if amounts:
+        out["requests"] = amounts
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def pod_template(spec: PipelineSpec, stage_name: str, stage: TrainingStage, command: list[str]) -> dict[str, Any]:
+    """The pod template shared by Master and Workers."""
+    res = stage.resources
+    cluster = spec.cluster
+    vols, mounts = volumes(spec, res.shm_size)
+    container: dict[str, Any] = {
+        "name": CONTAINER_NAME,
+        "image": res.image or cluster.image,
+        "imagePullPolicy": cluster.image_pull_policy,
+        "command": command,
+        "env": pod_env(spec, stage.env),
+        "resources": resource_requirements(res.cpu, res.memory, res.gpus_per_node, res.ephemeral_storage),
+        "volumeMounts": mounts,
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+    }
+    pod: dict[str, Any] = {
+        "serviceAccountName": cluster.service_account,
+        "containers": [container],
+        "volumes": vols,
+        "securityContext": pod_security_context(spec),
+    }
+    if cluster.image_pull_secrets:
+        pod["imagePullSecrets"] = [{"name": n} for n in cluster.image_pull_secrets]
+    if res.node_selector:
+        pod["nodeSelector"] = dict(res.node_selector)
+    if res.tolerations:
+        pod["tolerations"] = [t.to_k8s() for t in res.tolerations]
+    if res.affinity:
+        pod["affinity"] = res.affinity
+    if res.priority_class:
+        pod["priorityClassName"] = res.priority_class
+    labels = {PIPELINE_LABEL: spec.name, STAGE_LABEL: stage_name, **res.labels}
+    metadata: dict[str, Any] = {"labels": labels}
+    if res.annotations:
+        metadata["annotations"] = dict(res.annotations)
+    return {"metadata": metadata, "spec": pod}
+
+
+def pod_security_context(spec: PipelineSpec) -> dict[str, Any]:
+    """Non-root with the RuntimeDefault seccomp profile; fsGroup so the PVCs are writable."""
+    ctx: dict[str, Any] = {"seccompProfile": {"type": "RuntimeDefault"}}
+    if spec.cluster.run_as_user is not None:
+        ctx.update(
+            runAsNonRoot=True,
+            runAsUser=spec.cluster.run_as_user,
+            runAsGroup=spec.cluster.run_as_user,
+            fsGroup=spec.cluster.run_as_user,
+        )
+    return ctx
+
+
+def run_policy(spec: PipelineSpec, stage: TrainingStage) -> dict[str, Any]:
+    """The job's runPolicy; schedulingPolicy only when a queue or priority class is set."""
+    rp = stage.run_policy
+    policy: dict[str, Any] = {"cleanPodPolicy": rp.clean_pod_policy}
+    if rp.ttl_seconds_after_finished is not None:
+        policy["ttlSecondsAfterFinished"] = rp.ttl_seconds_after_finished
+    if rp.active_deadline_seconds is not None:
+        policy["activeDeadlineSeconds"] = rp.active_deadline_seconds
+    if rp.backoff_limit is not None:
+        policy["backoffLimit"] = rp.backoff_limit
+    scheduling: dict[str, Any] = {}
+    if stage.resources.queue:
+        scheduling["queue"] = stage.resources.queue
+    if stage.resources.priority_class:
+        scheduling["priorityClass"] = stage.resources.priority_class
+    if scheduling:
+        scheduling["minAvailable"] = stage.resources.nodes  # gang: all pods or none
+        policy["schedulingPolicy"] = scheduling
+    return policy
+
+
+def pytorchjob_manifest(spec: PipelineSpec, stage_name: str, run_name: str = "{{workflow.name}}") -> dict[str, Any]:
+    """The PyTorchJob for one training stage of a run: Master (1) + Workers (nodes-1)."""
+    stage: TrainingStage = getattr(spec.stages, stage_name)
+    res = stage.resources
+    command = stage_command(stage_name, run_dir(spec, run_name))
+    template = pod_template(spec, stage_name, stage, command)
+    replicas: dict[str, Any] = {"Master": {"replicas": 1, "restartPolicy": "Never", "template": template}}
+    if res.nodes > 1:
+        replicas["Worker"] = {"replicas": res.nodes - 1, "restartPolicy": "Never", "template": template}
+    labels = {
+        "app.kubernetes.io/part-of": PART_OF,
+        PIPELINE_LABEL: spec.name,
+        STAGE_LABEL: stage_name,
+        "workflows.argoproj.io/workflow": run_name,
+    }
+    if res.queue:
+        labels[KUEUE_QUEUE_LABEL] = res.queue  # Kueue admits the whole job from this LocalQueue
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "metadata": {
+            "generateName": f"{run_name}-{stage_name}-",
+            "namespace": spec.cluster.namespace,
+            "labels": labels,
+        },
+        "spec": {
+            "nprocPerNode": str(res.gpus_per_node or 1),
+            "runPolicy": run_policy(spec, stage),
+            "pytorchReplicaSpecs": replicas,
+        },
+    }

@@ -1,0 +1,670 @@
+"""The typed pipeline spec: what a pipeline YAML file in `workflows/pipelines/` may say.
+
+Every model forbids unknown fields and documents each field, so error messages and `--help`-grade
+documentation come from the model itself. Cross-field rules live in validators next to the fields.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+STAGE_ORDER: tuple[str, ...] = ("prepare", "cpt", "sft", "rlhf", "evaluate", "deploy")
+"""The DAG, in order. prepare always runs; the others can be switched off."""
+
+TRAINING_STAGES: tuple[str, ...] = ("cpt", "sft", "rlhf")
+"""Stages that train and run as a PyTorchJob."""
+
+OPTIONAL_STAGES: tuple[str, ...] = ("cpt", "sft", "rlhf", "evaluate", "deploy")
+
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|Ki|Mi|Gi|Ti|Pi|Ei|M|G|T|P|E)?$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class StrictModel(BaseModel):
+    """Base for every spec model: unknown fields are errors, values are re-validated on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+
+
+def _dns_label(value: str, what: str) -> str:
+    if len(value) > 63 or not _DNS_LABEL.match(value):
+        raise ValueError(f"{what} must be a DNS-1123 label (lowercase letters, digits, '-'; at most 63), got {value!r}")
+    return value
+
+
+Quantity = Annotated[
+    str,
+    Field(pattern=_QUANTITY.pattern, description="A Kubernetes quantity, e.g. '8', '500m', '64Gi'."),
+]
+
+
+# --------------------------------------------------------------------------- model
+
+
+class TinyModelConfig(StrictModel):
+    """A randomly initialised model built from a config, for runs that cannot download weights."""
+
+    architecture: Literal["qwen3"] = Field("qwen3", description="Model family whose config class is used.")
+    hidden_size: int = Field(64, gt=0, description="Hidden size.")
+    intermediate_size: int = Field(128, gt=0, description="MLP intermediate size.")
+    num_hidden_layers: int = Field(2, gt=0, description="Number of decoder layers.")
+    num_attention_heads: int = Field(4, gt=0, description="Attention heads.")
+    num_key_value_heads: int = Field(2, gt=0, description="Key/value heads (grouped-query attention).")
+    head_dim: int = Field(16, gt=0, description="Per-head dimension.")
+    max_position_embeddings: int = Field(2048, gt=0, description="Longest position the model supports.")
+    vocab_size: int = Field(2048, ge=256, description="Size of the byte-level BPE vocabulary trained on the corpus.")
+    seed: int = Field(0, description="Seed for the random initialisation.")
+
+
+class ModelSpec(StrictModel):
+    """The base model every stage starts from."""
+
+    name_or_path: str = Field(
+        description="Hugging Face hub id (e.g. 'Qwen/Qwen3-8B-Base') or a local/PVC path to a model directory.",
+        min_length=1,
+    )
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit) to pin; None is 'main'.")
+    trust_remote_code: bool = Field(
+        False,
+        description="Allow model code from the hub to run. Off by default; turn on only for models you trust.",
+    )
+    dtype: Literal["bfloat16", "float16", "float32", "auto"] = Field(
+        "bfloat16", description="Dtype the weights are loaded in on GPU (CPU runs always use float32)."
+    )
+    attn_implementation: Literal["sdpa", "flash_attention_2", "flex_attention", "eager"] | None = Field(
+        None,
+        description="Attention kernel; None picks the fastest one that honours packed-document boundaries.",
+    )
+    from_config: TinyModelConfig | None = Field(
+        None,
+        description="Build a randomly initialised model from this config instead of loading weights "
+        "(used by the offline 'local' profile). name_or_path then only names the run.",
+    )
+
+
+# --------------------------------------------------------------------------- data
+
+DataFormat = Literal["text", "messages", "alpaca", "sharegpt", "preference"]
+
+
+class DataSpec(StrictModel):
+    """One dataset a stage reads."""
+
+    uri: str = Field(
+        description="Where the data is: a file or directory on a mounted volume (JSONL or Parquet), "
+        "'hf://org/name' for a hub dataset, or 'builtin:<name>' for the data generated offline by the project. "
+        "'{data_version}' is replaced by the pipeline's data_version.",
+        min_length=1,
+    )
+    format: DataFormat = Field(
+        description="Row format: text ({'text'}), messages (OpenAI chat), alpaca (instruction/input/output), "
+        "sharegpt (conversations/from/value), preference (prompt/chosen/rejected)."
+    )
+    split: str = Field("train", description="Split to read for hub datasets.")
+    text_field: str = Field("text", description="Field holding the text for the 'text' format.")
+    columns: dict[str, str] = Field(
+        default_factory=dict,
+        description="Renames from the format's field names to the dataset's, e.g. {input: context, output: response} "
+        "to read dolly-15k as alpaca.",
+    )
+    max_samples: int | None = Field(None, gt=0, description="Use at most this many rows (after validation).")
+    eval_fraction: float = Field(
+        0.02, ge=0.0, lt=0.5, description="Fraction of rows held out for evaluation (perplexity, eval loss)."
+    )
+    max_bad_row_fraction: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="Fraction of rows that may fail validation; they are quarantined and counted, never "
+        "silently dropped. 0 makes any bad row an error.",
+    )
+
+    @field_validator("uri")
+    @classmethod
+    def _known_scheme(cls, uri: str) -> str:
+        scheme = uri.split(":", 1)[0] if re.match(r"^[a-z][a-z0-9+.-]*:", uri) else ""
+        if scheme and scheme not in {"hf", "builtin", "file", "pvc", "gs", "s3"}:
+            raise ValueError(f"unsupported URI scheme {scheme!r}; use a path, hf://, builtin:, gs:// or s3://")
+        return uri
+
+
+# --------------------------------------------------------------------------- training
+
+
+class LoraSpec(StrictModel):
+    """LoRA adapter settings (used when method is lora or qlora)."""
+
+    r: int = Field(16, gt=0, description="Adapter rank.")
+    alpha: int = Field(32, gt=0, description="Scaling numerator (lora_alpha).")
+    dropout: float = Field(0.05, ge=0.0, lt=1.0, description="Dropout on the adapter input.")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="Modules that get adapters: 'all-linear' or a list of module names."
+    )
+    merge_after: bool = Field(
+        False,
+        description="Merge the adapter into the base weights when the stage ends, so the next stage "
+        "starts from a full model; otherwise the next stage continues the same adapter.",
+    )
+
+
+class TrainingSpec(StrictModel):
+    """Hyperparameters of a training stage."""
+
+    learning_rate: float = Field(2e-5, gt=0, lt=1, description="Peak learning rate.")
+    epochs: float = Field(1.0, gt=0, description="Passes over the training data (ignored when max_steps is set).")
+    max_steps: int | None = Field(None, gt=0, description="Stop after this many optimizer steps.")
+    per_device_batch_size: int = Field(1, gt=0, description="Micro-batch size per GPU (rows of max_seq_length).")
+    gradient_accumulation_steps: int = Field(1, gt=0, description="Micro-batches per optimizer step.")
+    max_seq_length: int = Field(4096, ge=16, description="Tokens per packed row / truncation length.")
+    packing: bool = Field(True, description="Pack documents into full rows, with attention kept inside documents.")
+    warmup_ratio: float = Field(0.03, ge=0, lt=1, description="Fraction of steps spent warming up.")
+    lr_scheduler: Literal["cosine", "linear", "constant", "constant_with_warmup"] = Field(
+        "cosine", description="Learning-rate schedule."
+    )
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    gradient_checkpointing: bool = Field(True, description="Recompute activations to save memory (GPU only).")
+    seed: int = Field(42, description="Seed for data order and initialisation.")
+    logging_steps: int = Field(10, gt=0, description="Log metrics every this many steps.")
+    save_steps: int = Field(200, gt=0, description="Write a checkpoint every this many steps.")
+    save_total_limit: int = Field(3, ge=2, description="Checkpoints kept; at least 2 so a torn one has a fallback.")
+    eval_steps: int | None = Field(None, gt=0, description="Evaluate held-out loss every this many steps.")
+
+
+class DistributedSpec(StrictModel):
+    """How the stage spreads over GPUs under torchrun."""
+
+    strategy: Literal["ddp", "fsdp", "deepspeed_zero2", "deepspeed_zero3"] = Field(
+        "ddp", description="Data-parallel engine: DDP, FSDP2, or DeepSpeed ZeRO stage 2/3."
+    )
+    cpu_offload: bool = Field(False, description="Offload optimizer state (and parameters for ZeRO-3/FSDP) to CPU.")
+    activation_checkpointing: bool = Field(
+        False, description="FSDP activation checkpointing (in addition to gradient_checkpointing)."
+    )
+
+
+# --------------------------------------------------------------------------- kubernetes
+
+
+class Toleration(StrictModel):
+    """A Kubernetes toleration."""
+
+    key: str | None = Field(None, description="Taint key; None with operator Exists matches every taint.")
+    operator: Literal["Equal", "Exists"] = Field("Equal", description="Equal or Exists.")
+    value: str | None = Field(None, description="Taint value for operator Equal.")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        None, description="Taint effect to tolerate; None tolerates all effects."
+    )
+    toleration_seconds: int | None = Field(
+        None, alias="tolerationSeconds", description="For NoExecute: how long the pod stays bound."
+    )
+
+    def to_k8s(self) -> dict[str, Any]:
+        """This toleration as a core/v1 Toleration object."""
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
+class Resources(StrictModel):
+    """What one stage's pods ask the cluster for."""
+
+    nodes: int = Field(1, ge=1, le=512, description="Nodes (pods) in the job: one Master plus nodes-1 Workers.")
+    gpus_per_node: int = Field(0, ge=0, le=16, description="GPUs per pod (nvidia.com/gpu); also torchrun's nproc.")
+    cpu: Quantity | None = Field(None, description="CPU request and limit per pod.")
+    memory: Quantity | None = Field(None, description="Memory request and limit per pod.")
+    shm_size: Quantity | None = Field(
+        "16Gi",
+        description="Size of the memory-backed /dev/shm (NCCL and dataloader workers need it); None: none.",
+    )
+    ephemeral_storage: Quantity | None = Field(None, description="Ephemeral storage request per pod.")
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Node labels the pods must match.")
+    tolerations: list[Toleration] = Field(default_factory=list, description="Taints the pods tolerate.")
+    affinity: dict[str, Any] | None = Field(
+        None, description="A core/v1 Affinity object, as in a pod spec (nodeAffinity, podAntiAffinity...)."
+    )
+    image: str | None = Field(None, description="Image for this stage; None uses cluster.image.")
+    priority_class: str | None = Field(None, description="PriorityClass name for the pods.")
+    queue: str | None = Field(
+        None,
+        description="Kueue LocalQueue name (label kueue.x-k8s.io/queue-name) and the job's scheduling queue.",
+    )
+    annotations: dict[str, str] = Field(default_factory=dict, description="Extra pod annotations.")
+    labels: dict[str, str] = Field(default_factory=dict, description="Extra pod labels.")
+
+
+class RunPolicy(StrictModel):
+    """The PyTorchJob's runPolicy, and the Argo retry around it."""
+
+    active_deadline_seconds: int | None = Field(
+        None, gt=0, description="Fail the job after this long (the operator marks it Failed)."
+    )
+    ttl_seconds_after_finished: int | None = Field(
+        7 * 24 * 3600, ge=0, description="Delete the finished PyTorchJob after this long."
+    )
+    backoff_limit: int | None = Field(0, ge=0, description="Pod restarts the operator allows before failing the job.")
+    clean_pod_policy: Literal["None", "Running", "All"] = Field(
+        "None", description="Which pods the operator deletes when the job ends (None keeps logs)."
+    )
+    retries: int = Field(
+        2, ge=0, le=20, description="Argo retries of the stage; each creates a fresh PyTorchJob that resumes."
+    )
+    retry_backoff: str = Field("2m", description="Wait before the first retry (doubles each time, up to 1h).")
+
+
+class StageBase(StrictModel):
+    """Fields every stage has."""
+
+    enabled: bool = Field(True, description="Run this stage; a disabled stage drops out and the DAG closes up.")
+    resources: Resources = Field(default_factory=Resources, description="Pods, GPUs and scheduling.")
+    env: dict[str, str] = Field(
+        default_factory=dict, description="Extra environment variables (never secrets: use cluster.secrets)."
+    )
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
+        for name in env:
+            if not _ENV_NAME.match(name):
+                raise ValueError(f"environment variable name {name!r} is not valid")
+            if re.search(r"(TOKEN|SECRET|PASSWORD|API_KEY|WEBHOOK)", name):
+                raise ValueError(f"{name} looks like a secret: reference it through cluster.secrets instead")
+        return env
+
+
+class TrainingStage(StageBase):
+    """A stage that trains (cpt, sft, rlhf): a PyTorchJob."""
+
+    method: Literal["full", "lora", "qlora"] = Field("full", description="Full fine-tuning, LoRA, or QLoRA (4-bit).")
+    data: DataSpec | None = Field(None, description="Training data.")
+    training: TrainingSpec = Field(default_factory=TrainingSpec, description="Hyperparameters.")
+    lora: LoraSpec = Field(default_factory=LoraSpec, description="Adapter settings for lora/qlora.")
+    distributed: DistributedSpec = Field(default_factory=DistributedSpec, description="Distributed strategy.")
+    run_policy: RunPolicy = Field(default_factory=RunPolicy, description="Job deadlines, cleanup and retries.")
+
+    @model_validator(mode="after")
+    def _coherent(self) -> TrainingStage:
+        if self.enabled and self.data is None:
+            raise ValueError("an enabled training stage needs 'data'")
+        if self.method == "qlora" and self.distributed.strategy == "deepspeed_zero3":
+            raise ValueError("qlora cannot be sharded with deepspeed_zero3; use ddp or fsdp")
+        return self
+
+
+class CptStage(TrainingStage):
+    """Continued pre-training on raw text."""
+
+    @model_validator(mode="after")
+    def _text_data(self) -> CptStage:
+        if self.data is not None and self.data.format != "text":
+            raise ValueError(f"cpt trains on raw text: data.format must be 'text', got {self.data.format!r}")
+        return self
+
+
+class SftStage(TrainingStage):
+    """Supervised fine-tuning on conversations or instructions."""
+
+    assistant_only_loss: bool = Field(True, description="Only assistant tokens carry loss.")
+    enable_thinking: bool = Field(
+        False, description="Render Qwen3 thinking tags in the chat template (empty when the data has none)."
+    )
+
+    @model_validator(mode="after")
+    def _chat_data(self) -> SftStage:
+        if self.data is not None and self.data.format not in ("messages", "alpaca", "sharegpt"):
+            raise ValueError(
+                f"sft reads messages, alpaca or sharegpt: data.format {self.data.format!r} is not one of them"
+            )
+        return self
+
+
+class RewardFunction(StrictModel):
+    """A GRPO reward: a built-in name or a Python import path 'package.module:function'."""
+
+    name: str = Field(description="Built-in reward ('hangul_ratio', 'length', 'format') or 'module:function'.")
+    weight: float = Field(1.0, description="Weight of this reward in the sum.")
+    args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the reward.")
+
+
+class RlhfStage(TrainingStage):
+    """Preference optimisation after SFT."""
+
+    algorithm: Literal["dpo", "orpo", "kto", "grpo"] = Field("dpo", description="Preference algorithm.")
+    beta: float = Field(0.1, gt=0, description="Strength of the KL/preference term.")
+    precompute_ref_log_probs: bool = Field(
+        True, description="Compute the reference model's log-probabilities once, before training."
+    )
+    reward_functions: list[RewardFunction] = Field(
+        default_factory=list, description="GRPO rewards (ignored by the other algorithms)."
+    )
+    num_generations: int = Field(4, ge=2, description="GRPO completions per prompt.")
+
+    @model_validator(mode="after")
+    def _preference_data(self) -> RlhfStage:
+        if self.algorithm == "grpo":
+            if self.enabled and not self.reward_functions:
+                raise ValueError("grpo needs at least one entry in reward_functions")
+        elif self.data is not None and self.data.format != "preference":
+            raise ValueError(f"{self.algorithm} reads preference data: data.format must be 'preference'")
+        return self
+
+
+class PrepareStage(StageBase):
+    """Resolve the spec, validate data, tokenize: a plain container step."""
+
+    enabled: Literal[True] = Field(True, description="prepare always runs.")
+    skip_if_unchanged: bool = Field(
+        False,
+        description="End the run early, as skipped, when the data fingerprints match the last successful run.",
+    )
+
+
+class GateRule(StrictModel):
+    """One rule of the champion/challenger gate."""
+
+    metric: str = Field(description="Metric name from the evaluation (e.g. 'perplexity', 'kobest_boolq/acc').")
+    higher_is_better: bool = Field(True, description="Direction of the metric.")
+    max_regression: float = Field(
+        0.0, ge=0, description="How far the candidate may fall behind the champion (absolute) and still pass."
+    )
+
+
+class EvaluateStage(StageBase):
+    """Evaluate the candidate against the base model and the registered champion."""
+
+    data: DataSpec | None = Field(None, description="Held-out text or chat data for perplexity.")
+    lm_eval_tasks: list[str] = Field(
+        default_factory=list, description="lm-eval-harness tasks (e.g. kobest_boolq, kmmlu, haerae)."
+    )
+    lm_eval_include_path: str | None = Field(
+        None,
+        description="Directory of extra lm-eval task YAMLs (tasks over local data files, for offline clusters).",
+    )
+    limit: int | None = Field(None, gt=0, description="Examples per lm-eval task (None: all).")
+    prompts: list[str] = Field(default_factory=list, description="Prompts for the sampled-generation table.")
+    max_new_tokens: int = Field(128, gt=0, description="Tokens generated per prompt.")
+    gate: list[GateRule] = Field(
+        default_factory=lambda: [GateRule(metric="perplexity", higher_is_better=False, max_regression=0.0)],
+        description="Rules the candidate must pass to become champion; all must hold.",
+    )
+
+
+class ServingSpec(StrictModel):
+    """The KServe InferenceService rendered for the model."""
+
+    enabled: bool = Field(True, description="Render (and in-cluster apply) an InferenceService.")
+    runtime: str = Field("kserve-vllm", description="ServingRuntime name.")
+    gpus: int = Field(1, ge=0, description="GPUs for the predictor.")
+    max_model_len: int | None = Field(None, gt=0, description="vLLM --max-model-len.")
+    min_replicas: int = Field(1, ge=0, description="Predictor minReplicas.")
+    max_replicas: int = Field(1, ge=1, description="Predictor maxReplicas.")
+
+
+class DeployStage(StageBase):
+    """Register the model, move aliases, serve it."""
+
+    registered_model: str | None = Field(None, description="MLflow registered model name; None uses the pipeline name.")
+    storage_uri: str | None = Field(
+        None,
+        description="Where the served model is published: 'gs://...', 's3://...' or 'pvc://claim/path'. "
+        "None serves it from the checkpoints volume.",
+    )
+    serving: ServingSpec = Field(default_factory=ServingSpec, description="The InferenceService.")
+
+    @field_validator("storage_uri")
+    @classmethod
+    def _storage_scheme(cls, uri: str | None) -> str | None:
+        if uri is not None and not re.match(r"^(gs|s3|pvc)://[^/]+", uri):
+            raise ValueError("storage_uri must start with gs://, s3:// or pvc://")
+        return uri
+
+
+class Stages(StrictModel):
+    """The stages of the DAG, in order."""
+
+    prepare: PrepareStage = Field(default_factory=PrepareStage, description="Resolve spec, validate data.")
+    cpt: CptStage = Field(default_factory=lambda: CptStage(enabled=False), description="Continued pre-training.")
+    sft: SftStage = Field(default_factory=lambda: SftStage(enabled=False), description="Supervised fine-tuning.")
+    rlhf: RlhfStage = Field(default_factory=lambda: RlhfStage(enabled=False), description="Preference optimisation.")
+    evaluate: EvaluateStage = Field(default_factory=EvaluateStage, description="Evaluation and gate.")
+    deploy: DeployStage = Field(default_factory=DeployStage, description="Registry and serving.")
+
+    def enabled(self) -> list[str]:
+        """Names of the stages that run, in DAG order."""
+        return [name for name in STAGE_ORDER if getattr(self, name).enabled]
+
+
+# --------------------------------------------------------------------------- cluster
+
+
+class SecretRef(StrictModel):
+    """A key of a Kubernetes Secret; the value is only ever read by the pod, through secretKeyRef."""
+
+    name: str = Field(description="Secret name.")
+    key: str = Field(description="Key inside the Secret.")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, name: str) -> str:
+        if not re.match(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", name) or len(name) > 253:
+            raise ValueError(f"secret name {name!r} is not a valid Kubernetes name")
+        return name
+
+
+class Secrets(StrictModel):
+    """Secrets the pods read. Names only: values never appear in the spec, parameters or logs."""
+
+    hf_token: SecretRef | None = Field(None, description="Hugging Face token (HF_TOKEN), for gated models.")
+    wandb_api_key: SecretRef | None = Field(None, description="W&B API key (WANDB_API_KEY).")
+    mlflow_username: SecretRef | None = Field(None, description="MLflow basic-auth user (MLFLOW_TRACKING_USERNAME).")
+    mlflow_password: SecretRef | None = Field(None, description="MLflow basic-auth password.")
+    mlflow_token: SecretRef | None = Field(None, description="MLflow bearer token (MLFLOW_TRACKING_TOKEN).")
+    slack_webhook: SecretRef | None = Field(None, description="Slack incoming-webhook URL for notifications.")
+    aws_access_key_id: SecretRef | None = Field(None, description="S3 access key id (AWS_ACCESS_KEY_ID).")
+    aws_secret_access_key: SecretRef | None = Field(None, description="S3 secret key (AWS_SECRET_ACCESS_KEY).")
+
+    def env(self) -> dict[str, SecretRef]:
+        """Environment variable name → secret reference, for the secrets that are set."""
+        names = {
+            "hf_token": "HF_TOKEN",
+            "wandb_api_key": "WANDB_API_KEY",
+            "mlflow_username": "MLFLOW_TRACKING_USERNAME",
+            "mlflow_password": "MLFLOW_TRACKING_PASSWORD",
+            "mlflow_token": "MLFLOW_TRACKING_TOKEN",
+            "aws_access_key_id": "AWS_ACCESS_KEY_ID",
+            "aws_secret_access_key": "AWS_SECRET_ACCESS_KEY",
+        }
+        return {env: ref for field, env in names.items() if (ref := getattr(self, field)) is not None}
+
+
+class VolumeSpec(StrictModel):
+    """A ReadWriteMany PersistentVolumeClaim every pod mounts."""
+
+    claim_name: str = Field(description="PVC name.")
+    mount_path: str = Field(description="Where it is mounted in every pod.")
+    read_only: bool = Field(False, description="Mount read-only.")
+
+    @field_validator("mount_path")
+    @classmethod
+    def _absolute(cls, path: str) -> str:
+        if not path.startswith("/") or ".." in path.split("/"):
+            raise ValueError(f"mount_path must be an absolute path without '..', got {path!r}")
+        return path.rstrip("/") or "/"
+
+
+class ClusterSpec(StrictModel):
+    """Where and as whom the pipeline runs."""
+
+    namespace: str = Field("posttrain", description="Namespace of the workflows and jobs.")
+    service_account: str = Field("posttrain-workflow", description="ServiceAccount of every pod.")
+    image: str = Field(
+        "ghcr.io/posttrain/trainer:0.1.0", description="Trainer image (stages and control steps run in it)."
+    )
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field("IfNotPresent", description="Pull policy.")
+    image_pull_secrets: list[str] = Field(default_factory=list, description="Secrets for pulling the image.")
+    datasets: VolumeSpec = Field(
+        default_factory=lambda: VolumeSpec(claim_name="posttrain-datasets", mount_path="/mnt/datasets", read_only=True),
+        description="Volume with the input data.",
+    )
+    checkpoints: VolumeSpec = Field(
+        default_factory=lambda: VolumeSpec(claim_name="posttrain-checkpoints", mount_path="/mnt/checkpoints"),
+        description="Volume with run directories (resolved spec, checkpoints, models).",
+    )
+    secrets: Secrets = Field(default_factory=Secrets, description="Secret references.")
+    env: dict[str, str] = Field(
+        default_factory=lambda: {"NCCL_DEBUG": "WARN", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"},
+        description="Environment for every training pod (NCCL settings and the like; never secrets).",
+    )
+    argo_ui_url: str | None = Field(
+        None,
+        description="Base URL of the Argo UI, for links in notifications (e.g. https://argo.example.com).",
+    )
+    run_as_user: int | None = Field(1000, ge=0, description="UID the pods run as (None: the image's user).")
+
+    @field_validator("namespace", "service_account")
+    @classmethod
+    def _names(cls, value: str) -> str:
+        return _dns_label(value, "name")
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
+        return StageBase._env_names(env)
+
+
+# --------------------------------------------------------------------------- tracking, schedule, notifications
+
+
+class TrackingSpec(StrictModel):
+    """Experiment tracking. Credentials come from cluster.secrets (or the environment locally)."""
+
+    mlflow_tracking_uri: str | None = Field(
+        None, description="MLflow server URI; None: MLFLOW_TRACKING_URI, else SQLite in the run directory."
+    )
+    mlflow_experiment: str | None = Field(None, description="MLflow experiment; None uses the pipeline name.")
+    wandb_project: str | None = Field(None, description="W&B project; None turns W&B off.")
+    wandb_entity: str | None = Field(None, description="W&B entity (team or user).")
+    tensorboard: bool = Field(True, description="Write TensorBoard event files into the run directory.")
+
+
+class ScheduleSpec(StrictModel):
+    """When the CronWorkflow starts the pipeline."""
+
+    cron: list[str] = Field(default_factory=list, description="Cron expressions; empty means no CronWorkflow.")
+    timezone: str = Field("UTC", description="IANA timezone the cron expressions are read in (e.g. Asia/Seoul).")
+    concurrency_policy: Literal["Forbid", "Allow", "Replace"] = Field(
+        "Forbid", description="What to do when a run is still going at the next tick."
+    )
+    starting_deadline_seconds: int = Field(
+        3600, ge=0, description="A tick missed by more than this (controller down) is not started late."
+    )
+    successful_history: int = Field(5, ge=0, description="Succeeded workflows kept by the CronWorkflow.")
+    failed_history: int = Field(5, ge=0, description="Failed workflows kept by the CronWorkflow.")
+    suspend: bool = Field(False, description="Register the CronWorkflow suspended.")
+
+    @field_validator("cron")
+    @classmethod
+    def _cron(cls, exprs: list[str]) -> list[str]:
+        for expr in exprs:
+            fields = expr.split()
+            if not (expr.startswith("@") and len(fields) == 1) and len(fields) != 5:
+                raise ValueError(f"cron expression {expr!r} must have 5 fields (min hour day month weekday)")
+            if any(not re.match(r"^[0-9*/,\-A-Za-z?]+$", f) for f in fields if not f.startswith("@")):
+                raise ValueError(f"cron expression {expr!r} has characters cron does not use")
+        return exprs
+
+    @field_validator("timezone")
+    @classmethod
+    def _timezone(cls, tz: str) -> str:
+        from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+        try:
+            ZoneInfo(tz)
+        except (ZoneInfoNotFoundError, ValueError):
+            raise ValueError(f"unknown timezone {tz!r} (use an IANA name such as 'Asia/Seoul')") from None
+        return tz
+
+
+class NotificationSpec(StrictModel):
+    """Where the outcome of each run is posted."""
+
+    slack: bool = Field(False, description="Post to the Slack webhook in cluster.secrets.slack_webhook.")
+    on: list[Literal["Succeeded", "Failed", "Error"]] = Field(
+        default_factory=lambda: ["Succeeded", "Failed", "Error"], description="Workflow outcomes that notify."
+    )
+    channel_note: str | None = Field(None, description="A line added to every message (e.g. who to ping).")
+
+
+class WorkflowSpec(StrictModel):
+    """How Argo keeps and bounds each run."""
+
+    ttl_seconds_after_success: int = Field(7 * 24 * 3600, ge=0, description="Keep a succeeded workflow this long.")
+    ttl_seconds_after_failure: int = Field(14 * 24 * 3600, ge=0, description="Keep a failed workflow this long.")
+    pod_gc: Literal["OnPodCompletion", "OnPodSuccess", "OnWorkflowCompletion", "OnWorkflowSuccess"] = Field(
+        "OnPodSuccess", description="When pods are deleted; failed pods stay for their logs by default."
+    )
+    active_deadline_seconds: int | None = Field(
+        None, gt=0, description="Backstop for the whole workflow; stage deadlines are the detectors."
+    )
+    labels: dict[str, str] = Field(default_factory=dict, description="Labels on every workflow of the pipeline.")
+
+
+# --------------------------------------------------------------------------- pipeline
+
+
+class PipelineSpec(StrictModel):
+    """A post-training pipeline: base model + data → evaluated, registered, served model."""
+
+    name: str = Field(description="Pipeline name: the WorkflowTemplate and CronWorkflow are named after it.")
+    description: str = Field("", description="What this pipeline is for, shown in the Argo UI.")
+    model: ModelSpec = Field(description="Base model.")
+    data_version: str = Field(
+        "latest",
+        description="Version label of the input data, recorded as lineage and substituted in data URIs.",
+    )
+    stages: Stages = Field(default_factory=Stages, description="Stages of the DAG.")
+    cluster: ClusterSpec = Field(default_factory=ClusterSpec, description="Namespace, volumes, image, secrets.")
+    tracking: TrackingSpec = Field(default_factory=TrackingSpec, description="MLflow and W&B.")
+    schedule: ScheduleSpec = Field(default_factory=ScheduleSpec, description="Cron schedule.")
+    notifications: NotificationSpec = Field(default_factory=NotificationSpec, description="Slack notifications.")
+    workflow: WorkflowSpec = Field(default_factory=WorkflowSpec, description="Workflow retention and deadline.")
+    profiles: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="Named overlays merged onto this spec by --profile (the 'local' profile is used by --local).",
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, name: str) -> str:
+        # Leave room for generated suffixes (workflow and PyTorchJob names).
+        if len(name) > 40:
+            raise ValueError(f"pipeline name must be at most 40 characters, got {len(name)}")
+        return _dns_label(name, "pipeline name")
+
+    @field_validator("data_version")
+    @classmethod
+    def _data_version(cls, version: str) -> str:
+        if not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$", version):
+            raise ValueError("data_version may hold letters, digits, '.', '_' and '-' (at most 63)")
+        return version
+
+    @model_validator(mode="after")
+    def _coherent(self) -> PipelineSpec:
+        if self.notifications.slack and self.cluster.secrets.slack_webhook is None:
+            raise ValueError("notifications.slack needs cluster.secrets.slack_webhook")
+        if self.stages.deploy.enabled and not self.stages.evaluate.enabled:
+            raise ValueError("stages.deploy needs stages.evaluate: only a model that passed the gate is deployed")
+        trained = [s for s in TRAINING_STAGES if getattr(self.stages, s).enabled]
+        if self.stages.evaluate.enabled and not trained:
+            raise ValueError("stages.evaluate needs at least one training stage (cpt, sft or rlhf) to evaluate")
+        return self
+
+    def data_uri(self, data: DataSpec) -> str:
+        """The data URI with '{data_version}' replaced."""
+        return data.uri.replace("{data_version}", self.data_version)
+
+    def stage(self, name: str) -> StageBase:
+        """The stage called `name`."""
+        return getattr(self.stages, name)
