@@ -229,14 +229,25 @@ def resolve_document(
                 origins.by_path[path[2:]] = where
     for expr in overrides:
         keys, value = parse_override(expr)
-        apply_override(doc, keys, value, f"--set {expr.split('=', 1)[0]}")
-        for path in [p for p in origins.by_path if p[: len(keys)] == tuple(keys)]:
-            del origins.by_path[path]
-        # Sections the override created belong to it too (a misspelt key is reported at --set).
-        for n in range(1, len(keys) + 1):
-            origins.by_path.setdefault(tuple(keys[:n]), "--set")
-        origins.by_path[tuple(keys)] = "--set"
+        override(doc, origins, keys, value, "--set")
     return doc
+
+
+def override(doc: dict[str, Any], origins: Origins, keys: list[str], value: Any, where: str) -> None:
+    """Apply one override and make it the origin of what it set, and of any section it created (so a
+    misspelt key is reported at the override, not at the file line of its parent)."""
+    node: Any = doc
+    created = len(keys)
+    for i, key in enumerate(keys):
+        if not isinstance(node, dict) or key not in node:
+            created = i
+            break
+        node = node[key]
+    apply_override(doc, keys, value, where)
+    for path in [p for p in origins.by_path if p[: len(keys)] == tuple(keys)]:
+        del origins.by_path[path]
+    for n in range(min(created + 1, len(keys)), len(keys) + 1):
+        origins.by_path[tuple(keys[:n])] = where
 
 
 def load_pipeline(

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from workflows.loading import Origins, SpecError, apply_override, parse_override, validate_document
+from workflows.loading import Origins, SpecError, override, parse_override, validate_document
 from workflows.spec import OPTIONAL_STAGES, PipelineSpec
 
 SPEC_FILE = "pipeline.json.b64"
@@ -99,8 +99,7 @@ def resolve_parameters(document: dict, values: dict[str, str]) -> PipelineSpec:
     known = set(values)
 
     def put(keys: list[str], value: object, where: str) -> None:
-        apply_override(doc, keys, value, where)
-        origins.by_path[tuple(keys)] = where
+        override(doc, origins, keys, value, where)
 
     if "base-model" in known:
         if not values["base-model"].strip():

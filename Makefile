@@ -1,0 +1,33 @@
+# Two commands a fresh machine needs: `make local` (the main job) and `make test` (the tests).
+# Both create .venv on first use. Torch is installed first, pinned, so pip never pulls a multi-GB CUDA build.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH ?= torch==2.13.0
+
+.PHONY: local test lint render golden clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e '.[train,test]'
+	touch $@
+
+local: $(VENV)/.installed
+	$(BIN)/python -m workflows.submit korean-llm --local
+
+test: $(VENV)/.installed
+	$(BIN)/python -m pytest
+
+lint: $(VENV)/.installed
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+render: $(VENV)/.installed
+	$(BIN)/python -m workflows.submit korean-llm --render out/korean-llm
+
+golden: $(VENV)/.installed
+	POSTTRAIN_UPDATE_GOLDEN=1 $(BIN)/python -m pytest -q tests/test_golden.py
+
+clean:
+	rm -rf $(VENV) out runs

@@ -1,0 +1,135 @@
+"""The compiler: DAG shape, training steps, UI form, Workflow and CronWorkflow."""
+
+from __future__ import annotations
+
+import yaml
+
+from workflows.compile import compile_pipeline
+from workflows.loading import load_pipeline
+from workflows.pytorchjob import FAILURE_CONDITION, SUCCESS_CONDITION
+
+
+def _template(name: str = "korean-llm", overrides: tuple[str, ...] = ()) -> dict:
+    spec = load_pipeline(name, overrides=list(overrides)).spec
+    return compile_pipeline(spec).documents()["workflowtemplate.yaml"]
+
+
+def _tasks(doc: dict) -> dict[str, dict]:
+    dag = next(t for t in doc["spec"]["templates"] if t["name"] == doc["spec"]["entrypoint"])
+    return {t["name"]: t for t in dag["dag"]["tasks"]}
+
+
+def test_dag_runs_the_stages_in_order() -> None:
+    tasks = _tasks(_template())
+    assert list(tasks) == ["prepare", "cpt", "sft", "rlhf", "evaluate", "deploy"]
+    assert tasks["cpt"]["depends"] == "prepare"
+    assert tasks["sft"]["depends"] == "cpt"
+    assert tasks["rlhf"]["depends"] == "sft"
+    assert tasks["evaluate"]["depends"] == "rlhf"
+    for stage in ("cpt", "sft", "rlhf", "evaluate"):
+        assert tasks[stage]["when"] == f"{{{{tasks.prepare.outputs.parameters.run-{stage}}}}} == true"
+
+
+def test_disabled_stages_drop_out_and_edges_close_up() -> None:
+    doc = _template(overrides=("stages.cpt.enabled=false", "stages.rlhf.enabled=false"))
+    tasks = _tasks(doc)
+    assert list(tasks) == ["prepare", "sft", "evaluate", "deploy"]
+    assert tasks["sft"]["depends"] == "prepare"
+    assert tasks["evaluate"]["depends"] == "sft"
+    names = {t["name"] for t in doc["spec"]["templates"]}
+    assert "cpt" not in names and "rlhf" not in names
+    params = {p["name"] for p in doc["spec"]["arguments"]["parameters"]}
+    assert "run-cpt" not in params and "cpt-data" not in params and "run-sft" in params
+
+
+def test_deploy_runs_only_after_a_passed_gate() -> None:
+    deploy = _tasks(_template())["deploy"]
+    assert deploy["depends"] == "evaluate.Succeeded"
+    assert "{{tasks.evaluate.outputs.parameters.gate}} == pass" in deploy["when"]
+    evaluate = next(t for t in _template()["spec"]["templates"] if t["name"] == "evaluate")
+    assert evaluate["outputs"]["parameters"] == [{"name": "gate", "valueFrom": {"path": "/tmp/outputs/gate"}}]
+
+
+def test_training_steps_create_pytorchjobs_and_wait_on_the_operator() -> None:
+    templates = {t["name"]: t for t in _template()["spec"]["templates"]}
+    for stage in ("cpt", "sft", "rlhf"):
+        step = templates[stage]
+        resource = step["resource"]
+        assert resource["action"] == "create"
+        assert resource["setOwnerReference"] is True
+        assert resource["successCondition"] == SUCCESS_CONDITION
+        assert resource["failureCondition"] == FAILURE_CONDITION
+        job = yaml.safe_load(resource["manifest"])
+        assert job["kind"] == "PyTorchJob" and job["metadata"]["generateName"] == f"{{{{workflow.name}}}}-{stage}-"
+        assert step["outputs"]["parameters"][0] == {"name": "job-name", "valueFrom": {"jsonPath": "{.metadata.name}"}}
+        # A retry is a new node, so `create` makes a fresh job that resumes from the PVC checkpoints.
+        assert step["retryStrategy"]["retryPolicy"] == "Always" and int(step["retryStrategy"]["limit"]) >= 1
+    assert templates["cpt"]["timeout"] == f"{259200 + 3600}s"
+    cpt_job = yaml.safe_load(templates["cpt"]["resource"]["manifest"])
+    assert cpt_job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 1
+    sft_job = yaml.safe_load(templates["sft"]["resource"]["manifest"])
+    assert "Worker" not in sft_job["spec"]["pytorchReplicaSpecs"]
+
+
+def test_prepare_gets_every_parameter_as_a_file_never_on_the_command_line() -> None:
+    doc = _template()
+    prepare = next(t for t in doc["spec"]["templates"] if t["name"] == "prepare")
+    command = prepare["container"]["command"]
+    assert not any("{{workflow.parameters" in arg for arg in command)
+    artifacts = {a["name"]: a for a in prepare["inputs"]["artifacts"]}
+    for param in doc["spec"]["arguments"]["parameters"]:
+        assert artifacts[param["name"]]["raw"]["data"] == f"{{{{workflow.parameters.{param['name']}}}}}"
+        assert artifacts[param["name"]]["path"] == f"/params/{param['name']}"
+    assert "{{" not in artifacts["pipeline-spec"]["raw"]["data"]  # base64: Argo sees no expression in it
+    outputs = {p["name"] for p in prepare["outputs"]["parameters"]}
+    assert outputs == {"run-cpt", "run-sft", "run-rlhf", "run-evaluate", "run-deploy"}
+
+
+def test_ui_form_has_descriptions_and_closed_sets() -> None:
+    params = {p["name"]: p for p in _template()["spec"]["arguments"]["parameters"]}
+    assert params["base-model"]["value"] == "Qwen/Qwen3-8B-Base"
+    assert params["run-cpt"]["enum"] == ["true", "false"]
+    assert params["cpt-data"]["value"] == "/mnt/datasets/korean-corpus/{data_version}/"
+    assert all(p.get("description") for p in params.values())
+
+
+def test_exit_handler_posts_with_the_webhook_from_a_secret() -> None:
+    doc = _template()
+    assert doc["spec"]["onExit"] == "notify"
+    notify = next(t for t in doc["spec"]["templates"] if t["name"] == "notify")
+    (env,) = notify["container"]["env"]
+    assert env == {"name": "SLACK_WEBHOOK_URL", "valueFrom": {"secretKeyRef": {"name": "slack-webhook", "key": "url"}}}
+    no_slack = _template("qwen3-30b-a3b")
+    assert "onExit" not in no_slack["spec"]
+
+
+def test_retention_keeps_finished_runs_for_resubmission() -> None:
+    spec = _template()["spec"]
+    assert spec["podGC"] == {"strategy": "OnPodSuccess"}
+    assert spec["ttlStrategy"] == {"secondsAfterSuccess": 604800, "secondsAfterFailure": 1209600}
+
+
+def test_workflow_and_cron_reference_the_template_with_explicit_arguments() -> None:
+    spec = load_pipeline("korean-llm").spec
+    docs = compile_pipeline(spec, {"base-model": "Qwen/Qwen3-4B-Base"}).documents()
+    wf = docs["workflow.yaml"]
+    assert wf["metadata"]["generateName"] == "korean-llm-"
+    assert wf["spec"]["workflowTemplateRef"] == {"name": "korean-llm"}
+    args = {p["name"]: p["value"] for p in wf["spec"]["arguments"]["parameters"]}
+    assert args["base-model"] == "Qwen/Qwen3-4B-Base" and args["run-sft"] == "true"
+    cron = docs["cronworkflow.yaml"]["spec"]
+    assert cron["schedules"] == ["0 2 * * 1"] and cron["timezone"] == "Asia/Seoul"
+    assert cron["concurrencyPolicy"] == "Forbid" and cron["startingDeadlineSeconds"] == 3600
+    assert cron["successfulJobsHistoryLimit"] == 5 and cron["failedJobsHistoryLimit"] == 5
+    assert cron["workflowSpec"]["workflowTemplateRef"] == {"name": "korean-llm"}
+    assert "cronworkflow.yaml" not in compile_pipeline(load_pipeline("llama3-dolly").spec).documents()
+
+
+def test_unknown_workflow_parameter_is_refused() -> None:
+    spec = load_pipeline("korean-llm").spec
+    try:
+        compile_pipeline(spec, {"base_model": "x"})
+    except ValueError as exc:
+        assert "base_model" in str(exc) and "base-model" in str(exc)
+    else:
+        raise AssertionError("an unknown parameter was accepted")
