@@ -86,7 +86,6 @@ def test_prepare_step_resolves_parameters_and_outputs_switches(tmp_path: Path) -
     """`python -m stages prepare --params-dir` as the pod runs it, up to the point the spec is resolved.
     A bad value fails the step with the parameter named and no traceback."""
     run = tmp_path / "run"
-    outputs = tmp_path / "outputs"
     bad = _params_dir(tmp_path, {"run-sft": "maybe"})
     proc = subprocess.run(
         [sys.executable, "-m", "stages", "prepare", "--run-dir", str(run), "--params-dir", str(bad)],

@@ -11,9 +11,13 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "spec.md"
 
 
 def test_every_field_has_a_description() -> None:
-    missing = [f"{m.__name__}.{n}" for m in _models(PipelineSpec) for n, f in m.model_fields.items() if not f.description]
+    missing = [
+        f"{m.__name__}.{n}" for m in _models(PipelineSpec) for n, f in m.model_fields.items() if not f.description
+    ]
     assert missing == []
 
 
 def test_reference_is_up_to_date() -> None:
-    assert DOC.read_text(encoding="utf-8") == render() + "\n", "regenerate: python -m workflows.reference > docs/spec.md"
+    assert DOC.read_text(encoding="utf-8") == render() + "\n", (
+        "regenerate: python -m workflows.reference > docs/spec.md"
+    )

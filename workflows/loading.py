@@ -31,10 +31,12 @@ class Origins:
     """Where each value of a spec document came from: field path → 'file:line' or '--set k=v'."""
 
     by_path: dict[Path_, str] = field(default_factory=dict)
+    applied: list[str] = field(default_factory=list)
+    """Overrides applied on top of the file (profile, --set, form parameters), for whole-spec errors."""
 
     def find(self, loc: Path_) -> str | None:
-        """The origin of the deepest known path that is a prefix of `loc`."""
-        for n in range(len(loc), -1, -1):
+        """The origin of the deepest known path that is a prefix of `loc` (None for the document as a whole)."""
+        for n in range(len(loc), 0, -1):
             if (origin := self.by_path.get(tuple(loc[:n]))) is not None:
                 return origin
         return None
@@ -175,7 +177,9 @@ def format_validation_error(exc: ValidationError, origins: Origins, source: str)
     for err in exc.errors():
         # pydantic puts the model/union member names into loc for tagged types; keep only data keys.
         loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith(("function-", "tagged-"))))
-        where = origins.find(loc) or source
+        where = origins.find(loc)
+        if where is None:  # a rule across fields: name the file and what was applied on top of it
+            where = source + (f" (with {', '.join(origins.applied)})" if origins.applied else "")
         message = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             message = "unknown field (check the spelling; see the spec reference in docs/spec.md)"
@@ -222,6 +226,7 @@ def resolve_document(
         if not isinstance(overlay, dict):
             raise SpecError(f"{source}: profiles.{profile} must be a mapping")
         doc = deep_merge(doc, overlay)
+        origins.applied.append(f"--profile {profile}")
         # A field set by the profile is reported at the profile's line.
         prefix = ("profiles", profile)
         for path, where in list(origins.by_path.items()):
@@ -244,6 +249,7 @@ def override(doc: dict[str, Any], origins: Origins, keys: list[str], value: Any,
             break
         node = node[key]
     apply_override(doc, keys, value, where)
+    origins.applied.append(f"{where} {'.'.join(keys)}" if where == "--set" else where)
     for path in [p for p in origins.by_path if p[: len(keys)] == tuple(keys)]:
         del origins.by_path[path]
     for n in range(min(created + 1, len(keys)), len(keys) + 1):

@@ -18,6 +18,7 @@ array queries (`#(...)`) are possible; numeric indices are.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from workflows.spec import PipelineSpec, TrainingStage
@@ -200,7 +201,8 @@ def pytorchjob_manifest(spec: PipelineSpec, stage_name: str, run_name: str = "{{
     template = pod_template(spec, stage_name, stage, command)
     replicas: dict[str, Any] = {"Master": {"replicas": 1, "restartPolicy": "Never", "template": template}}
     if res.nodes > 1:
-        replicas["Worker"] = {"replicas": res.nodes - 1, "restartPolicy": "Never", "template": template}
+        # A copy, so the YAML manifest spells the Worker template out instead of aliasing the Master's.
+        replicas["Worker"] = {"replicas": res.nodes - 1, "restartPolicy": "Never", "template": copy.deepcopy(template)}
     labels = {
         "app.kubernetes.io/part-of": PART_OF,
         PIPELINE_LABEL: spec.name,

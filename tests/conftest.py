@@ -1,0 +1,104 @@
+"""Shared fixtures of the control plane's tests: shipped pipelines, the compiler, the schema directory.
+
+Helpers used by several test modules live in their own modules next to this one (argo_model.py,
+pytorchjob_status.py, schema_validation.py); this file only wires them into pytest. Add new fixtures at the end.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from hypothesis import settings
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # the tests run against the checkout, installed or not
+    sys.path.insert(0, str(REPO_ROOT))
+
+from schema_validation import schemas_missing, shared_schemas_dir  # noqa: E402
+
+from workflows.loading import known_pipelines, load_pipeline, pipeline_path  # noqa: E402
+from workflows.spec import PipelineSpec  # noqa: E402
+
+# Property tests: reproducible in CI, and no per-example time limit (the suite asserts behaviour, not speed).
+settings.register_profile("posttrain", deadline=None, derandomize=True, print_blob=True)
+settings.load_profile("posttrain")
+
+COMPILER_FILE = REPO_ROOT / "workflows" / "compile.py"
+
+
+@cache
+def _raw_pipeline_document(name: str) -> dict[str, Any]:
+    """The pipeline file as written (unvalidated: a broken pipeline fails its own tests, not collection)."""
+    document = yaml.safe_load(pipeline_path(name).read_text(encoding="utf-8"))
+    return document if isinstance(document, dict) else {}
+
+
+def pipeline_variants() -> list[tuple[str, str | None]]:
+    """(pipeline, profile) for every shipped pipeline, without a profile and with each of its profiles."""
+    variants: list[tuple[str, str | None]] = []
+    for name in known_pipelines():
+        variants.append((name, None))
+        variants += [(name, profile) for profile in sorted(_raw_pipeline_document(name).get("profiles") or {})]
+    return variants
+
+
+def variant_id(variant: tuple[str, str | None]) -> str:
+    """A readable test id: 'korean-llm' or 'korean-llm@local'."""
+    name, profile = variant
+    return name if profile is None else f"{name}@{profile}"
+
+
+@cache
+def load_spec(name: str, profile: str | None = None) -> PipelineSpec:
+    """The validated spec of a shipped pipeline (cached; treat it as read-only)."""
+    return load_pipeline(name, profile).spec
+
+
+def fresh_spec(name: str, profile: str | None = None) -> PipelineSpec:
+    """A private copy of a shipped pipeline's spec, safe to modify."""
+    return load_spec(name, profile).model_copy(deep=True)
+
+
+PIPELINE_VARIANTS = pipeline_variants()
+
+
+@pytest.fixture(params=PIPELINE_VARIANTS, ids=[variant_id(v) for v in PIPELINE_VARIANTS])
+def variant(request: pytest.FixtureRequest) -> tuple[str, str | None]:
+    """Each shipped (pipeline, profile)."""
+    return request.param
+
+
+@pytest.fixture
+def spec(variant: tuple[str, str | None]) -> PipelineSpec:
+    """The spec of each shipped (pipeline, profile), as a private copy."""
+    return fresh_spec(*variant)
+
+
+@pytest.fixture(scope="session")
+def schemas_dir() -> Path:
+    """The directory of the Argo and PyTorchJob schemas; skips the test when they are not available."""
+    if (reason := schemas_missing()) is not None:
+        pytest.skip(reason)
+    return shared_schemas_dir()
+
+
+def compiler_or_skip() -> Callable[..., Any]:
+    """`workflows.compile.compile_pipeline`; skips when the compiler is not in the checkout yet.
+    An import error inside an existing compiler is a failure, not a skip."""
+    if not COMPILER_FILE.is_file():
+        pytest.skip("workflows/compile.py is not in this checkout yet")
+    from workflows.compile import compile_pipeline
+
+    return compile_pipeline
+
+
+@pytest.fixture(scope="session")
+def compile_pipeline() -> Callable[..., Any]:
+    """The compiler entry point: compile_pipeline(spec, parameters=None) -> CompiledPipeline."""
+    return compiler_or_skip()

@@ -1,0 +1,240 @@
+"""The PyTorchJob each training stage creates: valid for the CRD, and shaped as the operator and torchrun need."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from conftest import PIPELINE_VARIANTS, fresh_spec, variant_id
+from schema_validation import SchemaViolation, pod_template_object, validate_core, validate_pytorchjob
+
+from workflows.pytorchjob import CONTAINER_NAME, STAGE_LABEL, pytorchjob_manifest, run_dir
+from workflows.spec import TRAINING_STAGES, PipelineSpec, SecretRef, Toleration
+
+STAGE_CASES = [
+    (variant, stage)
+    for variant in PIPELINE_VARIANTS
+    for stage in TRAINING_STAGES
+    if fresh_spec(*variant).stage(stage).enabled
+]
+STAGE_IDS = [f"{variant_id(v)}:{stage}" for v, stage in STAGE_CASES]
+
+
+@pytest.fixture(params=STAGE_CASES, ids=STAGE_IDS)
+def case(request: pytest.FixtureRequest) -> tuple[PipelineSpec, str]:
+    """(spec, stage) for every enabled training stage of every shipped pipeline and profile."""
+    variant, stage = request.param
+    return fresh_spec(*variant), stage
+
+
+def _replicas(manifest: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return manifest["spec"]["pytorchReplicaSpecs"]
+
+
+def _containers(manifest: dict[str, Any]) -> list[dict[str, Any]]:
+    return [c for r in _replicas(manifest).values() for c in r["template"]["spec"]["containers"]]
+
+
+def test_every_shipped_pipeline_has_a_training_stage() -> None:
+    assert STAGE_CASES, "no enabled training stage in any shipped pipeline"
+
+
+def test_manifest_validates_strictly_against_the_crd(case: tuple[PipelineSpec, str], schemas_dir: Any) -> None:
+    validate_pytorchjob(pytorchjob_manifest(*case))
+
+
+def test_pod_templates_validate_as_core_objects(case: tuple[PipelineSpec, str]) -> None:
+    pytest.importorskip("kubernetes_validate")
+    for rtype, replica in _replicas(pytorchjob_manifest(*case)).items():
+        validate_core(pod_template_object(replica["template"], name=rtype.lower()))
+
+
+def test_the_validators_reject_an_unknown_field(case: tuple[PipelineSpec, str], schemas_dir: Any) -> None:
+    """Strictness guard: a misspelt container field must not pass as 'unknown, pruned'."""
+    manifest = pytorchjob_manifest(*case)
+    _replicas(manifest)["Master"]["template"]["spec"]["containers"][0]["volumeMount"] = []
+    with pytest.raises(SchemaViolation, match=r"containers\[0\].*'volumeMount' was unexpected"):
+        validate_pytorchjob(manifest)
+    manifest = pytorchjob_manifest(*case)
+    manifest["spec"]["runPolicy"]["activeDeadline"] = 5
+    with pytest.raises(SchemaViolation, match=r"spec\.runPolicy: .*'activeDeadline'"):
+        validate_pytorchjob(manifest)
+
+
+@pytest.mark.parametrize("nodes", [1, 2, 5])
+def test_master_and_workers(case: tuple[PipelineSpec, str], nodes: int) -> None:
+    spec, stage = case
+    spec.stage(stage).resources.nodes = nodes
+    replicas = _replicas(pytorchjob_manifest(spec, stage))
+    assert replicas["Master"]["replicas"] == 1
+    if nodes == 1:
+        assert set(replicas) == {"Master"}
+    else:
+        assert set(replicas) == {"Master", "Worker"}
+        assert replicas["Worker"]["replicas"] == nodes - 1
+    for replica in replicas.values():
+        assert replica["restartPolicy"] == "Never"  # Argo retries with a fresh job; pods never restart
+
+
+def test_container_and_command(case: tuple[PipelineSpec, str]) -> None:
+    spec, stage = case
+    manifest = pytorchjob_manifest(spec, stage, run_name="run-abc12")
+    for replica in _replicas(manifest).values():
+        [container] = replica["template"]["spec"]["containers"]
+        assert container["name"] == CONTAINER_NAME == "pytorch"
+        command = container["command"]
+        assert isinstance(command, list) and all(isinstance(a, str) for a in command)
+        assert command[0] == "torchrun"
+        expected = ["--module", "stages", stage, "--run-dir", run_dir(spec, "run-abc12")]
+        assert any(command[i : i + len(expected)] == expected for i in range(len(command))), command
+        assert run_dir(spec, "run-abc12").startswith(spec.cluster.checkpoints.mount_path + "/")
+        assert "args" not in container
+        assert container["image"] == (spec.stage(stage).resources.image or spec.cluster.image)
+
+
+def test_default_run_dir_is_the_workflow_name(case: tuple[PipelineSpec, str]) -> None:
+    spec, stage = case
+    manifest = pytorchjob_manifest(spec, stage)
+    assert manifest["metadata"]["generateName"] == f"{{{{workflow.name}}}}-{stage}-"
+    assert "name" not in manifest["metadata"]  # retries must not collide with the previous job
+    for container in _containers(manifest):
+        assert container["command"][-1] == run_dir(spec, "{{workflow.name}}")
+
+
+def test_nproc_and_gpus(case: tuple[PipelineSpec, str]) -> None:
+    spec, stage = case
+    res = spec.stage(stage).resources
+    manifest = pytorchjob_manifest(spec, stage)
+    assert manifest["spec"]["nprocPerNode"] == str(res.gpus_per_node or 1)
+    for container in _containers(manifest):
+        limits = container.get("resources", {}).get("limits", {})
+        if res.gpus_per_node:
+            assert str(limits["nvidia.com/gpu"]) == str(res.gpus_per_node)  # a quantity: "8" or 8
+        else:
+            assert "nvidia.com/gpu" not in limits
+
+
+def test_shared_memory_volume(case: tuple[PipelineSpec, str]) -> None:
+    spec, stage = case
+    for shm in ("32Gi", None):
+        spec.stage(stage).resources.shm_size = shm
+        manifest = pytorchjob_manifest(spec, stage)
+        for replica in _replicas(manifest).values():
+            pod = replica["template"]["spec"]
+            shm_mounts = [m for m in pod["containers"][0]["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+            shm_volumes = [v for v in pod["volumes"] if "emptyDir" in v]
+            if shm is None:
+                assert not shm_mounts and not shm_volumes
+                continue
+            [mount], [volume] = shm_mounts, shm_volumes
+            assert mount["name"] == volume["name"]
+            assert volume["emptyDir"] == {"medium": "Memory", "sizeLimit": "32Gi"}
+
+
+def test_volume_claims_are_mounted(case: tuple[PipelineSpec, str]) -> None:
+    spec, stage = case
+    manifest = pytorchjob_manifest(spec, stage)
+    for replica in _replicas(manifest).values():
+        pod = replica["template"]["spec"]
+        claims = {v["name"]: v["persistentVolumeClaim"] for v in pod["volumes"] if "persistentVolumeClaim" in v}
+        mounts = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}
+        for volume in (spec.cluster.datasets, spec.cluster.checkpoints):
+            [name] = [n for n, c in claims.items() if c["claimName"] == volume.claim_name]
+            assert mounts[name]["mountPath"] == volume.mount_path
+            assert bool(mounts[name].get("readOnly", False)) == volume.read_only
+        assert set(mounts) <= {v["name"] for v in pod["volumes"]}
+
+
+def test_secrets_only_by_reference(case: tuple[PipelineSpec, str]) -> None:
+    spec, stage = case
+    spec.cluster.secrets.hf_token = SecretRef(name="hf-token-x", key="token")
+    spec.cluster.secrets.aws_secret_access_key = SecretRef(name="s3-creds", key="secret")
+    manifest = pytorchjob_manifest(spec, stage)
+    wanted = {env: (ref.name, ref.key) for env, ref in spec.cluster.secrets.env().items()}
+    for container in _containers(manifest):
+        by_ref = {}
+        for var in container["env"]:
+            assert set(var) in ({"name", "value"}, {"name", "valueFrom"}), var
+            if "valueFrom" in var:
+                assert set(var["valueFrom"]) == {"secretKeyRef"}, var
+                ref = var["valueFrom"]["secretKeyRef"]
+                by_ref[var["name"]] = (ref["name"], ref["key"])
+            else:
+                assert var["name"] not in wanted, f"{var['name']} given as a plain value"
+                assert isinstance(var["value"], str)
+        assert by_ref == wanted
+    assert "HF_TOKEN" in wanted and "AWS_SECRET_ACCESS_KEY" in wanted
+
+
+def test_run_policy(case: tuple[PipelineSpec, str]) -> None:
+    spec, stage = case
+    rp = spec.stage(stage).run_policy
+    policy = pytorchjob_manifest(spec, stage)["spec"]["runPolicy"]
+    assert policy["cleanPodPolicy"] == rp.clean_pod_policy
+    assert policy.get("ttlSecondsAfterFinished") == rp.ttl_seconds_after_finished
+    assert policy.get("activeDeadlineSeconds") == rp.active_deadline_seconds
+    assert policy.get("backoffLimit") == rp.backoff_limit
+    assert "suspend" not in policy
+
+
+def test_run_policy_overrides_and_gang_scheduling(case: tuple[PipelineSpec, str]) -> None:
+    spec, stage = case
+    st = spec.stage(stage)
+    st.run_policy.active_deadline_seconds = 600
+    st.run_policy.backoff_limit = 3
+    st.run_policy.ttl_seconds_after_finished = None
+    st.run_policy.clean_pod_policy = "Running"
+    st.resources.queue = "team-a"
+    st.resources.priority_class = "high"
+    st.resources.nodes = 3
+    manifest = pytorchjob_manifest(spec, stage)
+    policy = manifest["spec"]["runPolicy"]
+    assert policy["activeDeadlineSeconds"] == 600
+    assert policy["backoffLimit"] == 3
+    assert "ttlSecondsAfterFinished" not in policy
+    assert policy["cleanPodPolicy"] == "Running"
+    assert policy["schedulingPolicy"] == {"queue": "team-a", "priorityClass": "high", "minAvailable": 3}
+    assert manifest["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+    for replica in _replicas(manifest).values():
+        assert replica["template"]["spec"]["priorityClassName"] == "high"
+
+
+def test_scheduling_policy_only_when_asked(case: tuple[PipelineSpec, str]) -> None:
+    spec, stage = case
+    spec.stage(stage).resources.queue = None
+    spec.stage(stage).resources.priority_class = None
+    manifest = pytorchjob_manifest(spec, stage)
+    assert "schedulingPolicy" not in manifest["spec"]["runPolicy"]
+    assert "kueue.x-k8s.io/queue-name" not in manifest["metadata"]["labels"]
+
+
+def test_placement_and_labels(case: tuple[PipelineSpec, str], schemas_dir: Any) -> None:
+    spec, stage = case
+    res = spec.stage(stage).resources
+    res.node_selector = {"pool": "gpu"}
+    res.tolerations = [Toleration(key="gpu", operator="Exists", effect="NoSchedule")]
+    res.affinity = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}]
+            }
+        }
+    }
+    manifest = pytorchjob_manifest(spec, stage)
+    validate_pytorchjob(manifest)
+    assert manifest["metadata"]["namespace"] == spec.cluster.namespace
+    assert manifest["metadata"]["labels"][STAGE_LABEL] == stage
+    for replica in _replicas(manifest).values():
+        pod = replica["template"]
+        assert pod["metadata"]["labels"][STAGE_LABEL] == stage
+        assert pod["spec"]["nodeSelector"] == {"pool": "gpu"}
+        assert pod["spec"]["tolerations"] == [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]
+        assert pod["spec"]["serviceAccountName"] == spec.cluster.service_account
+
+
+def test_a_bad_affinity_is_caught_by_the_crd(case: tuple[PipelineSpec, str], schemas_dir: Any) -> None:
+    """The spec passes `affinity` through untyped; the strict CRD check is what catches a typo in it."""
+    spec, stage = case
+    spec.stage(stage).resources.affinity = {"nodeAfinity": {}}
+    with pytest.raises(SchemaViolation, match="nodeAfinity"):
+        validate_pytorchjob(pytorchjob_manifest(spec, stage))
