@@ -161,13 +161,21 @@ def stage_config(spec: PipelineSpec, stage: str) -> dict[str, Any]:
     config hashes of the enabled stages before it (a changed upstream changes this stage too)."""
     section = spec.stage(stage).model_dump(mode="json", exclude=_NOT_HASHED)
     upstream = [s for s in STAGE_ORDER[: STAGE_ORDER.index(stage)] if spec.stage(s).enabled]
-    return {
+    config = {
         "stage": stage,
         "model": spec.model.model_dump(mode="json"),
         "data_version": spec.data_version,
         "section": section,
         "upstream": {s: canonical_hash(stage_config(spec, s)) for s in upstream},
     }
+    if stage == "prepare":
+        # prepare reads and normalizes every enabled stage's data: their data sections shape its outputs.
+        config["data"] = {
+            s: data.model_dump(mode="json")
+            for s in STAGE_ORDER
+            if spec.stage(s).enabled and (data := getattr(spec.stage(s), "data", None)) is not None
+        }
+    return config
 
 
 def config_hash(spec: PipelineSpec, stage: str) -> str:

@@ -1,0 +1,361 @@
+"""The offline Korean datasets (`builtin:<name>` data URIs), generated deterministically from konlpy's corpus files.
+
+The text is never stored in this repository: it is read from the installed `konlpy` package (located with
+`importlib.util.find_spec`, without importing konlpy, which needs Java). The Constitution of the Republic of
+Korea (`kolaw/constitution.txt`) and ten National Assembly bills (`kobill/*.txt`) become four datasets:
+
+- `korean-corpus` (text): the preamble, one document per article of the main body, and eight bills.
+- `korean-instructions` (messages): questions about articles, chapters and bills, answered from the corpus.
+- `korean-preferences` (preference): the right answer chosen; a wrong article, a truncated or a garbled
+  answer rejected.
+- `korean-heldout` (text): the supplementary provisions (부칙) and two bills that no other dataset uses.
+
+Every row is already in the canonical form of its kind (see `stages.data`); the same installed files always
+give the same rows (fixed seeds, sorted files).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+SEED = 20101115
+"""Seed of every random choice below (phrasings, system prompts, rejected answers)."""
+
+HELDOUT_BILLS = 2
+"""The last bills (by file name) go to korean-heldout only."""
+
+SYSTEM_PROMPT = "당신은 대한민국 헌법과 국회 법률안을 정확하게 안내하는 한국어 도우미입니다."
+
+
+class BuiltinDataError(Exception):
+    """The builtin data cannot be generated (konlpy missing, corpus files changed shape)."""
+
+
+@dataclass(frozen=True)
+class Article:
+    """One article (조) of the constitution."""
+
+    number: int
+    text: str
+    chapter: int
+    chapter_title: str
+    section_title: str | None = None
+
+
+@dataclass
+class Chapter:
+    """One chapter (장) of the constitution."""
+
+    number: int
+    title: str
+    articles: list[Article] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Bill:
+    """One National Assembly bill (의안)."""
+
+    file: str
+    number: str
+    title: str
+    reason: str
+    text: str
+
+
+@dataclass(frozen=True)
+class Constitution:
+    """The parsed constitution."""
+
+    title: str
+    preamble: str
+    chapters: list[Chapter]
+    supplementary: list[str]
+    """Articles of the supplementary provisions (부칙), one string each."""
+
+    @property
+    def articles(self) -> list[Article]:
+        return [a for c in self.chapters for a in c.articles]
+
+
+# --------------------------------------------------------------------------- locating and parsing the corpus
+
+
+def corpus_dir() -> Path:
+    """`konlpy/data/corpus` of the installed konlpy package, found without importing it."""
+    spec = importlib.util.find_spec("konlpy")
+    if spec is None or not spec.submodule_search_locations:
+        raise BuiltinDataError(
+            "the builtin datasets are generated from the konlpy package's corpus, but konlpy is not installed "
+            "(pip install 'konlpy==0.6.0'; Java is not needed)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "corpus"
+    if not (path / "kolaw" / "constitution.txt").is_file():
+        raise BuiltinDataError(f"{path}/kolaw/constitution.txt is missing from the installed konlpy package")
+    return path
+
+
+def source_files() -> list[Path]:
+    """The corpus files the datasets are made of, in a fixed order."""
+    root = corpus_dir()
+    return [root / "kolaw" / "constitution.txt", *sorted((root / "kobill").glob("*.txt"))]
+
+
+_CHAPTER = re.compile(r"^\s*제(\d+)장\s+(.+?)\s*$")
+_SECTION = re.compile(r"^\s*제(\d+)절\s+(.+?)\s*$")
+_ARTICLE = re.compile(r"^\s*제(\d+)조\s")
+
+
+@cache
+def constitution() -> Constitution:
+    """Parse `kolaw/constitution.txt` into preamble, chapters with articles, and supplementary provisions."""
+    path = corpus_dir() / "kolaw" / "constitution.txt"
+    lines = path.read_text(encoding="utf-8").splitlines()
+    title = lines[0].strip()
+    preamble: list[str] = []
+    chapters: list[Chapter] = []
+    supplementary: list[str] = []
+    section: str | None = None
+    current: list[str] | None = None  # lines of the article being read
+    in_supplementary = False
+
+    def close_article() -> None:
+        nonlocal current
+        if current is not None:
+            number = int(_ARTICLE.match(current[0]).group(1))  # type: ignore[union-attr]
+            chapter = chapters[-1]
+            text = "\n".join(current)
+            chapter.articles.append(Article(number, text, chapter.number, chapter.title, section))
+        current = None
+
+    for raw in lines[1:]:
+        line = raw.strip()
+        if not line:
+            continue
+        if "부칙" in line and not _ARTICLE.match(line):
+            close_article()
+            in_supplementary = True
+        elif in_supplementary:
+            if _ARTICLE.match(line) or not supplementary:
+                supplementary.append(line)
+            else:
+                supplementary[-1] += "\n" + line
+        elif m := _CHAPTER.match(line):
+            close_article()
+            chapters.append(Chapter(int(m.group(1)), m.group(2)))
+            section = None
+        elif m := _SECTION.match(line):
+            close_article()
+            section = f"제{m.group(1)}절 {m.group(2)}"
+        elif _ARTICLE.match(line):
+            close_article()
+            current = [line]
+        elif current is not None:
+            current.append(line)
+        else:
+            preamble.append(line)
+    close_article()
+    if len(chapters) < 10 or sum(len(c.articles) for c in chapters) < 100 or not supplementary:
+        raise BuiltinDataError(f"{path}: unexpected layout (found {len(chapters)} chapters)")
+    return Constitution(title, "\n".join(preamble), chapters, supplementary)
+
+
+def _join_wrapped(lines: list[str]) -> str:
+    """Join lines wrapped mid-word: after a line ending in a space the next follows a space, else directly."""
+    out = ""
+    line_ended_with_space = False
+    for line in lines:
+        out += line.strip() if not out or not line_ended_with_space else " " + line.strip()
+        line_ended_with_space = line.rstrip("\n").endswith((" ", "\t", "."))
+    return re.sub(r"\s+", " ", out).strip()
+
+
+@cache
+def bills() -> list[Bill]:
+    """Parse `kobill/*.txt` (sorted by file name): title, bill number, the reason for the proposal, full text."""
+    result = []
+    for path in sorted((corpus_dir() / "kobill").glob("*.txt")):
+        text = path.read_text(encoding="utf-8")
+        lines = text.splitlines()
+        title_lines = []
+        for line in lines:
+            if line.strip().startswith("(") or re.match(r"^\s*의\s*안", line):
+                break
+            if line.strip():
+                title_lines.append(line.strip())
+        number = next((ln.strip() for ln in lines if re.fullmatch(r"\s*\d{4}\s*", ln)), path.stem[-4:])
+        start = next((i for i, ln in enumerate(lines) if ln.strip().startswith("제안이유")), None)
+        if start is None or not title_lines:
+            raise BuiltinDataError(f"{path}: no title or no '제안이유' section")
+        body = []
+        for line in lines[start + 1 :]:
+            if re.match(r"^\s*(주요내용|참고사항|- \d+ -|법률\s+제)", line):
+                break
+            if line.strip():
+                body.append(line)
+        reason = _join_wrapped(body)
+        sentences = re.split(r"(?<=[.])\s+", reason)
+        summary = " ".join(sentences[:2])[:400]
+        title = re.sub(r"\s+", " ", " ".join(title_lines)).replace(" ·", "·").strip()
+        clean = "\n".join(ln.rstrip() for ln in lines if ln.strip())
+        result.append(Bill(path.name, number, title, summary, clean))
+    if len(result) <= HELDOUT_BILLS:
+        raise BuiltinDataError("the konlpy kobill corpus has too few bills")
+    return result
+
+
+# --------------------------------------------------------------------------- the datasets
+
+
+def _heading(article: Article) -> str:
+    parts = [f"제{article.chapter}장 {article.chapter_title}"]
+    if article.section_title:
+        parts.append(article.section_title)
+    return " ".join(parts)
+
+
+def korean_corpus() -> list[dict[str, Any]]:
+    """Text documents for continued pre-training: preamble, each article (with its heading), eight bills."""
+    con = constitution()
+    docs = [f"{con.title}\n전문\n{con.preamble}"]
+    docs += [f"{con.title} {_heading(a)}\n{a.text}" for a in con.articles]
+    docs += [bill.text for bill in bills()[:-HELDOUT_BILLS]]
+    return [{"text": d} for d in docs]
+
+
+def korean_heldout() -> list[dict[str, Any]]:
+    """Text documents no training dataset contains: the supplementary provisions and the last two bills."""
+    con = constitution()
+    docs = [f"{con.title} 부칙\n{article}" for article in con.supplementary]
+    docs += [bill.text for bill in bills()[-HELDOUT_BILLS:]]
+    return [{"text": d} for d in docs]
+
+
+_ASK_TEXT = (
+    "대한민국헌법 제{n}조의 내용을 알려 주세요.",
+    "헌법 제{n}조는 무엇이라고 규정하고 있나요?",
+    "제{n}조 조문을 그대로 보여 주세요.",
+    "우리나라 헌법 제{n}조를 알려 줘.",
+)
+_ASK_CHAPTER = (
+    "헌법 제{n}조는 어느 장에 속하나요?",
+    "대한민국헌법 제{n}조가 들어 있는 장은 무엇인가요?",
+)
+_ASK_TITLE = ("헌법 제{k}장의 제목은 무엇인가요?", "대한민국헌법 제{k}장은 무엇을 다루나요?")
+
+
+def _chat(rng: random.Random, turns: list[tuple[str, str]]) -> dict[str, Any]:
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}] if rng.random() < 0.3 else []
+    for question, answer in turns:
+        messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+    return {"messages": messages}
+
+
+def _chapter_answer(chapter: Chapter) -> str:
+    first, last = chapter.articles[0].number, chapter.articles[-1].number
+    return (
+        f"제{chapter.number}장의 제목은 「{chapter.title}」입니다. "
+        f"제{first}조부터 제{last}조까지 {len(chapter.articles)}개 조문으로 이루어져 있습니다."
+    )
+
+
+def korean_instructions() -> list[dict[str, Any]]:
+    """Chat rows: article text, article → chapter, chapter titles (one and two turns), bill titles and reasons."""
+    rng = random.Random(SEED)
+    con = constitution()
+    rows = []
+    for a in con.articles:
+        rows.append(_chat(rng, [(rng.choice(_ASK_TEXT).format(n=a.number), a.text)]))
+        where = f"제{a.chapter}장 「{a.chapter_title}」" + (f" {a.section_title}" if a.section_title else "")
+        rows.append(
+            _chat(rng, [(rng.choice(_ASK_CHAPTER).format(n=a.number), f"제{a.number}조는 {where}에 속합니다.")])
+        )
+    for c in con.chapters:
+        rows.append(_chat(rng, [(rng.choice(_ASK_TITLE).format(k=c.number), _chapter_answer(c))]))
+        rows.append(
+            _chat(
+                rng,
+                [
+                    (f"헌법 제{c.number}장의 제목을 알려 주세요.", f"제{c.number}장의 제목은 「{c.title}」입니다."),
+                    ("그 장의 첫 조문은 무엇인가요?", c.articles[0].text),
+                ],
+            )
+        )
+    for b in bills()[:-HELDOUT_BILLS]:
+        rows.append(
+            _chat(
+                rng,
+                [(f"의안번호 {b.number} 법률안의 제목은 무엇인가요?", f"의안번호 {b.number}는 「{b.title}」입니다.")],
+            )
+        )
+        rows.append(_chat(rng, [(f"「{b.title}」의 제안이유를 요약해 주세요.", b.reason)]))
+    return rows
+
+
+def _garble(text: str, rng: random.Random) -> str:
+    words = text.split(" ")
+    if len(words) < 3:
+        return text[::-1]
+    shuffled = words[:]
+    while shuffled == words:
+        rng.shuffle(shuffled)
+    return " ".join(shuffled)
+
+
+def korean_preferences() -> list[dict[str, Any]]:
+    """Preference rows: the article asked for is chosen; another article, a truncation or a garble rejected."""
+    rng = random.Random(SEED + 1)
+    con = constitution()
+    articles = con.articles
+    rows = []
+    for a in articles:
+        prompt = [{"role": "user", "content": rng.choice(_ASK_TEXT).format(n=a.number)}]
+        kind = rng.choice(("other", "truncated", "garbled"))
+        if kind == "other":
+            rejected = rng.choice([o for o in articles if o.number != a.number]).text
+        elif kind == "truncated":
+            rejected = a.text[: max(4, len(a.text) * 2 // 5)]
+        else:
+            rejected = _garble(a.text, rng)
+        rows.append(_preference(prompt, a.text, rejected))
+    for c in con.chapters:
+        prompt = [{"role": "user", "content": f"헌법 제{c.number}장의 제목은 무엇인가요?"}]
+        wrong = rng.choice([o for o in con.chapters if o.number != c.number])
+        rows.append(
+            _preference(
+                prompt,
+                f"제{c.number}장의 제목은 「{c.title}」입니다.",
+                f"제{c.number}장의 제목은 「{wrong.title}」입니다.",
+            )
+        )
+    return rows
+
+
+def _preference(prompt: list[dict[str, str]], chosen: str, rejected: str) -> dict[str, Any]:
+    return {
+        "prompt": prompt,
+        "chosen": [{"role": "assistant", "content": chosen}],
+        "rejected": [{"role": "assistant", "content": rejected}],
+    }
+
+
+BUILTIN_DATASETS: dict[str, tuple[str, Callable[[], list[dict[str, Any]]]]] = {
+    "korean-corpus": ("text", korean_corpus),
+    "korean-instructions": ("messages", korean_instructions),
+    "korean-preferences": ("preference", korean_preferences),
+    "korean-heldout": ("text", korean_heldout),
+}
+"""Name → (format of its rows, generator)."""
+
+
+def builtin_dataset(name: str) -> list[dict[str, Any]]:
+    """The rows of the builtin dataset `name`."""
+    if name not in BUILTIN_DATASETS:
+        raise BuiltinDataError(f"unknown builtin dataset {name!r}; known: {', '.join(sorted(BUILTIN_DATASETS))}")
+    return BUILTIN_DATASETS[name][1]()

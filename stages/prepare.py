@@ -1,0 +1,201 @@
+"""The prepare stage: validate and normalize every enabled stage's data, build the tokenizer, open tracking.
+
+Reads top to bottom:
+
+1. ctx.begin(): a completed prepare with the same config is a no-op.
+2. For each enabled stage with data (cpt, sft, rlhf, evaluate): read and validate every row (`stages.data`),
+   quarantine bad rows within the stage's max_bad_row_fraction, split off the eval rows, write
+   `prepare/data/<stage>/{train,eval}.jsonl` (evaluate: eval.jsonl only) and `manifest.json`, and record
+   each input file with its sha256 fingerprint.
+3. The tokenizer (`stages.tokenizer`) into `prepare/tokenizer/`, trained on the training rows for a model
+   built from config.
+4. Token caches: `stages.packing.build_token_cache(run_dir, spec, stage)` for each enabled training stage,
+   when that module exists; tokenization happens once, here.
+5. The combined data fingerprint, and whether it equals the last successful run's (see `last_success`).
+6. Tracking: the MLflow parent run of the pipeline run and prepare's own run, W&B group; then ctx.finish
+   with the Argo output parameters `fingerprint`, `unchanged`, `tokenizer_hash`, `mlflow_parent_run_id`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from stages.contract import EXIT_OK, RunDir, StageContext, canonical_hash, write_json_atomic
+from stages.data import DataError, Dataset, read_dataset, split_eval, write_jsonl
+from stages.tokenizer import build_tokenizer, render_for_training, tokenizer_hash
+from stages.tracking import StageTracker
+from workflows.spec import STAGE_ORDER, TRAINING_STAGES, DataSpec, PipelineSpec
+
+DATA_STAGES = ("cpt", "sft", "rlhf", "evaluate")
+"""Stages that read a dataset, in DAG order."""
+
+
+def data_specs(spec: PipelineSpec) -> dict[str, DataSpec]:
+    """The data section of every enabled stage that has one."""
+    out = {}
+    for stage in DATA_STAGES:
+        section = spec.stage(stage)
+        data = getattr(section, "data", None)
+        if section.enabled and data is not None:
+            out[stage] = data
+    return out
+
+
+def write_stage_data(ctx: StageContext, stage: str, dataset: Dataset, data: DataSpec) -> dict[str, Any]:
+    """Write a stage's normalized split, its quarantine and manifest; return its counts for stage.json."""
+    out_dir = ctx.dir / "data" / stage
+    if stage == "evaluate":
+        train, held = [], dataset.rows
+        (out_dir / "train.jsonl").unlink(missing_ok=True)
+    else:
+        train, held = split_eval(dataset.rows, data.eval_fraction)
+        write_jsonl(out_dir / "train.jsonl", train)
+    write_jsonl(out_dir / "eval.jsonl", held)
+    quarantine = ctx.dir / "quarantine" / f"{stage}.jsonl"
+    if dataset.errors:
+        write_jsonl(quarantine, [e.record() for e in dataset.errors])
+    else:
+        quarantine.unlink(missing_ok=True)
+    counts = {
+        "uri": dataset.uri,
+        "format": dataset.format,
+        "kind": dataset.kind,
+        "rows": len(dataset.rows),
+        "train_rows": len(train),
+        "eval_rows": len(held),
+        "quarantined": len(dataset.errors),
+        "read_rows": dataset.total,
+        "fingerprint": dataset.fingerprint,
+    }
+    write_json_atomic(out_dir / "manifest.json", counts)
+    return counts
+
+
+def build_token_caches(run_dir: RunDir, spec: PipelineSpec, stages: list[str]) -> dict[str, Path]:
+    """Tokenize each training stage's data once, through stages.packing when it exists."""
+    if importlib.util.find_spec("stages.packing") is None:
+        print("[prepare] stages.packing is not there yet: no token caches built", flush=True)
+        return {}
+    packing = importlib.import_module("stages.packing")
+    return {stage: Path(packing.build_token_cache(run_dir, spec, stage)) for stage in stages}
+
+
+def build_tokenizer_and_caches(
+    ctx: StageContext, datasets: dict[str, Dataset]
+) -> tuple[Path, Any, str, dict[str, Path]]:
+    """The tokenizer (trained on the training rows, every stage but evaluate, when the model is built from
+    config) and the token caches of the stages the packer tokenizes (text and chat data; preference data
+    is tokenized by the preference trainer itself)."""
+    training = [s for s in TRAINING_STAGES if s in datasets]
+    texts = (render_for_training(r) for s in training for r in datasets[s].rows)
+    tokenizer_dir = ctx.dir / "tokenizer"
+    tokenizer = build_tokenizer(ctx.spec, texts, tokenizer_dir)
+    tok_hash = tokenizer_hash(tokenizer_dir)
+    print(f"[prepare] tokenizer: {len(tokenizer)} tokens, {tok_hash[:19]}", flush=True)
+    packed = [s for s in training if datasets[s].kind in ("text", "chat")]
+    return tokenizer_dir, tokenizer, tok_hash, build_token_caches(ctx.run_dir, ctx.spec, packed)
+
+
+def last_success(run_dir: RunDir, spec: PipelineSpec) -> tuple[str | None, str | None]:
+    """(run name, data fingerprint) of the newest other run of this pipeline, next to this one, in which every
+    enabled stage succeeded (or was skipped). (None, None) when there is none.
+
+    Run directories of a pipeline are siblings (`runs/<name>` locally, `<checkpoints>/runs/<workflow>` in the
+    cluster), so this reads their spec.json and stage.json files; nothing else keeps state."""
+    best: tuple[str, str, str] | None = None  # (ended_at, name, fingerprint)
+    for other in sorted(run_dir.root.parent.iterdir()) if run_dir.root.parent.is_dir() else []:
+        if other == run_dir.root or not (other / "spec.json").is_file():
+            continue
+        try:
+            other_spec = json.loads((other / "spec.json").read_text(encoding="utf-8"))
+            if other_spec.get("name") != spec.name:
+                continue
+            enabled = [s for s in STAGE_ORDER if other_spec.get("stages", {}).get(s, {}).get("enabled", s == "prepare")]
+            results = {s: json.loads((other / s / "stage.json").read_text(encoding="utf-8")) for s in enabled}
+        except (OSError, ValueError):
+            continue
+        if all(r.get("status") in ("succeeded", "skipped") for r in results.values()):
+            prepare = results["prepare"]
+            fingerprint = prepare.get("extra", {}).get("fingerprint")
+            if fingerprint and (best is None or (prepare.get("ended_at") or "") > best[0]):
+                best = (prepare.get("ended_at") or "", other.name, fingerprint)
+    return (best[1], best[2]) if best else (None, None)
+
+
+def run(ctx: StageContext) -> int:
+    """Run the prepare stage."""
+    if not ctx.begin():
+        return EXIT_OK
+    spec = ctx.spec
+
+    # 1. Data: validate, quarantine, split, write.
+    counts: dict[str, dict[str, Any]] = {}
+    datasets: dict[str, Dataset] = {}
+    try:
+        for stage, data in data_specs(spec).items():
+            dataset = read_dataset(data, spec, stage)
+            for source in dataset.files:
+                ctx.add_input(f"{stage}:{source.uri}", source.uri, source.fingerprint)
+            counts[stage] = write_stage_data(ctx, stage, dataset, data)
+            datasets[stage] = dataset
+            print(
+                f"[prepare] {stage}: {counts[stage]['train_rows']} train + {counts[stage]['eval_rows']} eval rows, "
+                f"{counts[stage]['quarantined']} quarantined ({dataset.uri})",
+                flush=True,
+            )
+    except DataError as exc:
+        print(f"[prepare] error: {exc}", file=sys.stderr, flush=True)
+        return ctx.fail(str(exc))
+
+    # 2-4. Tokenizer, token caches, fingerprints; a failure is recorded in stage.json before it propagates.
+    try:
+        tokenizer_dir, tokenizer, tok_hash, caches = build_tokenizer_and_caches(ctx, datasets)
+    except Exception as exc:
+        ctx.fail(f"{type(exc).__name__}: {exc}")
+        raise
+    fingerprint = "sha256:" + canonical_hash({s: c["fingerprint"] for s, c in counts.items()})
+    previous_run, previous_fingerprint = last_success(ctx.run_dir, spec)
+    unchanged = previous_fingerprint == fingerprint
+    if spec.stages.prepare.skip_if_unchanged:
+        state = "unchanged" if unchanged else "changed"
+        print(f"[prepare] data {state} since the last successful run ({previous_run or 'none'})", flush=True)
+
+    # 5. Tracking: the pipeline run's parent run (W&B group) and prepare's own run.
+    outputs: dict[str, Path] = {"tokenizer": tokenizer_dir}
+    for stage in counts:
+        for split in ("train", "eval"):
+            path = ctx.dir / "data" / stage / f"{split}.jsonl"
+            if path.is_file():
+                outputs[f"{stage}_{split}"] = path
+    outputs.update({f"{stage}_token_cache": path for stage, path in caches.items()})
+    metrics: dict[str, float] = {"tokenizer_vocab_size": len(tokenizer)}
+    for stage, c in counts.items():
+        metrics.update({f"{stage}_rows": c["rows"], f"{stage}_quarantined": c["quarantined"]})
+    with StageTracker(ctx) as tracker:
+        tracker.log_params(
+            {
+                "data": {s: {k: c[k] for k in ("uri", "format", "fingerprint")} for s, c in counts.items()},
+                "data_fingerprint": fingerprint,
+                "tokenizer_hash": tok_hash,
+            }
+        )
+        tracker.log_metrics(metrics, step=0)
+        for stage in counts:
+            quarantine = ctx.dir / "quarantine" / f"{stage}.jsonl"
+            if quarantine.is_file():
+                tracker.log_artifact(quarantine, "quarantine")
+        extra = {
+            "data": counts,
+            "fingerprint": fingerprint,
+            "tokenizer_hash": tok_hash,
+            "unchanged": "true" if unchanged else "false",
+            "previous_run": previous_run or "",
+            "skip_if_unchanged": "true" if spec.stages.prepare.skip_if_unchanged else "false",
+            "mlflow_parent_run_id": tracker.parent_run_id or "",
+        }
+        return ctx.finish(outputs=outputs, metrics=metrics, extra=extra)

@@ -1,0 +1,85 @@
+"""The builtin Korean datasets: generated from the installed konlpy corpus, deterministic, valid in their format."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from importlib.util import find_spec
+from pathlib import Path
+
+import pytest
+
+from stages.builtin_data import BUILTIN_DATASETS, builtin_dataset, constitution, corpus_dir, source_files
+from stages.data import normalize_row, sha256_rows
+
+REPO = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.skipif(find_spec("konlpy") is None, reason="the builtin data needs the konlpy package")
+
+
+def test_corpus_is_read_from_the_installed_konlpy_without_importing_it():
+    files = source_files()
+    assert files[0].name == "constitution.txt" and len(files) == 11
+    assert all(f.is_file() for f in files)
+    assert corpus_dir().parent.parent.name == "konlpy"
+    for name in BUILTIN_DATASETS:
+        builtin_dataset(name)
+    assert "konlpy" not in sys.modules  # importing konlpy would need Java
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN_DATASETS))
+def test_every_row_is_valid_and_already_canonical(name: str):
+    fmt, _ = BUILTIN_DATASETS[name]
+    rows = builtin_dataset(name)
+    assert rows
+    for row in rows:
+        assert normalize_row(row, fmt) == row
+
+
+def test_sizes_and_content_come_from_the_corpus():
+    constitution_text = (corpus_dir() / "kolaw" / "constitution.txt").read_text(encoding="utf-8")
+    corpus = builtin_dataset("korean-corpus")
+    instructions = builtin_dataset("korean-instructions")
+    preferences = builtin_dataset("korean-preferences")
+    assert len(constitution().articles) == 130 and len(corpus) > 130
+    assert 200 <= len(instructions) <= 1000 and len(preferences) >= 100
+    article_1 = constitution().articles[0]
+    assert article_1.text.startswith("제1조") and article_1.text.splitlines()[0].split(" ", 1)[1] in constitution_text
+    answers = [r["messages"][-1]["content"] for r in instructions]
+    assert article_1.text in answers
+    assert all(p["chosen"] != p["rejected"] for p in preferences)
+    assert sum(p["chosen"][0]["content"] in constitution_text for p in preferences) >= 100
+
+
+def test_heldout_documents_are_not_used_for_training():
+    heldout = {r["text"] for r in builtin_dataset("korean-heldout")}
+    assert len(heldout) >= 5
+    training_text = "\n".join(r["text"] for r in builtin_dataset("korean-corpus"))
+    training_text += "\n".join(m["content"] for r in builtin_dataset("korean-instructions") for m in r["messages"])
+    for doc in heldout:
+        body = doc.split("\n", 1)[1] if doc.startswith("대한민국헌법 부칙") else doc
+        assert body[:200] not in training_text
+
+
+def test_generation_is_deterministic_across_processes():
+    here = {name: sha256_rows(builtin_dataset(name)) for name in BUILTIN_DATASETS}
+    code = (
+        "from stages.builtin_data import BUILTIN_DATASETS, builtin_dataset\n"
+        "from stages.data import sha256_rows\n"
+        "for n in sorted(BUILTIN_DATASETS): print(n, sha256_rows(builtin_dataset(n)))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONHASHSEED": "123"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120, check=True)
+    there = dict(line.split(" ", 1) for line in out.stdout.splitlines())
+    assert there == here
+
+
+def test_the_corpus_text_is_not_committed_to_the_repository():
+    probe = constitution().articles[9].text.splitlines()[0][6:60]  # a sentence of article 10
+    assert len(probe) > 30
+    for path in REPO.rglob("*"):
+        if any(part in {".git", "runs", ".venv", "venv", "__pycache__"} for part in path.parts) or not path.is_file():
+            continue
+        if path.suffix in {".py", ".json", ".jsonl", ".txt", ".md", ".yaml", ".yml"}:
+            assert probe not in path.read_text(encoding="utf-8", errors="ignore"), path

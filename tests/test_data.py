@@ -1,0 +1,230 @@
+"""Reading, validating and normalizing data (stages/data.py): every bad row is named by file, line and field."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stages.data import (
+    DataError,
+    check_stage_format,
+    normalize_row,
+    read_dataset,
+    sha256_file,
+    split_eval,
+)
+from workflows.spec import DataSpec
+
+REPO = Path(__file__).resolve().parents[1]
+
+GOOD = {
+    "text": {"text": "대한민국은 민주공화국이다."},
+    "messages": {"messages": [{"role": "user", "content": "안녕?"}, {"role": "assistant", "content": "안녕하세요."}]},
+    "alpaca": {"instruction": "번역하세요", "input": "hello", "output": "안녕"},
+    "sharegpt": {"conversations": [{"from": "human", "value": "질문"}, {"from": "gpt", "value": "답"}]},
+    "preference": {"prompt": "질문", "chosen": "맞는 답", "rejected": "틀린 답"},
+}
+
+
+def write_lines(path: Path, lines: list[str | bytes]) -> Path:
+    path.write_bytes(b"".join((x if isinstance(x, bytes) else x.encode()) + b"\n" for x in lines))
+    return path
+
+
+def spec_for(path: Path, fmt: str, bad: float = 0.0, **kw: Any) -> DataSpec:
+    return DataSpec(uri=str(path), format=fmt, max_bad_row_fraction=bad, **kw)
+
+
+def msgs(*turns: tuple[Any, Any]) -> str:
+    return json.dumps({"messages": [{"role": r, "content": c} for r, c in turns]}, ensure_ascii=False)
+
+
+# (format, bad line, field named in the message ('' for whole-row problems), words of the message)
+MALFORMED: list[tuple[str, str | bytes, str, str]] = [
+    ("text", '{"text": "unterminated"', "", "not valid JSON"),
+    ("text", b'{"text": "\xff\xfe broken"}', "", "invalid UTF-8"),
+    ("text", "[1, 2, 3]", "", "expected a JSON object per row, got a list"),
+    ("text", '{"body": "no text field"}', "text", "missing"),
+    ("text", '{"text": null}', "text", "expected a string, got null"),
+    ("text", '{"text": "   "}', "text", "empty string"),
+    ("messages", msgs(("user", "q"), ("assistant", None)), "messages[1].content", "expected a string, got null"),
+    ("messages", msgs(("bot", "q"), ("assistant", "a")), "messages[0].role", "unknown role 'bot'"),
+    ("messages", msgs(("user", "q")), "messages", "no assistant turn"),
+    ("messages", msgs(("user", "q"), ("assistant", "a"), ("user", "q2")), "messages[2].role", "end with an assistant"),
+    ("messages", msgs(("user", "q"), ("system", "s"), ("assistant", "a")), "messages[1].role", "only come first"),
+    ("messages", msgs(("assistant", "a"), ("user", "q"), ("assistant", "a")), "messages[0].role", "must be 'user'"),
+    ("messages", '{"messages": "hello"}', "messages", "expected a list of messages, got a string"),
+    ("messages", '{"messages": []}', "messages", "empty list"),
+    ("messages", '{"messages": ["hi"]}', "messages[0]", "expected an object"),
+    ("messages", '{"text": "raw text in a chat dataset"}', "messages", "is it in format 'text'"),
+    ("alpaca", '{"instruction": "do", "output": 3}', "output", "expected a string, got a number"),
+    ("alpaca", '{"instruction": "", "output": "x"}', "instruction", "empty string"),
+    ("sharegpt", '{"conversations": [{"from": "human", "value": "q"}, {"from": "robot", "value": "a"}]}',
+     "conversations[1].from", "unknown role 'robot'"),
+    ("preference", '{"prompt": "q", "chosen": "same", "rejected": "same"}', "rejected", "identical to 'chosen'"),
+    ("preference", '{"prompt": "q", "chosen": "a", "rejected": [{"role": "user", "content": "b"}]}',
+     "rejected[0].role", "expected 'assistant'"),
+    ("preference", '{"chosen": "a", "rejected": "b"}', "prompt", "missing"),
+    ("preference", '{"prompt": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], '
+     '"chosen": "a", "rejected": "b"}', "prompt[1].role", "end with a user turn"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("fmt", "bad", "field", "words"), MALFORMED, ids=[f"{m[0]}-{m[3][:24]}" for m in MALFORMED])
+def test_malformed_row_is_named_by_file_line_and_field(tmp_path: Path, fmt: str, bad: str, field: str, words: str):
+    path = write_lines(tmp_path / "train.jsonl", [json.dumps(GOOD[fmt], ensure_ascii=False), bad])
+    with pytest.raises(DataError) as err:
+        read_dataset(spec_for(path, fmt))
+    message = str(err.value)
+    assert f"{path}:2: " in message
+    if field:
+        assert f"field '{field}'" in message
+    assert words in message
+    assert "1 of 2 rows are bad" in message
+
+
+def test_over_long_row_is_an_error_with_a_configurable_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    path = write_lines(tmp_path / "train.jsonl", ['{"text": "short"}', json.dumps({"text": "가" * 200})])
+    assert len(read_dataset(spec_for(path, "text")).rows) == 2
+    monkeypatch.setenv("POSTTRAIN_MAX_ROW_BYTES", "100")
+    with pytest.raises(DataError, match=r"train\.jsonl:2: row is \d+ bytes, over the limit of 100"):
+        read_dataset(spec_for(path, "text"))
+
+
+def test_empty_file_and_missing_path_are_errors(tmp_path: Path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n", encoding="utf-8")
+    with pytest.raises(DataError, match=r"empty\.jsonl: empty file"):
+        read_dataset(spec_for(empty, "text"))
+    with pytest.raises(DataError, match="no such file or directory"):
+        read_dataset(spec_for(tmp_path / "nope.jsonl", "text"))
+
+
+def test_blank_lines_are_skipped_and_line_numbers_kept(tmp_path: Path):
+    path = write_lines(tmp_path / "d.jsonl", ['{"text": "a"}', "", "   ", '{"text": 5}'])
+    with pytest.raises(DataError, match=r"d\.jsonl:4: field 'text': expected a string, got a number"):
+        read_dataset(spec_for(path, "text"))
+
+
+def test_bad_rows_within_the_fraction_are_quarantined_and_counted(tmp_path: Path):
+    lines = [json.dumps({"text": f"문서 {i}"}, ensure_ascii=False) for i in range(9)] + ['{"text": null}']
+    path = write_lines(tmp_path / "train.jsonl", lines)
+    dataset = read_dataset(spec_for(path, "text", bad=0.1))
+    assert (len(dataset.rows), len(dataset.errors), dataset.total) == (9, 1, 10)
+    record = dataset.errors[0].record()
+    assert record["file"] == str(path) and record["line"] == 10 and record["field"] == "text"
+    assert record["error"] == "expected a string, got null" and '"text": null' in record["raw"]
+    with pytest.raises(DataError, match=r"over max_bad_row_fraction=0\.05"):
+        read_dataset(spec_for(path, "text", bad=0.05))
+
+
+def test_failure_lists_the_first_errors_only(tmp_path: Path):
+    path = write_lines(tmp_path / "train.jsonl", ['{"text": "ok"}'] + ['{"text": 1}'] * 8)
+    with pytest.raises(DataError) as err:
+        read_dataset(spec_for(path, "text"))
+    assert str(err.value).count("expected a string") == 5
+    assert "and 3 more" in str(err.value)
+
+
+def test_rows_are_normalized_to_one_canonical_form_per_kind():
+    chat = {"messages": [{"role": "user", "content": "번역하세요\n\nhello"}, {"role": "assistant", "content": "안녕"}]}
+    assert normalize_row(GOOD["alpaca"], "alpaca") == chat
+    assert normalize_row({"instruction": "질문", "output": "답", "input": ""}, "alpaca")["messages"][0] == {
+        "role": "user",
+        "content": "질문",
+    }
+    assert normalize_row(GOOD["sharegpt"], "sharegpt") == {
+        "messages": [{"role": "user", "content": "질문"}, {"role": "assistant", "content": "답"}]
+    }
+    assert normalize_row(GOOD["preference"], "preference") == {
+        "prompt": [{"role": "user", "content": "질문"}],
+        "chosen": [{"role": "assistant", "content": "맞는 답"}],
+        "rejected": [{"role": "assistant", "content": "틀린 답"}],
+    }
+    assert normalize_row({"body": "x", "text": "y"}, "text") == {"text": "y"}
+    thinking = {
+        "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning_content": "r"}]
+    }
+    assert normalize_row(thinking, "messages")["messages"][1]["content"] == "<think>\nr\n</think>\n\na"
+
+
+def test_custom_text_field(tmp_path: Path):
+    path = write_lines(tmp_path / "d.jsonl", ['{"body": "본문"}'])
+    assert read_dataset(spec_for(path, "text", text_field="body")).rows == [{"text": "본문"}]
+
+
+def test_wrong_format_for_the_stage_is_refused():
+    check_stage_format("sft", "alpaca")
+    with pytest.raises(DataError, match="cpt reads text"):
+        check_stage_format("cpt", "messages")
+    with pytest.raises(DataError, match="rlhf reads preference"):
+        check_stage_format("rlhf", "text")
+
+
+def test_directory_of_jsonl_and_parquet_is_read_in_order_with_per_file_fingerprints(tmp_path: Path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    data = tmp_path / "data"
+    data.mkdir()
+    write_lines(data / "a.jsonl", ['{"text": "첫째"}'])
+    pq.write_table(pa.table({"text": ["둘째", None]}), data / "b.parquet")
+    with pytest.raises(DataError, match=r"b\.parquet:2: field 'text': expected a string, got null"):
+        read_dataset(spec_for(data, "text"))
+    dataset = read_dataset(spec_for(data, "text", bad=0.5))
+    assert dataset.rows == [{"text": "첫째"}, {"text": "둘째"}]
+    assert [Path(f.uri).name for f in dataset.files] == ["a.jsonl", "b.parquet"]
+    assert dataset.files[0].fingerprint == "sha256:" + hashlib.sha256((data / "a.jsonl").read_bytes()).hexdigest()
+
+
+def test_fingerprints_are_stable_and_follow_the_content(tmp_path: Path):
+    path = write_lines(tmp_path / "train.jsonl", ['{"text": "하나"}', '{"text": "둘"}'])
+    first = read_dataset(spec_for(path, "text")).fingerprint
+    assert read_dataset(spec_for(path, "text")).fingerprint == first
+    copy = write_lines(tmp_path / "copy.jsonl", ['{"text": "하나"}', '{"text": "둘"}'])
+    assert sha256_file(copy) == sha256_file(path)
+    assert read_dataset(spec_for(path, "text", eval_fraction=0.3)).fingerprint != first
+    write_lines(path, ['{"text": "하나"}', '{"text": "셋"}'])
+    assert read_dataset(spec_for(path, "text")).fingerprint != first
+
+
+def test_eval_split_is_deterministic_and_stable_when_rows_are_added():
+    rows = [{"text": f"문서 {i}"} for i in range(100)]
+    train, held = split_eval(rows, 0.1)
+    assert len(held) == 10 and len(train) == 90 and split_eval(rows, 0.1) == (train, held)
+    assert [r for r in rows if r in held] == held  # file order kept
+    more_train, more_held = split_eval(rows + [{"text": f"새 문서 {i}"} for i in range(100)], 0.05)
+    assert all(r in more_held or r in more_train for r in held)
+    assert split_eval(rows[:3], 0.02)[1] != [] and split_eval(rows[:1], 0.5) == (rows[:1], [])
+    assert split_eval(rows, 0.0) == (rows, [])
+
+
+def test_hub_dataset_offline_is_a_clear_error():
+    pytest.importorskip("datasets")
+    # A fresh interpreter: the hub client reads HF_HUB_OFFLINE when it is imported.
+    code = (
+        "from stages.data import DataError, read_dataset\n"
+        "from workflows.spec import DataSpec\n"
+        "try:\n"
+        "    read_dataset(DataSpec(uri='hf://posttrain-test/none', format='text'))\n"
+        "except DataError as exc:\n"
+        "    print(exc)\n"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert re.search(r"hf://posttrain-test/none: could not load .*offline.*datasets volume", out.stdout), out.stderr
+
+
+def test_object_storage_and_unknown_builtin_are_clear_errors():
+    with pytest.raises(DataError, match="object storage is not read directly"):
+        read_dataset(DataSpec(uri="s3://bucket/data.jsonl", format="text"))
+    with pytest.raises(DataError, match="unknown builtin dataset 'nope'; known: korean-corpus"):
+        read_dataset(DataSpec(uri="builtin:nope", format="text"))

@@ -1,0 +1,123 @@
+"""The embedded runner (workflows/local.py): stages as subprocesses in DAG order, logs, summary, failures."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from importlib.util import find_spec
+from pathlib import Path
+
+import pytest
+
+import workflows.local as local
+from stages.contract import RunDir
+from workflows.loading import load_pipeline
+
+REPO = Path(__file__).resolve().parents[1]
+ONLY = {s: f"stages.{s}.enabled=false" for s in ("cpt", "sft", "rlhf", "evaluate", "deploy")}
+
+
+@pytest.fixture(autouse=True)
+def _env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("MLFLOW_TRACKING_URI", "WANDB_API_KEY", "WANDB_MODE", "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # CPU: plain `python -m stages`, never torchrun
+
+
+def test_the_runner_does_not_import_torch():
+    code = "import sys, workflows.local; assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=60)
+
+
+def test_gpu_count_and_commands(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    for visible, count in (("", 0), ("-1", 0), ("0", 1), ("0,1,2,3", 4)):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        assert local.gpu_count() == count
+    command = local.stage_command("sft", tmp_path, force=False, gpus=2)
+    assert command[1:] == [
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--module",
+        "stages",
+        "sft",
+        "--run-dir",
+        str(tmp_path),
+    ]
+    assert local.stage_command("prepare", tmp_path, force=True, gpus=2) == [
+        sys.executable, "-m", "stages", "prepare", "--run-dir", str(tmp_path), "--force"
+    ]  # fmt: skip
+    assert local.stage_command("cpt", tmp_path, force=False, gpus=1)[:3] == [sys.executable, "-m", "stages"]
+
+
+def test_stage_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    env = local.stage_env(tmp_path)
+    assert env["MLFLOW_TRACKING_URI"] == f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert env["WANDB_MODE"] == "offline" and env["PYTHONUNBUFFERED"] == "1"
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(REPO)
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow:5000")
+    env = local.stage_env(tmp_path)
+    assert "WANDB_MODE" not in env and env["MLFLOW_TRACKING_URI"] == "http://mlflow:5000"
+
+
+def test_a_missing_stage_module_is_reported_not_skipped(monkeypatch, tmp_path: Path, capsys):
+    monkeypatch.setattr(local, "stage_module_exists", lambda stage: False)
+    loaded = load_pipeline("korean-llm", "local")
+    assert local.run_local(loaded, tmp_path / "run") == 1
+    out = capsys.readouterr().out
+    assert "missing" in out and "stages/prepare.py does not exist yet" in out and "not run" in out
+    assert (tmp_path / "run" / "spec.json").is_file() and not (tmp_path / "run" / "prepare").exists()
+
+
+def test_a_failing_stage_stops_the_run_with_the_log_tail_and_the_rerun_command(tmp_path: Path, capsys):
+    bad = tmp_path / "corpus.jsonl"
+    bad.write_text('{"text": "문서"}\n{"text": null}\n', encoding="utf-8")
+    loaded = load_pipeline("korean-llm", "local", [f"stages.cpt.data.uri={bad}", "tracking.wandb_project=null"])
+    run_root = tmp_path / "run"
+    assert local.run_local(loaded, run_root) == 1
+    out = capsys.readouterr().out
+    assert f"{bad}:2: field 'text': expected a string, got null" in out  # the log tail
+    assert f"python -m workflows.submit korean-llm --local --run-dir {run_root}" in out
+    assert "not run" in out
+    log = (run_root / "prepare" / "logs" / "stage.log").read_text(encoding="utf-8")
+    assert "corpus.jsonl:2" in log and RunDir(run_root).read_result("prepare").status == "failed"
+    assert not (run_root / "cpt").exists()
+
+
+def test_prepare_runs_through_the_runner_and_a_rerun_is_a_no_op(monkeypatch, tmp_path: Path, capsys):
+    # Only prepare: the training stages are reported missing so this test does not train.
+    monkeypatch.setattr(local, "stage_module_exists", lambda stage: stage == "prepare")
+    loaded = load_pipeline("korean-llm", "local", ["tracking.wandb_project=null"])
+    run_root = tmp_path / "run"
+    assert local.run_local(loaded, run_root) == 1
+    out = capsys.readouterr().out
+    assert "prepare: succeeded" in out and "cpt 139" in out and "stages/cpt.py does not exist yet" in out
+    assert f"mlflow ui --backend-store-uri sqlite:///{run_root / 'mlflow.db'}" in out
+    assert "[prepare] tokenizer:" in (run_root / "prepare" / "logs" / "stage.log").read_text(encoding="utf-8")
+    assert RunDir(run_root).read_result("prepare").status == "succeeded"
+
+    assert local.run_local(loaded, run_root) == 1
+    assert "prepare: done before" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    find_spec("stages.cpt") is None or find_spec("stages.sft") is None, reason="the training stages are not there yet"
+)
+def test_full_local_dag_prepare_cpt_sft(tmp_path: Path, capsys):
+    overrides = [ONLY["rlhf"], ONLY["evaluate"], ONLY["deploy"], "tracking.wandb_project=null"]
+    overrides += ["stages.cpt.training.max_steps=4", "stages.sft.training.max_steps=4"]
+    loaded = load_pipeline("korean-llm", "local", overrides)
+    run_root = tmp_path / "run"
+    code = local.run_local(loaded, run_root)
+    out = capsys.readouterr().out
+    assert code == 0, out
+    for stage in ("prepare", "cpt", "sft"):
+        assert f"{stage}: succeeded" in out
+        result = json.loads((run_root / stage / "stage.json").read_text())
+        assert result["status"] == "succeeded" and result["mlflow_run_id"]
+        assert (run_root / stage / "logs" / "stage.log").is_file()
+    assert "mlflow ui --backend-store-uri" in out

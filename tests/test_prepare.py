@@ -1,0 +1,189 @@
+"""The prepare stage on the local profile: normalized data, quarantine, tokenizer, stage.json, Argo outputs,
+rerun as a no-op, a changed config refused, and the comparison with the last successful run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stages.contract import RunDir, StageContext, write_json_atomic
+from stages.prepare import last_success, run
+from workflows.loading import load_pipeline
+
+REPO = Path(__file__).resolve().parents[1]
+ROLES = {"system", "user", "assistant"}
+ONLY_CPT = [f"stages.{s}.enabled=false" for s in ("sft", "rlhf", "evaluate", "deploy")]
+
+
+def prepare(run_root: Path, outputs: Path | None = None) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "stages", "prepare", "--run-dir", str(run_root)]
+    command += ["--outputs-dir", str(outputs)] if outputs else []
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "WANDB_API_KEY")}
+    env["PYTHONPATH"] = str(REPO)
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=300, cwd=run_root.parent)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, subprocess.CompletedProcess[str]]:
+    root = tmp_path_factory.mktemp("runs") / "korean-llm-test"
+    RunDir(root).write_spec(load_pipeline("korean-llm", "local", ["tracking.wandb_project=null"]).spec)
+    outputs = root.parent / "argo-outputs"
+    done = prepare(root, outputs)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return root, outputs, done
+
+
+def test_normalized_data_is_written_per_stage_in_canonical_form(prepared):
+    root, _, _ = prepared
+    data = root / "prepare" / "data"
+    for stage in ("cpt", "sft", "rlhf"):
+        assert read_jsonl(data / stage / "train.jsonl") and read_jsonl(data / stage / "eval.jsonl")
+    assert not (data / "evaluate" / "train.jsonl").exists() and read_jsonl(data / "evaluate" / "eval.jsonl")
+    assert all(set(r) == {"text"} for r in read_jsonl(data / "cpt" / "train.jsonl"))
+    for row in read_jsonl(data / "sft" / "train.jsonl"):
+        assert set(row) == {"messages"} and {m["role"] for m in row["messages"]} <= ROLES
+        assert all(set(m) == {"role", "content"} for m in row["messages"])
+    for row in read_jsonl(data / "rlhf" / "train.jsonl"):
+        assert set(row) == {"prompt", "chosen", "rejected"}
+        assert [m["role"] for m in row["chosen"]] == ["assistant"] == [m["role"] for m in row["rejected"]]
+    assert not (root / "prepare" / "quarantine").exists() or not list((root / "prepare" / "quarantine").iterdir())
+
+
+def test_stage_json_records_inputs_counts_fingerprints_and_tracking(prepared):
+    root, _, _ = prepared
+    result = RunDir(root).read_result("prepare")
+    assert result is not None and result.status == "succeeded"
+    assert set(result.inputs) == {
+        "cpt:builtin:korean-corpus",
+        "sft:builtin:korean-instructions",
+        "rlhf:builtin:korean-preferences",
+        "evaluate:builtin:korean-heldout",
+    }
+    assert all(ref.fingerprint.startswith("sha256:") for ref in result.inputs.values())
+    data = result.extra["data"]
+    for stage, counts in data.items():
+        train = root / "prepare" / "data" / stage / "train.jsonl"
+        assert counts["train_rows"] == (len(read_jsonl(train)) if train.exists() else 0)
+        assert counts["eval_rows"] == len(read_jsonl(root / "prepare" / "data" / stage / "eval.jsonl"))
+        assert counts["rows"] == counts["train_rows"] + counts["eval_rows"] and counts["quarantined"] == 0
+    assert data["sft"]["eval_rows"] >= 1 and data["evaluate"]["train_rows"] == 0
+    assert result.extra["fingerprint"].startswith("sha256:")
+    parent = json.loads((root / "tracking.json").read_text())["mlflow"]["parent_run_id"]
+    assert result.extra["mlflow_parent_run_id"] == parent and result.mlflow_run_id not in (None, parent)
+    assert result.outputs["tokenizer"] == "prepare/tokenizer"
+
+
+def test_argo_output_parameters_are_written(prepared):
+    root, outputs, _ = prepared
+    extra = RunDir(root).read_result("prepare").extra
+    assert (outputs / "status").read_text() == "succeeded"
+    for name in ("fingerprint", "unchanged", "tokenizer_hash", "mlflow_parent_run_id"):
+        assert (outputs / name).read_text() == extra[name]
+
+
+def test_tokenizer_has_the_chat_template_and_special_tokens(prepared):
+    transformers = pytest.importorskip("transformers")
+    root, _, _ = prepared
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(root / "prepare" / "tokenizer"))
+    assert len(tokenizer) <= 2048 and tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"
+    messages = [{"role": "user", "content": "헌법 제1조는?"}, {"role": "assistant", "content": "민주공화국"}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    assert text == (
+        "<|im_start|>user\n헌법 제1조는?<|im_end|>\n"
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n민주공화국<|im_end|>\n"
+    )
+    prompt = tokenizer.apply_chat_template(
+        messages[:1], tokenize=False, add_generation_prompt=True, enable_thinking=False
+    )
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    for token in ("<|im_start|>", "<|im_end|>", "<think>", "</think>", "<|endoftext|>"):
+        assert len(tokenizer(token, add_special_tokens=False)["input_ids"]) == 1
+
+
+def test_rerun_is_a_no_op_and_a_changed_config_is_refused(prepared):
+    root, _, _ = prepared
+    before = RunDir(root).read_result("prepare")
+    again = prepare(root)
+    assert again.returncode == 0 and "nothing to do" in again.stdout
+    assert RunDir(root).read_result("prepare").ended_at == before.ended_at
+
+    changed = load_pipeline(
+        "korean-llm", "local", ["tracking.wandb_project=null", "stages.sft.data.eval_fraction=0.1"]
+    ).spec
+    RunDir(root).write_spec(changed)
+    try:
+        refused = prepare(root)
+    finally:
+        RunDir(root).write_spec(load_pipeline("korean-llm", "local", ["tracking.wandb_project=null"]).spec)
+    assert refused.returncode == 2 and "another config" in refused.stderr
+
+
+def cpt_only(tmp_path: Path, rows: list[str], bad_fraction: float) -> StageContext:
+    data = tmp_path / "corpus.jsonl"
+    data.write_text("\n".join(rows) + "\n", encoding="utf-8")
+    overrides = [*ONLY_CPT, "tracking.wandb_project=null", f"stages.cpt.data.uri={data}"]
+    overrides.append(f"stages.cpt.data.max_bad_row_fraction={bad_fraction}")
+    spec = load_pipeline("korean-llm", "local", overrides).spec
+    run_dir = RunDir(tmp_path / "run")
+    run_dir.write_spec(spec)
+    return StageContext(run_dir, "prepare", spec)
+
+
+def test_bad_data_fails_the_stage_naming_file_line_and_field(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    ctx = cpt_only(tmp_path, ['{"text": "좋은 문서"}', '{"text": ["not", "a", "string"]}'], 0.0)
+    assert run(ctx) == 1
+    result = ctx.run_dir.read_result("prepare")
+    assert result.status == "failed"
+    assert f"{tmp_path / 'corpus.jsonl'}:2: field 'text': expected a string, got a list" in result.message
+    assert "corpus.jsonl:2" in capsys.readouterr().err
+    assert not (ctx.dir / "tokenizer").exists()
+
+
+def test_bad_rows_within_the_limit_are_quarantined(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    rows = [json.dumps({"text": f"대한민국 헌법 문서 {i} " * 5}, ensure_ascii=False) for i in range(6)]
+    ctx = cpt_only(tmp_path, [*rows, "{broken json"], 0.2)
+    assert run(ctx) == 0
+    quarantine = read_jsonl(ctx.dir / "quarantine" / "cpt.jsonl")
+    assert quarantine == [
+        {
+            "file": str(tmp_path / "corpus.jsonl"),
+            "line": 7,
+            "field": "",
+            "error": quarantine[0]["error"],
+            "raw": "{broken json",
+        }
+    ]
+    assert quarantine[0]["error"].startswith("not valid JSON")
+    counts = ctx.run_dir.read_result("prepare").extra["data"]["cpt"]
+    assert (counts["rows"], counts["quarantined"], counts["read_rows"]) == (6, 1, 7)
+
+
+def _fake_run(parent: Path, name: str, pipeline: str, statuses: dict[str, str], fingerprint: str, ended: str) -> None:
+    root = parent / name
+    stages = {s: {"enabled": s in statuses} for s in ("prepare", "cpt", "sft", "rlhf", "evaluate", "deploy")}
+    write_json_atomic(root / "spec.json", {"name": pipeline, "stages": stages})
+    for stage, status in statuses.items():
+        extra = {"fingerprint": fingerprint} if stage == "prepare" else {}
+        write_json_atomic(root / stage / "stage.json", {"status": status, "ended_at": ended, "extra": extra})
+
+
+def test_last_success_is_the_newest_fully_successful_sibling_run(tmp_path: Path):
+    spec = load_pipeline("korean-llm", "local").spec
+    _fake_run(tmp_path, "a", "korean-llm", {"prepare": "succeeded", "cpt": "succeeded"}, "sha256:old", "2026-01-01")
+    _fake_run(tmp_path, "b", "korean-llm", {"prepare": "succeeded", "cpt": "succeeded"}, "sha256:new", "2026-02-01")
+    _fake_run(tmp_path, "c", "korean-llm", {"prepare": "succeeded", "cpt": "failed"}, "sha256:bad", "2026-03-01")
+    _fake_run(tmp_path, "d", "other-pipeline", {"prepare": "succeeded"}, "sha256:other", "2026-04-01")
+    this = RunDir(tmp_path / "now")
+    assert last_success(this, spec) == ("b", "sha256:new")
+    assert last_success(RunDir(tmp_path / "empty" / "now"), spec) == (None, None)

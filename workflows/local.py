@@ -1,0 +1,315 @@
+"""The embedded runner: the pipeline's DAG on this machine, each stage a `python -m stages` subprocess.
+
+`python -m workflows.submit korean-llm --local` lands here with the spec already validated (the `local`
+profile applied). The runner writes `spec.json` into the run directory (`runs/<pipeline>-<UTC time>` by
+default), then runs every enabled stage in DAG order, exactly as the cluster runs it:
+
+    python -m stages <stage> --run-dir DIR                                   # one process
+    torchrun --standalone --nproc-per-node N --module stages <stage> ...      # training stages, N > 1 GPUs
+
+It shows a live table (status, elapsed time, last log line), keeps each stage's full output in
+`<run>/<stage>/logs/stage.log`, stops at the first failure with the log tail and the command that resumes
+(completed stages are no-ops by the stage contract), and ends with a summary table and how to open MLflow.
+A stage whose module does not exist is reported as missing and fails the run; it is never skipped.
+
+This module never imports torch or transformers: GPUs are counted from CUDA_VISIBLE_DEVICES or `nvidia-smi -L`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from stages.contract import EXIT_RETRYABLE, RunDir
+from workflows.loading import LoadedPipeline
+from workflows.spec import TRAINING_STAGES, PipelineSpec
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RUNS_DIR = Path("runs")
+LOG_TAIL_LINES = 25
+KEY_METRICS = ("eval_loss", "perplexity", "train_loss", "loss")
+"""The metric a stage's summary row shows: the first of these its stage.json has."""
+
+_STYLE = {
+    "pending": "dim",
+    "running": "cyan",
+    "succeeded": "green",
+    "done before": "green",
+    "skipped": "yellow",
+    "failed": "bold red",
+    "interrupted": "yellow",
+    "missing": "bold red",
+    "not run": "dim",
+}
+
+
+@dataclass
+class StageRun:
+    """The runner's view of one stage: its status, timing, last output line and outcome."""
+
+    name: str
+    status: str = "pending"
+    started: float | None = None
+    ended: float | None = None
+    last_line: str = ""
+    returncode: int | None = None
+    metric: str = ""
+    message: str = ""
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=LOG_TAIL_LINES))
+
+    @property
+    def elapsed(self) -> str:
+        if self.started is None:
+            return ""
+        seconds = (self.ended or time.monotonic()) - self.started
+        return f"{int(seconds // 60)}:{seconds % 60:04.1f}" if seconds >= 60 else f"{seconds:.1f}s"
+
+
+# --------------------------------------------------------------------------- environment
+
+
+def gpu_count() -> int:
+    """GPUs this machine offers: CUDA_VISIBLE_DEVICES when set, else the lines of `nvidia-smi -L`."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        devices = [d.strip() for d in visible.split(",") if d.strip()]
+        return 0 if not devices or devices[0] == "-1" else len(devices)
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU ")) if out.returncode == 0 else 0
+
+
+def default_run_dir(spec: PipelineSpec) -> Path:
+    """runs/<pipeline>-<UTC timestamp>."""
+    return RUNS_DIR / f"{spec.name}-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}"
+
+
+def local_tracking_uri(run_root: Path) -> str:
+    return f"sqlite:///{run_root / 'mlflow.db'}"
+
+
+def stage_env(run_root: Path) -> dict[str, str]:
+    """The stages' environment: this one, plus local tracking defaults and the checkout on PYTHONPATH."""
+    env = dict(os.environ)
+    env.setdefault("MLFLOW_TRACKING_URI", local_tracking_uri(run_root))
+    if not env.get("WANDB_API_KEY"):
+        env["WANDB_MODE"] = "offline"
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def stage_command(stage: str, run_root: Path, force: bool, gpus: int) -> list[str]:
+    """The argv of a stage: torchrun for a training stage on more than one GPU, else plain python."""
+    args = ["--module", "stages", stage, "--run-dir", str(run_root)] + (["--force"] if force else [])
+    if stage in TRAINING_STAGES and gpus > 1:
+        launcher = (
+            [shutil.which("torchrun")] if shutil.which("torchrun") else [sys.executable, "-m", "torch.distributed.run"]
+        )
+        return [*launcher, "--standalone", "--nproc-per-node", str(gpus), *args]  # type: ignore[list-item]
+    return [sys.executable, "-m", "stages", *args[2:]]
+
+
+def stage_module_exists(stage: str) -> bool:
+    """Whether `stages/<stage>.py` exists (found without importing it)."""
+    return importlib.util.find_spec(f"stages.{stage}") is not None
+
+
+# --------------------------------------------------------------------------- reading results
+
+
+def read_stage_json(run_root: Path, stage: str) -> dict[str, Any] | None:
+    path = run_root / stage / "stage.json"
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def key_metric(stage: str, result: dict[str, Any] | None) -> str:
+    """The summary's metric for a stage: rows for prepare, else the first of KEY_METRICS it recorded."""
+    if not result:
+        return ""
+    metrics = result.get("metrics") or {}
+    if stage == "prepare":
+        rows = {k.removesuffix("_rows"): int(v) for k, v in metrics.items() if k.endswith("_rows")}
+        return ", ".join(f"{s} {n}" for s, n in rows.items()) + (" rows" if rows else "")
+    for name in KEY_METRICS:
+        if name in metrics:
+            return f"{name} {metrics[name]:.4g}"
+    if metrics:
+        name = sorted(metrics)[0]
+        return f"{name} {metrics[name]:.4g}"
+    return ""
+
+
+# --------------------------------------------------------------------------- running
+
+
+def _pump(stream: Any, log_file: Any, run: StageRun) -> None:
+    """Copy a stage's output into its log, remembering the last lines."""
+    for raw in iter(stream.readline, b""):
+        log_file.write(raw)
+        log_file.flush()
+        text = raw.decode("utf-8", errors="replace").rstrip()
+        line = text.split("\r")[-1].strip() if text else ""
+        if line:
+            run.last_line = line
+            run.tail.append(line)
+
+
+def run_stage(run: StageRun, command: list[str], env: dict[str, str], log_path: Path, refresh: Any) -> int:
+    """Run one stage to completion, its output appended to `log_path`; returns its exit code."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log_file:
+        started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        log_file.write(f"===== {started_at} {' '.join(command)}\n".encode())
+        log_file.flush()
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+        pump = threading.Thread(target=_pump, args=(process.stdout, log_file, run), daemon=True)
+        pump.start()
+        try:
+            while process.poll() is None:
+                refresh()
+                time.sleep(0.25)
+        except KeyboardInterrupt:
+            process.send_signal(signal.SIGTERM)  # the stage checkpoints and exits with EXIT_RETRYABLE
+            try:
+                process.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+            pump.join(timeout=5)
+            raise
+        pump.join(timeout=30)
+        return process.returncode
+
+
+def render(spec: PipelineSpec, run_root: Path, runs: list[StageRun], live: bool = True) -> Table:
+    """The progress (or summary) table."""
+    table = Table(title=f"{spec.name}  ·  {run_root}", title_justify="left", expand=False)
+    table.add_column("stage", no_wrap=True, min_width=8)
+    table.add_column("status", no_wrap=True, min_width=11)
+    table.add_column("time", justify="right", no_wrap=True, min_width=6)
+    table.add_column("last log line" if live else "key metric", overflow="ellipsis", no_wrap=True, max_width=70)
+    for run in runs:
+        summary = run.metric or (run.message.splitlines()[0] if run.message else "")
+        detail = run.last_line if live else summary
+        table.add_row(run.name, Text(run.status, style=_STYLE.get(run.status, "")), run.elapsed, detail)
+    return table
+
+
+def rerun_hint(loaded: LoadedPipeline, run_root: Path, stage: str) -> str:
+    return (
+        "Resume (completed stages are no-ops):\n"
+        f"  python -m workflows.submit {loaded.spec.name} --local --run-dir {run_root}   "
+        "(with the same --profile/--set options)\n"
+        f"  or this stage alone: python -m stages {stage} --run-dir {run_root}"
+    )
+
+
+def run_local(loaded: LoadedPipeline, run_dir: Path | None = None, force: bool = False) -> int:
+    """Run the pipeline's enabled stages in DAG order on this machine; returns the exit code (0: all done)."""
+    spec = loaded.spec
+    run_root = Path(run_dir or default_run_dir(spec)).absolute()
+    RunDir(run_root).write_spec(spec)
+    console = Console()
+    stages = spec.stages.enabled()
+    runs = [StageRun(name) for name in stages]
+    gpus = gpu_count()
+    env = stage_env(run_root)
+    plural = "s" if gpus != 1 else ""
+    header = f"{spec.name} → {run_root} ({gpus} GPU{plural}; stages: {', '.join(stages)})"
+    console.print(header, markup=False, soft_wrap=True)
+
+    exit_code = 0
+    failed: StageRun | None = None
+    live = Live(render(spec, run_root, runs), console=console, refresh_per_second=4, transient=True)
+    with live if console.is_terminal else _Quiet():
+        for run in runs:
+            if failed is not None:
+                run.status = "not run"
+                continue
+            if not stage_module_exists(run.name):
+                run.status, run.message = "missing", f"stages/{run.name}.py does not exist yet"
+                failed, exit_code = run, 1
+                continue
+            before = read_stage_json(run_root, run.name)
+            run.status, run.started = "running", time.monotonic()
+            if not console.is_terminal:
+                console.print(f"{run.name}: running", markup=False)
+
+            def refresh() -> None:
+                if console.is_terminal:
+                    live.update(render(spec, run_root, runs))
+
+            try:
+                command = stage_command(run.name, run_root, force, gpus)
+                run.returncode = run_stage(run, command, env, run_root / run.name / "logs" / "stage.log", refresh)
+            except KeyboardInterrupt:
+                run.ended, run.status = time.monotonic(), "interrupted"
+                failed, exit_code = run, 130
+                continue
+            run.ended = time.monotonic()
+            result = read_stage_json(run_root, run.name)
+            status = (result or {}).get("status")
+            if run.returncode == 0 and status in ("succeeded", "skipped"):
+                same = before is not None and before.get("ended_at") == (result or {}).get("ended_at")
+                run.status = "done before" if same else status
+                run.metric = key_metric(run.name, result)
+            else:
+                run.status = "interrupted" if run.returncode == EXIT_RETRYABLE else "failed"
+                run.message = (result or {}).get("message", "") or f"exit code {run.returncode}"
+                failed, exit_code = run, run.returncode or 1
+            if not console.is_terminal:
+                console.print(f"{run.name}: {run.status} ({run.elapsed})", markup=False)
+
+    console.print(render(spec, run_root, runs, live=False))
+    if failed is not None:
+        if failed.tail:
+            log_path = run_root / failed.name / "logs" / "stage.log"
+            console.print(
+                Text(f"{failed.name} {failed.status}; last lines of {log_path}:", style="bold red"), soft_wrap=True
+            )
+            console.print(Text("\n".join(failed.tail)), soft_wrap=True)
+        else:
+            console.print(Text(f"{failed.name}: {failed.message}", style="bold red"), soft_wrap=True)
+        console.print(rerun_hint(loaded, run_root, failed.name), markup=False, soft_wrap=True)
+    uri = spec.tracking.mlflow_tracking_uri or env["MLFLOW_TRACKING_URI"]
+    if uri.startswith("sqlite:///"):
+        console.print(f"MLflow UI: mlflow ui --backend-store-uri {uri}", markup=False, soft_wrap=True)
+    else:
+        console.print(f"MLflow: {re.sub(r'//[^/@]*@', '//***@', uri)}", markup=False, soft_wrap=True)
+    return exit_code
+
+
+class _Quiet:
+    """Stands in for the live view when the output is not a terminal (CI logs get plain lines)."""
+
+    def __enter__(self) -> _Quiet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
