@@ -1,0 +1,169 @@
+"""The images' Dockerfiles and the trainer's lock file, read as text (nothing is built here)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import tomllib
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+
+ROOT = Path(__file__).resolve().parent.parent
+IMAGES = ROOT / "images"
+DOCKERFILES = sorted(IMAGES.glob("*/Dockerfile"))
+LOCK = IMAGES / "trainer" / "requirements.lock"
+SECRETISH = re.compile(r"(^|_)(TOKEN|KEY|PASSWORD|PASSWD|SECRET|CREDENTIALS?)(_|$)", re.IGNORECASE)
+
+
+def instructions(dockerfile: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs, with continuation lines joined and comments dropped."""
+    out: list[tuple[str, str]] = []
+    pending = ""
+    for line in dockerfile.read_text(encoding="utf-8").splitlines():
+        if not pending and line.lstrip().startswith("#"):
+            continue
+        if line.rstrip().endswith("\\"):
+            pending += line.rstrip()[:-1] + " "
+            continue
+        full = (pending + line).strip()
+        pending = ""
+        if full:
+            word, _, rest = full.partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
+def base_images(dockerfile: Path) -> list[str]:
+    """The FROM images, with ARG defaults substituted."""
+    args: dict[str, str] = {}
+    images = []
+    for word, rest in instructions(dockerfile):
+        if word == "ARG" and "=" in rest:
+            name, _, default = rest.partition("=")
+            args[name.strip()] = default.strip().strip('"')
+        elif word == "FROM":
+            image = rest.split()[0]
+            images.append(re.sub(r"\$\{?(\w+)\}?", lambda m: args.get(m[1], m[0]), image))
+    return images
+
+
+def is_pinned(image: str) -> bool:
+    """A tag other than latest, or a digest."""
+    if "@sha256:" in image:
+        return True
+    tag = image.rsplit("/", 1)[-1].partition(":")[2]
+    return bool(tag) and tag != "latest" and "$" not in tag
+
+
+def test_there_are_images() -> None:
+    assert IMAGES / "trainer" / "Dockerfile" in DOCKERFILES
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.parent.name)
+def test_base_image_is_pinned(dockerfile: Path) -> None:
+    images = base_images(dockerfile)
+    assert images
+    for image in images:
+        assert is_pinned(image), f"{dockerfile}: base image {image} is not pinned to a tag or digest"
+
+
+def test_secret_check_tells_secrets_from_lookalikes() -> None:
+    assert SECRETISH.search("HF_TOKEN") and SECRETISH.search("AWS_SECRET_ACCESS_KEY") and SECRETISH.search("PASSWORD")
+    assert not SECRETISH.search("TOKENIZERS_PARALLELISM") and not SECRETISH.search("MONKEY")
+
+
+def test_pin_check_can_fail() -> None:
+    assert not is_pinned("pytorch/pytorch")
+    assert not is_pinned("pytorch/pytorch:latest")
+    assert not is_pinned("registry.local:5000/pytorch")
+    assert is_pinned("registry.local:5000/pytorch@sha256:" + "0" * 64)
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.parent.name)
+def test_runs_as_a_non_root_user(dockerfile: Path) -> None:
+    users = [rest for word, rest in instructions(dockerfile) if word == "USER"]
+    assert users, f"{dockerfile}: no USER"
+    final = users[-1].split(":")[0]
+    assert final not in ("root", "0"), f"{dockerfile}: the final USER is {final}"
+    assert final == "1000", "the pods run as UID 1000 (runAsNonRoot needs a numeric USER to verify)"
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.parent.name)
+def test_no_secrets_in_the_image(dockerfile: Path) -> None:
+    for word, rest in instructions(dockerfile):
+        if word in ("ENV", "ARG"):
+            for name, value in re.findall(r"([A-Za-z_][A-Za-z0-9_]*)=(\"[^\"]*\"|\S*)", rest):
+                assert not (SECRETISH.search(name) and value.strip('"')), f"{dockerfile}: {word} {name} has a value"
+            if "=" not in rest and word == "ENV":  # legacy `ENV NAME value`
+                assert not SECRETISH.search(rest.split()[0]), f"{dockerfile}: ENV {rest}"
+        if word in ("COPY", "ADD"):
+            assert not re.search(r"(\.env\b|secret|credential|\.pem|id_rsa|kubeconfig)", rest, re.I), rest
+
+
+def test_trainer_installs_from_the_lock_and_the_project() -> None:
+    steps = instructions(IMAGES / "trainer" / "Dockerfile")
+    runs = " ".join(rest for word, rest in steps if word == "RUN")
+    copies = [rest for word, rest in steps if word == "COPY"]
+    assert any("images/trainer/requirements.lock" in c for c in copies)
+    assert re.search(r"pip install --no-deps -r \S*requirements\.lock", runs)
+    assert "pip check" in runs
+    assert re.search(r"pip install --no-deps \.", runs)
+    assert "python -m stages --help" in runs and 'python -c "import workflows.spec"' in runs
+
+
+def test_trainer_sets_writable_home_and_labels() -> None:
+    text = " ".join(rest for word, rest in instructions(IMAGES / "trainer" / "Dockerfile") if word in ("ENV", "LABEL"))
+    assert "HOME=/home/posttrain" in text and "HF_HOME=/home/posttrain/" in text
+    for label in ("title", "version", "revision", "source", "licenses"):
+        assert f"org.opencontainers.image.{label}=" in text
+
+
+# --------------------------------------------------------------------------- the lock file
+
+
+def lock_pins() -> dict[str, Version]:
+    pins: dict[str, Version] = {}
+    for n, line in enumerate(LOCK.read_text(encoding="utf-8").splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        match = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._-]*)==([0-9][0-9A-Za-z.+!-]*)", line)
+        assert match, f"requirements.lock:{n}: {line!r} is not pinned as name==version"
+        name = canonicalize_name(match[1])
+        assert name not in pins, f"requirements.lock:{n}: {name} is pinned twice"
+        pins[name] = Version(match[2])
+    return pins
+
+
+def _project() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+
+
+def test_lock_pins_every_package() -> None:
+    assert len(lock_pins()) > 50
+
+
+def test_lock_covers_the_train_extra_and_the_base_dependencies() -> None:
+    pins = lock_pins()
+    project = _project()
+    for raw in project["optional-dependencies"]["train"] + project["dependencies"]:
+        req = Requirement(raw)
+        name = canonicalize_name(req.name)
+        if name == "torch":
+            assert name not in pins, "torch comes from the base image; the lock must not replace it"
+            continue
+        assert name in pins, f"{req.name} ({raw}) is not in requirements.lock"
+        assert req.specifier.contains(pins[name], prereleases=True), f"{name}=={pins[name]} does not satisfy {raw}"
+        for extra in req.extras:  # e.g. hera[yaml]: the extra's packages are pinned too
+            assert extra != "yaml" or "pyyaml" in pins
+
+
+def test_lock_matches_the_declared_minor_versions() -> None:
+    pins = lock_pins()
+    expected = {"transformers": "5.23", "trl": "1.16", "peft": "0.21", "accelerate": "1.15", "datasets": "5.2"}
+    for name, minor in expected.items():
+        assert f"{pins[name].major}.{pins[name].minor}" == minor
+    assert str(pins["mlflow"]) == "3.17.2"

@@ -1,0 +1,636 @@
+"""The cluster kit in manifests/: every overlay builds, every object validates, and the settings the pipelines
+rely on (names, pod security, least-privilege RBAC) hold.
+
+The overlays are built here in Python by `build()`, a small kustomize for exactly the features the kit uses:
+`resources`, `components`, `namespace` (with the Namespace object and ServiceAccount subjects following it),
+`patches` (strategic-merge patch files, `$patch: delete` included, and inline JSON 6902 patches with a target,
+where a renamed ServiceAccount or PVC carries its references along), `replacements`, and dropping
+`config.kubernetes.io/local-config` resources. CI has no usable kubectl (Debian's kubernetes-client ships
+kustomize v2, which predates components and replacements), so the tests do not need one; where a kubectl with
+kustomize v5 is on the PATH, `test_build_matches_kubectl_kustomize` checks that `build()` gives exactly what
+`kubectl kustomize` gives, so the Python build cannot drift from the real one unnoticed.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from workflows.loading import load_pipeline
+
+MANIFESTS = Path(__file__).resolve().parent.parent / "manifests"
+OVERLAYS = {"onprem": MANIFESTS / "overlays" / "onprem", "gke": MANIFESTS / "overlays" / "gke"}
+BUILDS = {"base": MANIFESTS / "base", **OVERLAYS}
+COMPONENTS = sorted(p.parent for p in (MANIFESTS / "components").glob("*/kustomization.yaml"))
+K8S_VERSION = "1.32.0"
+"""Kubernetes version the core kinds are validated against (the oldest the kit supports)."""
+
+Doc = dict[str, Any]
+
+CLUSTER_SCOPED = {"Namespace", "PriorityClass", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition"}
+CRD_KINDS = {"ServingRuntime", "LocalQueue"}
+POD_TEMPLATE_KINDS = {"Deployment", "StatefulSet", "DaemonSet", "Job"}
+MERGE_KEYS = {
+    "containers": "name",
+    "initContainers": "name",
+    "env": "name",
+    "volumes": "name",
+    "volumeMounts": "mountPath",
+    "ports": "containerPort",
+    "imagePullSecrets": "name",
+}
+"""Strategic-merge keys of the core lists the kit's patches touch (as in the Kubernetes OpenAPI)."""
+
+
+# --------------------------------------------------------------------------- a small kustomize
+
+
+def _load_docs(path: Path) -> list[Doc]:
+    return [d for d in yaml.safe_load_all(path.read_text(encoding="utf-8")) if d]
+
+
+def _kustomization(directory: Path) -> Doc:
+    return yaml.safe_load((directory / "kustomization.yaml").read_text(encoding="utf-8"))
+
+
+def _matches(doc: Doc, kind: str | None, name: str | None) -> bool:
+    return (kind is None or doc["kind"] == kind) and (name is None or doc["metadata"]["name"] == name)
+
+
+def _pod_specs(doc: Doc) -> list[Doc]:
+    if doc["kind"] in POD_TEMPLATE_KINDS:
+        return [doc["spec"]["template"]["spec"]]
+    if doc["kind"] == "ServingRuntime":
+        return [doc["spec"]]
+    return []
+
+
+def _strategic_merge(base: Doc, patch: Doc, typed: bool) -> Doc:
+    """`patch` merged onto `base`: maps recursively, null deletes, merge-keyed lists by key (core kinds only)."""
+    for key, value in patch.items():
+        if key == "$patch":
+            continue
+        if value is None:
+            base.pop(key, None)
+        elif isinstance(value, dict) and isinstance(base.get(key), dict):
+            _strategic_merge(base[key], value, typed)
+        elif typed and key in MERGE_KEYS and isinstance(value, list) and isinstance(base.get(key), list):
+            base[key] = _merge_list(base[key], value, MERGE_KEYS[key])
+        else:
+            base[key] = copy.deepcopy(value)
+    return base
+
+
+def _merge_list(base: list[Doc], patch: list[Doc], key: str) -> list[Doc]:
+    """kyaml's order: the patch's items first (merged with their originals), then the untouched originals."""
+    by_key = {item[key]: item for item in base}
+    merged: list[Doc] = []
+    touched = set()
+    for item in patch:
+        touched.add(item[key])
+        if item.get("$patch") == "delete":
+            continue
+        merged.append(_strategic_merge(copy.deepcopy(by_key.get(item[key], {})), item, typed=True))
+    return merged + [item for item in base if item[key] not in touched]
+
+
+def _json_pointer(path: str) -> list[str]:
+    return [p.replace("~1", "/").replace("~0", "~") for p in path.lstrip("/").split("/")]
+
+
+def _json6902(doc: Doc, ops: list[Doc]) -> None:
+    for op in ops:
+        *parents, last = _json_pointer(op["path"])
+        node: Any = doc
+        for part in parents:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        if op["op"] in ("add", "replace"):
+            node[last] = copy.deepcopy(op["value"])
+        elif op["op"] == "remove":
+            del node[last]
+        else:
+            raise AssertionError(f"JSON patch op {op['op']!r} is not supported by this build; extend build()")
+
+
+def _follow_rename(docs: list[Doc], kind: str, old: str, new: str) -> None:
+    """Update references to a renamed ServiceAccount or PVC, as kustomize's name references do."""
+    for doc in docs:
+        if kind == "ServiceAccount" and doc["kind"] in ("RoleBinding", "ClusterRoleBinding"):
+            for subject in doc.get("subjects", []):
+                if subject["kind"] == "ServiceAccount" and subject["name"] == old:
+                    subject["name"] = new
+        for pod in _pod_specs(doc):
+            if kind == "ServiceAccount" and pod.get("serviceAccountName") == old:
+                pod["serviceAccountName"] = new
+            for volume in pod.get("volumes", []):
+                claim = volume.get("persistentVolumeClaim")
+                if kind == "PersistentVolumeClaim" and claim and claim["claimName"] == old:
+                    claim["claimName"] = new
+
+
+def _apply_patches(directory: Path, entries: list[Doc], docs: list[Doc]) -> list[Doc]:
+    for entry in entries:
+        if "path" in entry:
+            assert "target" not in entry, "build() supports path patches that name their target themselves"
+            for patch in _load_docs(directory / entry["path"]):
+                kind, name = patch["kind"], patch["metadata"]["name"]
+                targets = [d for d in docs if _matches(d, kind, name)]
+                assert targets, f"{entry['path']}: no {kind}/{name} to patch"
+                if patch.get("$patch") == "delete":
+                    docs = [d for d in docs if not _matches(d, kind, name)]
+                    continue
+                for target in targets:
+                    _strategic_merge(target, patch, typed=kind not in CRD_KINDS)
+            continue
+        target = entry["target"]
+        ops = yaml.safe_load(entry["patch"])
+        assert isinstance(ops, list), "build() supports inline patches as JSON 6902 operations"
+        selected = [d for d in docs if _matches(d, target.get("kind"), target.get("name"))]
+        assert selected, f"no resource matches patch target {target}"
+        for doc in selected:
+            old = doc["metadata"]["name"]
+            _json6902(doc, ops)
+            if doc["metadata"]["name"] != old:
+                _follow_rename(docs, doc["kind"], old, doc["metadata"]["name"])
+    return docs
+
+
+def _field(doc: Doc, dotted: str) -> Any:
+    node: Any = doc
+    for part in dotted.split("."):
+        node = node[part]
+    return node
+
+
+def _apply_replacements(replacements: list[Doc], docs: list[Doc]) -> None:
+    for replacement in replacements:
+        src = replacement["source"]
+        (source,) = [d for d in docs if _matches(d, src.get("kind"), src.get("name"))]
+        value = _field(source, src["fieldPath"])
+        for target in replacement["targets"]:
+            select = target["select"]
+            for doc in docs:
+                if not _matches(doc, select.get("kind"), select.get("name")):
+                    continue
+                for dotted in target["fieldPaths"]:
+                    *parents, last = dotted.split(".")
+                    node = doc
+                    for part in parents:
+                        node = node.setdefault(part, {}) if target.get("options", {}).get("create") else node[part]
+                    node[last] = copy.deepcopy(value)
+
+
+def _set_namespace(namespace: str, docs: list[Doc]) -> None:
+    accounts = {d["metadata"]["name"] for d in docs if d["kind"] == "ServiceAccount"}
+    for doc in docs:
+        if doc["kind"] == "Namespace":
+            doc["metadata"]["name"] = namespace
+        elif doc["kind"] not in CLUSTER_SCOPED:
+            doc["metadata"]["namespace"] = namespace
+        if doc["kind"] in ("RoleBinding", "ClusterRoleBinding"):
+            for subject in doc.get("subjects", []):
+                if subject["kind"] == "ServiceAccount" and (
+                    subject.get("namespace") in (None, "", "default") or subject["name"] in accounts
+                ):
+                    subject["namespace"] = namespace
+
+
+def _accumulate(directory: Path, docs: list[Doc]) -> list[Doc]:
+    """Add a kustomization's (or component's) resources to `docs` and run its transformers over them."""
+    k = _kustomization(directory)
+    known = {"apiVersion", "kind", "resources", "components", "namespace", "patches", "replacements"}
+    assert set(k) <= known, f"{directory}: build() does not support {sorted(set(k) - known)}; extend it"
+    for ref in k.get("resources", []):
+        path = directory / ref
+        docs = docs + (build(path, keep_local=True) if path.is_dir() else _load_docs(path))
+    for component in k.get("components", []):
+        docs = _accumulate(directory / component, docs)
+    docs = _apply_patches(directory, k.get("patches", []), docs)
+    if "namespace" in k:
+        _set_namespace(k["namespace"], docs)
+    _apply_replacements(k.get("replacements", []), docs)
+    return docs
+
+
+def build(directory: Path, keep_local: bool = False) -> list[Doc]:
+    """The objects `kubectl kustomize directory` prints (in no particular order)."""
+    docs = _accumulate(directory, [])
+    if keep_local:
+        return docs
+    local = "config.kubernetes.io/local-config"
+    return [d for d in docs if d["metadata"].get("annotations", {}).get(local) != "true"]
+
+
+def _by_id(docs: list[Doc]) -> dict[tuple[str, str, str], Doc]:
+    out = {}
+    for doc in docs:
+        key = (doc["kind"], doc["metadata"].get("namespace", ""), doc["metadata"]["name"])
+        assert key not in out, f"{key} appears twice"
+        out[key] = doc
+    return out
+
+
+@pytest.fixture(scope="module")
+def builds() -> dict[str, list[Doc]]:
+    return {name: build(path) for name, path in BUILDS.items()}
+
+
+def _find(docs: list[Doc], kind: str, name: str) -> Doc:
+    found = [d for d in docs if _matches(d, kind, name)]
+    assert len(found) == 1, f"expected one {kind}/{name}, found {len(found)}"
+    return found[0]
+
+
+# --------------------------------------------------------------------------- building
+
+
+def _kubectl_kustomize() -> str | None:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        return None
+    probe = subprocess.run([kubectl, "version", "--client", "-o", "json"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return None
+    version = json.loads(probe.stdout).get("kustomizeVersion", "")
+    return kubectl if version.startswith(("v5", "v4")) else None
+
+
+@pytest.mark.parametrize("name", sorted(BUILDS))
+def test_build_matches_kubectl_kustomize(name: str) -> None:
+    kubectl = _kubectl_kustomize()
+    if kubectl is None:
+        pytest.skip("no kubectl with kustomize v4+ on PATH: the overlays are checked with the Python build only")
+    out = subprocess.run([kubectl, "kustomize", str(BUILDS[name])], capture_output=True, text=True, check=True)
+    assert _by_id(build(BUILDS[name])) == _by_id(_load_docs_text(out.stdout))
+
+
+def _load_docs_text(text: str) -> list[Doc]:
+    return [d for d in yaml.safe_load_all(text) if d]
+
+
+def test_every_manifest_file_is_part_of_a_build() -> None:
+    """A YAML file no kustomization names is never applied: only the secrets template may be one."""
+    named: set[Path] = set()
+    for kustomization in MANIFESTS.rglob("kustomization.yaml"):
+        k = yaml.safe_load(kustomization.read_text(encoding="utf-8"))
+        named.add(kustomization)
+        for ref in k.get("resources", []) + [p["path"] for p in k.get("patches", []) if "path" in p]:
+            named.add((kustomization.parent / ref).resolve())
+    loose = {p.relative_to(MANIFESTS) for p in MANIFESTS.rglob("*.yaml") if p.resolve() not in named}
+    assert loose == {Path("secrets.example.yaml")}
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _all_objects(builds: dict[str, list[Doc]]) -> list[tuple[str, Doc]]:
+    objects = [(name, doc) for name, docs in builds.items() for doc in docs]
+    for component in COMPONENTS:
+        for ref in _kustomization(component).get("resources", []):
+            objects += [(component.name, doc) for doc in _load_docs(component / ref)]
+    return objects
+
+
+def _validate_serving_runtime(doc: Doc) -> None:
+    assert doc["apiVersion"] == "serving.kserve.io/v1alpha1"
+    spec = doc["spec"]
+    assert spec["supportedModelFormats"] and all(f["name"] for f in spec["supportedModelFormats"])
+    pod_fields = {"containers", "volumes", "nodeSelector", "tolerations", "affinity", "imagePullSecrets"}
+    # The runtime's pod fields are core PodSpec fields: validate them as a Pod, strictly.
+    extra = set(spec) - pod_fields - {"supportedModelFormats", "protocolVersions", "multiModel", "disabled"}
+    assert not extra, f"unknown ServingRuntime fields {extra}"
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": doc["metadata"]["name"]},
+        "spec": {k: v for k, v in spec.items() if k in pod_fields},
+    }
+    # KServe fills in {{.Name}}-style templates; they are plain strings to the Pod schema.
+    kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+
+
+def _validate_local_queue(doc: Doc) -> None:
+    assert doc["apiVersion"] == "kueue.x-k8s.io/v1beta1"
+    assert set(doc["spec"]) <= {"clusterQueue", "stopPolicy", "fairSharing"}
+    assert isinstance(doc["spec"]["clusterQueue"], str) and doc["spec"]["clusterQueue"]
+
+
+def test_every_object_validates(builds: dict[str, list[Doc]]) -> None:
+    """Core kinds against the Kubernetes schema (strict: unknown fields fail); CRD kinds structurally."""
+    for where, doc in _all_objects(builds):
+        if doc["kind"] == "ServingRuntime":
+            _validate_serving_runtime(doc)
+        elif doc["kind"] == "LocalQueue":
+            _validate_local_queue(doc)
+        else:
+            assert doc["kind"] not in CRD_KINDS
+            try:
+                kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                pytest.fail(f"{where}: {doc['kind']}/{doc['metadata']['name']}: {exc.message}")
+
+
+def test_validation_catches_an_unknown_field() -> None:
+    bad = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "x"}, "spec": {"portz": []}}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, K8S_VERSION, strict=True)
+
+
+def test_no_image_is_floating(builds: dict[str, list[Doc]]) -> None:
+    for where, doc in _all_objects(builds):
+        for pod in _pod_specs(doc):
+            for container in pod.get("containers", []):
+                image = container["image"]
+                tag = image.rsplit("/", 1)[-1].partition(":")[2]
+                assert tag and tag != "latest", f"{where}: {doc['metadata']['name']} uses {image} (pin a tag)"
+
+
+# --------------------------------------------------------------------------- pod security
+
+
+def _container_issues(pod: Doc, container: Doc) -> list[str]:
+    pod_ctx = pod.get("securityContext", {})
+    ctx = container.get("securityContext", {})
+    issues = []
+    if not ctx.get("runAsNonRoot", pod_ctx.get("runAsNonRoot")):
+        issues.append("runAsNonRoot is not true")
+    if ctx.get("runAsUser", pod_ctx.get("runAsUser")) in (None, 0):
+        issues.append("no non-zero runAsUser (the images' USER is not trusted)")
+    if ctx.get("allowPrivilegeEscalation") is not False:
+        issues.append("allowPrivilegeEscalation is not false")
+    if ctx.get("capabilities", {}).get("drop") != ["ALL"] or ctx.get("capabilities", {}).get("add"):
+        issues.append("capabilities do not drop ALL (or add some)")
+    if ctx.get("privileged"):
+        issues.append("privileged")
+    if ctx.get("seccompProfile", pod_ctx.get("seccompProfile", {})).get("type") != "RuntimeDefault":
+        issues.append("seccomp profile is not RuntimeDefault")
+    return issues
+
+
+def test_every_workload_runs_restricted(builds: dict[str, list[Doc]]) -> None:
+    workloads = 0
+    for where, doc in _all_objects(builds):
+        for pod in _pod_specs(doc):
+            workloads += 1
+            assert not any("hostPath" in v for v in pod.get("volumes", [])), f"{where}: hostPath volume"
+            assert not (pod.get("hostNetwork") or pod.get("hostPID") or pod.get("hostIPC")), where
+            for container in pod.get("containers", []) + pod.get("initContainers", []):
+                issues = _container_issues(pod, container)
+                assert not issues, f"{where}: {doc['kind']}/{doc['metadata']['name']}/{container['name']}: {issues}"
+    assert workloads >= 4  # MLflow, TensorBoard, Postgres, the vLLM runtime
+
+
+def test_pod_security_check_can_fail() -> None:
+    pod = {"securityContext": {"runAsNonRoot": True, "runAsUser": 1000}}
+    container = {"name": "c", "securityContext": {"allowPrivilegeEscalation": False}}
+    assert _container_issues(pod, container) == [
+        "capabilities do not drop ALL (or add some)",
+        "seccomp profile is not RuntimeDefault",
+    ]
+
+
+def test_services_without_api_access_get_no_token(builds: dict[str, list[Doc]]) -> None:
+    for docs in builds.values():
+        for doc in docs:
+            for pod in _pod_specs(doc):
+                if doc["kind"] != "ServingRuntime":
+                    assert pod.get("automountServiceAccountToken") is False, doc["metadata"]["name"]
+
+
+def test_tensorboard_reads_the_runs_read_only(builds: dict[str, list[Doc]]) -> None:
+    for name, docs in builds.items():
+        (pod,) = _pod_specs(_find(docs, "Deployment", "tensorboard"))
+        checkpoints = [
+            p for p in docs if p["kind"] == "PersistentVolumeClaim" and "checkpoints" in p["metadata"]["name"]
+        ]
+        (volume,) = [v for v in pod["volumes"] if "persistentVolumeClaim" in v]
+        assert volume["persistentVolumeClaim"] == {"claimName": checkpoints[0]["metadata"]["name"], "readOnly": True}
+        (container,) = pod["containers"]
+        (mount,) = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
+        assert mount["readOnly"] is True, name
+        assert "--logdir=/mnt/checkpoints/runs" in container["args"]
+
+
+def test_mlflow_server_settings(builds: dict[str, list[Doc]]) -> None:
+    for name, docs in builds.items():
+        (pod,) = _pod_specs(_find(docs, "Deployment", "mlflow"))
+        (container,) = pod["containers"]
+        assert "--serve-artifacts" in container["args"]
+        assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+        assert container["resources"]["requests"], name
+        env = {e["name"]: e for e in container["env"]}
+        assert env["MLFLOW_BACKEND_STORE_URI"]["valueFrom"]["secretKeyRef"] == {"name": "mlflow-db", "key": "uri"}
+        destination = env["MLFLOW_ARTIFACTS_DESTINATION"]["value"]
+        if name == "gke":
+            assert destination.startswith("gs://")
+            assert not [d for d in docs if _matches(d, "PersistentVolumeClaim", "mlflow-artifacts")]
+        else:
+            (mount,) = [m for m in container["volumeMounts"] if m["name"] == "artifacts"]
+            assert mount["mountPath"] == destination
+
+
+# --------------------------------------------------------------------------- RBAC
+
+VERB_REASONS: dict[tuple[str, str], dict[tuple[str, str, str], str]] = {
+    ("Role", "posttrain-workflow"): {
+        ("argoproj.io", "workflowtaskresults", "create"): "Argo's executor reports each step's outputs",
+        ("argoproj.io", "workflowtaskresults", "patch"): "Argo's executor updates the step's result",
+        ("kubeflow.org", "pytorchjobs", "create"): "training steps are resource templates with action create",
+        ("kubeflow.org", "pytorchjobs", "get"): "the resource step polls the job for its success/failure condition",
+        ("serving.kserve.io", "inferenceservices", "create"): "deploy creates the InferenceService",
+        ("serving.kserve.io", "inferenceservices", "get"): "deploy reads the existing InferenceService",
+        ("serving.kserve.io", "inferenceservices", "patch"): "deploy moves an existing InferenceService to the model",
+    },
+    ("Role", "posttrain-submitter"): {
+        ("argoproj.io", "workflows", "create"): "submit",
+        ("argoproj.io", "workflows", "get"): "watch a run (and the UI's workflow page)",
+        ("argoproj.io", "workflows", "list"): "the Argo UI and `argo list`",
+        ("argoproj.io", "workflowtemplates", "create"): "register a new pipeline",
+        ("argoproj.io", "workflowtemplates", "get"): "register reads the resourceVersion to update; submit from UI",
+        ("argoproj.io", "workflowtemplates", "list"): "the Argo UI's template list",
+        ("argoproj.io", "workflowtemplates", "update"): "register an existing pipeline again",
+        ("argoproj.io", "cronworkflows", "create"): "register a scheduled pipeline",
+        ("argoproj.io", "cronworkflows", "get"): "register reads the resourceVersion, and finds stale schedules",
+        ("argoproj.io", "cronworkflows", "update"): "register a changed schedule",
+    },
+    ("ClusterRole", "posttrain-preflight"): {
+        ("apiextensions.k8s.io", "customresourcedefinitions", "get"): "preflight: the CRDs are installed",
+        ("", "namespaces", "get"): "preflight: the namespace exists",
+        ("", "nodes", "list"): "preflight: GPU nodes with the stages' labels, taints and GPUs",
+        ("scheduling.k8s.io", "priorityclasses", "get"): "preflight: the stages' PriorityClasses exist",
+        ("serving.kserve.io", "clusterservingruntimes", "get"): "preflight: the serving runtime, cluster-wide",
+    },
+    ("Role", "posttrain-preflight"): {
+        ("", "serviceaccounts", "get"): "preflight: the workflow ServiceAccount exists",
+        ("", "persistentvolumeclaims", "get"): "preflight: the volumes exist, are Bound and ReadWriteMany",
+        ("", "secrets", "get"): "preflight: the spec's Secrets exist (metadata only is requested)",
+        ("kueue.x-k8s.io", "localqueues", "get"): "preflight: the stages' Kueue LocalQueues exist",
+        ("serving.kserve.io", "servingruntimes", "get"): "preflight: the deploy stage's ServingRuntime exists",
+    },
+}
+"""Every verb any Role of the kit grants, with the reason it is needed. A verb without a row here fails."""
+
+
+def _grants(role: Doc) -> set[tuple[str, str, str]]:
+    out = set()
+    for rule in role.get("rules", []):
+        assert "nonResourceURLs" not in rule
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                for verb in rule["verbs"]:
+                    assert "*" not in (group, resource, verb), f"{role['metadata']['name']}: wildcard in {rule}"
+                    out.add((group, resource, verb))
+    return out
+
+
+def rbac_differences(roles: list[Doc]) -> list[str]:
+    """What differs between the roles' grants and VERB_REASONS: each unexplained or unused verb, one line each."""
+    problems = []
+    seen = set()
+    for role in roles:
+        key = (role["kind"], role["metadata"]["name"])
+        seen.add(key)
+        reasons = VERB_REASONS.get(key)
+        if reasons is None:
+            problems.append(f"{key}: a role with no entry in VERB_REASONS")
+            continue
+        granted = _grants(role)
+        problems += [f"{key}: {g} is granted without a reason" for g in sorted(granted - set(reasons))]
+        problems += [f"{key}: {g} has a reason but is not granted" for g in sorted(set(reasons) - granted)]
+    problems += [f"{key}: in VERB_REASONS but in no manifest" for key in sorted(set(VERB_REASONS) - seen)]
+    return problems
+
+
+def _all_roles(builds: dict[str, list[Doc]]) -> list[Doc]:
+    roles: dict[tuple[str, str], Doc] = {}
+    for _, doc in _all_objects(builds):
+        if doc["kind"] in ("Role", "ClusterRole"):
+            key = (doc["kind"], doc["metadata"]["name"])
+            assert key not in roles or roles[key]["rules"] == doc["rules"], f"{key} differs between builds"
+            roles[key] = doc
+    return list(roles.values())
+
+
+def test_roles_grant_exactly_the_verbs_with_a_reason(builds: dict[str, list[Doc]]) -> None:
+    assert rbac_differences(_all_roles(builds)) == []
+
+
+def test_an_extra_verb_fails_the_rbac_check(builds: dict[str, list[Doc]]) -> None:
+    roles = copy.deepcopy(_all_roles(builds))
+    workflow = next(r for r in roles if r["metadata"]["name"] == "posttrain-workflow")
+    workflow["rules"][1]["verbs"].append("delete")
+    assert rbac_differences(roles) == [
+        "('Role', 'posttrain-workflow'): ('kubeflow.org', 'pytorchjobs', 'delete') is granted without a reason"
+    ]
+
+
+def test_nothing_cluster_wide_outside_the_optional_components(builds: dict[str, list[Doc]]) -> None:
+    for name, docs in builds.items():
+        kinds = {d["kind"] for d in docs}
+        assert not kinds & {"ClusterRole", "ClusterRoleBinding"}, name
+
+
+def test_workflow_role_is_bound_to_the_workflow_service_account(builds: dict[str, list[Doc]]) -> None:
+    accounts = {"base": "posttrain-workflow", "onprem": "posttrain-workflow", "gke": "posttrain-gke-wi"}
+    for name, docs in builds.items():
+        binding = _find(docs, "RoleBinding", "posttrain-workflow")
+        namespace = _find(docs, "Namespace", binding["metadata"].get("namespace", "posttrain"))["metadata"]["name"]
+        assert binding["roleRef"]["name"] == "posttrain-workflow"
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": accounts[name], "namespace": namespace}]
+        _find(docs, "ServiceAccount", accounts[name])
+
+
+# --------------------------------------------------------------------------- overlays against the pipelines
+
+
+def _pvc_checks(docs: list[Doc], claim: str, storage_class: str | None) -> None:
+    pvc = _find(docs, "PersistentVolumeClaim", claim)
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert pvc["spec"].get("storageClassName") == storage_class
+
+
+@pytest.mark.parametrize(
+    ("overlay", "pipelines", "storage_class"),
+    [("onprem", ["korean-llm", "qwen3-30b-a3b"], "nfs-client"), ("gke", ["llama3-dolly"], "premium-rwx")],
+)
+def test_overlay_has_what_its_pipelines_name(
+    builds: dict[str, list[Doc]], overlay: str, pipelines: list[str], storage_class: str
+) -> None:
+    docs = builds[overlay]
+    for pipeline in pipelines:
+        spec = load_pipeline(pipeline).spec
+        ns = spec.cluster.namespace
+        _find(docs, "Namespace", ns)
+        assert all(d["metadata"]["namespace"] == ns for d in docs if d["kind"] not in CLUSTER_SCOPED)
+        _find(docs, "ServiceAccount", spec.cluster.service_account)
+        _pvc_checks(docs, spec.cluster.datasets.claim_name, storage_class)
+        _pvc_checks(docs, spec.cluster.checkpoints.claim_name, storage_class)
+        _find(docs, "ServingRuntime", spec.stages.deploy.serving.runtime)
+        for stage in spec.stages.enabled():
+            resources = spec.stage(stage).resources
+            if resources.priority_class:
+                _find(docs, "PriorityClass", resources.priority_class)
+            if resources.queue:
+                _find(docs, "LocalQueue", resources.queue)
+        # The runtime lands on the GPU nodes the evaluate stage uses, tolerating their GPU taint.
+        runtime = _find(docs, "ServingRuntime", spec.stages.deploy.serving.runtime)["spec"]
+        evaluate = spec.stages.evaluate.resources
+        assert runtime["nodeSelector"].items() <= {**evaluate.node_selector, **runtime["nodeSelector"]}.items()
+        assert set(runtime["nodeSelector"]) & set(evaluate.node_selector)
+        assert any(t.to_k8s() in runtime["tolerations"] for t in evaluate.tolerations)
+
+
+def test_gke_overlay_uses_workload_identity(builds: dict[str, list[Doc]]) -> None:
+    docs = builds["gke"]
+    for account in ("posttrain-gke-wi", "posttrain-mlflow"):
+        annotations = _find(docs, "ServiceAccount", account)["metadata"]["annotations"]
+        assert annotations["iam.gke.io/gcp-service-account"].endswith(".iam.gserviceaccount.com")
+    assert not [d for d in docs if _matches(d, "ServiceAccount", "posttrain-workflow")]
+
+
+def test_base_uses_the_spec_defaults(builds: dict[str, list[Doc]]) -> None:
+    from workflows.spec import ClusterSpec
+
+    cluster = ClusterSpec()
+    docs = builds["base"]
+    _find(docs, "Namespace", cluster.namespace)
+    _find(docs, "ServiceAccount", cluster.service_account)
+    _pvc_checks(docs, cluster.datasets.claim_name, None)
+    _pvc_checks(docs, cluster.checkpoints.claim_name, None)
+
+
+# --------------------------------------------------------------------------- secrets
+
+
+def _secret_refs(builds: dict[str, list[Doc]]) -> set[tuple[str, str]]:
+    refs = set()
+    for _, doc in _all_objects(builds):
+        for pod in _pod_specs(doc):
+            for container in pod.get("containers", []):
+                for env in container.get("env", []):
+                    if ref := env.get("valueFrom", {}).get("secretKeyRef"):
+                        refs.add((ref["name"], ref["key"]))
+    return refs
+
+
+def test_secrets_template_names_every_key_and_holds_no_value(builds: dict[str, list[Doc]]) -> None:
+    template = _load_docs(MANIFESTS / "secrets.example.yaml")
+    keys: set[tuple[str, str]] = set()
+    for secret in template:
+        assert secret["kind"] == "Secret"
+        data = secret.get("stringData", {})
+        assert all(value == "" for value in data.values()), f"{secret['metadata']['name']} holds a value"
+        keys |= {(secret["metadata"]["name"], key) for key in data}
+    assert _secret_refs(builds) <= keys
+    for pipeline in ("korean-llm", "qwen3-30b-a3b", "llama3-dolly"):
+        secrets = load_pipeline(pipeline).spec.cluster.secrets
+        named = {(ref.name, ref.key) for ref in (getattr(secrets, f) for f in type(secrets).model_fields) if ref}
+        assert named <= keys, f"{pipeline}: {named - keys} missing from secrets.example.yaml"

@@ -1,0 +1,386 @@
+"""Preflight against a fake cluster: a local HTTP server serving the Kubernetes API routes preflight reads and the
+Argo server's version route. A ready cluster passes; each missing piece fails with its fix; secret values never
+show."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import json
+import threading
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+from kubernetes import client
+
+from workflows import preflight
+from workflows.loading import load_pipeline
+from workflows.preflight import PreflightReport, run_preflight
+from workflows.spec import PipelineSpec
+
+SECRET_VALUE = "hf_s3cr3t-VALUE-never-shown"
+H100 = "NVIDIA-H100-80GB-HBM3"
+
+Routes = dict[str, tuple[int, Any]]
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+
+    def do_GET(self) -> None:
+        path = urlsplit(self.path).path
+        self.server.seen.append((path, dict(self.headers)))
+        status, body = self.server.routes.get(path, (404, {"kind": "Status", "reason": "NotFound", "code": 404}))
+        payload = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def log_message(self, *_: Any) -> None:
+        pass
+
+
+class _Server(ThreadingHTTPServer):
+    routes: Routes
+    seen: list[tuple[str, dict[str, str]]]
+
+
+@pytest.fixture
+def server() -> Iterator[_Server]:
+    srv = _Server(("127.0.0.1", 0), _Handler)
+    srv.routes, srv.seen = {}, []
+    thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+def _url(srv: _Server) -> str:
+    return f"http://127.0.0.1:{srv.server_address[1]}"
+
+
+def _api(srv: _Server) -> client.ApiClient:
+    configuration = client.Configuration()
+    configuration.host = _url(srv)
+    configuration.retries = 0
+    return client.ApiClient(configuration)
+
+
+def _node(name: str, labels: dict[str, str], gpus: int, taints: list[dict[str, str]] | None = None) -> dict:
+    return {
+        "metadata": {"name": name, "labels": labels},
+        "spec": {"taints": taints or []},
+        "status": {"allocatable": {"cpu": "192", "nvidia.com/gpu": str(gpus)}},
+    }
+
+
+GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
+
+
+def ready_cluster(spec: PipelineSpec, nodes: list[dict] | None = None, argo: str = "v3.6.5") -> Routes:
+    """Routes of a cluster that has everything `spec` needs."""
+    ns = spec.cluster.namespace
+    routes: Routes = {}
+    for crd, (version, _) in preflight.CRDS.items():
+        body = {"metadata": {"name": crd}, "spec": {"versions": [{"name": version, "served": True}]}}
+        routes[f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{crd}"] = (200, body)
+    routes[f"/api/v1/namespaces/{ns}"] = (200, {"metadata": {"name": ns}, "status": {"phase": "Active"}})
+    routes[f"/api/v1/namespaces/{ns}/serviceaccounts/{spec.cluster.service_account}"] = (200, {"metadata": {}})
+    for volume in (spec.cluster.datasets, spec.cluster.checkpoints):
+        pvc = {
+            "spec": {"accessModes": ["ReadWriteMany"]},
+            "status": {"phase": "Bound", "accessModes": ["ReadWriteMany"]},
+        }
+        routes[f"/api/v1/namespaces/{ns}/persistentvolumeclaims/{volume.claim_name}"] = (200, pvc)
+    encoded = base64.b64encode(SECRET_VALUE.encode()).decode()
+    for name, keys in preflight._secret_refs(spec).items():
+        data = {k: encoded for k in keys} or {".dockerconfigjson": encoded}
+        routes[f"/api/v1/namespaces/{ns}/secrets/{name}"] = (200, {"metadata": {"name": name}, "data": data})
+    for stage in spec.stages.enabled():
+        res = spec.stage(stage).resources
+        if res.priority_class:
+            routes[f"/apis/scheduling.k8s.io/v1/priorityclasses/{res.priority_class}"] = (200, {"value": 100000})
+        if res.queue:
+            routes[f"/apis/kueue.x-k8s.io/v1beta1/namespaces/{ns}/localqueues/{res.queue}"] = (200, {"spec": {}})
+    runtime = spec.stages.deploy.serving.runtime
+    routes[f"/apis/serving.kserve.io/v1alpha1/namespaces/{ns}/servingruntimes/{runtime}"] = (200, {"spec": {}})
+    if nodes is None:
+        gpu_labels = {"nvidia.com/gpu.product": H100}
+        nodes = [_node(f"h100-{i}", gpu_labels, 8, [GPU_TAINT]) for i in range(2)]
+        nodes.append(_node("cpu-0", {"kubernetes.io/os": "linux"}, 0))
+    routes["/api/v1/nodes"] = (200, {"items": nodes})
+    routes["/api/v1/version"] = (200, {"version": argo, "gitCommit": "abc"})
+    return routes
+
+
+@pytest.fixture(scope="module")
+def korean() -> PipelineSpec:
+    return load_pipeline("korean-llm").spec
+
+
+def _run(srv: _Server, spec: PipelineSpec, routes: Routes) -> PreflightReport:
+    srv.routes = routes
+    return run_preflight(spec, kube_api_client=_api(srv), argo_server=_url(srv))
+
+
+def _check(report: PreflightReport, name: str) -> preflight.Check:
+    found = [c for c in report.checks if c.name == name]
+    assert len(found) == 1, f"no single check {name!r} in {[c.name for c in report.checks]}"
+    return found[0]
+
+
+def test_a_ready_cluster_passes(server: _Server, korean: PipelineSpec) -> None:
+    report = _run(server, korean, ready_cluster(korean))
+    assert report.ok, report.render_text()
+    assert {c.status for c in report.checks} == {"ok"}
+    names = {c.name for c in report.checks}
+    assert {
+        "CRD pytorchjobs.kubeflow.org",
+        "CRD cronworkflows.argoproj.io",
+        "CRD inferenceservices.serving.kserve.io",
+        "namespace llm-training",
+        "serviceaccount posttrain-workflow",
+        "pvc datasets-rwx (datasets)",
+        "pvc checkpoints-rwx (checkpoints)",
+        "secret hf-token",
+        "secret mlflow-auth",
+        "secret slack-webhook",
+        "gpu nodes: cpt",
+        "gpu nodes: evaluate",
+        "priorityclass posttrain-training",
+        "servingruntime kserve-vllm",
+        "argo server",
+    } <= names
+    assert "ready" in report.render_text()
+
+
+def _drop(path: str) -> Callable[[Routes], None]:
+    return lambda routes: routes.pop(path)
+
+
+def _set(path: str, update: Callable[[Any], None]) -> Callable[[Routes], None]:
+    return lambda routes: update(routes[path][1])
+
+
+def _nodes(update: Callable[[list[dict]], None]) -> Callable[[Routes], None]:
+    return lambda routes: update(routes["/api/v1/nodes"][1]["items"])
+
+
+def _relabel(items: list[dict]) -> None:
+    for node in items:
+        node["metadata"]["labels"]["nvidia.com/gpu.product"] = "NVIDIA-A100-SXM4-80GB"
+
+
+NS = "/api/v1/namespaces/llm-training"
+MISSING = {
+    "crd": (
+        _drop("/apis/apiextensions.k8s.io/v1/customresourcedefinitions/pytorchjobs.kubeflow.org"),
+        "CRD pytorchjobs.kubeflow.org",
+        "install the Kubeflow Training Operator",
+    ),
+    "crd-version": (
+        _set(
+            "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/inferenceservices.serving.kserve.io",
+            lambda crd: crd["spec"].update(versions=[{"name": "v1alpha2", "served": True}]),
+        ),
+        "CRD inferenceservices.serving.kserve.io",
+        "install KServe",
+    ),
+    "namespace": (_drop(NS), "namespace llm-training", "kubectl apply -k manifests/overlays/"),
+    "serviceaccount": (
+        _drop(f"{NS}/serviceaccounts/posttrain-workflow"),
+        "serviceaccount posttrain-workflow",
+        "kubectl apply -k",
+    ),
+    "pvc-missing": (
+        _drop(f"{NS}/persistentvolumeclaims/datasets-rwx"),
+        "pvc datasets-rwx (datasets)",
+        "cluster.datasets.claim_name",
+    ),
+    "pvc-unbound": (
+        _set(f"{NS}/persistentvolumeclaims/checkpoints-rwx", lambda pvc: pvc["status"].update(phase="Pending")),
+        "pvc checkpoints-rwx (checkpoints)",
+        "kubectl -n llm-training describe pvc checkpoints-rwx",
+    ),
+    "pvc-rwo": (
+        _set(
+            f"{NS}/persistentvolumeclaims/checkpoints-rwx",
+            lambda pvc: pvc["status"].update(accessModes=["ReadWriteOnce"]),
+        ),
+        "pvc checkpoints-rwx (checkpoints)",
+        "ReadWriteMany storage class",
+    ),
+    "secret": (
+        _drop(f"{NS}/secrets/hf-token"),
+        "secret hf-token",
+        "kubectl -n llm-training create secret generic hf-token --from-literal=token=...",
+    ),
+    "secret-key": (
+        _set(f"{NS}/secrets/mlflow-auth", lambda s: s["data"].pop("password")),
+        "secret mlflow-auth",
+        "--from-literal=password=...",
+    ),
+    "too-few-gpus": (
+        _nodes(lambda items: [n["status"]["allocatable"].update({"nvidia.com/gpu": "4"}) for n in items]),
+        "gpu nodes: cpt",
+        "lower stages.cpt.resources.gpus_per_node to 4",
+    ),
+    "too-few-nodes": (
+        _nodes(lambda items: items.pop(0)),
+        "gpu nodes: cpt",
+        "lower stages.cpt.resources.nodes to 1",
+    ),
+    "wrong-labels": (_nodes(_relabel), "gpu nodes: sft", "node_selector/affinity to labels the GPU nodes have"),
+    "untolerated-taint": (
+        _nodes(
+            lambda items: [
+                n["spec"]["taints"].append({"key": "dedicated", "value": "llm-training", "effect": "NoSchedule"})
+                for n in items
+            ]
+        ),
+        "gpu nodes: evaluate",
+        "add tolerations for dedicated=llm-training:NoSchedule",
+    ),
+    "cordoned": (
+        _nodes(lambda items: items[1]["spec"].update(unschedulable=True)),
+        "gpu nodes: cpt",
+        "kubectl uncordon",
+    ),
+    "old-argo": (
+        _set("/api/v1/version", lambda body: body.update(version="v3.5.8")),
+        "argo server",
+        "upgrade Argo Workflows to v3.6+",
+    ),
+    "argo-unauthorized": (
+        lambda routes: routes.update({"/api/v1/version": (401, {"message": "token not valid"})}),
+        "argo server",
+        "ARGO_TOKEN",
+    ),
+    "priority-class": (
+        _drop("/apis/scheduling.k8s.io/v1/priorityclasses/posttrain-training"),
+        "priorityclass posttrain-training",
+        "manifests/components/priority-class",
+    ),
+    "serving-runtime": (
+        _drop("/apis/serving.kserve.io/v1alpha1/namespaces/llm-training/servingruntimes/kserve-vllm"),
+        "servingruntime kserve-vllm",
+        "components/kserve-vllm",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MISSING))
+def test_each_missing_piece_fails_with_its_fix(server: _Server, korean: PipelineSpec, case: str) -> None:
+    mutate, name, fix = MISSING[case]
+    routes = copy.deepcopy(ready_cluster(korean))
+    mutate(routes)
+    report = _run(server, korean, routes)
+    assert not report.ok
+    check = _check(report, name)
+    assert check.status == "fail"
+    assert fix in check.fix
+    assert fix in report.render_text(width=2000)  # wide enough that no cell wraps
+    # Only what was broken fails (a missing namespace hides the namespaced checks; nodes affect several stages).
+    failed = {c.name for c in report.failed()}
+    assert all(n.startswith("gpu nodes") for n in failed) if name.startswith("gpu nodes") else failed == {name}
+
+
+def test_missing_namespace_skips_the_namespaced_checks(server: _Server, korean: PipelineSpec) -> None:
+    routes = ready_cluster(korean)
+    del routes[f"{NS}"]
+    report = _run(server, korean, routes)
+    assert not any(c.name.startswith(("secret ", "pvc ", "serviceaccount ")) for c in report.checks)
+
+
+def test_secret_values_never_appear(server: _Server, korean: PipelineSpec, capsys, monkeypatch) -> None:
+    routes = ready_cluster(korean)
+    routes[f"{NS}/secrets/mlflow-auth"][1]["data"].pop("password")  # a failing secret check, too
+    encoded = base64.b64encode(SECRET_VALUE.encode()).decode()
+    server.routes = routes
+    monkeypatch.setattr(preflight, "_default_api_client", lambda: _api(server))
+    monkeypatch.setenv("ARGO_SERVER", _url(server))
+    code = preflight.main(["korean-llm"])
+    out = capsys.readouterr()
+    assert code == 1
+    report = run_preflight(korean, kube_api_client=_api(server), argo_server=_url(server))
+    for text in (out.out, out.err, report.render_text(), repr(report), json.dumps([c.__dict__ for c in report.checks])):
+        assert SECRET_VALUE not in text
+        assert encoded not in text
+    assert any(path.endswith("/secrets/hf-token") for path, _ in server.seen)
+
+
+def test_no_argo_server_is_a_note_not_a_failure(server: _Server, korean: PipelineSpec, monkeypatch) -> None:
+    monkeypatch.delenv("ARGO_SERVER", raising=False)
+    server.routes = ready_cluster(korean)
+    report = run_preflight(korean, kube_api_client=_api(server))
+    check = _check(report, "argo server")
+    assert check.status == "warn" and "ARGO_SERVER" in check.fix
+    assert report.ok
+
+
+def test_unscheduled_pipeline_accepts_an_older_argo(server: _Server) -> None:
+    spec = load_pipeline("korean-llm", overrides=["schedule.cron=[]"]).spec
+    report = _run(server, spec, ready_cluster(spec, argo="v3.5.8"))
+    assert _check(report, "argo server").status == "ok"
+    assert "CRD cronworkflows.argoproj.io" not in {c.name for c in report.checks}
+
+
+def test_forbidden_reads_are_warnings(server: _Server, korean: PipelineSpec) -> None:
+    routes = ready_cluster(korean)
+    routes[f"{NS}/secrets/hf-token"] = (403, {"kind": "Status", "reason": "Forbidden", "code": 403})
+    report = _run(server, korean, routes)
+    check = _check(report, "secret hf-token")
+    assert check.status == "warn" and "preflight-access" in check.fix
+    assert report.ok
+
+
+def test_unreachable_cluster_is_one_clear_failure(korean: PipelineSpec, monkeypatch) -> None:
+    monkeypatch.delenv("ARGO_SERVER", raising=False)
+    probe = ThreadingHTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)
+    port = probe.server_address[1]
+    probe.server_close()  # nothing listens there now
+    configuration = client.Configuration()
+    configuration.host = f"http://127.0.0.1:{port}"
+    configuration.retries = 0
+    report = run_preflight(korean, kube_api_client=client.ApiClient(configuration))
+    assert [c.name for c in report.failed()] == ["cluster access"]
+    assert "kubeconfig" in report.failed()[0].fix
+
+
+def test_required_node_affinity_and_queue(server: _Server) -> None:
+    """qwen3-30b-a3b also needs RDMA nodes (required node affinity), its taint tolerated and its Kueue queue."""
+    spec = load_pipeline("qwen3-30b-a3b").spec
+    labels = {
+        "nvidia.com/gpu.product": H100,
+        "node-role.example.com/training": "true",
+        "nvidia.com/gpu.count": "8",
+        "feature.node.kubernetes.io/rdma.available": "true",
+    }
+    dedicated = {"key": "dedicated", "value": "llm-training", "effect": "NoSchedule"}
+    nodes = [_node(f"h100-{i}", dict(labels), 8, [GPU_TAINT, dedicated]) for i in range(2)]
+    routes = ready_cluster(spec, nodes=nodes)
+    assert _run(server, spec, routes).ok
+    assert _check(_run(server, spec, routes), "localqueue h100-training").status == "ok"
+
+    no_rdma = copy.deepcopy(routes)
+    for node in no_rdma["/api/v1/nodes"][1]["items"]:
+        del node["metadata"]["labels"]["feature.node.kubernetes.io/rdma.available"]
+    check = _check(_run(server, spec, no_rdma), "gpu nodes: sft")
+    assert check.status == "fail" and "required nodeAffinity" in check.detail
+
+    no_queue = copy.deepcopy(routes)
+    del no_queue["/apis/kueue.x-k8s.io/v1beta1/namespaces/llm-training/localqueues/h100-training"]
+    check = _check(_run(server, spec, no_queue), "localqueue h100-training")
+    assert check.status == "fail" and "components/kueue" in check.fix
+
+
+def test_spec_errors_exit_2_without_a_traceback(capsys) -> None:
+    assert preflight.main(["korean-llm", "--set", "stages.sft.bogus=1"]) == 2
+    err = capsys.readouterr().err
+    assert "bogus" in err and "Traceback" not in err

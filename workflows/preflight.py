@@ -1,0 +1,676 @@
+"""`python -m workflows.preflight`: is the cluster ready for this pipeline? Every check with the fix for each failure.
+
+    python -m workflows.preflight korean-llm
+    python -m workflows.preflight qwen3-30b-a3b --profile qlora --set stages.sft.resources.nodes=1
+
+Checks, against the cluster of the current kubeconfig context (or the in-cluster config):
+
+- the CRDs the pipeline needs (PyTorchJob, Argo's Workflow/WorkflowTemplate, CronWorkflow when scheduled,
+  InferenceService when deploying, Kueue's LocalQueue when a stage names a queue) and the ServingRuntime;
+- the namespace, the ServiceAccount, the two volumes (exist, Bound, ReadWriteMany);
+- every Secret the spec names, with the key it names: the Secret is read and everything but its key names is
+  dropped at once; no value is kept, compared, logged or printed;
+- for every GPU stage, enough nodes whose labels match its node_selector (and required node affinity), whose
+  taints it tolerates and whose allocatable nvidia.com/gpu covers gpus_per_node; its PriorityClass and queue;
+- the Argo server (ARGO_SERVER, ARGO_TOKEN, ARGO_INSECURE_SKIP_VERIFY): reachable, and v3.6 or later when the
+  pipeline is scheduled (CronWorkflow `schedules`). Skipped with a note when ARGO_SERVER is unset.
+
+The exit status is 1 when a blocking check fails, 2 for a spec error, 0 otherwise (warnings do not block).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from workflows.spec import TRAINING_STAGES, PipelineSpec, Resources
+
+Status = Literal["ok", "warn", "fail"]
+
+MIN_ARGO_FOR_SCHEDULES = (3, 6)
+"""CronWorkflow `schedules` (a list of cron expressions) came with Argo Workflows v3.6."""
+
+REQUEST_TIMEOUT_S = 10.0
+GPU_RESOURCE = "nvidia.com/gpu"
+KIT_HINT = "kubectl apply -k manifests/overlays/<onprem|gke> (see manifests/README.md)"
+ACCESS_HINT = (
+    "ask for read access: bind the posttrain-preflight roles of manifests/components/preflight-access to your "
+    "user or group"
+)
+
+CRDS: dict[str, tuple[str, str]] = {
+    "pytorchjobs.kubeflow.org": (
+        "v1",
+        "install the Kubeflow Training Operator (v1.9): kubectl apply -k "
+        "'github.com/kubeflow/training-operator.git/manifests/overlays/standalone?ref=v1.9.4'",
+    ),
+    "workflows.argoproj.io": ("v1alpha1", "install Argo Workflows (v3.6+): see https://argo-workflows.readthedocs.io"),
+    "workflowtemplates.argoproj.io": ("v1alpha1", "install Argo Workflows (v3.6+)"),
+    "cronworkflows.argoproj.io": ("v1alpha1", "install Argo Workflows (v3.6+)"),
+    "inferenceservices.serving.kserve.io": (
+        "v1beta1",
+        "install KServe, or turn serving off with --set stages.deploy.serving.enabled=false",
+    ),
+    "localqueues.kueue.x-k8s.io": (
+        "v1beta1",
+        "install Kueue, or drop the queue with --set stages.<stage>.resources.queue=null",
+    ),
+}
+"""CRD name → (version the pipeline uses, how to install it)."""
+
+
+# --------------------------------------------------------------------------- report
+
+
+@dataclass
+class Check:
+    """One line of the report."""
+
+    name: str
+    status: Status
+    detail: str
+    fix: str = ""
+
+
+@dataclass
+class PreflightReport:
+    """What preflight found: `.ok` is False when any check failed."""
+
+    pipeline: str
+    checks: list[Check] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """No blocking check failed (warnings do not block)."""
+        return all(c.status != "fail" for c in self.checks)
+
+    def add(self, name: str, status: Status, detail: str, fix: str = "") -> Check:
+        """Record a check."""
+        check = Check(name, status, detail, fix if status != "ok" else "")
+        self.checks.append(check)
+        return check
+
+    def failed(self) -> list[Check]:
+        """The checks that failed."""
+        return [c for c in self.checks if c.status == "fail"]
+
+    def render(self) -> Any:
+        """A rich Table of the checks, with the fix of each that did not pass."""
+        from rich.table import Table
+        from rich.text import Text
+
+        styles = {"ok": "green", "warn": "yellow", "fail": "bold red"}
+        table = Table(title=f"preflight: {self.pipeline}", show_lines=False, expand=False)
+        table.add_column("check", no_wrap=True)
+        table.add_column("status", no_wrap=True)
+        table.add_column("detail", overflow="fold")
+        table.add_column("fix", overflow="fold")
+        for c in self.checks:
+            table.add_row(c.name, Text(c.status, style=styles[c.status]), Text(c.detail), Text(c.fix))
+        return table
+
+    def render_text(self, width: int = 200) -> str:
+        """The table and the verdict as plain text."""
+        from rich.console import Console
+
+        console = Console(width=width, record=True, file=open(os.devnull, "w"), color_system=None)  # noqa: SIM115
+        console.print(self.render())
+        console.print(self.verdict())
+        text = console.export_text()
+        console.file.close()
+        return text
+
+    def verdict(self) -> str:
+        """One line: ready, or how many checks failed."""
+        failed, warned = len(self.failed()), sum(c.status == "warn" for c in self.checks)
+        if failed:
+            return f"not ready: {failed} check(s) failed" + (f", {warned} warning(s)" if warned else "")
+        return "ready" + (f" ({warned} warning(s))" if warned else "")
+
+
+# --------------------------------------------------------------------------- Kubernetes access
+
+
+class _Forbidden(Exception):
+    """The API server answered 403."""
+
+
+class _Unreachable(Exception):
+    """No answer from the API server."""
+
+
+class _Kube:
+    """GETs against the API server through the kubernetes client's ApiClient; bodies are parsed as plain JSON."""
+
+    def __init__(self, api_client: Any) -> None:
+        self.api = api_client
+
+    @property
+    def host(self) -> str:
+        return self.api.configuration.host
+
+    def get(self, path: str) -> dict[str, Any] | None:
+        """The object at `path`, or None when it does not exist (404)."""
+        from kubernetes.client.exceptions import ApiException
+        from urllib3.exceptions import HTTPError
+
+        try:
+            response = self.api.call_api(
+                path,
+                "GET",
+                header_params={"Accept": "application/json"},
+                auth_settings=["BearerToken"],
+                _preload_content=False,
+                _return_http_data_only=True,
+                _request_timeout=REQUEST_TIMEOUT_S,
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            if exc.status in (401, 403):
+                raise _Forbidden(f"{exc.status} {exc.reason}") from None
+            raise _Unreachable(f"{exc.status} {exc.reason} for GET {path}") from None
+        except (HTTPError, OSError) as exc:
+            raise _Unreachable(f"{type(exc).__name__}") from None
+        return json.loads(response.data)
+
+
+def _default_api_client() -> Any:
+    """An ApiClient from the kubeconfig, else from the in-cluster service account; ValueError when neither."""
+    from kubernetes import client, config
+    from kubernetes.config.config_exception import ConfigException
+
+    try:
+        return config.new_client_from_config()
+    except (ConfigException, OSError, TypeError) as kube_exc:
+        configuration = client.Configuration()
+        try:
+            config.load_incluster_config(client_configuration=configuration)
+        except ConfigException:
+            raise ValueError(f"no kubeconfig ({kube_exc}) and not running in a pod") from None
+        return client.ApiClient(configuration)
+
+
+# --------------------------------------------------------------------------- the checks
+
+
+def _guarded(report: PreflightReport, name: str, fn: Callable[[], None]) -> None:
+    """Run one check; a 403 becomes a warning (not checked), anything unreachable a failure."""
+    try:
+        fn()
+    except _Forbidden as exc:
+        report.add(name, "warn", f"not checked: the API server refused the read ({exc})", ACCESS_HINT)
+
+
+def _needed_crds(spec: PipelineSpec) -> list[str]:
+    crds = ["workflows.argoproj.io", "workflowtemplates.argoproj.io"]
+    if any(spec.stage(s).enabled for s in TRAINING_STAGES):
+        crds.insert(0, "pytorchjobs.kubeflow.org")
+    if spec.schedule.cron:
+        crds.append("cronworkflows.argoproj.io")
+    if spec.stages.deploy.enabled and spec.stages.deploy.serving.enabled:
+        crds.append("inferenceservices.serving.kserve.io")
+    if any(spec.stage(s).resources.queue for s in spec.stages.enabled()):
+        crds.append("localqueues.kueue.x-k8s.io")
+    return crds
+
+
+def _check_crds(kube: _Kube, spec: PipelineSpec, report: PreflightReport) -> None:
+    for name in _needed_crds(spec):
+        version, install = CRDS[name]
+
+        def check(name: str = name, version: str = version, install: str = install) -> None:
+            crd = kube.get(f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}")
+            if crd is None:
+                report.add(f"CRD {name}", "fail", "not installed", install)
+                return
+            served = [v["name"] for v in crd.get("spec", {}).get("versions", []) if v.get("served")]
+            if version not in served:
+                report.add(f"CRD {name}", "fail", f"{version} is not served (served: {', '.join(served)})", install)
+            else:
+                report.add(f"CRD {name}", "ok", f"{version} served")
+
+        _guarded(report, f"CRD {name}", check)
+
+
+def _check_namespace(kube: _Kube, spec: PipelineSpec, report: PreflightReport) -> bool:
+    """The namespace check; False when the namespace is missing (the namespaced checks are then skipped)."""
+    ns = spec.cluster.namespace
+    name = f"namespace {ns}"
+    try:
+        obj = kube.get(f"/api/v1/namespaces/{ns}")
+    except _Forbidden as exc:
+        report.add(name, "warn", f"not checked ({exc})", ACCESS_HINT)
+        return True
+    if obj is None:
+        report.add(name, "fail", "does not exist", f"{KIT_HINT}, or set cluster.namespace to an existing namespace")
+        return False
+    if obj.get("status", {}).get("phase") == "Terminating":
+        report.add(name, "fail", "is being deleted", "wait for the deletion to finish, then apply the kit again")
+        return False
+    report.add(name, "ok", "exists")
+    return True
+
+
+def _check_service_account(kube: _Kube, spec: PipelineSpec, report: PreflightReport) -> None:
+    sa, ns = spec.cluster.service_account, spec.cluster.namespace
+    name = f"serviceaccount {sa}"
+
+    def check() -> None:
+        if kube.get(f"/api/v1/namespaces/{ns}/serviceaccounts/{sa}") is None:
+            report.add(name, "fail", f"not found in {ns}", f"{KIT_HINT}, or set cluster.service_account")
+        else:
+            report.add(name, "ok", "exists")
+
+    _guarded(report, name, check)
+
+
+def _check_volumes(kube: _Kube, spec: PipelineSpec, report: PreflightReport) -> None:
+    ns = spec.cluster.namespace
+    for role, volume in (("datasets", spec.cluster.datasets), ("checkpoints", spec.cluster.checkpoints)):
+        name = f"pvc {volume.claim_name} ({role})"
+
+        def check(volume: Any = volume, name: str = name, role: str = role) -> None:
+            pvc = kube.get(f"/api/v1/namespaces/{ns}/persistentvolumeclaims/{volume.claim_name}")
+            if pvc is None:
+                fix = f"{KIT_HINT}, or set cluster.{role}.claim_name to an existing ReadWriteMany PVC"
+                report.add(name, "fail", f"not found in {ns}", fix)
+                return
+            phase = pvc.get("status", {}).get("phase", "Unknown")
+            modes = pvc.get("status", {}).get("accessModes") or pvc.get("spec", {}).get("accessModes", [])
+            shared = "ReadWriteMany" in modes or (volume.read_only and "ReadOnlyMany" in modes)
+            if phase != "Bound":
+                storage_class = pvc.get("spec", {}).get("storageClassName") or "the default class"
+                fix = (
+                    f"`kubectl -n {ns} describe pvc {volume.claim_name}`: check that storage class "
+                    f"{storage_class} exists and can provision ReadWriteMany volumes"
+                )
+                report.add(name, "fail", f"{phase}, not Bound", fix)
+            elif not shared:
+                fix = "use a ReadWriteMany storage class (NFS, Filestore, CephFS...): pods of a run land on many nodes"
+                report.add(name, "fail", f"access modes {', '.join(modes) or 'none'}: not ReadWriteMany", fix)
+            else:
+                report.add(name, "ok", f"Bound, {', '.join(modes)}")
+
+        _guarded(report, name, check)
+
+
+def _secret_refs(spec: PipelineSpec) -> dict[str, set[str]]:
+    """Secret name → keys the spec reads from it (image pull secrets: no particular key)."""
+    refs: dict[str, set[str]] = {}
+    secrets = spec.cluster.secrets
+    for field_name in type(secrets).model_fields:
+        ref = getattr(secrets, field_name)
+        if ref is not None:
+            refs.setdefault(ref.name, set()).add(ref.key)
+    for pull_secret in spec.cluster.image_pull_secrets:
+        refs.setdefault(pull_secret, set())
+    return refs
+
+
+def _secret_keys(kube: _Kube, ns: str, name: str) -> set[str] | None:
+    """The key names of a Secret, or None when there is none. Values are dropped here, never kept or shown."""
+    secret = kube.get(f"/api/v1/namespaces/{ns}/secrets/{name}")
+    if secret is None:
+        return None
+    keys = set(secret.get("data") or {}) | set(secret.get("stringData") or {})
+    secret.clear()
+    return keys
+
+
+def _check_secrets(kube: _Kube, spec: PipelineSpec, report: PreflightReport) -> None:
+    ns = spec.cluster.namespace
+    for secret, wanted in sorted(_secret_refs(spec).items()):
+        name = f"secret {secret}"
+
+        def check(secret: str = secret, wanted: set[str] = wanted, name: str = name) -> None:
+            keys = _secret_keys(kube, ns, secret)
+            create = f"kubectl -n {ns} create secret generic {secret} " + " ".join(
+                f"--from-literal={k}=..." for k in sorted(wanted)
+            )
+            if keys is None:
+                report.add(name, "fail", f"not found in {ns}", create.strip() + " (see manifests/secrets.example.yaml)")
+            elif missing := sorted(wanted - keys):
+                report.add(
+                    name,
+                    "fail",
+                    f"has no key {', '.join(missing)} (keys: {', '.join(sorted(keys)) or 'none'})",
+                    f"recreate it with the key: {create}",
+                )
+            else:
+                report.add(name, "ok", "exists" + (f" with key {', '.join(sorted(wanted))}" if wanted else ""))
+
+        _guarded(report, name, check)
+
+
+# --------------------------------------------------------------------------- GPU nodes
+
+
+def _tolerates(tolerations: list[dict[str, Any]], taint: dict[str, Any]) -> bool:
+    for t in tolerations:
+        if t.get("effect") and t["effect"] != taint.get("effect"):
+            continue
+        if t.get("operator", "Equal") == "Exists":
+            if t.get("key") in (None, taint.get("key")):
+                return True
+        elif t.get("key") == taint.get("key") and (t.get("value") or "") == (taint.get("value") or ""):
+            return True
+    return False
+
+
+def _expression_holds(labels: dict[str, str], expr: dict[str, Any]) -> bool:
+    key, op, values = expr["key"], expr["operator"], expr.get("values") or []
+    if op == "In":
+        return labels.get(key) in values
+    if op == "NotIn":
+        return labels.get(key) not in values
+    if op == "Exists":
+        return key in labels
+    if op == "DoesNotExist":
+        return key not in labels
+    if op in ("Gt", "Lt") and key in labels and values:
+        try:
+            have, bound = int(labels[key]), int(values[0])
+        except ValueError:
+            return False
+        return have > bound if op == "Gt" else have < bound
+    return False
+
+
+def _affinity_holds(labels: dict[str, str], affinity: dict[str, Any] | None) -> bool:
+    """Required node affinity: any term whose expressions all hold (matchFields are not evaluated)."""
+    required = ((affinity or {}).get("nodeAffinity") or {}).get("requiredDuringSchedulingIgnoredDuringExecution")
+    if not required:
+        return True
+    terms = required.get("nodeSelectorTerms") or []
+    return any(all(_expression_holds(labels, e) for e in term.get("matchExpressions") or []) for term in terms)
+
+
+def _gpus(node: dict[str, Any]) -> int:
+    raw = str(node.get("status", {}).get("allocatable", {}).get(GPU_RESOURCE, "0"))
+    return int(raw) if raw.isdigit() else 0
+
+
+@dataclass
+class _NodeFit:
+    """Why each node does or does not fit a stage."""
+
+    fits: list[str] = field(default_factory=list)
+    wrong_labels: dict[str, list[str]] = field(default_factory=dict)  # node → label mismatches
+    untolerated: dict[str, list[str]] = field(default_factory=dict)  # node → taints
+    too_few_gpus: dict[str, int] = field(default_factory=dict)  # node → allocatable GPUs
+    cordoned: list[str] = field(default_factory=list)
+
+
+def _fit(nodes: Iterable[dict[str, Any]], res: Resources) -> _NodeFit:
+    tolerations = [t.to_k8s() for t in res.tolerations]
+    fit = _NodeFit()
+    for node in nodes:
+        name = node["metadata"]["name"]
+        labels = node["metadata"].get("labels") or {}
+        mismatches = [
+            f"{k}={v} (node: {labels.get(k, 'unset')})" for k, v in res.node_selector.items() if labels.get(k) != v
+        ]
+        if not _affinity_holds(labels, res.affinity):
+            mismatches.append("required nodeAffinity")
+        taints = [
+            f"{t['key']}{'=' + t['value'] if t.get('value') else ''}:{t['effect']}"
+            for t in node.get("spec", {}).get("taints") or []
+            if t.get("effect") in ("NoSchedule", "NoExecute") and not _tolerates(tolerations, t)
+        ]
+        if mismatches:
+            fit.wrong_labels[name] = mismatches
+        elif taints:
+            fit.untolerated[name] = taints
+        elif _gpus(node) < res.gpus_per_node:
+            fit.too_few_gpus[name] = _gpus(node)
+        elif node.get("spec", {}).get("unschedulable"):
+            fit.cordoned.append(name)
+        else:
+            fit.fits.append(name)
+    return fit
+
+
+def _check_gpu_stage(stage: str, res: Resources, nodes: list[dict[str, Any]], report: PreflightReport) -> None:
+    name = f"gpu nodes: {stage}"
+    want = f"{res.nodes} node(s) × {res.gpus_per_node} {GPU_RESOURCE}"
+    fit = _fit(nodes, res)
+    if len(fit.fits) >= res.nodes:
+        report.add(name, "ok", f"{len(fit.fits)} node(s) fit, {want} needed (allocatable, not free)")
+        return
+    gpu_nodes = [n for n in nodes if _gpus(n) > 0]
+    reasons = [f"{len(fit.fits)} of {len(nodes)} node(s) fit; {want} needed"]
+    fixes = []
+    if fit.wrong_labels:
+        example = next(iter(fit.wrong_labels.items()))
+        reasons.append(f"{len(fit.wrong_labels)} do not match the labels, e.g. {example[0]}: {'; '.join(example[1])}")
+        products = sorted({n["metadata"].get("labels", {}).get("nvidia.com/gpu.product", "") for n in gpu_nodes} - {""})
+        hint = f" (GPU nodes here have nvidia.com/gpu.product: {', '.join(products)})" if products else ""
+        fixes.append(f"set stages.{stage}.resources.node_selector/affinity to labels the GPU nodes have{hint}")
+    if fit.untolerated:
+        taints = sorted({t for ts in fit.untolerated.values() for t in ts})
+        reasons.append(f"{len(fit.untolerated)} have taints the stage does not tolerate: {', '.join(taints)}")
+        fixes.append(f"add tolerations for {', '.join(taints)} to stages.{stage}.resources.tolerations")
+    if fit.too_few_gpus:
+        most = max(fit.too_few_gpus.values())
+        reasons.append(f"{len(fit.too_few_gpus)} have fewer than {res.gpus_per_node} GPUs (at most {most})")
+        fixes.append(f"lower stages.{stage}.resources.gpus_per_node to {most} or less, or add bigger nodes")
+    if fit.cordoned:
+        reasons.append(f"{len(fit.cordoned)} cordoned: {', '.join(fit.cordoned)}")
+        fixes.append("uncordon the nodes (kubectl uncordon)")
+    if fit.fits:
+        fixes.append(f"lower stages.{stage}.resources.nodes to {len(fit.fits)}, or add matching nodes")
+    if not nodes:
+        fixes.append("no nodes are visible: check the kubeconfig context")
+    report.add(name, "fail", "; ".join(reasons), "; ".join(fixes))
+
+
+def _check_gpus(kube: _Kube, spec: PipelineSpec, report: PreflightReport) -> None:
+    stages = [s for s in spec.stages.enabled() if spec.stage(s).resources.gpus_per_node > 0]
+    if not stages:
+        return
+
+    def check() -> None:
+        listing = kube.get("/api/v1/nodes") or {}
+        nodes = listing.get("items", [])
+        for stage in stages:
+            _check_gpu_stage(stage, spec.stage(stage).resources, nodes, report)
+
+    _guarded(report, "gpu nodes", check)
+
+
+def _check_scheduling(kube: _Kube, spec: PipelineSpec, report: PreflightReport) -> None:
+    ns = spec.cluster.namespace
+    priority_classes = sorted(
+        {r.priority_class for s in spec.stages.enabled() if (r := spec.stage(s).resources).priority_class}
+    )
+    queues = sorted({r.queue for s in spec.stages.enabled() if (r := spec.stage(s).resources).queue})
+    for pc in priority_classes:
+        name = f"priorityclass {pc}"
+
+        def check_pc(pc: str = pc, name: str = name) -> None:
+            if kube.get(f"/apis/scheduling.k8s.io/v1/priorityclasses/{pc}") is None:
+                fix = "apply manifests/components/priority-class (cluster admin), or unset resources.priority_class"
+                report.add(name, "fail", "does not exist: the stage's pods would be rejected", fix)
+            else:
+                report.add(name, "ok", "exists")
+
+        _guarded(report, name, check_pc)
+    for queue in queues:
+        name = f"localqueue {queue}"
+
+        def check_queue(queue: str = queue, name: str = name) -> None:
+            if kube.get(f"/apis/kueue.x-k8s.io/v1beta1/namespaces/{ns}/localqueues/{queue}") is None:
+                fix = "apply manifests/components/kueue (or create the LocalQueue), or unset resources.queue"
+                report.add(name, "fail", f"not found in {ns}: Kueue would hold the jobs forever", fix)
+            else:
+                report.add(name, "ok", "exists")
+
+        _guarded(report, name, check_queue)
+
+
+def _check_serving_runtime(kube: _Kube, spec: PipelineSpec, report: PreflightReport) -> None:
+    if not (spec.stages.deploy.enabled and spec.stages.deploy.serving.enabled):
+        return
+    runtime, ns = spec.stages.deploy.serving.runtime, spec.cluster.namespace
+    name = f"servingruntime {runtime}"
+
+    def check() -> None:
+        if kube.get(f"/apis/serving.kserve.io/v1alpha1/namespaces/{ns}/servingruntimes/{runtime}") is not None:
+            report.add(name, "ok", f"exists in {ns}")
+        elif kube.get(f"/apis/serving.kserve.io/v1alpha1/clusterservingruntimes/{runtime}") is not None:
+            report.add(name, "ok", "exists as a ClusterServingRuntime")
+        else:
+            fix = f"{KIT_HINT} (components/kserve-vllm), or set stages.deploy.serving.runtime"
+            report.add(name, "fail", "no ServingRuntime or ClusterServingRuntime of that name", fix)
+
+    _guarded(report, name, check)
+
+
+# --------------------------------------------------------------------------- Argo server
+
+
+def _parse_version(raw: str) -> tuple[int, int, int] | None:
+    match = re.match(r"^v?(\d+)\.(\d+)(?:\.(\d+))?", raw.strip())
+    return (int(match[1]), int(match[2]), int(match[3] or 0)) if match else None
+
+
+def _argo_url(server: str) -> str:
+    if "://" not in server:
+        secure = os.environ.get("ARGO_SECURE", "true").strip().lower() not in ("false", "0", "no")
+        server = f"{'https' if secure else 'http'}://{server}"
+    base_href = os.environ.get("ARGO_BASE_HREF", "").strip().strip("/")
+    return server.rstrip("/") + (f"/{base_href}" if base_href else "")
+
+
+def _check_argo(spec: PipelineSpec, argo_server: str | None, report: PreflightReport) -> None:
+    import requests
+
+    server = argo_server or os.environ.get("ARGO_SERVER", "").strip()
+    name = "argo server"
+    if not server:
+        report.add(
+            name,
+            "warn",
+            "not checked: ARGO_SERVER is unset",
+            "set ARGO_SERVER (and ARGO_TOKEN) to check the server, e.g. ARGO_SERVER=localhost:2746 after "
+            "`kubectl -n argo port-forward svc/argo-server 2746:2746`",
+        )
+        return
+    url = _argo_url(server) + "/api/v1/version"
+    token = os.environ.get("ARGO_TOKEN", "").strip()
+    headers = {"Authorization": token if token.lower().startswith("bearer ") else f"Bearer {token}"} if token else {}
+    verify = os.environ.get("ARGO_INSECURE_SKIP_VERIFY", "").strip().lower() not in ("true", "1", "yes")
+    try:
+        resp = requests.get(url, headers=headers, timeout=REQUEST_TIMEOUT_S, verify=verify)
+    except requests.exceptions.SSLError:
+        report.add(name, "fail", f"TLS failed for {url}", "set ARGO_INSECURE_SKIP_VERIFY=true for a self-signed cert")
+        return
+    except requests.RequestException as exc:
+        report.add(name, "fail", f"cannot reach {url} ({type(exc).__name__})", "check ARGO_SERVER (host:port or URL)")
+        return
+    if resp.status_code in (401, 403):
+        report.add(name, "fail", f"{resp.status_code} from {url}", 'set ARGO_TOKEN (e.g. "$(argo auth token)")')
+        return
+    try:
+        raw = str(resp.json().get("version", "")) if resp.ok else ""
+    except ValueError:
+        raw = ""
+    if not raw:
+        fix = "check ARGO_SERVER and ARGO_BASE_HREF (the server's path prefix)"
+        report.add(name, "fail", f"no Argo version at {url} (HTTP {resp.status_code})", fix)
+        return
+    version = _parse_version(raw)
+    if not spec.schedule.cron:
+        report.add(name, "ok", f"{raw} at {_argo_url(server)}")
+    elif version is None:
+        report.add(name, "warn", f"version {raw!r} is not a release: cannot tell whether it supports `schedules`")
+    elif version[:2] < MIN_ARGO_FOR_SCHEDULES:
+        need = ".".join(map(str, MIN_ARGO_FOR_SCHEDULES))
+        fix = f"upgrade Argo Workflows to v{need}+, or register without a schedule (--set schedule.cron=[])"
+        report.add(name, "fail", f"{raw}: the pipeline is scheduled and CronWorkflow `schedules` needs v{need}+", fix)
+    else:
+        report.add(name, "ok", f"{raw} (schedules supported)")
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+def run_preflight(spec: PipelineSpec, kube_api_client: Any = None, argo_server: str | None = None) -> PreflightReport:
+    """Check the cluster for `spec`. `kube_api_client`: a kubernetes ApiClient (default: kubeconfig or
+    in-cluster); `argo_server`: the Argo server's URL or host:port (default: ARGO_SERVER)."""
+    report = PreflightReport(pipeline=spec.name)
+    if kube_api_client is None:
+        try:
+            kube_api_client = _default_api_client()
+        except ValueError as exc:
+            report.add(
+                "cluster access",
+                "fail",
+                str(exc),
+                "set KUBECONFIG or pick a context (`kubectl config use-context NAME`)",
+            )
+            _check_argo(spec, argo_server, report)
+            return report
+    kube = _Kube(kube_api_client)
+    try:
+        _check_crds(kube, spec, report)
+        if _check_namespace(kube, spec, report):
+            _check_service_account(kube, spec, report)
+            _check_volumes(kube, spec, report)
+            _check_secrets(kube, spec, report)
+            _check_serving_runtime(kube, spec, report)
+        _check_scheduling(kube, spec, report)
+        _check_gpus(kube, spec, report)
+    except _Unreachable as exc:
+        report.add(
+            "cluster access",
+            "fail",
+            f"the Kubernetes API at {kube.host} did not answer ({exc})",
+            "check the kubeconfig context and that the cluster is reachable (`kubectl get ns`)",
+        )
+    _check_argo(spec, argo_server, report)
+    return report
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line."""
+    p = argparse.ArgumentParser(
+        prog="python -m workflows.preflight",
+        description="Check that the cluster has what the pipeline needs; exit 1 when a blocking check fails.",
+    )
+    p.add_argument("pipeline", metavar="NAME|PATH", help="A pipeline of workflows/pipelines/ or a YAML file.")
+    p.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE", help="Override a spec field."
+    )
+    p.add_argument("--profile", help="Merge the named profile of the spec before the --set overrides.")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the checks, print the table; returns the exit code."""
+    from rich.console import Console
+
+    from workflows.loading import SpecError, load_pipeline
+
+    args = parser().parse_args(argv)
+    try:
+        spec = load_pipeline(args.pipeline, args.profile, args.overrides).spec
+    except SpecError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    report = run_preflight(spec)
+    console = Console()
+    console.print(report.render())
+    console.print(report.verdict())
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
