@@ -1,0 +1,458 @@
+"""The Argo server client: create-or-update templates, submit and read workflows, with errors a user can act on.
+
+Built on Hera's `WorkflowsService`. Configuration comes from the environment, as for the `argo` CLI:
+
+- `ARGO_SERVER`: `host:port` or a URL (`https://` unless a scheme is given; `ARGO_SECURE=false` picks `http://`).
+- `ARGO_TOKEN`: the bearer token, with or without the `Bearer ` prefix (`argo auth token` prints it with).
+- `ARGO_NAMESPACE`: the namespace; default: the spec's `cluster.namespace`.
+- `ARGO_INSECURE_SKIP_VERIFY`: `true` to accept a self-signed certificate.
+- `ARGO_BASE_HREF`: the path the server is served under (e.g. `/argo/`), for the API and the UI links.
+
+The token is never part of a message, a repr or a log line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+from urllib.parse import quote, urlsplit
+
+import requests
+from hera.workflows import CronWorkflow as HeraCronWorkflow
+from hera.workflows import Workflow as HeraWorkflow
+from hera.workflows import WorkflowTemplate as HeraWorkflowTemplate
+from hera.workflows.models import (
+    CreateCronWorkflowRequest,
+    UpdateCronWorkflowRequest,
+    Workflow,
+    WorkflowCreateRequest,
+    WorkflowTemplateCreateRequest,
+    WorkflowTemplateUpdateRequest,
+)
+from hera.workflows.models import CronWorkflow as CronWorkflowModel
+from hera.workflows.models import WorkflowTemplate as WorkflowTemplateModel
+from hera.workflows.service import WorkflowsService
+from pydantic import ValidationError
+
+DEFAULT_TIMEOUT_S = 30.0
+"""Seconds to wait for the server to connect and to answer one request."""
+
+_UPDATE_ATTEMPTS = 3
+"""Get-and-update attempts when another writer changes the object in between (409 on update)."""
+
+T = TypeVar("T")
+
+
+class ArgoError(Exception):
+    """A failure talking to the Argo server; the message says what to set or fix.
+
+    `status` is the HTTP status the server answered (None when there was no answer), and `retriable` says
+    whether trying again later can help (unreachable server, 5xx).
+    """
+
+    def __init__(self, message: str, status: int | None = None, retriable: bool = False) -> None:
+        super().__init__(message)
+        self.status = status
+        self.retriable = retriable
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+def _parse_bool(name: str, raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ArgoError(f"{name}={raw!r} is not a boolean: set it to true or false")
+
+
+def _normalise_base_href(raw: str) -> str:
+    """'/argo', 'argo/', '' → '/argo/', '/argo/', '/'."""
+    path = "/" + raw.strip().strip("/")
+    return path if path == "/" else path + "/"
+
+
+@dataclass(frozen=True)
+class ArgoConfig:
+    """Where the Argo server is and how to authenticate to it."""
+
+    server: str
+    """Scheme, host and port, no path and no trailing slash: 'https://argo.example.com:2746'."""
+    namespace: str
+    """Namespace the workflows are created in."""
+    base_href: str = "/"
+    """Path prefix of the API and the UI, with leading and trailing slash."""
+    token: str | None = field(default=None, repr=False)
+    """The bearer token without its 'Bearer ' prefix; never printed."""
+    verify_tls: bool = True
+    """Verify the server's TLS certificate."""
+
+    @classmethod
+    def from_env(cls, default_namespace: str, env: Mapping[str, str] | None = None) -> ArgoConfig:
+        """The configuration from ARGO_* variables; `default_namespace` (the spec's) when ARGO_NAMESPACE is unset."""
+        env = os.environ if env is None else env
+        raw_server = env.get("ARGO_SERVER", "").strip()
+        if not raw_server:
+            raise ArgoError(
+                "ARGO_SERVER is not set: set it to the Argo server's host:port or URL, e.g. "
+                "ARGO_SERVER=localhost:2746 after `kubectl -n argo port-forward svc/argo-server 2746:2746` "
+                "(or use --render DIR to write the manifests, or --local to run on this machine)"
+            )
+        if "://" not in raw_server:
+            secure = _parse_bool("ARGO_SECURE", env.get("ARGO_SECURE", "true"))
+            raw_server = ("https://" if secure else "http://") + raw_server
+        parts = urlsplit(raw_server)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ArgoError(
+                f"ARGO_SERVER={raw_server!r} is not a server address: set it to host:port, "
+                "https://host:port or http://host:port"
+            )
+        base_href = env.get("ARGO_BASE_HREF")
+        base_href = _normalise_base_href(base_href if base_href is not None else parts.path)
+        token = env.get("ARGO_TOKEN", "").strip()
+        if token.lower().startswith("bearer "):
+            token = token[len("bearer ") :].strip()
+        return cls(
+            server=f"{parts.scheme}://{parts.netloc}",
+            namespace=env.get("ARGO_NAMESPACE", "").strip() or default_namespace,
+            base_href=base_href,
+            token=token or None,
+            verify_tls=not _parse_bool("ARGO_INSECURE_SKIP_VERIFY", env.get("ARGO_INSECURE_SKIP_VERIFY", "false")),
+        )
+
+    @property
+    def api_root(self) -> str:
+        """The URL Hera joins API paths onto; it must end in '/' or urljoin drops the base href."""
+        return self.server + self.base_href
+
+    def ui_url(self, name: str, namespace: str | None = None) -> str:
+        """The Argo UI page of workflow `name`."""
+        ns = namespace or self.namespace
+        return f"{self.server}{self.base_href}workflows/{quote(ns)}/{quote(name)}"
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class _ServerAnswer(Exception):
+    """A non-2xx answer, raised before Hera turns it into its own (less precise) exception."""
+
+    def __init__(self, status: int, message: str, is_json: bool) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.is_json = is_json
+
+
+def _answer_message(resp: requests.Response) -> tuple[str, bool]:
+    """The server's error message ('message' of the JSON body, else the text) and whether it was JSON."""
+    try:
+        body = resp.json()
+    except ValueError:
+        return " ".join(resp.text.split())[:300] or resp.reason or "", False
+    if isinstance(body, dict) and isinstance(body.get("message"), str):
+        return body["message"], True
+    return json.dumps(body)[:300], True
+
+
+class _Service(WorkflowsService):
+    """Hera's service with a request timeout, and non-2xx answers raised with their status and message."""
+
+    def __init__(self, config: ArgoConfig, timeout: float) -> None:
+        super().__init__(
+            host=config.api_root,
+            verify_ssl=config.verify_tls,
+            token=config.token,
+            namespace=config.namespace,
+        )
+        self.timeout = timeout
+
+    def _request(self, method: str, **kwargs: Any) -> requests.Response:
+        resp = self.session.request(method, timeout=self.timeout, **kwargs)
+        if not resp.ok:
+            message, is_json = _answer_message(resp)
+            raise _ServerAnswer(resp.status_code, message, is_json)
+        return resp
+
+
+Verb = Literal["create", "get", "update"]
+
+
+@dataclass(frozen=True)
+class _Call:
+    """What a request was doing, for the error message."""
+
+    verb: Verb
+    resource: str
+    """Plural Kubernetes resource: workflowtemplates, cronworkflows, workflows."""
+    namespace: str
+    name: str | None = None
+
+    @property
+    def what(self) -> str:
+        kind = {"workflowtemplates": "WorkflowTemplate", "cronworkflows": "CronWorkflow", "workflows": "Workflow"}
+        target = f"{self.namespace}/{self.name}" if self.name else f"in namespace {self.namespace}"
+        return f"{self.verb} {kind.get(self.resource, self.resource)} {target}"
+
+
+# --------------------------------------------------------------------------- client
+
+
+@dataclass(frozen=True)
+class Applied:
+    """The outcome of a create-or-update."""
+
+    kind: str
+    namespace: str
+    name: str
+    action: Literal["created", "updated"]
+
+    def __str__(self) -> str:
+        return f"{self.action} {self.kind} {self.namespace}/{self.name}"
+
+
+class ArgoClient:
+    """Talks to one Argo server, in one namespace. Every failure is an ArgoError with an actionable message."""
+
+    def __init__(self, config: ArgoConfig, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        self.config = config
+        self._service = _Service(config, timeout)
+
+    @classmethod
+    def from_env(cls, default_namespace: str) -> ArgoClient:
+        """A client configured from ARGO_* environment variables."""
+        return cls(ArgoConfig.from_env(default_namespace))
+
+    def close(self) -> None:
+        """Close the HTTP session."""
+        self._service.close()
+
+    def __enter__(self) -> ArgoClient:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    @property
+    def namespace(self) -> str:
+        """The namespace every call goes to."""
+        return self.config.namespace
+
+    def ui_url(self, name: str) -> str:
+        """The Argo UI page of workflow `name`."""
+        return self.config.ui_url(name)
+
+    # ----------------------------------------------------------------- operations
+
+    def ensure_workflow_template(self, template: HeraWorkflowTemplate) -> Applied:
+        """Create the WorkflowTemplate, or update it in place when it already exists."""
+        model: WorkflowTemplateModel = template.build()
+        model.metadata.namespace = self.namespace
+        name = model.metadata.name
+        ns = self.namespace
+        try:
+            self._run(
+                _Call("create", "workflowtemplates", ns, name),
+                lambda: self._service.create_workflow_template(
+                    WorkflowTemplateCreateRequest(namespace=ns, template=model), namespace=ns
+                ),
+            )
+            return Applied("WorkflowTemplate", ns, name, "created")
+        except ArgoError as exc:
+            if exc.status != 409:
+                raise
+        for attempt in range(_UPDATE_ATTEMPTS):
+            current = self._run(
+                _Call("get", "workflowtemplates", ns, name),
+                lambda: self._service.get_workflow_template(name, namespace=ns),
+            )
+            model.metadata.resource_version = current.metadata.resource_version
+            try:
+                self._run(
+                    _Call("update", "workflowtemplates", ns, name),
+                    lambda: self._service.update_workflow_template(
+                        name, WorkflowTemplateUpdateRequest(namespace=ns, name=name, template=model), namespace=ns
+                    ),
+                )
+                return Applied("WorkflowTemplate", ns, name, "updated")
+            except ArgoError as exc:
+                if exc.status != 409 or attempt == _UPDATE_ATTEMPTS - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    def ensure_cron_workflow(self, cron: HeraCronWorkflow) -> Applied:
+        """Create the CronWorkflow, or update it in place when it already exists."""
+        model: CronWorkflowModel = cron.build()
+        model.metadata.namespace = self.namespace
+        name = model.metadata.name
+        ns = self.namespace
+        try:
+            self._run(
+                _Call("create", "cronworkflows", ns, name),
+                lambda: self._service.create_cron_workflow(
+                    CreateCronWorkflowRequest(namespace=ns, cron_workflow=model), namespace=ns
+                ),
+            )
+            return Applied("CronWorkflow", ns, name, "created")
+        except ArgoError as exc:
+            if exc.status != 409:
+                raise
+        for attempt in range(_UPDATE_ATTEMPTS):
+            current = self._run(
+                _Call("get", "cronworkflows", ns, name),
+                lambda: self._service.get_cron_workflow(name, namespace=ns),
+            )
+            model.metadata.resource_version = current.metadata.resource_version
+            try:
+                self._run(
+                    _Call("update", "cronworkflows", ns, name),
+                    lambda: self._service.update_cron_workflow(
+                        name, UpdateCronWorkflowRequest(namespace=ns, name=name, cron_workflow=model), namespace=ns
+                    ),
+                )
+                return Applied("CronWorkflow", ns, name, "updated")
+            except ArgoError as exc:
+                if exc.status != 409 or attempt == _UPDATE_ATTEMPTS - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    def get_cron_workflow(self, name: str) -> CronWorkflowModel | None:
+        """The CronWorkflow called `name`, or None when there is none."""
+        try:
+            return self._run(
+                _Call("get", "cronworkflows", self.namespace, name),
+                lambda: self._service.get_cron_workflow(name, namespace=self.namespace),
+            )
+        except ArgoError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def submit_workflow(self, workflow: HeraWorkflow) -> str:
+        """Create the Workflow (usually named by generateName); returns the name the server gave it."""
+        model: Workflow = workflow.build()
+        model.metadata.namespace = self.namespace
+        ns = self.namespace
+        created = self._run(
+            _Call("create", "workflows", ns),
+            lambda: self._service.create_workflow(WorkflowCreateRequest(namespace=ns, workflow=model), namespace=ns),
+        )
+        if not created.metadata.name:
+            raise ArgoError(f"the Argo server at {self.config.api_root} created a workflow but returned no name")
+        return created.metadata.name
+
+    def get_workflow(self, name: str) -> Workflow:
+        """The Workflow called `name`, with its status (phase and nodes)."""
+        return self._run(
+            _Call("get", "workflows", self.namespace, name),
+            lambda: self._service.get_workflow(name, namespace=self.namespace),
+        )
+
+    # ----------------------------------------------------------------- error mapping
+
+    def _run(self, call: _Call, fn: Callable[[], T]) -> T:
+        with self._translating(call):
+            return fn()
+
+    @contextmanager
+    def _translating(self, call: _Call) -> Iterator[None]:
+        """Turn transport failures and non-2xx answers into ArgoError messages that say what to fix."""
+        where = self.config.api_root
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", category=DeprecationWarning, module="hera")
+                yield
+        except _ServerAnswer as answer:
+            raise self._answer_error(call, answer) from None
+        except (requests.exceptions.JSONDecodeError, ValidationError):
+            # A 2xx answer that is not an Argo object: usually the UI's index page, i.e. a wrong path.
+            raise ArgoError(
+                f"the server at {where} answered {call.what} with something that is not an Argo API response: "
+                "check ARGO_SERVER and ARGO_BASE_HREF (the path prefix the Argo server is served under)"
+            ) from None
+        except requests.exceptions.SSLError:
+            raise ArgoError(
+                f"cannot reach the Argo server at {where}: the TLS handshake failed "
+                "(certificate not trusted, or the server does not speak TLS): set ARGO_INSECURE_SKIP_VERIFY=true "
+                "for a self-signed cert, or ARGO_SERVER=http://HOST:PORT if the server serves plain HTTP",
+                retriable=True,
+            ) from None
+        except (requests.exceptions.ConnectionError, requests.exceptions.Timeout) as exc:
+            reason = "timed out" if isinstance(exc, requests.exceptions.Timeout) else "connection failed"
+            raise ArgoError(
+                f"cannot reach the Argo server at {where} ({reason}): set ARGO_SERVER to the server's host:port "
+                "(e.g. localhost:2746 with `kubectl -n argo port-forward svc/argo-server 2746:2746`), "
+                "and ARGO_INSECURE_SKIP_VERIFY=true for a self-signed cert",
+                retriable=True,
+            ) from None
+        except requests.exceptions.RequestException as exc:
+            raise ArgoError(
+                f"cannot talk to the Argo server at {where} ({type(exc).__name__}): check ARGO_SERVER "
+                "and ARGO_BASE_HREF",
+                retriable=True,
+            ) from None
+
+    def _answer_error(self, call: _Call, answer: _ServerAnswer) -> ArgoError:
+        status, said = answer.status, answer.message
+        where = self.config.api_root
+        if status == 401:
+            hint = (
+                "ARGO_TOKEN is not set: set ARGO_TOKEN"
+                if self.config.token is None
+                else "the token in ARGO_TOKEN was rejected: set ARGO_TOKEN to a valid token"
+            )
+            return ArgoError(
+                f"the Argo server at {where} refused to {call.what} (401 Unauthorized): {hint} "
+                '(e.g. `export ARGO_TOKEN="$(argo auth token)"`, or a ServiceAccount token)',
+                status,
+            )
+        if status == 403:
+            return ArgoError(
+                f"the Argo server refused to {call.what} (403 Forbidden): the identity behind ARGO_TOKEN lacks "
+                f"the RBAC verb '{call.verb}' on resource '{call.resource}' (API group argoproj.io) in namespace "
+                f"'{call.namespace}': grant it with a Role and RoleBinding, e.g. `kubectl -n {call.namespace} "
+                f"create role posttrain-submit --verb=create,get,update,list,watch "
+                f"--resource=workflowtemplates.argoproj.io,cronworkflows.argoproj.io,workflows.argoproj.io`. "
+                f"Server said: {said}",
+                status,
+            )
+        if status == 404:
+            if not answer.is_json:
+                return ArgoError(
+                    f"the server at {where} has no Argo API there (404 for {call.what}): check ARGO_SERVER and "
+                    "ARGO_BASE_HREF (the path prefix the Argo server is served under, e.g. /argo/)",
+                    status,
+                )
+            if "namespace" in said.lower() and call.namespace in said:
+                return ArgoError(
+                    f"namespace '{call.namespace}' was not found (404 for {call.what}): set ARGO_NAMESPACE, or "
+                    "cluster.namespace in the spec, to a namespace that exists and that Argo manages. "
+                    f"Server said: {said}",
+                    status,
+                )
+            return ArgoError(f"not found: cannot {call.what} (404). Server said: {said}", status)
+        if status == 409:
+            return ArgoError(
+                f"conflict: cannot {call.what} (409): another client changed or created it at the same time; "
+                f"run the command again. Server said: {said}",
+                status,
+            )
+        if status in (400, 422):
+            return ArgoError(
+                f"the Argo server rejected the request to {call.what} ({status}): {said}. If the message names "
+                "a field of the manifest, check the pipeline spec; `--render DIR` writes the manifests to inspect",
+                status,
+            )
+        return ArgoError(
+            f"the Argo server at {where} failed to {call.what} ({status}): {said}. Try again, or check the "
+            "argo-server logs",
+            status,
+            retriable=status >= 500,
+        )
