@@ -100,7 +100,9 @@ def test_connection_refused_gives_the_helpful_message() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = submit("korean-llm", env={"ARGO_SERVER": f"http://127.0.0.1:{port}", "ARGO_TOKEN": "t0k3n-value"})
+    proc = submit(
+        "korean-llm", "--skip-preflight", env={"ARGO_SERVER": f"http://127.0.0.1:{port}", "ARGO_TOKEN": "t0k3n-value"}
+    )
     assert proc.returncode == 1
     assert f"cannot reach the Argo server at http://127.0.0.1:{port}/" in proc.stderr
     assert "set ARGO_SERVER" in proc.stderr and "ARGO_INSECURE_SKIP_VERIFY=true" in proc.stderr
@@ -108,7 +110,7 @@ def test_connection_refused_gives_the_helpful_message() -> None:
 
 
 def test_wrong_token_gives_401_help_and_never_shows_the_token(fake: FakeArgo) -> None:
-    proc = submit("korean-llm", env=fake.env(ARGO_TOKEN="Bearer wrong-t0k3n-value"))
+    proc = submit("korean-llm", "--skip-preflight", env=fake.env(ARGO_TOKEN="Bearer wrong-t0k3n-value"))
     assert proc.returncode == 1
     assert "401 Unauthorized" in proc.stderr and "ARGO_TOKEN" in proc.stderr and "argo auth token" in proc.stderr
     assert "wrong-t0k3n-value" not in proc.stdout + proc.stderr
@@ -116,13 +118,13 @@ def test_wrong_token_gives_401_help_and_never_shows_the_token(fake: FakeArgo) ->
 
 def test_forbidden_names_the_rbac_verb(fake: FakeArgo) -> None:
     fake.forbidden = {("create", "workflows")}
-    proc = submit("korean-llm", env=fake.env())
+    proc = submit("korean-llm", "--skip-preflight", env=fake.env())
     assert proc.returncode == 1
     assert "RBAC verb 'create' on resource 'workflows'" in proc.stderr
 
 
 def test_submit_prints_name_and_url_and_never_the_token(fake: FakeArgo) -> None:
-    proc = submit("korean-llm", env=fake.env())
+    proc = submit("korean-llm", "--skip-preflight", env=fake.env())
     assert proc.returncode == 0, proc.stderr
     [(_, name)] = fake.objects("workflows")
     assert f"submitted Workflow {NS}/{name}" in proc.stdout

@@ -90,7 +90,7 @@ def test_dry_run_prints_the_workflow_and_calls_nothing(fake: FakeArgo, capsys: p
 def test_submit_ensures_the_template_and_prints_name_and_url(
     fake: FakeArgo, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code, out, _ = _run(capsys, "korean-llm")
+    code, out, _ = _run(capsys, "korean-llm", "--skip-preflight")
     assert code == 0
     [(ns, name)] = fake.objects("workflows")
     assert ns == NS and name.startswith("korean-llm-")
@@ -102,8 +102,8 @@ def test_submit_ensures_the_template_and_prints_name_and_url(
 
 
 def test_a_second_submit_updates_the_template(fake: FakeArgo, capsys: pytest.CaptureFixture[str]) -> None:
-    _run(capsys, "korean-llm")
-    code, out, _ = _run(capsys, "korean-llm", "--set", "stages.sft.training.learning_rate=1e-4")
+    _run(capsys, "korean-llm", "--skip-preflight")
+    code, out, _ = _run(capsys, "korean-llm", "--skip-preflight", "--set", "stages.sft.training.learning_rate=1e-4")
     assert code == 0
     assert f"updated WorkflowTemplate {NS}/korean-llm" in out
     assert len(fake.objects("workflows")) == 2
@@ -117,14 +117,14 @@ def test_watch_exit_code_follows_the_workflow(
         workflow_status("Running", [node("prepare", "Running")]),
         workflow_status(final, [node("prepare", final, finished="2026-11-02T02:03:00Z")]),
     ]
-    result, out, _ = _run(capsys, "korean-llm", "--watch", "--watch-interval", "0")
+    result, out, _ = _run(capsys, "korean-llm", "--skip-preflight", "--watch", "--watch-interval", "0")
     assert result == code
     assert f" {final}: {fake.url}/workflows/{NS}/" in out
 
 
 def test_server_errors_exit_1_with_the_message(fake: FakeArgo, capsys: pytest.CaptureFixture[str]) -> None:
     fake.forbidden = {("create", "workflowtemplates")}
-    code, _, err = _run(capsys, "korean-llm")
+    code, _, err = _run(capsys, "korean-llm", "--skip-preflight")
     assert code == 1
     assert err.startswith("error: the Argo server refused to create WorkflowTemplate")
     assert fake.token not in err
@@ -134,7 +134,7 @@ def test_argo_namespace_is_used_for_submission(
     fake: FakeArgo, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("ARGO_NAMESPACE", "posttrain")
-    code, out, _ = _run(capsys, "korean-llm")
+    code, out, _ = _run(capsys, "korean-llm", "--skip-preflight")
     assert code == 0
     assert {ns for ns, _ in fake.objects("workflows")} == {"posttrain"}
     assert "/workflows/posttrain/korean-llm-" in out
@@ -210,6 +210,39 @@ def test_missing_argo_server_is_a_usage_error(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("ARGO_SERVER", raising=False)
-    code, _, err = _run(capsys, "korean-llm")
+    code, _, err = _run(capsys, "korean-llm", "--skip-preflight")
     assert code == 2
     assert "ARGO_SERVER is not set" in err and "--render" in err
+
+
+# --------------------------------------------------------------------------- preflight
+
+
+def test_a_failed_preflight_blocks_the_submission(
+    fake: FakeArgo, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "no-such-kubeconfig"))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    code, _, err = _run(capsys, "korean-llm")
+    assert code == 1
+    assert "preflight: not ready" in err and "--skip-preflight" in err and "cluster access" in err
+    assert "Traceback" not in err
+    assert fake.objects("workflowtemplates") == {} and fake.objects("workflows") == {}
+
+
+def test_a_passing_preflight_lets_the_submission_through(
+    fake: FakeArgo, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from workflows import preflight
+
+    class Ready:
+        ok = True
+
+        def verdict(self) -> str:
+            return "ready"
+
+    seen: list[str] = []
+    monkeypatch.setattr(preflight, "run_preflight", lambda spec: seen.append(spec.name) or Ready())
+    code, out, _ = _run(capsys, "korean-llm")
+    assert code == 0 and seen == ["korean-llm"]
+    assert "preflight: ready" in out and len(fake.objects("workflows")) == 1

@@ -166,6 +166,7 @@ def notify_template(spec: PipelineSpec) -> Container:
     ref = spec.cluster.secrets.slack_webhook
     assert ref is not None  # the spec validator guarantees it when notifications.slack is on
     values = {
+        "pipeline": spec.name,
         "workflow-name": "{{workflow.name}}",
         "workflow-namespace": "{{workflow.namespace}}",
         "status": "{{workflow.status}}",

@@ -541,20 +541,16 @@ def _parse_version(raw: str) -> tuple[int, int, int] | None:
     return (int(match[1]), int(match[2]), int(match[3] or 0)) if match else None
 
 
-def _argo_url(server: str) -> str:
-    if "://" not in server:
-        secure = os.environ.get("ARGO_SECURE", "true").strip().lower() not in ("false", "0", "no")
-        server = f"{'https' if secure else 'http'}://{server}"
-    base_href = os.environ.get("ARGO_BASE_HREF", "").strip().strip("/")
-    return server.rstrip("/") + (f"/{base_href}" if base_href else "")
-
-
 def _check_argo(spec: PipelineSpec, argo_server: str | None, report: PreflightReport) -> None:
     import requests
 
-    server = argo_server or os.environ.get("ARGO_SERVER", "").strip()
+    from workflows.argo import ArgoConfig, ArgoError
+
     name = "argo server"
-    if not server:
+    env = dict(os.environ)
+    if argo_server:
+        env["ARGO_SERVER"] = argo_server
+    if not env.get("ARGO_SERVER", "").strip():
         report.add(
             name,
             "warn",
@@ -563,10 +559,14 @@ def _check_argo(spec: PipelineSpec, argo_server: str | None, report: PreflightRe
             "`kubectl -n argo port-forward svc/argo-server 2746:2746`",
         )
         return
-    url = _argo_url(server) + "/api/v1/version"
-    token = os.environ.get("ARGO_TOKEN", "").strip()
-    headers = {"Authorization": token if token.lower().startswith("bearer ") else f"Bearer {token}"} if token else {}
-    verify = os.environ.get("ARGO_INSECURE_SKIP_VERIFY", "").strip().lower() not in ("true", "1", "yes")
+    try:
+        config = ArgoConfig.from_env(spec.cluster.namespace, env)  # the same settings submit uses
+    except ArgoError as exc:
+        report.add(name, "fail", str(exc), "fix the ARGO_* variables")
+        return
+    url = config.api_root + "api/v1/version"
+    headers = {"Authorization": f"Bearer {config.token}"} if config.token else {}
+    verify = config.verify_tls
     try:
         resp = requests.get(url, headers=headers, timeout=REQUEST_TIMEOUT_S, verify=verify)
     except requests.exceptions.SSLError:
@@ -588,7 +588,7 @@ def _check_argo(spec: PipelineSpec, argo_server: str | None, report: PreflightRe
         return
     version = _parse_version(raw)
     if not spec.schedule.cron:
-        report.add(name, "ok", f"{raw} at {_argo_url(server)}")
+        report.add(name, "ok", f"{raw} at {config.server}{config.base_href}")
     elif version is None:
         report.add(name, "warn", f"version {raw!r} is not a release: cannot tell whether it supports `schedules`")
     elif version[:2] < MIN_ARGO_FOR_SCHEDULES:

@@ -179,6 +179,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--watch-interval", type=float, default=5.0, metavar="SECONDS", help="Seconds between polls (--watch)."
     )
+    p.add_argument(
+        "--skip-preflight",
+        action="store_true",
+        help="Submit without first checking the cluster (CRDs, volumes, secrets, GPU nodes, Argo version).",
+    )
     p.add_argument("--run-dir", type=Path, metavar="DIR", help="Run directory for --local.")
     p.add_argument("--force", action="store_true", help="With --local: start over in an existing run directory.")
     return p
@@ -194,8 +199,23 @@ def _load_for_local(args: argparse.Namespace) -> LoadedPipeline:
     return plain
 
 
+def preflight(loaded: LoadedPipeline) -> None:
+    """Check the cluster before anything is created; a blocking failure stops the submission with the fixes."""
+    from rich.console import Console
+
+    from workflows.preflight import run_preflight
+
+    report = run_preflight(loaded.spec)
+    if not report.ok:
+        Console(stderr=True).print(report.render())
+        raise CliError(f"preflight: {report.verdict()}. Fix what the table says, or pass --skip-preflight.")
+    print(f"preflight: {report.verdict()}")
+
+
 def _submit(args: argparse.Namespace, loaded: LoadedPipeline, compiled: CompiledPipeline) -> int:
-    client = argo_client(loaded)
+    client = argo_client(loaded)  # a missing ARGO_SERVER is reported before any cluster check
+    if not args.skip_preflight:
+        preflight(loaded)
     with client:
         applied = client.ensure_workflow_template(compiled.template)
         print(applied)
@@ -215,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.watch and (args.render or args.dry_run or args.local):
         p.error("--watch follows a submitted run; it cannot be combined with --render, --dry-run or --local")
+    if args.skip_preflight and (args.render or args.dry_run or args.local):
+        p.error("--skip-preflight goes with a submission to the Argo server")
     if (args.run_dir is not None or args.force) and not args.local:
         p.error("--run-dir and --force go with --local")
     if args.watch_interval < 0:
