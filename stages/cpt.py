@@ -1,0 +1,108 @@
+"""Continued pre-training: next-token loss on raw text, documents packed into full rows.
+
+    python -m stages cpt --run-dir DIR              one process
+    torchrun --nproc-per-node N -m stages cpt ...    N processes (DDP, FSDP2 or DeepSpeed, from the spec)
+
+Starts from the base model (or an earlier stage's output), trains with the transformers Trainer on the token
+cache prepare built, checkpoints into `cpt/checkpoints/`, resumes from the newest valid checkpoint after a
+preemption, and writes the model (safetensors) and tokenizer into `cpt/model/`.
+"""
+
+from __future__ import annotations
+
+import traceback
+
+from transformers import Trainer, TrainingArguments
+
+from stages.checkpoints import CheckpointMarker, SigtermCheckpoint
+from stages.contract import EXIT_OK, StageContext
+from stages.modeling import NotSupportedHere, describe, load_starting_model, load_tokenizer, save_stage_model
+from stages.packing import PackedCollator, load_token_cache
+from stages.tracking import StageTracker
+from stages.training import (
+    loss_curve,
+    record_inputs,
+    resume_checkpoint,
+    resume_details,
+    summary_metrics,
+    trainer_arguments,
+    write_log_history,
+)
+
+
+def run(ctx: StageContext) -> int:
+    """Train the cpt stage; returns the process exit code."""
+    if not ctx.begin():
+        return EXIT_OK
+    sigterm = SigtermCheckpoint().install()
+    try:
+        return train(ctx, sigterm)
+    except NotSupportedHere as exc:
+        print(f"error: {exc}", flush=True)
+        return ctx.fail(str(exc))
+    except Exception as exc:
+        traceback.print_exc()
+        return ctx.fail(f"{type(exc).__name__}: {exc}")
+    finally:
+        sigterm.uninstall()
+
+
+def train(ctx: StageContext, sigterm: SigtermCheckpoint) -> int:
+    run_dir, spec = ctx.run_dir, ctx.spec
+
+    # 1. The tokenizer and the model this stage starts from.
+    tokenizer = load_tokenizer(run_dir, spec.model)
+    start = load_starting_model(run_dir, spec, ctx.stage, tokenizer)
+    args = TrainingArguments(**trainer_arguments(ctx, start.model))
+
+    # 2. The packed token rows (built by prepare; built here when missing). Rank 0 builds, the others wait.
+    with args.main_process_first(desc="token cache"):
+        cache = load_token_cache(run_dir, spec, ctx.stage)
+    record_inputs(ctx, cache, start.upstream)
+
+    # 3. Resume from the newest valid checkpoint of an earlier attempt, if any.
+    checkpoint = resume_checkpoint(ctx)
+
+    with StageTracker(ctx) as tracker:
+        tracker.log_params(
+            {
+                "stage": ctx.stage,
+                "method": ctx.section.method,
+                "strategy": ctx.section.distributed.strategy,
+                **ctx.section.training.model_dump(),
+                **describe(start.model),
+                "train_rows": cache.meta["train"]["rows"],
+                "train_tokens": cache.meta["train"]["tokens"],
+            }
+        )
+        trainer = Trainer(
+            model=start.model,
+            args=args,
+            data_collator=PackedCollator(pad_token_id=tokenizer.pad_token_id),
+            train_dataset=cache.train,
+            eval_dataset=cache.eval,
+            processing_class=tokenizer,
+            callbacks=[tracker.hf_callback(), CheckpointMarker(), sigterm],
+        )
+
+        # 4. Train.
+        trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+        if sigterm.stopped:
+            tracker.finish("interrupted")
+            step = trainer.state.global_step
+            return ctx.fail(f"SIGTERM: saved checkpoint-{step}; a rerun resumes from it", retryable=True)
+
+        # 5. Held-out loss, the model, the record.
+        eval_metrics = trainer.evaluate() if cache.eval is not None else None
+        model_info = save_stage_model(trainer, tokenizer, run_dir, spec, ctx.stage, start)
+        metrics = summary_metrics(trainer, eval_metrics)
+        tracker.log_metrics(metrics, step=trainer.state.global_step)
+        tracker.log_figure_loss_curve(*loss_curve(trainer.state.log_history))
+        tracker.log_artifact(write_log_history(ctx, trainer))
+        tracker.finish("succeeded")
+
+    return ctx.finish(
+        outputs={"model": ctx.model_dir},
+        metrics=metrics,
+        extra={**model_info, **resume_details(checkpoint), "upstream": start.upstream or ""},
+    )

@@ -1,0 +1,122 @@
+"""How a training stage spreads over processes: the Trainer settings for DDP, FSDP2 or DeepSpeed ZeRO-2/3.
+
+The same stage code runs as one process or under torchrun with N processes (the PyTorchJob sets the
+rendezvous); `stages.<stage>.distributed.strategy` picks the engine:
+- ddp: plain data parallel; NCCL on GPUs, gloo on CPU;
+- fsdp: FSDP2, parameters, gradients and optimizer state sharded per decoder layer;
+- deepspeed_zero2 / deepspeed_zero3: DeepSpeed ZeRO stage 2 (optimizer state and gradients sharded) or 3 (and
+  parameters), configured by a dict built here.
+FSDP and DeepSpeed need GPUs: on CPU the stage stops with an error that names the spec field.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any
+
+import torch
+
+from stages.modeling import NotSupportedHere
+from workflows.spec import DistributedSpec, TrainingStage
+
+
+def world_size() -> int:
+    """Processes in the job (1 when not under torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def check_strategy(stage: str, distributed: DistributedSpec) -> None:
+    """Refuse a strategy this machine cannot run, naming the spec field to change."""
+    strategy = distributed.strategy
+    if strategy == "ddp":
+        return
+    if not torch.cuda.is_available():
+        raise NotSupportedHere(
+            f"stages.{stage}.distributed.strategy is '{strategy}', which needs GPUs; this machine has none. "
+            "Use 'ddp' on CPU (it trains over gloo)."
+        )
+    if strategy.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
+        raise NotSupportedHere(
+            f"stages.{stage}.distributed.strategy is '{strategy}' but the deepspeed package is not installed "
+            "in the trainer image."
+        )
+
+
+def fsdp_settings(distributed: DistributedSpec, layer_classes: list[str], recompute: bool = False) -> dict[str, Any]:
+    """Trainer arguments for FSDP2: each decoder layer is a shard unit; full state dicts on save, so
+    checkpoints and the final model are ordinary safetensors. Activation recomputation (`recompute`, from
+    gradient_checkpointing, or distributed.activation_checkpointing) is FSDP's own, not the Trainer's, which
+    would all-gather the parameters once more in the backward pass."""
+    return {
+        "fsdp": True,
+        "activation_checkpointing": False,
+        "gradient_checkpointing": False,
+        "fsdp_config": {
+            "version": 2,
+            "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "transformer_layer_cls_to_wrap": layer_classes,
+            "reshard_after_forward": True,
+            "cpu_offload": distributed.cpu_offload,
+            "activation_checkpointing": distributed.activation_checkpointing or recompute,
+            "state_dict_type": "FULL_STATE_DICT",
+            "cpu_ram_efficient_loading": False,
+        },
+    }
+
+
+def deepspeed_config(distributed: DistributedSpec) -> dict[str, Any]:
+    """A DeepSpeed config for ZeRO-2 or ZeRO-3; "auto" values are filled in from the Trainer's arguments."""
+    stage = 3 if distributed.strategy == "deepspeed_zero3" else 2
+    zero: dict[str, Any] = {
+        "stage": stage,
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "reduce_bucket_size": "auto",
+    }
+    if distributed.cpu_offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if stage == 3:
+        zero.update(
+            {
+                "stage3_prefetch_bucket_size": "auto",
+                "stage3_param_persistence_threshold": "auto",
+                "stage3_gather_16bit_weights_on_model_save": True,  # the saved model is whole safetensors
+            }
+        )
+        if distributed.cpu_offload:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    return {
+        "zero_optimization": zero,
+        "bf16": {"enabled": "auto"},
+        "fp16": {"enabled": "auto"},
+        "gradient_clipping": "auto",
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+    }
+
+
+def strategy_arguments(stage: str, section: TrainingStage, model: Any) -> dict[str, Any]:
+    """Trainer arguments for the stage's distributed strategy (also right for a single process)."""
+    distributed = section.distributed
+    check_strategy(stage, distributed)
+    gpu = torch.cuda.is_available()
+    args: dict[str, Any] = {"ddp_find_unused_parameters": False}
+    if world_size() > 1:
+        args["ddp_backend"] = "nccl" if gpu else "gloo"
+    if distributed.strategy == "fsdp":
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        recompute = section.training.gradient_checkpointing and gpu
+        args.update(fsdp_settings(distributed, list(base._no_split_modules or []), recompute))
+    elif distributed.strategy.startswith("deepspeed"):
+        args["deepspeed"] = deepspeed_config(distributed)
+    return args
+
+
+def precision_arguments(model_dtype: torch.dtype | str) -> dict[str, Any]:
+    """Mixed precision: bf16/fp16 on GPU following the weights' dtype; plain float32 on CPU."""
+    if not torch.cuda.is_available():
+        return {"bf16": False, "fp16": False, "use_cpu": True}
+    half = model_dtype == torch.float16
+    return {"bf16": not half, "fp16": half}

@@ -1,0 +1,333 @@
+"""The model a training stage starts from, and the model it leaves behind.
+
+Where a stage starts:
+- the first enabled training stage starts from the base model: `model.from_config` builds a seeded, randomly
+  initialised Qwen3 with the tokenizer's vocabulary; otherwise the weights load with `from_pretrained`
+  (revision, dtype, safetensors only, remote code only when `model.trust_remote_code`);
+- a later stage (cpt → sft → rlhf) starts from the output of the enabled training stage before it: a full model
+  directory, or a LoRA adapter, which a LoRA stage continues and a full stage merges first.
+
+What a stage leaves in `<run>/<stage>/model/`: safetensors weights and the tokenizer; an adapter (with the base
+it applies to recorded in stage.json) or, for full training or `lora.merge_after`, a full model.
+
+On CPU the weights are float32 and there is no gradient checkpointing and no bf16. Attention is one of the
+implementations that keep packed documents apart through their position ids (see stages/packing.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from stages.contract import RunDir, is_main_process
+from workflows.spec import TRAINING_STAGES, ModelSpec, PipelineSpec, TrainingStage
+
+ModelKind = Literal["full", "adapter"]
+BaseKind = Literal["from_config", "pretrained", "stage"]
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
+
+
+class NotSupportedHere(RuntimeError):
+    """The spec asks for something this machine cannot do (e.g. QLoRA without a CUDA GPU)."""
+
+
+@dataclass(frozen=True)
+class BaseRef:
+    """The weights a stage started from (and an adapter applies to): the spec's base model (built from config or
+    loaded by name) or a full model written by an earlier stage (a path relative to the run directory)."""
+
+    kind: BaseKind
+    name: str
+
+
+@dataclass
+class StartingModel:
+    """The model a stage trains, ready for the trainer."""
+
+    model: Any  # transformers.PreTrainedModel or peft.PeftModel
+    kind: ModelKind  # what the stage trains: the full weights or an adapter
+    base: BaseRef
+    upstream: str | None  # the training stage whose output this continues, if any
+    continued_adapter: bool = False  # a LoRA stage that goes on training the upstream stage's adapter
+
+
+# --------------------------------------------------------------------------- settings
+
+
+def on_gpu() -> bool:
+    """Whether this process trains on a CUDA GPU."""
+    return torch.cuda.is_available()
+
+
+def weights_dtype(model_spec: ModelSpec) -> torch.dtype | str:
+    """float32 on CPU; the spec's dtype on GPU."""
+    if not on_gpu():
+        return torch.float32
+    return "auto" if model_spec.dtype == "auto" else _DTYPES[model_spec.dtype]
+
+
+def attention_implementation(model_spec: ModelSpec) -> str:
+    """The spec's choice, else the fastest kernel that keeps packed documents apart: flash-attention 2 (varlen
+    through the position ids) on a GPU where it is installed, otherwise sdpa with the block-diagonal mask that
+    transformers builds from the position ids."""
+    if model_spec.attn_implementation is not None:
+        return model_spec.attn_implementation
+    if on_gpu() and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def check_method(stage: str, section: TrainingStage) -> None:
+    """Refuse what this machine cannot do, naming the spec field to change."""
+    if section.method != "qlora":
+        return
+    missing = [what for what, ok in (("a CUDA GPU", on_gpu()), ("bitsandbytes", _has("bitsandbytes"))) if not ok]
+    if missing:
+        raise NotSupportedHere(
+            f"stages.{stage}.method is 'qlora', which needs bitsandbytes and a CUDA GPU; this machine has no "
+            f"{' and no '.join(missing)}. Use method 'lora' (or 'full') here."
+        )
+
+
+def _has(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def _quantization_config(section: TrainingStage, model_spec: ModelSpec) -> Any:
+    """4-bit NF4 quantization for QLoRA."""
+    from transformers import BitsAndBytesConfig
+
+    compute = _DTYPES.get(model_spec.dtype, torch.bfloat16)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=compute if compute != torch.float32 else torch.bfloat16,
+    )
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_tokenizer(run_dir: RunDir, model_spec: ModelSpec) -> Any:
+    """The run's tokenizer, as prepare wrote it."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(
+        run_dir.root / "prepare" / "tokenizer", trust_remote_code=model_spec.trust_remote_code
+    )
+
+
+def build_from_config(model_spec: ModelSpec, tokenizer: Any) -> Any:
+    """A randomly initialised Qwen3 from `model.from_config`, seeded, with the tokenizer's vocabulary size."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    tiny = model_spec.from_config
+    assert tiny is not None
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=tiny.hidden_size,
+        intermediate_size=tiny.intermediate_size,
+        num_hidden_layers=tiny.num_hidden_layers,
+        num_attention_heads=tiny.num_attention_heads,
+        num_key_value_heads=tiny.num_key_value_heads,
+        head_dim=tiny.head_dim,
+        max_position_embeddings=tiny.max_position_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(tiny.seed)
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=weights_dtype(model_spec), attn_implementation=attention_implementation(model_spec)
+        )
+    model.config._name_or_path = model_spec.name_or_path
+    return model
+
+
+def load_pretrained(path_or_id: str | Path, model_spec: ModelSpec, revision: str | None = None, **kwargs: Any) -> Any:
+    """Weights from a hub id or a directory: safetensors only, remote code only when the spec allows it."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        str(path_or_id),
+        revision=revision,
+        dtype=weights_dtype(model_spec),
+        attn_implementation=attention_implementation(model_spec),
+        trust_remote_code=model_spec.trust_remote_code,
+        use_safetensors=True,
+        **kwargs,
+    )
+
+
+def load_base(run_dir: RunDir, spec: PipelineSpec, base: BaseRef, tokenizer: Any, quantization: Any = None) -> Any:
+    """The weights `base` names, built or loaded."""
+    extra: dict[str, Any] = {}
+    if quantization is not None:
+        extra = {"quantization_config": quantization, "device_map": {"": torch.cuda.current_device()}}
+    if base.kind == "from_config":
+        if quantization is not None:
+            raise NotSupportedHere(
+                "QLoRA quantizes pretrained weights; a model built with model.from_config trains with method 'lora'"
+            )
+        return build_from_config(spec.model, tokenizer)
+    if base.kind == "stage":
+        return load_pretrained(run_dir.root / base.name, spec.model, **extra)
+    return load_pretrained(spec.model.name_or_path, spec.model, revision=spec.model.revision, **extra)
+
+
+def spec_base(spec: PipelineSpec) -> BaseRef:
+    """The pipeline's base model."""
+    return BaseRef("from_config" if spec.model.from_config is not None else "pretrained", spec.model.name_or_path)
+
+
+def upstream_stage(spec: PipelineSpec, stage: str) -> str | None:
+    """The enabled training stage just before `stage`, whose output `stage` continues."""
+    before = TRAINING_STAGES[: TRAINING_STAGES.index(stage)]
+    enabled = [s for s in before if spec.stage(s).enabled]
+    return enabled[-1] if enabled else None
+
+
+@dataclass(frozen=True)
+class StageOutput:
+    """What a finished training stage left: a full model or an adapter over `base`."""
+
+    stage: str
+    path: Path
+    kind: ModelKind
+    base: BaseRef
+
+
+def stage_output(run_dir: RunDir, stage: str) -> StageOutput:
+    """The model a succeeded training stage wrote, from its stage.json."""
+    result = run_dir.read_result(stage)
+    if result is None or result.status != "succeeded":
+        state = "has not run" if result is None else f"is {result.status}"
+        raise RuntimeError(f"stage {stage} {state} in {run_dir.root}: it must succeed before the stages after it")
+    extra = result.extra
+    return StageOutput(
+        stage=stage,
+        path=run_dir.stage_dir(stage) / "model",
+        kind=extra["model_kind"],
+        base=BaseRef(extra["base_kind"], extra["base"]),
+    )
+
+
+def lora_config(section: TrainingStage) -> Any:
+    """The stage's LoRA adapter settings."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=section.lora.r,
+        lora_alpha=section.lora.alpha,
+        lora_dropout=section.lora.dropout,
+        target_modules=section.lora.target_modules,
+        task_type="CAUSAL_LM",
+    )
+
+
+def load_starting_model(run_dir: RunDir, spec: PipelineSpec, stage: str, tokenizer: Any) -> StartingModel:
+    """The model `stage` trains: the base model or the upstream stage's output, with a LoRA adapter (new or
+    continued) when the stage's method is lora or qlora."""
+    from peft import PeftModel, get_peft_model, prepare_model_for_kbit_training
+
+    section: TrainingStage = spec.stage(stage)  # type: ignore[assignment]
+    check_method(stage, section)
+    quantization = _quantization_config(section, spec.model) if section.method == "qlora" else None
+
+    upstream = upstream_stage(spec, stage)
+    adapter_dir: Path | None = None
+    if upstream is None:
+        base = spec_base(spec)
+    else:
+        previous = stage_output(run_dir, upstream)
+        if previous.kind == "full":
+            base = BaseRef("stage", run_dir.relative(previous.path))
+        else:
+            base, adapter_dir = previous.base, previous.path
+    model = load_base(run_dir, spec, base, tokenizer, quantization)
+
+    if section.method == "full":
+        if adapter_dir is not None:  # full training after a LoRA stage: merge its adapter first
+            model = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
+        start = StartingModel(model=model, kind="full", base=base, upstream=upstream)
+    else:
+        if quantization is not None:
+            model = prepare_model_for_kbit_training(
+                model, use_gradient_checkpointing=section.training.gradient_checkpointing
+            )
+        if adapter_dir is not None:  # continue the upstream adapter (its own r/alpha/targets)
+            model = PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=True)
+        else:
+            model = get_peft_model(model, lora_config(section))
+        start = StartingModel(
+            model=model, kind="adapter", base=base, upstream=upstream, continued_adapter=adapter_dir is not None
+        )
+    start.model.config.use_cache = False  # a KV cache in training would hide the packed-document boundaries
+    return start
+
+
+def load_stage_model(run_dir: RunDir, spec: PipelineSpec, stage: str, tokenizer: Any) -> Any:
+    """A finished stage's model for inference: a full model, or an adapter merged into its base."""
+    from peft import PeftModel
+
+    output = stage_output(run_dir, stage)
+    if output.kind == "full":
+        return load_pretrained(output.path, spec.model)
+    base = load_base(run_dir, spec, output.base, tokenizer)
+    return PeftModel.from_pretrained(base, str(output.path)).merge_and_unload()
+
+
+# --------------------------------------------------------------------------- saving
+
+
+def save_stage_model(
+    trainer: Any, tokenizer: Any, run_dir: RunDir, spec: PipelineSpec, stage: str, start: StartingModel
+) -> dict[str, str]:
+    """Write the trained model into `<run>/<stage>/model/` (safetensors + tokenizer) and return what it is, for
+    stage.json's extra. Every rank calls this (FSDP and ZeRO-3 gather the weights); rank 0 writes."""
+    section: TrainingStage = spec.stage(stage)  # type: ignore[assignment]
+    out = run_dir.stage_dir(stage) / "model"
+    if is_main_process() and out.exists():
+        shutil.rmtree(out)
+    trainer.accelerator.wait_for_everyone()
+    unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+    unwrapped.config.use_cache = True
+    trainer.save_model(str(out))
+    kind: ModelKind = start.kind
+    if is_main_process():
+        (out / "training_args.bin").unlink(missing_ok=True)  # a pickle, not part of the model
+        tokenizer.save_pretrained(out)
+        if start.kind == "adapter" and section.lora.merge_after:
+            merged = _merge_adapter(run_dir, spec, start.base, out, tokenizer)
+            for name in _ADAPTER_FILES:
+                (out / name).unlink(missing_ok=True)
+            merged.save_pretrained(out)
+            kind = "full"
+    trainer.accelerator.wait_for_everyone()
+    return {"model_kind": kind, "base": start.base.name, "base_kind": start.base.kind}
+
+
+def _merge_adapter(run_dir: RunDir, spec: PipelineSpec, base: BaseRef, adapter_dir: Path, tokenizer: Any) -> Any:
+    """The adapter in `adapter_dir` merged into a fresh, unquantized copy of its base."""
+    from peft import PeftModel
+
+    model = load_base(run_dir, spec, base, tokenizer)
+    merged = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
+    merged.config.use_cache = True
+    return merged
+
+
+def describe(model: Any) -> dict[str, int]:
+    """Parameter counts (all and trainable), for the log and the tracker."""
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {"parameters": total, "trainable_parameters": trainable}

@@ -1,0 +1,115 @@
+"""Supervised fine-tuning: conversations through the chat template, loss on the assistant's tokens only.
+
+    python -m stages sft --run-dir DIR              one process
+    torchrun --nproc-per-node N -m stages sft ...    N processes (DDP, FSDP2 or DeepSpeed, from the spec)
+
+Starts from cpt's output when cpt ran (else the base model), full or with a LoRA adapter (a new one, or cpt's
+adapter continued), trains with TRL's SFTTrainer on the packed token cache (labels -100 outside the assistant
+turns, documents kept apart through position ids), checkpoints into `sft/checkpoints/`, resumes after a
+preemption, and writes the adapter or the (merged) model with the tokenizer into `sft/model/`.
+"""
+
+from __future__ import annotations
+
+import traceback
+
+from trl import SFTConfig, SFTTrainer
+
+from stages.checkpoints import CheckpointMarker, SigtermCheckpoint
+from stages.contract import EXIT_OK, StageContext
+from stages.modeling import NotSupportedHere, describe, load_starting_model, load_tokenizer, save_stage_model
+from stages.packing import PackedCollator, load_token_cache
+from stages.tracking import StageTracker
+from stages.training import (
+    loss_curve,
+    record_inputs,
+    resume_checkpoint,
+    resume_details,
+    summary_metrics,
+    trainer_arguments,
+    write_log_history,
+)
+
+
+def run(ctx: StageContext) -> int:
+    """Train the sft stage; returns the process exit code."""
+    if not ctx.begin():
+        return EXIT_OK
+    sigterm = SigtermCheckpoint().install()
+    try:
+        return train(ctx, sigterm)
+    except NotSupportedHere as exc:
+        print(f"error: {exc}", flush=True)
+        return ctx.fail(str(exc))
+    except Exception as exc:
+        traceback.print_exc()
+        return ctx.fail(f"{type(exc).__name__}: {exc}")
+    finally:
+        sigterm.uninstall()
+
+
+def train(ctx: StageContext, sigterm: SigtermCheckpoint) -> int:
+    run_dir, spec = ctx.run_dir, ctx.spec
+
+    # 1. The tokenizer and the model this stage starts from (cpt's output, when cpt ran).
+    tokenizer = load_tokenizer(run_dir, spec.model)
+    start = load_starting_model(run_dir, spec, ctx.stage, tokenizer)
+    args = SFTConfig(
+        **trainer_arguments(ctx, start.model),
+        max_length=ctx.section.training.max_seq_length,
+        dataset_kwargs={"skip_prepare_dataset": True},  # the token cache is already templated, masked, packed
+    )
+
+    # 2. The packed, assistant-masked token rows. Rank 0 builds them when missing, the others wait.
+    with args.main_process_first(desc="token cache"):
+        cache = load_token_cache(run_dir, spec, ctx.stage)
+    record_inputs(ctx, cache, start.upstream)
+
+    # 3. Resume from the newest valid checkpoint of an earlier attempt, if any.
+    checkpoint = resume_checkpoint(ctx)
+
+    with StageTracker(ctx) as tracker:
+        tracker.log_params(
+            {
+                "stage": ctx.stage,
+                "method": ctx.section.method,
+                "strategy": ctx.section.distributed.strategy,
+                "continued_adapter": start.continued_adapter,
+                **ctx.section.training.model_dump(),
+                **ctx.section.lora.model_dump(),
+                **describe(start.model),
+                "train_rows": cache.meta["train"]["rows"],
+                "train_label_tokens": cache.meta["train"]["label_tokens"],
+            }
+        )
+        trainer = SFTTrainer(
+            model=start.model,
+            args=args,
+            data_collator=PackedCollator(pad_token_id=tokenizer.pad_token_id),
+            train_dataset=cache.train,
+            eval_dataset=cache.eval,
+            processing_class=tokenizer,
+            callbacks=[tracker.hf_callback(), CheckpointMarker(), sigterm],
+        )
+
+        # 4. Train.
+        trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+        if sigterm.stopped:
+            tracker.finish("interrupted")
+            step = trainer.state.global_step
+            return ctx.fail(f"SIGTERM: saved checkpoint-{step}; a rerun resumes from it", retryable=True)
+
+        # 5. Held-out loss on the assistant tokens, the model, the record.
+        eval_metrics = trainer.evaluate() if cache.eval is not None else None
+        model_info = save_stage_model(trainer, tokenizer, run_dir, spec, ctx.stage, start)
+        metrics = summary_metrics(trainer, eval_metrics)
+        tracker.log_metrics(metrics, step=trainer.state.global_step)
+        tracker.log_figure_loss_curve(*loss_curve(trainer.state.log_history))
+        tracker.log_artifact(write_log_history(ctx, trainer))
+        tracker.finish("succeeded")
+
+    return ctx.finish(
+        outputs={"model": ctx.model_dir},
+        metrics=metrics,
+        extra={**model_info, **resume_details(checkpoint), "upstream": start.upstream or ""},
+    )

@@ -1,0 +1,122 @@
+"""What the training stages (cpt, sft) share: the Trainer arguments from the spec, resuming, and the summary.
+
+Each stage module reads as the recipe; the pieces here keep it short:
+
+    start = load_starting_model(...)                 stages/modeling.py
+    cache = load_token_cache(...)                    stages/packing.py
+    record_inputs(ctx, cache, start.upstream)         lineage in stage.json
+    args = trainer_arguments(ctx, start.model)        hyperparameters + distributed strategy + precision
+    resume = resume_checkpoint(ctx)                   newest valid checkpoint (torn ones set aside)
+    trainer.train(resume_from_checkpoint=resume)
+    metrics = summary_metrics(trainer)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from stages.checkpoints import checkpoint_step, newest_valid_checkpoint, set_aside_torn
+from stages.contract import StageContext, canonical_hash, is_main_process, write_json_atomic
+from stages.distributed import precision_arguments, strategy_arguments
+from stages.modeling import on_gpu, weights_dtype
+from workflows.spec import TrainingStage
+
+
+def trainer_arguments(ctx: StageContext, model: Any) -> dict[str, Any]:
+    """Keyword arguments for TrainingArguments / SFTConfig from the stage's spec."""
+    section: TrainingStage = ctx.section
+    t = section.training
+    checkpointing = t.gradient_checkpointing and on_gpu()  # recomputation only pays off on a GPU
+    return {
+        "output_dir": str(ctx.checkpoints_dir),
+        "per_device_train_batch_size": t.per_device_batch_size,
+        "per_device_eval_batch_size": t.per_device_batch_size,
+        "gradient_accumulation_steps": t.gradient_accumulation_steps,
+        "learning_rate": t.learning_rate,
+        "num_train_epochs": t.epochs,
+        "max_steps": t.max_steps or -1,
+        "warmup_steps": t.warmup_ratio,  # a float below 1 is a fraction of the total steps
+        "lr_scheduler_type": t.lr_scheduler,
+        "weight_decay": t.weight_decay,
+        "max_grad_norm": t.max_grad_norm,
+        "seed": t.seed,
+        "data_seed": t.seed,
+        "logging_steps": t.logging_steps,
+        "logging_first_step": True,
+        "save_strategy": "steps",
+        "save_steps": t.save_steps,
+        "save_total_limit": t.save_total_limit,
+        "eval_strategy": "steps" if t.eval_steps else "no",
+        "eval_steps": t.eval_steps,
+        "prediction_loss_only": True,  # eval needs the loss only; never gather the logits
+        "activation_checkpointing": checkpointing,
+        "gradient_checkpointing": checkpointing,
+        "include_num_input_tokens_seen": "all",
+        "remove_unused_columns": False,  # keep position_ids: they carry the packed-document boundaries
+        "dataloader_num_workers": 0,
+        "report_to": "none",  # the stage tracker's callback reports instead
+        "disable_tqdm": True,
+        **precision_arguments(weights_dtype(ctx.spec.model)),
+        **strategy_arguments(ctx.stage, section, model),  # last: FSDP replaces the checkpointing settings
+    }
+
+
+def record_inputs(ctx: StageContext, cache: Any, upstream: str | None) -> None:
+    """Lineage in stage.json: the token cache and, for a chained stage, the upstream stage's model."""
+    ctx.add_input("token_cache", ctx.run_dir.relative(cache.path), canonical_hash(cache.meta["settings"]))
+    if upstream is not None:
+        result = ctx.run_dir.read_result(upstream)
+        model_dir = ctx.run_dir.stage_dir(upstream) / "model"
+        ctx.add_input("model", ctx.run_dir.relative(model_dir), result.config_hash if result else "")
+
+
+def resume_checkpoint(ctx: StageContext) -> Path | None:
+    """The newest valid checkpoint of an earlier attempt, or None to start fresh. Newer torn checkpoints
+    are set aside (rank 0) so the trainer does not rotate or overwrite into them."""
+    checkpoint = newest_valid_checkpoint(ctx.checkpoints_dir)
+    set_aside_torn(ctx.checkpoints_dir, checkpoint)
+    return checkpoint
+
+
+def loss_curve(log_history: list[dict[str, Any]]) -> tuple[list[int], list[float]]:
+    """(steps, losses) of the logged training loss."""
+    points = [(entry["step"], entry["loss"]) for entry in log_history if "loss" in entry]
+    return [step for step, _ in points], [loss for _, loss in points]
+
+
+def summary_metrics(trainer: Any, eval_metrics: dict[str, float] | None) -> dict[str, float]:
+    """Final metrics for stage.json: training loss first and last, eval loss and perplexity, tokens, steps."""
+    _, losses = loss_curve(trainer.state.log_history)
+    metrics: dict[str, float] = {
+        "steps": trainer.state.global_step,
+        "tokens": trainer.state.num_input_tokens_seen,
+    }
+    if losses:
+        metrics.update({"train_loss_first": losses[0], "train_loss_last": losses[-1]})
+    if eval_metrics and "eval_loss" in eval_metrics:
+        metrics["eval_loss"] = eval_metrics["eval_loss"]
+        metrics["perplexity"] = math.exp(min(eval_metrics["eval_loss"], 50.0))
+    return metrics
+
+
+def write_log_history(ctx: StageContext, trainer: Any) -> Path:
+    """The trainer's log (loss, learning rate, eval) as `<stage>/logs/log_history.json`."""
+    path = ctx.logs_dir / "log_history.json"
+    if is_main_process():
+        write_json_atomic(path, trainer.state.log_history)
+    return path
+
+
+def read_log_history(path: Path) -> list[dict[str, Any]]:
+    """The log a stage wrote (tests and reports)."""
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def resume_details(checkpoint: Path | None) -> dict[str, Any]:
+    """What stage.json's extra says about resuming."""
+    if checkpoint is None:
+        return {"resumed_from_step": 0}
+    return {"resumed_from": checkpoint.name, "resumed_from_step": checkpoint_step(checkpoint) or 0}

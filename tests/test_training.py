@@ -1,0 +1,120 @@
+"""cpt then sft on the tiny local profile: the loss goes down, stage.json records the run, the models are
+safetensors, and sft continues from cpt's output."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from training_fixtures import make_run_dir, run_stage
+
+from stages.contract import RunDir, config_hash
+from stages.modeling import NotSupportedHere, check_method, load_stage_model, load_tokenizer
+from stages.training import read_log_history
+
+pytestmark = pytest.mark.slow
+
+FAST = [
+    "stages.cpt.training.max_steps=12",
+    "stages.cpt.training.save_steps=6",
+    "stages.cpt.training.logging_steps=1",
+    "stages.sft.training.max_steps=10",
+    "stages.sft.training.save_steps=5",
+    "stages.sft.training.logging_steps=1",
+]
+
+
+def losses(run_dir: RunDir, stage: str) -> list[float]:
+    return [e["loss"] for e in read_log_history(run_dir.stage_dir(stage) / "logs/log_history.json") if "loss" in e]
+
+
+def no_pickles(model_dir: Path) -> None:
+    assert not [p.name for p in model_dir.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".pkl")]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> RunDir:
+    run_dir = make_run_dir(tmp_path_factory.mktemp("training") / "run", overrides=FAST)
+    for stage in ("cpt", "sft"):
+        done = run_stage(run_dir, stage)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return run_dir
+
+
+def test_cpt_trains_a_full_model(trained: RunDir) -> None:
+    result = trained.read_result("cpt")
+    assert result is not None and result.status == "succeeded"
+    assert result.extra["model_kind"] == "full" and result.extra["base_kind"] == "from_config"
+    assert result.outputs == {"model": "cpt/model"}
+    metrics = result.metrics
+    assert metrics["steps"] == 12 and metrics["tokens"] > 0
+    assert metrics["train_loss_last"] < metrics["train_loss_first"] - 0.5
+    assert metrics["perplexity"] == pytest.approx(torch.tensor(metrics["eval_loss"]).exp().item(), rel=1e-5)
+    curve = losses(trained, "cpt")
+    assert sum(curve[-3:]) / 3 < sum(curve[:3]) / 3
+
+    model_dir = trained.stage_dir("cpt") / "model"
+    assert (model_dir / "model.safetensors").is_file() and (model_dir / "config.json").is_file()
+    assert (model_dir / "tokenizer.json").is_file()
+    no_pickles(model_dir)
+    assert sorted(p.name for p in (trained.stage_dir("cpt") / "checkpoints").iterdir()) == [
+        "checkpoint-12",
+        "checkpoint-6",
+    ]
+
+
+def test_sft_continues_from_cpt_with_a_lora_adapter(trained: RunDir) -> None:
+    result = trained.read_result("sft")
+    assert result is not None and result.status == "succeeded"
+    extra = result.extra
+    assert (extra["model_kind"], extra["base"], extra["base_kind"], extra["upstream"]) == (
+        "adapter",
+        "cpt/model",
+        "stage",
+        "cpt",
+    )
+    assert result.inputs["model"].fingerprint == config_hash(trained.load_spec(), "cpt")
+    assert result.metrics["train_loss_last"] < result.metrics["train_loss_first"]
+
+    model_dir = trained.stage_dir("sft") / "model"
+    assert (model_dir / "adapter_model.safetensors").is_file() and not (model_dir / "model.safetensors").exists()
+    no_pickles(model_dir)
+
+    # The adapter sits on cpt's weights: merged, everything but the adapted projections is cpt's model.
+    spec = trained.load_spec()
+    merged = load_stage_model(trained, spec, "sft", load_tokenizer(trained, spec.model)).state_dict()
+    cpt = load_file(trained.stage_dir("cpt") / "model/model.safetensors")
+    assert torch.equal(merged["model.embed_tokens.weight"], cpt["model.embed_tokens.weight"])
+    assert torch.equal(merged["model.norm.weight"], cpt["model.norm.weight"])
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.allclose(merged[q], cpt[q])  # the trained adapter, merged in
+
+
+def test_lora_without_cpt_merges_into_the_base_when_asked(tmp_path: Path) -> None:
+    overrides = [
+        *FAST,
+        "stages.cpt.enabled=false",
+        "stages.sft.training.max_steps=3",
+        "stages.sft.lora.merge_after=true",
+    ]
+    run_dir = make_run_dir(tmp_path / "run", overrides=overrides, n_text=20, n_chat=60)
+    done = run_stage(run_dir, "sft")
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = run_dir.read_result("sft")
+    assert result is not None
+    assert (result.extra["model_kind"], result.extra["base_kind"]) == ("full", "from_config")
+    model_dir = run_dir.stage_dir("sft") / "model"
+    assert (model_dir / "model.safetensors").is_file() and not (model_dir / "adapter_model.safetensors").exists()
+    assert not any("lora" in name for name in load_file(model_dir / "model.safetensors"))
+
+
+def test_qlora_on_cpu_names_the_spec_field() -> None:
+    from workflows.loading import load_pipeline
+
+    spec = load_pipeline("korean-llm", profile="local", overrides=["stages.sft.method=qlora"]).spec
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(NotSupportedHere, match=r"stages\.sft\.method"):
+        check_method("sft", spec.stages.sft)

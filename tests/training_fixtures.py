@@ -1,0 +1,152 @@
+"""A small run directory for the training-stage tests: the korean-llm `local` spec, a few hundred normalized
+rows per stage (as prepare writes them) and the run's tokenizer (a byte-level BPE with the Qwen3 chat
+template, built as prepare builds it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from stages.contract import RunDir
+from stages.tokenizer import build_tokenizer, render_for_training
+from workflows.loading import load_pipeline
+
+REPO = Path(__file__).resolve().parents[1]
+
+_SUBJECTS = ["서울은", "부산은", "한국어는", "김치는", "한강은", "제주도는", "학생들은", "고양이는"]
+_PREDICATES = ["아름답습니다", "크고 넓습니다", "오래되었습니다", "맛있습니다", "유명합니다", "조용합니다"]
+_EXTRAS = ["오늘도", "언제나", "봄에는", "밤에는", "정말로", "아주"]
+
+
+def sentence(rng: random.Random) -> str:
+    """A short Korean sentence from a small grammar (learnable by a tiny model in a few steps)."""
+    return f"{rng.choice(_EXTRAS)} {rng.choice(_SUBJECTS)} {rng.choice(_PREDICATES)}."
+
+
+def text_rows(n: int, seed: int = 0) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    return [{"text": " ".join(sentence(rng) for _ in range(rng.randint(2, 12)))} for _ in range(n)]
+
+
+def chat_rows(n: int, seed: int = 0) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        messages = [{"role": "system", "content": "당신은 친절한 한국어 도우미입니다."}] if i % 2 else []
+        for _ in range(1 + i % 3):
+            subject = rng.choice(_SUBJECTS)
+            messages.append({"role": "user", "content": f"{subject} 어떤가요?"})
+            messages.append({"role": "assistant", "content": f"{subject} {rng.choice(_PREDICATES)}."})
+        rows.append({"messages": messages})
+    return rows
+
+
+def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
+
+
+def make_run_dir(
+    root: Path,
+    overrides: list[str] | tuple[str, ...] = (),
+    n_text: int = 240,
+    n_chat: int = 240,
+) -> RunDir:
+    """A run directory as prepare leaves it: spec.json, normalized data for cpt and sft, the tokenizer."""
+    run_dir = RunDir(root)
+    root.mkdir(parents=True, exist_ok=True)
+    overrides = ("tracking.wandb_project=null", *overrides)
+    run_dir.write_spec(load_pipeline("korean-llm", profile="local", overrides=list(overrides)).spec)
+    texts, chats = text_rows(n_text), chat_rows(n_chat)
+    n_eval_text, n_eval_chat = max(1, n_text // 20), max(1, n_chat // 20)
+    write_jsonl(root / "prepare/data/cpt/train.jsonl", texts[n_eval_text:])
+    write_jsonl(root / "prepare/data/cpt/eval.jsonl", texts[:n_eval_text])
+    write_jsonl(root / "prepare/data/sft/train.jsonl", chats[n_eval_chat:])
+    write_jsonl(root / "prepare/data/sft/eval.jsonl", chats[:n_eval_chat])
+    corpus = [render_for_training(row) for row in texts + chats]
+    build_tokenizer(run_dir.load_spec(), corpus, root / "prepare/tokenizer")
+    return run_dir
+
+
+# A stage run in a child process. With HOLD_AFTER_CHECKPOINT=<step>, the child pauses right after
+# checkpoint-<step> is complete, until it gets SIGTERM (or is killed): the tests interrupt it at a known point,
+# with no race.
+_CHILD = """
+import os, sys, time
+
+hold = int(os.environ.get("HOLD_AFTER_CHECKPOINT", "0"))
+if hold:
+    from stages import checkpoints
+
+    on_save, handle = checkpoints.CheckpointMarker.on_save, checkpoints.SigtermCheckpoint._handle
+    woken = []
+
+    def held_on_save(self, args, state, control, **kwargs):
+        control = on_save(self, args, state, control, **kwargs)
+        if state.global_step == hold:
+            print("holding after checkpoint", hold, flush=True)
+            deadline = time.monotonic() + 300
+            while not woken and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return control
+
+    def waking_handle(self, signum, frame):
+        handle(self, signum, frame)
+        woken.append(signum)
+
+    checkpoints.CheckpointMarker.on_save = held_on_save
+    checkpoints.SigtermCheckpoint._handle = waking_handle
+
+from stages.__main__ import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def stage_script(directory: Path) -> Path:
+    """A script that runs `python -m stages`; usable by torchrun."""
+    path = directory / "run_stage.py"
+    path.write_text(_CHILD, encoding="utf-8")
+    return path
+
+
+def stage_command(run_dir: RunDir, stage: str) -> list[str]:
+    return [sys.executable, str(stage_script(run_dir.root)), stage, "--run-dir", str(run_dir.root)]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
+    env.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}, **extra)
+    return env
+
+
+def run_stage(run_dir: RunDir, stage: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """Run a stage to completion in a child process."""
+    return subprocess.run(
+        stage_command(run_dir, stage), env=child_env(**env), capture_output=True, text=True, timeout=600
+    )
+
+
+def start_stage(run_dir: RunDir, stage: str, **env: str) -> subprocess.Popen[str]:
+    """Start a stage in a child process (output to a log file in the run directory)."""
+    log = (run_dir.root / f"{stage}.{time.time_ns()}.log").open("w")
+    return subprocess.Popen(
+        stage_command(run_dir, stage), env=child_env(**env), stdout=log, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def wait_for_file(path: Path, process: subprocess.Popen[str], timeout: float = 300) -> None:
+    """Wait until `path` exists; fail if the process ends first."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if process.poll() is not None:
+            raise AssertionError(f"the stage exited ({process.returncode}) before {path} appeared")
+        if time.monotonic() > deadline:
+            process.kill()
+            raise AssertionError(f"{path} did not appear")
+        time.sleep(0.05)
