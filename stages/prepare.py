@@ -7,13 +7,16 @@ Reads top to bottom:
    quarantine bad rows within the stage's max_bad_row_fraction, split off the eval rows, write
    `prepare/data/<stage>/{train,eval}.jsonl` (evaluate: eval.jsonl only) and `manifest.json`, and record
    each input file with its sha256 fingerprint.
-3. The tokenizer (`stages.tokenizer`) into `prepare/tokenizer/`, trained on the training rows for a model
+3. The combined data fingerprint, and whether it equals the last successful run's (see `last_success`); with
+   `skip_if_unchanged` and unchanged data, the run ends after prepare (steps 4 and 5 are not needed).
+4. The tokenizer (`stages.tokenizer`) into `prepare/tokenizer/`, trained on the training rows for a model
    built from config.
-4. Token caches: `stages.packing.build_token_cache(run_dir, spec, stage)` for each enabled training stage,
+5. Token caches: `stages.packing.build_token_cache(run_dir, spec, stage)` for each enabled training stage,
    when that module exists; tokenization happens once, here.
-5. The combined data fingerprint, and whether it equals the last successful run's (see `last_success`).
 6. Tracking: the MLflow parent run of the pipeline run and prepare's own run, W&B group; then ctx.finish
-   with the Argo output parameters `fingerprint`, `unchanged`, `tokenizer_hash`, `mlflow_parent_run_id`.
+   with the Argo output parameters `fingerprint`, `unchanged`, `tokenizer_hash`, `mlflow_parent_run_id`, and
+   `proceed`/`skip-reason` (the later stages run only when proceed is true; the reason shows in the Argo UI
+   and the notification).
 """
 
 from __future__ import annotations
@@ -152,28 +155,35 @@ def run(ctx: StageContext) -> int:
         print(f"[prepare] error: {exc}", file=sys.stderr, flush=True)
         return ctx.fail(str(exc))
 
-    # 2-4. Tokenizer, token caches, fingerprints; a failure is recorded in stage.json before it propagates.
-    try:
-        tokenizer_dir, tokenizer, tok_hash, caches = build_tokenizer_and_caches(ctx, datasets)
-    except Exception as exc:
-        ctx.fail(f"{type(exc).__name__}: {exc}")
-        raise
+    # 2. Fingerprints, and the cron rule: unchanged data since the last successful run ends the run here.
     fingerprint = "sha256:" + canonical_hash({s: c["fingerprint"] for s, c in counts.items()})
     previous_run, previous_fingerprint = last_success(ctx.run_dir, spec)
     unchanged = previous_fingerprint == fingerprint
+    skip_reason = ""
     if spec.stages.prepare.skip_if_unchanged:
         state = "unchanged" if unchanged else "changed"
         print(f"[prepare] data {state} since the last successful run ({previous_run or 'none'})", flush=True)
+        if unchanged:
+            skip_reason = f"data unchanged since run {previous_run} ({fingerprint[:19]}): nothing to train"
+
+    # 3-4. Tokenizer and token caches (not needed when the run ends here); a failure is recorded first.
+    tokenizer_dir, tokenizer, tok_hash, caches = None, None, "", {}
+    if not skip_reason:
+        try:
+            tokenizer_dir, tokenizer, tok_hash, caches = build_tokenizer_and_caches(ctx, datasets)
+        except Exception as exc:
+            ctx.fail(f"{type(exc).__name__}: {exc}")
+            raise
 
     # 5. Tracking: the pipeline run's parent run (W&B group) and prepare's own run.
-    outputs: dict[str, Path] = {"tokenizer": tokenizer_dir}
+    outputs: dict[str, Path] = {"tokenizer": tokenizer_dir} if tokenizer_dir else {}
     for stage in counts:
         for split in ("train", "eval"):
             path = ctx.dir / "data" / stage / f"{split}.jsonl"
             if path.is_file():
                 outputs[f"{stage}_{split}"] = path
     outputs.update({f"{stage}_token_cache": path for stage, path in caches.items()})
-    metrics: dict[str, float] = {"tokenizer_vocab_size": len(tokenizer)}
+    metrics: dict[str, float] = {"tokenizer_vocab_size": len(tokenizer)} if tokenizer is not None else {}
     for stage, c in counts.items():
         metrics.update({f"{stage}_rows": c["rows"], f"{stage}_quarantined": c["quarantined"]})
     with StageTracker(ctx) as tracker:
@@ -196,6 +206,9 @@ def run(ctx: StageContext) -> int:
             "unchanged": "true" if unchanged else "false",
             "previous_run": previous_run or "",
             "skip_if_unchanged": "true" if spec.stages.prepare.skip_if_unchanged else "false",
+            # Argo outputs gating the DAG: every later stage runs only when proceed is true.
+            "proceed": "false" if skip_reason else "true",
+            "skip-reason": skip_reason,
             "mlflow_parent_run_id": tracker.parent_run_id or "",
         }
-        return ctx.finish(outputs=outputs, metrics=metrics, extra=extra)
+        return ctx.finish(outputs=outputs, metrics=metrics, extra=extra, message=skip_reason)

@@ -27,7 +27,21 @@ def test_dag_runs_the_stages_in_order() -> None:
     assert tasks["rlhf"]["depends"] == "sft"
     assert tasks["evaluate"]["depends"] == "rlhf"
     for stage in ("cpt", "sft", "rlhf", "evaluate"):
-        assert tasks[stage]["when"] == f"{{{{tasks.prepare.outputs.parameters.run-{stage}}}}} == true"
+        assert tasks[stage]["when"] == (
+            f"{{{{tasks.prepare.outputs.parameters.run-{stage}}}}} == true"
+            " && {{tasks.prepare.outputs.parameters.proceed}} == true"
+        )
+
+
+def test_prepare_can_end_a_scheduled_run_with_the_reason_in_the_ui() -> None:
+    templates = {t["name"]: t for t in _template()["spec"]["templates"]}
+    outputs = {p["name"]: p for p in templates["prepare"]["outputs"]["parameters"]}
+    assert outputs["proceed"]["valueFrom"] == {"path": "/tmp/outputs/proceed"}
+    assert outputs["skip-reason"]["globalName"] == "skip-reason"  # shown on the workflow in the UI
+    assert outputs["skip-reason"]["valueFrom"]["default"] == ""
+    notify = templates["notify"]["container"]
+    assert notify["command"][-2:] == ["--run-dir", "/mnt/checkpoints/runs/{{workflow.name}}"]
+    assert notify["volumeMounts"] == [{"name": "checkpoints", "mountPath": "/mnt/checkpoints", "readOnly": True}]
 
 
 def test_disabled_stages_drop_out_and_edges_close_up() -> None:
@@ -82,7 +96,7 @@ def test_prepare_gets_every_parameter_as_a_file_never_on_the_command_line() -> N
         assert artifacts[param["name"]]["path"] == f"/params/{param['name']}"
     assert "{{" not in artifacts["pipeline-spec"]["raw"]["data"]  # base64: Argo sees no expression in it
     outputs = {p["name"] for p in prepare["outputs"]["parameters"]}
-    assert outputs == {"run-cpt", "run-sft", "run-rlhf", "run-evaluate", "run-deploy"}
+    assert outputs == {"run-cpt", "run-sft", "run-rlhf", "run-evaluate", "run-deploy", "proceed", "skip-reason"}
 
 
 def test_ui_form_has_descriptions_and_closed_sets() -> None:

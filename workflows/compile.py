@@ -115,6 +115,15 @@ def prepare_template(spec: PipelineSpec, rundir: str) -> Container:
     ]
     switches = params.stage_switches(spec)
     outputs = [Parameter(name=name, value_from=m.ValueFrom(path=f"{OUTPUTS_DIR}/{name}")) for name in switches]
+    outputs.append(Parameter(name="proceed", value_from=m.ValueFrom(path=f"{OUTPUTS_DIR}/proceed")))
+    # Global, so the Argo UI shows on the workflow why a scheduled run ended after prepare.
+    outputs.append(
+        Parameter(
+            name="skip-reason",
+            global_name="skip-reason",
+            value_from=m.ValueFrom(path=f"{OUTPUTS_DIR}/skip-reason", default=""),
+        )
+    )
     command = [
         "python", "-m", "stages", "prepare",
         "--run-dir", rundir,
@@ -161,7 +170,7 @@ def deploy_template(spec: PipelineSpec, rundir: str) -> Container:
     return _container_template(spec, "deploy", spec.stages.deploy, command)
 
 
-def notify_template(spec: PipelineSpec) -> Container:
+def notify_template(spec: PipelineSpec, rundir: str) -> Container:
     """The exit handler: post the outcome to Slack. The webhook URL comes from a Secret, nothing else does."""
     ref = spec.cluster.secrets.slack_webhook
     assert ref is not None  # the spec validator guarantees it when notifications.slack is on
@@ -177,11 +186,22 @@ def notify_template(spec: PipelineSpec) -> Container:
         "note": spec.notifications.channel_note or "",
     }
     inputs = [RawArtifact(name=k, path=f"{PARAMS_DIR}/{k}", data=v) for k, v in values.items()]
+    checkpoints = spec.cluster.checkpoints
     return Container(
         name=NOTIFY,
         image=spec.cluster.image,
         image_pull_policy=spec.cluster.image_pull_policy,
-        command=["python", "-m", "workflows.notify", "--params-dir", PARAMS_DIR],
+        # The run directory (read-only) tells it why a scheduled run ended after prepare.
+        command=["python", "-m", "workflows.notify", "--params-dir", PARAMS_DIR, "--run-dir", rundir],
+        volumes=[
+            m.Volume(
+                name="checkpoints",
+                persistent_volume_claim=m.PersistentVolumeClaimVolumeSource(
+                    claim_name=checkpoints.claim_name, read_only=True
+                ),
+            )
+        ],
+        volume_mounts=[m.VolumeMount(name="checkpoints", mount_path=checkpoints.mount_path, read_only=True)],
         env=[
             m.EnvVar(
                 name="SLACK_WEBHOOK_URL",
@@ -199,7 +219,9 @@ def notify_template(spec: PipelineSpec) -> Container:
 
 
 def _when_enabled(stage: str) -> str:
-    return f"{{{{tasks.prepare.outputs.parameters.run-{stage}}}}} == true"
+    """Run `stage` when the form switched it on and prepare did not end the run (unchanged data)."""
+    outputs = "tasks.prepare.outputs.parameters"
+    return f"{{{{{outputs}.run-{stage}}}}} == true && {{{{{outputs}.proceed}}}} == true"
 
 
 def pipeline_dag(spec: PipelineSpec) -> DAG:
@@ -242,7 +264,7 @@ def workflow_template(spec: PipelineSpec) -> WorkflowTemplate:
         templates.append(deploy_template(spec, rundir))
     on_exit = None
     if spec.notifications.slack:
-        templates.append(notify_template(spec))
+        templates.append(notify_template(spec, rundir))
         on_exit = NOTIFY
     wf = spec.workflow
     annotations = {"workflows.argoproj.io/description": spec.description} if spec.description else None

@@ -246,11 +246,15 @@ def run_local(loaded: LoadedPipeline, run_dir: Path | None = None, force: bool =
 
     exit_code = 0
     failed: StageRun | None = None
+    skip_reason = ""
     live = Live(render(spec, run_root, runs), console=console, refresh_per_second=4, transient=True)
     with live if console.is_terminal else _Quiet():
         for run in runs:
             if failed is not None:
                 run.status = "not run"
+                continue
+            if skip_reason:  # prepare ended the run (skip_if_unchanged), as the cluster DAG does
+                run.status, run.message = "skipped", skip_reason
                 continue
             if not stage_module_exists(run.name):
                 run.status, run.message = "missing", f"stages/{run.name}.py does not exist yet"
@@ -279,6 +283,9 @@ def run_local(loaded: LoadedPipeline, run_dir: Path | None = None, force: bool =
                 same = before is not None and before.get("ended_at") == (result or {}).get("ended_at")
                 run.status = "done before" if same else status
                 run.metric = key_metric(run.name, result)
+                if run.name == "prepare" and (result or {}).get("extra", {}).get("proceed") == "false":
+                    skip_reason = result["extra"].get("skip-reason", "") or "prepare ended the run"
+                    console.print(f"ending the run: {skip_reason}", markup=False, soft_wrap=True)
             else:
                 run.status = "interrupted" if run.returncode == EXIT_RETRYABLE else "failed"
                 run.message = (result or {}).get("message", "") or f"exit code {run.returncode}"

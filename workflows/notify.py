@@ -49,6 +49,8 @@ class RunOutcome:
     ui_url: str = ""
     notify_on: tuple[str, ...] = ()
     note: str = ""
+    skipped: str = ""
+    """Why the run ended after prepare (unchanged data on a scheduled run); empty when it did not."""
 
 
 def _read(params_dir: Path, name: str) -> str:
@@ -98,8 +100,20 @@ def _pipeline_of(workflow: str) -> str:
     return re.sub(r"-[a-z0-9]{5}$", "", workflow)
 
 
-def read_outcome(params_dir: Path) -> RunOutcome:
-    """The RunOutcome from the files Argo wrote into `params_dir`."""
+def skip_reason(run_dir: Path | None) -> str:
+    """Why prepare ended the run, from its stage.json in the run directory ('' when it did not, or is unknown)."""
+    if run_dir is None:
+        return ""
+    try:
+        record = json.loads((run_dir / "prepare" / "stage.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return ""
+    extra = record.get("extra", {}) if isinstance(record, dict) else {}
+    return str(extra.get("skip-reason", "")) if extra.get("proceed") == "false" else ""
+
+
+def read_outcome(params_dir: Path, run_dir: Path | None = None) -> RunOutcome:
+    """The RunOutcome from the files Argo wrote into `params_dir` (and prepare's record in `run_dir`)."""
     workflow = _read(params_dir, "workflow-name")
     ui_url = _read(params_dir, "ui-url")
     namespace = _read(params_dir, "workflow-namespace")
@@ -115,6 +129,7 @@ def read_outcome(params_dir: Path) -> RunOutcome:
         ui_url=ui_url,
         notify_on=tuple(s.strip() for s in _read(params_dir, "notify-on").split(",") if s.strip()),
         note=_read(params_dir, "note"),
+        skipped=skip_reason(run_dir),
     )
 
 
@@ -124,11 +139,12 @@ def _clip(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
 
 def slack_message(outcome: RunOutcome) -> dict[str, Any]:
     """The Slack payload: a plain-text fallback and blocks (header, fields, failed steps, note, link)."""
-    emoji = _EMOJI.get(outcome.status, ":grey_question:")
-    headline = f"{emoji} {outcome.pipeline or outcome.workflow}: {outcome.status}"
+    status = f"{outcome.status}, skipped" if outcome.skipped and outcome.status == "Succeeded" else outcome.status
+    emoji = ":fast_forward:" if outcome.skipped else _EMOJI.get(outcome.status, ":grey_question:")
+    headline = f"{emoji} {outcome.pipeline or outcome.workflow}: {status}"
     fields = [
         f"*Workflow*\n`{outcome.workflow}`" + (f" in `{outcome.namespace}`" if outcome.namespace else ""),
-        f"*Status*\n{outcome.status}",
+        f"*Status*\n{status}",
     ]
     if outcome.duration:
         fields.append(f"*Duration*\n{outcome.duration}")
@@ -144,6 +160,8 @@ def slack_message(outcome: RunOutcome) -> dict[str, Any]:
         if len(outcome.failures) > MAX_FAILURES_LISTED:
             lines.append(f"…and {len(outcome.failures) - MAX_FAILURES_LISTED} more")
         blocks.append({"type": "section", "text": {"type": "mrkdwn", "text": "*Failed steps*\n" + "\n".join(lines)}})
+    if outcome.skipped:
+        blocks.append({"type": "section", "text": {"type": "mrkdwn", "text": f"*Skipped*\n{_clip(outcome.skipped)}"}})
     if outcome.note:
         blocks.append({"type": "context", "elements": [{"type": "mrkdwn", "text": _clip(outcome.note)}]})
     if outcome.ui_url:
@@ -177,10 +195,10 @@ def post(url: str, payload: dict[str, Any], timeout: float = POST_TIMEOUT_S) -> 
         return f"the webhook could not be reached ({type(exc).__name__}: {str(reason).replace(url, '<webhook>')})"
 
 
-def notify(params_dir: Path, env: dict[str, str] | None = None) -> int:
+def notify(params_dir: Path, env: dict[str, str] | None = None, run_dir: Path | None = None) -> int:
     """Post the outcome if its status is one that notifies and a webhook is set. Always returns 0."""
     env = dict(os.environ) if env is None else env
-    outcome = read_outcome(params_dir)
+    outcome = read_outcome(params_dir, run_dir)
     if outcome.status not in outcome.notify_on:
         print(f"not notifying: status {outcome.status or '(unknown)'} is not in notify-on {list(outcome.notify_on)}")
         return 0
@@ -200,11 +218,12 @@ def main(argv: list[str] | None = None) -> int:
     """Command-line entry point."""
     parser = argparse.ArgumentParser(prog="python -m workflows.notify", description=__doc__.splitlines()[0])
     parser.add_argument("--params-dir", type=Path, required=True, help="Directory with one file per value.")
+    parser.add_argument("--run-dir", type=Path, help="The run directory, to report why a run ended early.")
     args = parser.parse_args(argv)
     if not args.params_dir.is_dir():
         print(f"warning: --params-dir {args.params_dir} is not a directory; nothing to notify", file=sys.stderr)
         return 0
-    return notify(args.params_dir)
+    return notify(args.params_dir, run_dir=args.run_dir)
 
 
 if __name__ == "__main__":

@@ -138,6 +138,8 @@ def pod_template(spec: PipelineSpec, stage_name: str, stage: TrainingStage, comm
     }
     pod: dict[str, Any] = {
         "serviceAccountName": cluster.service_account,
+        # SIGTERM makes the stage save a checkpoint after the current step; give it the time to.
+        "terminationGracePeriodSeconds": stage.run_policy.termination_grace_period_seconds,
         "containers": [container],
         "volumes": vols,
         "securityContext": pod_security_context(spec),

@@ -1,6 +1,6 @@
 """The spec reference: docs/spec.md generated from the pydantic models, so the docs never drift from the code.
 
-    python -m workflows.reference > docs/spec.md
+python -m workflows.reference > docs/spec.md
 """
 
 from __future__ import annotations
@@ -49,11 +49,10 @@ def _models(root: type[BaseModel]) -> list[type[BaseModel]]:
     seen: list[type[BaseModel]] = []
 
     def visit(annotation: Any) -> None:
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            if annotation not in seen:
-                seen.append(annotation)
-                for f in annotation.model_fields.values():
-                    visit(f.annotation)
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel) and annotation not in seen:
+            seen.append(annotation)
+            for f in annotation.model_fields.values():
+                visit(f.annotation)
         for arg in get_args(annotation):
             visit(arg)
 

@@ -252,6 +252,12 @@ class RunPolicy(StrictModel):
         2, ge=0, le=20, description="Argo retries of the stage; each creates a fresh PyTorchJob that resumes."
     )
     retry_backoff: str = Field("2m", description="Wait before the first retry (doubles each time, up to 1h).")
+    termination_grace_period_seconds: int = Field(
+        300,
+        ge=30,
+        description="Time a preempted pod gets between SIGTERM and SIGKILL: it must cover one training step "
+        "plus writing a checkpoint.",
+    )
 
 
 class StageBase(StrictModel):

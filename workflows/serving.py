@@ -1,0 +1,133 @@
+"""The KServe InferenceService (serving.kserve.io/v1beta1) that serves a pipeline's model with vLLM.
+
+The deploy stage renders it for its run into `<run>/deploy/inferenceservice.yaml`; the cluster DAG applies the
+same document from an Argo resource step (`action: apply`) after deploy, rendered with the run name
+`{{workflow.name}}` (see `argo_manifest`). Its predictor selects the `kserve-vllm` ServingRuntime
+(manifests/components/kserve-vllm) by modelFormat vllm; KServe's storage initializer fetches `storageUri`
+(gs://, s3://, pvc://) into /mnt/models with the predictor's ServiceAccount (Workload Identity, IRSA, or the
+PVC mount). No credential or Secret reference appears in the document.
+
+Where a run's model is published:
+- `stages.deploy.storage_uri` unset: on the checkpoints volume, where deploy wrote it:
+  `pvc://<checkpoints claim>/runs/<run>/deploy/model`;
+- set (gs://bucket/prefix, s3://bucket/prefix, pvc://claim/prefix): under the prefix, one folder per run
+  (`<prefix>/<run>`), so publishing a run never overwrites the model being served.
+
+This module is control plane: it never imports torch or transformers.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import yaml
+
+from workflows.pytorchjob import PART_OF, PIPELINE_LABEL, RUN_ROOT
+from workflows.spec import PipelineSpec
+
+API_VERSION = "serving.kserve.io/v1beta1"
+KIND = "InferenceService"
+MODEL_FORMAT = "vllm"
+RUN_LABEL = "posttrain.dev/run"
+REGISTERED_MODEL_ANNOTATION = "posttrain.dev/registered-model"
+MODEL_VERSION_ANNOTATION = "posttrain.dev/model-version"
+ARGO_RUN_NAME = "{{workflow.name}}"
+"""The run name inside the cluster DAG: the run directory is named after the workflow."""
+
+# Argo resource-step conditions (label-selector syntax over gjson paths, no array queries; see
+# workflows/pytorchjob.py). KServe (>= 0.11) keeps the rollout state of the predictor's model in scalar fields.
+SUCCESS_CONDITION = "status.modelStatus.transitionStatus == UpToDate"
+FAILURE_CONDITION = "status.modelStatus.transitionStatus in (BlockedByFailedLoad,InvalidSpec)"
+
+
+def inference_service_name(spec: PipelineSpec) -> str:
+    """The InferenceService's name: the pipeline's (stable across runs, so each deploy moves the same
+    service to the new model). A DNS-1035 label: starts with a letter."""
+    name = spec.name
+    return name if re.match(r"^[a-z]", name) else f"m-{name}"[:63].rstrip("-")
+
+
+def default_storage_uri(spec: PipelineSpec, run_name: str) -> str:
+    """The model deploy writes into the run directory, as KServe reads it from the checkpoints volume."""
+    return f"pvc://{spec.cluster.checkpoints.claim_name}/{RUN_ROOT}/{run_name}/deploy/model"
+
+
+def model_storage_uri(spec: PipelineSpec, run_name: str) -> str:
+    """Where the run's model is served from: `<storage_uri>/<run>` when the spec names storage, else the
+    run directory on the checkpoints volume."""
+    prefix = spec.stages.deploy.storage_uri
+    if prefix is None:
+        return default_storage_uri(spec, run_name)
+    return f"{prefix.rstrip('/')}/{run_name}"
+
+
+def _label_value(value: str) -> str:
+    """A Kubernetes label value (<= 63 characters of [A-Za-z0-9._-], alphanumeric at both ends); Argo
+    expressions ({{...}}) pass through, they are resolved before the document reaches the API server."""
+    if value.startswith("{{"):
+        return value
+    cleaned = re.sub(r"[^A-Za-z0-9._-]", "-", value)[:63]
+    return cleaned.strip("-._")
+
+
+def inference_service(
+    spec: PipelineSpec, storage_uri: str, run_name: str, model_version: str | None = None
+) -> dict[str, Any]:
+    """The InferenceService serving the model at `storage_uri` with the spec's runtime, GPUs, vLLM arguments
+    and replicas, labelled with the pipeline and run. `model_version` (the registry version) is recorded as an
+    annotation when known."""
+    deploy = spec.stages.deploy
+    serving = deploy.serving
+    args: list[str] = []
+    if serving.max_model_len is not None:
+        args.append(f"--max-model-len={serving.max_model_len}")
+    if serving.gpus > 1:
+        args.append(f"--tensor-parallel-size={serving.gpus}")
+    model: dict[str, Any] = {
+        "modelFormat": {"name": MODEL_FORMAT},
+        "runtime": serving.runtime,
+        "storageUri": storage_uri,
+    }
+    if args:
+        model["args"] = args
+    if serving.gpus > 0:
+        gpus = str(serving.gpus)
+        model["resources"] = {"requests": {"nvidia.com/gpu": gpus}, "limits": {"nvidia.com/gpu": gpus}}
+    annotations = {REGISTERED_MODEL_ANNOTATION: deploy.registered_model or spec.name}
+    if model_version is not None:
+        annotations[MODEL_VERSION_ANNOTATION] = str(model_version)
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "metadata": {
+            "name": inference_service_name(spec),
+            "namespace": spec.cluster.namespace,
+            "labels": {
+                "app.kubernetes.io/part-of": PART_OF,
+                "app.kubernetes.io/name": inference_service_name(spec),
+                PIPELINE_LABEL: spec.name,
+                RUN_LABEL: _label_value(run_name),
+            },
+            "annotations": annotations,
+        },
+        "spec": {
+            "predictor": {
+                "serviceAccountName": spec.cluster.service_account,
+                "minReplicas": serving.min_replicas,
+                "maxReplicas": serving.max_replicas,
+                "model": model,
+            }
+        },
+    }
+
+
+def to_yaml(manifest: dict[str, Any]) -> str:
+    """The manifest as a YAML document."""
+    return yaml.safe_dump(manifest, sort_keys=False, allow_unicode=True)
+
+
+def argo_manifest(spec: PipelineSpec) -> str:
+    """The InferenceService for an Argo resource step (`action: apply`, with SUCCESS_CONDITION and
+    FAILURE_CONDITION) that runs after deploy: the run's model, named through `{{workflow.name}}`."""
+    return to_yaml(inference_service(spec, model_storage_uri(spec, ARGO_RUN_NAME), ARGO_RUN_NAME))
