@@ -11,7 +11,8 @@ What a stage leaves in `<run>/<stage>/model/`: safetensors weights and the token
 it applies to recorded in stage.json) or, for full training or `lora.merge_after`, a full model.
 
 On CPU the weights are float32 and there is no gradient checkpointing and no bf16. Attention is one of the
-implementations that keep packed documents apart through their position ids (see stages/packing.py).
+implementations that keep packed documents apart through their position ids (see stages/packing.py): sdpa on
+CPU; on a GPU flash-attention 2 where installed, else flex attention for the packing stages.
 """
 
 from __future__ import annotations
@@ -76,12 +77,27 @@ def weights_dtype(model_spec: ModelSpec) -> torch.dtype | str:
 def attention_implementation(model_spec: ModelSpec) -> str:
     """The spec's choice, else the fastest kernel that keeps packed documents apart: flash-attention 2 (varlen
     through the position ids) on a GPU where it is installed, otherwise sdpa with the block-diagonal mask that
-    transformers builds from the position ids."""
+    transformers builds from the position ids. A packing stage on a GPU may switch to flex attention
+    (`packed_attention`)."""
     if model_spec.attn_implementation is not None:
         return model_spec.attn_implementation
     if on_gpu() and importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"
     return "sdpa"
+
+
+def packed_attention(model_spec: ModelSpec, stage: str, section: TrainingStage) -> str | None:
+    """The kernel a stage that packs documents (cpt, sft with `training.packing`) switches to on a GPU without
+    flash-attention: flex attention, whose block mask, built from the position ids, skips the blocks between
+    documents (sdpa gets a dense block-diagonal mask and computes every block; see docs/performance.md). Every
+    step has the same shape there (batch_width_multiple), so it compiles once. None keeps the model's kernel: the
+    spec names one, the stage does not pack (rlhf's padded batches would recompile flex attention at every new
+    length), QLoRA, or on CPU."""
+    if model_spec.attn_implementation is not None or not on_gpu() or _has("flash_attn"):
+        return None
+    if stage not in ("cpt", "sft") or not section.training.packing or section.method == "qlora":
+        return None  # QLoRA: the document-boundary check has not passed with flex attention on 4-bit weights
+    return "flex_attention"
 
 
 def check_method(stage: str, section: TrainingStage) -> None:
@@ -254,10 +270,14 @@ def load_starting_model(run_dir: RunDir, spec: PipelineSpec, stage: str, tokeniz
         else:
             base, adapter_dir = previous.base, previous.path
     model = load_base(run_dir, spec, base, tokenizer, quantization)
+    switch = packed_attention(spec.model, stage, section)
+    if switch is not None:
+        model.set_attn_implementation(switch)
 
     if section.method == "full":
         if adapter_dir is not None:  # full training after a LoRA stage: merge its adapter first
             model = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
+            model.requires_grad_(True)  # PEFT loaded the base frozen; full training trains every weight
         start = StartingModel(model=model, kind="full", base=base, upstream=upstream)
     else:
         if quantization is not None:

@@ -150,3 +150,41 @@ def wait_for_file(path: Path, process: subprocess.Popen[str], timeout: float = 3
             process.kill()
             raise AssertionError(f"{path} did not appear")
         time.sleep(0.05)
+
+
+# --------------------------------------------------------------------------- preference data (rlhf)
+
+EVAL_ROWS = 8  # two full batches of 4: TRL's mean of batch means is then the mean over rows
+
+
+def preference_rows(n: int, seed: int = 0) -> list[dict[str, Any]]:
+    """Preference rows in prepare's normalized form: a Korean answer chosen; an English, garbled or cut-off one
+    rejected."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        subject, predicate = rng.choice(_SUBJECTS), rng.choice(_PREDICATES)
+        chosen = f"{subject} {predicate}."
+        rejected = ["I do not know.", f"{predicate} {subject}", subject][i % 3]
+        rows.append(
+            {
+                "prompt": [{"role": "user", "content": f"{subject} 어떤가요?"}],
+                "chosen": [{"role": "assistant", "content": chosen}],
+                "rejected": [{"role": "assistant", "content": rejected}],
+            }
+        )
+    return rows
+
+
+def make_preference_run_dir(root: Path, overrides: list[str], n_train: int = 64) -> RunDir:
+    """A run directory as prepare leaves it (see training_fixtures.make_run_dir), with preference rows for rlhf."""
+    run_dir = make_run_dir(root, overrides=overrides, n_text=40, n_chat=120)
+    rows = preference_rows(n_train + EVAL_ROWS)
+    write_jsonl(root / "prepare/data/rlhf/train.jsonl", rows[EVAL_ROWS:])
+    write_jsonl(root / "prepare/data/rlhf/eval.jsonl", rows[:EVAL_ROWS])
+    return run_dir
+
+
+def run_ok(run_dir: RunDir, stage: str, **env: str) -> None:
+    done = run_stage(run_dir, stage, **env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

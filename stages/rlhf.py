@@ -1,0 +1,362 @@
+"""Preference optimisation after SFT: DPO by default; ORPO, KTO or GRPO by `stages.rlhf.algorithm`.
+
+    python -m stages rlhf --run-dir DIR              one process
+    torchrun --nproc-per-node N -m stages rlhf ...    N processes (DDP, FSDP2 or DeepSpeed, from the spec)
+
+Starts from the output of the newest enabled stage before it (sft, else cpt, else the base model), full or with a
+LoRA adapter: sft's adapter is continued, or after `lora.merge_after` the merged model gets a fresh one. Trains with
+TRL on the preference rows prepare wrote (`prepare/data/rlhf/{train,eval}.jsonl`):
+
+- dpo:  DPOTrainer on the (prompt, chosen, rejected) rows, against a reference model;
+- orpo: ORPOTrainer on the same rows, no reference model (the odds-ratio term is added to the SFT loss);
+- kto:  KTOTrainer on unpaired rows derived from them: chosen → desirable, rejected → undesirable;
+- grpo: GRPOTrainer on the prompts alone: the policy samples `num_generations` completions per prompt, scored by
+  the reward functions of `stages.rlhf.reward_functions` (stages/rewards.py).
+
+The reference model (dpo, kto, grpo) is the starting model, kept frozen: with LoRA, TRL keeps a frozen copy of the
+starting adapter next to the trained one (a fresh adapter's copy is zero, i.e. the adapter disabled); with full
+training, a frozen copy of the starting weights, or none at all when `precompute_ref_log_probs` computes the
+reference log-probabilities once, with the starting weights, before the first step (see docs/rlhf.md).
+
+Checkpoints go to `rlhf/checkpoints/`, a rerun resumes from the newest valid one, SIGTERM saves one and exits 75;
+the adapter or (merged) model and the tokenizer go to `rlhf/model/`.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import shutil
+import traceback
+from pathlib import Path
+from typing import Any
+
+from datasets import Dataset, load_dataset
+from transformers import TrainingArguments
+
+from stages.checkpoints import CheckpointMarker, SigtermCheckpoint
+from stages.contract import EXIT_OK, StageContext, is_main_process
+from stages.modeling import (
+    NotSupportedHere,
+    StartingModel,
+    describe,
+    load_starting_model,
+    load_tokenizer,
+    save_stage_model,
+    stage_output,
+)
+from stages.rewards import RewardError, build_reward_functions
+from stages.tracking import StageTracker
+from stages.training import loss_curve, resume_checkpoint, resume_details, trainer_arguments, write_log_history
+from workflows.spec import RlhfStage
+
+REFERENCE_ADAPTER = "ref"
+"""The frozen copy of the starting adapter that TRL adds to a PEFT model passed without a reference model."""
+
+LOGGED_METRICS = {
+    "train_loss": "loss",
+    "rewards_margin": "rewards/margins",
+    "rewards_accuracy": "rewards/accuracies",
+    "reward": "reward",
+    "kl": "kl",
+}
+"""stage.json metric name → the key TRL logs it under (first and last training value; `eval_` + key for eval)."""
+
+
+def run(ctx: StageContext) -> int:
+    """Train the rlhf stage; returns the process exit code."""
+    if not ctx.begin():
+        return EXIT_OK
+    sigterm = SigtermCheckpoint().install()
+    try:
+        return train(ctx, sigterm)
+    except (NotSupportedHere, RewardError) as exc:
+        print(f"error: {exc}", flush=True)
+        return ctx.fail(str(exc))
+    except Exception as exc:
+        traceback.print_exc()
+        return ctx.fail(f"{type(exc).__name__}: {exc}")
+    finally:
+        sigterm.uninstall()
+
+
+def train(ctx: StageContext, sigterm: SigtermCheckpoint) -> int:
+    """Load, train, save and record; returns the exit code (EXIT_RETRYABLE after SIGTERM)."""
+    run_dir, spec = ctx.run_dir, ctx.spec
+    section: RlhfStage = ctx.section
+
+    # 1. The tokenizer, the model this stage starts from (sft's output, when sft ran) and the trainer's settings.
+    tokenizer = load_tokenizer(run_dir, spec.model)
+    start = load_starting_model(ctx.run_dir, ctx.spec, ctx.stage, tokenizer)
+    config = trainer_config(ctx, start)
+
+    # 2. The preference rows, in the shape the algorithm reads. Rank 0 reads them first, the others from its cache.
+    with config.main_process_first(desc="preference data", local=False):
+        files = preference_files(ctx)
+        train_rows, eval_rows = load_rows(ctx, files)
+    record_inputs(ctx, files, start.upstream)
+
+    # 3. Resume from the newest valid checkpoint of an earlier attempt, if any.
+    checkpoint = resume_checkpoint(ctx)
+
+    with StageTracker(ctx) as tracker:
+        tracker.log_params(
+            {
+                "stage": ctx.stage,
+                **section.model_dump(include={"algorithm", "beta", "precompute_ref_log_probs", "method"}),
+                "strategy": section.distributed.strategy,
+                "continued_adapter": start.continued_adapter,
+                **(
+                    section.model_dump(include={"num_generations", "reward_functions"})
+                    if section.algorithm == "grpo"
+                    else {}
+                ),
+                **section.training.model_dump(),
+                **section.lora.model_dump(),
+                **describe(start.model),
+                "train_rows": len(train_rows),
+                "eval_rows": len(eval_rows) if eval_rows is not None else 0,
+            }
+        )
+        callbacks = [tracker.hf_callback(), CheckpointMarker(), sigterm]
+        trainer = make_trainer(ctx, start, config, tokenizer, train_rows, eval_rows, callbacks)
+
+        # 4. Train.
+        trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+        if sigterm.stopped:
+            tracker.finish("interrupted")
+            step = trainer.state.global_step
+            return ctx.fail(f"SIGTERM: saved checkpoint-{step}; a rerun resumes from it", retryable=True)
+
+        # 5. Held-out preference metrics (not for GRPO: its eval would generate), the model, the record.
+        eval_metrics = trainer.evaluate() if eval_rows is not None and section.algorithm != "grpo" else {}
+        model_info = save_stage_model(trainer, tokenizer, run_dir, spec, ctx.stage, start)
+        drop_reference_adapter(ctx)  # the model handed on is the trained adapter alone
+        metrics = summary_metrics(trainer, eval_metrics)
+        tracker.log_metrics(metrics, step=trainer.state.global_step)
+        tracker.log_figure_loss_curve(*loss_curve(trainer.state.log_history))
+        tracker.log_artifact(write_log_history(ctx, trainer))
+        tracker.finish("succeeded")
+
+    return ctx.finish(
+        outputs={"model": ctx.model_dir},
+        metrics=metrics,
+        extra={
+            **model_info,
+            **resume_details(checkpoint),
+            "upstream": start.upstream or "",
+            "algorithm": section.algorithm,
+            "reference": reference_description(section, start),
+        },
+    )
+
+
+# --------------------------------------------------------------------------- settings
+
+
+def trainer_config(ctx: StageContext, start: StartingModel) -> TrainingArguments:
+    """The TRL config of the stage's algorithm: the shared trainer arguments plus the algorithm's own."""
+    section: RlhfStage = ctx.section
+    t = section.training
+    common = {
+        **trainer_arguments(ctx, start.model),
+        "beta": section.beta,
+        "trust_remote_code": ctx.spec.model.trust_remote_code,
+    }
+    if section.algorithm == "dpo":
+        from trl import DPOConfig
+
+        return DPOConfig(
+            **common, max_length=t.max_seq_length, precompute_ref_log_probs=section.precompute_ref_log_probs
+        )
+    if section.algorithm == "orpo":
+        from trl.experimental.orpo import ORPOConfig
+
+        return ORPOConfig(**common, max_length=t.max_seq_length)
+    if section.algorithm == "kto":
+        from trl import KTOConfig
+
+        if t.per_device_batch_size < 2:
+            raise NotSupportedHere(
+                "stages.rlhf.algorithm 'kto' estimates its KL term from the other rows of a batch: "
+                f"stages.rlhf.training.per_device_batch_size must be at least 2 (it is {t.per_device_batch_size})"
+            )
+        return KTOConfig(
+            **common, max_length=t.max_seq_length, precompute_ref_log_probs=section.precompute_ref_log_probs
+        )
+    from trl import GRPOConfig
+
+    groups = t.per_device_batch_size * t.gradient_accumulation_steps
+    if groups % section.num_generations:
+        raise NotSupportedHere(
+            f"stages.rlhf.num_generations ({section.num_generations}) must divide per_device_batch_size × "
+            f"gradient_accumulation_steps ({groups}): each batch holds whole groups of completions of one prompt"
+        )
+    _, weights = build_reward_functions(section.reward_functions)  # fails early on a bad reward function
+    return GRPOConfig(
+        **common,
+        num_generations=section.num_generations,
+        max_completion_length=t.max_seq_length // 2,  # prompt and completion share max_seq_length
+        reward_weights=weights,
+        generation_kwargs={"use_cache": True},  # training turns the model's cache off; generation wants it
+    )
+
+
+# --------------------------------------------------------------------------- data
+
+
+def preference_files(ctx: StageContext) -> dict[str, Path]:
+    """The preference rows prepare wrote: train (required) and eval (when it has rows)."""
+    data_dir = ctx.run_dir.stage_dir("prepare") / "data" / "rlhf"
+    files = {split: data_dir / f"{split}.jsonl" for split in ("train", "eval")}
+    files = {split: path for split, path in files.items() if path.is_file() and path.stat().st_size > 0}
+    if "train" not in files:
+        raise RuntimeError(f"{data_dir}/train.jsonl is missing or empty: prepare writes it when stages.rlhf is enabled")
+    return files
+
+
+def load_rows(ctx: StageContext, files: dict[str, Path]) -> tuple[Dataset, Dataset | None]:
+    """(train, eval) in the algorithm's format. The datasets cache (and TRL's precomputed reference log-probs next
+    to it) lives in `rlhf/cache/`, shared by the ranks and reused by a resumed attempt."""
+    section: RlhfStage = ctx.section
+    loaded = load_dataset("json", data_files={k: str(v) for k, v in files.items()}, cache_dir=str(ctx.dir / "cache"))
+    train_rows, eval_rows = loaded["train"], loaded.get("eval")
+    if section.algorithm == "kto":
+        seed = section.training.seed
+        return unpaired(train_rows, seed), unpaired(eval_rows, seed) if eval_rows is not None else None
+    if section.algorithm == "grpo":
+        return train_rows.select_columns(["prompt"]), None
+    return train_rows, eval_rows  # dpo, orpo: the (prompt, chosen, rejected) rows as they are
+
+
+def unpaired(rows: Dataset, seed: int) -> Dataset:
+    """KTO's unpaired rows: every preference row gives a desirable example (its chosen answer) and an undesirable
+    one (its rejected answer). Shuffled, so that a batch mixes both kinds and KTO's KL term (estimated from
+    mismatched prompt/completion pairs within a batch) rarely pairs the two halves of one row."""
+
+    def split(batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        n = len(batch["prompt"])
+        return {
+            "prompt": batch["prompt"] * 2,
+            "completion": batch["chosen"] + batch["rejected"],
+            "label": [True] * n + [False] * n,
+        }
+
+    return rows.map(split, batched=True, remove_columns=rows.column_names).shuffle(seed=seed).flatten_indices()
+
+
+def record_inputs(ctx: StageContext, files: dict[str, Path], upstream: str | None) -> None:
+    """Lineage in stage.json: the preference files and, for a chained stage, the upstream stage's model."""
+    for split, path in files.items():
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        ctx.add_input(f"preference_{split}", ctx.run_dir.relative(path), f"sha256:{digest}")
+    if upstream is not None:
+        result = ctx.run_dir.read_result(upstream)
+        model_dir = ctx.run_dir.stage_dir(upstream) / "model"
+        ctx.add_input("model", ctx.run_dir.relative(model_dir), result.config_hash if result else "")
+
+
+# --------------------------------------------------------------------------- the trainer
+
+
+def make_trainer(
+    ctx: StageContext,
+    start: StartingModel,
+    config: TrainingArguments,
+    tokenizer: Any,
+    train_rows: Dataset,
+    eval_rows: Dataset | None,
+    callbacks: list[Any],
+) -> Any:
+    """The TRL trainer of the stage's algorithm, with its reference model (see `frozen_reference`)."""
+    section: RlhfStage = ctx.section
+    common = {
+        "model": start.model,
+        "args": config,
+        "train_dataset": train_rows,
+        "processing_class": tokenizer,
+        "callbacks": callbacks,
+    }
+    if section.algorithm == "dpo":
+        from trl import DPOTrainer
+
+        return DPOTrainer(**common, eval_dataset=eval_rows, ref_model=frozen_reference(section, start))
+    if section.algorithm == "orpo":
+        from trl.experimental.orpo import ORPOTrainer
+
+        return ORPOTrainer(**common, eval_dataset=eval_rows)
+    if section.algorithm == "kto":
+        from trl import KTOTrainer
+
+        return KTOTrainer(**common, eval_dataset=eval_rows, ref_model=frozen_reference(section, start))
+    from trl import GRPOTrainer
+
+    end_ids = {tokenizer.eos_token_id, *_as_list(start.model.generation_config.eos_token_id)} - {None}
+    rewards, _ = build_reward_functions(section.reward_functions, end_token_ids=sorted(end_ids))
+    point_grpo_at_reference(ctx, start, config)
+    return GRPOTrainer(**common, reward_funcs=rewards)
+
+
+def frozen_reference(section: RlhfStage, start: StartingModel) -> Any | None:
+    """DPO/KTO's reference model for full training: a frozen copy of the starting model. None when TRL needs none:
+    with an adapter (TRL keeps a frozen copy of the starting adapter), or when the reference log-probabilities are
+    precomputed (TRL computes them with the policy itself before the first step, i.e. with the starting weights)."""
+    if start.kind == "adapter" or section.precompute_ref_log_probs:
+        return None
+    reference = copy.deepcopy(start.model).eval()
+    reference.requires_grad_(False)
+    return reference
+
+
+def point_grpo_at_reference(ctx: StageContext, start: StartingModel, config: TrainingArguments) -> None:
+    """GRPOTrainer takes no reference model: with full training and beta > 0 it loads one from the path in the
+    policy's config. Make that path hold the starting weights: the upstream stage's model directory when the policy
+    is that model unchanged, else a copy saved to `rlhf/reference/` (safetensors)."""
+    if start.kind != "full" or ctx.section.beta == 0:
+        return
+    if start.upstream is not None and stage_output(ctx.run_dir, start.upstream).kind == "full":
+        return  # loaded from <upstream>/model/, which the config already names
+    reference_dir = ctx.dir / "reference"
+    with config.main_process_first(desc="GRPO reference model", local=False):
+        if is_main_process():
+            start.model.save_pretrained(reference_dir)
+    start.model.config._name_or_path = str(reference_dir)
+
+
+def drop_reference_adapter(ctx: StageContext) -> None:
+    """Remove TRL's frozen reference adapter, which PEFT saves next to the trained one (`model/ref/`)."""
+    if is_main_process():
+        shutil.rmtree(ctx.model_dir / REFERENCE_ADAPTER, ignore_errors=True)
+
+
+def reference_description(section: RlhfStage, start: StartingModel) -> str:
+    """What the reference model was, for stage.json."""
+    if section.algorithm == "orpo" or (section.algorithm == "grpo" and section.beta == 0):
+        return "none"
+    if start.kind == "adapter":
+        kind = "continued" if start.continued_adapter else "fresh"
+        return f"starting model: base + frozen copy of the {kind} adapter"
+    if section.precompute_ref_log_probs and section.algorithm != "grpo":
+        return "starting model: log-probabilities precomputed before training"
+    return "starting model: frozen copy"
+
+
+# --------------------------------------------------------------------------- the record
+
+
+def summary_metrics(trainer: Any, eval_metrics: dict[str, float]) -> dict[str, float]:
+    """Final metrics for stage.json: steps; first and last logged training value of the loss, reward margin and
+    accuracy (dpo, orpo, kto), reward and KL (grpo); and the same on the eval rows after training."""
+    history = trainer.state.log_history
+    metrics: dict[str, float] = {"steps": trainer.state.global_step}
+    for name, key in LOGGED_METRICS.items():
+        values = [entry[key] for entry in history if key in entry]
+        if values:
+            metrics.update({f"{name}_first": values[0], f"{name}_last": values[-1]})
+        if f"eval_{key}" in eval_metrics:
+            metrics["eval_loss" if key == "loss" else f"eval_{name}"] = eval_metrics[f"eval_{key}"]
+    return metrics
+
+
+def _as_list(value: Any) -> list[Any]:
+    return list(value) if isinstance(value, list | tuple) else [value]
