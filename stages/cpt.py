@@ -17,7 +17,7 @@ from transformers import Trainer, TrainingArguments
 from stages.checkpoints import CheckpointMarker, SigtermCheckpoint
 from stages.contract import EXIT_OK, StageContext
 from stages.modeling import NotSupportedHere, describe, load_starting_model, load_tokenizer, save_stage_model
-from stages.packing import PackedCollator, load_token_cache
+from stages.packing import PackedCollator, batch_width_multiple, load_token_cache
 from stages.tracking import StageTracker
 from stages.training import (
     loss_curve,
@@ -78,7 +78,10 @@ def train(ctx: StageContext, sigterm: SigtermCheckpoint) -> int:
         trainer = Trainer(
             model=start.model,
             args=args,
-            data_collator=PackedCollator(pad_token_id=tokenizer.pad_token_id),
+            data_collator=PackedCollator(
+                pad_token_id=tokenizer.pad_token_id,
+                pad_to_multiple_of=batch_width_multiple(ctx.section.training),
+            ),
             train_dataset=cache.train,
             eval_dataset=cache.eval,
             processing_class=tokenizer,

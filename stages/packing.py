@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from stages.contract import RunDir, canonical_hash, write_json_atomic
-from workflows.spec import PipelineSpec
+from workflows.spec import PipelineSpec, TrainingSpec
 
 IGNORE_INDEX = -100
 CACHE_FORMAT = 1  # bump when the row layout changes: old caches are then rebuilt
@@ -163,14 +163,16 @@ def pack_best_fit(examples: list[tuple[list[int], list[int]]], max_seq_length: i
 
 @dataclass
 class PackedCollator:
-    """Stacks rows into a batch, right-padding to the longest row. The padding is a segment of its own (its
-    positions restart at 0) with no labels, and no attention_mask is passed, so attention stays inside each
-    document through the position ids."""
+    """Stacks rows into a batch, right-padding to the longest row (rounded up to `pad_to_multiple_of`). The
+    padding is a segment of its own (its positions restart at 0) with no labels, and no attention_mask is passed,
+    so attention stays inside each document through the position ids."""
 
     pad_token_id: int
+    pad_to_multiple_of: int = 1
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         width = max(len(row["input_ids"]) for row in rows)
+        width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
         batch: dict[str, list[list[int]]] = {"input_ids": [], "labels": [], "position_ids": []}
         for row in rows:
             pad = width - len(row["input_ids"])
@@ -178,6 +180,15 @@ class PackedCollator:
             batch["labels"].append([*row["labels"], *[IGNORE_INDEX] * pad])
             batch["position_ids"].append([*row["position_ids"], *range(pad)])
         return {key: torch.tensor(value, dtype=torch.long) for key, value in batch.items()}
+
+
+def batch_width_multiple(training: TrainingSpec) -> int:
+    """What PackedCollator rounds a batch's width up to. On a GPU, packed rows are padded to `max_seq_length`,
+    so every step has the same shape and the compiled attention kernels (flex attention) are built once; unpacked
+    rows to a multiple of 64. On CPU, nothing: the longest row."""
+    if not torch.cuda.is_available():
+        return 1
+    return training.max_seq_length if training.packing else 64
 
 
 # --------------------------------------------------------------------------- token cache

@@ -13,6 +13,7 @@ Each stage module reads as the recipe; the pieces here keep it short:
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 from pathlib import Path
@@ -60,8 +61,17 @@ def trainer_arguments(ctx: StageContext, model: Any) -> dict[str, Any]:
         "report_to": "none",  # the stage tracker's callback reports instead
         "disable_tqdm": True,
         **precision_arguments(weights_dtype(ctx.spec.model)),
+        **kernel_arguments(),
         **strategy_arguments(ctx.stage, section, model),  # last: FSDP replaces the checkpointing settings
     }
+
+
+def kernel_arguments() -> dict[str, Any]:
+    """Fused Triton kernels on a GPU where liger-kernel is installed: RMSNorm, SwiGLU, RoPE and the fused linear
+    cross-entropy, which never materialises the logits (see docs/performance.md). Nothing on CPU."""
+    if on_gpu() and importlib.util.find_spec("liger_kernel") is not None:
+        return {"use_liger_kernel": True}
+    return {}
 
 
 def record_inputs(ctx: StageContext, cache: Any, upstream: str | None) -> None:

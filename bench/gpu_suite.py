@@ -1,0 +1,791 @@
+"""Benchmark (not a test): the training stages' own code on GPUs, with synthetic data and random weights.
+
+    bash bench/run_gpu.sh OUT_DIR                     # the whole suite (B1-B4), results in OUT_DIR/results.json
+    python bench/gpu_suite.py case b1_packed --out DIR # one case, one process
+    python bench/gpu_suite.py --tiny --cases b1_padded,b1_packed_sdpa --out DIR   # a smoke run on CPU
+
+Every case builds the pieces exactly as the stage does (stages/sft.py, stages/rlhf.py): the model from
+`model.from_config` (build_from_config), the adapter from `lora_config`, the Trainer arguments from
+`trainer_arguments` (precision, strategy, GPU kernels), rows from `pack_best_fit` with `PackedCollator`, and
+TRL's SFTTrainer / DPOTrainer through `stages.rlhf.trainer_config` and `make_trainer`. Only the token cache is
+made here instead of by prepare: synthetic token ids whose lengths follow an instruction-data distribution
+(log-normal, mean about 600 tokens, clipped to [32, 2048]), so no tokenizer or weights are downloaded.
+
+The baselines are measured in the same run: the same stage unpacked (padded rows), plain transformers + PEFT
+with their defaults (padded batches), and TRL's DPO with its defaults.
+
+Figures: real (non-pad) tokens per second over the timed steps (after warm-up steps that include compilation),
+model FLOPs utilisation (6 × matmul parameters × tokens, plus causal attention inside each document, over the
+GPU's dense bf16 peak), and peak GPU memory of the whole run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import platform
+import random
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}  # dense bf16 tensor-core peak (datasheet)
+VOCAB = 151936  # Qwen3's vocabulary
+PAD_ID, EOS_ID = 151643, 151645  # <|endoftext|>, <|im_end|>
+
+SHAPES: dict[str, dict[str, int]] = {  # the Qwen3 configs' shapes (untied output embedding)
+    "qwen3-1.7b": dict(
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+    ),
+    "qwen3-8b": dict(
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One measured configuration."""
+
+    name: str
+    group: str  # B1..B4
+    shape: str
+    kind: str = "stage_sft"  # stage_sft | plain_peft | stage_dpo | trl_dpo
+    method: str = "full"  # full | lora | qlora
+    packing: bool = True
+    per_device_batch_size: int = 4
+    gradient_checkpointing: bool = False
+    attn: str | None = None  # None: the stage's default for the device
+    liger: bool | None = None  # None: the stage's default for the device
+    strategy: str = "ddp"
+    reshard_after_forward: bool | None = None  # FSDP2: None keeps the stage's setting
+    warmup: int = 4
+    steps: int = 20
+    max_seq_length: int = 2048
+    note: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+CASES: list[Case] = [
+    # B1: full fine-tuning, Qwen3-1.7B shape, one GPU.
+    Case(
+        "b1_padded",
+        "B1",
+        "qwen3-1.7b",
+        packing=False,
+        per_device_batch_size=4,
+        attn="sdpa",
+        liger=False,
+        warmup=4,
+        steps=25,
+        note="sft stage, packing off: one example per row, rows padded to the longest; spec defaults before this "
+        "suite (sdpa, no Liger), same batch of 4 rows",
+    ),
+    Case(
+        "b1_packed_sdpa",
+        "B1",
+        "qwen3-1.7b",
+        attn="sdpa",
+        liger=False,
+        note="packed rows, sdpa with the dense block-diagonal mask built from position ids",
+    ),
+    Case("b1_packed_flex", "B1", "qwen3-1.7b", attn="flex_attention", liger=False, note="packed, flex block mask"),
+    Case("b1_packed", "B1", "qwen3-1.7b", note="packed, stage GPU defaults: flex attention + Liger"),
+    Case(
+        "b1_packed_b8",
+        "B1",
+        "qwen3-1.7b",
+        per_device_batch_size=8,
+        note="packed, stage GPU defaults, 8 rows per step",
+    ),
+    # B2: LoRA SFT, Qwen3-8B shape, one GPU.
+    Case(
+        "b2_plain_peft",
+        "B2",
+        "qwen3-8b",
+        kind="plain_peft",
+        method="lora",
+        packing=False,
+        attn="sdpa",
+        per_device_batch_size=8,
+        warmup=3,
+        steps=10,
+        note="transformers Trainer + PEFT defaults: padded batches with attention_mask, sdpa, batch 8 (Trainer "
+        "default), no checkpointing, LoRA r16/alpha32 all-linear (the stage's adapter)",
+    ),
+    Case(
+        "b2_plain_peft_b4",
+        "B2",
+        "qwen3-8b",
+        kind="plain_peft",
+        method="lora",
+        packing=False,
+        attn="sdpa",
+        per_device_batch_size=4,
+        warmup=3,
+        steps=10,
+        note="as b2_plain_peft with batch 4: the Trainer's default batch of 8 runs out of memory on 141 GB",
+    ),
+    Case(
+        "b3_fsdp_b8",
+        "B3",
+        "qwen3-1.7b",
+        strategy="fsdp",
+        per_device_batch_size=8,
+        note="torchrun, FSDP2 as the stage configures it, 8 rows per GPU (the B1 winner)",
+    ),
+    Case(
+        "b3_fsdp_b8_noreshard",
+        "B3",
+        "qwen3-1.7b",
+        strategy="fsdp",
+        per_device_batch_size=8,
+        reshard_after_forward=False,
+        note="torchrun, FSDP2 keeping the gathered parameters from forward to backward, 8 rows per GPU",
+    ),
+    Case(
+        "b2_stage",
+        "B2",
+        "qwen3-8b",
+        method="lora",
+        per_device_batch_size=4,
+        gradient_checkpointing=True,
+        warmup=3,
+        steps=10,
+        note="sft stage, LoRA, packed, flex + Liger, gradient checkpointing",
+    ),
+    Case(
+        "b2_stage_nockpt",
+        "B2",
+        "qwen3-8b",
+        method="lora",
+        per_device_batch_size=2,
+        warmup=3,
+        steps=12,
+        note="sft stage, LoRA, packed, flex + Liger, no checkpointing",
+    ),
+    Case(
+        "b2_qlora",
+        "B2",
+        "qwen3-8b",
+        method="qlora",
+        per_device_batch_size=4,
+        gradient_checkpointing=True,
+        warmup=2,
+        steps=6,
+        note="sft stage, QLoRA (bitsandbytes NF4), packed, flex + Liger, checkpointing",
+    ),
+    # B3: the B1 workload on all GPUs through torchrun, FSDP2 (run by the suite with torchrun).
+    Case("b3_fsdp", "B3", "qwen3-1.7b", strategy="fsdp", note="torchrun, FSDP2 as the stage configures it"),
+    Case(
+        "b3_fsdp_noreshard",
+        "B3",
+        "qwen3-1.7b",
+        strategy="fsdp",
+        reshard_after_forward=False,
+        note="torchrun, FSDP2 keeping the gathered parameters from forward to backward",
+    ),
+    # B4: DPO with LoRA, Qwen3-1.7B shape.
+    Case(
+        "b4_trl_default",
+        "B4",
+        "qwen3-1.7b",
+        kind="trl_dpo",
+        method="lora",
+        attn="sdpa",
+        per_device_batch_size=8,
+        warmup=3,
+        steps=10,
+        note="TRL DPOTrainer + DPOConfig defaults (batch 8), PEFT LoRA r16, reference = adapter disabled",
+    ),
+    Case(
+        "b4_stage",
+        "B4",
+        "qwen3-1.7b",
+        kind="stage_dpo",
+        method="lora",
+        per_device_batch_size=8,
+        warmup=3,
+        steps=10,
+        note="rlhf stage (dpo): precomputed reference log-probs, stage GPU defaults",
+    ),
+]
+BY_NAME = {case.name: case for case in CASES}
+
+
+# --------------------------------------------------------------------------- synthetic data
+
+
+def instruction_lengths(n: int, seed: int, mean: float = 600.0, lo: int = 32, hi: int = 2048) -> list[int]:
+    """Example lengths: log-normal (sigma 0.9), its location chosen so the clipped mean is `mean`."""
+    rng = random.Random(seed)
+    normals = [rng.gauss(0.0, 1.0) for _ in range(n)]
+    mu = math.log(mean) - 0.9**2 / 2
+    for _ in range(20):  # the clipping moves the mean: correct the location until it lands
+        lengths = [min(hi, max(lo, round(math.exp(mu + 0.9 * z)))) for z in normals]
+        mu += math.log(mean / (sum(lengths) / n))
+    return lengths
+
+
+def sft_examples(n: int, seed: int, vocab: int, max_len: int) -> list[tuple[list[int], list[int]]]:
+    """(ids, labels): random tokens; the first 40% of each example is the prompt (no loss)."""
+    rng = random.Random(seed + 1)
+    examples = []
+    for length in instruction_lengths(n, seed, hi=max_len):
+        ids = [rng.randrange(vocab - 1000) for _ in range(length - 1)] + [EOS_ID % vocab]
+        prompt = int(length * 0.4)
+        examples.append((ids, [-100] * prompt + ids[prompt:]))
+    return examples
+
+
+def fake_tokenizer(vocab: int) -> Any:
+    """A fast tokenizer over the words t0 … t{vocab-1} (whitespace-split), with Qwen3's pad and eos ids."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    words = {f"t{i}": i for i in range(vocab)}
+    pad, eos = PAD_ID % vocab, EOS_ID % vocab
+    words = {**{k: v for k, v in words.items() if v not in (pad, eos)}, "<|endoftext|>": pad, "<|im_end|>": eos}
+    tok = Tokenizer(WordLevel(words, unk_token="t0"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>", eos_token="<|im_end|>")
+
+
+def preference_rows(n: int, seed: int, vocab: int) -> list[dict[str, str]]:
+    """DPO rows as text over the fake tokenizer's words: prompt and answers each log-normal, mean about 250."""
+    rng = random.Random(seed)
+    prompts = instruction_lengths(n, seed, mean=250, lo=16, hi=500)
+    chosen = instruction_lengths(n, seed + 1, mean=250, lo=16, hi=500)
+    rejected = instruction_lengths(n, seed + 2, mean=250, lo=16, hi=500)
+
+    def text(k: int) -> str:
+        return " ".join(f"t{rng.randrange(vocab - 1000)}" for _ in range(k))
+
+    lengths = zip(prompts, chosen, rejected, strict=True)
+    return [{"prompt": text(p), "chosen": " " + text(c), "rejected": " " + text(r)} for p, c, r in lengths]
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+class CountingCollator:
+    """Wraps a collator and records, per batch, the real tokens and Σ n² over its documents (attention FLOPs)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.batches: list[tuple[int, int]] = []
+
+    def __call__(self, rows: list[dict[str, Any]]) -> Any:
+        batch = self.inner(rows)
+        tokens = squares = 0
+        for row in rows:
+            if "position_ids" in row:
+                starts = [i for i, p in enumerate(row["position_ids"]) if p == 0] + [len(row["position_ids"])]
+                docs = [b - a for a, b in itertools.pairwise(starts)]
+            elif "input_ids" in row:
+                docs = [len(row["input_ids"])]
+            else:  # a DPO row: prompt + chosen and prompt + rejected
+                docs = [len(row["prompt_ids"]) + len(row[k]) for k in ("chosen_ids", "rejected_ids")]
+            tokens += sum(docs)
+            squares += sum(d * d for d in docs)
+        self.batches.append((tokens, squares))
+        return batch
+
+
+def step_timer(warmup: int) -> Any:
+    """A TrainerCallback that takes a synchronised clock after the warm-up steps and after the last step."""
+    import torch
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        def __init__(self) -> None:
+            self.start: float | None = None
+            self.end: float | None = None
+            self.steps = 0
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step == warmup:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                self.start = time.perf_counter()
+            elif state.global_step == state.max_steps:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                self.end = time.perf_counter()
+                self.steps = state.global_step - warmup
+
+    return StepTimer()
+
+
+def matmul_parameters(model: Any) -> int:
+    """Parameters of the Linear layers (the output head included, LoRA's small matrices too)."""
+    import torch
+
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def gpu_peak() -> float:
+    import torch
+
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), 989e12)
+
+
+# --------------------------------------------------------------------------- building the pieces as the stage does
+
+
+def stage_context(case: Case, tmp: Path, tiny: bool) -> SimpleNamespace:
+    """What trainer_arguments / trainer_config read from a StageContext: the stage's section and the model spec."""
+    from workflows.spec import DistributedSpec, ModelSpec, RlhfStage, SftStage, TinyModelConfig, TrainingSpec
+
+    training = TrainingSpec(
+        per_device_batch_size=case.per_device_batch_size,
+        max_seq_length=case.max_seq_length,
+        packing=case.packing,
+        gradient_checkpointing=case.gradient_checkpointing,
+        max_steps=case.warmup + case.steps,
+        logging_steps=1000,
+        save_steps=100000,
+        warmup_ratio=0.0,
+    )
+    cls = RlhfStage if case.kind == "stage_dpo" else SftStage
+    section = cls(
+        enabled=False, method=case.method, training=training, distributed=DistributedSpec(strategy=case.strategy)
+    )
+    model = ModelSpec(
+        name_or_path=f"Qwen/{case.shape}",
+        attn_implementation=case.attn,
+        from_config=TinyModelConfig(**SHAPES["tiny" if tiny else case.shape], max_position_embeddings=4096),
+    )
+    return SimpleNamespace(
+        section=section,
+        spec=SimpleNamespace(model=model),
+        stage="rlhf" if case.kind == "stage_dpo" else "sft",
+        checkpoints_dir=tmp / "checkpoints",
+    )
+
+
+def build_model(ctx: SimpleNamespace, tokenizer: Any, case: Case, tmp: Path) -> Any:
+    """The starting model as load_starting_model builds it for a first stage: from config, then the adapter."""
+    import torch
+    from peft import get_peft_model, prepare_model_for_kbit_training
+
+    from stages.modeling import (
+        _quantization_config,
+        build_from_config,
+        load_pretrained,
+        lora_config,
+        on_gpu,
+        packed_attention,
+    )
+
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu() else torch.device("cpu")
+    with device:
+        model = build_from_config(ctx.spec.model, tokenizer)
+    if case.method == "qlora":  # QLoRA quantizes saved weights: save the random model, load it back in 4 bits
+        model.save_pretrained(tmp / "base")
+        del model
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        model = load_pretrained(
+            tmp / "base",
+            ctx.spec.model,
+            quantization_config=_quantization_config(ctx.section, ctx.spec.model),
+            device_map={"": torch.cuda.current_device()},
+        )
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=case.gradient_checkpointing)
+    switch = packed_attention(ctx.spec.model, ctx.stage, ctx.section)
+    if switch is not None and case.kind == "stage_sft":
+        model.set_attn_implementation(switch)
+    if case.method != "full":
+        model = get_peft_model(model, lora_config(ctx.section))
+    model.config.use_cache = False
+    return model
+
+
+def trainer_args(ctx: SimpleNamespace, model: Any, case: Case) -> dict[str, Any]:
+    """trainer_arguments as the stage computes them, with the case's overrides of the GPU defaults."""
+    from stages.training import trainer_arguments
+
+    args = trainer_arguments(ctx, model)
+    if case.liger is not None:
+        args["use_liger_kernel"] = case.liger
+    if case.reshard_after_forward is not None and args.get("fsdp_config"):
+        args["fsdp_config"] = {**args["fsdp_config"], "reshard_after_forward": case.reshard_after_forward}
+    return args
+
+
+def boundary_check(model: Any, row: dict[str, list[int]], device: Any) -> dict[str, float] | None:
+    """Whether attention stays inside documents: the last document's logits inside a packed row against the
+    same document alone (relative L2 error; bf16 noise is about 1e-2, attention across documents about 1)."""
+    import torch
+
+    pos = row["position_ids"]
+    starts = [i for i, p in enumerate(pos) if p == 0]
+    if len(starts) < 2:
+        return None
+    last = starts[-1]
+    ids = torch.tensor([row["input_ids"]], device=device)
+    with torch.no_grad():
+        packed = model(input_ids=ids, position_ids=torch.tensor([pos], device=device)).logits[0, last:].float()
+        alone = model(input_ids=ids[:, last:], position_ids=torch.tensor([pos[last:]], device=device)).logits[0].float()
+        leaky = model(input_ids=ids, position_ids=torch.arange(len(pos), device=device)[None]).logits[0, last:].float()
+    rel = ((packed - alone).norm() / alone.norm()).item()
+    rel_leaky = ((leaky - alone).norm() / alone.norm()).item()
+    return {"packed_vs_alone": rel, "no_reset_vs_alone": rel_leaky, "documents_in_row": len(starts)}
+
+
+def plain_collator(pad_id: int) -> Any:
+    """What a transformers + PEFT script does by default: right-pad, attention_mask, labels -100 on padding."""
+    import torch
+
+    def collate(rows: list[dict[str, Any]]) -> dict[str, Any]:
+        width = max(len(r["input_ids"]) for r in rows)
+        ids = [r["input_ids"] + [pad_id] * (width - len(r["input_ids"])) for r in rows]
+        mask = [[1] * len(r["input_ids"]) + [0] * (width - len(r["input_ids"])) for r in rows]
+        labels = [r["labels"] + [-100] * (width - len(r["labels"])) for r in rows]
+        return {k: torch.tensor(v) for k, v in (("input_ids", ids), ("attention_mask", mask), ("labels", labels))}
+
+    return collate
+
+
+# --------------------------------------------------------------------------- running one case
+
+
+def run_case(case: Case, tiny: bool) -> dict[str, Any]:
+    """Build, train `warmup + steps` steps, and measure one case in this process."""
+    import torch
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    gpu = torch.cuda.is_available()
+    if gpu:
+        torch.cuda.set_device(local_rank)
+        torch.cuda.reset_peak_memory_stats()
+    vocab = 4096 if tiny else VOCAB
+    tmp = Path(tempfile.mkdtemp(prefix=f"bench-{case.name}-"))
+    ctx = stage_context(case, tmp, tiny)
+    tokenizer = fake_tokenizer(vocab)
+    model = build_model(ctx, tokenizer, case, tmp)
+    timer = step_timer(case.warmup)
+    started = time.perf_counter()
+    result: dict[str, Any] = {"case": asdict(case), "world_size": world}
+
+    if case.kind in ("stage_sft", "plain_peft"):
+        from datasets import Dataset
+
+        from stages.packing import PackedCollator, _segment, batch_width_multiple, pack_best_fit
+
+        examples = sft_examples(4000 if not tiny else 400, seed=rank, vocab=vocab, max_len=case.max_seq_length)
+        if case.packing:
+            rows = pack_best_fit(examples, case.max_seq_length)
+        else:
+            rows = [_segment(ids, labels) for ids, labels in examples]
+        columns = {k: [r[k] for r in rows] for k in ("input_ids", "labels", "position_ids")}
+        if case.kind == "plain_peft":
+            from transformers import Trainer, TrainingArguments
+
+            dataset = Dataset.from_dict({k: columns[k] for k in ("input_ids", "labels")})
+            args = TrainingArguments(
+                output_dir=str(tmp / "out"),
+                per_device_train_batch_size=case.per_device_batch_size,
+                max_steps=case.warmup + case.steps,
+                bf16=gpu,
+                use_cpu=not gpu,
+                save_strategy="no",
+                logging_steps=1000,
+                report_to="none",
+                disable_tqdm=True,
+                remove_unused_columns=False,
+            )
+            collator = CountingCollator(plain_collator(tokenizer.pad_token_id))
+            trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator, callbacks=[timer])
+        else:
+            from trl import SFTConfig, SFTTrainer
+
+            dataset = Dataset.from_dict(columns)
+            args = SFTConfig(
+                **trainer_args(ctx, model, case),
+                max_length=case.max_seq_length,
+                dataset_kwargs={"skip_prepare_dataset": True},
+            )
+            multiple = batch_width_multiple(ctx.section.training)
+            collator = CountingCollator(
+                PackedCollator(pad_token_id=tokenizer.pad_token_id, pad_to_multiple_of=multiple)
+            )
+            trainer = SFTTrainer(
+                model=model,
+                args=args,
+                data_collator=collator,
+                train_dataset=dataset,
+                processing_class=tokenizer,
+                callbacks=[timer],
+            )
+        result["packing"] = {
+            "examples": len(examples),
+            "mean_example_tokens": sum(len(e[0]) for e in examples) / len(examples),
+            "rows": len(rows),
+            "mean_row_tokens": sum(len(r["input_ids"]) for r in rows) / len(rows),
+        }
+    else:  # DPO
+        from datasets import Dataset
+
+        dataset = Dataset.from_list(preference_rows(600 if not tiny else 200, seed=rank, vocab=vocab))
+        if case.kind == "trl_dpo":
+            from peft import LoraConfig
+            from trl import DPOConfig, DPOTrainer
+
+            if case.method != "full":
+                from peft import PeftModel
+
+                model = model.get_base_model() if isinstance(model, PeftModel) else model
+            args = DPOConfig(
+                output_dir=str(tmp / "out"),
+                per_device_train_batch_size=case.per_device_batch_size,
+                max_steps=case.warmup + case.steps,
+                bf16=gpu,
+                use_cpu=not gpu,
+                save_strategy="no",
+                logging_steps=1000,
+                report_to="none",
+                disable_tqdm=True,
+            )
+            lora = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
+            built = time.perf_counter()
+            trainer = DPOTrainer(
+                model=model,
+                args=args,
+                train_dataset=dataset,
+                processing_class=tokenizer,
+                peft_config=lora,
+                callbacks=[timer],
+            )
+        else:
+            from stages.modeling import StartingModel
+            from stages.rlhf import make_trainer, trainer_config
+
+            start = StartingModel(model=model, kind="adapter", base=None, upstream=None)  # type: ignore[arg-type]
+            config = trainer_config(ctx, start)
+            if case.liger is not None:
+                config.use_liger_kernel = case.liger
+            built = time.perf_counter()
+            trainer = make_trainer(ctx, start, config, tokenizer, dataset, None, [timer])
+        result["trainer_init_s"] = time.perf_counter() - built  # tokenisation and precomputed reference included
+        collator = CountingCollator(trainer.data_collator)
+        trainer.data_collator = collator
+
+    result["attn_implementation"] = getattr(trainer.model.config, "_attn_implementation", None)
+    result["use_liger_kernel"] = bool(getattr(trainer.args, "use_liger_kernel", False))
+    result["gradient_checkpointing"] = bool(trainer.args.gradient_checkpointing)
+    result["optim"] = str(trainer.args.optim)
+    trainer.train()
+    result["train_s"] = time.perf_counter() - started
+
+    timed = collator.batches[case.warmup : case.warmup + case.steps]
+    tokens = sum(t for t, _ in timed)
+    squares = sum(s for _, s in timed)
+    unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+    config = unwrapped.config
+    n_mm = matmul_parameters(unwrapped)
+    if world > 1:  # FSDP shards the Linear weights: count the full model's from its config
+        c = config
+        per_layer = c.hidden_size * c.head_dim * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
+        per_layer += 3 * c.hidden_size * c.intermediate_size
+        n_mm = c.num_hidden_layers * per_layer + c.hidden_size * c.vocab_size
+    attention = 6 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * squares
+    flops = 6 * n_mm * tokens + attention
+    if world > 1:
+        totals = torch.tensor([tokens, flops], dtype=torch.float64, device="cuda")
+        dist.all_reduce(totals)
+        tokens, flops = int(totals[0].item()), float(totals[1].item())
+    seconds = (timer.end or 0.0) - (timer.start or 0.0)
+    result.update(
+        {
+            "timed_steps": timer.steps,
+            "timed_s": seconds,
+            "tokens": tokens,
+            "tokens_per_s": tokens / seconds if seconds else None,
+            "tokens_per_s_per_gpu": tokens / seconds / world if seconds else None,
+            "matmul_parameters": n_mm,
+            "parameters": sum(p.numel() for p in unwrapped.parameters()),
+            "model_flops": flops,
+        }
+    )
+    if gpu:
+        result["mfu"] = flops / seconds / world / gpu_peak() if seconds and case.method == "full" else None
+        result["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        result["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+        result["device"] = torch.cuda.get_device_name()
+    if case.packing and case.kind == "stage_sft" and world == 1:
+        packed_rows = [r for r in rows if r["position_ids"].count(0) >= 2]
+        if packed_rows:
+            unwrapped.eval()
+            device = next(unwrapped.parameters()).device
+            result["boundary_check"] = boundary_check(unwrapped, packed_rows[0], device)
+    return result
+
+
+def case_main(name: str, out: Path, tiny: bool) -> int:
+    """Run one case and write `<out>/<name>.json` (rank 0); an error is recorded, not raised."""
+    case = BY_NAME[name]
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        result = run_case(case, tiny)
+    except Exception as exc:  # recorded in the results: the suite goes on with the next case
+        traceback.print_exc()
+        oom = "out of memory" in str(exc).lower()
+        result = {"case": asdict(case), "error": f"{type(exc).__name__}: {str(exc)[:2000]}", "oom": oom}
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{name}.json").write_text(json.dumps(result, indent=2, default=str))
+        summary = {k: result.get(k) for k in ("tokens_per_s", "mfu", "peak_allocated_gib", "error")}
+        print(f"RESULT {name}: {json.dumps(summary, default=str)}", flush=True)
+    return 0
+
+
+# --------------------------------------------------------------------------- the suite
+
+
+def environment() -> dict[str, Any]:
+    """Device and software versions, for the record."""
+    import importlib.metadata as md
+
+    import torch
+
+    versions = {}
+    for pkg in ("torch", "transformers", "trl", "peft", "accelerate", "datasets", "liger-kernel", "bitsandbytes"):
+        try:
+            versions[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            versions[pkg] = None
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return {"python": platform.python_version(), "gpus": gpus, "cuda": torch.version.cuda, "versions": versions}
+
+
+def _spawn(names: list[str], out: Path, cases_dir: Path, gpus: str, log: Path, tiny: bool, deadline: float) -> None:
+    """Run cases one after another in fresh processes on the given GPUs (torchrun for B3 cases)."""
+    with log.open("a") as f:
+        for name in names:
+            left = deadline - time.time()
+            if left < 30:
+                f.write(f"SKIPPED {name}: out of time\n")
+                continue
+            case = BY_NAME[name]
+            env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus, "PYTHONUNBUFFERED": "1"}
+            cmd = [sys.executable, str(Path(__file__)), "case", name, "--out", str(cases_dir)]
+            if tiny:
+                cmd.append("--tiny")
+            if case.group == "B3":
+                n = len(gpus.split(","))
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", *cmd[1:]]
+            f.write(f"=== {name} on GPU {gpus}: {' '.join(cmd)}\n")
+            f.flush()
+            t0 = time.time()
+            try:
+                subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=left, check=False)
+            except subprocess.TimeoutExpired:
+                f.write(f"TIMEOUT {name}\n")
+            f.write(f"=== {name} took {time.time() - t0:.0f}s\n")
+            f.flush()
+
+
+def suite(args: argparse.Namespace) -> int:
+    """Phase 1: the B3 cases on all GPUs. Phase 2: B1 on GPU 0 beside B2 and B4 on GPU 1 (or after, on one)."""
+    import threading
+
+    import torch
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cases_dir = Path(tempfile.mkdtemp(prefix="bench-cases-"))
+    deadline = time.time() + args.budget_s
+    chosen = [c for c in (args.cases.split(",") if args.cases else [c.name for c in CASES])]
+    count = max(torch.cuda.device_count(), 1)
+    (out / "env.json").write_text(json.dumps(environment(), indent=2))
+    multi = [n for n in chosen if BY_NAME[n].group == "B3"]
+    if multi and count > 1:
+        _spawn(multi, out, cases_dir, ",".join(map(str, range(count))), out / "log_b3.txt", args.tiny, deadline)
+    lanes = [[n for n in chosen if BY_NAME[n].group == "B1"], [n for n in chosen if BY_NAME[n].group in ("B2", "B4")]]
+    if count == 1:
+        lanes = [lanes[0] + lanes[1], []]
+    threads = [
+        threading.Thread(
+            target=_spawn, args=(lane, out, cases_dir, str(i), out / f"log_gpu{i}.txt", args.tiny, deadline)
+        )
+        for i, lane in enumerate(lanes)
+        if lane
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    results = {p.stem: json.loads(p.read_text()) for p in sorted(cases_dir.glob("*.json"))}
+    (out / "results.json").write_text(json.dumps({"env": environment(), "results": results}, indent=2, default=str))
+    print_table(results)
+    return 0
+
+
+def print_table(results: dict[str, Any]) -> None:
+    """A short table: tokens/s, MFU, peak memory, or the error."""
+    for name, r in results.items():
+        if "error" in r:
+            print(f"{name:22s} ERROR {r['error'][:300]}")
+            continue
+        mfu = f"{r['mfu'] * 100:5.1f}%" if r.get("mfu") else "   -  "
+        print(
+            f"{name:22s} {r.get('tokens_per_s') or 0:10.0f} tok/s  mfu {mfu}  "
+            f"peak {r.get('peak_allocated_gib') or 0:6.1f} GiB  attn={r.get('attn_implementation')} "
+            f"liger={r.get('use_liger_kernel')} bc={r.get('boundary_check')}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", nargs="?", default="suite", choices=["suite", "case"])
+    parser.add_argument("name", nargs="?", help="the case, for the 'case' command")
+    parser.add_argument("--out", default="bench-results", help="where results.json and the logs go")
+    parser.add_argument("--cases", default="", help="comma-separated case names (default: all)")
+    parser.add_argument("--budget-s", type=float, default=3600.0, help="skip cases that would start after this")
+    parser.add_argument("--tiny", action="store_true", help="tiny model shapes: a smoke run of the suite itself")
+    args = parser.parse_args(argv)
+    if args.command == "case":
+        return case_main(args.name, Path(args.out), args.tiny)
+    return suite(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
