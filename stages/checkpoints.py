@@ -79,6 +79,11 @@ def why_invalid(checkpoint: Path) -> str | None:
     return None
 
 
+def check_safetensors(path: Path) -> None:
+    """Raise ValueError (or OSError) unless the safetensors file is whole."""
+    _read_safetensors_header(path)
+
+
 def _read_safetensors_header(path: Path) -> None:
     """Check that a safetensors file is whole: its header parses and its data reaches the end the header
     names (cheap: reads the header only). Raises ValueError for a torn file."""

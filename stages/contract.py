@@ -12,15 +12,22 @@ Rules every stage follows (the same in a PyTorchJob pod and under --local):
 - a completed stage with the same config hash is a no-op that says so;
 - a completed stage with a different config hash is refused unless forced;
 - an incomplete stage resumes from its newest valid checkpoint;
-- only rank 0 writes `stage.json`; SIGTERM saves a checkpoint and exits with EXIT_RETRYABLE.
+- only rank 0 writes `stage.json`; SIGTERM saves a checkpoint and exits with EXIT_RETRYABLE;
+- a training stage starts only when prepare's outputs and the enabled stages before it are there (`check_ready`);
+- a full disk (ENOSPC) fails the stage with a message that says so; `stage.json` and the checkpoints written
+  before stay as they were (every record is written to a temporary file and renamed);
+- values of secret-looking environment variables never reach the stage's output (`mask_secrets`).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import re
 import socket
+import sys
 import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
@@ -29,7 +36,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from workflows.loading import spec_from_json
-from workflows.spec import STAGE_ORDER, PipelineSpec
+from workflows.spec import STAGE_ORDER, TRAINING_STAGES, PipelineSpec
 
 SPEC_JSON = "spec.json"
 STAGE_JSON = "stage.json"
@@ -43,6 +50,14 @@ StageStatus = Literal["running", "succeeded", "failed", "interrupted", "skipped"
 
 # Parts of a stage's spec that change where or how fast it runs, not what it produces.
 _NOT_HASHED = {"enabled", "resources", "run_policy", "env"}
+
+SECRET_NAME = re.compile(
+    r"(token|secret|password|passwd|api[_-]?key|access[_-]?key|credential|webhook|private[_-]?key)", re.I
+)
+"""Environment variable names whose values are secrets: never logged, never sent as tracking params."""
+
+MASK = "***"
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 class StageRefused(Exception):
@@ -100,6 +115,41 @@ def write_json_atomic(path: Path, data: Any) -> None:
         raise
 
 
+def secret_values() -> set[str]:
+    """Values of environment variables whose names look like secrets (at least 6 characters, so that masking
+    them never garbles ordinary text)."""
+    return {v for k, v in os.environ.items() if SECRET_NAME.search(k) and len(v) >= 6}
+
+
+def mask_secrets(text: str, secrets: set[str] | None = None) -> str:
+    """`text` with every secret value replaced by MASK (longest first, so a secret inside another goes too)."""
+    for value in sorted(secret_values() if secrets is None else secrets, key=len, reverse=True):
+        if value in text:
+            text = text.replace(value, MASK)
+    return text
+
+
+def is_disk_full(exc: BaseException | None) -> bool:
+    """Whether `exc` (or what it was raised from) is a full disk or an exceeded quota."""
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno in _DISK_FULL:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def disk_full_message(exc: BaseException, where: Path) -> str:
+    """What to tell when a write failed for lack of space: what failed, what is kept, what to do."""
+    filename = getattr(exc, "filename", None)
+    return (
+        f"no space left on the disk holding {where} ({exc.strerror if isinstance(exc, OSError) else exc}"
+        + (f": {filename}" if filename else "")
+        + "). What was written before is kept: stage.json as it was and every complete checkpoint (an "
+        "interrupted one is set aside on the next attempt). Free space (e.g. lower save_total_limit) and run the "
+        "stage again: it resumes from the newest complete checkpoint."
+    )
+
+
 def rank() -> int:
     """Global rank under torchrun (0 when not distributed)."""
     return int(os.environ.get("RANK", "0"))
@@ -137,6 +187,9 @@ class RunDir:
         return spec_from_json(self.spec_path.read_text(encoding="utf-8"), str(self.spec_path))
 
     def stage_dir(self, stage: str) -> Path:
+        """`<run>/<stage>`; only the DAG's stage names are folders of a run (nothing else makes a path here)."""
+        if stage not in STAGE_ORDER:
+            raise ValueError(f"{stage!r} is not a stage ({', '.join(STAGE_ORDER)})")
         return self.root / stage
 
     def result_path(self, stage: str) -> Path:
@@ -181,6 +234,45 @@ def stage_config(spec: PipelineSpec, stage: str) -> dict[str, Any]:
 def config_hash(spec: PipelineSpec, stage: str) -> str:
     """Hash of `stage_config`."""
     return canonical_hash(stage_config(spec, stage))
+
+
+def conflicting_stages(run_dir: RunDir, spec: PipelineSpec) -> list[str]:
+    """Stages that completed in `run_dir` with another config than `spec` gives them: running `spec` there
+    would be refused at those stages, so its spec.json must not replace the one they were made from."""
+    conflicts = []
+    for stage in spec.stages.enabled():
+        try:
+            previous = run_dir.read_result(stage)
+        except ValueError:  # an unreadable record is not a completed stage
+            continue
+        if previous is not None and previous.status == "succeeded" and previous.config_hash != config_hash(spec, stage):
+            conflicts.append(stage)
+    return conflicts
+
+
+def check_ready(run_dir: RunDir, spec: PipelineSpec, stage: str) -> None:
+    """StageRefused, naming what to run first, when a training stage's inputs are not there: prepare's tokenizer
+    and data for the stage, and the output of the enabled training stage before it."""
+    if stage not in TRAINING_STAGES or not spec.stage(stage).enabled:
+        return
+    prepare = run_dir.stage_dir("prepare")
+    needed = [prepare / "tokenizer", prepare / "data" / stage / "train.jsonl"]
+    missing = [run_dir.relative(p) for p in needed if not p.exists()]
+    if missing:
+        raise StageRefused(
+            f"[{stage}] {', '.join(missing)} missing in {run_dir.root}: run the prepare stage first "
+            f"(python -m stages prepare --run-dir {run_dir.root})"
+        )
+    before = [s for s in TRAINING_STAGES[: TRAINING_STAGES.index(stage)] if spec.stage(s).enabled]
+    if before:
+        upstream = before[-1]
+        result = run_dir.read_result(upstream)
+        if result is None or result.status != "succeeded":
+            state = "has not run" if result is None else f"is {result.status}"
+            raise StageRefused(
+                f"[{stage}] starts from the output of {upstream}, which {state} in {run_dir.root}: "
+                f"run {upstream} first (python -m stages {upstream} --run-dir {run_dir.root})"
+            )
 
 
 class StageContext:
@@ -303,7 +395,14 @@ class StageContext:
         return EXIT_OK
 
     def fail(self, message: str, retryable: bool = False) -> int:
-        """Record a failure (interrupted when retryable). Returns the exit code to use."""
+        """Record a failure (interrupted when retryable). Returns the exit code to use.
+
+        Called while handling a full-disk error, the message says so and what to do."""
+        handling = sys.exc_info()[1]
+        if handling is not None and is_disk_full(handling) and "no space left on the disk" not in message:
+            explained = disk_full_message(handling, self.dir)
+            message = f"{message}\n{explained}"
+            print(f"[{self.stage}] error: {explained}", file=sys.stderr, flush=True)
         if self.result is not None:
             self.result.status = "interrupted" if retryable else "failed"
             self.result.message = message

@@ -5,6 +5,14 @@ sorted order), `hf://org/name` (a hub dataset, through `datasets`), or `builtin:
 `stages.builtin_data`). `file://` paths work as plain paths, and `pvc://<claim>/<path>` is read from the mount
 of that claim in the spec's cluster volumes.
 
+Where data may come from (`confine`):
+- in the cluster (the run directory is on the checkpoints volume, as every compiled workflow's is), a data path
+  must resolve, `..` and symlinks followed, under cluster.datasets.mount_path or cluster.checkpoints.mount_path;
+- locally (`--local`, or a run directory anywhere else) any path of your own machine may be read;
+- everywhere: a `pvc://` path stays inside its claim's mount, and a file in a data directory that is a symlink to
+  somewhere outside that directory is refused (a data directory is read as a whole, so what it links to is not
+  what the spec names).
+
 Canonical forms, what every later stage reads:
 
     text        {"text": str}
@@ -25,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -180,8 +189,34 @@ def dataset_fingerprint(data: DataSpec, files: list[SourceFile]) -> str:
 # --------------------------------------------------------------------------- readers
 
 
+def _within(path: Path, root: Path) -> bool:
+    """Whether `path` is `root` or below it, both with symlinks and `..` resolved."""
+    return path.resolve().is_relative_to(root.resolve())
+
+
+def in_cluster(spec: PipelineSpec | None, run_root: Path | None) -> bool:
+    """Whether a run directory is on the cluster's checkpoints volume (so the stage runs in a pod of the DAG)."""
+    if spec is None or run_root is None:
+        return False
+    return _within(Path(run_root), Path(spec.cluster.checkpoints.mount_path))
+
+
+def confine(path: Path, uri: str, spec: PipelineSpec | None, run_root: Path | None) -> Path:
+    """`path` when a stage may read it (see the module docstring); DataError naming the rule otherwise."""
+    if spec is not None and in_cluster(spec, run_root):
+        volumes = [spec.cluster.datasets, spec.cluster.checkpoints]
+        if not any(_within(path, Path(v.mount_path)) for v in volumes):
+            mounts = " or ".join(f"{v.mount_path} ({v.claim_name})" for v in volumes)
+            raise DataError(
+                f"{uri}: resolves to {path.resolve()}, outside the mounted volumes; in the cluster data is read "
+                f"only from {mounts}: put the data on the datasets volume and use its path"
+            )
+    return path
+
+
 def resolve_path(uri: str, spec: PipelineSpec | None = None) -> Path:
-    """The local path of a file URI: a plain path, file://path, or pvc://<claim>/<path> under the claim's mount."""
+    """The local path of a file URI: a plain path, file://path, or pvc://<claim>/<path> under the claim's mount
+    (never outside it)."""
     if uri.startswith("file://"):
         return Path(uri.removeprefix("file://"))
     if uri.startswith("pvc://"):
@@ -189,7 +224,13 @@ def resolve_path(uri: str, spec: PipelineSpec | None = None) -> Path:
         volumes = [spec.cluster.datasets, spec.cluster.checkpoints] if spec is not None else []
         for volume in volumes:
             if volume.claim_name == claim:
-                return Path(volume.mount_path) / rest
+                path = Path(volume.mount_path) / rest
+                if Path(rest).is_absolute() or not _within(path, Path(volume.mount_path)):
+                    raise DataError(
+                        f"{uri}: the path leaves the claim {claim!r} (mounted at {volume.mount_path}); "
+                        "use a path inside it, without '..'"
+                    )
+                return path
         raise DataError(f"{uri}: claim {claim!r} is not one of the cluster volumes (cluster.datasets/checkpoints)")
     if uri.startswith(("gs://", "s3://")):
         raise DataError(
@@ -203,6 +244,12 @@ def data_files(path: Path, uri: str) -> list[Path]:
     if path.is_file():
         return [path]
     if path.is_dir():
+        for link in (p for p in path.rglob("*") if p.is_symlink()):
+            if not _within(link, path):
+                raise DataError(
+                    f"{uri}: {link} is a symlink to {link.resolve()}, outside the data directory; copy the file into "
+                    "the directory (or name it in the spec) instead of linking to it"
+                )
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in DATA_SUFFIXES)
         if not files:
             raise DataError(f"{uri}: the directory has no .jsonl or .parquet files")
@@ -302,15 +349,16 @@ def read_builtin(uri: str) -> tuple[list[SourceFile], Iterator[RawRow]]:
 
 
 def read_source(
-    uri: str, data: DataSpec, spec: PipelineSpec | None = None
+    uri: str, data: DataSpec, spec: PipelineSpec | None = None, run_root: Path | None = None
 ) -> tuple[list[SourceFile], Iterator[RawRow]]:
-    """The inputs of a data URI with their fingerprints, and an iterator over its raw rows."""
+    """The inputs of a data URI with their fingerprints, and an iterator over its raw rows. `run_root` (the run
+    directory) tells whether the cluster's rule for data paths applies (see `confine`)."""
     if uri.startswith("builtin:"):
         return read_builtin(uri)
     if uri.startswith("hf://"):
         return read_hub(uri, data.split)
     limit = max_row_bytes()
-    files = data_files(resolve_path(uri, spec), uri)
+    files = data_files(confine(resolve_path(uri, spec), uri, spec, run_root), uri)
     sources = [SourceFile(str(f), sha256_file(f)) for f in files]
 
     def rows() -> Iterator[RawRow]:
@@ -514,15 +562,18 @@ def _excerpt(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, default=str)[:RAW_EXCERPT_CHARS]
 
 
-def read_dataset(data: DataSpec, spec: PipelineSpec | None = None, stage: str | None = None) -> Dataset:
+def read_dataset(
+    data: DataSpec, spec: PipelineSpec | None = None, stage: str | None = None, run_root: Path | None = None
+) -> Dataset:
     """Read, validate and normalize one dataset; bad rows within `max_bad_row_fraction` are kept as errors.
+    `run_root` is the run directory reading it (it decides which paths may be read, see `confine`).
 
     Raises DataError for an unusable dataset: a missing or empty source, no valid rows, or more bad rows
     than allowed (the message lists the first few)."""
     uri = spec.data_uri(data) if spec is not None else data.uri
     if stage is not None:
         check_stage_format(stage, data.format)
-    files, raw_rows = read_source(uri, data, spec)
+    files, raw_rows = read_source(uri, data, spec, run_root)
     rows: list[dict[str, Any]] = []
     errors: list[RowError] = []
     total = 0
@@ -568,8 +619,12 @@ def split_eval(rows: list[dict[str, Any]], eval_fraction: float) -> tuple[list[d
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
     """Write rows as JSONL (UTF-8, one object per line), atomically."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -141,7 +141,7 @@ def run(ctx: StageContext) -> int:
     datasets: dict[str, Dataset] = {}
     try:
         for stage, data in data_specs(spec).items():
-            dataset = read_dataset(data, spec, stage)
+            dataset = read_dataset(data, spec, stage, ctx.run_dir.root)
             for source in dataset.files:
                 ctx.add_input(f"{stage}:{source.uri}", source.uri, source.fingerprint)
             counts[stage] = write_stage_data(ctx, stage, dataset, data)

@@ -136,19 +136,20 @@ def train(ctx: StageContext, sigterm: SigtermCheckpoint) -> int:
         tracker.log_metrics(metrics, step=trainer.state.global_step)
         tracker.log_figure_loss_curve(*loss_curve(trainer.state.log_history))
         tracker.log_artifact(write_log_history(ctx, trainer))
+        # The record first: MLflow says FINISHED only once stage.json says succeeded.
+        code = ctx.finish(
+            outputs={"model": ctx.model_dir},
+            metrics=metrics,
+            extra={
+                **model_info,
+                **resume_details(checkpoint),
+                "upstream": start.upstream or "",
+                "algorithm": section.algorithm,
+                "reference": reference_description(section, start),
+            },
+        )
         tracker.finish("succeeded")
-
-    return ctx.finish(
-        outputs={"model": ctx.model_dir},
-        metrics=metrics,
-        extra={
-            **model_info,
-            **resume_details(checkpoint),
-            "upstream": start.upstream or "",
-            "algorithm": section.algorithm,
-            "reference": reference_description(section, start),
-        },
-    )
+    return code
 
 
 # --------------------------------------------------------------------------- settings

@@ -10,7 +10,9 @@ Every stage wraps its work in a tracker:
 
 MLflow: one parent run per pipeline run (named after the run directory; opened by prepare, or by the first
 stage that tracks) and one nested run per stage. The parent's id lives in `<run>/tracking.json`; the stage
-run's id is stored in stage.json through `ctx.set_tracking`, so a resumed attempt continues the SAME run.
+run's id is stored in stage.json through `ctx.set_tracking`, so a resumed attempt continues the SAME run; the
+steps it trains again (those after its checkpoint that the killed attempt had already logged) are not logged a
+second time, so every metric has one value per step.
 The tracking URI is spec.tracking.mlflow_tracking_uri, else $MLFLOW_TRACKING_URI, else
 `sqlite:///<run>/mlflow.db` (artifacts then go next to the database, in `mlartifacts/`).
 
@@ -22,7 +24,8 @@ and LANGFUSE_HOST are set (plain HTTP to its ingestion API).
 
 Tracking never fails a stage: a backend that errors costs one warning, its metrics are buffered and sent on
 a later call (after RETRY_SECONDS), and whatever is still unsent at the end is written to
-`<run>/<stage>/logs/tracking-unsent.jsonl`. Only rank 0 tracks. Credentials come only from the environment
+`<run>/<stage>/logs/tracking-unsent.jsonl`. W&B gets WANDB_INIT_TIMEOUT_SECONDS to start a run, not its own
+90 s. Only rank 0 tracks. Credentials come only from the environment
 and are never logged: parameter names that look like secrets, and values equal to a secret in the
 environment, are not sent.
 """
@@ -43,7 +46,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from stages.contract import StageContext, is_main_process, now, write_json_atomic
+from stages.contract import SECRET_NAME, StageContext, is_main_process, now, secret_values, write_json_atomic
 from workflows.spec import PipelineSpec
 
 log = logging.getLogger("posttrain.tracking")
@@ -59,7 +62,11 @@ BATCH = 1000  # MLflow log_batch limit for metrics
 PARAM_BATCH = 100
 MAX_PARAM_VALUE = 6000
 
-_SECRET_NAME = re.compile(r"(token|secret|password|passwd|api[_-]?key|credential|webhook|private[_-]?key)", re.I)
+_SECRET_NAME = SECRET_NAME
+
+WANDB_INIT_TIMEOUT_SECONDS = 20
+"""How long W&B may take to start a run (its own default is 90 s); $WANDB_INIT_TIMEOUT overrides it. An
+unreachable W&B server then costs one warning and this many seconds, not minutes."""
 
 # Short HTTP retries: a dead tracking server must cost seconds, not the minutes of MLflow's defaults.
 _MLFLOW_HTTP_DEFAULTS = {
@@ -86,11 +93,6 @@ def resolve_tracking_uri(spec: PipelineSpec, run_root: Path) -> str:
 def redact_uri(uri: str) -> str:
     """A URI fit for logs: user:password@ removed."""
     return re.sub(r"//[^/@]*@", "//***@", uri)
-
-
-def secret_values() -> set[str]:
-    """Values of environment variables whose names look like secrets (to keep them out of params)."""
-    return {v for k, v in os.environ.items() if _SECRET_NAME.search(k) and len(v) >= 6}
 
 
 def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
@@ -218,6 +220,7 @@ class _Mlflow:
         self.run_id: str | None = ctx.result.mlflow_run_id if ctx.result is not None else None
         self.resuming = self.run_id is not None
         self.sent_params: dict[str, str] = {}
+        self.logged_steps: dict[str, int] = {}  # metric → last step an earlier attempt logged (resumed runs)
         self.params: dict[str, str] = {}
         self.metrics: list[Any] = []
         self.artifacts: list[tuple[str, str | None]] = []
@@ -270,7 +273,11 @@ class _Mlflow:
         if self.run_id is not None and self.client is not None and self.resuming:
             if self._exists(self.run_id):
                 client.update_run(self.run_id, status="RUNNING")
-                self.sent_params = dict(client.get_run(self.run_id).data.params)
+                data = client.get_run(self.run_id).data
+                self.sent_params = dict(data.params)
+                self.logged_steps = {
+                    key: max(m.step for m in client.get_metric_history(self.run_id, key)) for key in data.metrics
+                }
             else:
                 self.run_id = None
             self.resuming = False
@@ -333,6 +340,7 @@ class _Mlflow:
                 self.client.log_batch(self.run_id, params=[Param(k, v) for k, v in chunk])
                 self.sent_params.update(chunk)
             self.params = {}
+            self.metrics = [m for m in self.metrics if m.step > self.logged_steps.get(m.key, -1)]
             while self.metrics:
                 self.client.log_batch(self.run_id, metrics=self.metrics[:BATCH])
                 del self.metrics[:BATCH]
@@ -369,6 +377,15 @@ class _Mlflow:
 # --------------------------------------------------------------------------- W&B, TensorBoard, Langfuse
 
 
+def _wandb_init_timeout() -> float:
+    """$WANDB_INIT_TIMEOUT when it is a positive number, else WANDB_INIT_TIMEOUT_SECONDS."""
+    try:
+        value = float(os.environ.get("WANDB_INIT_TIMEOUT", ""))
+    except ValueError:
+        return WANDB_INIT_TIMEOUT_SECONDS
+    return value if value > 0 else WANDB_INIT_TIMEOUT_SECONDS
+
+
 class _Wandb:
     """A W&B run per stage, grouped by pipeline run; offline unless WANDB_API_KEY is set."""
 
@@ -400,6 +417,7 @@ class _Wandb:
                 mode=mode,
                 config=config,
                 reinit="create_new",
+                settings=wandb.Settings(init_timeout=_wandb_init_timeout()),
             )
         except Exception as exc:
             self.breaker.failed("starting the run", exc)

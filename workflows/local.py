@@ -2,7 +2,8 @@
 
 `python -m workflows.submit korean-llm --local` lands here with the spec already validated (the `local`
 profile applied). The runner writes `spec.json` into the run directory (`runs/<pipeline>-<UTC time>` by
-default), then runs every enabled stage in DAG order, exactly as the cluster runs it:
+default, with `-2`, `-3`... when another runner took that name in the same second), then runs every enabled stage
+in DAG order, exactly as the cluster runs it:
 
     python -m stages <stage> --run-dir DIR                                   # one process
     torchrun --standalone --nproc-per-node N --module stages <stage> ...      # training stages, N > 1 GPUs
@@ -12,11 +13,18 @@ It shows a live table (status, elapsed time, last log line), keeps each stage's 
 (completed stages are no-ops by the stage contract), and ends with a summary table and how to open MLflow.
 A stage whose module does not exist is reported as missing and fails the run; it is never skipped.
 
+Two runners never share a run directory: each holds a lock on `<run>/.runner.lock` while it runs, and a run
+directory whose completed stages were made with another config keeps its spec.json (the runner refuses before
+writing anything; use a new run directory, or --force). Values of secret-looking environment variables are masked
+in the stage logs.
+
 This module never imports torch or transformers: GPUs are counted from CUDA_VISIBLE_DEVICES or `nvidia-smi -L`.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import importlib.util
 import json
 import os
@@ -38,7 +46,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from stages.contract import EXIT_RETRYABLE, RunDir
+from stages.contract import EXIT_RETRYABLE, EXIT_USAGE, RunDir, conflicting_stages, mask_secrets, secret_values
 from workflows.loading import LoadedPipeline
 from workflows.spec import TRAINING_STAGES, PipelineSpec
 
@@ -101,9 +109,47 @@ def gpu_count() -> int:
     return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU ")) if out.returncode == 0 else 0
 
 
-def default_run_dir(spec: PipelineSpec) -> Path:
-    """runs/<pipeline>-<UTC timestamp>."""
-    return RUNS_DIR / f"{spec.name}-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}"
+def default_run_dir(spec: PipelineSpec, runs_dir: Path = RUNS_DIR) -> Path:
+    """A new, empty runs/<pipeline>-<UTC timestamp> (created here, so that two runners started in the same
+    second get two directories: the second one gets a `-2` suffix, and so on)."""
+    base = f"{spec.name}-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}"
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    for n in range(1, 10_000):
+        candidate = runs_dir / (base if n == 1 else f"{base}-{n}")
+        try:
+            candidate.mkdir()
+        except FileExistsError:
+            continue
+        return candidate
+    raise RuntimeError(f"no free run directory name {base}-N in {runs_dir}")
+
+
+class RunDirBusy(Exception):
+    """Another runner holds the run directory."""
+
+
+def lock_run_dir(run_root: Path) -> Any:
+    """Hold `<run>/.runner.lock` (an exclusive, non-blocking flock, released when the process ends); RunDirBusy
+    when another runner holds it."""
+    run_root.mkdir(parents=True, exist_ok=True)
+    handle = open(run_root / ".runner.lock", "a+", encoding="utf-8")  # noqa: SIM115 -- held for the whole run
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        handle.seek(0)
+        holder = handle.read().strip()
+        handle.close()
+        if exc.errno not in (errno.EAGAIN, errno.EACCES):
+            raise
+        raise RunDirBusy(
+            f"{run_root} is in use by another runner ({holder or 'unknown process'}); wait for it to end, "
+            "or use another --run-dir"
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
+    handle.flush()
+    return handle
 
 
 def local_tracking_uri(run_root: Path) -> str:
@@ -169,8 +215,11 @@ def key_metric(stage: str, result: dict[str, Any] | None) -> str:
 
 
 def _pump(stream: Any, log_file: Any, run: StageRun) -> None:
-    """Copy a stage's output into its log, remembering the last lines."""
+    """Copy a stage's output into its log (secret values masked), remembering the last lines."""
+    secrets = secret_values()
     for raw in iter(stream.readline, b""):
+        if secrets:
+            raw = mask_secrets(raw.decode("utf-8", errors="replace"), secrets).encode()
         log_file.write(raw)
         log_file.flush()
         text = raw.decode("utf-8", errors="replace").rstrip()
@@ -233,9 +282,35 @@ def rerun_hint(loaded: LoadedPipeline, run_root: Path, stage: str) -> str:
 def run_local(loaded: LoadedPipeline, run_dir: Path | None = None, force: bool = False) -> int:
     """Run the pipeline's enabled stages in DAG order on this machine; returns the exit code (0: all done)."""
     spec = loaded.spec
-    run_root = Path(run_dir or default_run_dir(spec)).absolute()
-    RunDir(run_root).write_spec(spec)
     console = Console()
+    run_root = Path(run_dir or default_run_dir(spec)).absolute()
+    try:
+        lock = lock_run_dir(run_root)
+    except RunDirBusy as exc:
+        console.print(Text(f"error: {exc}", style="bold red"), soft_wrap=True)
+        return EXIT_USAGE
+    try:
+        return _run_locked(loaded, run_root, force, console)
+    finally:
+        lock.close()
+
+
+def _run_locked(loaded: LoadedPipeline, run_root: Path, force: bool, console: Console) -> int:
+    """run_local's work, with the run directory locked."""
+    spec = loaded.spec
+    conflicts = [] if force else conflicting_stages(RunDir(run_root), spec)
+    if conflicts:
+        console.print(
+            Text(
+                f"error: {run_root} holds {', '.join(conflicts)} completed with another config; its spec.json is "
+                "left as it is. Use a new --run-dir (or none), or --force to run those stages again over their "
+                "outputs.",
+                style="bold red",
+            ),
+            soft_wrap=True,
+        )
+        return EXIT_USAGE
+    RunDir(run_root).write_spec(spec)
     stages = spec.stages.enabled()
     runs = [StageRun(name) for name in stages]
     gpus = gpu_count()

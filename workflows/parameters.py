@@ -141,7 +141,7 @@ def read_params_dir(path: Path) -> tuple[dict, dict[str, str]]:
     for file in sorted(path.iterdir()):
         if file.name != SPEC_FILE and file.is_file():
             try:
-                values[file.name] = file.read_text(encoding="utf-8")
+                values[file.name] = file.read_bytes().decode("utf-8")  # as written: no newline translation
             except UnicodeDecodeError:
                 raise SpecError(f"parameter {file.name}: not UTF-8 text") from None
     return document, values

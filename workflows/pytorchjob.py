@@ -162,11 +162,11 @@ def pod_template(spec: PipelineSpec, stage_name: str, stage: TrainingStage, comm
 
 
 def pod_security_context(spec: PipelineSpec) -> dict[str, Any]:
-    """Non-root with the RuntimeDefault seccomp profile; fsGroup so the PVCs are writable."""
-    ctx: dict[str, Any] = {"seccompProfile": {"type": "RuntimeDefault"}}
+    """Non-root with the RuntimeDefault seccomp profile; fsGroup so the PVCs are writable. Without
+    cluster.run_as_user the image's user is used, and the kubelet still refuses to start it as root."""
+    ctx: dict[str, Any] = {"seccompProfile": {"type": "RuntimeDefault"}, "runAsNonRoot": True}
     if spec.cluster.run_as_user is not None:
         ctx.update(
-            runAsNonRoot=True,
             runAsUser=spec.cluster.run_as_user,
             runAsGroup=spec.cluster.run_as_user,
             fsGroup=spec.cluster.run_as_user,

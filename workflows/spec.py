@@ -534,6 +534,13 @@ class ClusterSpec(StrictModel):
     def _names(cls, value: str) -> str:
         return _dns_label(value, "name")
 
+    @field_validator("run_as_user")
+    @classmethod
+    def _non_root(cls, uid: int | None) -> int | None:
+        if uid == 0:
+            raise ValueError("pods run as non-root (runAsNonRoot): use a non-zero UID, or null for the image's user")
+        return uid
+
     @field_validator("env")
     @classmethod
     def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
