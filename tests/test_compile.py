@@ -21,7 +21,7 @@ def _tasks(doc: dict) -> dict[str, dict]:
 
 def test_dag_runs_the_stages_in_order() -> None:
     tasks = _tasks(_template())
-    assert list(tasks) == ["prepare", "cpt", "sft", "rlhf", "evaluate", "deploy"]
+    assert list(tasks) == ["prepare", "cpt", "sft", "rlhf", "evaluate", "deploy", "serve"]
     assert tasks["cpt"]["depends"] == "prepare"
     assert tasks["sft"]["depends"] == "cpt"
     assert tasks["rlhf"]["depends"] == "sft"
@@ -47,7 +47,7 @@ def test_prepare_can_end_a_scheduled_run_with_the_reason_in_the_ui() -> None:
 def test_disabled_stages_drop_out_and_edges_close_up() -> None:
     doc = _template(overrides=("stages.cpt.enabled=false", "stages.rlhf.enabled=false"))
     tasks = _tasks(doc)
-    assert list(tasks) == ["prepare", "sft", "evaluate", "deploy"]
+    assert list(tasks) == ["prepare", "sft", "evaluate", "deploy", "serve"]
     assert tasks["sft"]["depends"] == "prepare"
     assert tasks["evaluate"]["depends"] == "sft"
     names = {t["name"] for t in doc["spec"]["templates"]}
@@ -147,3 +147,18 @@ def test_unknown_workflow_parameter_is_refused() -> None:
         assert "base_model" in str(exc) and "base-model" in str(exc)
     else:
         raise AssertionError("an unknown parameter was accepted")
+
+
+def test_a_passing_deploy_is_served_through_an_applied_inference_service() -> None:
+    doc = _template()
+    assert _tasks(doc)["serve"] == {"name": "serve", "template": "serve", "depends": "deploy.Succeeded"}
+    serve = next(t for t in doc["spec"]["templates"] if t["name"] == "serve")["resource"]
+    assert serve["action"] == "apply"
+    service = yaml.safe_load(serve["manifest"])
+    assert service["kind"] == "InferenceService"
+    assert (
+        service["spec"]["predictor"]["model"]["storageUri"]
+        == "pvc://checkpoints-rwx/runs/{{workflow.name}}/deploy/model"
+    )
+    no_serving = _template(overrides=("stages.deploy.serving.enabled=false",))
+    assert "serve" not in _tasks(no_serving)

@@ -37,13 +37,13 @@ NAIVE_FAILURE = "status.conditions.0.type == Failed"
 
 @cache
 def compiled_conditions() -> tuple[tuple[str, str, str], ...]:
-    """(where, successCondition, failureCondition) of every resource template of every compiled pipeline."""
+    """(where, successCondition, failureCondition) of every PyTorchJob step of every compiled pipeline."""
     compile_pipeline = compiler_or_skip()
     found = []
     for name, profile in PIPELINE_VARIANTS:
         docs = compile_pipeline(fresh_spec(name, profile)).documents()
         for template in docs["workflowtemplate.yaml"]["spec"]["templates"]:
-            if "resource" in template:
+            if "resource" in template and "kind: PyTorchJob" in template["resource"]["manifest"]:
                 resource = template["resource"]
                 where = f"{name}@{profile or 'default'}:{template['name']}"
                 found.append((where, resource.get("successCondition", ""), resource.get("failureCondition", "")))

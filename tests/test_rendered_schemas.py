@@ -23,9 +23,10 @@ EXPECTED_KINDS = {
 
 
 def _resource_templates(documents: dict[str, dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """The training steps: resource templates that create a PyTorchJob (serve applies an InferenceService)."""
     for doc in documents.values():
         for template in doc.get("spec", {}).get("templates", []) or []:
-            if "resource" in template:
+            if "resource" in template and yaml.safe_load(template["resource"]["manifest"])["kind"] == "PyTorchJob":
                 yield template
 
 

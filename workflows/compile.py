@@ -25,6 +25,7 @@ from hera.workflows import (
 from hera.workflows import models as m
 
 from workflows import parameters as params
+from workflows import serving
 from workflows.pytorchjob import (
     FAILURE_CONDITION,
     PIPELINE_LABEL,
@@ -170,6 +171,21 @@ def deploy_template(spec: PipelineSpec, rundir: str) -> Container:
     return _container_template(spec, "deploy", spec.stages.deploy, command)
 
 
+def serve_template(spec: PipelineSpec) -> Resource:
+    """serve: apply the InferenceService pointing at the model deploy published, and wait for KServe to roll it
+    out (the service keeps the pipeline's name, so each passing run moves it to the new model)."""
+    return Resource(
+        name="serve",
+        action="apply",
+        manifest=serving.argo_manifest(spec),
+        success_condition=serving.SUCCESS_CONDITION,
+        failure_condition=serving.FAILURE_CONDITION,
+        outputs=[Parameter(name="service", value_from=m.ValueFrom(json_path="{.metadata.name}"))],
+        retry_strategy=m.RetryStrategy(limit="2", retry_policy="Always"),
+        timeout="1h",
+    )
+
+
 def notify_template(spec: PipelineSpec, rundir: str) -> Container:
     """The exit handler: post the outcome to Slack. The webhook URL comes from a Secret, nothing else does."""
     ref = spec.cluster.secrets.slack_webhook
@@ -241,6 +257,8 @@ def pipeline_dag(spec: PipelineSpec) -> DAG:
                     when=f"{_when_enabled('deploy')} && {{{{tasks.evaluate.outputs.parameters.gate}}}} == pass",
                 )
             )
+            if spec.stages.deploy.serving.enabled:
+                tasks.append(Task(name="serve", template="serve", depends="deploy.Succeeded"))
             continue
         tasks.append(Task(name=stage, template=stage, depends=previous, when=_when_enabled(stage)))
         previous = stage
@@ -262,6 +280,8 @@ def workflow_template(spec: PipelineSpec) -> WorkflowTemplate:
         templates.append(evaluate_template(spec, rundir))
     if spec.stages.deploy.enabled:
         templates.append(deploy_template(spec, rundir))
+        if spec.stages.deploy.serving.enabled:
+            templates.append(serve_template(spec))
     on_exit = None
     if spec.notifications.slack:
         templates.append(notify_template(spec, rundir))

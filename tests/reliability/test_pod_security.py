@@ -26,6 +26,8 @@ def compiled_pods(documents: dict[str, dict[str, Any]]) -> Iterator[tuple[str, d
             yield template["name"], workflow_pod, template["container"]
         if "resource" in template:
             job = yaml.safe_load(template["resource"]["manifest"])
+            if job["kind"] != "PyTorchJob":  # serve applies an InferenceService: KServe owns its pods
+                continue
             for role, replica in job["spec"]["pytorchReplicaSpecs"].items():
                 pod = replica["template"]["spec"]
                 for container in pod["containers"]:
