@@ -1,0 +1,396 @@
+"""The deploy stage: register the candidate, move the aliases, publish the model, render its InferenceService.
+
+    python -m stages deploy --run-dir DIR
+
+Reads top to bottom:
+
+1. evaluate's stage.json: the candidate stage, the gate decision and the numbers behind it. A run that evaluate
+   skipped (data unchanged) is skipped here too. In the cluster deploy only runs after gate=pass; run with a
+   failed gate (locally), it registers the model as `challenger` only and says so.
+2. The model as it is served: full weights in safetensors with the tokenizer, in `deploy/model/` (an adapter is
+   merged into its base first).
+3. Published where the InferenceService reads it (workflows/serving.py): gs:// (google-cloud-storage) or s3://
+   (boto3) under `<storage_uri>/<run>`, with credentials from the environment only (Workload Identity / Google
+   ADC, AWS_* or a web identity); pvc:// on the checkpoints claim by a copy; by default the run directory on
+   the checkpoints volume itself.
+4. The MLflow Model Registry: the model files are logged as the `model` artifacts of deploy's run (with the
+   candidate's metrics), a new version of the registered model (deploy.registered_model, else the pipeline
+   name) is created from them with lineage tags, alias `challenger` points at it, and `champion` moves to it
+   only when the gate passed.
+5. `deploy/inferenceservice.yaml`: the KServe InferenceService for the vLLM runtime at the model's storage.
+6. Outside the cluster (no ARGO_WORKFLOW_NAME): the model is loaded back from the registry by alias
+   (`models:/<name>@champion`, or `@challenger` when not promoted) and generates once; recorded in stage.json.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import traceback
+from pathlib import Path
+from typing import Any
+
+from stages.contract import EXIT_OK, RunDir, StageContext
+from stages.evaluate import (
+    CHALLENGER,
+    CHAMPION,
+    GATE_PASS,
+    GATE_SKIPPED,
+    METRIC_TAG_PREFIX,
+    registered_model_name,
+    registry_client,
+)
+from workflows.serving import inference_service, model_storage_uri, to_yaml
+from workflows.spec import STAGE_ORDER, PipelineSpec
+
+MAX_TAG_VALUE = 5000  # MLflow's limit for a model version tag value
+MODEL_FILES = (".safetensors", ".json", ".txt", ".model", ".jinja", ".tiktoken")
+"""What is published of a model directory: weights in safetensors, configs and tokenizer files; never pickles."""
+SMOKE_PROMPT = "안녕하세요"
+SMOKE_TOKENS = 16
+
+
+class PublishError(RuntimeError):
+    """The model cannot be published to the storage the spec names (a library or credentials missing)."""
+
+
+# --------------------------------------------------------------------------- the evaluated candidate
+
+
+def evaluation(run_dir: RunDir) -> dict[str, Any]:
+    """evaluate's record: its status and extra (gate, candidate_stage, candidate metrics, ...)."""
+    result = run_dir.read_result("evaluate")
+    if result is None or result.status not in ("succeeded", "skipped"):
+        state = "has not run" if result is None else f"is {result.status}"
+        raise RuntimeError(f"evaluate {state} in {run_dir.root}: deploy needs its gate decision")
+    return {"status": result.status, "message": result.message, **result.extra}
+
+
+# --------------------------------------------------------------------------- the model as served
+
+
+def export_model(run_dir: RunDir, spec: PipelineSpec, stage: str, out: Path) -> str:
+    """Write the candidate as full safetensors weights with its tokenizer into `out`; returns what the stage
+    left ('full' copied, or 'adapter' merged into its base)."""
+    from stages.modeling import load_stage_model, load_tokenizer, stage_output
+
+    output = stage_output(run_dir, stage)
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    if output.kind == "full":
+        for path in sorted(output.path.iterdir()):
+            if path.is_file() and path.name.endswith(MODEL_FILES) and path.name != "training_args.bin":
+                shutil.copy2(path, out / path.name)
+        if not list(out.glob("*.safetensors")):
+            raise RuntimeError(f"{output.path} has no safetensors weights")
+        return output.kind
+    tokenizer = load_tokenizer(run_dir, spec.model)
+    merged = load_stage_model(run_dir, spec, stage, tokenizer)
+    merged.config.use_cache = True
+    merged.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return output.kind
+
+
+def model_files(model_dir: Path) -> list[Path]:
+    """The files of a model directory, relative, in a stable order."""
+    return sorted(p.relative_to(model_dir) for p in model_dir.rglob("*") if p.is_file())
+
+
+# --------------------------------------------------------------------------- publishing
+
+
+def split_uri(uri: str) -> tuple[str, str, str]:
+    """('gs'|'s3'|'pvc', bucket or claim, key prefix) of a storage URI."""
+    scheme, rest = uri.split("://", 1)
+    bucket, _, prefix = rest.partition("/")
+    return scheme, bucket, prefix.strip("/")
+
+
+def upload_s3(model_dir: Path, bucket: str, prefix: str) -> None:
+    """Upload with boto3; credentials from the environment (AWS_*, a web identity or an instance role),
+    AWS_ENDPOINT_URL for S3-compatible stores."""
+    try:
+        import boto3
+    except ImportError:
+        raise PublishError("storage_uri is s3://, which needs boto3 in the image (pip install boto3)") from None
+    session = boto3.session.Session()
+    if session.get_credentials() is None:
+        raise PublishError(
+            "storage_uri is s3:// but no AWS credentials were found in the environment: set "
+            "cluster.secrets.aws_access_key_id/aws_secret_access_key, or give the pod a web identity (IRSA)"
+        )
+    client = session.client("s3")
+    for rel in model_files(model_dir):
+        client.upload_file(str(model_dir / rel), bucket, f"{prefix}/{rel.as_posix()}".lstrip("/"))
+
+
+def upload_gcs(model_dir: Path, bucket: str, prefix: str) -> None:
+    """Upload with google-cloud-storage; credentials from Google ADC (Workload Identity in GKE)."""
+    try:
+        import google.auth
+        import google.auth.exceptions
+        from google.cloud import storage
+    except ImportError:
+        raise PublishError(
+            "storage_uri is gs://, which needs google-cloud-storage in the image (pip install google-cloud-storage)"
+        ) from None
+    try:
+        credentials, project = google.auth.default()
+    except google.auth.exceptions.DefaultCredentialsError:
+        raise PublishError(
+            "storage_uri is gs:// but no Google credentials were found: bind the pod's ServiceAccount to a Google "
+            "service account (Workload Identity), or set GOOGLE_APPLICATION_CREDENTIALS"
+        ) from None
+    target = storage.Client(project=project, credentials=credentials).bucket(bucket)
+    for rel in model_files(model_dir):
+        target.blob(f"{prefix}/{rel.as_posix()}".lstrip("/")).upload_from_filename(str(model_dir / rel))
+
+
+def copy_to_pvc(spec: PipelineSpec, model_dir: Path, claim: str, path: str) -> None:
+    """Copy onto the checkpoints volume (the only claim this pod mounts), unless the model is already there."""
+    volume = spec.cluster.checkpoints
+    if claim != volume.claim_name:
+        raise PublishError(
+            f"storage_uri pvc://{claim}/... names a claim deploy does not mount; use the checkpoints claim "
+            f"({volume.claim_name}), gs:// or s3://"
+        )
+    target = Path(volume.mount_path) / path
+    if target.resolve() == model_dir.resolve():
+        return
+    if not Path(volume.mount_path).is_dir():
+        raise PublishError(f"the checkpoints volume is not mounted at {volume.mount_path}: cannot publish to it")
+    if target.exists():
+        shutil.rmtree(target)
+    shutil.copytree(model_dir, target)
+
+
+def publish(spec: PipelineSpec, model_dir: Path, storage_uri: str) -> None:
+    """Put the model where `storage_uri` says."""
+    scheme, bucket, prefix = split_uri(storage_uri)
+    print(f"[deploy] publishing the model to {storage_uri}", flush=True)
+    if scheme == "s3":
+        upload_s3(model_dir, bucket, prefix)
+    elif scheme == "gs":
+        upload_gcs(model_dir, bucket, prefix)
+    elif scheme == "pvc":
+        copy_to_pvc(spec, model_dir, bucket, prefix)
+    else:
+        raise PublishError(f"unsupported storage URI {storage_uri!r}: use gs://, s3:// or pvc://")
+
+
+# --------------------------------------------------------------------------- the registry
+
+
+def _tag(value: Any) -> str:
+    text = value if isinstance(value, str) else repr(value)
+    return text[:MAX_TAG_VALUE]
+
+
+def lineage_tags(ctx: StageContext, evaluated: dict[str, Any], model_kind: str, storage_uri: str) -> dict[str, str]:
+    """Tags of the model version: where it comes from (run, workflow, data fingerprints, parent stages and
+    their config hashes, base model, commit) and the gate decision with its numbers."""
+    from stages.tracking import run_tags
+
+    run_dir, spec = ctx.run_dir, ctx.spec
+    tags = dict(run_tags(spec, run_dir.root))
+    prepare = run_dir.read_result("prepare")
+    if prepare is not None:
+        tags["posttrain.data_fingerprint"] = str(prepare.extra.get("fingerprint", ""))
+        tags["posttrain.tokenizer_hash"] = str(prepare.extra.get("tokenizer_hash", ""))
+        for stage, counts in (prepare.extra.get("data") or {}).items():
+            tags[f"posttrain.data.{stage}.fingerprint"] = str(counts.get("fingerprint", ""))
+            tags[f"posttrain.data.{stage}.uri"] = str(counts.get("uri", ""))
+    parents = [s for s in STAGE_ORDER[: STAGE_ORDER.index("deploy")] if spec.stage(s).enabled]
+    tags["posttrain.parent_stages"] = ",".join(parents)
+    for stage in parents:
+        result = run_dir.read_result(stage)
+        if result is not None:
+            tags[f"posttrain.stage.{stage}.config_hash"] = result.config_hash
+    tags["posttrain.stage.deploy.config_hash"] = ctx.config_hash
+    tags.update(
+        {
+            "posttrain.candidate_stage": evaluated["candidate_stage"],
+            "posttrain.model_kind": "merged adapter" if model_kind == "adapter" else model_kind,
+            "posttrain.storage_uri": storage_uri,
+            "posttrain.gate": evaluated["gate"],
+            "posttrain.gate_reference": str(evaluated.get("reference", "")),
+            "posttrain.gate_reasons": " | ".join(evaluated.get("gate_reasons") or []),
+            "posttrain.champion_before": str(evaluated.get("champion_version") or "none"),
+        }
+    )
+    for name, value in (evaluated.get("candidate") or {}).items():
+        tags[f"{METRIC_TAG_PREFIX}{name}"] = repr(float(value))
+    for name, value in (evaluated.get("base") or {}).items():
+        tags[f"posttrain.base_metric.{name}"] = repr(float(value))
+    return {k[:250]: _tag(v) for k, v in tags.items()}
+
+
+def existing_version(client: Any, name: str, run_id: str) -> Any:
+    """The version an earlier attempt of this deploy run registered, or None."""
+    quoted = name.replace("'", "\\'")
+    for version in client.search_model_versions(f"name='{quoted}'"):
+        if version.run_id == run_id:
+            return version
+    return None
+
+
+def register(client: Any, name: str, run_id: str, tags: dict[str, str], promote: bool) -> Any:
+    """A new version from the run's `model` artifacts (the earlier attempt's, when this run registered one),
+    its tags, alias challenger, and champion when `promote`."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.create_registered_model(name, description="Post-trained models of the posttrain pipelines.")
+    except MlflowException as exc:
+        if exc.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+    version = existing_version(client, name, run_id)
+    if version is None:
+        version = client.create_model_version(name, source=f"runs:/{run_id}/model", run_id=run_id, tags=tags)
+    else:
+        for key, value in tags.items():
+            client.set_model_version_tag(name, version.version, key, value)
+    client.set_registered_model_alias(name, CHALLENGER, version.version)
+    if promote:
+        client.set_registered_model_alias(name, CHAMPION, version.version)
+    return version
+
+
+def smoke_generation(
+    client: Any, tracking_uri: str, name: str, alias: str, dst: Path, spec: PipelineSpec
+) -> dict[str, str]:
+    """Load `models:/<name>@<alias>` back from the registry (safetensors) and generate a few tokens. The alias
+    is resolved through `client` (mlflow's own `models:/` resolution reads the process-wide registry URI)."""
+    import mlflow
+    import torch
+    from transformers import AutoTokenizer
+
+    from stages.modeling import load_pretrained
+
+    version = client.get_model_version_by_alias(name, alias)
+    source = client.get_model_version_download_uri(name, version.version)
+    if dst.exists():
+        shutil.rmtree(dst)
+    path = mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=str(dst), tracking_uri=tracking_uri)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=spec.model.trust_remote_code)
+    model = load_pretrained(path, spec.model)
+    ids = tokenizer(SMOKE_PROMPT, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=SMOKE_TOKENS,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+        )
+    text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+    shutil.rmtree(dst, ignore_errors=True)
+    return {
+        "uri": f"models:/{name}@{alias}",
+        "version": str(version.version),
+        "prompt": SMOKE_PROMPT,
+        "output": text,
+        "new_tokens": str(int(out.shape[1] - ids.shape[1])),
+    }
+
+
+# --------------------------------------------------------------------------- the stage
+
+
+def run(ctx: StageContext) -> int:
+    """Register, alias, publish and render; returns the process exit code."""
+    if not ctx.begin():
+        return EXIT_OK
+    try:
+        return deploy(ctx)
+    except PublishError as exc:
+        print(f"[deploy] error: {exc}", flush=True)
+        return ctx.fail(str(exc))
+    except Exception as exc:
+        traceback.print_exc()
+        return ctx.fail(f"{type(exc).__name__}: {exc}")
+
+
+def deploy(ctx: StageContext) -> int:
+    from stages.tracking import StageTracker
+
+    run_dir, spec = ctx.run_dir, ctx.spec
+    run_name = run_dir.root.name
+    name = registered_model_name(spec)
+
+    # 1. The gate decision; nothing to do when evaluate was skipped.
+    evaluated = evaluation(run_dir)
+    if evaluated["status"] == "skipped" or evaluated.get("gate") == GATE_SKIPPED:
+        message = f"evaluate was skipped ({evaluated.get('message') or 'nothing to evaluate'}): nothing to deploy"
+        print(f"[deploy] {message}", flush=True)
+        return ctx.finish(status="skipped", message=message, extra={"promoted": "false"})
+    promote = evaluated.get("gate") == GATE_PASS
+    stage = evaluated["candidate_stage"]
+    evaluate_result = run_dir.read_result("evaluate")
+    ctx.add_input("evaluation", "evaluate/stage.json", evaluate_result.config_hash if evaluate_result else "")
+    if not promote:
+        print(f"[deploy] the gate did not pass ({evaluated.get('gate')}): registering as {CHALLENGER} only", flush=True)
+
+    # 2-3. The model as served, published where the InferenceService reads it.
+    model_dir = ctx.dir / "model"
+    model_kind = export_model(run_dir, spec, stage, model_dir)
+    storage_uri = model_storage_uri(spec, run_name)
+    if spec.stages.deploy.storage_uri is not None:
+        publish(spec, model_dir, storage_uri)
+
+    with StageTracker(ctx) as tracker:
+        tracker.log_params({"registered_model": name, "candidate_stage": stage, "storage_uri": storage_uri})
+        tracker.log_metrics(evaluated.get("candidate") or {}, step=0)
+        run_id = tracker.run_id
+        if run_id is None:
+            raise RuntimeError("the MLflow tracking server could not be reached: the model cannot be registered")
+
+        # 4. The registry: model files, version, lineage, aliases.
+        client, tracking_uri = registry_client(spec, run_dir.root)
+        client.log_artifacts(run_id, str(model_dir), "model")
+        tags = lineage_tags(ctx, evaluated, model_kind, storage_uri)
+        version = register(client, name, run_id, tags, promote)
+        aliases = [CHALLENGER, CHAMPION] if promote else [CHALLENGER]
+        print(f"[deploy] {name} version {version.version}: aliases {', '.join(aliases)}", flush=True)
+
+        # 5. The InferenceService.
+        outputs: dict[str, Path] = {"model": model_dir}
+        if spec.stages.deploy.serving.enabled:
+            manifest = inference_service(spec, storage_uri, run_name, model_version=str(version.version))
+            isvc = ctx.dir / "inferenceservice.yaml"
+            isvc.write_text(to_yaml(manifest), encoding="utf-8")
+            tracker.log_artifact(isvc)
+            outputs["inferenceservice"] = isvc
+
+        # 6. Locally: the model, loaded back from the registry by alias, generates.
+        smoke: dict[str, str] = {}
+        if not os.environ.get("ARGO_WORKFLOW_NAME"):
+            alias = CHAMPION if promote else CHALLENGER
+            smoke = smoke_generation(client, tracking_uri, name, alias, ctx.dir / "smoke", spec)
+            print(f"[deploy] {smoke['uri']} generates: {smoke['output']!r}", flush=True)
+
+        if promote:
+            message = f"registered {name} v{version.version} as {CHAMPION} (gate passed)"
+        else:
+            message = (
+                f"registered {name} v{version.version} as {CHALLENGER} only: the gate did not pass, "
+                f"{CHAMPION} stays at {evaluated.get('champion_version') or 'none'}"
+            )
+        return ctx.finish(
+            outputs=outputs,
+            metrics={},
+            message=message,
+            extra={
+                "registered_model": name,
+                "model_version": str(version.version),
+                "aliases": aliases,
+                "promoted": "true" if promote else "false",
+                "gate": str(evaluated.get("gate")),
+                "storage_uri": storage_uri,
+                "model_uri": f"models:/{name}/{version.version}",
+                "model_kind": model_kind,
+                "smoke": smoke,
+            },
+        )

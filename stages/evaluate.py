@@ -1,0 +1,809 @@
+"""The evaluate stage: measure the candidate, compare it with the base model and the registered champion, gate.
+
+    python -m stages evaluate --run-dir DIR [--outputs-dir /tmp/outputs]
+
+Reads top to bottom:
+
+1. The candidate is the output of the last enabled training stage (rlhf, else sft, else cpt). A run that prepare
+   ended early (data unchanged, `prepare.skip_if_unchanged`) has no candidate: the stage is recorded as skipped
+   and outputs gate=skipped, so deploy does not run.
+2. Each model (the candidate, then the base model; one in memory at a time) is measured the same way:
+   - held-out perplexity over `prepare/data/evaluate/eval.jsonl` (text rows: every token, ending with eos, as
+     cpt trains; chat rows: rendered with the chat template, the assistant's tokens scored, as sft trains);
+     without evaluate data, the candidate stage's own held-out split;
+   - the lm-eval-harness tasks of `stages.evaluate.lm_eval_tasks` through `lm_eval.simple_evaluate` on an HFLM
+     wrapping the loaded model, with `lm_eval_include_path` as extra task YAMLs (tasks over local data files
+     work on an offline cluster); metrics are named `<task>/<metric>` (e.g. `kobest_boolq/acc`);
+   - greedy generations for `stages.evaluate.prompts` (through the chat template when sft or rlhf ran).
+3. The champion: the `champion` alias of the registered model (deploy.registered_model, else the pipeline name)
+   in the MLflow Model Registry. Its numbers come from the version's `posttrain.metric.<name>` tags, then from
+   the metrics of the run that registered it; a gated metric found in neither is measured again on the model
+   downloaded from the registry. No champion yet: the gate compares with the base model.
+4. The gate: every rule of `stages.evaluate.gate` must hold against the reference (the champion, else the base
+   model); a metric that was not measured fails its rule, saying so. The registry cannot be read: fail.
+5. The report (`evaluate/report/report.md` and `report.html`, with metric bars and the loss curves of the
+   training stages) is logged to MLflow with the metrics (`candidate/...`, `base/...`, `champion/...`), and
+   stage.json records the decision and the numbers: extra {gate, gate_reasons, gate_checks, candidate, base,
+   champion, ...}. `gate` ('pass', 'fail' or 'skipped') is the Argo output deploy's `when` reads.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import math
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stages.contract import EXIT_OK, RunDir, StageContext
+from workflows.spec import TRAINING_STAGES, GateRule, PipelineSpec
+
+CHAMPION = "champion"
+CHALLENGER = "challenger"
+METRIC_TAG_PREFIX = "posttrain.metric."
+"""Model version tags holding the metrics a version was gated with (written by deploy, read here)."""
+
+GATE_PASS, GATE_FAIL, GATE_SKIPPED = "pass", "fail", "skipped"
+TOKENS_PER_BATCH = 8192
+"""Perplexity batches hold at most this many tokens (bounds the logits' memory on a large vocabulary)."""
+
+
+# --------------------------------------------------------------------------- what is evaluated
+
+
+def candidate_stage(spec: PipelineSpec) -> str:
+    """The last enabled training stage: its output is the candidate."""
+    enabled = [s for s in TRAINING_STAGES if spec.stage(s).enabled]
+    if not enabled:
+        raise ValueError("no training stage is enabled: there is no candidate to evaluate")
+    return enabled[-1]
+
+
+def registered_model_name(spec: PipelineSpec) -> str:
+    """The MLflow registered model: deploy.registered_model, else the pipeline name."""
+    return spec.stages.deploy.registered_model or spec.name
+
+
+def skip_reason(run_dir: RunDir, stage: str) -> str | None:
+    """Why this run has nothing to evaluate (prepare ended it early as unchanged), or None."""
+    result = run_dir.read_result(stage)
+    if result is not None and result.status == "succeeded":
+        return None
+    prepare = run_dir.read_result("prepare")
+    extra = prepare.extra if prepare is not None else {}
+    skipped_here = result is not None and result.status == "skipped"
+    if skipped_here or (extra.get("skip_if_unchanged") == "true" and extra.get("unchanged") == "true"):
+        previous = extra.get("previous_run") or "the last successful run"
+        return f"the data is unchanged since {previous}: no new model was trained in this run"
+    return None
+
+
+def chat_model(spec: PipelineSpec) -> bool:
+    """Whether the candidate was tuned on conversations (prompts then go through the chat template)."""
+    return spec.stages.sft.enabled or spec.stages.rlhf.enabled
+
+
+def max_length(spec: PipelineSpec, stage: str) -> int:
+    """Tokens per scored row: the candidate stage's training length."""
+    return spec.stage(stage).training.max_seq_length
+
+
+# --------------------------------------------------------------------------- perplexity
+
+
+def perplexity_data(run_dir: RunDir, stage: str) -> Path | None:
+    """evaluate's held-out rows, else the candidate stage's held-out split (text or chat rows), else None."""
+    for path in (
+        run_dir.root / "prepare" / "data" / "evaluate" / "eval.jsonl",
+        run_dir.root / "prepare" / "data" / stage / "eval.jsonl",
+    ):
+        if path.is_file() and path.stat().st_size > 0:
+            return path
+    return None
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """The normalized rows prepare wrote (one JSON object a line)."""
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def encode_row(tokenizer: Any, row: dict[str, Any], enable_thinking: bool = False) -> tuple[list[int], list[int]]:
+    """Token ids and labels (-100: not scored) of a row, exactly as the training stages see it: a text row is
+    the document ending with eos, every token scored; a chat row (or a preference row's prompt + chosen answer)
+    goes through the chat template with the assistant's tokens scored."""
+    from stages.packing import tokenize_conversation, tokenize_document
+
+    if "text" in row:
+        ids = tokenize_document(tokenizer, row["text"])
+        return ids, list(ids)
+    messages = row.get("messages") or [*row["prompt"], *row["chosen"]]
+    return tokenize_conversation(tokenizer, messages, enable_thinking=enable_thinking, assistant_only_loss=True)
+
+
+def perplexity(
+    model: Any, tokenizer: Any, rows: list[dict[str, Any]], max_len: int, enable_thinking: bool = False
+) -> dict[str, float]:
+    """Held-out loss (mean negative log-likelihood per scored token), its perplexity, and the counts.
+    Rows longer than `max_len` tokens are cut to their first `max_len`."""
+    import torch
+    import torch.nn.functional as F
+
+    encoded = [encode_row(tokenizer, row, enable_thinking) for row in rows]
+    truncated = sum(1 for ids, _ in encoded if len(ids) > max_len)
+    encoded = sorted(((ids[:max_len], labels[:max_len]) for ids, labels in encoded), key=lambda e: len(e[0]))
+    device = next(model.parameters()).device
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    total_nll, total_tokens = 0.0, 0
+    model.eval()
+    batch: list[tuple[list[int], list[int]]] = []
+
+    def score(batch: list[tuple[list[int], list[int]]]) -> tuple[float, int]:
+        width = max(len(ids) for ids, _ in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        labels = torch.full((len(batch), width), -100, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, (row_ids, row_labels) in enumerate(batch):
+            ids[i, : len(row_ids)] = torch.tensor(row_ids)
+            labels[i, : len(row_labels)] = torch.tensor(row_labels)
+            mask[i, : len(row_ids)] = 1
+        with torch.no_grad():
+            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
+        target = labels[:, 1:].to(device)
+        nll = F.cross_entropy(
+            logits[:, :-1].float().reshape(-1, logits.size(-1)), target.reshape(-1), ignore_index=-100, reduction="sum"
+        )
+        return float(nll), int((target != -100).sum())
+
+    for item in encoded:
+        if batch and len(item[0]) * (len(batch) + 1) > TOKENS_PER_BATCH:
+            nll, tokens = score(batch)
+            total_nll, total_tokens, batch = total_nll + nll, total_tokens + tokens, []
+        batch.append(item)
+    if batch:
+        nll, tokens = score(batch)
+        total_nll, total_tokens = total_nll + nll, total_tokens + tokens
+    if total_tokens == 0:
+        raise ValueError("the held-out rows have no scored tokens")
+    loss = total_nll / total_tokens
+    return {
+        "eval_loss": loss,
+        "perplexity": math.exp(min(loss, 50.0)),
+        "eval_rows": float(len(rows)),
+        "eval_tokens": float(total_tokens),
+        "eval_rows_truncated": float(truncated),
+    }
+
+
+# --------------------------------------------------------------------------- lm-eval-harness
+
+
+def flatten_lm_eval(results: dict[str, Any]) -> dict[str, float]:
+    """lm-eval's results ({task: {'acc,none': 0.61, 'acc_stderr,none': ...}}) as `<task>/<metric>` (a filter
+    other than 'none' is kept: `<task>/<metric>/<filter>`); standard errors and non-numbers are left out."""
+    metrics: dict[str, float] = {}
+    for task, values in results.get("results", {}).items():
+        for key, value in values.items():
+            if "," not in key or "_stderr" in key or isinstance(value, bool) or not isinstance(value, int | float):
+                continue
+            metric, filt = key.split(",", 1)
+            name = f"{task}/{metric}" if filt == "none" else f"{task}/{metric}/{filt}"
+            metrics[name] = float(value)
+    return metrics
+
+
+def task_manager(tasks: list[str], include_path: str | None) -> Any:
+    """lm-eval's task index: the include_path's tasks alone when they define every task asked for (no
+    indexing of the harness's hundreds of built-in tasks), else the built-in tasks plus the include_path's."""
+    from lm_eval.tasks import TaskManager
+
+    if include_path is not None:
+        local = TaskManager(include_path=include_path, include_defaults=False)
+        if set(tasks) <= set(local.all_tasks):
+            return local
+    return TaskManager(include_path=include_path)
+
+
+def lm_eval_metrics(
+    model: Any,
+    tokenizer: Any,
+    tasks: list[str],
+    include_path: str | None = None,
+    limit: int | None = None,
+    max_len: int | None = None,
+) -> dict[str, float]:
+    """Run lm-eval-harness tasks on an already loaded model; `include_path` adds a folder of task YAMLs."""
+    import torch
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+
+    if include_path is not None and not Path(include_path).is_dir():
+        raise FileNotFoundError(f"stages.evaluate.lm_eval_include_path {include_path} is not a directory")
+    lm = HFLM(
+        pretrained=model,
+        tokenizer=tokenizer,
+        batch_size="auto" if torch.cuda.is_available() else 4,
+        max_length=max_len,
+    )
+    results = simple_evaluate(
+        model=lm,
+        tasks=list(tasks),
+        limit=limit,
+        task_manager=task_manager(tasks, include_path),
+        log_samples=False,
+        bootstrap_iters=0,
+        verbosity="WARNING",
+    )
+    if results is None:  # only on ranks other than 0
+        return {}
+    return flatten_lm_eval(results)
+
+
+# --------------------------------------------------------------------------- generations
+
+
+def generate(model: Any, tokenizer: Any, prompts: list[str], max_new_tokens: int, chat: bool) -> list[str]:
+    """Greedy completions of the prompts (through the chat template when `chat`), one at a time."""
+    import torch
+
+    device = next(model.parameters()).device
+    outputs = []
+    for prompt in prompts:
+        if chat:
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True, enable_thinking=False
+            )
+        else:
+            text = prompt
+        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"].to(device)
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+            )
+        text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+        outputs.append("".join(c for c in text if c.isprintable() or c in "\n\t").strip())
+    return outputs
+
+
+# --------------------------------------------------------------------------- one model, measured
+
+
+@dataclass
+class Measured:
+    """What evaluating one model produced."""
+
+    metrics: dict[str, float] = field(default_factory=dict)
+    generations: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+def measure(ctx: StageContext, model: Any, tokenizer: Any, rows: list[dict[str, Any]], who: str) -> Measured:
+    """Perplexity, lm-eval tasks and generations of one model. A part that fails is recorded in `errors`
+    (its metrics are then missing, which fails the gate rules that need them) and the others still run."""
+    import torch
+
+    section = ctx.section
+    spec = ctx.spec
+    stage = candidate_stage(spec)
+    if torch.cuda.is_available():
+        model.to("cuda")
+    out = Measured()
+    if rows:
+        try:
+            out.metrics.update(perplexity(model, tokenizer, rows, max_length(spec, stage), thinking(spec)))
+        except Exception as exc:
+            out.errors.append(f"{who}: perplexity failed: {type(exc).__name__}: {exc}")
+    if section.lm_eval_tasks:
+        try:
+            out.metrics.update(
+                lm_eval_metrics(
+                    model,
+                    tokenizer,
+                    section.lm_eval_tasks,
+                    section.lm_eval_include_path,
+                    section.limit,
+                    max_length(spec, stage),
+                )
+            )
+        except Exception as exc:
+            out.errors.append(f"{who}: lm-eval failed: {type(exc).__name__}: {exc}")
+    if section.prompts:
+        out.generations = generate(model, tokenizer, section.prompts, section.max_new_tokens, chat_model(spec))
+    for message in out.errors:
+        print(f"[evaluate] {message}", flush=True)
+    print(f"[evaluate] {who}: {fmt_metrics(out.metrics)}", flush=True)
+    return out
+
+
+def thinking(spec: PipelineSpec) -> bool:
+    """Whether chat rows render with thinking tags (as sft trained them)."""
+    return spec.stages.sft.enabled and spec.stages.sft.enable_thinking
+
+
+def fmt_metrics(metrics: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.4g}" for k, v in sorted(metrics.items())) or "no metrics"
+
+
+def release(model: Any) -> None:
+    """Free a model's memory before the next one is loaded."""
+    import gc
+
+    import torch
+
+    del model
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# --------------------------------------------------------------------------- the champion
+
+
+@dataclass
+class Champion:
+    """The registered model version under the `champion` alias, and the numbers it was gated with."""
+
+    name: str
+    version: str
+    run_id: str | None
+    metrics: dict[str, float]
+    source: dict[str, str]  # metric -> where its value came from: 'tag', 'run' or 're-evaluated'
+
+
+def registry_client(spec: PipelineSpec, run_root: Path) -> tuple[Any, str]:
+    """An MLflow client for the tracking server and its model registry (the same URI), and that URI."""
+    from mlflow import MlflowClient
+
+    from stages.tracking import resolve_tracking_uri
+
+    uri = resolve_tracking_uri(spec, run_root)
+    return MlflowClient(tracking_uri=uri, registry_uri=uri), uri
+
+
+def find_champion(client: Any, name: str) -> Champion | None:
+    """The champion version with its recorded metrics (tags first, then its run's metrics), or None when the
+    registered model or the alias does not exist yet. Other registry errors propagate."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        registered = client.get_registered_model(name)
+    except MlflowException as exc:
+        if exc.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return None
+        raise
+    aliases = registered.aliases or {}
+    if CHAMPION not in aliases:
+        return None
+    version = client.get_model_version(name, str(aliases[CHAMPION]))
+    metrics: dict[str, float] = {}
+    source: dict[str, str] = {}
+    for key, value in (version.tags or {}).items():
+        if key.startswith(METRIC_TAG_PREFIX):
+            try:
+                metrics[key.removeprefix(METRIC_TAG_PREFIX)] = float(value)
+                source[key.removeprefix(METRIC_TAG_PREFIX)] = "tag"
+            except ValueError:
+                continue
+    if version.run_id:
+        try:
+            run_metrics = client.get_run(version.run_id).data.metrics
+        except MlflowException:
+            run_metrics = {}
+        for key, value in run_metrics.items():
+            if key not in metrics:
+                metrics[key], source[key] = float(value), "run"
+    return Champion(name=name, version=str(version.version), run_id=version.run_id, metrics=metrics, source=source)
+
+
+def download_champion(client: Any, champion: Champion, dst: Path, tracking_uri: str) -> Path:
+    """The champion's model files (safetensors, config, tokenizer), downloaded from the registry into `dst`."""
+    import mlflow
+
+    uri = client.get_model_version_download_uri(champion.name, champion.version)
+    dst.mkdir(parents=True, exist_ok=True)
+    return Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(dst), tracking_uri=tracking_uri))
+
+
+# --------------------------------------------------------------------------- the gate
+
+
+@dataclass
+class GateCheck:
+    """One gate rule, evaluated."""
+
+    metric: str
+    higher_is_better: bool
+    max_regression: float
+    candidate: float | None
+    reference: float | None
+    reference_name: str
+    passed: bool
+    reason: str
+
+
+def check_rule(rule: GateRule, candidate: dict[str, float], reference: dict[str, float], ref_name: str) -> GateCheck:
+    """Whether the candidate holds up against the reference on one metric (within max_regression)."""
+    value, ref = candidate.get(rule.metric), reference.get(rule.metric)
+    direction = "higher" if rule.higher_is_better else "lower"
+
+    def result(passed: bool, reason: str) -> GateCheck:
+        return GateCheck(rule.metric, rule.higher_is_better, rule.max_regression, value, ref, ref_name, passed, reason)
+
+    if value is None or not math.isfinite(value):
+        measured = ", ".join(sorted(candidate)) or "nothing"
+        return result(False, f"{rule.metric}: not measured for the candidate (measured: {measured})")
+    if ref is None or not math.isfinite(ref):
+        return result(False, f"{rule.metric}: no value for the {ref_name} to compare with")
+    if rule.higher_is_better:
+        passed, regression = value >= ref - rule.max_regression, ref - value
+    else:
+        passed, regression = value <= ref + rule.max_regression, value - ref
+    verdict = "holds" if passed else "fails"
+    return result(
+        passed,
+        f"{rule.metric}: candidate {value:.6g} vs {ref_name} {ref:.6g} ({direction} is better; regression "
+        f"{max(regression, 0.0):.6g}, allowed {rule.max_regression:g}): {verdict}",
+    )
+
+
+def apply_gate(
+    rules: list[GateRule], candidate: dict[str, float], reference: dict[str, float], ref_name: str
+) -> tuple[str, list[str], list[GateCheck]]:
+    """('pass' or 'fail', the reasons, the checks): pass when every rule holds against the reference."""
+    checks = [check_rule(rule, candidate, reference, ref_name) for rule in rules]
+    decision = GATE_PASS if all(c.passed for c in checks) else GATE_FAIL
+    reasons = [c.reason for c in checks]
+    if not rules:
+        reasons = ["no gate rules: the candidate passes"]
+    return decision, reasons, checks
+
+
+# --------------------------------------------------------------------------- the report
+
+
+def loss_curves(run_dir: RunDir, spec: PipelineSpec) -> dict[str, tuple[list[int], list[float]]]:
+    """(steps, training losses) of each enabled training stage, from its logged history (the trainer's
+    `logs/log_history.json`), else the first and last losses in its stage.json."""
+    curves: dict[str, tuple[list[int], list[float]]] = {}
+    for stage in TRAINING_STAGES:
+        if not spec.stage(stage).enabled:
+            continue
+        history = run_dir.stage_dir(stage) / "logs" / "log_history.json"
+        points: list[tuple[int, float]] = []
+        if history.is_file():
+            try:
+                entries = json.loads(history.read_text(encoding="utf-8"))
+                points = [(int(e["step"]), float(e["loss"])) for e in entries if "loss" in e and "step" in e]
+            except (OSError, ValueError, TypeError):
+                points = []
+        result = run_dir.read_result(stage)
+        if not points and result is not None and "train_loss_first" in result.metrics:
+            steps = int(result.metrics.get("steps", 1))
+            points = [(0, result.metrics["train_loss_first"]), (steps, result.metrics["train_loss_last"])]
+        if points:
+            curves[stage] = ([s for s, _ in points], [loss for _, loss in points])
+    return curves
+
+
+def plot_metrics(path: Path, columns: dict[str, dict[str, float]], metrics: list[str]) -> Path | None:
+    """Bars of each metric for base, champion and candidate (one panel per metric: scales differ)."""
+    if not metrics:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"base": "#9e9e9e", "champion": "#f0a020", "candidate": "#2070c0"}
+    fig, axes = plt.subplots(1, len(metrics), figsize=(3.2 * len(metrics), 3.2), dpi=100, squeeze=False)
+    for ax, metric in zip(axes[0], metrics, strict=True):
+        names = [n for n in columns if metric in columns[n]]
+        values = [columns[n][metric] for n in names]
+        bars = ax.bar(names, values, color=[colors.get(n, "#606060") for n in names])
+        ax.bar_label(bars, labels=[f"{v:.4g}" for v in values], fontsize=8)
+        ax.set_title(metric, fontsize=9)
+        ax.tick_params(axis="x", labelsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def plot_loss_curves(path: Path, curves: dict[str, tuple[list[int], list[float]]]) -> Path | None:
+    """The training loss of the stages laid end to end (each stage's steps after the previous stage's)."""
+    if not curves:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5), dpi=100)
+    offset = 0
+    for stage, (steps, losses) in curves.items():
+        ax.plot([offset + s for s in steps], losses, marker="o", markersize=2, label=stage)
+        offset += max(steps) if steps else 0
+    ax.set_xlabel("step (stages in order)")
+    ax.set_ylabel("training loss")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
+
+
+def _md(text: str) -> str:
+    """Text fit for a Markdown table cell."""
+    return html.escape(text).replace("|", "\\|").replace("\n", "<br>") or " "
+
+
+def write_report(out_dir: Path, facts: dict[str, Any]) -> list[Path]:
+    """report.md and report.html (images embedded) with the decision, the gate, the metrics, the generations,
+    and the plots; returns the files written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    columns = {"base": facts["base"], "champion": facts["champion"], "candidate": facts["candidate"]}
+    if not facts["champion"]:
+        columns.pop("champion")
+    metrics = sorted({m for values in columns.values() for m in values})
+    shown = [m for m in metrics if not m.startswith("eval_rows") and m != "eval_tokens"]
+    plots = [
+        p
+        for p in (
+            plot_metrics(out_dir / "metrics.png", columns, shown),
+            plot_loss_curves(out_dir / "loss_curves.png", facts["loss_curves"]),
+        )
+        if p is not None
+    ]
+    champion = facts["champion_version"]
+    title = f"Evaluation of {facts['run']} ({facts['pipeline']})"
+    summary = [
+        f"candidate: output of the {facts['candidate_stage']} stage",
+        f"base model: {facts['base_model']}",
+        f"champion: {facts['registered_model']} version {champion}" if champion else "champion: none yet",
+        f"held-out data: {facts['perplexity_data'] or 'none'}",
+        f"lm-eval tasks: {', '.join(facts['lm_eval_tasks']) or 'none'}"
+        + (f" (limit {facts['limit']})" if facts["limit"] else ""),
+    ]
+    md = [f"# {title}", "", f"**Gate: {facts['gate'].upper()}** against the {facts['reference']}.", ""]
+    md += [f"- {_md(line)}" for line in summary]
+    md += [
+        "",
+        "## Gate",
+        "",
+        "| metric | better | max regression | candidate | reference | result |",
+        "|---|---|---|---|---|---|",
+    ]
+    for c in facts["gate_checks"]:
+        md.append(
+            f"| {c['metric']} | {'higher' if c['higher_is_better'] else 'lower'} | {c['max_regression']:g} | "
+            f"{_cell(c['candidate'])} | {_cell(c['reference'])} ({c['reference_name']}) | "
+            f"{'pass' if c['passed'] else 'FAIL'} |"
+        )
+    md += ["", *[f"- {_md(r)}" for r in facts["gate_reasons"]], ""]
+    md += ["## Metrics", "", "| metric | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    md += [f"| {m} | " + " | ".join(_cell(columns[n].get(m)) for n in columns) + " |" for m in metrics]
+    if facts["errors"]:
+        md += ["", "Errors while measuring:", "", *[f"- {_md(e)}" for e in facts["errors"]]]
+    if facts["prompts"]:
+        md += ["", "## Generations", "", "| prompt | base | candidate |", "|---|---|---|"]
+        for prompt, base, cand in zip(
+            facts["prompts"], facts["base_generations"], facts["candidate_generations"], strict=True
+        ):
+            md.append(f"| {_md(prompt)} | {_md(base)} | {_md(cand)} |")
+    md += ["", "## Plots", "", *[f"![{p.stem}]({p.name})" for p in plots], ""]
+    md_path = out_dir / "report.md"
+    md_path.write_text("\n".join(md), encoding="utf-8")
+
+    def table(header: list[str], rows: list[list[str]]) -> str:
+        head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+        body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows)
+        return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+    images = "".join(
+        f'<figure><img alt="{p.stem}" src="data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}">'
+        f"<figcaption>{p.stem}</figcaption></figure>"
+        for p in plots
+    )
+    gate_rows = [
+        [
+            c["metric"],
+            "higher" if c["higher_is_better"] else "lower",
+            f"{c['max_regression']:g}",
+            _cell(c["candidate"]),
+            f"{_cell(c['reference'])} ({c['reference_name']})",
+            "pass" if c["passed"] else "FAIL",
+        ]
+        for c in facts["gate_checks"]
+    ]
+    metric_rows = [[m, *[_cell(columns[n].get(m)) for n in columns]] for m in metrics]
+    gen_rows = [
+        list(r) for r in zip(facts["prompts"], facts["base_generations"], facts["candidate_generations"], strict=True)
+    ]
+    page = f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
+<style>body{{font-family:sans-serif;max-width:1100px;margin:2em auto}}table{{border-collapse:collapse;margin:1em 0}}
+td,th{{border:1px solid #ccc;padding:4px 8px;text-align:left;vertical-align:top;white-space:pre-wrap}}
+.pass{{color:#080}}.fail{{color:#c00}}img{{max-width:100%}}</style></head><body>
+<h1>{html.escape(title)}</h1>
+<p class="{facts["gate"]}"><b>Gate: {facts["gate"].upper()}</b> against the {html.escape(facts["reference"])}.</p>
+<ul>{"".join(f"<li>{html.escape(line)}</li>" for line in summary)}</ul>
+<h2>Gate</h2>{table(["metric", "better", "max regression", "candidate", "reference", "result"], gate_rows)}
+<ul>{"".join(f"<li>{html.escape(r)}</li>" for r in facts["gate_reasons"])}</ul>
+<h2>Metrics</h2>{table(["metric", *columns], metric_rows)}
+{"".join(f"<p class='fail'>{html.escape(e)}</p>" for e in facts["errors"])}
+<h2>Generations</h2>{table(["prompt", "base", "candidate"], gen_rows) if gen_rows else "<p>No prompts.</p>"}
+<h2>Plots</h2>{images}
+</body></html>
+"""
+    html_path = out_dir / "report.html"
+    html_path.write_text(page, encoding="utf-8")
+    return [md_path, html_path, *plots]
+
+
+# --------------------------------------------------------------------------- the stage
+
+
+def run(ctx: StageContext) -> int:
+    """Evaluate the candidate and decide the gate; returns the process exit code."""
+    if not ctx.begin():
+        return EXIT_OK
+    try:
+        return evaluate(ctx)
+    except Exception as exc:
+        traceback.print_exc()
+        return ctx.fail(f"{type(exc).__name__}: {exc}")
+
+
+def evaluate(ctx: StageContext) -> int:
+    from stages.modeling import load_base, load_pretrained, load_stage_model, load_tokenizer, spec_base
+    from stages.tracking import StageTracker
+
+    run_dir, spec, section = ctx.run_dir, ctx.spec, ctx.section
+    stage = candidate_stage(spec)
+
+    # 1. The candidate; nothing to do in a run that prepare ended early.
+    if (reason := skip_reason(run_dir, stage)) is not None:
+        print(f"[evaluate] skipped: {reason}", flush=True)
+        return ctx.finish(status="skipped", message=reason, extra={"gate": GATE_SKIPPED, "gate_reasons": [reason]})
+    result = run_dir.read_result(stage)
+    ctx.add_input("candidate", f"{stage}/model", result.config_hash if result else "")
+    data_path = perplexity_data(run_dir, stage)
+    rows = read_rows(data_path) if data_path is not None else []
+    if data_path is not None:
+        ctx.add_input("heldout", run_dir.relative(data_path), _sha256(data_path))
+
+    with StageTracker(ctx) as tracker:
+        tracker.log_params(
+            {
+                "candidate_stage": stage,
+                "registered_model": registered_model_name(spec),
+                "heldout": run_dir.relative(data_path) if data_path else "",
+                "heldout_rows": len(rows),
+            }
+        )
+
+        # 2. The candidate, then the base model, measured the same way (one in memory at a time).
+        tokenizer = load_tokenizer(run_dir, spec.model)
+        model = load_stage_model(run_dir, spec, stage, tokenizer)
+        candidate = measure(ctx, model, tokenizer, rows, "candidate")
+        release(model)
+        model = load_base(run_dir, spec, spec_base(spec), tokenizer)
+        base = measure(ctx, model, tokenizer, rows, "base")
+        release(model)
+        errors = candidate.errors + base.errors
+
+        # 3. The champion: recorded numbers, measured again only for a gated metric it has none for.
+        champion: Champion | None = None
+        registry_error = ""
+        try:
+            client, tracking_uri = registry_client(spec, run_dir.root)
+            champion = find_champion(client, registered_model_name(spec))
+            missing = [r.metric for r in section.gate if champion is not None and r.metric not in champion.metrics]
+            if champion is not None and missing:
+                print(f"[evaluate] champion v{champion.version} has no recorded {missing}: measuring it", flush=True)
+                from transformers import AutoTokenizer
+
+                path = download_champion(client, champion, ctx.dir / "champion-model", tracking_uri)
+                champ_tok = AutoTokenizer.from_pretrained(path, trust_remote_code=spec.model.trust_remote_code)
+                model = load_pretrained(path, spec.model)
+                again = measure(ctx, model, champ_tok, rows, "champion")
+                release(model)
+                errors += again.errors
+                for key, value in again.metrics.items():
+                    if key not in champion.metrics:
+                        champion.metrics[key], champion.source[key] = value, "re-evaluated"
+        except Exception as exc:
+            registry_error = f"the champion could not be read from the model registry: {type(exc).__name__}: {exc}"
+            print(f"[evaluate] {registry_error}", flush=True)
+
+        # 4. The gate, against the champion (else the base model).
+        if champion is not None:
+            reference, ref_name = champion.metrics, f"champion v{champion.version}"
+        else:
+            reference, ref_name = base.metrics, "base model"
+        decision, reasons, checks = apply_gate(section.gate, candidate.metrics, reference, ref_name)
+        if registry_error:
+            decision, reasons = GATE_FAIL, [registry_error, *reasons]
+        print(f"[evaluate] gate {decision}: " + "; ".join(reasons), flush=True)
+
+        # 5. The report, the tracker, the record.
+        facts: dict[str, Any] = {
+            "pipeline": spec.name,
+            "run": run_dir.root.name,
+            "gate": decision,
+            "gate_reasons": reasons,
+            "gate_checks": [asdict(c) for c in checks],
+            "reference": ref_name,
+            "candidate_stage": stage,
+            "candidate": candidate.metrics,
+            "base": base.metrics,
+            "champion": champion.metrics if champion else {},
+            "champion_version": champion.version if champion else "",
+            "champion_source": champion.source if champion else {},
+            "registered_model": registered_model_name(spec),
+            "base_model": spec.model.name_or_path,
+            "perplexity_data": run_dir.relative(data_path) if data_path else "",
+            "lm_eval_tasks": list(section.lm_eval_tasks),
+            "limit": section.limit,
+            "prompts": list(section.prompts),
+            "candidate_generations": candidate.generations,
+            "base_generations": base.generations,
+            "errors": errors,
+            "loss_curves": loss_curves(run_dir, spec),
+        }
+        report_dir = ctx.dir / "report"
+        for path in write_report(report_dir, facts):
+            tracker.log_artifact(path, "report")
+        tracker.log_metrics(
+            {
+                **candidate.metrics,
+                **{f"candidate/{k}": v for k, v in candidate.metrics.items()},
+                **{f"base/{k}": v for k, v in base.metrics.items()},
+                **{f"champion/{k}": v for k, v in facts["champion"].items()},
+                "gate_passed": 1.0 if decision == GATE_PASS else 0.0,
+            },
+            step=0,
+        )
+        generations = report_dir / "generations.json"
+        generations.write_text(
+            json.dumps(
+                [
+                    {"prompt": p, "base": b, "candidate": c}
+                    for p, b, c in zip(facts["prompts"], base.generations, candidate.generations, strict=True)
+                ],
+                ensure_ascii=False,
+                indent=2,
+            ),
+            encoding="utf-8",
+        )
+        tracker.log_artifact(generations, "report")
+        extra = {k: v for k, v in facts.items() if k not in ("loss_curves", "pipeline", "run")}
+        extra["report"] = run_dir.relative(report_dir / "report.html")
+        return ctx.finish(
+            outputs={"report": report_dir},
+            metrics=candidate.metrics,
+            extra=extra,
+            message=f"gate {decision} against the {ref_name}",
+        )
+
+
+def _sha256(path: Path) -> str:
+    from stages.data import sha256_file
+
+    return sha256_file(path)

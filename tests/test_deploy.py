@@ -1,0 +1,277 @@
+"""The deploy stage: registry versions and aliases decided by evaluate's gate, lineage tags, the model loaded back
+from the registry by alias, the InferenceService file, publishing to object storage, and a skipped run.
+
+The candidate here is a tiny model built from config (or a LoRA adapter over it) written as a training stage
+writes it; evaluate's decision is written as evaluate records it. No training: these tests are about deploy."""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+from training_fixtures import make_run_dir
+
+import stages.deploy as deploy
+from stages.contract import RunDir, StageContext, StageResult, config_hash
+from stages.modeling import build_from_config, load_tokenizer
+
+CANDIDATE = {"perplexity": 12.5, "eval_loss": 2.53}
+
+
+@pytest.fixture(autouse=True)
+def _env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("MLFLOW_TRACKING_URI", "ARGO_WORKFLOW_NAME", "ARGO_WORKFLOW_UID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+
+
+def record(run_dir: RunDir, stage: str, extra: dict[str, Any], status: str = "succeeded") -> None:
+    """A stage's stage.json as the stage itself leaves it."""
+    ctx = StageContext(run_dir, stage, run_dir.load_spec())
+    assert ctx.begin()
+    ctx.finish(extra=extra, status=status)  # type: ignore[arg-type]
+
+
+def make_run(tmp_path: Path, name: str, gate: str, adapter: bool = False, champion_version: str = "") -> RunDir:
+    """A run in which cpt left a model (full, or a LoRA adapter over the base) and evaluate decided `gate`;
+    every run of a test shares one MLflow database (one registry)."""
+    tracking = f"tracking.mlflow_tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"
+    overrides = ["stages.sft.enabled=false", "stages.rlhf.enabled=false", tracking]
+    run_dir = make_run_dir(tmp_path / name, overrides, n_text=40, n_chat=8)
+    spec = run_dir.load_spec()
+    record(
+        run_dir,
+        "prepare",
+        {"fingerprint": "sha256:data", "tokenizer_hash": "sha256:tok", "data": {"cpt": {"fingerprint": "sha256:cpt"}}},
+    )
+    tokenizer = load_tokenizer(run_dir, spec.model)
+    model = build_from_config(spec.model, tokenizer)
+    out = run_dir.stage_dir("cpt") / "model"
+    if adapter:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"))
+        with torch.no_grad():  # a trained adapter is not zero: make merging visible in the weights
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.fill_(0.01)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    kind = "adapter" if adapter else "full"
+    record(run_dir, "cpt", {"model_kind": kind, "base": spec.model.name_or_path, "base_kind": "from_config"})
+    reasons = [
+        f"perplexity: candidate 12.5 vs base model 40 (lower is better): {'holds' if gate == 'pass' else 'fails'}"
+    ]
+    record(
+        run_dir,
+        "evaluate",
+        {
+            "gate": gate,
+            "gate_reasons": reasons,
+            "candidate": CANDIDATE,
+            "base": {"perplexity": 40.0},
+            "champion": {},
+            "champion_version": champion_version,
+            "candidate_stage": "cpt",
+            "reference": "base model",
+        },
+    )
+    return run_dir
+
+
+def run_deploy(run_dir: RunDir) -> StageResult:
+    ctx = StageContext(run_dir, "deploy", run_dir.load_spec(), outputs_dir=run_dir.root / "outputs")
+    assert deploy.run(ctx) == 0, (run_dir.read_result("deploy") or StageResult).message
+    result = run_dir.read_result("deploy")
+    assert result is not None
+    return result
+
+
+def registry(run_dir: RunDir) -> Any:
+    from mlflow import MlflowClient
+
+    uri = run_dir.load_spec().tracking.mlflow_tracking_uri
+    return MlflowClient(uri, registry_uri=uri)
+
+
+def aliases(run_dir: RunDir) -> dict[str, str]:
+    return {k: str(v) for k, v in registry(run_dir).get_registered_model("korean-llm").aliases.items()}
+
+
+def test_a_passing_gate_moves_champion_and_a_failing_gate_only_challenger(tmp_path: Path) -> None:
+    first = make_run(tmp_path, "run-a", "pass")
+    result = run_deploy(first)
+    assert result.status == "succeeded" and result.extra["promoted"] == "true"
+    assert result.extra["model_version"] == "1" and result.extra["aliases"] == ["challenger", "champion"]
+    assert aliases(first) == {"champion": "1", "challenger": "1"}
+    assert (first.root / "outputs" / "promoted").read_text() == "true"
+
+    second = make_run(tmp_path, "run-b", "fail", champion_version="1")
+    result = run_deploy(second)
+    assert result.status == "succeeded" and result.extra["promoted"] == "false"
+    assert "as challenger only" in result.message and "champion stays at 1" in result.message
+    assert aliases(second) == {"champion": "1", "challenger": "2"}
+
+    third = make_run(tmp_path, "run-c", "pass", champion_version="1")
+    run_deploy(third)
+    assert aliases(third) == {"champion": "3", "challenger": "3"}
+
+
+def test_the_model_loads_back_from_the_registry_by_alias_and_generates(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import mlflow
+
+    run_dir = make_run(tmp_path, "run", "pass")
+    result = run_deploy(run_dir)
+    smoke = result.extra["smoke"]
+    assert smoke["uri"] == "models:/korean-llm@champion" and smoke["version"] == "1" and int(smoke["new_tokens"]) > 0
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", run_dir.load_spec().tracking.mlflow_tracking_uri)
+    path = Path(mlflow.artifacts.download_artifacts("models:/korean-llm@challenger", dst_path=str(tmp_path / "dl")))
+    files = {p.name for p in path.iterdir()}
+    assert "model.safetensors" in files and "tokenizer.json" in files
+    assert not {f for f in files if f.endswith((".bin", ".pt", ".pth", ".pkl"))}  # safetensors only
+    served, trained = (
+        load_file(path / "model.safetensors"),
+        load_file(run_dir.stage_dir("cpt") / "model/model.safetensors"),
+    )
+    assert served.keys() == trained.keys() and all(torch.equal(served[k], trained[k]) for k in served)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, use_safetensors=True)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    ids = tokenizer("서울은", return_tensors="pt")["input_ids"]
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
+    assert out.shape[1] == ids.shape[1] + 4
+
+
+def test_an_adapter_is_merged_into_its_base_before_it_is_registered(tmp_path: Path) -> None:
+    run_dir = make_run(tmp_path, "run", "pass", adapter=True)
+    result = run_deploy(run_dir)
+    assert result.extra["model_kind"] == "adapter"
+    model_dir = run_dir.stage_dir("deploy") / "model"
+    weights = load_file(model_dir / "model.safetensors")
+    assert not any("lora" in k for k in weights) and not (model_dir / "adapter_config.json").exists()
+    spec = run_dir.load_spec()
+    base = build_from_config(spec.model, load_tokenizer(run_dir, spec.model)).state_dict()
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(weights[name], base[name])  # the adapter's update is in the weights
+    assert int(result.extra["smoke"]["new_tokens"]) > 0
+
+
+def test_lineage_tags_and_the_inference_service(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ARGO_WORKFLOW_NAME", "korean-llm-x7k2p")
+    monkeypatch.setenv("ARGO_WORKFLOW_UID", "0b7c2f5e-uid")
+    run_dir = make_run(tmp_path, "korean-llm-x7k2p", "pass")
+    result = run_deploy(run_dir)
+    assert result.extra["smoke"] == {}  # in the cluster there is no smoke generation on the deploy pod
+
+    version = registry(run_dir).get_model_version("korean-llm", result.extra["model_version"])
+    tags = version.tags
+    spec = run_dir.load_spec()
+    assert tags["argo.workflow.name"] == "korean-llm-x7k2p" and tags["argo.workflow.uid"] == "0b7c2f5e-uid"
+    assert tags["posttrain.run"] == "korean-llm-x7k2p" and tags["posttrain.pipeline"] == "korean-llm"
+    assert (
+        tags["posttrain.data_fingerprint"] == "sha256:data" and tags["posttrain.data.cpt.fingerprint"] == "sha256:cpt"
+    )
+    assert tags["posttrain.parent_stages"] == "prepare,cpt,evaluate"
+    for stage in ("prepare", "cpt", "evaluate"):
+        assert tags[f"posttrain.stage.{stage}.config_hash"] == config_hash(spec, stage)
+    assert tags["posttrain.gate"] == "pass" and "perplexity: candidate 12.5" in tags["posttrain.gate_reasons"]
+    assert float(tags["posttrain.metric.perplexity"]) == CANDIDATE["perplexity"]
+    assert version.run_id == result.mlflow_run_id  # the deploy run holds the model files and the metrics
+    assert registry(run_dir).get_run(version.run_id).data.metrics["perplexity"] == CANDIDATE["perplexity"]
+
+    isvc = yaml.safe_load((run_dir.stage_dir("deploy") / "inferenceservice.yaml").read_text(encoding="utf-8"))
+    claim = spec.cluster.checkpoints.claim_name
+    assert isvc["spec"]["predictor"]["model"]["storageUri"] == f"pvc://{claim}/runs/korean-llm-x7k2p/deploy/model"
+    assert isvc["metadata"]["annotations"]["posttrain.dev/model-version"] == result.extra["model_version"]
+    assert result.extra["storage_uri"] == isvc["spec"]["predictor"]["model"]["storageUri"]
+
+
+def test_a_skipped_evaluation_deploys_nothing(tmp_path: Path) -> None:
+    run_dir = RunDir(tmp_path / "run")
+    run_dir.root.mkdir()
+    from workflows.loading import load_pipeline
+
+    run_dir.write_spec(load_pipeline("korean-llm", "local", ["tracking.wandb_project=null"]).spec)
+    record(run_dir, "evaluate", {"gate": "skipped"}, status="skipped")
+    result = run_deploy(run_dir)
+    assert result.status == "skipped" and "nothing to deploy" in result.message
+    assert not (run_dir.stage_dir("deploy") / "model").exists()
+
+
+# --------------------------------------------------------------------------- publishing
+
+
+class FakeS3:
+    """Records boto3 uploads."""
+
+    def __init__(self, credentials: object | None) -> None:
+        self.credentials = credentials
+        self.uploads: list[tuple[str, str, str]] = []
+
+    def module(self) -> types.ModuleType:
+        fake = self
+
+        class Session:
+            def get_credentials(self) -> object | None:
+                return fake.credentials
+
+            def client(self, service: str) -> Any:
+                assert service == "s3"
+                return types.SimpleNamespace(
+                    upload_file=lambda path, bucket, key: fake.uploads.append((path, bucket, key))
+                )
+
+        boto3 = types.ModuleType("boto3")
+        boto3.session = types.SimpleNamespace(Session=Session)  # type: ignore[attr-defined]
+        return boto3
+
+
+def model_dir(tmp_path: Path) -> Path:
+    folder = tmp_path / "model"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(b"weights")
+    (folder / "sub" / "tokenizer.json").write_text("{}")
+    return folder
+
+
+def test_publish_to_s3_uploads_every_file_under_the_run_prefix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    s3 = FakeS3(credentials=object())
+    monkeypatch.setitem(sys.modules, "boto3", s3.module())
+    from workflows.loading import load_pipeline
+
+    spec = load_pipeline("korean-llm", None, ["stages.deploy.storage_uri=s3://models/korean-llm/"]).spec
+    folder = model_dir(tmp_path)
+    deploy.publish(spec, folder, "s3://models/korean-llm/run-1")
+    assert sorted((b, k) for _, b, k in s3.uploads) == [
+        ("models", "korean-llm/run-1/model.safetensors"),
+        ("models", "korean-llm/run-1/sub/tokenizer.json"),
+    ]
+
+
+def test_publish_says_what_is_missing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from workflows.loading import load_pipeline
+
+    spec = load_pipeline("korean-llm", None).spec
+    folder = model_dir(tmp_path)
+    monkeypatch.setitem(sys.modules, "boto3", FakeS3(credentials=None).module())
+    with pytest.raises(deploy.PublishError, match="no AWS credentials were found in the environment"):
+        deploy.publish(spec, folder, "s3://models/x")
+    monkeypatch.setitem(sys.modules, "boto3", None)  # not installed
+    with pytest.raises(deploy.PublishError, match="needs boto3"):
+        deploy.publish(spec, folder, "s3://models/x")
+    monkeypatch.setitem(sys.modules, "google.cloud.storage", None)
+    with pytest.raises(deploy.PublishError, match="needs google-cloud-storage"):
+        deploy.publish(spec, folder, "gs://models/x")
+    with pytest.raises(deploy.PublishError, match="names a claim deploy does not mount"):
+        deploy.publish(spec, folder, "pvc://other-claim/models/x")

@@ -1,0 +1,290 @@
+"""The evaluate stage on a briefly trained tiny model: perplexity, lm-eval over local task files, the gate against
+the base model and against a registered champion, stage.json, the report, and a run with nothing to evaluate."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from training_fixtures import chat_rows, make_run_dir, run_stage, text_rows, write_jsonl
+
+import stages.evaluate as evaluate
+from stages.contract import RunDir, StageContext, StageResult
+from stages.modeling import load_stage_model, load_tokenizer
+from stages.packing import tokenize_conversation, tokenize_document
+from workflows.loading import load_pipeline
+from workflows.spec import GateRule, PipelineSpec
+
+pytestmark = pytest.mark.slow
+
+OVERRIDES = [
+    "stages.sft.enabled=false",
+    "stages.rlhf.enabled=false",
+    "stages.cpt.training.max_steps=8",
+    "stages.cpt.training.save_steps=8",
+    "stages.cpt.training.logging_steps=1",
+    "stages.evaluate.max_new_tokens=8",
+]
+
+TASK_YAML = """\
+task: tiny_ko
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 1.0
+"""
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "disabled"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("ARGO_WORKFLOW_NAME", raising=False)
+
+
+def tracking(root: Path) -> str:
+    return f"tracking.mlflow_tracking_uri=sqlite:///{root.parent / 'mlflow.db'}"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> RunDir:
+    """A run in which cpt trained a few steps (the candidate) and evaluate has held-out text and chat rows."""
+    root = tmp_path_factory.mktemp("evaluate") / "run"
+    run_dir = make_run_dir(root, [*OVERRIDES, tracking(root)], n_text=120, n_chat=40)
+    write_jsonl(root / "prepare/data/evaluate/eval.jsonl", text_rows(12, seed=7) + chat_rows(4, seed=7))
+    done = run_stage(run_dir, "cpt")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def task_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An lm-eval task over a local JSONL file (6 questions), as an offline cluster defines one."""
+    folder = tmp_path_factory.mktemp("tasks")
+    subjects = ["서울은", "김치는", "부산은", "한강은", "고양이는", "제주도는"]
+    rows = [{"question": s, "choices": [" 아름답습니다.", " 학생들은"], "answer": 0} for s in subjects]
+    write_jsonl(folder / "tiny_ko.jsonl", rows)
+    (folder / "tiny_ko.yaml").write_text(TASK_YAML.format(data=folder / "tiny_ko.jsonl"), encoding="utf-8")
+    return folder
+
+
+def spec_of(run_dir: RunDir) -> PipelineSpec:
+    return load_pipeline(
+        "korean-llm", "local", ["tracking.wandb_project=null", *OVERRIDES, tracking(run_dir.root)]
+    ).spec
+
+
+def run_evaluate(run_dir: RunDir, spec: PipelineSpec, outputs: Path) -> StageResult:
+    """evaluate in this process, forced (each test changes the evaluate section)."""
+    run_dir.write_spec(spec)
+    ctx = StageContext(run_dir, "evaluate", spec, force=True, outputs_dir=outputs)
+    assert evaluate.run(ctx) == 0
+    result = run_dir.read_result("evaluate")
+    assert result is not None
+    return result
+
+
+# --------------------------------------------------------------------------- perplexity
+
+
+def test_perplexity_scores_documents_and_assistant_turns(trained: RunDir) -> None:
+    spec = trained.load_spec()
+    tokenizer = load_tokenizer(trained, spec.model)
+    model = load_stage_model(trained, spec, "cpt", tokenizer)
+    text, chat = text_rows(1, seed=3)[0], chat_rows(2, seed=3)[1]
+
+    # A document: every token after the first is scored, the closing eos included.
+    ids = tokenize_document(tokenizer, text["text"])
+    with torch.no_grad():
+        expected = model(input_ids=torch.tensor([ids]), labels=torch.tensor([ids])).loss.item()
+    measured = evaluate.perplexity(model, tokenizer, [text], max_len=256)
+    assert measured["eval_tokens"] == len(ids) - 1
+    assert measured["eval_loss"] == pytest.approx(expected, rel=1e-4)
+    assert measured["perplexity"] == pytest.approx(math.exp(expected), rel=1e-4)
+
+    # A conversation: only the assistant's tokens are scored, as sft trains them.
+    chat_ids, labels = tokenize_conversation(tokenizer, chat["messages"], assistant_only_loss=True)
+    scored = sum(1 for label in labels[1:] if label != -100)
+    assert 0 < scored < len(chat_ids) - 1
+    with torch.no_grad():
+        chat_loss = model(input_ids=torch.tensor([chat_ids]), labels=torch.tensor([labels])).loss.item()
+    assert evaluate.perplexity(model, tokenizer, [chat], max_len=256)["eval_tokens"] == scored
+
+    # Both: the loss per scored token over all rows (not the mean of the rows' losses).
+    both = evaluate.perplexity(model, tokenizer, [text, chat], max_len=256)
+    pooled = (expected * (len(ids) - 1) + chat_loss * scored) / (len(ids) - 1 + scored)
+    assert both["eval_loss"] == pytest.approx(pooled, rel=1e-4) and both["eval_rows"] == 2
+
+    # Rows longer than max_len are cut and counted.
+    assert evaluate.perplexity(model, tokenizer, [text], max_len=8)["eval_rows_truncated"] == 1
+
+
+def test_lm_eval_runs_a_task_defined_over_local_files(trained: RunDir, task_dir: Path) -> None:
+    spec = trained.load_spec()
+    tokenizer = load_tokenizer(trained, spec.model)
+    model = load_stage_model(trained, spec, "cpt", tokenizer)
+    metrics = evaluate.lm_eval_metrics(model, tokenizer, ["tiny_ko"], str(task_dir), limit=4, max_len=256)
+    assert set(metrics) == {"tiny_ko/acc"}
+    assert (metrics["tiny_ko/acc"] * 4).is_integer() and 0.0 <= metrics["tiny_ko/acc"] <= 1.0  # 4 of 6 questions
+
+
+# --------------------------------------------------------------------------- the gate
+
+
+def test_gate_rules() -> None:
+    lower = GateRule(metric="perplexity", higher_is_better=False, max_regression=0.5)
+    higher = GateRule(metric="kobest_boolq/acc", higher_is_better=True, max_regression=0.01)
+    reference = {"perplexity": 10.0, "kobest_boolq/acc": 0.70}
+
+    decision, _, checks = evaluate.apply_gate(
+        [lower, higher], {"perplexity": 10.4, "kobest_boolq/acc": 0.695}, reference, "base model"
+    )
+    assert decision == "pass" and all(c.passed for c in checks)
+
+    decision, reasons, _ = evaluate.apply_gate(
+        [lower, higher], {"perplexity": 10.6, "kobest_boolq/acc": 0.8}, reference, "champion v3"
+    )
+    assert decision == "fail"
+    assert "perplexity: candidate 10.6 vs champion v3 10" in reasons[0] and reasons[0].endswith("fails")
+
+    # A metric that was not measured is a failure that says so, never a silent pass.
+    decision, reasons, _ = evaluate.apply_gate([higher], {"perplexity": 9.0}, reference, "base model")
+    assert (
+        decision == "fail" and "kobest_boolq/acc: not measured for the candidate (measured: perplexity)" in reasons[0]
+    )
+    decision, reasons, _ = evaluate.apply_gate([higher], {"kobest_boolq/acc": 0.9}, {}, "champion v1")
+    assert decision == "fail" and "no value for the champion v1" in reasons[0]
+
+
+def test_gate_passes_against_the_base_model_with_the_report(trained: RunDir, task_dir: Path, tmp_path: Path) -> None:
+    spec = spec_of(trained)
+    section = spec.stages.evaluate
+    section.lm_eval_tasks = ["tiny_ko"]
+    section.lm_eval_include_path = str(task_dir)
+    section.limit = 4
+    section.gate = [
+        GateRule(metric="perplexity", higher_is_better=False, max_regression=0.0),
+        GateRule(metric="tiny_ko/acc", higher_is_better=True, max_regression=1.0),
+    ]
+    result = run_evaluate(trained, spec, tmp_path / "outputs")
+
+    assert result.status == "succeeded"
+    assert (tmp_path / "outputs" / "gate").read_text() == "pass"  # the Argo output deploy's `when` reads
+    extra = result.extra
+    assert extra["gate"] == "pass" and extra["reference"] == "base model" and extra["champion"] == {}
+    candidate, base = extra["candidate"], extra["base"]
+    assert candidate["perplexity"] < base["perplexity"]  # a few steps of cpt beat the random initialisation
+    assert candidate["eval_rows"] == 16 and candidate["eval_tokens"] > 0 and "tiny_ko/acc" in base
+    assert result.metrics["perplexity"] == candidate["perplexity"]
+    assert [c["metric"] for c in extra["gate_checks"]] == ["perplexity", "tiny_ko/acc"]
+    assert extra["gate_checks"][0]["reference"] == base["perplexity"]
+    assert len(extra["candidate_generations"]) == len(section.prompts) == len(extra["base_generations"])
+
+    report = trained.stage_dir("evaluate") / "report"
+    markdown = (report / "report.md").read_text(encoding="utf-8")
+    assert "**Gate: PASS** against the base model." in markdown
+    assert "| metric | better | max regression | candidate | reference | result |" in markdown
+    assert f"| perplexity | {base['perplexity']:.6g} | {candidate['perplexity']:.6g} |" in markdown
+    assert "| prompt | base | candidate |" in markdown and f"| {section.prompts[0]} |" in markdown
+    page = (report / "report.html").read_text(encoding="utf-8")
+    assert "<th>candidate</th>" in page and section.prompts[0] in page and "data:image/png;base64," in page
+    assert (report / "metrics.png").stat().st_size > 0 and (report / "loss_curves.png").stat().st_size > 0
+
+    from mlflow import MlflowClient
+
+    client = MlflowClient(spec.tracking.mlflow_tracking_uri)
+    run = client.get_run(result.mlflow_run_id)
+    assert run.data.metrics["candidate/perplexity"] == pytest.approx(candidate["perplexity"])
+    assert run.data.metrics["gate_passed"] == 1.0
+    assert {"report/report.md", "report/report.html"} <= {
+        a.path for a in client.list_artifacts(run.info.run_id, "report")
+    }
+
+
+def test_gate_fails_against_a_champion_with_better_metrics(trained: RunDir, tmp_path: Path) -> None:
+    from mlflow import MlflowClient
+
+    spec = spec_of(trained)
+    spec.stages.deploy.registered_model = "tiny-champion-better"
+    spec.stages.evaluate.gate = [GateRule(metric="perplexity", higher_is_better=False, max_regression=0.5)]
+    uri = spec.tracking.mlflow_tracking_uri
+    client = MlflowClient(uri, registry_uri=uri)
+    client.create_registered_model("tiny-champion-better")
+    version = client.create_model_version(
+        "tiny-champion-better", source=str(tmp_path), tags={"posttrain.metric.perplexity": "1.5"}
+    )
+    client.set_registered_model_alias("tiny-champion-better", "champion", version.version)
+
+    result = run_evaluate(trained, spec, tmp_path / "outputs")
+    assert result.status == "succeeded"  # the stage did its job; the decision is the output
+    assert (tmp_path / "outputs" / "gate").read_text() == "fail"
+    extra = result.extra
+    assert extra["gate"] == "fail" and extra["reference"] == "champion v1"
+    assert extra["champion"] == {"perplexity": 1.5} and extra["champion_source"] == {"perplexity": "tag"}
+    assert extra["candidate"]["perplexity"] > 2.0
+    assert "vs champion v1 1.5" in extra["gate_reasons"][0] and extra["gate_reasons"][0].endswith("fails")
+    markdown = (trained.stage_dir("evaluate") / "report" / "report.md").read_text(encoding="utf-8")
+    assert (
+        "**Gate: FAIL** against the champion v1." in markdown and "| metric | base | champion | candidate |" in markdown
+    )
+
+
+def test_a_champion_without_recorded_metrics_is_measured_again(trained: RunDir, tmp_path: Path) -> None:
+    from mlflow import MlflowClient
+
+    spec = spec_of(trained)
+    spec.stages.deploy.registered_model = "tiny-champion-unrecorded"
+    uri = spec.tracking.mlflow_tracking_uri
+    client = MlflowClient(uri, registry_uri=uri)
+    experiment = client.create_experiment("champion-source", artifact_location=(tmp_path / "art").as_uri())
+    source_run = client.create_run(experiment).info.run_id
+    client.log_artifacts(source_run, str(trained.stage_dir("cpt") / "model"), "model")
+    client.create_registered_model("tiny-champion-unrecorded")
+    version = client.create_model_version(
+        "tiny-champion-unrecorded", source=f"runs:/{source_run}/model", run_id=source_run
+    )
+    client.set_registered_model_alias("tiny-champion-unrecorded", "champion", version.version)
+
+    extra = run_evaluate(trained, spec, tmp_path / "outputs").extra
+    # The champion is this very model: measured again, it scores the same, and the gate holds.
+    assert extra["champion_source"]["perplexity"] == "re-evaluated"
+    assert extra["champion"]["perplexity"] == pytest.approx(extra["candidate"]["perplexity"], rel=1e-5)
+    assert extra["gate"] == "pass" and extra["reference"] == "champion v1"
+
+
+# --------------------------------------------------------------------------- nothing to evaluate
+
+
+def test_a_run_that_prepare_ended_early_is_skipped(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    run_dir = RunDir(root)
+    spec = load_pipeline(
+        "korean-llm", "local", ["tracking.wandb_project=null", "stages.prepare.skip_if_unchanged=true"]
+    ).spec
+    root.mkdir()
+    run_dir.write_spec(spec)
+    prepare = StageContext(run_dir, "prepare", spec)
+    assert prepare.begin()
+    prepare.finish(extra={"unchanged": "true", "skip_if_unchanged": "true", "previous_run": "run-before"})
+
+    ctx = StageContext(run_dir, "evaluate", spec, outputs_dir=tmp_path / "outputs")
+    assert evaluate.run(ctx) == 0
+    result = run_dir.read_result("evaluate")
+    assert result is not None and result.status == "skipped" and "unchanged since run-before" in result.message
+    assert (tmp_path / "outputs" / "gate").read_text() == "skipped"
+    assert json.loads((root / "evaluate" / "stage.json").read_text())["extra"]["gate"] == "skipped"
