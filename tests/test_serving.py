@@ -125,7 +125,12 @@ def test_serving_settings_reach_the_predictor() -> None:
         "resources": {"requests": {"nvidia.com/gpu": "2"}, "limits": {"nvidia.com/gpu": "2"}},
     }
     assert (predictor["minReplicas"], predictor["maxReplicas"]) == (0, 3)
-    assert predictor["serviceAccountName"] == spec.cluster.service_account
+    # The predictor never runs as the workflow's account (which may create jobs); only as the one named for it.
+    assert "serviceAccountName" not in predictor
+    named = spec.model_copy(deep=True)
+    named.stages.deploy.serving.service_account = "model-reader"
+    served = inference_service(named, "gs://bucket/models/run-1", "run-1")["spec"]["predictor"]
+    assert served["serviceAccountName"] == "model-reader"
     meta = manifest["metadata"]
     assert meta["name"] == "korean-llm" and meta["namespace"] == "llm-training"
     assert meta["labels"]["posttrain.dev/pipeline"] == "korean-llm" and meta["labels"]["posttrain.dev/run"] == "run-1"

@@ -97,7 +97,7 @@ def inference_service(
     annotations = {REGISTERED_MODEL_ANNOTATION: deploy.registered_model or spec.name}
     if model_version is not None:
         annotations[MODEL_VERSION_ANNOTATION] = str(model_version)
-    return {
+    manifest: dict[str, Any] = {
         "apiVersion": API_VERSION,
         "kind": KIND,
         "metadata": {
@@ -113,13 +113,15 @@ def inference_service(
         },
         "spec": {
             "predictor": {
-                "serviceAccountName": spec.cluster.service_account,
                 "minReplicas": serving.min_replicas,
                 "maxReplicas": serving.max_replicas,
                 "model": model,
             }
         },
     }
+    if serving.service_account:
+        manifest["spec"]["predictor"]["serviceAccountName"] = serving.service_account
+    return manifest
 
 
 def to_yaml(manifest: dict[str, Any]) -> str:

@@ -406,6 +406,12 @@ class ServingSpec(StrictModel):
     max_model_len: int | None = Field(None, gt=0, description="vLLM --max-model-len.")
     min_replicas: int = Field(1, ge=0, description="Predictor minReplicas.")
     max_replicas: int = Field(1, ge=1, description="Predictor maxReplicas.")
+    service_account: str | None = Field(
+        None,
+        description="ServiceAccount of the predictor, e.g. one bound through Workload Identity or IRSA to read "
+        "gs:// or s3:// storage. None uses the namespace's default account, never the workflow's (which may "
+        "create jobs).",
+    )
 
 
 class DeployStage(StageBase):
