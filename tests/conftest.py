@@ -20,6 +20,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # the tests run against the checkout, installed or not
     sys.path.insert(0, str(REPO_ROOT))
 
+from fake_argo import fake  # noqa: E402, F401  (the `fake` Argo server fixture, shared by the CLI tests)
 from schema_validation import schemas_missing, shared_schemas_dir  # noqa: E402
 
 from workflows.loading import known_pipelines, load_pipeline, pipeline_path  # noqa: E402

@@ -25,6 +25,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import pytest
 from jsonschema import Draft202012Validator
 from schema_validation import ARGO_SCHEMA_FILE, shared_schemas_dir
 from schema_validation import _argo_definitions as _strict_argo_definitions
@@ -395,3 +396,14 @@ def running(**kwargs: Any) -> Iterator[FakeArgo]:
         yield fake
     finally:
         fake.stop()
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeArgo]:
+    """A running fake Argo server with ARGO_* pointing at it (and no other ARGO_* settings)."""
+    with running() as server:
+        for name in ("ARGO_NAMESPACE", "ARGO_BASE_HREF", "ARGO_INSECURE_SKIP_VERIFY", "ARGO_SECURE"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in server.env().items():
+            monkeypatch.setenv(name, value)
+        yield server

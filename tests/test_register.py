@@ -2,25 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
-from fake_argo import FakeArgo, running
+from fake_argo import FakeArgo
 
 from workflows import register
 from workflows.submit import run_cli
 
 NS = "llm-training"
-
-
-@pytest.fixture
-def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeArgo]:
-    with running() as server:
-        for name in ("ARGO_NAMESPACE", "ARGO_BASE_HREF", "ARGO_INSECURE_SKIP_VERIFY", "ARGO_SECURE"):
-            monkeypatch.delenv(name, raising=False)
-        for name, value in server.env().items():
-            monkeypatch.setenv(name, value)
-        yield server
 
 
 def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

@@ -4,29 +4,18 @@ from __future__ import annotations
 
 import sys
 import types
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from fake_argo import FakeArgo, node, running, workflow_status
+from fake_argo import FakeArgo, node, workflow_status
 
 from workflows import submit
 from workflows.compile import compile_pipeline
 from workflows.loading import LoadedPipeline, load_pipeline
 
 NS = "llm-training"
-
-
-@pytest.fixture
-def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeArgo]:
-    with running() as server:
-        for name in ("ARGO_NAMESPACE", "ARGO_BASE_HREF", "ARGO_INSECURE_SKIP_VERIFY", "ARGO_SECURE"):
-            monkeypatch.delenv(name, raising=False)
-        for name, value in server.env().items():
-            monkeypatch.setenv(name, value)
-        yield server
 
 
 def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

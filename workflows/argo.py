@@ -254,70 +254,63 @@ class ArgoClient:
     def ensure_workflow_template(self, template: HeraWorkflowTemplate) -> Applied:
         """Create the WorkflowTemplate, or update it in place when it already exists."""
         model: WorkflowTemplateModel = template.build()
-        model.metadata.namespace = self.namespace
-        name = model.metadata.name
-        ns = self.namespace
-        try:
-            self._run(
-                _Call("create", "workflowtemplates", ns, name),
-                lambda: self._service.create_workflow_template(
-                    WorkflowTemplateCreateRequest(namespace=ns, template=model), namespace=ns
-                ),
-            )
-            return Applied("WorkflowTemplate", ns, name, "created")
-        except ArgoError as exc:
-            if exc.status != 409:
-                raise
-        for attempt in range(_UPDATE_ATTEMPTS):
-            current = self._run(
-                _Call("get", "workflowtemplates", ns, name),
-                lambda: self._service.get_workflow_template(name, namespace=ns),
-            )
-            model.metadata.resource_version = current.metadata.resource_version
-            try:
-                self._run(
-                    _Call("update", "workflowtemplates", ns, name),
-                    lambda: self._service.update_workflow_template(
-                        name, WorkflowTemplateUpdateRequest(namespace=ns, name=name, template=model), namespace=ns
-                    ),
-                )
-                return Applied("WorkflowTemplate", ns, name, "updated")
-            except ArgoError as exc:
-                if exc.status != 409 or attempt == _UPDATE_ATTEMPTS - 1:
-                    raise
-        raise AssertionError("unreachable")
+        ns, name = self.namespace, model.metadata.name
+        svc = self._service
+        return self._create_or_update(
+            "WorkflowTemplate",
+            "workflowtemplates",
+            model,
+            create=lambda: svc.create_workflow_template(
+                WorkflowTemplateCreateRequest(namespace=ns, template=model), namespace=ns
+            ),
+            get=lambda: svc.get_workflow_template(name, namespace=ns),
+            update=lambda: svc.update_workflow_template(
+                name, WorkflowTemplateUpdateRequest(namespace=ns, name=name, template=model), namespace=ns
+            ),
+        )
 
     def ensure_cron_workflow(self, cron: HeraCronWorkflow) -> Applied:
         """Create the CronWorkflow, or update it in place when it already exists."""
         model: CronWorkflowModel = cron.build()
-        model.metadata.namespace = self.namespace
+        ns, name = self.namespace, model.metadata.name
+        svc = self._service
+        return self._create_or_update(
+            "CronWorkflow",
+            "cronworkflows",
+            model,
+            create=lambda: svc.create_cron_workflow(
+                CreateCronWorkflowRequest(namespace=ns, cron_workflow=model), namespace=ns
+            ),
+            get=lambda: svc.get_cron_workflow(name, namespace=ns),
+            update=lambda: svc.update_cron_workflow(
+                name, UpdateCronWorkflowRequest(namespace=ns, name=name, cron_workflow=model), namespace=ns
+            ),
+        )
+
+    def _create_or_update(
+        self,
+        kind: str,
+        resource: str,
+        model: Any,
+        create: Callable[[], Any],
+        get: Callable[[], Any],
+        update: Callable[[], Any],
+    ) -> Applied:
+        """Create; on 409 AlreadyExists, update with the server's resourceVersion, retrying a lost race."""
+        model.metadata.namespace = ns = self.namespace
         name = model.metadata.name
-        ns = self.namespace
         try:
-            self._run(
-                _Call("create", "cronworkflows", ns, name),
-                lambda: self._service.create_cron_workflow(
-                    CreateCronWorkflowRequest(namespace=ns, cron_workflow=model), namespace=ns
-                ),
-            )
-            return Applied("CronWorkflow", ns, name, "created")
+            self._run(_Call("create", resource, ns, name), create)
+            return Applied(kind, ns, name, "created")
         except ArgoError as exc:
             if exc.status != 409:
                 raise
         for attempt in range(_UPDATE_ATTEMPTS):
-            current = self._run(
-                _Call("get", "cronworkflows", ns, name),
-                lambda: self._service.get_cron_workflow(name, namespace=ns),
-            )
+            current = self._run(_Call("get", resource, ns, name), get)
             model.metadata.resource_version = current.metadata.resource_version
             try:
-                self._run(
-                    _Call("update", "cronworkflows", ns, name),
-                    lambda: self._service.update_cron_workflow(
-                        name, UpdateCronWorkflowRequest(namespace=ns, name=name, cron_workflow=model), namespace=ns
-                    ),
-                )
-                return Applied("CronWorkflow", ns, name, "updated")
+                self._run(_Call("update", resource, ns, name), update)
+                return Applied(kind, ns, name, "updated")
             except ArgoError as exc:
                 if exc.status != 409 or attempt == _UPDATE_ATTEMPTS - 1:
                     raise
