@@ -36,7 +36,8 @@ def test_gpu_count_and_commands(monkeypatch: pytest.MonkeyPatch, tmp_path: Path)
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
         assert local.gpu_count() == count
     command = local.stage_command("sft", tmp_path, force=False, gpus=2)
-    assert command[1:] == [
+    assert command[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert command[3:] == [
         "--standalone",
         "--nproc-per-node",
         "2",

@@ -171,10 +171,9 @@ def stage_command(stage: str, run_root: Path, force: bool, gpus: int) -> list[st
     """The argv of a stage: torchrun for a training stage on more than one GPU, else plain python."""
     args = ["--module", "stages", stage, "--run-dir", str(run_root)] + (["--force"] if force else [])
     if stage in TRAINING_STAGES and gpus > 1:
-        launcher = (
-            [shutil.which("torchrun")] if shutil.which("torchrun") else [sys.executable, "-m", "torch.distributed.run"]
-        )
-        return [*launcher, "--standalone", "--nproc-per-node", str(gpus), *args]  # type: ignore[list-item]
+        # torchrun as a module of this interpreter: the same environment, whatever PATH says.
+        launcher = [sys.executable, "-m", "torch.distributed.run"]
+        return [*launcher, "--standalone", "--nproc-per-node", str(gpus), *args]
     return [sys.executable, "-m", "stages", *args[2:]]
 
 
