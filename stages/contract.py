@@ -16,7 +16,9 @@ Rules every stage follows (the same in a PyTorchJob pod and under --local):
 - a training stage starts only when prepare's outputs and the enabled stages before it are there (`check_ready`);
 - a full disk (ENOSPC) fails the stage with a message that says so; `stage.json` and the checkpoints written
   before stay as they were (every record is written to a temporary file and renamed);
-- values of secret-looking environment variables never reach the stage's output (`mask_secrets`).
+- values of secret-looking environment variables never reach the stage's output (`mask_secrets`);
+- an error the stage did not expect ends the log with one `error:` line; its traceback is kept in
+  `<stage>/logs/traceback.txt` and printed above that line (a GPU out of memory is explained instead).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import re
 import socket
 import sys
 import tempfile
+import traceback
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
@@ -275,6 +278,23 @@ def check_ready(run_dir: RunDir, spec: PipelineSpec, stage: str) -> None:
             )
 
 
+def _memory_hint(stage: str, section: Any) -> str:
+    """What to change in the spec when a stage runs out of GPU memory."""
+    training = getattr(section, "training", None)
+    if training is None:
+        return f"Give stages.{stage}.resources more GPU memory (a larger GPU), or evaluate a smaller model."
+    prefix = f"stages.{stage}.training"
+    steps = [
+        f"lower {prefix}.per_device_batch_size (now {training.per_device_batch_size}; raise "
+        f"gradient_accumulation_steps to keep the global batch)",
+        f"lower {prefix}.max_seq_length (now {training.max_seq_length})",
+    ]
+    if not training.gradient_checkpointing:
+        steps.append(f"set {prefix}.gradient_checkpointing: true")
+    steps.append(f"or shard it over more GPUs (stages.{stage}.distributed.strategy: fsdp or deepspeed_zero3)")
+    return "To fit: " + ", ".join(steps) + "."
+
+
 class StageContext:
     """What a stage gets: the run directory, the spec, its own folder, and the bookkeeping calls.
 
@@ -409,6 +429,30 @@ class StageContext:
             self.result.ended_at = now()
             self._write()
         return EXIT_RETRYABLE if retryable else EXIT_FAILED
+
+    def crash(self, exc: Exception) -> int:
+        """Record an error the stage did not expect and return the exit code. A full disk and a GPU out of
+        memory are explained without a traceback; anything else keeps its traceback (what a bug report needs),
+        printed and written to `logs/traceback.txt`, and the log ends with one `error:` line that says where."""
+        summary = f"{type(exc).__name__}: {exc}".strip()
+        if is_disk_full(exc):
+            return self.fail(summary)
+        if type(exc).__name__ == "OutOfMemoryError":
+            message = f"the GPU ran out of memory ({str(exc).splitlines()[0] if str(exc) else 'no details'}). "
+            message += _memory_hint(self.stage, self.section)
+            print(f"[{self.stage}] error: {message}", file=sys.stderr, flush=True)
+            return self.fail(message)
+        trace = "".join(traceback.format_exception(exc))
+        print(trace, file=sys.stderr, end="", flush=True)
+        where = self.logs_dir / ("traceback.txt" if rank() == 0 else f"traceback-rank{rank()}.txt")
+        try:
+            where.parent.mkdir(parents=True, exist_ok=True)
+            where.write_text(mask_secrets(trace), encoding="utf-8")
+            kept = f"; traceback in {where}"
+        except OSError:
+            kept = ""
+        print(f"[{self.stage}] error: unexpected {summary}{kept}", file=sys.stderr, flush=True)
+        return self.fail(f"unexpected {summary}{kept}")
 
     def emit_outputs(self, result: StageResult) -> None:
         """Write Argo output parameters (one file per value) when the step asked for them."""

@@ -10,8 +10,6 @@ preemption, and writes the model (safetensors) and tokenizer into `cpt/model/`.
 
 from __future__ import annotations
 
-import traceback
-
 from transformers import Trainer, TrainingArguments
 
 from stages.checkpoints import CheckpointMarker, SigtermCheckpoint
@@ -41,8 +39,7 @@ def run(ctx: StageContext) -> int:
         print(f"error: {exc}", flush=True)
         return ctx.fail(str(exc))
     except Exception as exc:
-        traceback.print_exc()
-        return ctx.fail(f"{type(exc).__name__}: {exc}")
+        return ctx.crash(exc)
     finally:
         sigterm.uninstall()
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -309,8 +308,7 @@ def run(ctx: StageContext) -> int:
         print(f"[deploy] error: {exc}", flush=True)
         return ctx.fail(str(exc))
     except Exception as exc:
-        traceback.print_exc()
-        return ctx.fail(f"{type(exc).__name__}: {exc}")
+        return ctx.crash(exc)
 
 
 def deploy(ctx: StageContext) -> int:

@@ -33,7 +33,6 @@ import base64
 import html
 import json
 import math
-import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -666,8 +665,7 @@ def run(ctx: StageContext) -> int:
     try:
         return evaluate(ctx)
     except Exception as exc:
-        traceback.print_exc()
-        return ctx.fail(f"{type(exc).__name__}: {exc}")
+        return ctx.crash(exc)
 
 
 def evaluate(ctx: StageContext) -> int:

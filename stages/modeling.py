@@ -184,6 +184,20 @@ def load_pretrained(path_or_id: str | Path, model_spec: ModelSpec, revision: str
     )
 
 
+def load_adapter(model: Any, adapter_dir: Path, is_trainable: bool = False) -> Any:
+    """A LoRA adapter from a stage's model folder, from safetensors only: PEFT would fall back to a pickled
+    `adapter_model.bin` when that is all the folder holds, and unpickling runs code."""
+    from peft import PeftModel
+
+    if not (adapter_dir / "adapter_model.safetensors").is_file():
+        found = sorted(p.name for p in adapter_dir.iterdir()) if adapter_dir.is_dir() else []
+        raise NotSupportedHere(
+            f"{adapter_dir} has no adapter_model.safetensors (found: {', '.join(found) or 'nothing'}); adapters load "
+            "from safetensors only. Rerun the stage that wrote it, or convert the adapter with safetensors first."
+        )
+    return PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=is_trainable)
+
+
 def load_base(run_dir: RunDir, spec: PipelineSpec, base: BaseRef, tokenizer: Any, quantization: Any = None) -> Any:
     """The weights `base` names, built or loaded."""
     extra: dict[str, Any] = {}
@@ -253,7 +267,7 @@ def lora_config(section: TrainingStage) -> Any:
 def load_starting_model(run_dir: RunDir, spec: PipelineSpec, stage: str, tokenizer: Any) -> StartingModel:
     """The model `stage` trains: the base model or the upstream stage's output, with a LoRA adapter (new or
     continued) when the stage's method is lora or qlora."""
-    from peft import PeftModel, get_peft_model, prepare_model_for_kbit_training
+    from peft import get_peft_model, prepare_model_for_kbit_training
 
     section: TrainingStage = spec.stage(stage)  # type: ignore[assignment]
     check_method(stage, section)
@@ -276,7 +290,7 @@ def load_starting_model(run_dir: RunDir, spec: PipelineSpec, stage: str, tokeniz
 
     if section.method == "full":
         if adapter_dir is not None:  # full training after a LoRA stage: merge its adapter first
-            model = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
+            model = load_adapter(model, adapter_dir).merge_and_unload()
             model.requires_grad_(True)  # PEFT loaded the base frozen; full training trains every weight
         start = StartingModel(model=model, kind="full", base=base, upstream=upstream)
     else:
@@ -285,7 +299,7 @@ def load_starting_model(run_dir: RunDir, spec: PipelineSpec, stage: str, tokeniz
                 model, use_gradient_checkpointing=section.training.gradient_checkpointing
             )
         if adapter_dir is not None:  # continue the upstream adapter (its own r/alpha/targets)
-            model = PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=True)
+            model = load_adapter(model, adapter_dir, is_trainable=True)
         else:
             model = get_peft_model(model, lora_config(section))
         start = StartingModel(
@@ -297,13 +311,11 @@ def load_starting_model(run_dir: RunDir, spec: PipelineSpec, stage: str, tokeniz
 
 def load_stage_model(run_dir: RunDir, spec: PipelineSpec, stage: str, tokenizer: Any) -> Any:
     """A finished stage's model for inference: a full model, or an adapter merged into its base."""
-    from peft import PeftModel
-
     output = stage_output(run_dir, stage)
     if output.kind == "full":
         return load_pretrained(output.path, spec.model)
     base = load_base(run_dir, spec, output.base, tokenizer)
-    return PeftModel.from_pretrained(base, str(output.path)).merge_and_unload()
+    return load_adapter(base, output.path).merge_and_unload()
 
 
 # --------------------------------------------------------------------------- saving
@@ -338,10 +350,8 @@ def save_stage_model(
 
 def _merge_adapter(run_dir: RunDir, spec: PipelineSpec, base: BaseRef, adapter_dir: Path, tokenizer: Any) -> Any:
     """The adapter in `adapter_dir` merged into a fresh, unquantized copy of its base."""
-    from peft import PeftModel
-
     model = load_base(run_dir, spec, base, tokenizer)
-    merged = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
+    merged = load_adapter(model, adapter_dir).merge_and_unload()
     merged.config.use_cache = True
     return merged
 

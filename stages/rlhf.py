@@ -27,7 +27,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import shutil
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -74,8 +73,7 @@ def run(ctx: StageContext) -> int:
         print(f"error: {exc}", flush=True)
         return ctx.fail(str(exc))
     except Exception as exc:
-        traceback.print_exc()
-        return ctx.fail(f"{type(exc).__name__}: {exc}")
+        return ctx.crash(exc)
     finally:
         sigterm.uninstall()
 

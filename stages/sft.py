@@ -11,8 +11,6 @@ preemption, and writes the adapter or the (merged) model with the tokenizer into
 
 from __future__ import annotations
 
-import traceback
-
 from trl import SFTConfig, SFTTrainer
 
 from stages.checkpoints import CheckpointMarker, SigtermCheckpoint
@@ -42,8 +40,7 @@ def run(ctx: StageContext) -> int:
         print(f"error: {exc}", flush=True)
         return ctx.fail(str(exc))
     except Exception as exc:
-        traceback.print_exc()
-        return ctx.fail(f"{type(exc).__name__}: {exc}")
+        return ctx.crash(exc)
     finally:
         sigterm.uninstall()
 

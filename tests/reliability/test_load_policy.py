@@ -127,3 +127,38 @@ def test_remote_code_needs_the_spec_to_allow_it(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="trust_remote_code"):
         load_pretrained(model_dir, spec.model)
     assert not (tmp_path / "ran").exists()
+
+
+def test_adapters_load_only_through_the_safetensors_check() -> None:
+    """Every `PeftModel.from_pretrained` call sits in stages.modeling.load_adapter, which checks the file first."""
+    callers = []
+    for path in SOURCES:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for function in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
+            for call in (n for n in ast.walk(function) if isinstance(n, ast.Call)):
+                if ast.unparse(call.func) == "PeftModel.from_pretrained":
+                    callers.append(f"{path.name}:{function.name}")
+    assert callers == ["modeling.py:load_adapter"]
+
+
+def test_pickled_adapters_are_not_loaded(tmp_path: Path) -> None:
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from stages.modeling import NotSupportedHere, load_adapter
+
+    model_dir = _tiny_model_dir(tmp_path)
+    adapter_dir = tmp_path / "adapter"
+    lora = LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM")
+    get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, use_safetensors=True), lora).save_pretrained(
+        adapter_dir
+    )
+    base = AutoModelForCausalLM.from_pretrained(model_dir, use_safetensors=True)
+    assert load_adapter(base, adapter_dir) is not None  # safetensors: fine
+    weights = adapter_dir / "adapter_model.safetensors"
+    torch.save(load_file(weights), adapter_dir / "adapter_model.bin")  # the same adapter, as a pickle only
+    weights.unlink()
+    base = AutoModelForCausalLM.from_pretrained(model_dir, use_safetensors=True)
+    with pytest.raises(NotSupportedHere, match=r"no adapter_model\.safetensors \(found: .*adapter_model\.bin\)"):
+        load_adapter(base, adapter_dir)
