@@ -28,6 +28,7 @@ import math
 import os
 import platform
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -128,6 +129,24 @@ CASES: list[Case] = [
         per_device_batch_size=8,
         note="packed, stage GPU defaults, 8 rows per step",
     ),
+    Case(
+        "b1_packed_b16",
+        "B1",
+        "qwen3-1.7b",
+        per_device_batch_size=16,
+        warmup=3,
+        steps=12,
+        note="packed, stage GPU defaults, 16 rows per step",
+    ),
+    Case(
+        "b1_packed_b24",
+        "B1",
+        "qwen3-1.7b",
+        per_device_batch_size=24,
+        warmup=3,
+        steps=10,
+        note="packed, stage GPU defaults, 24 rows per step",
+    ),
     # B2: LoRA SFT, Qwen3-8B shape, one GPU.
     Case(
         "b2_plain_peft",
@@ -174,6 +193,37 @@ CASES: list[Case] = [
         note="torchrun, FSDP2 keeping the gathered parameters from forward to backward, 8 rows per GPU",
     ),
     Case(
+        "b3_fsdp_b16",
+        "B3",
+        "qwen3-1.7b",
+        strategy="fsdp",
+        per_device_batch_size=16,
+        warmup=3,
+        steps=12,
+        note="torchrun, FSDP2 as the stage configures it, 16 rows per GPU",
+    ),
+    Case(
+        "b3_fsdp_b16_noreshard",
+        "B3",
+        "qwen3-1.7b",
+        strategy="fsdp",
+        per_device_batch_size=16,
+        reshard_after_forward=False,
+        warmup=3,
+        steps=12,
+        note="torchrun, FSDP2 keeping the gathered parameters from forward to backward, 16 rows per GPU",
+    ),
+    Case(
+        "b3_fsdp_b24",
+        "B3",
+        "qwen3-1.7b",
+        strategy="fsdp",
+        per_device_batch_size=24,
+        warmup=3,
+        steps=10,
+        note="torchrun, FSDP2 as the stage configures it, 24 rows per GPU",
+    ),
+    Case(
         "b2_stage",
         "B2",
         "qwen3-8b",
@@ -203,7 +253,32 @@ CASES: list[Case] = [
         gradient_checkpointing=True,
         warmup=2,
         steps=6,
-        note="sft stage, QLoRA (bitsandbytes NF4), packed, flex + Liger, checkpointing",
+        note="sft stage, QLoRA (bitsandbytes NF4), packed, stage GPU defaults (sdpa, Liger), checkpointing",
+    ),
+    Case(
+        "b2_qlora_flex",
+        "B2",
+        "qwen3-8b",
+        method="qlora",
+        attn="flex_attention",
+        per_device_batch_size=4,
+        gradient_checkpointing=True,
+        warmup=2,
+        steps=6,
+        note="as b2_qlora with flex attention (not the stage default for QLoRA: boundary check)",
+    ),
+    Case(
+        "b2_qlora_flex_noliger",
+        "B2",
+        "qwen3-8b",
+        method="qlora",
+        attn="flex_attention",
+        liger=False,
+        per_device_batch_size=4,
+        gradient_checkpointing=True,
+        warmup=2,
+        steps=6,
+        note="as b2_qlora_flex without Liger kernels",
     ),
     # B3: the B1 workload on all GPUs through torchrun, FSDP2 (run by the suite with torchrun).
     Case("b3_fsdp", "B3", "qwen3-1.7b", strategy="fsdp", note="torchrun, FSDP2 as the stage configures it"),
@@ -484,8 +559,8 @@ def plain_collator(pad_id: int) -> Any:
 # --------------------------------------------------------------------------- running one case
 
 
-def run_case(case: Case, tiny: bool) -> dict[str, Any]:
-    """Build, train `warmup + steps` steps, and measure one case in this process."""
+def run_case(case: Case, tiny: bool, tmp: Path) -> dict[str, Any]:
+    """Build, train `warmup + steps` steps, and measure one case in this process (scratch files under `tmp`)."""
     import torch
     import torch.distributed as dist
 
@@ -497,7 +572,6 @@ def run_case(case: Case, tiny: bool) -> dict[str, Any]:
         torch.cuda.set_device(local_rank)
         torch.cuda.reset_peak_memory_stats()
     vocab = 4096 if tiny else VOCAB
-    tmp = Path(tempfile.mkdtemp(prefix=f"bench-{case.name}-"))
     ctx = stage_context(case, tmp, tiny)
     tokenizer = fake_tokenizer(vocab)
     model = build_model(ctx, tokenizer, case, tmp)
@@ -663,12 +737,15 @@ def case_main(name: str, out: Path, tiny: bool) -> int:
     """Run one case and write `<out>/<name>.json` (rank 0); an error is recorded, not raised."""
     case = BY_NAME[name]
     rank = int(os.environ.get("RANK", "0"))
+    tmp = Path(tempfile.mkdtemp(prefix=f"bench-{case.name}-"))
     try:
-        result = run_case(case, tiny)
+        result = run_case(case, tiny, tmp)
     except Exception as exc:  # recorded in the results: the suite goes on with the next case
         traceback.print_exc()
         oom = "out of memory" in str(exc).lower()
         result = {"case": asdict(case), "error": f"{type(exc).__name__}: {str(exc)[:2000]}", "oom": oom}
+    finally:  # checkpoints and the saved 8B base of the QLoRA cases would fill the disk over a suite
+        shutil.rmtree(tmp, ignore_errors=True)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / f"{name}.json").write_text(json.dumps(result, indent=2, default=str))
