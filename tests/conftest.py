@@ -21,16 +21,15 @@ if str(REPO_ROOT) not in sys.path:  # the tests run against the checkout, instal
     sys.path.insert(0, str(REPO_ROOT))
 
 from fake_argo import fake  # noqa: E402, F401  (the `fake` Argo server fixture, shared by the CLI tests)
-from schema_validation import schemas_missing, shared_schemas_dir  # noqa: E402
+from schema_validation import require_schemas  # noqa: E402
 
+from workflows.compile import compile_pipeline as _compile_pipeline  # noqa: E402
 from workflows.loading import known_pipelines, load_pipeline, pipeline_path  # noqa: E402
 from workflows.spec import PipelineSpec  # noqa: E402
 
 # Property tests: reproducible in CI, and no per-example time limit (the suite asserts behaviour, not speed).
 settings.register_profile("posttrain", deadline=None, derandomize=True, print_blob=True)
 settings.load_profile("posttrain")
-
-COMPILER_FILE = REPO_ROOT / "workflows" / "compile.py"
 
 
 @cache
@@ -83,23 +82,11 @@ def spec(variant: tuple[str, str | None]) -> PipelineSpec:
 
 @pytest.fixture(scope="session")
 def schemas_dir() -> Path:
-    """The directory of the Argo and PyTorchJob schemas; skips the test when they are not available."""
-    if (reason := schemas_missing()) is not None:
-        pytest.skip(reason)
-    return shared_schemas_dir()
-
-
-def compiler_or_skip() -> Callable[..., Any]:
-    """`workflows.compile.compile_pipeline`; skips when the compiler is not in the checkout yet.
-    An import error inside an existing compiler is a failure, not a skip."""
-    if not COMPILER_FILE.is_file():
-        pytest.skip("workflows/compile.py is not in this checkout yet")
-    from workflows.compile import compile_pipeline
-
-    return compile_pipeline
+    """The directory of the Argo and PyTorchJob schemas (see schema_validation.require_schemas)."""
+    return require_schemas()
 
 
 @pytest.fixture(scope="session")
 def compile_pipeline() -> Callable[..., Any]:
     """The compiler entry point: compile_pipeline(spec, parameters=None) -> CompiledPipeline."""
-    return compiler_or_skip()
+    return _compile_pipeline

@@ -2,8 +2,13 @@
 
 It keeps WorkflowTemplates, CronWorkflows and Workflows in memory with resourceVersions, answers 409 to a
 duplicate create and to an update with a stale resourceVersion, checks the bearer token (401), can be told to
-answer 403, validates every request body against the Argo JSON schema made strict (unknown fields are errors,
-400), and plays a scripted status progression for each submitted workflow (one step per GET), for --watch.
+answer 403 (per verb and resource, or everything but an allowed set, e.g. SUBMITTER_RBAC), validates every request
+body against the Argo JSON schema made strict (unknown fields are errors, 400), and plays a scripted status
+progression for each submitted workflow (one step per GET), for --watch.
+
+Like the real server, it stores templates as a round trip through Go structs leaves them (empty `metadata`,
+`inputs` and `outputs` on every template) and labels them with their creator, so a client comparing its
+object with the server's copy has to look past what the server adds.
 
 Error bodies look like the real server's (grpc-gateway): {"code": N, "message": "..."}.
 """
@@ -22,13 +27,12 @@ from datetime import datetime, timezone
 from functools import cache
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
 import pytest
 from jsonschema import Draft202012Validator
-from schema_validation import ARGO_SCHEMA_FILE, shared_schemas_dir
 from schema_validation import _argo_definitions as _strict_argo_definitions
+from schema_validation import require_schemas
 
 # (request body definition, the object inside it) for each create/update route.
 _BODIES = {
@@ -42,11 +46,10 @@ _ROUTES = {"workflow-templates": "workflowtemplates", "cron-workflows": "cronwor
 _VERBS = {"GET": "get", "POST": "create", "PUT": "update"}
 _UI_PAGE = "<!doctype html><html><head><title>Argo</title></head><body></body></html>"
 _GRPC_CODES = {400: 3, 401: 16, 403: 7, 404: 5, 409: 6, 500: 13}
+_CREATOR_LABEL = "workflows.argoproj.io/creator"
 
-
-def schema_path() -> Path:
-    """The Argo JSON schema file (it may be absent; tests skip then)."""
-    return shared_schemas_dir() / ARGO_SCHEMA_FILE
+SUBMITTER_RBAC = frozenset({("create", "workflows"), ("get", "workflows"), ("get", "workflowtemplates")})
+"""What the submitter role allows: submit and follow runs, read the templates, write none."""
 
 
 @cache
@@ -105,6 +108,8 @@ class FakeArgo:
     """Answer paths outside the API with 200 and an HTML page, as the server's UI does."""
     forbidden: set[tuple[str, str]] = field(default_factory=set)
     """(verb, resource) pairs answered with 403, e.g. ('create', 'workflows'); ('*', '*') forbids all."""
+    allowed: frozenset[tuple[str, str]] | None = None
+    """When set, the only (verb, resource) pairs not answered with 403 (e.g. SUBMITTER_RBAC)."""
     store: dict[tuple[str, str, str], dict[str, Any]] = field(default_factory=dict)
     """(resource, namespace, name) → the stored object."""
     requests: list[Recorded] = field(default_factory=list)
@@ -207,7 +212,8 @@ class FakeArgo:
         body = self._parse(raw) if method in ("POST", "PUT") else None
         with self._lock:
             self.requests.append(Recorded(method, path, copy.deepcopy(body)))
-        if ("*", "*") in self.forbidden or (verb, resource) in self.forbidden:
+        denied = self.allowed is not None and (verb, resource) not in self.allowed
+        if denied or ("*", "*") in self.forbidden or (verb, resource) in self.forbidden:
             raise _Answer(
                 403,
                 f'{resource}.argoproj.io is forbidden: User "system:serviceaccount:{ns}:ci" cannot {verb} '
@@ -266,6 +272,7 @@ class FakeArgo:
                 namespace=ns, uid=str(uuid.uuid4()), resourceVersion=str(self._version), creationTimestamp=_now()
             )
             meta.setdefault("generation", 1)
+            _as_stored(resource, ns, obj)
             self.store[key] = copy.deepcopy(obj)
             return obj
 
@@ -293,8 +300,20 @@ class FakeArgo:
                 creationTimestamp=current["metadata"].get("creationTimestamp", _now()),
                 generation=current["metadata"].get("generation", 1) + 1,
             )
+            _as_stored(resource, ns, obj)
             self.store[(resource, ns, name)] = copy.deepcopy(obj)
             return obj
+
+
+def _as_stored(resource: str, ns: str, obj: dict[str, Any]) -> None:
+    """What the real server adds to a template or schedule it stores: its creator's label, and the empty
+    structs Go's encoder writes for every template."""
+    if resource not in ("workflowtemplates", "cronworkflows"):
+        return
+    obj["metadata"].setdefault("labels", {})[_CREATOR_LABEL] = f"system-serviceaccount-{ns}-ci"
+    for template in (obj.get("spec") or {}).get("templates") or []:
+        for empty in ("metadata", "inputs", "outputs"):
+            template.setdefault(empty, {})
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -374,22 +393,12 @@ def workflow_status(
     return status
 
 
-def require_schema() -> None:
-    """Skip the calling test when the Argo schema is not there (the fake validates every body against it)."""
-    import pytest
-
-    if not schema_path().is_file():
-        pytest.skip(
-            f"Argo schema {ARGO_SCHEMA_FILE} not found in {shared_schemas_dir()}: set POSTTRAIN_SHARED_DIR to the "
-            "directory holding schemas/ (in CI it is ../shared next to the repository)"
-        )
-
-
 @contextmanager
 def running(**kwargs: Any) -> Iterator[FakeArgo]:
-    """A started FakeArgo (skipping the test when its schema is missing), stopped on exit."""
+    """A started FakeArgo, stopped on exit; it validates bodies against the schema, so without the schemas the
+    test skips (or fails, see schema_validation.require_schemas)."""
     if kwargs.get("validate", True):
-        require_schema()
+        require_schemas()
     fake = FakeArgo(**kwargs)
     fake.start()
     try:

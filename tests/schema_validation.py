@@ -11,7 +11,8 @@ object schema that lists `properties` and says nothing about `additionalProperti
 int-or-string / quantity types accept both JSON forms the API server accepts.
 
 The schema files live outside the repository, in `<repo>/../shared/schemas`, or in
-`$POSTTRAIN_SHARED_DIR/schemas`. Compiled validators are cached: building them is the slow part.
+`$POSTTRAIN_SHARED_DIR/schemas`; a test that needs them skips without them, or fails when
+`POSTTRAIN_REQUIRE_SCHEMAS=1` (as in CI). Compiled validators are cached: building them is the slow part.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+import pytest
 import yaml
 from referencing import Registry, Resource
 
@@ -74,6 +76,16 @@ def schemas_missing() -> str | None:
     if missing:
         return f"schemas {', '.join(missing)} not found in {directory} (set POSTTRAIN_SHARED_DIR)"
     return None
+
+
+def require_schemas() -> Path:
+    """The schema directory; without the schemas the calling test is skipped, or failed with the same reason
+    when POSTTRAIN_REQUIRE_SCHEMAS is set (CI has them, so a skip there would hide a broken setup)."""
+    if (reason := schemas_missing()) is not None:
+        if os.environ.get("POSTTRAIN_REQUIRE_SCHEMAS", "").strip().lower() in ("1", "true", "yes"):
+            pytest.fail(f"{reason}; POSTTRAIN_REQUIRE_SCHEMAS is set, so this is an error", pytrace=False)
+        pytest.skip(reason)
+    return shared_schemas_dir()
 
 
 # --------------------------------------------------------------------------- making schemas strict

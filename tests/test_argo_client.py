@@ -7,9 +7,10 @@ from collections.abc import Iterator
 
 import pytest
 import requests
-from fake_argo import FakeArgo, node, running, workflow_status
+from fake_argo import SUBMITTER_RBAC, FakeArgo, node, running, workflow_status
+from hera.workflows import models as m
 
-from workflows.argo import ArgoClient, ArgoConfig, ArgoError
+from workflows.argo import ArgoClient, ArgoConfig, ArgoError, StaleObject, comparable
 from workflows.compile import CompiledPipeline, compile_pipeline
 from workflows.loading import load_pipeline
 
@@ -119,6 +120,109 @@ def test_ensure_workflow_template_creates_then_updates(fake: FakeArgo) -> None:
     assert put[0].body["template"]["metadata"]["resourceVersion"] == version
 
 
+def test_an_unchanged_template_is_left_alone(fake: FakeArgo) -> None:
+    """The server's copy carries its own labels and empty structs; the template is still the same."""
+    client = _client(fake)
+    client.ensure_workflow_template(_compiled().template)
+    stored = fake.objects("workflowtemplates")[(NS, "korean-llm")]
+    assert "workflows.argoproj.io/creator" in stored["metadata"]["labels"]
+    assert all("inputs" in t and "metadata" in t for t in stored["spec"]["templates"])
+    version = stored["metadata"]["resourceVersion"]
+    fake.requests.clear()
+
+    applied = client.ensure_workflow_template(_compiled().template)
+    assert applied.action == "unchanged"
+    assert str(applied) == f"WorkflowTemplate {NS}/korean-llm is up to date"
+    assert [r.method for r in fake.requests] == ["GET"]
+    assert fake.objects("workflowtemplates")[(NS, "korean-llm")]["metadata"]["resourceVersion"] == version
+
+
+def test_comparison_looks_past_what_the_server_changes() -> None:
+    ours = m.WorkflowTemplate.model_validate(
+        {
+            "metadata": {"name": "p", "labels": {"app": "x"}},
+            "spec": {
+                "templates": [
+                    {
+                        "name": "t",
+                        "container": {
+                            "image": "i",
+                            "resources": {"requests": {"memory": "2048Mi", "cpu": "0.5"}},
+                            "volumeMounts": [{"name": "v", "mountPath": "/v", "readOnly": False}],
+                        },
+                    }
+                ],
+                "volumes": [{"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "1024Mi"}}],
+            },
+        }
+    )
+    theirs = m.WorkflowTemplate.model_validate(
+        {
+            "metadata": {
+                "name": "p",
+                "uid": "u",
+                "resourceVersion": "7",
+                "generation": 3,
+                "labels": {"app": "x", "workflows.argoproj.io/creator": "someone"},
+                "annotations": {"kubectl.kubernetes.io/last-applied-configuration": "{}"},
+            },
+            "spec": {
+                "templates": [
+                    {
+                        "name": "t",
+                        "metadata": {},
+                        "inputs": {},
+                        "outputs": {},
+                        "container": {
+                            "name": "",
+                            "image": "i",
+                            "resources": {"requests": {"memory": "2Gi", "cpu": "500m"}},
+                            "volumeMounts": [{"name": "v", "mountPath": "/v"}],
+                        },
+                    }
+                ],
+                "volumes": [{"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}}],
+            },
+        }
+    )
+    assert comparable(ours) == comparable(theirs)
+    changed = theirs.model_copy(deep=True)
+    changed.spec.templates[0].container.image = "other"
+    assert comparable(ours) != comparable(changed)
+    relabelled = theirs.model_copy(deep=True)
+    relabelled.metadata.labels = {"workflows.argoproj.io/creator": "someone"}
+    assert comparable(ours) != comparable(relabelled)
+
+
+def test_a_submitter_may_use_an_unchanged_template(fake: FakeArgo) -> None:
+    compiled = _compiled()
+    _client(fake).ensure_workflow_template(compiled.template)
+    fake.allowed = SUBMITTER_RBAC
+    client = _client(fake)
+    assert client.ensure_workflow_template(_compiled().template).action == "unchanged"
+    assert client.submit_workflow(compiled.workflow).startswith("korean-llm-")
+
+
+def test_a_submitter_is_told_when_the_template_is_out_of_date(fake: FakeArgo) -> None:
+    _client(fake).ensure_workflow_template(_compiled().template)
+    fake.allowed = SUBMITTER_RBAC
+    with pytest.raises(StaleObject) as err:
+        _client(fake).ensure_workflow_template(_compiled("description=changed").template)
+    assert err.value.summary == (
+        f"WorkflowTemplate {NS}/korean-llm on the Argo server is out of date (it differs from the compiled "
+        "pipeline), and the identity behind ARGO_TOKEN may not update it (403 Forbidden)"
+    )
+    assert err.value.status == 403
+    assert "RBAC verb 'update' on resource 'workflowtemplates'" in str(err.value)
+
+
+def test_a_submitter_is_told_when_the_template_is_missing(fake: FakeArgo) -> None:
+    fake.allowed = SUBMITTER_RBAC
+    with pytest.raises(StaleObject, match="RBAC verb 'create'") as err:
+        _client(fake).ensure_workflow_template(_compiled().template)
+    assert err.value.summary.startswith(f"WorkflowTemplate {NS}/korean-llm does not exist on the Argo server")
+
+
 def test_ensure_updates_a_template_someone_else_created(fake: FakeArgo) -> None:
     fake.put_object("workflowtemplates", {"metadata": {"name": "korean-llm", "namespace": NS}, "spec": {}})
     applied = _client(fake).ensure_workflow_template(_compiled().template)
@@ -150,17 +254,47 @@ def test_submit_returns_the_generated_name_and_get_reads_status(fake: FakeArgo) 
     assert workflow.status is not None and workflow.status.phase == "Running"
 
 
-def test_argo_namespace_overrides_the_spec_namespace(fake: FakeArgo) -> None:
+def test_argo_namespace_must_be_the_spec_namespace(fake: FakeArgo) -> None:
+    """The PyTorchJobs and InferenceService inside the template are created in cluster.namespace, and the
+    workflow that owns them cannot be in another one."""
     client = _client(fake, ARGO_NAMESPACE="posttrain")
-    client.ensure_workflow_template(_compiled().template)
+    with pytest.raises(
+        ArgoError,
+        match=r"cluster\.namespace is 'llm-training': unset ARGO_NAMESPACE, or set cluster\.namespace to "
+        r"'posttrain' in the pipeline file or a profile",
+    ):
+        client.ensure_workflow_template(_compiled().template)
+    with pytest.raises(ArgoError, match=r"set cluster\.namespace to 'posttrain'"):
+        client.submit_workflow(_compiled().workflow)
+    assert fake.requests == []
+    moved = _compiled("cluster.namespace=posttrain")
+    client.ensure_workflow_template(moved.template)
+    client.submit_workflow(moved.workflow)
     assert set(fake.objects("workflowtemplates")) == {("posttrain", "korean-llm")}
+    assert {ns for ns, _ in fake.objects("workflows")} == {"posttrain"}
+
+
+def test_a_profile_template_is_another_object(fake: FakeArgo) -> None:
+    client = _client(fake)
+    client.ensure_workflow_template(_compiled().template)
+    plain = fake.objects("workflowtemplates")[(NS, "korean-llm")]
+    loaded = load_pipeline("korean-llm", "local")
+    profiled = compile_pipeline(loaded.spec, profile=loaded.profile)
+    assert str(client.ensure_workflow_template(profiled.template)) == f"created WorkflowTemplate {NS}/korean-llm-local"
+    assert profiled.cron is not None
+    assert str(client.ensure_cron_workflow(profiled.cron)) == f"created CronWorkflow {NS}/korean-llm-local"
+    assert fake.objects("workflowtemplates")[(NS, "korean-llm")] == plain
+    assert client.submit_workflow(profiled.workflow).startswith("korean-llm-")
 
 
 def test_base_href_prefixes_the_api_paths() -> None:
     with running(base_href="/argo/") as fake:
         client = _client(fake)
         client.ensure_workflow_template(_compiled().template)
-        assert fake.requests[0].path == "/argo/api/v1/workflow-templates/llm-training"
+        assert [(r.method, r.path) for r in fake.requests] == [
+            ("GET", "/argo/api/v1/workflow-templates/llm-training/korean-llm"),
+            ("POST", "/argo/api/v1/workflow-templates/llm-training"),
+        ]
         assert client.ui_url("w").startswith(f"{fake.url}/argo/workflows/")
 
 
@@ -225,12 +359,12 @@ def test_403_on_update_names_update(fake: FakeArgo) -> None:
     client.ensure_workflow_template(_compiled().template)
     fake.forbidden = {("update", "workflowtemplates")}
     with pytest.raises(ArgoError, match="RBAC verb 'update' on resource 'workflowtemplates'"):
-        client.ensure_workflow_template(_compiled().template)
+        client.ensure_workflow_template(_compiled("description=changed").template)
 
 
 def test_unknown_namespace_says_to_set_argo_namespace(fake: FakeArgo) -> None:
     with pytest.raises(ArgoError, match=r"namespace 'nope' was not found.*set ARGO_NAMESPACE") as err:
-        _client(fake, ARGO_NAMESPACE="nope").ensure_workflow_template(_compiled().template)
+        _client(fake, ARGO_NAMESPACE="nope").ensure_workflow_template(_compiled("cluster.namespace=nope").template)
     assert err.value.status == 404
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from fake_argo import FakeArgo, running
+from fake_argo import SUBMITTER_RBAC, FakeArgo, running
 
 REPO = Path(__file__).resolve().parent.parent
 NS = "llm-training"
@@ -132,12 +132,68 @@ def test_submit_prints_name_and_url_and_never_the_token(fake: FakeArgo) -> None:
     assert fake.token not in proc.stdout + proc.stderr
 
 
-def test_register_then_conflict_free_update(fake: FakeArgo) -> None:
+def test_register_twice_then_update(fake: FakeArgo) -> None:
     first = _cli("workflows.register", "korean-llm", env=fake.env())
     second = _cli("workflows.register", "korean-llm", env=fake.env())
-    assert (first.returncode, second.returncode) == (0, 0), first.stderr + second.stderr
-    assert "created CronWorkflow" in first.stdout and "updated CronWorkflow" in second.stdout
+    third = _cli("workflows.register", "korean-llm", "--set", "schedule.suspend=true", env=fake.env())
+    assert (first.returncode, second.returncode, third.returncode) == (0, 0, 0), first.stderr + second.stderr
+    assert "created CronWorkflow" in first.stdout
+    assert f"CronWorkflow {NS}/korean-llm is up to date" in second.stdout
+    assert "updated CronWorkflow" in third.stdout
     assert fake.token not in first.stdout + first.stderr + second.stdout + second.stderr
+
+
+def test_a_submitter_submits_a_run_with_set(fake: FakeArgo) -> None:
+    assert _cli("workflows.register", "korean-llm", env=fake.env()).returncode == 0
+    template = fake.objects("workflowtemplates")
+    fake.allowed = SUBMITTER_RBAC
+    proc = submit("korean-llm", "--skip-preflight", "--set", "data_version=2027-01", env=fake.env())
+    assert (proc.returncode, proc.stderr) == (0, "")
+    [(_, name)] = fake.objects("workflows")
+    assert f"submitted Workflow {NS}/{name}" in proc.stdout
+    workflow = fake.objects("workflows")[(NS, name)]
+    assert {"name": "overrides", "value": "data_version=2027-01"} in workflow["spec"]["arguments"]["parameters"]
+    assert fake.objects("workflowtemplates") == template
+
+
+def test_a_submitter_with_an_out_of_date_template_is_sent_to_the_registrar(fake: FakeArgo) -> None:
+    registered = _cli("workflows.register", "korean-llm", "--set", "description=older", env=fake.env())
+    assert registered.returncode == 0
+    assert registered.stderr.startswith(
+        "warning: --set values are compiled into the shared WorkflowTemplate korean-llm: every run from it uses them"
+    )
+    fake.allowed = SUBMITTER_RBAC
+    proc = submit("korean-llm", "--skip-preflight", "--set", "data_version=2027-01", env=fake.env())
+    assert proc.returncode == 1
+    assert proc.stderr.startswith(f"error: WorkflowTemplate {NS}/korean-llm on the Argo server is out of date")
+    assert proc.stderr.endswith("should run `python -m workflows.register korean-llm`, then submit again\n")
+    assert len(proc.stderr.splitlines()) == 1
+
+
+def test_set_on_a_template_field_is_refused_before_any_request(fake: FakeArgo) -> None:
+    proc = submit("korean-llm", "--skip-preflight", "--set", "stages.sft.resources.gpus_per_node=1", env=fake.env())
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(
+        "error: --set stages.sft.resources.gpus_per_node: stages.sft.resources is part of the shared WorkflowTemplate "
+        "korean-llm"
+    )
+    assert "`python -m workflows.register korean-llm`" in proc.stderr and "--render DIR" in proc.stderr
+    assert len(proc.stderr.splitlines()) == 1
+    assert fake.requests == []
+
+
+def test_invalid_set_on_submit_is_refused_before_any_request(fake: FakeArgo) -> None:
+    proc = submit("korean-llm", "--skip-preflight", "--set", "stages.sft.training.learning_rate=fast", env=fake.env())
+    assert proc.returncode == 2
+    assert "--set stages.sft.training.learning_rate=fast: stages.sft.training.learning_rate:" in proc.stderr
+    assert fake.requests == []
+
+
+def test_argo_namespace_that_disagrees_with_the_spec_is_a_usage_error(fake: FakeArgo) -> None:
+    proc = submit("korean-llm", "--skip-preflight", env=fake.env(ARGO_NAMESPACE="posttrain"))
+    assert proc.returncode == 2
+    assert "set cluster.namespace to 'posttrain'" in proc.stderr and len(proc.stderr.splitlines()) == 1
+    assert fake.requests == []
 
 
 def test_register_with_an_unknown_pipeline_exits_2() -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import yaml
 
-from workflows.compile import compile_pipeline
+from workflows.compile import compile_pipeline, template_name
 from workflows.loading import load_pipeline
 from workflows.pytorchjob import FAILURE_CONDITION, SUCCESS_CONDITION
+from workflows.spec import MAX_PIPELINE_NAME_LENGTH, RunPolicy
 
 
 def _template(name: str = "korean-llm", overrides: tuple[str, ...] = ()) -> dict:
@@ -162,3 +164,74 @@ def test_a_passing_deploy_is_served_through_an_applied_inference_service() -> No
     )
     no_serving = _template(overrides=("stages.deploy.serving.enabled=false",))
     assert "serve" not in _tasks(no_serving)
+
+
+def test_retries_wait_at_most_an_hour_and_are_never_cut_off() -> None:
+    """Argo's backoff `maxDuration` stops retrying once that long has passed since the first attempt, so a stage
+    that failed after a day of training would never be retried: each wait is capped with `cap` instead."""
+    for stage in ("cpt", "sft", "rlhf"):
+        template = next(t for t in _template()["spec"]["templates"] if t["name"] == stage)
+        backoff = template["retryStrategy"]["backoff"]
+        assert backoff == {"duration": "2m", "factor": "2", "cap": "1h"}
+        assert "maxDuration" not in backoff
+
+
+def test_every_training_step_has_a_timeout() -> None:
+    """Without a deadline in the spec, a job stuck at Created would hold the step forever: the default deadline
+    (7 days) still bounds it, and an explicit one is kept."""
+    spec = load_pipeline("korean-llm").spec
+    spec.stages.sft.run_policy = RunPolicy()
+    templates = {t["name"]: t for t in compile_pipeline(spec).documents()["workflowtemplate.yaml"]["spec"]["templates"]}
+    assert templates["sft"]["timeout"] == f"{7 * 24 * 3600 + 3600}s"
+    assert templates["rlhf"]["timeout"] == f"{86400 + 3600}s"
+
+
+def test_container_steps_know_their_image() -> None:
+    templates = {
+        t["name"]: t for t in _template(overrides=("stages.evaluate.resources.image=r/eval:1",))["spec"]["templates"]
+    }
+    for name in ("prepare", "evaluate", "deploy"):
+        container = templates[name]["container"]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["POSTTRAIN_IMAGE"] == container["image"]
+    assert templates["evaluate"]["container"]["image"] == "r/eval:1"
+
+
+def test_a_profile_names_the_template_and_schedule_but_not_the_runs() -> None:
+    loaded = load_pipeline("korean-llm", "local")
+    docs = compile_pipeline(loaded.spec, profile=loaded.profile).documents()
+    assert docs["workflowtemplate.yaml"]["metadata"]["name"] == "korean-llm-local"
+    assert docs["cronworkflow.yaml"]["metadata"]["name"] == "korean-llm-local"
+    assert docs["cronworkflow.yaml"]["spec"]["workflowSpec"]["workflowTemplateRef"] == {"name": "korean-llm-local"}
+    assert docs["workflow.yaml"]["spec"]["workflowTemplateRef"] == {"name": "korean-llm-local"}
+    assert docs["workflow.yaml"]["metadata"]["generateName"] == "korean-llm-"
+    assert docs["workflowtemplate.yaml"]["metadata"]["labels"]["posttrain.dev/pipeline"] == "korean-llm"
+
+
+@pytest.mark.parametrize("profile", ["QLoRA", "q_lora", "-qlora", "qlora-"])
+def test_a_profile_name_must_fit_a_dns_label(profile: str) -> None:
+    with pytest.raises(ValueError, match=rf"profile '{profile}' names the WorkflowTemplate 'korean-llm-{profile}'"):
+        template_name(load_pipeline("korean-llm").spec, profile)
+
+
+def test_a_scheduled_profile_fits_the_service_names_of_its_runs() -> None:
+    """The CronWorkflow names its runs `<template>-<10 digits>`, and the training jobs' Services after them."""
+    spec = load_pipeline("korean-llm").spec  # scheduled
+    longest = "p" * (MAX_PIPELINE_NAME_LENGTH - len("korean-llm-"))
+    assert template_name(spec, longest) == f"korean-llm-{longest}"
+    with pytest.raises(ValueError) as err:
+        template_name(spec, longest + "p")
+    assert f"({MAX_PIPELINE_NAME_LENGTH + 1} characters), over the {MAX_PIPELINE_NAME_LENGTH} that fit" in str(
+        err.value
+    )
+    assert "(the training jobs' Services of a scheduled run are named after it): shorten the profile name" in str(
+        err.value
+    )
+
+
+def test_an_unscheduled_profile_fits_argos_template_name_limit() -> None:
+    spec = load_pipeline("llama3-dolly").spec  # not scheduled
+    longest = "p" * (63 - len("llama3-dolly-"))
+    assert template_name(spec, longest) == f"llama3-dolly-{longest}"
+    with pytest.raises(ValueError, match=r"WorkflowTemplate 'llama3-dolly-p+' \(64 characters\), over the 63 that fit"):
+        template_name(spec, longest + "p")

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from argo_model import evaluate, parse_selector
-from conftest import PIPELINE_VARIANTS, compiler_or_skip, fresh_spec
+from conftest import PIPELINE_VARIANTS, fresh_spec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pytorchjob_status import (
@@ -29,6 +29,7 @@ from pytorchjob_status import (
 )
 from schema_validation import validate_pytorchjob
 
+from workflows.compile import compile_pipeline
 from workflows.pytorchjob import FAILURE_CONDITION, SUCCESS_CONDITION
 
 NAIVE_SUCCESS = "status.conditions.0.type == Succeeded"
@@ -38,7 +39,6 @@ NAIVE_FAILURE = "status.conditions.0.type == Failed"
 @cache
 def compiled_conditions() -> tuple[tuple[str, str, str], ...]:
     """(where, successCondition, failureCondition) of every PyTorchJob step of every compiled pipeline."""
-    compile_pipeline = compiler_or_skip()
     found = []
     for name, profile in PIPELINE_VARIANTS:
         docs = compile_pipeline(fresh_spec(name, profile)).documents()

@@ -65,6 +65,10 @@ def test_form_values_reach_the_spec(tmp_path: Path) -> None:
         ({"overrides": "no-equals-sign"}, "parameter overrides, line 1"),
         ({"overrides": "stages.cpt.resources.nodes=64"}, "fixed when the template is compiled"),
         ({"overrides": "cluster.namespace=other"}, "fixed when the template is compiled"),
+        (
+            {"overrides": "stages.deploy.serving.gpus=4"},
+            "stages.deploy.serving.gpus is fixed when the template is compiled",
+        ),
         ({"overrides": "stages.cpt.enabled=false"}, "use the run-<stage> parameter"),
         ({"run-evaluate": "false"}, "stages.deploy needs stages.evaluate"),
         ({"data-version": "v1; rm -rf /"}, "parameter data-version: data_version"),
@@ -74,6 +78,73 @@ def test_bad_form_values_name_the_parameter(tmp_path: Path, values: dict[str, st
     with pytest.raises(SpecError) as err:
         params.resolve_params_dir(_params_dir(tmp_path, values))
     assert message in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("override", "reason"),
+    [
+        ("model.trust_remote_code=true", "code from the model's repository run in the pods"),
+        ("tracking.mlflow_tracking_uri=http://elsewhere.example:5000", "send their MLflow credentials"),
+        ("stages.evaluate.lm_eval_include_path=/anywhere", "can import and run Python code"),
+        ("stages.deploy.storage_uri=gs://someone-elses-bucket/models", "with the pods' cloud credentials"),
+        ("stages.deploy.storage_uri=pvc://checkpoints-rwx/elsewhere", "with the pods' cloud credentials"),
+    ],
+)
+def test_what_decides_code_or_credentials_is_set_in_the_pipeline_file_only(
+    tmp_path: Path, override: str, reason: str
+) -> None:
+    with pytest.raises(SpecError) as err:
+        params.resolve_params_dir(_params_dir(tmp_path, {"overrides": f"# ok\n{override}"}))
+    field = override.split("=", 1)[0]
+    assert str(err.value).startswith(f"parameter overrides, line 2: {field} cannot be set from the form: ")
+    assert reason in str(err.value)
+    assert str(err.value).endswith("; set it in the pipeline file and register it again")
+
+
+@pytest.mark.parametrize(
+    ("override", "fixed"),
+    [
+        ("tracking={mlflow_tracking_uri: http://elsewhere.example}", "tracking.mlflow_tracking_uri"),
+        ("model={name_or_path: x, trust_remote_code: true}", "model.trust_remote_code"),
+        ("stages.evaluate={lm_eval_include_path: /anywhere}", "stages.evaluate.enabled"),
+        ("stages.sft={resources: {gpus_per_node: 1}}", "stages.sft.enabled"),
+        ("stages={}", "stages.prepare.enabled"),
+    ],
+)
+def test_a_section_holding_a_fixed_field_cannot_be_replaced(tmp_path: Path, override: str, fixed: str) -> None:
+    """A mapping value replaces the whole section: it would change the fixed field without naming it."""
+    with pytest.raises(SpecError) as err:
+        params.resolve_params_dir(_params_dir(tmp_path, {"overrides": override}))
+    section = override.split("=", 1)[0]
+    assert f"{section} would replace the whole section, {fixed} included" in str(err.value)
+    assert f"set the fields below {section} one per line instead" in str(err.value)
+
+
+def test_the_form_names_the_fields_it_cannot_set() -> None:
+    [overrides] = [p for p in params.ui_parameters(load_pipeline("korean-llm").spec) if p.name == params.OVERRIDES]
+    for path in params.PIPELINE_FILE_ONLY:
+        assert ".".join(path) in overrides.description
+
+
+def test_stages_deploy_cannot_be_replaced_whole(tmp_path: Path) -> None:
+    with pytest.raises(SpecError, match=r"stages\.deploy would replace the whole section"):
+        params.resolve_params_dir(_params_dir(tmp_path, {"overrides": "stages.deploy={storage_uri: gs://x/y}"}))
+
+
+def test_submit_names_its_own_lines(tmp_path: Path) -> None:
+    """`workflows.submit` checks its --set with the same function; errors name the --set, not the form's line."""
+    document = params.embedded_document(load_pipeline("korean-llm").spec)
+    values = {params.OVERRIDES: "stages.sft.lora.r=8\nstages.sft.lora.r=many"}
+    with pytest.raises(SpecError, match=r"^--set 2: stages\.sft\.lora\.r: "):
+        params.resolve_parameters(document, values, lambda number: f"--set {number}")
+    spec = params.resolve_parameters(document, {params.OVERRIDES: "stages.sft.lora.r=8"})
+    assert spec.stages.sft.lora.r == 8
+
+
+def test_sections_without_fixed_fields_may_be_set_whole(tmp_path: Path) -> None:
+    overrides = "stages.sft.training={learning_rate: 5.0e-5}\ntracking.wandb_project=other"
+    spec = params.resolve_params_dir(_params_dir(tmp_path, {"overrides": overrides}))
+    assert spec.stages.sft.training.learning_rate == 5e-5 and spec.tracking.wandb_project == "other"
 
 
 def test_shell_and_template_syntax_stays_data(tmp_path: Path) -> None:

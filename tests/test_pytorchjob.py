@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
 from conftest import PIPELINE_VARIANTS, fresh_spec, variant_id
 from schema_validation import SchemaViolation, pod_template_object, validate_core, validate_pytorchjob
 
+from workflows.loading import SpecError, known_pipelines, load_pipeline
 from workflows.pytorchjob import CONTAINER_NAME, STAGE_LABEL, pytorchjob_manifest, run_dir
-from workflows.spec import TRAINING_STAGES, PipelineSpec, SecretRef, Toleration
+from workflows.spec import (
+    MAX_NODES,
+    MAX_PIPELINE_NAME_LENGTH,
+    TRAINING_STAGES,
+    PipelineSpec,
+    RunPolicy,
+    SecretRef,
+    Toleration,
+)
 
 STAGE_CASES = [
     (variant, stage)
@@ -44,7 +54,6 @@ def test_manifest_validates_strictly_against_the_crd(case: tuple[PipelineSpec, s
 
 
 def test_pod_templates_validate_as_core_objects(case: tuple[PipelineSpec, str]) -> None:
-    pytest.importorskip("kubernetes_validate")
     for rtype, replica in _replicas(pytorchjob_manifest(*case)).items():
         validate_core(pod_template_object(replica["template"], name=rtype.lower()))
 
@@ -238,3 +247,74 @@ def test_a_bad_affinity_is_caught_by_the_crd(case: tuple[PipelineSpec, str], sch
     spec.stage(stage).resources.affinity = {"nodeAfinity": {}}
     with pytest.raises(SchemaViolation, match="nodeAfinity"):
         validate_pytorchjob(pytorchjob_manifest(spec, stage))
+
+
+def _env(container: dict[str, Any]) -> dict[str, str]:
+    return {var["name"]: var["value"] for var in container["env"] if "value" in var}
+
+
+def test_pods_know_their_image(case: tuple[PipelineSpec, str]) -> None:
+    """The MLflow runs are tagged with the image (stages/tracking.py reads POSTTRAIN_IMAGE)."""
+    spec, stage = case
+    spec.stage(stage).resources.image = "registry.example/trainer:pinned"
+    for container in _containers(pytorchjob_manifest(spec, stage)):
+        assert _env(container)["POSTTRAIN_IMAGE"] == container["image"] == "registry.example/trainer:pinned"
+
+
+@pytest.mark.parametrize(("grace", "timeout"), [(300, 285), (600, 585), (40, 30), (30, 30)])
+def test_torchrun_gives_workers_the_grace_period_to_checkpoint(
+    case: tuple[PipelineSpec, str], grace: int, timeout: int
+) -> None:
+    """On SIGTERM torchrun SIGKILLs its workers after TORCH_ELASTIC_SHUTDOWN_TIMEOUT (30 s by default): it must
+    cover most of the pod's grace period, which is sized for one step plus a checkpoint."""
+    spec, stage = case
+    spec.stage(stage).run_policy.termination_grace_period_seconds = grace
+    for replica in _replicas(pytorchjob_manifest(spec, stage)).values():
+        pod = replica["template"]["spec"]
+        assert pod["terminationGracePeriodSeconds"] == grace
+        shutdown = int(_env(pod["containers"][0])["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"])
+        assert shutdown == timeout and shutdown <= grace
+
+
+def test_a_failed_job_frees_the_gpus_of_its_running_pods() -> None:
+    """By default the operator deletes the pods still running when the job ends (e.g. Workers waiting on a failed
+    Master), and the job always has a deadline."""
+    policy = RunPolicy()
+    assert policy.clean_pod_policy == "Running"
+    assert policy.active_deadline_seconds == 7 * 24 * 3600
+    spec = fresh_spec("korean-llm")
+    spec.stages.sft.run_policy = RunPolicy()
+    run_policy = pytorchjob_manifest(spec, "sft")["spec"]["runPolicy"]
+    assert run_policy["cleanPodPolicy"] == "Running"
+    assert run_policy["activeDeadlineSeconds"] == 7 * 24 * 3600
+
+
+# --------------------------------------------------------------------------- name lengths
+
+_DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+def _worst_service_name(spec: PipelineSpec) -> str:
+    """The longest replica Service name a run of `spec` can get: a resubmitted scheduled run's workflow
+    ('<name>-<unix time>-<5 random>'), the job's generateName suffix, and the last Worker's index."""
+    workflow = f"{spec.name}-{2**32}-abcde"  # a 10-digit unix time (2106); resubmission appends '-<5 random>'
+    names = []
+    for stage in TRAINING_STAGES:
+        job = pytorchjob_manifest(spec, stage, run_name=workflow)["metadata"]["generateName"] + "fghij"
+        names.append(f"{job}-worker-{MAX_NODES - 2}")
+    return max(names, key=len)
+
+
+@pytest.mark.parametrize("pipeline", known_pipelines())
+def test_shipped_pipelines_have_valid_service_names(pipeline: str) -> None:
+    service = _worst_service_name(load_pipeline(pipeline).spec)
+    assert len(service) <= 63 and _DNS_1035.match(service), service
+
+
+def test_the_longest_allowed_name_still_gives_valid_service_names() -> None:
+    longest = "a" * MAX_PIPELINE_NAME_LENGTH
+    spec = load_pipeline("korean-llm", overrides=[f"name={longest}"]).spec
+    service = _worst_service_name(spec)
+    assert len(service) == 63 and _DNS_1035.match(service), service
+    with pytest.raises(SpecError, match=f"at most {MAX_PIPELINE_NAME_LENGTH} characters"):
+        load_pipeline("korean-llm", overrides=[f"name={longest}b"])

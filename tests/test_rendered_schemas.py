@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 from argo_model import parse_selector
-from schema_validation import SchemaViolation, validate_argo, validate_pytorchjob
+from schema_validation import SchemaViolation, require_schemas, validate_argo, validate_pytorchjob
 
 from workflows.pytorchjob import pytorchjob_manifest
 from workflows.spec import TRAINING_STAGES, PipelineSpec
@@ -106,3 +106,15 @@ def test_the_argo_validator_is_strict(
     workflow["spec"]["arguments"]["parameters"][0]["value"] = {"not": "a string"}
     with pytest.raises(SchemaViolation, match=r"spec\.arguments\.parameters\[0\]\.value"):
         validate_argo(workflow)
+
+
+@pytest.mark.parametrize(("required", "outcome"), [("", pytest.skip.Exception), ("1", pytest.fail.Exception)])
+def test_missing_schemas_skip_unless_required(
+    required: str, outcome: type[BaseException], monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """CI sets POSTTRAIN_REQUIRE_SCHEMAS=1: there a test that needs the schemas fails without them, for the
+    same reason it would skip elsewhere."""
+    monkeypatch.setenv("POSTTRAIN_SHARED_DIR", str(tmp_path))
+    monkeypatch.setenv("POSTTRAIN_REQUIRE_SCHEMAS", required)
+    with pytest.raises(outcome, match=f"not found in {tmp_path}"):
+        require_schemas()

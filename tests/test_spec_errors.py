@@ -225,6 +225,15 @@ def test_non_utf8_file(tmp_path: Path) -> None:
 
 # --------------------------------------------------------------------------- cross-field rules
 
+_DPO = ("stages.rlhf.enabled=true", "stages.rlhf.data.uri=/p.jsonl", "stages.rlhf.data.format=preference")
+_GRPO = (
+    "stages.rlhf.enabled=true",
+    "stages.rlhf.algorithm=grpo",
+    "stages.rlhf.data.uri=/p.jsonl",
+    "stages.rlhf.data.format=messages",
+    "stages.rlhf.reward_functions=[{name: length}]",
+)
+
 
 @pytest.mark.parametrize(
     ("overrides", "fragments"),
@@ -247,6 +256,14 @@ def test_non_utf8_file(tmp_path: Path) -> None:
             ),
             ("stages.rlhf", "grpo needs at least one entry in reward_functions"),
         ),
+        (
+            (*_DPO, "stages.rlhf.beta=0"),
+            ("stages.rlhf", "beta must be greater than 0 for dpo"),
+        ),
+        (
+            (*_DPO, "stages.rlhf.algorithm=orpo", "stages.rlhf.beta=0"),
+            ("stages.rlhf", "beta must be greater than 0 for orpo"),
+        ),
     ],
     ids=[
         "qlora-with-zero3",
@@ -256,6 +273,8 @@ def test_non_utf8_file(tmp_path: Path) -> None:
         "evaluate-without-training",
         "slack-without-webhook-secret",
         "grpo-without-rewards",
+        "dpo-with-zero-beta",
+        "orpo-with-zero-beta",
     ],
 )
 def test_cross_field_rules(overrides: tuple[str, ...], fragments: tuple[str, ...], tmp_path: Path) -> None:
@@ -288,7 +307,26 @@ def test_cross_field_rules(overrides: tuple[str, ...], fragments: tuple[str, ...
         ("cluster.namespace=Bad_NS", ("--set", "cluster.namespace", "DNS-1123")),
         ("schedule.timezone=Asia/Nowhere", ("--set", "schedule.timezone", "unknown timezone")),
         ("data_version=a/b", ("--set", "data_version", "letters, digits")),
-        ("name=" + "a" * 41, ("--set", "name", "at most 40 characters")),
+        ("name=" + "a" * 25, ("--set", "name", "at most 24 characters", "63-character DNS label")),
+        ("name=9lives", ("--set", "name", "must start with a letter")),
+        ("stages.sft.run_policy.retry_backoff=soon", ("--set", "stages.sft.run_policy.retry_backoff", "Go duration")),
+        ("stages.sft.run_policy.retry_backoff=2 m", ("--set", "stages.sft.run_policy.retry_backoff", "'2 m'")),
+        ("stages.sft.run_policy.retry_backoff=-1m", ("--set", "stages.sft.run_policy.retry_backoff", "'-1m'")),
+        ("stages.deploy.storage_uri=pvc://ckpt", ("--set", "stages.deploy.storage_uri", "root of the claim")),
+        ("stages.deploy.storage_uri=pvc://ckpt/", ("--set", "stages.deploy.storage_uri", "root of the claim")),
+        ("stages.deploy.storage_uri=pvc://ckpt/m/../../x", ("--set", "stages.deploy.storage_uri", "no '..'")),
+        (
+            "stages.deploy.storage_uri=pvc://Bad_Claim/m",
+            ("--set", "stages.deploy.storage_uri", "PersistentVolumeClaim"),
+        ),
+        ("stages.rlhf.beta=-0.1", ("--set", "stages.rlhf.beta", "greater than or equal to 0")),
+        (
+            "stages.sft.run_policy.active_deadline_seconds=null",
+            (
+                "--set",
+                "stages.sft.run_policy.active_deadline_seconds",
+            ),
+        ),
         ("cluster.secrets.hf_token={name: Bad_Name, key: t}", ("--set", "cluster.secrets.hf_token.name", "Bad_Name")),
         (
             "stages.sft.resources.tolerations=[{key: a, operater: Exists}]",
@@ -309,6 +347,26 @@ def test_override_errors_name_the_override_and_field(override: str, fragments: t
     assert message.startswith("--set"), message
     for fragment in fragments:
         assert fragment in message, message
+
+
+@pytest.mark.parametrize("backoff", ["120", "90s", "2m", "1h30m", "1.5h", "500ms"])
+def test_retry_backoff_takes_seconds_or_a_go_duration(backoff: str, tmp_path: Path) -> None:
+    path = _write(tmp_path, BASE)
+    spec = load_pipeline(str(path), overrides=(f"stages.sft.run_policy.retry_backoff={backoff}",)).spec
+    assert spec.stages.sft.run_policy.retry_backoff == backoff
+
+
+@pytest.mark.parametrize("uri", ["pvc://ckpt/models", "pvc://ckpt/models/demo/", "gs://bucket", "s3://bucket/p"])
+def test_storage_uris_that_name_a_place(uri: str, tmp_path: Path) -> None:
+    path = _write(tmp_path, BASE)
+    assert load_pipeline(str(path), overrides=(f"stages.deploy.storage_uri={uri}",)).spec.stages.deploy.storage_uri
+
+
+def test_grpo_accepts_beta_zero(tmp_path: Path) -> None:
+    """TRL's GRPO default: no KL term, no reference model."""
+    path = _write(tmp_path, BASE)
+    spec = load_pipeline(str(path), overrides=(*_GRPO, "stages.rlhf.beta=0")).spec
+    assert spec.stages.rlhf.beta == 0
 
 
 def test_override_errors_do_not_blame_the_file(tmp_path: Path) -> None:

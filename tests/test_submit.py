@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import json
 import sys
 import types
 from pathlib import Path
@@ -9,11 +11,13 @@ from typing import Any
 
 import pytest
 import yaml
-from fake_argo import FakeArgo, node, workflow_status
+from fake_argo import SUBMITTER_RBAC, FakeArgo, node, workflow_status
 
+from workflows import parameters as params
 from workflows import submit
 from workflows.compile import compile_pipeline
-from workflows.loading import LoadedPipeline, load_pipeline
+from workflows.loading import PIPELINES_DIR, LoadedPipeline, load_pipeline
+from workflows.spec import PipelineSpec
 
 NS = "llm-training"
 
@@ -42,6 +46,47 @@ def test_render_writes_the_compiled_documents(tmp_path: Path, capsys: pytest.Cap
 def test_render_keeps_unicode_readable(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     _run(capsys, "korean-llm", "--render", str(tmp_path), "--set", "description=한국어 모델")
     assert "한국어 모델" in (tmp_path / "workflowtemplate.yaml").read_text(encoding="utf-8")
+
+
+def test_render_compiles_every_set_into_standalone_documents(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--render accepts fields of the template too; the three files agree with each other."""
+    overrides = ["stages.sft.training.learning_rate=2e-4", "stages.sft.resources.nodes=2", "schedule.suspend=true"]
+    code, _, _ = _run(capsys, "korean-llm", "--render", str(tmp_path), *(f"--set={o}" for o in overrides))
+    assert code == 0
+    expected = compile_pipeline(load_pipeline("korean-llm", overrides=overrides).spec).documents()
+    for file_name, document in expected.items():
+        assert yaml.safe_load((tmp_path / file_name).read_text(encoding="utf-8")) == document
+    workflow = expected["workflow.yaml"]
+    assert _arguments(workflow)["overrides"] == ""
+    resolved = _resolved_in_the_cluster(expected["workflowtemplate.yaml"], workflow)
+    assert resolved.stages.sft.training.learning_rate == 2e-4 and resolved.stages.sft.resources.nodes == 2
+
+
+def test_render_with_a_profile_names_the_template_after_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, _ = _run(capsys, "korean-llm", "--profile", "local", "--render", str(tmp_path))
+    assert code == 0
+    docs = {p.name: yaml.safe_load(p.read_text(encoding="utf-8")) for p in tmp_path.iterdir()}
+    assert docs["workflowtemplate.yaml"]["metadata"]["name"] == "korean-llm-local"
+    assert docs["cronworkflow.yaml"]["metadata"]["name"] == "korean-llm-local"
+    assert docs["cronworkflow.yaml"]["spec"]["workflowSpec"]["workflowTemplateRef"] == {"name": "korean-llm-local"}
+    assert docs["workflow.yaml"]["spec"]["workflowTemplateRef"] == {"name": "korean-llm-local"}
+    assert docs["workflow.yaml"]["metadata"]["generateName"] == "korean-llm-"
+
+
+def test_a_profile_name_that_cannot_name_a_template_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], local_runner: list[tuple[Any, ...]]
+) -> None:
+    pipeline = tmp_path / "korean-llm.yaml"
+    text = (PIPELINES_DIR / "korean-llm.yaml").read_text(encoding="utf-8")
+    pipeline.write_text(text.replace("\n  local:\n", "\n  Local_Tiny:\n", 1), encoding="utf-8")
+    code, _, err = _run(capsys, str(pipeline), "--profile", "Local_Tiny", "--render", str(tmp_path / "out"))
+    assert code == 2
+    assert f"error: cannot compile {pipeline}: profile 'Local_Tiny' names the WorkflowTemplate" in err
+    assert not (tmp_path / "out").exists()
+    code, _, _ = _run(capsys, str(pipeline), "--profile", "Local_Tiny", "--local")  # no template, no name
+    assert code == 3 and len(local_runner) == 1
 
 
 def test_render_without_schedule_removes_a_stale_cronworkflow(
@@ -90,12 +135,193 @@ def test_submit_ensures_the_template_and_prints_name_and_url(
     assert f"{fake.url}/workflows/{NS}/{name}" in out
 
 
-def test_a_second_submit_updates_the_template(fake: FakeArgo, capsys: pytest.CaptureFixture[str]) -> None:
+def _arguments(workflow: dict[str, Any]) -> dict[str, str]:
+    return {p["name"]: p["value"] for p in workflow["spec"]["arguments"]["parameters"]}
+
+
+def _resolved_in_the_cluster(template: dict[str, Any], workflow: dict[str, Any]) -> PipelineSpec:
+    """What prepare resolves for `workflow`: the template's embedded spec with the run's argument values."""
+    prepare = next(t for t in template["spec"]["templates"] if t["name"] == "prepare")
+    embedded = next(a["raw"]["data"] for a in prepare["inputs"]["artifacts"] if a["name"] == "pipeline-spec")
+    return params.resolve_parameters(json.loads(base64.b64decode(embedded)), _arguments(workflow))
+
+
+def test_set_values_travel_with_the_run_and_leave_the_template_alone(
+    fake: FakeArgo, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The weekly schedule runs the shared template: an ad-hoc --set must not end up in it."""
     _run(capsys, "korean-llm", "--skip-preflight")
-    code, out, _ = _run(capsys, "korean-llm", "--skip-preflight", "--set", "stages.sft.training.learning_rate=1e-4")
+    before = fake.objects("workflowtemplates")[(NS, "korean-llm")]
+    fake.requests.clear()
+    lr, version = "stages.sft.training.learning_rate=2e-4", "data_version=2026-12"
+    code, out, err = _run(capsys, "korean-llm", "--skip-preflight", "--set", lr, "--set", version)
+    assert (code, err) == (0, "")
+    assert f"WorkflowTemplate {NS}/korean-llm is up to date" in out
+    assert [r.method for r in fake.requests] == ["GET", "POST"]
+    template = fake.objects("workflowtemplates")[(NS, "korean-llm")]
+    assert template == before
+
+    [created] = [r.body["workflow"] for r in fake.requests if r.method == "POST"]
+    arguments = _arguments(created)
+    assert arguments["overrides"] == f"{lr}\n{version}"
+    assert arguments["data-version"] == "2026-11"  # the form's default: the override line wins in prepare
+    assert created["spec"]["workflowTemplateRef"] == {"name": "korean-llm"}
+    resolved = _resolved_in_the_cluster(template, created)
+    assert resolved.stages.sft.training.learning_rate == 2e-4 and resolved.data_version == "2026-12"
+
+
+def test_a_submitter_submits_with_set(fake: FakeArgo, capsys: pytest.CaptureFixture[str]) -> None:
+    _run(capsys, "korean-llm", "--skip-preflight")  # registered by someone allowed to
+    fake.allowed = SUBMITTER_RBAC
+    code, out, err = _run(capsys, "korean-llm", "--skip-preflight", "--set", "stages.sft.lora.r=8")
+    assert (code, err) == (0, "")
+    assert f"WorkflowTemplate {NS}/korean-llm is up to date" in out
+    runs = [o for (_, name), o in fake.objects("workflows").items() if f"submitted Workflow {NS}/{name}" in out]
+    assert [_arguments(run)["overrides"] for run in runs] == ["stages.sft.lora.r=8"]
+
+
+def test_stage_switches_become_run_parameters(fake: FakeArgo, capsys: pytest.CaptureFixture[str]) -> None:
+    """`stages.<stage>.enabled` is the form's run-<stage> switch, not an override line."""
+    code, _, err = _run(capsys, "korean-llm", "--skip-preflight", "--set", "stages.rlhf.enabled=false")
+    assert (code, err) == (0, "")
+    [run] = fake.objects("workflows").values()
+    arguments = _arguments(run)
+    assert arguments["run-rlhf"] == "false" and arguments["run-cpt"] == "true" and arguments["overrides"] == ""
+
+
+@pytest.mark.parametrize(
+    ("override", "says"),
+    [
+        (
+            "stages.sft.resources.nodes=1",
+            "--set stages.sft.resources.nodes: stages.sft.resources is part of the shared WorkflowTemplate "
+            "korean-llm (compiled into its manifests) and cannot change per run: ",
+        ),
+        ("cluster.namespace=posttrain", "--set cluster.namespace: cluster is part of the shared WorkflowTemplate"),
+        ("schedule.suspend=true", "--set schedule.suspend: schedule is part of the shared WorkflowTemplate"),
+        (
+            "model.trust_remote_code=true",
+            "--set model.trust_remote_code: it is part of the shared WorkflowTemplate korean-llm (it lets code from "
+            "the model's repository run in the pods)",
+        ),
+        (
+            "stages.deploy.storage_uri=gs://elsewhere/models",
+            "--set stages.deploy.storage_uri: it is part of the shared WorkflowTemplate korean-llm (deploy uploads "
+            "the model there with the pods' cloud credentials)",
+        ),
+        (
+            "model={name_or_path: x}",
+            "--set model: it would replace model.trust_remote_code, which is part of the shared WorkflowTemplate "
+            "korean-llm",
+        ),
+    ],
+)
+def test_a_template_field_is_refused_before_any_request(
+    fake: FakeArgo, capsys: pytest.CaptureFixture[str], override: str, says: str
+) -> None:
+    code, _, err = _run(capsys, "korean-llm", "--skip-preflight", "--set", override)
+    assert code == 2
+    assert err.startswith(f"error: {says}")
+    assert err.endswith(
+        "change it in the pipeline file or a profile and run `python -m workflows.register korean-llm`, "
+        "or use --render DIR for standalone YAML\n"
+    )
+    assert len(err.splitlines()) == 1
+    assert fake.requests == []
+
+
+@pytest.mark.parametrize(
+    ("override", "says"),
+    [
+        (
+            "stages.sft.training.learning_rate=fast",
+            "error: --set stages.sft.training.learning_rate=fast: stages.sft.training.learning_rate: ",
+        ),
+        ("stages.sft.trainig.learning_rate=1e-4", "--set stages.sft.trainig.learning_rate=1e-4: stages.sft.trainig: "),
+        ("stages.evaluate.enabled=false", "stages.deploy needs stages.evaluate"),
+        ("stages.cpt.enabled=maybe", "error: --set stages.cpt.enabled=maybe: expected true or false"),
+        ("stages.sft.lora.r=8\nstages.sft.resources.nodes=4", "expected one path.to.field=value on a single line"),
+        ("# stages.sft.lora.r=8", "expected one path.to.field=value on a single line"),
+        ("no-equals-sign", "expected path.to.field=value"),
+    ],
+)
+def test_a_bad_set_is_refused_on_this_machine(
+    fake: FakeArgo, capsys: pytest.CaptureFixture[str], override: str, says: str
+) -> None:
+    code, _, err = _run(capsys, "korean-llm", "--skip-preflight", "--set", override)
+    assert code == 2
+    assert says in err and "Traceback" not in err
+    assert fake.requests == []
+
+
+def test_a_profile_has_its_own_template(fake: FakeArgo, capsys: pytest.CaptureFixture[str]) -> None:
+    _run(capsys, "qwen3-30b-a3b", "--skip-preflight")
+    plain = fake.objects("workflowtemplates")[(NS, "qwen3-30b-a3b")]
+    code, out, _ = _run(capsys, "qwen3-30b-a3b", "--skip-preflight", "--profile", "qlora")
     assert code == 0
-    assert f"updated WorkflowTemplate {NS}/korean-llm" in out
+    assert f"created WorkflowTemplate {NS}/qwen3-30b-a3b-qlora" in out
+    assert set(fake.objects("workflowtemplates")) == {(NS, "qwen3-30b-a3b"), (NS, "qwen3-30b-a3b-qlora")}
+    assert fake.objects("workflowtemplates")[(NS, "qwen3-30b-a3b")] == plain
+    runs = fake.objects("workflows").values()
+    qlora = [w for w in runs if w["spec"]["workflowTemplateRef"] == {"name": "qwen3-30b-a3b-qlora"}]
+    assert [w["metadata"]["generateName"] for w in qlora] == ["qwen3-30b-a3b-"]
+    resolved = _resolved_in_the_cluster(fake.objects("workflowtemplates")[(NS, "qwen3-30b-a3b-qlora")], qlora[0])
+    assert resolved.stages.sft.method == "qlora"
+
+    code, out, _ = _run(capsys, "qwen3-30b-a3b", "--skip-preflight")  # the plain one is still there, unchanged
+    assert code == 0 and f"WorkflowTemplate {NS}/qwen3-30b-a3b is up to date" in out
+
+
+def test_submitting_an_unchanged_pipeline_does_not_write_the_template(
+    fake: FakeArgo, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _run(capsys, "korean-llm", "--skip-preflight")
+    fake.requests.clear()
+    code, out, _ = _run(capsys, "korean-llm", "--skip-preflight")
+    assert code == 0
+    assert f"WorkflowTemplate {NS}/korean-llm is up to date" in out
+    assert [(r.method, r.path.split("/")[3]) for r in fake.requests] == [
+        ("GET", "workflow-templates"),
+        ("POST", "workflows"),
+    ]
+
+
+def test_a_submitter_submits_an_unchanged_pipeline(fake: FakeArgo, capsys: pytest.CaptureFixture[str]) -> None:
+    _run(capsys, "korean-llm", "--skip-preflight")  # registered by someone allowed to
+    fake.allowed = SUBMITTER_RBAC
+    code, out, err = _run(capsys, "korean-llm", "--skip-preflight")
+    assert (code, err) == (0, "")
+    assert f"WorkflowTemplate {NS}/korean-llm is up to date" in out
     assert len(fake.objects("workflows")) == 2
+
+
+def test_a_submitter_is_told_who_must_register_a_changed_pipeline(
+    fake: FakeArgo, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _run(capsys, "korean-llm", "--skip-preflight", "--profile", "local")
+    stale = fake.objects("workflowtemplates")[(NS, "korean-llm-local")]
+    stale["metadata"]["annotations"]["workflows.argoproj.io/description"] = "an older version of the pipeline"
+    fake.put_object("workflowtemplates", stale)
+    fake.allowed = SUBMITTER_RBAC
+    lr = "stages.sft.training.learning_rate=1e-4"
+    code, _, err = _run(capsys, "korean-llm", "--skip-preflight", "--profile", "local", "--set", lr)
+    assert code == 1
+    assert err == (
+        f"error: WorkflowTemplate {NS}/korean-llm-local on the Argo server is out of date (it differs from the "
+        "compiled pipeline), and the identity behind ARGO_TOKEN may not update it (403 Forbidden): someone with the "
+        "registrar role should run `python -m workflows.register korean-llm --profile local`, then submit again\n"
+    )
+    assert len(fake.objects("workflows")) == 1
+
+
+def test_a_submitter_is_told_who_must_register_a_new_pipeline(
+    fake: FakeArgo, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake.allowed = SUBMITTER_RBAC
+    code, _, err = _run(capsys, "korean-llm", "--skip-preflight")
+    assert code == 1
+    assert f"WorkflowTemplate {NS}/korean-llm does not exist on the Argo server" in err
+    assert "`python -m workflows.register korean-llm`" in err and len(err.splitlines()) == 1
 
 
 @pytest.mark.parametrize(("final", "code"), [("Succeeded", 0), ("Failed", 1)])
@@ -112,18 +338,36 @@ def test_watch_exit_code_follows_the_workflow(
 
 
 def test_server_errors_exit_1_with_the_message(fake: FakeArgo, capsys: pytest.CaptureFixture[str]) -> None:
-    fake.forbidden = {("create", "workflowtemplates")}
+    fake.forbidden = {("create", "workflows")}
     code, _, err = _run(capsys, "korean-llm", "--skip-preflight")
     assert code == 1
-    assert err.startswith("error: the Argo server refused to create WorkflowTemplate")
+    assert err.startswith(f"error: the Argo server refused to create Workflow in namespace {NS} (403 Forbidden)")
     assert fake.token not in err
 
 
-def test_argo_namespace_is_used_for_submission(
+def test_argo_namespace_other_than_the_spec_namespace_is_refused(
     fake: FakeArgo, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The jobs and the InferenceService are created in cluster.namespace, owned by the workflow: both must agree."""
     monkeypatch.setenv("ARGO_NAMESPACE", "posttrain")
-    code, out, _ = _run(capsys, "korean-llm", "--skip-preflight")
+    code, _, err = _run(capsys, "korean-llm", "--skip-preflight")
+    assert code == 2
+    assert err == (
+        "error: ARGO_NAMESPACE is 'posttrain' but the pipeline's cluster.namespace is 'llm-training': "
+        "unset ARGO_NAMESPACE, or set cluster.namespace to 'posttrain' in the pipeline file or a profile (the "
+        "namespace is part of the shared template)\n"
+    )
+    assert fake.requests == []
+
+
+def test_argo_namespace_agreeing_with_the_spec_is_used(
+    fake: FakeArgo, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    pipeline = tmp_path / "korean-llm.yaml"
+    text = (PIPELINES_DIR / "korean-llm.yaml").read_text(encoding="utf-8")
+    pipeline.write_text(text.replace("namespace: llm-training", "namespace: posttrain", 1), encoding="utf-8")
+    monkeypatch.setenv("ARGO_NAMESPACE", "posttrain")
+    code, out, _ = _run(capsys, str(pipeline), "--skip-preflight")
     assert code == 0
     assert {ns for ns, _ in fake.objects("workflows")} == {"posttrain"}
     assert "/workflows/posttrain/korean-llm-" in out

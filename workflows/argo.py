@@ -4,7 +4,8 @@ Built on Hera's `WorkflowsService`. Configuration comes from the environment, as
 
 - `ARGO_SERVER`: `host:port` or a URL (`https://` unless a scheme is given; `ARGO_SECURE=false` picks `http://`).
 - `ARGO_TOKEN`: the bearer token, with or without the `Bearer ` prefix (`argo auth token` prints it with).
-- `ARGO_NAMESPACE`: the namespace; default: the spec's `cluster.namespace`.
+- `ARGO_NAMESPACE`: the namespace; default: the spec's `cluster.namespace`. Objects are never moved to another
+  namespace than the one they were compiled for.
 - `ARGO_INSECURE_SKIP_VERIFY`: `true` to accept a self-signed certificate.
 - `ARGO_BASE_HREF`: the path the server is served under (e.g. `/argo/`), for the API and the UI links.
 
@@ -15,10 +16,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any, Literal, TypeVar
 from urllib.parse import quote, urlsplit
 
@@ -45,6 +48,22 @@ DEFAULT_TIMEOUT_S = 30.0
 _UPDATE_ATTEMPTS = 3
 """Get-and-update attempts when another writer changes the object in between (409 on update)."""
 
+_SERVER_LABELS = frozenset(
+    f"workflows.argoproj.io/{key}"
+    for key in (
+        "creator",
+        "creator-email",
+        "creator-preferred-username",
+        "actor",
+        "actor-email",
+        "actor-preferred-username",
+        "action",
+    )
+)
+"""Labels the Argo server adds to record who wrote an object."""
+_SERVER_ANNOTATIONS = frozenset({"kubectl.kubernetes.io/last-applied-configuration"})
+"""Annotations written by other tools than ours (`kubectl apply` of a rendered template)."""
+
 T = TypeVar("T")
 
 
@@ -59,6 +78,18 @@ class ArgoError(Exception):
         super().__init__(message)
         self.status = status
         self.retriable = retriable
+
+
+class StaleObject(ArgoError):
+    """The server's copy of an object is missing or differs from the compiled one, and the identity behind
+    ARGO_TOKEN may not write it (403): someone allowed to has to register the pipeline.
+
+    The message is the server's refusal with the RBAC it lacks; `summary` says what is wrong with the server's copy.
+    """
+
+    def __init__(self, message: str, summary: str) -> None:
+        super().__init__(message, 403)
+        self.summary = summary
 
 
 # --------------------------------------------------------------------------- configuration
@@ -137,6 +168,16 @@ class ArgoConfig:
         ns = namespace or self.namespace
         return f"{self.server}{self.base_href}workflows/{quote(ns)}/{quote(name)}"
 
+    def require_namespace(self, compiled: str) -> None:
+        """Refuse objects compiled for another namespace than this one: the PyTorchJobs and InferenceService
+        inside them are created in the compiled one, and owner references cannot cross namespaces."""
+        if compiled != self.namespace:
+            raise ArgoError(
+                f"ARGO_NAMESPACE is {self.namespace!r} but the pipeline's cluster.namespace is {compiled!r}: "
+                f"unset ARGO_NAMESPACE, or set cluster.namespace to {self.namespace!r} in the pipeline file or a "
+                "profile (the namespace is part of the shared template)"
+            )
+
 
 # --------------------------------------------------------------------------- errors
 
@@ -196,10 +237,14 @@ class _Call:
     name: str | None = None
 
     @property
+    def kind(self) -> str:
+        kinds = {"workflowtemplates": "WorkflowTemplate", "cronworkflows": "CronWorkflow", "workflows": "Workflow"}
+        return kinds.get(self.resource, self.resource)
+
+    @property
     def what(self) -> str:
-        kind = {"workflowtemplates": "WorkflowTemplate", "cronworkflows": "CronWorkflow", "workflows": "Workflow"}
         target = f"{self.namespace}/{self.name}" if self.name else f"in namespace {self.namespace}"
-        return f"{self.verb} {kind.get(self.resource, self.resource)} {target}"
+        return f"{self.verb} {self.kind} {target}"
 
 
 # --------------------------------------------------------------------------- client
@@ -212,9 +257,11 @@ class Applied:
     kind: str
     namespace: str
     name: str
-    action: Literal["created", "updated"]
+    action: Literal["created", "updated", "unchanged"]
 
     def __str__(self) -> str:
+        if self.action == "unchanged":
+            return f"{self.kind} {self.namespace}/{self.name} is up to date"
         return f"{self.action} {self.kind} {self.namespace}/{self.name}"
 
 
@@ -252,7 +299,8 @@ class ArgoClient:
     # ----------------------------------------------------------------- operations
 
     def ensure_workflow_template(self, template: HeraWorkflowTemplate) -> Applied:
-        """Create the WorkflowTemplate, or update it in place when it already exists."""
+        """Create the WorkflowTemplate, or update it in place when it exists and differs; an identical one is left
+        alone, so an identity that may only read templates can submit an unchanged pipeline."""
         model: WorkflowTemplateModel = template.build()
         ns, name = self.namespace, model.metadata.name
         svc = self._service
@@ -270,7 +318,7 @@ class ArgoClient:
         )
 
     def ensure_cron_workflow(self, cron: HeraCronWorkflow) -> Applied:
-        """Create the CronWorkflow, or update it in place when it already exists."""
+        """Create the CronWorkflow, or update it in place when it exists and differs."""
         model: CronWorkflowModel = cron.build()
         ns, name = self.namespace, model.metadata.name
         svc = self._service
@@ -296,25 +344,56 @@ class ArgoClient:
         get: Callable[[], Any],
         update: Callable[[], Any],
     ) -> Applied:
-        """Create; on 409 AlreadyExists, update with the server's resourceVersion, retrying a lost race."""
-        model.metadata.namespace = ns = self.namespace
-        name = model.metadata.name
-        try:
-            self._run(_Call("create", resource, ns, name), create)
-            return Applied(kind, ns, name, "created")
-        except ArgoError as exc:
-            if exc.status != 409:
-                raise
+        """Get; create when missing, leave alone when equal, else update with the server's resourceVersion
+        (retrying a lost race). A 403 on the write is a StaleObject: the server's copy is missing or out of date."""
+        self._claim_namespace(model)
+        ns, name = self.namespace, model.metadata.name
         for attempt in range(_UPDATE_ATTEMPTS):
-            current = self._run(_Call("get", resource, ns, name), get)
+            try:
+                current = self._run(_Call("get", resource, ns, name), get)
+            except ArgoError as exc:
+                if exc.status != 404:
+                    raise
+                try:
+                    self._write(_Call("create", resource, ns, name), create, "does not exist on the Argo server")
+                    return Applied(kind, ns, name, "created")
+                except ArgoError as exc:
+                    if exc.status != 409 or attempt == _UPDATE_ATTEMPTS - 1:
+                        raise
+                    continue  # created by someone else in between: compare with theirs
+            if comparable(current) == comparable(model):
+                return Applied(kind, ns, name, "unchanged")
             model.metadata.resource_version = current.metadata.resource_version
             try:
-                self._run(_Call("update", resource, ns, name), update)
+                self._write(
+                    _Call("update", resource, ns, name),
+                    update,
+                    "on the Argo server is out of date (it differs from the compiled pipeline)",
+                )
                 return Applied(kind, ns, name, "updated")
             except ArgoError as exc:
                 if exc.status != 409 or attempt == _UPDATE_ATTEMPTS - 1:
                     raise
         raise AssertionError("unreachable")
+
+    def _write(self, call: _Call, fn: Callable[[], Any], state: str) -> None:
+        """Create or update; a 403 becomes a StaleObject saying what is wrong with the server's copy (`state`)."""
+        try:
+            self._run(call, fn)
+        except ArgoError as exc:
+            if exc.status != 403:
+                raise
+            summary = (
+                f"{call.kind} {call.namespace}/{call.name} {state}, and the identity behind ARGO_TOKEN may not "
+                f"{call.verb} it (403 Forbidden)"
+            )
+            raise StaleObject(str(exc), summary) from None
+
+    def _claim_namespace(self, model: Any) -> None:
+        """Put `model` in this client's namespace, which must be the one it was compiled for (when it names one)."""
+        if model.metadata.namespace:
+            self.config.require_namespace(model.metadata.namespace)
+        model.metadata.namespace = self.namespace
 
     def get_cron_workflow(self, name: str) -> CronWorkflowModel | None:
         """The CronWorkflow called `name`, or None when there is none."""
@@ -331,7 +410,7 @@ class ArgoClient:
     def submit_workflow(self, workflow: HeraWorkflow) -> str:
         """Create the Workflow (usually named by generateName); returns the name the server gave it."""
         model: Workflow = workflow.build()
-        model.metadata.namespace = self.namespace
+        self._claim_namespace(model)
         ns = self.namespace
         created = self._run(
             _Call("create", "workflows", ns),
@@ -410,10 +489,9 @@ class ArgoClient:
             return ArgoError(
                 f"the Argo server refused to {call.what} (403 Forbidden): the identity behind ARGO_TOKEN lacks "
                 f"the RBAC verb '{call.verb}' on resource '{call.resource}' (API group argoproj.io) in namespace "
-                f"'{call.namespace}': grant it with a Role and RoleBinding, e.g. `kubectl -n {call.namespace} "
-                f"create role posttrain-submit --verb=create,get,update,list,watch "
-                f"--resource=workflowtemplates.argoproj.io,cronworkflows.argoproj.io,workflows.argoproj.io`. "
-                f"Server said: {said}",
+                f"'{call.namespace}': bind it to the role that grants it (manifests/base/rbac.yaml: "
+                "posttrain-submitter submits and follows runs, posttrain-registrar registers templates and "
+                f"schedules). Server said: {said}",
                 status,
             )
         if status == 404:
@@ -449,3 +527,56 @@ class ArgoClient:
             status,
             retriable=status >= 500,
         )
+
+
+# --------------------------------------------------------------------------- comparing with the server's copy
+
+
+def comparable(model: Any) -> dict[str, Any]:
+    """What decides whether the server's copy of an object equals ours: name, our labels and annotations, and
+    spec, with what a round trip through the server changes taken out (empty values the Go encoder drops or adds,
+    quantities it rewrites in canonical form). Server-set metadata (uid, resourceVersion, creator labels) is ignored.
+    """
+    doc = model.model_dump(mode="json", by_alias=True, exclude_none=True)
+    meta = doc.get("metadata") or {}
+    return _without_empty(
+        {
+            "name": meta.get("name"),
+            "labels": {k: v for k, v in (meta.get("labels") or {}).items() if k not in _SERVER_LABELS},
+            "annotations": {k: v for k, v in (meta.get("annotations") or {}).items() if k not in _SERVER_ANNOTATIONS},
+            "spec": doc.get("spec"),
+        }
+    )
+
+
+_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(m|k|Ki|Mi|Gi|Ti|Pi|Ei|M|G|T|P|E)?$")
+_QUANTITY_FACTORS = {
+    None: Decimal(1),
+    "m": Decimal("0.001"),
+    **{s: Decimal(1000) ** (i + 1) for i, s in enumerate(("k", "M", "G", "T", "P", "E"))},
+    **{s: Decimal(1024) ** (i + 1) for i, s in enumerate(("Ki", "Mi", "Gi", "Ti", "Pi", "Ei"))},
+}
+
+
+def _quantity(value: Any) -> Any:
+    """A Kubernetes quantity as its number ('2048Mi' and '2Gi' alike); anything else unchanged."""
+    match = _QUANTITY.match(value) if isinstance(value, str) else None
+    if match is None:
+        return value
+    return str((Decimal(match[1]) * _QUANTITY_FACTORS[match[2]]).normalize())
+
+
+def _without_empty(node: Any, key: str = "") -> Any:
+    """`node` without None, '', False, {} and [] values, which the server's Go encoder drops (or adds, for empty
+    structs); quantities of `requests`, `limits` and `sizeLimit` as numbers."""
+    if isinstance(node, dict):
+        quantities = key in ("requests", "limits")
+        out = {}
+        for k, v in node.items():
+            v = _quantity(v) if quantities or k == "sizeLimit" else _without_empty(v, k)
+            if not (v is None or v is False or (isinstance(v, (str, dict, list)) and not v)):
+                out[k] = v
+        return out
+    if isinstance(node, list):
+        return [_without_empty(v, key) for v in node]
+    return node

@@ -3,10 +3,15 @@
 The WorkflowTemplate is what users resubmit: it holds the DAG prepare → cpt → sft → rlhf → evaluate → deploy
 (disabled stages are left out and the edges close up), the UI form, and the compiled spec. The Workflow and the
 CronWorkflow only reference it, with explicit arguments, so "Resubmit" in the UI edits the same form.
+
+The template and the CronWorkflow are named after the pipeline, or `<pipeline>-<profile>` when a profile was
+applied, so a profile never replaces the plain template that the pipeline's schedule runs. Workflows keep the
+generateName `<pipeline>-` either way (the training jobs' Service names are built from it).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,9 +41,14 @@ from workflows.pytorchjob import (
     pytorchjob_manifest,
     resource_requirements,
     run_dir,
+    stage_image,
     volumes,
 )
-from workflows.spec import TRAINING_STAGES, PipelineSpec, StageBase
+from workflows.spec import MAX_PIPELINE_NAME_LENGTH, TRAINING_STAGES, PipelineSpec, StageBase
+
+MAX_TEMPLATE_NAME_LENGTH = 63
+"""Argo refuses a longer WorkflowTemplate name (the limit of a Kubernetes label value)."""
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 ENTRYPOINT = "pipeline"
 PARAMS_DIR = "/params"
@@ -48,6 +58,10 @@ NOTIFY = "notify"
 
 # Slack of the template-level deadline over the job's own deadline: the operator is the detector.
 DEADLINE_BACKSTOP_SECONDS = 3600
+
+# The longest wait between two retries of a stage. Argo's `cap` bounds each wait; `maxDuration` would instead stop
+# retrying once that long has passed since the first attempt, i.e. never retry a stage that ran longer.
+RETRY_BACKOFF_CAP = "1h"
 
 
 @dataclass
@@ -67,6 +81,34 @@ class CompiledPipeline:
         return docs
 
 
+# --------------------------------------------------------------------------- names
+
+
+def template_name(spec: PipelineSpec, profile: str | None = None) -> str:
+    """The name of the WorkflowTemplate and the CronWorkflow: the pipeline's, or `<pipeline>-<profile>`.
+
+    A scheduled profile's runs are named `<pipeline>-<profile>-<10 digits>` by the CronWorkflow, and the training
+    jobs' Services after them, so that name must fit the same limit as a pipeline name."""
+    if profile is None:
+        return spec.name
+    name = f"{spec.name}-{profile}"
+    if not _DNS_LABEL.match(profile):
+        raise ValueError(
+            f"profile {profile!r} names the WorkflowTemplate {name!r}: a profile name must be lowercase letters, "
+            "digits and '-', starting and ending with a letter or digit"
+        )
+    objects, limit, why = "WorkflowTemplate", MAX_TEMPLATE_NAME_LENGTH, "Argo's limit for a WorkflowTemplate name"
+    if spec.schedule.cron:
+        objects, limit = "WorkflowTemplate and CronWorkflow", MAX_PIPELINE_NAME_LENGTH
+        why = "the training jobs' Services of a scheduled run are named after it"
+    if len(name) > limit:
+        raise ValueError(
+            f"profile {profile!r} names the {objects} {name!r} ({len(name)} characters), over the {limit} that "
+            f"fit ({why}): shorten the profile name"
+        )
+    return name
+
+
 # --------------------------------------------------------------------------- templates
 
 
@@ -82,10 +124,10 @@ def _container_template(
     """A single-pod step running in the trainer image with the volumes mounted (prepare, evaluate, deploy)."""
     res = stage.resources
     vols, mounts = volumes(spec, res.shm_size)
-    env = pod_env(spec, stage.env) if secret_env else []
+    env = pod_env(spec, stage) if secret_env else []
     return Container(
         name=name,
-        image=res.image or spec.cluster.image,
+        image=stage_image(spec, stage),
         image_pull_policy=spec.cluster.image_pull_policy,
         command=command,
         env=[m.EnvVar.model_validate(e) for e in env],
@@ -139,8 +181,9 @@ def training_template(spec: PipelineSpec, stage_name: str) -> Resource:
     stage = spec.stage(stage_name)
     manifest = yaml.safe_dump(pytorchjob_manifest(spec, stage_name), sort_keys=False, allow_unicode=True)
     rp = stage.run_policy
-    # activeDeadlineSeconds does not apply to resource templates; `timeout` bounds any leaf node.
-    timeout = f"{rp.active_deadline_seconds + DEADLINE_BACKSTOP_SECONDS}s" if rp.active_deadline_seconds else None
+    # activeDeadlineSeconds does not apply to resource templates; `timeout` bounds any leaf node, including a job
+    # the operator never starts (stuck at Created, where its own deadline may never fire).
+    timeout = f"{rp.active_deadline_seconds + DEADLINE_BACKSTOP_SECONDS}s"
     return Resource(
         name=stage_name,
         action="create",
@@ -152,7 +195,7 @@ def training_template(spec: PipelineSpec, stage_name: str) -> Resource:
         retry_strategy=m.RetryStrategy(
             limit=str(rp.retries),
             retry_policy="Always",
-            backoff=m.Backoff(duration=rp.retry_backoff, factor="2", max_duration="1h"),
+            backoff=m.Backoff(duration=rp.retry_backoff, factor="2", cap=RETRY_BACKOFF_CAP),
         ),
         timeout=timeout,
     )
@@ -269,8 +312,9 @@ def _labels(spec: PipelineSpec) -> dict[str, str]:
     return {"app.kubernetes.io/part-of": "posttrain", PIPELINE_LABEL: spec.name, **spec.workflow.labels}
 
 
-def workflow_template(spec: PipelineSpec) -> WorkflowTemplate:
-    """The WorkflowTemplate: DAG, templates, UI form, retention and the exit handler."""
+def workflow_template(spec: PipelineSpec, name: str | None = None) -> WorkflowTemplate:
+    """The WorkflowTemplate (named `name`, default the pipeline's): DAG, templates, UI form, retention and the
+    exit handler."""
     rundir = run_dir(spec, RUN_DIR)
     templates: list[Any] = [pipeline_dag(spec), prepare_template(spec, rundir)]
     for stage in spec.stages.enabled():
@@ -289,7 +333,7 @@ def workflow_template(spec: PipelineSpec) -> WorkflowTemplate:
     wf = spec.workflow
     annotations = {"workflows.argoproj.io/description": spec.description} if spec.description else None
     return WorkflowTemplate(
-        name=spec.name,
+        name=name or spec.name,
         namespace=spec.cluster.namespace,
         labels=_labels(spec),
         annotations=annotations,
@@ -320,24 +364,29 @@ def _arguments(spec: PipelineSpec, values: dict[str, str] | None) -> list[Parame
     return [Parameter(name=k, value=(values or {}).get(k, v)) for k, v in known.items()]
 
 
-def submitted_workflow(spec: PipelineSpec, values: dict[str, str] | None = None) -> Workflow:
-    """A run of the template, with every argument explicit so the UI's Resubmit shows them."""
+def submitted_workflow(
+    spec: PipelineSpec, values: dict[str, str] | None = None, template: str | None = None
+) -> Workflow:
+    """A run of the template (named `template`, default the pipeline's), with every argument explicit so the
+    UI's Resubmit shows them."""
     return Workflow(
         generate_name=f"{spec.name}-",
         namespace=spec.cluster.namespace,
         labels=_labels(spec),
-        workflow_template_ref=m.WorkflowTemplateRef(name=spec.name),
+        workflow_template_ref=m.WorkflowTemplateRef(name=template or spec.name),
         arguments=_arguments(spec, values),
     )
 
 
-def cron_workflow(spec: PipelineSpec) -> CronWorkflow | None:
-    """The schedule, referencing the template; None when the spec has no cron expressions."""
+def cron_workflow(spec: PipelineSpec, name: str | None = None) -> CronWorkflow | None:
+    """The schedule, named like the template it references (`name`, default the pipeline's); None when the spec
+    has no cron expressions."""
     sched = spec.schedule
     if not sched.cron:
         return None
+    name = name or spec.name
     return CronWorkflow(
-        name=spec.name,
+        name=name,
         namespace=spec.cluster.namespace,
         labels=_labels(spec),
         schedules=list(sched.cron),
@@ -347,16 +396,20 @@ def cron_workflow(spec: PipelineSpec) -> CronWorkflow | None:
         successful_jobs_history_limit=sched.successful_history,
         failed_jobs_history_limit=sched.failed_history,
         cron_suspend=sched.suspend or None,
-        workflow_template_ref=m.WorkflowTemplateRef(name=spec.name),
+        workflow_template_ref=m.WorkflowTemplateRef(name=name),
         arguments=_arguments(spec, None),
     )
 
 
-def compile_pipeline(spec: PipelineSpec, parameters: dict[str, str] | None = None) -> CompiledPipeline:
-    """Compile a validated spec. `parameters` overrides UI parameter values of the submitted Workflow."""
+def compile_pipeline(
+    spec: PipelineSpec, parameters: dict[str, str] | None = None, profile: str | None = None
+) -> CompiledPipeline:
+    """Compile a validated spec. `parameters` overrides UI parameter values of the submitted Workflow; `profile`
+    (the one applied to `spec`, if any) names the template and the schedule."""
+    name = template_name(spec, profile)
     return CompiledPipeline(
         spec=spec,
-        template=workflow_template(spec),
-        workflow=submitted_workflow(spec, parameters),
-        cron=cron_workflow(spec),
+        template=workflow_template(spec, name),
+        workflow=submitted_workflow(spec, parameters, name),
+        cron=cron_workflow(spec, name),
     )

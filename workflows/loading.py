@@ -197,6 +197,8 @@ class LoadedPipeline:
     spec: PipelineSpec
     source: str
     document: dict[str, Any]
+    profile: str | None = None
+    """The profile merged into the spec, which names its template (workflows.compile.template_name)."""
 
 
 def validate_document(doc: dict[str, Any], origins: Origins, source: str) -> PipelineSpec:
@@ -270,7 +272,7 @@ def load_pipeline(
     doc, origins = _compose_with_lines(text, str(path))
     doc = resolve_document(doc, origins, str(path), profile, overrides)
     spec = validate_document(doc, origins, str(path))
-    return LoadedPipeline(spec=spec, source=str(path), document=doc)
+    return LoadedPipeline(spec=spec, source=str(path), document=doc, profile=profile)
 
 
 def spec_from_json(text: str, source: str) -> PipelineSpec:

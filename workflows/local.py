@@ -11,12 +11,15 @@ in DAG order, exactly as the cluster runs it:
 It shows a live table (status, elapsed time, last log line), keeps each stage's full output in
 `<run>/<stage>/logs/stage.log`, stops at the first failure with the log tail and the command that resumes
 (completed stages are no-ops by the stage contract), and ends with a summary table and how to open MLflow.
-A stage whose module does not exist is reported as missing and fails the run; it is never skipped.
+A stage whose module does not exist is reported as missing and fails the run; it is never skipped. As in the
+cluster DAG, the stages after prepare are skipped when prepare ends the run (`proceed=false`), and deploy is
+skipped, with the gate's reasons, when evaluate's gate is not `pass`.
 
 Two runners never share a run directory: each holds a lock on `<run>/.runner.lock` while it runs, and a run
-directory whose completed stages were made with another config keeps its spec.json (the runner refuses before
-writing anything; use a new run directory, or --force). Values of secret-looking environment variables are masked
-in the stage logs.
+directory whose completed stages (or checkpoints) were made with another config keeps its spec.json (the runner
+refuses before writing anything; use a new run directory, or --force, with which the training stages start over
+and their old checkpoints are moved aside). Values of secret-looking environment variables are masked in the stage
+logs.
 
 This module never imports torch or transformers: GPUs are counted from CUDA_VISIBLE_DEVICES or `nvidia-smi -L`.
 """
@@ -47,6 +50,7 @@ from rich.table import Table
 from rich.text import Text
 
 from stages.contract import EXIT_RETRYABLE, EXIT_USAGE, RunDir, conflicting_stages, mask_secrets, secret_values
+from stages.evaluate import GATE_PASS
 from workflows.loading import LoadedPipeline
 from workflows.spec import TRAINING_STAGES, PipelineSpec
 
@@ -210,6 +214,19 @@ def key_metric(stage: str, result: dict[str, Any] | None) -> str:
     return ""
 
 
+def deploy_skip_reason(evaluate_result: dict[str, Any]) -> str:
+    """Why deploy does not run after this evaluate record ('' when the gate passed): the cluster DAG runs deploy
+    only when evaluate's `gate` output is `pass`."""
+    extra = evaluate_result.get("extra") or {}
+    gate = extra.get("gate", "")
+    if gate == GATE_PASS:
+        return ""
+    reasons = [r for r in extra.get("gate_reasons") or [] if isinstance(r, str)]
+    failed = [c["reason"] for c in extra.get("gate_checks") or [] if isinstance(c, dict) and not c.get("passed")]
+    why = (failed or reasons or [evaluate_result.get("message", "")])[0]
+    return f"gate {gate or 'unknown'}" + (f": {why}" if why else "")
+
+
 # --------------------------------------------------------------------------- running
 
 
@@ -264,7 +281,7 @@ def render(spec: PipelineSpec, run_root: Path, runs: list[StageRun], live: bool 
     table.add_column("last log line" if live else "key metric", overflow="ellipsis", no_wrap=True, max_width=70)
     for run in runs:
         summary = run.metric or (run.message.splitlines()[0] if run.message else "")
-        detail = run.last_line if live else summary
+        detail = (run.last_line or summary) if live else summary  # a skipped stage shows why
         table.add_row(run.name, Text(run.status, style=_STYLE.get(run.status, "")), run.elapsed, detail)
     return table
 
@@ -301,9 +318,9 @@ def _run_locked(loaded: LoadedPipeline, run_root: Path, force: bool, console: Co
     if conflicts:
         console.print(
             Text(
-                f"error: {run_root} holds {', '.join(conflicts)} completed with another config; its spec.json is "
-                "left as it is. Use a new --run-dir (or none), or --force to run those stages again over their "
-                "outputs.",
+                f"error: {run_root} holds {', '.join(conflicts)} completed with another config (or with its "
+                "checkpoints); its spec.json is left as it is. Use a new --run-dir (or none), or --force to run "
+                "those stages again (their old checkpoints and models are moved aside, not deleted).",
                 style="bold red",
             ),
             soft_wrap=True,
@@ -321,6 +338,7 @@ def _run_locked(loaded: LoadedPipeline, run_root: Path, force: bool, console: Co
     exit_code = 0
     failed: StageRun | None = None
     skip_reason = ""
+    gate_reason = ""
     live = Live(render(spec, run_root, runs), console=console, refresh_per_second=4, transient=True)
     with live if console.is_terminal else _Quiet():
         for run in runs:
@@ -329,6 +347,9 @@ def _run_locked(loaded: LoadedPipeline, run_root: Path, force: bool, console: Co
                 continue
             if skip_reason:  # prepare ended the run (skip_if_unchanged), as the cluster DAG does
                 run.status, run.message = "skipped", skip_reason
+                continue
+            if run.name == "deploy" and gate_reason:  # deploy runs only after gate=pass, as in the cluster
+                run.status, run.message = "skipped", gate_reason
                 continue
             if not stage_module_exists(run.name):
                 run.status, run.message = "missing", f"stages/{run.name}.py does not exist yet"
@@ -360,6 +381,8 @@ def _run_locked(loaded: LoadedPipeline, run_root: Path, force: bool, console: Co
                 if run.name == "prepare" and (result or {}).get("extra", {}).get("proceed") == "false":
                     skip_reason = result["extra"].get("skip-reason", "") or "prepare ended the run"
                     console.print(f"ending the run: {skip_reason}", markup=False, soft_wrap=True)
+                if run.name == "evaluate" and (gate_reason := deploy_skip_reason(result or {})):
+                    console.print(f"skipping deploy: {gate_reason}", markup=False, soft_wrap=True)
             else:
                 run.status = "interrupted" if run.returncode == EXIT_RETRYABLE else "failed"
                 run.message = (result or {}).get("message", "") or f"exit code {run.returncode}"

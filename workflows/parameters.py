@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from workflows.loading import Origins, SpecError, override, parse_override, validate_document
-from workflows.spec import OPTIONAL_STAGES, PipelineSpec
+from workflows.spec import OPTIONAL_STAGES, STAGE_ORDER, PipelineSpec
 
 SPEC_FILE = "pipeline.json.b64"
 """The compiled spec inside the template, base64-encoded so Argo never reads '{{' in it as an expression."""
@@ -24,6 +26,15 @@ OVERRIDES = "overrides"
 # Sections compiled into the template (pods, volumes, schedule...): changing them needs a new template.
 COMPILED_SECTIONS = ("name", "cluster", "schedule", "workflow", "notifications", "profiles")
 COMPILED_STAGE_FIELDS = ("enabled", "resources", "run_policy", "env")
+COMPILED_FIELDS = (("stages", "deploy", "serving"),)  # the serve step's InferenceService manifest
+PIPELINE_FILE_ONLY: dict[tuple[str, ...], str] = {
+    ("model", "trust_remote_code"): "it lets code from the model's repository run in the pods",
+    ("tracking", "mlflow_tracking_uri"): "the pods send their MLflow credentials to that server",
+    ("stages", "evaluate", "lm_eval_include_path"): "lm-eval task files there can import and run Python code",
+    ("stages", "deploy", "storage_uri"): "deploy uploads the model there with the pods' cloud credentials",
+}
+"""Fields that decide what code runs or where credentials go: whoever registers the pipeline sets them in its
+file; the form (anyone who may submit) cannot."""
 
 
 @dataclass(frozen=True)
@@ -61,12 +72,14 @@ def ui_parameters(spec: PipelineSpec) -> list[UIParameter]:
         )
     for stage in _switchable_stages(spec):
         params.append(UIParameter(f"run-{stage}", "true", f"Run the {stage} stage.", ("true", "false")))
+    file_only = [".".join(path) for path in PIPELINE_FILE_ONLY]
     params.append(
         UIParameter(
             OVERRIDES,
             "",
             "Extra settings, one path.to.field=value per line (e.g. stages.sft.training.learning_rate=1e-4). "
-            "Pods and volumes are fixed in the template: change them in the pipeline file and register again.",
+            f"Pods, volumes, {', '.join(file_only[:-1])} and {file_only[-1]} are fixed in the template: change "
+            "them in the pipeline file and register again.",
         )
     )
     return params
@@ -77,23 +90,65 @@ def ui_parameter_names(spec: PipelineSpec) -> list[str]:
     return [p.name for p in ui_parameters(spec)]
 
 
+def embedded_document(spec: PipelineSpec) -> dict[str, Any]:
+    """The spec document the template carries (profiles already applied and dropped)."""
+    return spec.model_dump(mode="json", exclude={"profiles"})
+
+
 def embed_spec(spec: PipelineSpec) -> str:
-    """The spec as stored in the template (profiles already applied and dropped)."""
-    blob = json.dumps(spec.model_dump(mode="json", exclude={"profiles"}), sort_keys=True, ensure_ascii=False)
+    """The spec as stored in the template: its embedded document, as base64-encoded JSON."""
+    blob = json.dumps(embedded_document(spec), sort_keys=True, ensure_ascii=False)
     return base64.b64encode(blob.encode()).decode()
 
 
+def _compiled_fields() -> list[tuple[str, ...]]:
+    """The field paths the form may not change: compiled sections, compiled stage fields, pipeline-file-only."""
+    stage_fields = [("stages", s, f) for s in STAGE_ORDER for f in COMPILED_STAGE_FIELDS]
+    return (
+        [(section,) for section in COMPILED_SECTIONS] + stage_fields + list(COMPILED_FIELDS) + list(PIPELINE_FILE_ONLY)
+    )
+
+
+def fixed_field(keys: Sequence[str]) -> tuple[str, ...] | None:
+    """The field the form may not change that an override of `keys` would set: the field itself, one it lies
+    in, or one inside the section it replaces (`tracking={...}`); None when the form may set `keys`."""
+    path = tuple(keys)
+    for fixed in _compiled_fields():
+        if path[: len(fixed)] == fixed or fixed[: len(path)] == path:
+            return fixed
+    return None
+
+
 def _check_not_compiled(keys: list[str], where: str) -> None:
-    if keys[0] in COMPILED_SECTIONS or (keys[0] == "stages" and len(keys) > 2 and keys[2] in COMPILED_STAGE_FIELDS):
-        field = ".".join(keys)
-        hint = "use the run-<stage> parameter" if keys[-1] == "enabled" else "edit the pipeline file and register again"
+    """Refuse an override that sets a compiled field, or replaces a section holding one (`tracking={...}`)."""
+    fixed = fixed_field(keys)
+    if fixed is None:
+        return
+    field, fixed_name = ".".join(keys), ".".join(fixed)
+    if len(fixed) > len(keys):  # a mapping value would replace the whole section, the fixed field with it
         raise SpecError(
-            f"{where}: {field} is fixed when the template is compiled and cannot be changed per run; {hint}"
+            f"{where}: {field} would replace the whole section, {fixed_name} included, which the form cannot "
+            f"change; set the fields below {field} one per line instead"
         )
+    if fixed in PIPELINE_FILE_ONLY:
+        raise SpecError(
+            f"{where}: {field} cannot be set from the form: {PIPELINE_FILE_ONLY[fixed]}; set it in the "
+            "pipeline file and register it again"
+        )
+    hint = "use the run-<stage> parameter" if fixed[-1] == "enabled" else "edit the pipeline file and register again"
+    raise SpecError(f"{where}: {field} is fixed when the template is compiled and cannot be changed per run; {hint}")
 
 
-def resolve_parameters(document: dict, values: dict[str, str]) -> PipelineSpec:
-    """Apply UI parameter values to the embedded spec document and validate the result."""
+def form_line(number: int) -> str:
+    """How an error names a line of the form's overrides parameter."""
+    return f"parameter {OVERRIDES}, line {number}"
+
+
+def resolve_parameters(
+    document: dict, values: dict[str, str], line_origin: Callable[[int], str] = form_line
+) -> PipelineSpec:
+    """Apply UI parameter values to the embedded spec document and validate the result. `line_origin` names
+    line N of the overrides parameter in errors (submit names the --set it came from)."""
     doc = json.loads(json.dumps(document))  # deep copy, JSON types only
     origins = Origins()
     known = set(values)
@@ -118,7 +173,7 @@ def resolve_parameters(document: dict, values: dict[str, str]) -> PipelineSpec:
     for number, line in enumerate(values.get(OVERRIDES, "").splitlines(), start=1):
         if not line.strip() or line.lstrip().startswith("#"):
             continue
-        where = f"parameter overrides, line {number}"
+        where = line_origin(number)
         try:
             keys, value = parse_override(line.strip())
         except SpecError as exc:

@@ -8,12 +8,13 @@ Checks, against the cluster of the current kubeconfig context (or the in-cluster
 - the CRDs the pipeline needs (PyTorchJob, Argo's Workflow/WorkflowTemplate, CronWorkflow when scheduled,
   InferenceService when deploying, Kueue's LocalQueue when a stage names a queue) and the ServingRuntime;
 - the namespace, the ServiceAccount, the two volumes (exist, Bound, ReadWriteMany);
-- every Secret the spec names, with the key it names: the Secret is read and everything but its key names is
-  dropped at once; no value is kept, compared, logged or printed;
+- every Secret the spec names exists: only its metadata is requested (a PartialObjectMetadata GET), so no key
+  or value is ever read; the keys inside cannot be known without reading the Secret and are not checked;
 - for every GPU stage, enough nodes whose labels match its node_selector (and required node affinity), whose
   taints it tolerates and whose allocatable nvidia.com/gpu covers gpus_per_node; its PriorityClass and queue;
-- the Argo server (ARGO_SERVER, ARGO_TOKEN, ARGO_INSECURE_SKIP_VERIFY): reachable, and v3.6 or later when the
-  pipeline is scheduled (CronWorkflow `schedules`). Skipped with a note when ARGO_SERVER is unset.
+- the Argo server (ARGO_SERVER, ARGO_TOKEN, ARGO_INSECURE_SKIP_VERIFY): set, reachable, and v3.6 or later when
+  the pipeline is scheduled (CronWorkflow `schedules`). submit and register need it, so an unset ARGO_SERVER
+  fails.
 
 The exit status is 1 when a blocking check fails, 2 for a spec error, 0 otherwise (warnings do not block).
 """
@@ -37,6 +38,9 @@ MIN_ARGO_FOR_SCHEDULES = (3, 6)
 """CronWorkflow `schedules` (a list of cron expressions) came with Argo Workflows v3.6."""
 
 REQUEST_TIMEOUT_S = 10.0
+JSON = "application/json"
+METADATA_ONLY = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"
+"""Accept header that makes the API server answer with an object's metadata alone (no data, no keys)."""
 GPU_RESOURCE = "nvidia.com/gpu"
 KIT_HINT = "kubectl apply -k manifests/overlays/<onprem|gke> (see manifests/README.md)"
 ACCESS_HINT = (
@@ -155,7 +159,7 @@ class _Kube:
     def host(self) -> str:
         return self.api.configuration.host
 
-    def get(self, path: str) -> dict[str, Any] | None:
+    def get(self, path: str, accept: str = JSON) -> dict[str, Any] | None:
         """The object at `path`, or None when it does not exist (404)."""
         from kubernetes.client.exceptions import ApiException
         from urllib3.exceptions import HTTPError
@@ -164,7 +168,7 @@ class _Kube:
             response = self.api.call_api(
                 path,
                 "GET",
-                header_params={"Accept": "application/json"},
+                header_params={"Accept": accept},
                 auth_settings=["BearerToken"],
                 _preload_content=False,
                 _return_http_data_only=True,
@@ -178,7 +182,13 @@ class _Kube:
             raise _Unreachable(f"{exc.status} {exc.reason} for GET {path}") from None
         except (HTTPError, OSError) as exc:
             raise _Unreachable(f"{type(exc).__name__}") from None
-        return json.loads(response.data)
+        try:
+            body = json.loads(response.data)
+        except ValueError:  # e.g. a proxy's HTML login page answering 200
+            body = None
+        if not isinstance(body, dict):
+            raise _Unreachable(f"GET {path} returned a body that is not a JSON object, e.g. a proxy's HTML page")
+        return body
 
 
 def _default_api_client() -> Any:
@@ -314,14 +324,9 @@ def _secret_refs(spec: PipelineSpec) -> dict[str, set[str]]:
     return refs
 
 
-def _secret_keys(kube: _Kube, ns: str, name: str) -> set[str] | None:
-    """The key names of a Secret, or None when there is none. Values are dropped here, never kept or shown."""
-    secret = kube.get(f"/api/v1/namespaces/{ns}/secrets/{name}")
-    if secret is None:
-        return None
-    keys = set(secret.get("data") or {}) | set(secret.get("stringData") or {})
-    secret.clear()
-    return keys
+def _secret_exists(kube: _Kube, ns: str, name: str) -> bool:
+    """Whether the Secret exists, from its metadata alone: its keys and values are never requested."""
+    return kube.get(f"/api/v1/namespaces/{ns}/secrets/{name}", accept=METADATA_ONLY) is not None
 
 
 def _check_secrets(kube: _Kube, spec: PipelineSpec, report: PreflightReport) -> None:
@@ -330,21 +335,14 @@ def _check_secrets(kube: _Kube, spec: PipelineSpec, report: PreflightReport) -> 
         name = f"secret {secret}"
 
         def check(secret: str = secret, wanted: set[str] = wanted, name: str = name) -> None:
-            keys = _secret_keys(kube, ns, secret)
+            if _secret_exists(kube, ns, secret):
+                keys = f" (keys are not read; the spec expects {', '.join(sorted(wanted))})" if wanted else ""
+                report.add(name, "ok", "exists" + keys)
+                return
             create = f"kubectl -n {ns} create secret generic {secret} " + " ".join(
                 f"--from-literal={k}=..." for k in sorted(wanted)
             )
-            if keys is None:
-                report.add(name, "fail", f"not found in {ns}", create.strip() + " (see manifests/secrets.example.yaml)")
-            elif missing := sorted(wanted - keys):
-                report.add(
-                    name,
-                    "fail",
-                    f"has no key {', '.join(missing)} (keys: {', '.join(sorted(keys)) or 'none'})",
-                    f"recreate it with the key: {create}",
-                )
-            else:
-                report.add(name, "ok", "exists" + (f" with key {', '.join(sorted(wanted))}" if wanted else ""))
+            report.add(name, "fail", f"not found in {ns}", create.strip() + " (see manifests/secrets.example.yaml)")
 
         _guarded(report, name, check)
 
@@ -553,9 +551,9 @@ def _check_argo(spec: PipelineSpec, argo_server: str | None, report: PreflightRe
     if not env.get("ARGO_SERVER", "").strip():
         report.add(
             name,
-            "warn",
-            "not checked: ARGO_SERVER is unset",
-            "set ARGO_SERVER (and ARGO_TOKEN) to check the server, e.g. ARGO_SERVER=localhost:2746 after "
+            "fail",
+            "ARGO_SERVER is unset: submit and register talk to the Argo server",
+            'set ARGO_SERVER and ARGO_TOKEN, e.g. ARGO_SERVER=localhost:2746 ARGO_TOKEN="$(argo auth token)" after '
             "`kubectl -n argo port-forward svc/argo-server 2746:2746`",
         )
         return
@@ -632,8 +630,9 @@ def run_preflight(spec: PipelineSpec, kube_api_client: Any = None, argo_server: 
         report.add(
             "cluster access",
             "fail",
-            f"the Kubernetes API at {kube.host} did not answer ({exc})",
-            "check the kubeconfig context and that the cluster is reachable (`kubectl get ns`)",
+            f"no usable answer from the Kubernetes API at {kube.host} ({exc})",
+            "check the kubeconfig context and that the cluster is reachable (`kubectl get ns`); the server URL must "
+            "be the API server itself, not a proxy's login page",
         )
     _check_argo(spec, argo_server, report)
     return report

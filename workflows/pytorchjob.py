@@ -21,7 +21,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from workflows.spec import PipelineSpec, TrainingStage
+from workflows.spec import PipelineSpec, StageBase, TrainingStage
 
 API_VERSION = "kubeflow.org/v1"
 KIND = "PyTorchJob"
@@ -38,6 +38,10 @@ PART_OF = "posttrain"
 STAGE_LABEL = "posttrain.dev/stage"
 PIPELINE_LABEL = "posttrain.dev/pipeline"
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+
+# Seconds of the grace period kept back from torchrun's own shutdown, for the agent to exit after its workers.
+SHUTDOWN_MARGIN_SECONDS = 15
+MIN_SHUTDOWN_TIMEOUT_SECONDS = 30
 
 
 def run_dir(spec: PipelineSpec, run_name: str) -> str:
@@ -78,16 +82,30 @@ def volumes(spec: PipelineSpec, shm_size: str | None) -> tuple[list[dict[str, An
     return vols, mounts
 
 
-def pod_env(spec: PipelineSpec, stage_env: dict[str, str]) -> list[dict[str, Any]]:
-    """Environment of a stage's container: plain settings, Argo identity, and secrets by reference only."""
+def stage_image(spec: PipelineSpec, stage: StageBase) -> str:
+    """The image a stage's pods run."""
+    return stage.resources.image or spec.cluster.image
+
+
+def shutdown_timeout(stage: TrainingStage) -> int:
+    """Seconds torchrun waits, after SIGTERM, for its workers to exit before it SIGKILLs them: most of the pod's
+    grace period, so a preempted worker can finish its step and save a checkpoint (torchrun's default is 30)."""
+    grace = stage.run_policy.termination_grace_period_seconds
+    return max(grace - SHUTDOWN_MARGIN_SECONDS, MIN_SHUTDOWN_TIMEOUT_SECONDS)
+
+
+def pod_env(spec: PipelineSpec, stage: StageBase) -> list[dict[str, Any]]:
+    """Environment of a stage's container: plain settings, Argo identity, the image (an MLflow tag), and secrets by
+    reference only."""
     cluster = spec.cluster
     env: list[dict[str, Any]] = [
         {"name": "ARGO_WORKFLOW_NAME", "value": "{{workflow.name}}"},
         {"name": "ARGO_WORKFLOW_UID", "value": "{{workflow.uid}}"},
+        {"name": "POSTTRAIN_IMAGE", "value": stage_image(spec, stage)},
         {"name": "HF_HOME", "value": f"{cluster.checkpoints.mount_path}/.cache/huggingface"},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
     ]
-    for name, value in {**cluster.env, **stage_env}.items():
+    for name, value in {**cluster.env, **stage.env}.items():
         env.append({"name": name, "value": value})
     for name, ref in cluster.secrets.env().items():
         env.append(
@@ -126,12 +144,14 @@ def pod_template(spec: PipelineSpec, stage_name: str, stage: TrainingStage, comm
     res = stage.resources
     cluster = spec.cluster
     vols, mounts = volumes(spec, res.shm_size)
+    env = pod_env(spec, stage)
+    env.append({"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": str(shutdown_timeout(stage))})
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
-        "image": res.image or cluster.image,
+        "image": stage_image(spec, stage),
         "imagePullPolicy": cluster.image_pull_policy,
         "command": command,
-        "env": pod_env(spec, stage.env),
+        "env": env,
         "resources": resource_requirements(res.cpu, res.memory, res.gpus_per_node, res.ephemeral_storage),
         "volumeMounts": mounts,
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
@@ -177,11 +197,12 @@ def pod_security_context(spec: PipelineSpec) -> dict[str, Any]:
 def run_policy(spec: PipelineSpec, stage: TrainingStage) -> dict[str, Any]:
     """The job's runPolicy; schedulingPolicy only when a queue or priority class is set."""
     rp = stage.run_policy
-    policy: dict[str, Any] = {"cleanPodPolicy": rp.clean_pod_policy}
+    policy: dict[str, Any] = {
+        "cleanPodPolicy": rp.clean_pod_policy,
+        "activeDeadlineSeconds": rp.active_deadline_seconds,
+    }
     if rp.ttl_seconds_after_finished is not None:
         policy["ttlSecondsAfterFinished"] = rp.ttl_seconds_after_finished
-    if rp.active_deadline_seconds is not None:
-        policy["activeDeadlineSeconds"] = rp.active_deadline_seconds
     if rp.backoff_limit is not None:
         policy["backoffLimit"] = rp.backoff_limit
     scheduling: dict[str, Any] = {}

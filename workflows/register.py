@@ -2,14 +2,17 @@
 
     python -m workflows.register korean-llm
     python -m workflows.register korean-llm --set schedule.suspend=true
+    python -m workflows.register qwen3-30b-a3b --profile qlora    # WorkflowTemplate qwen3-30b-a3b-qlora
 
 Registering submits no run: the template becomes available in the Argo UI (with its parameter form) and the
-schedule, when the spec has one, starts runs from it.
+schedule, when the spec has one, starts runs from it. With --profile P both are named `<pipeline>-P`. Here --set
+values are compiled into the shared template, and so into every later run and scheduled run (a warning says so).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 from workflows.argo import ArgoClient, ArgoError
 from workflows.submit import add_pipeline_arguments, argo_client, compile_loaded, load, run_cli
@@ -21,7 +24,7 @@ def parser() -> argparse.ArgumentParser:
         prog="python -m workflows.register",
         description="Create or update a pipeline's WorkflowTemplate and, when scheduled, its CronWorkflow.",
     )
-    add_pipeline_arguments(p)
+    add_pipeline_arguments(p, "Compiled into the shared template, so every later run uses it.")
     return p
 
 
@@ -30,6 +33,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     loaded = load(args.pipeline, args.profile, args.overrides)
     compiled = compile_loaded(loaded)
+    name = compiled.template.name
+    if args.overrides:
+        print(
+            f"warning: --set values are compiled into the shared WorkflowTemplate {name}: every run from it uses "
+            "them, scheduled ones included, until it is registered or submitted again without them; for a single "
+            "run, pass them to `python -m workflows.submit` instead",
+            file=sys.stderr,
+        )
     with argo_client(loaded) as client:
         print(client.ensure_workflow_template(compiled.template))
         if compiled.cron is not None:
@@ -38,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
             state = " (suspended)" if schedule.suspend else ""
             print(f"schedule: {', '.join(schedule.cron)} in {schedule.timezone}{state}")
         else:
-            print(_unscheduled_note(client, loaded.spec.name))
+            print(_unscheduled_note(client, name))
     return 0
 
 

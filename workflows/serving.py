@@ -3,9 +3,10 @@
 The deploy stage renders it for its run into `<run>/deploy/inferenceservice.yaml`; the cluster DAG applies the
 same document from an Argo resource step (`action: apply`) after deploy, rendered with the run name
 `{{workflow.name}}` (see `argo_manifest`). Its predictor selects the `kserve-vllm` ServingRuntime
-(manifests/components/kserve-vllm) by modelFormat vllm; KServe's storage initializer fetches `storageUri`
-(gs://, s3://, pvc://) into /mnt/models with the predictor's ServiceAccount (Workload Identity, IRSA, or the
-PVC mount). No credential or Secret reference appears in the document.
+(manifests/components/kserve-vllm) by modelFormat vllm; its args, which KServe appends to the runtime's, always
+hold `--load-format=safetensors`. KServe's storage initializer fetches `storageUri` (gs://, s3://, pvc://) into
+/mnt/models with the predictor's ServiceAccount (Workload Identity, IRSA, or the PVC mount). No credential or
+Secret reference appears in the document.
 
 Where a run's model is published:
 - `stages.deploy.storage_uri` unset: on the checkpoints volume, where deploy wrote it:
@@ -29,6 +30,8 @@ from workflows.spec import PipelineSpec
 API_VERSION = "serving.kserve.io/v1beta1"
 KIND = "InferenceService"
 MODEL_FORMAT = "vllm"
+LOAD_FORMAT_ARG = "--load-format=safetensors"
+"""vLLM loads the weights from safetensors only (a pickle can run code when it is loaded)."""
 RUN_LABEL = "posttrain.dev/run"
 REGISTERED_MODEL_ANNOTATION = "posttrain.dev/registered-model"
 MODEL_VERSION_ANNOTATION = "posttrain.dev/model-version"
@@ -43,9 +46,8 @@ FAILURE_CONDITION = "status.modelStatus.transitionStatus in (BlockedByFailedLoad
 
 def inference_service_name(spec: PipelineSpec) -> str:
     """The InferenceService's name: the pipeline's (stable across runs, so each deploy moves the same
-    service to the new model). A DNS-1035 label: starts with a letter."""
-    name = spec.name
-    return name if re.match(r"^[a-z]", name) else f"m-{name}"[:63].rstrip("-")
+    service to the new model). Pipeline names are DNS-1035 labels already (the spec requires a leading letter)."""
+    return spec.name
 
 
 def default_storage_uri(spec: PipelineSpec, run_name: str) -> str:
@@ -79,7 +81,8 @@ def inference_service(
     annotation when known."""
     deploy = spec.stages.deploy
     serving = deploy.serving
-    args: list[str] = []
+    # Safetensors only, never pickles, whatever runtime serves it (the kit's appends the same flag).
+    args: list[str] = [LOAD_FORMAT_ARG]
     if serving.max_model_len is not None:
         args.append(f"--max-model-len={serving.max_model_len}")
     if serving.gpus > 1:
@@ -89,8 +92,7 @@ def inference_service(
         "runtime": serving.runtime,
         "storageUri": storage_uri,
     }
-    if args:
-        model["args"] = args
+    model["args"] = args
     if serving.gpus > 0:
         gpus = str(serving.gpus)
         model["resources"] = {"requests": {"nvidia.com/gpu": gpus}, "limits": {"nvidia.com/gpu": gpus}}

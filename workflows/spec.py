@@ -20,6 +20,9 @@ TRAINING_STAGES: tuple[str, ...] = ("cpt", "sft", "rlhf")
 OPTIONAL_STAGES: tuple[str, ...] = ("cpt", "sft", "rlhf", "evaluate", "deploy")
 
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+# What Argo accepts for a retry backoff: whole seconds, or a Go duration such as '90s', '2m', '1h30m'.
+_GO_DURATION = re.compile(r"^(\d+|((\d+(\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h))+)$")
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|Ki|Mi|Gi|Ti|Pi|Ei|M|G|T|P|E)?$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -168,6 +171,13 @@ class TrainingSpec(StrictModel):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     gradient_checkpointing: bool = Field(True, description="Recompute activations to save memory (GPU only).")
+    pure_bf16: bool = Field(
+        False,
+        description="Full fine-tuning on GPU with DDP or one process: keep the weights and optimizer state in "
+        "model.dtype instead of float32 master weights with bf16 compute. Faster and about half the memory, but an "
+        "update smaller than half a bf16 step of its weight (about 0.4% of it) is lost, which at fine-tuning "
+        "learning rates is most of them. FSDP and DeepSpeed always keep float32 master weights.",
+    )
     seed: int = Field(42, description="Seed for data order and initialisation.")
     logging_steps: int = Field(10, gt=0, description="Log metrics every this many steps.")
     save_steps: int = Field(200, gt=0, description="Write a checkpoint every this many steps.")
@@ -208,10 +218,14 @@ class Toleration(StrictModel):
         return self.model_dump(by_alias=True, exclude_none=True)
 
 
+MAX_NODES = 512
+"""The most pods one training stage may have."""
+
+
 class Resources(StrictModel):
     """What one stage's pods ask the cluster for."""
 
-    nodes: int = Field(1, ge=1, le=512, description="Nodes (pods) in the job: one Master plus nodes-1 Workers.")
+    nodes: int = Field(1, ge=1, le=MAX_NODES, description="Nodes (pods) in the job: one Master plus nodes-1 Workers.")
     gpus_per_node: int = Field(0, ge=0, le=16, description="GPUs per pod (nvidia.com/gpu); also torchrun's nproc.")
     cpu: Quantity | None = Field(None, description="CPU request and limit per pod.")
     memory: Quantity | None = Field(None, description="Memory request and limit per pod.")
@@ -238,26 +252,48 @@ class Resources(StrictModel):
 class RunPolicy(StrictModel):
     """The PyTorchJob's runPolicy, and the Argo retry around it."""
 
-    active_deadline_seconds: int | None = Field(
-        None, gt=0, description="Fail the job after this long (the operator marks it Failed)."
+    active_deadline_seconds: int = Field(
+        7 * 24 * 3600,
+        gt=0,
+        description="Fail the job after this long (the operator marks it Failed). The step's timeout is this plus "
+        "an hour, so even a job that never starts (stuck at Created) ends; default 7 days.",
     )
     ttl_seconds_after_finished: int | None = Field(
         7 * 24 * 3600, ge=0, description="Delete the finished PyTorchJob after this long."
     )
     backoff_limit: int | None = Field(0, ge=0, description="Pod restarts the operator allows before failing the job.")
     clean_pod_policy: Literal["None", "Running", "All"] = Field(
-        "None", description="Which pods the operator deletes when the job ends (None keeps logs)."
+        "Running",
+        description="Which pods the operator deletes when the job ends. Running (default) deletes the pods still "
+        "running, e.g. Workers left waiting on a failed Master, which would otherwise hold their GPUs until the job "
+        "is deleted; finished pods stay for their logs. None keeps every pod, All deletes every pod.",
     )
     retries: int = Field(
         2, ge=0, le=20, description="Argo retries of the stage; each creates a fresh PyTorchJob that resumes."
     )
-    retry_backoff: str = Field("2m", description="Wait before the first retry (doubles each time, up to 1h).")
+    retry_backoff: str = Field(
+        "2m",
+        description="Wait before the first retry, in seconds or as a Go duration ('90s', '2m', '1h30m'); it doubles "
+        "with each retry, each wait at most 1h. Retries are not limited in total time: a stage that fails after "
+        "days is still retried.",
+    )
     termination_grace_period_seconds: int = Field(
         300,
         ge=30,
         description="Time a preempted pod gets between SIGTERM and SIGKILL: it must cover one training step "
         "plus writing a checkpoint.",
     )
+
+    @field_validator("retry_backoff", mode="before")
+    @classmethod
+    def _duration(cls, value: Any) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)  # `retry_backoff: 120` in YAML means seconds, as Argo reads it
+        if isinstance(value, str) and not _GO_DURATION.match(value):
+            raise ValueError(
+                f"retry_backoff must be whole seconds or a Go duration such as '90s', '2m' or '1h30m', got {value!r}"
+            )
+        return value
 
 
 class StageBase(StrictModel):
@@ -338,7 +374,12 @@ class RlhfStage(TrainingStage):
     """Preference optimisation after SFT."""
 
     algorithm: Literal["dpo", "orpo", "kto", "grpo"] = Field("dpo", description="Preference algorithm.")
-    beta: float = Field(0.1, gt=0, description="Strength of the KL/preference term.")
+    beta: float = Field(
+        0.1,
+        ge=0,
+        description="Strength of the KL/preference term; greater than 0, except for grpo, where 0 (TRL's default) "
+        "drops the KL term and the reference model.",
+    )
     precompute_ref_log_probs: bool = Field(
         True, description="Compute the reference model's log-probabilities once, before training."
     )
@@ -349,6 +390,9 @@ class RlhfStage(TrainingStage):
 
     @model_validator(mode="after")
     def _preference_data(self) -> RlhfStage:
+        # DPO and KTO scale the preference margin by beta (no gradient at 0), ORPO weighs its odds-ratio term by it.
+        if self.algorithm != "grpo" and self.beta == 0:
+            raise ValueError(f"beta must be greater than 0 for {self.algorithm} (only grpo accepts 0)")
         if self.algorithm == "grpo":
             if self.enabled and not self.reward_functions:
                 raise ValueError("grpo needs at least one entry in reward_functions")
@@ -386,7 +430,9 @@ class EvaluateStage(StageBase):
     )
     lm_eval_include_path: str | None = Field(
         None,
-        description="Directory of extra lm-eval task YAMLs (tasks over local data files, for offline clusters).",
+        description="Directory of extra lm-eval task YAMLs (tasks over local data files, for offline clusters). "
+        "Pipeline file only (task YAMLs can run Python); in the cluster it must lie on the datasets or checkpoints "
+        "volume.",
     )
     limit: int | None = Field(None, gt=0, description="Examples per lm-eval task (None: all).")
     prompts: list[str] = Field(default_factory=list, description="Prompts for the sampled-generation table.")
@@ -420,16 +466,29 @@ class DeployStage(StageBase):
     registered_model: str | None = Field(None, description="MLflow registered model name; None uses the pipeline name.")
     storage_uri: str | None = Field(
         None,
-        description="Where the served model is published: 'gs://...', 's3://...' or 'pvc://claim/path'. "
-        "None serves it from the checkpoints volume.",
+        description="Where the served model is published: 'gs://...', 's3://...' or 'pvc://claim/path' (a folder "
+        "inside the claim, without '..'). None serves it from the checkpoints volume.",
     )
     serving: ServingSpec = Field(default_factory=ServingSpec, description="The InferenceService.")
 
     @field_validator("storage_uri")
     @classmethod
-    def _storage_scheme(cls, uri: str | None) -> str | None:
-        if uri is not None and not re.match(r"^(gs|s3|pvc)://[^/]+", uri):
+    def _storage_uri(cls, uri: str | None) -> str | None:
+        if uri is None:
+            return None
+        if not re.match(r"^(gs|s3|pvc)://[^/]+", uri):
             raise ValueError("storage_uri must start with gs://, s3:// or pvc://")
+        if uri.startswith("pvc://"):
+            claim, _, path = uri[len("pvc://") :].partition("/")
+            if len(claim) > 253 or not _DNS_SUBDOMAIN.match(claim):
+                raise ValueError(f"storage_uri {uri!r} must name a PersistentVolumeClaim: pvc://CLAIM/PATH")
+            segments = [s for s in path.split("/") if s]
+            if not segments:
+                raise ValueError(
+                    f"storage_uri {uri!r} is the root of the claim: name a folder inside it, e.g. pvc://{claim}/models"
+                )
+            if ".." in segments:
+                raise ValueError(f"storage_uri {uri!r} must stay inside its claim: no '..' in the path")
         return uri
 
 
@@ -632,11 +691,27 @@ class WorkflowSpec(StrictModel):
 
 # --------------------------------------------------------------------------- pipeline
 
+# The PyTorchJob operator names each replica's Service '<job>-worker-<index>', a DNS-1035 label of at most 63
+# characters. The longest job name comes from resubmitting a scheduled run: the CronWorkflow names its runs
+# '<name>-<10-digit unix time>', a resubmission appends '-<5 random>', and the job '-<stage>-<5 random>'.
+LONGEST_SERVICE_NAME = (
+    f"<name>-<10 digits>-<5 random>-{max(TRAINING_STAGES, key=len)}-<5 random>-worker-<{MAX_NODES - 2}>"
+)
+MAX_PIPELINE_NAME_LENGTH = 63 - len(
+    f"-{'9' * 10}-{'x' * 5}-{max(TRAINING_STAGES, key=len)}-{'x' * 5}-worker-{MAX_NODES - 2}"
+)
+"""The longest pipeline name whose worst-case Service name still fits."""
+
 
 class PipelineSpec(StrictModel):
     """A post-training pipeline: base model + data → evaluated, registered, served model."""
 
-    name: str = Field(description="Pipeline name: the WorkflowTemplate and CronWorkflow are named after it.")
+    name: str = Field(
+        description="Pipeline name: the WorkflowTemplate and CronWorkflow are named after it ('<name>-<profile>' "
+        "with --profile), and so are the runs. A DNS label that "
+        f"starts with a letter, at most {MAX_PIPELINE_NAME_LENGTH} characters (the training jobs' Service names "
+        "are built from it)."
+    )
     description: str = Field("", description="What this pipeline is for, shown in the Argo UI.")
     model: ModelSpec = Field(description="Base model.")
     data_version: str = Field(
@@ -651,16 +726,23 @@ class PipelineSpec(StrictModel):
     workflow: WorkflowSpec = Field(default_factory=WorkflowSpec, description="Workflow retention and deadline.")
     profiles: dict[str, dict[str, Any]] = Field(
         default_factory=dict,
-        description="Named overlays merged onto this spec by --profile (the 'local' profile is used by --local).",
+        description="Named overlays merged onto this spec by --profile (the 'local' profile is used by --local). "
+        "A profile's WorkflowTemplate and CronWorkflow are named '<name>-<profile>', so a profile name that is "
+        "registered or submitted holds lowercase letters, digits and '-'.",
     )
 
     @field_validator("name")
     @classmethod
     def _name(cls, name: str) -> str:
-        # Leave room for generated suffixes (workflow and PyTorchJob names).
-        if len(name) > 40:
-            raise ValueError(f"pipeline name must be at most 40 characters, got {len(name)}")
-        return _dns_label(name, "pipeline name")
+        if len(name) > MAX_PIPELINE_NAME_LENGTH:
+            raise ValueError(
+                f"pipeline name must be at most {MAX_PIPELINE_NAME_LENGTH} characters, got {len(name)}: a training "
+                f"stage's Services are named {LONGEST_SERVICE_NAME!r} and must fit a 63-character DNS label"
+            )
+        _dns_label(name, "pipeline name")
+        if not name[0].isalpha():
+            raise ValueError(f"pipeline name must start with a letter, as the Service names it begins do: {name!r}")
+        return name
 
     @field_validator("data_version")
     @classmethod

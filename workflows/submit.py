@@ -3,7 +3,25 @@
     python -m workflows.submit korean-llm --render out/      # write workflowtemplate.yaml, workflow.yaml, ...
     python -m workflows.submit korean-llm --dry-run          # print the Workflow, touch nothing
     python -m workflows.submit korean-llm --watch            # ensure the template, submit, follow the run
+    python -m workflows.submit korean-llm --set stages.sft.training.learning_rate=1e-4   # one run, one change
     python -m workflows.submit korean-llm --local            # the same DAG on this machine (profile 'local')
+
+Submitting ensures the shared WorkflowTemplate, compiled from the pipeline file and --profile only (the schedule
+and every later run use it), then creates a Workflow that references it. The --set values are that run's alone:
+they travel as the Workflow's `overrides` argument, one per line after the parameter's default, where the Argo UI
+shows them and "Resubmit" can edit them, and the prepare step applies them in the cluster exactly as form input.
+They are checked here first with the prepare step's own function, so a bad value fails on this machine. A --set
+of a field the form may not set (compiled into the template's manifests, or deciding what code runs or where
+credentials go) is refused: it is part of the shared template, changed in the pipeline file or a profile and
+registered (`python -m workflows.register`). `--set stages.<stage>.enabled=false` sets the form's run-<stage>.
+
+With --profile P the template (and a schedule registered with it) is named `<pipeline>-P`, so a profile never
+replaces the plain template; runs keep the generateName `<pipeline>-`.
+
+--render and --dry-run write standalone documents and accept any --set: the values are compiled into the
+template (and the schedule), and workflow.yaml references that template with the form's defaults, so the three
+files agree with each other. Applied with `kubectl apply`, a template rendered with --set replaces the shared one
+of that name, which the schedule runs. --dry-run prints that workflow.yaml, not the Workflow a submission sends.
 
 Expected failures (unknown pipeline, invalid spec or --set, server unreachable, 401/403, conflicts) print one
 message that says what to fix and exit non-zero; the Argo client, rich and the runner are imported only when used.
@@ -12,6 +30,7 @@ message that says what to fix and exit non-zero; the Argo client, rich and the r
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -19,11 +38,12 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import yaml
 
-from workflows.loading import LoadedPipeline, SpecError, load_pipeline
+from workflows.loading import LoadedPipeline, SpecError, load_pipeline, parse_override
 
 if TYPE_CHECKING:
     from workflows.argo import ArgoClient
     from workflows.compile import CompiledPipeline
+    from workflows.spec import PipelineSpec
 
 EXIT_FAILED = 1
 """The server refused or failed, or the watched workflow did not succeed."""
@@ -48,7 +68,7 @@ class CliError(Exception):
 # --------------------------------------------------------------------------- shared by submit and register
 
 
-def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
+def add_pipeline_arguments(parser: argparse.ArgumentParser, set_help: str) -> None:
     """The pipeline, --set and --profile options."""
     parser.add_argument("pipeline", metavar="NAME|PATH", help="A pipeline of workflows/pipelines/ or a YAML file.")
     parser.add_argument(
@@ -57,9 +77,20 @@ def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="PATH=VALUE",
-        help="Override a spec field, e.g. --set stages.sft.training.learning_rate=1e-4 (repeatable).",
+        help=f"Override a spec field, e.g. --set stages.sft.training.learning_rate=1e-4 (repeatable). {set_help}",
     )
-    parser.add_argument("--profile", help="Merge the named profile of the spec before the --set overrides.")
+    parser.add_argument(
+        "--profile",
+        help="Merge the named profile of the spec before the --set overrides; its template is named NAME-PROFILE.",
+    )
+
+
+def usage_error(exc: SpecError) -> CliError:
+    """A SpecError as a usage error; several problems are listed under one heading."""
+    lines = str(exc).splitlines()
+    if len(lines) > 1:
+        lines = ["the pipeline spec is not valid:", *(f"  {line}" for line in lines)]
+    return CliError("\n".join(lines), EXIT_USAGE)
 
 
 def load(pipeline: str, profile: str | None, overrides: list[str]) -> LoadedPipeline:
@@ -67,31 +98,30 @@ def load(pipeline: str, profile: str | None, overrides: list[str]) -> LoadedPipe
     try:
         return load_pipeline(pipeline, profile, overrides)
     except SpecError as exc:
-        lines = str(exc).splitlines()
-        if len(lines) > 1:
-            lines = ["the pipeline spec is not valid:", *(f"  {line}" for line in lines)]
-        message = "\n".join(lines)
-        raise CliError(message, EXIT_USAGE) from None
+        raise usage_error(exc) from None
 
 
 def compile_loaded(loaded: LoadedPipeline) -> CompiledPipeline:
-    """The CompiledPipeline of a loaded spec."""
+    """The CompiledPipeline of a loaded spec, its template named after the pipeline and profile."""
     from workflows.compile import compile_pipeline
 
     try:
-        return compile_pipeline(loaded.spec)
+        return compile_pipeline(loaded.spec, profile=loaded.profile)
     except (SpecError, ValueError) as exc:
         raise CliError(f"cannot compile {loaded.source}: {exc}", EXIT_USAGE) from None
 
 
 def argo_client(loaded: LoadedPipeline) -> ArgoClient:
-    """An ArgoClient configured from ARGO_* variables, in the spec's namespace unless ARGO_NAMESPACE is set."""
-    from workflows.argo import ArgoClient, ArgoError
+    """An ArgoClient configured from ARGO_* variables, in the spec's namespace; an ARGO_NAMESPACE that names
+    another one is a usage error (the jobs the workflow creates would land in the spec's)."""
+    from workflows.argo import ArgoClient, ArgoConfig, ArgoError
 
     try:
-        return ArgoClient.from_env(loaded.spec.cluster.namespace)
+        config = ArgoConfig.from_env(loaded.spec.cluster.namespace)
+        config.require_namespace(loaded.spec.cluster.namespace)
     except ArgoError as exc:
         raise CliError(str(exc), EXIT_USAGE) from None
+    return ArgoClient(config)
 
 
 def run_cli(main: Callable[[list[str] | None], int], argv: list[str] | None) -> NoReturn:
@@ -168,7 +198,10 @@ def parser() -> argparse.ArgumentParser:
         prog="python -m workflows.submit",
         description="Compile a post-training pipeline to Argo Workflows and render, submit or run it.",
     )
-    add_pipeline_arguments(p)
+    add_pipeline_arguments(
+        p,
+        "Submitted, it changes this run only, through the form's overrides; --render and --dry-run compile it in.",
+    )
     mode = p.add_mutually_exclusive_group()
     mode.add_argument(
         "--render", type=Path, metavar="DIR", help="Write the manifests as YAML into DIR; submit nothing."
@@ -199,27 +232,117 @@ def _load_for_local(args: argparse.Namespace) -> LoadedPipeline:
     return plain
 
 
-def preflight(loaded: LoadedPipeline) -> None:
-    """Check the cluster before anything is created; a blocking failure stops the submission with the fixes."""
+def preflight(spec: PipelineSpec) -> None:
+    """Check the cluster for the run's spec before anything is created; a blocking failure stops the submission
+    with the fixes."""
     from rich.console import Console
 
     from workflows.preflight import run_preflight
 
-    report = run_preflight(loaded.spec)
+    report = run_preflight(spec)
     if not report.ok:
         Console(stderr=True).print(report.render())
         raise CliError(f"preflight: {report.verdict()}. Fix what the table says, or pass --skip-preflight.")
     print(f"preflight: {report.verdict()}")
 
 
-def _submit(args: argparse.Namespace, loaded: LoadedPipeline, compiled: CompiledPipeline) -> int:
+def register_command(pipeline: str, profile: str | None) -> str:
+    """The `workflows.register` command line that registers the shared template of a pipeline and profile."""
+    argv = ["python", "-m", "workflows.register", pipeline]
+    if profile is not None:
+        argv += ["--profile", profile]
+    return shlex.join(argv)
+
+
+def _template_field_error(args: argparse.Namespace, template: str, keys: list[str], fixed: tuple[str, ...]) -> CliError:
+    """Why a --set of `keys` cannot change one run: it sets (or replaces a section holding) `fixed`, a field of
+    the shared template."""
+    from workflows.parameters import PIPELINE_FILE_ONLY
+
+    field, fixed_name = ".".join(keys), ".".join(fixed)
+    reason = PIPELINE_FILE_ONLY.get(fixed, "compiled into its manifests")
+    part_of = f"part of the shared WorkflowTemplate {template} ({reason}) and cannot change per run"
+    fixes = (
+        f"change it in the pipeline file or a profile and run `{register_command(args.pipeline, args.profile)}`, "
+        "or use --render DIR for standalone YAML"
+    )
+    if len(fixed) > len(keys):  # a mapping value would replace the whole section, the fixed field with it
+        return CliError(
+            f"--set {field}: it would replace {fixed_name}, which is {part_of}: set the fields below {field} one "
+            f"per --set, or {fixes}",
+            EXIT_USAGE,
+        )
+    subject = "it" if fixed == tuple(keys) else fixed_name
+    return CliError(f"--set {field}: {subject} is {part_of}: {fixes}", EXIT_USAGE)
+
+
+def run_arguments(
+    args: argparse.Namespace, loaded: LoadedPipeline, template: str
+) -> tuple[dict[str, str], PipelineSpec]:
+    """The Workflow's argument values that carry the --set overrides of `args` to a run of `template` (compiled
+    from `loaded`), and the spec prepare will resolve from them.
+
+    Each --set is a line of the `overrides` argument, after its default; `stages.<stage>.enabled` is the stage's
+    run-<stage> switch instead, as in the form. A field of the shared template is refused. The values are then
+    resolved with the prepare step's own function, so what passes here passes there."""
+    from workflows import parameters as params
+
+    defaults = {p.name: p.default for p in params.ui_parameters(loaded.spec)}
+    values: dict[str, str] = {}
+    lines: list[str] = []
+    for expr in args.overrides:
+        # The form reads one override per line and skips comment lines: a --set has to be exactly one line.
+        if expr.splitlines() != [expr] or expr.lstrip().startswith("#"):
+            raise CliError(f"--set {expr!r}: expected one path.to.field=value on a single line", EXIT_USAGE)
+        keys, value = parse_override(expr)
+        switch = f"run-{keys[1]}" if len(keys) == 3 and keys[0] == "stages" and keys[2] == "enabled" else None
+        if switch in defaults:
+            if not isinstance(value, bool):
+                raise CliError(f"--set {expr}: expected true or false", EXIT_USAGE)
+            values[switch] = str(value).lower()
+        elif (fixed := params.fixed_field(keys)) is not None:
+            raise _template_field_error(args, template, keys, fixed)
+        else:
+            lines.append(expr.strip())
+    default_lines = defaults[params.OVERRIDES].splitlines()
+    if lines:
+        values[params.OVERRIDES] = "\n".join([*default_lines, *lines])
+
+    def origin(number: int) -> str:
+        index = number - len(default_lines) - 1
+        return f"--set {lines[index]}" if index >= 0 else params.form_line(number)
+
+    try:
+        spec = params.resolve_parameters(params.embedded_document(loaded.spec), values, origin)
+    except SpecError as exc:
+        raise usage_error(exc) from None
+    return values, spec
+
+
+def _submit(args: argparse.Namespace) -> int:
+    from workflows.argo import StaleObject
+    from workflows.compile import submitted_workflow
+
+    # The shared template comes from the pipeline file and profile alone; the --set values are this run's.
+    loaded = load(args.pipeline, args.profile, [])
+    template = compile_loaded(loaded).template
+    values, run_spec = run_arguments(args, loaded, template.name)
+    workflow = submitted_workflow(loaded.spec, values, template.name)
+
     client = argo_client(loaded)  # a missing ARGO_SERVER is reported before any cluster check
     if not args.skip_preflight:
-        preflight(loaded)
+        preflight(run_spec)
     with client:
-        applied = client.ensure_workflow_template(compiled.template)
+        try:
+            applied = client.ensure_workflow_template(template)
+        except StaleObject as exc:
+            # Submitters may only read templates: registering is the registrar's job.
+            command = register_command(args.pipeline, args.profile)
+            raise CliError(
+                f"{exc.summary}: someone with the registrar role should run `{command}`, then submit again"
+            ) from None
         print(applied)
-        name = client.submit_workflow(compiled.workflow)
+        name = client.submit_workflow(workflow)
         print(f"submitted Workflow {client.namespace}/{name}")
         print(client.ui_url(name))
         if not args.watch:
@@ -248,6 +371,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_local(loaded, args.run_dir, args.force)
 
+    if args.render is None and not args.dry_run:
+        return _submit(args)
+    # Standalone documents: every --set is compiled in (see the module docstring).
     loaded = load(args.pipeline, args.profile, args.overrides)
     compiled = compile_loaded(loaded)
     if args.render is not None:
@@ -257,10 +383,8 @@ def main(argv: list[str] | None = None) -> int:
         to_apply = " ".join(f"-f {path}" for path in written if path.name != "workflow.yaml")
         print(f"next: kubectl apply {to_apply} && argo submit {args.render / 'workflow.yaml'}")
         return 0
-    if args.dry_run:
-        sys.stdout.write(to_yaml(compiled.documents()["workflow.yaml"]))
-        return 0
-    return _submit(args, loaded, compiled)
+    sys.stdout.write(to_yaml(compiled.documents()["workflow.yaml"]))
+    return 0
 
 
 if __name__ == "__main__":
