@@ -5,14 +5,15 @@
 Reads top to bottom:
 
 1. evaluate's stage.json: the candidate stage, the gate decision and the numbers behind it. A run that evaluate
-   skipped (data unchanged) is skipped here too. In the cluster deploy only runs after gate=pass; run with a
-   failed gate (locally), it registers the model as `challenger` only and says so.
+   skipped (data unchanged) is skipped here too. deploy only runs after gate=pass, in the cluster and under
+   --local; run by hand after a failed gate, it registers the model as `challenger` only and says so.
 2. The model as it is served: full weights in safetensors with the tokenizer, in `deploy/model/` (an adapter is
    merged into its base first).
 3. Published where the InferenceService reads it (workflows/serving.py): gs:// (google-cloud-storage) or s3://
    (boto3) under `<storage_uri>/<run>`, with credentials from the environment only (Workload Identity / Google
-   ADC, AWS_* or a web identity); pvc:// on the checkpoints claim by a copy; by default the run directory on
-   the checkpoints volume itself.
+   ADC, AWS_* or a web identity); pvc:// on the checkpoints claim by a copy, into a folder strictly inside the
+   volume and outside `runs/` (never over a run directory); by default the run directory on the checkpoints
+   volume itself.
 4. The MLflow Model Registry: the model files are logged as the `model` artifacts of deploy's run (with the
    candidate's metrics), a new version of the registered model (deploy.registered_model, else the pipeline
    name) is created from them with lineage tags, alias `challenger` points at it, and `champion` moves to it
@@ -26,19 +27,23 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
 from stages.contract import EXIT_OK, RunDir, StageContext
+from stages.data import within
 from stages.evaluate import (
     CHALLENGER,
     CHAMPION,
     GATE_PASS,
     GATE_SKIPPED,
+    HELDOUT_TAG,
     METRIC_TAG_PREFIX,
     registered_model_name,
     registry_client,
 )
+from workflows.pytorchjob import RUN_ROOT
 from workflows.serving import inference_service, model_storage_uri, to_yaml
 from workflows.spec import STAGE_ORDER, PipelineSpec
 
@@ -147,25 +152,52 @@ def upload_gcs(model_dir: Path, bucket: str, prefix: str) -> None:
         target.blob(f"{prefix}/{rel.as_posix()}".lstrip("/")).upload_from_filename(str(model_dir / rel))
 
 
-def copy_to_pvc(spec: PipelineSpec, model_dir: Path, claim: str, path: str) -> None:
-    """Copy onto the checkpoints volume (the only claim this pod mounts), unless the model is already there."""
+def _overlaps(a: Path, b: Path) -> bool:
+    """Whether one of two paths is the other or inside it (symlinks and `..` resolved)."""
+    return within(a, b) or within(b, a)
+
+
+def pvc_target(spec: PipelineSpec, claim: str, path: str, run_root: Path) -> Path:
+    """Where a pvc:// storage URI lands on the checkpoints volume (the only claim this pod mounts), symlinks and
+    `..` resolved. It must lie strictly inside the mount and away from every run directory (this run's and the
+    others' stage outputs), since publishing replaces whatever is there."""
     volume = spec.cluster.checkpoints
+    field = f"stages.deploy.storage_uri (pvc://{claim}/{path})"
     if claim != volume.claim_name:
         raise PublishError(
-            f"storage_uri pvc://{claim}/... names a claim deploy does not mount; use the checkpoints claim "
-            f"({volume.claim_name}), gs:// or s3://"
+            f"{field} names a claim deploy does not mount; use the checkpoints claim ({volume.claim_name}), "
+            "gs:// or s3://"
         )
-    target = Path(volume.mount_path) / path
-    if target.resolve() == model_dir.resolve():
-        return
-    if not Path(volume.mount_path).is_dir():
-        raise PublishError(f"the checkpoints volume is not mounted at {volume.mount_path}: cannot publish to it")
+    mount = Path(volume.mount_path).resolve()
+    target = (mount / path).resolve()
+    if target == mount or not within(target, mount):
+        raise PublishError(
+            f"{field} resolves to {target}, not a folder inside the checkpoints volume ({volume.mount_path}); "
+            f"use a path below it without '..', e.g. pvc://{claim}/models"
+        )
+    runs = mount / RUN_ROOT
+    for protected in (runs, run_root.resolve()):
+        if _overlaps(target, protected):
+            raise PublishError(
+                f"{field} resolves to {target}, which overlaps {protected}, where runs keep their stage outputs; "
+                f"publishing there would replace them: use a folder outside {runs}, e.g. pvc://{claim}/models"
+            )
+    return target
+
+
+def copy_to_pvc(spec: PipelineSpec, model_dir: Path, claim: str, path: str, run_root: Path) -> None:
+    """Copy onto the checkpoints volume, replacing an earlier attempt's copy of this run."""
+    target = pvc_target(spec, claim, path, run_root)
+    if not Path(spec.cluster.checkpoints.mount_path).is_dir():
+        raise PublishError(
+            f"the checkpoints volume is not mounted at {spec.cluster.checkpoints.mount_path}: cannot publish to it"
+        )
     if target.exists():
         shutil.rmtree(target)
     shutil.copytree(model_dir, target)
 
 
-def publish(spec: PipelineSpec, model_dir: Path, storage_uri: str) -> None:
+def publish(spec: PipelineSpec, model_dir: Path, storage_uri: str, run_root: Path) -> None:
     """Put the model where `storage_uri` says."""
     scheme, bucket, prefix = split_uri(storage_uri)
     print(f"[deploy] publishing the model to {storage_uri}", flush=True)
@@ -174,7 +206,7 @@ def publish(spec: PipelineSpec, model_dir: Path, storage_uri: str) -> None:
     elif scheme == "gs":
         upload_gcs(model_dir, bucket, prefix)
     elif scheme == "pvc":
-        copy_to_pvc(spec, model_dir, bucket, prefix)
+        copy_to_pvc(spec, model_dir, bucket, prefix, run_root)
     else:
         raise PublishError(f"unsupported storage URI {storage_uri!r}: use gs://, s3:// or pvc://")
 
@@ -217,6 +249,7 @@ def lineage_tags(ctx: StageContext, evaluated: dict[str, Any], model_kind: str, 
             "posttrain.gate_reference": str(evaluated.get("reference", "")),
             "posttrain.gate_reasons": " | ".join(evaluated.get("gate_reasons") or []),
             "posttrain.champion_before": str(evaluated.get("champion_version") or "none"),
+            HELDOUT_TAG: str(evaluated.get("heldout_fingerprint", "")),
         }
     )
     for name, value in (evaluated.get("candidate") or {}).items():
@@ -305,7 +338,7 @@ def run(ctx: StageContext) -> int:
     try:
         return deploy(ctx)
     except PublishError as exc:
-        print(f"[deploy] error: {exc}", flush=True)
+        print(f"[deploy] error: {exc}", file=sys.stderr, flush=True)
         return ctx.fail(str(exc))
     except Exception as exc:
         return ctx.crash(exc)
@@ -336,7 +369,7 @@ def deploy(ctx: StageContext) -> int:
     model_kind = export_model(run_dir, spec, stage, model_dir)
     storage_uri = model_storage_uri(spec, run_name)
     if spec.stages.deploy.storage_uri is not None:
-        publish(spec, model_dir, storage_uri)
+        publish(spec, model_dir, storage_uri, run_dir.root)
 
     with StageTracker(ctx) as tracker:
         tracker.log_params({"registered_model": name, "candidate_stage": stage, "storage_uri": storage_uri})

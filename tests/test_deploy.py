@@ -52,6 +52,8 @@ def make_run(tmp_path: Path, name: str, gate: str, adapter: bool = False, champi
     )
     tokenizer = load_tokenizer(run_dir, spec.model)
     model = build_from_config(spec.model, tokenizer)
+    cpt = StageContext(run_dir, "cpt", spec)  # the stage begins before it writes its model, as cpt does
+    assert cpt.begin()
     out = run_dir.stage_dir("cpt") / "model"
     if adapter:
         from peft import LoraConfig, get_peft_model
@@ -64,7 +66,7 @@ def make_run(tmp_path: Path, name: str, gate: str, adapter: bool = False, champi
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     kind = "adapter" if adapter else "full"
-    record(run_dir, "cpt", {"model_kind": kind, "base": spec.model.name_or_path, "base_kind": "from_config"})
+    cpt.finish(extra={"model_kind": kind, "base": spec.model.name_or_path, "base_kind": "from_config"})
     reasons = [
         f"perplexity: candidate 12.5 vs base model 40 (lower is better): {'holds' if gate == 'pass' else 'fails'}"
     ]
@@ -252,7 +254,7 @@ def test_publish_to_s3_uploads_every_file_under_the_run_prefix(tmp_path: Path, m
 
     spec = load_pipeline("korean-llm", None, ["stages.deploy.storage_uri=s3://models/korean-llm/"]).spec
     folder = model_dir(tmp_path)
-    deploy.publish(spec, folder, "s3://models/korean-llm/run-1")
+    deploy.publish(spec, folder, "s3://models/korean-llm/run-1", tmp_path / "run")
     assert sorted((b, k) for _, b, k in s3.uploads) == [
         ("models", "korean-llm/run-1/model.safetensors"),
         ("models", "korean-llm/run-1/sub/tokenizer.json"),
@@ -266,12 +268,12 @@ def test_publish_says_what_is_missing(tmp_path: Path, monkeypatch: pytest.Monkey
     folder = model_dir(tmp_path)
     monkeypatch.setitem(sys.modules, "boto3", FakeS3(credentials=None).module())
     with pytest.raises(deploy.PublishError, match="no AWS credentials were found in the environment"):
-        deploy.publish(spec, folder, "s3://models/x")
+        deploy.publish(spec, folder, "s3://models/x", tmp_path / "run")
     monkeypatch.setitem(sys.modules, "boto3", None)  # not installed
     with pytest.raises(deploy.PublishError, match="needs boto3"):
-        deploy.publish(spec, folder, "s3://models/x")
+        deploy.publish(spec, folder, "s3://models/x", tmp_path / "run")
     monkeypatch.setitem(sys.modules, "google.cloud.storage", None)
     with pytest.raises(deploy.PublishError, match="needs google-cloud-storage"):
-        deploy.publish(spec, folder, "gs://models/x")
+        deploy.publish(spec, folder, "gs://models/x", tmp_path / "run")
     with pytest.raises(deploy.PublishError, match="names a claim deploy does not mount"):
-        deploy.publish(spec, folder, "pvc://other-claim/models/x")
+        deploy.publish(spec, folder, "pvc://other-claim/models/x", tmp_path / "run")

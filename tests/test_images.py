@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import re
+import typing
 from pathlib import Path
 
 import pytest
 import tomllib
+from conftest import PIPELINE_VARIANTS, variant_id
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
+
+from workflows.loading import load_pipeline
+from workflows.spec import TRAINING_STAGES, DistributedSpec, PipelineSpec, TrainingStage
 
 ROOT = Path(__file__).resolve().parent.parent
 IMAGES = ROOT / "images"
@@ -105,13 +110,33 @@ def test_no_secrets_in_the_image(dockerfile: Path) -> None:
 
 def test_trainer_installs_from_the_lock_and_the_project() -> None:
     steps = instructions(IMAGES / "trainer" / "Dockerfile")
-    runs = " ".join(rest for word, rest in steps if word == "RUN")
+    runs = [rest for word, rest in steps if word == "RUN"]
     copies = [rest for word, rest in steps if word == "COPY"]
     assert any("images/trainer/requirements.lock" in c for c in copies)
-    assert re.search(r"pip install --no-deps -r \S*requirements\.lock", runs)
-    assert "pip check" in runs
-    assert re.search(r"pip install --no-deps \.", runs)
-    assert "python -m stages --help" in runs and 'python -c "import workflows.spec"' in runs
+    (deps,) = [r for r in runs if "requirements.lock" in r]
+    assert "pip check" in deps
+    assert [r for r in runs if re.search(r"pip install --no-deps --no-build-isolation \.", r)]  # the project
+    text = " ".join(runs)
+    assert "python -m stages --help" in text and 'python -c "import workflows.spec"' in text
+    assert "import deepspeed, boto3, google.cloud.storage" in text  # the optional stacks the pipelines use
+
+
+def test_the_build_backend_is_pinned_by_the_lock() -> None:
+    """setuptools is installed from the lock before anything is built, and nothing is built with an isolated (and
+    so unpinned) backend: neither the lock's sdists (deepspeed) nor the project."""
+    assert "setuptools" in lock_pins()
+    steps = instructions(IMAGES / "trainer" / "Dockerfile")
+    (deps,) = [rest for word, rest in steps if word == "RUN" and "requirements.lock" in rest]
+    commands = [c.strip() for c in deps.split("&&")]
+    backend = next(i for i, c in enumerate(commands) if "setuptools==" in c)
+    locked = next(i for i, c in enumerate(commands) if re.search(r"pip install .*-r \S*requirements\.lock", c))
+    assert backend < locked
+    assert "--no-deps" in commands[locked] and "--no-build-isolation" in commands[locked]
+    assert "DS_BUILD_OPS=0" in commands[locked]  # DeepSpeed's ops compile on first use, not at build time
+    for word, rest in steps:
+        if word == "RUN" and "pip install" in rest and "build-backend.lock" not in rest:
+            for install in re.findall(r"pip install[^&]*", rest):
+                assert "--no-build-isolation" in install, install
 
 
 def test_trainer_sets_writable_home_and_labels() -> None:
@@ -119,6 +144,13 @@ def test_trainer_sets_writable_home_and_labels() -> None:
     assert "HOME=/home/posttrain" in text and "HF_HOME=/home/posttrain/" in text
     for label in ("title", "version", "revision", "source", "licenses"):
         assert f"org.opencontainers.image.{label}=" in text
+
+
+def test_the_image_knows_its_commit() -> None:
+    """stages/tracking.py tags MLflow runs with POSTTRAIN_GIT_SHA: the image sets it from the REVISION build arg."""
+    envs = [rest for word, rest in instructions(IMAGES / "trainer" / "Dockerfile") if word == "ENV"]
+    assert any(re.search(r"(^|\s)POSTTRAIN_GIT_SHA=\$\{?REVISION\}?(\s|$)", env) for env in envs)
+    assert "POSTTRAIN_GIT_SHA" in (ROOT / "stages" / "tracking.py").read_text(encoding="utf-8")
 
 
 # --------------------------------------------------------------------------- the lock file
@@ -146,10 +178,15 @@ def test_lock_pins_every_package() -> None:
     assert len(lock_pins()) > 50
 
 
-def test_lock_covers_the_train_extra_and_the_base_dependencies() -> None:
+IMAGE_EXTRAS = ("train", "gpu", "storage")
+"""The extras of pyproject.toml the trainer image installs (all through the lock)."""
+
+
+def test_lock_covers_the_image_extras_and_the_base_dependencies() -> None:
     pins = lock_pins()
     project = _project()
-    for raw in project["optional-dependencies"]["train"] + project["dependencies"]:
+    extras = project["optional-dependencies"]
+    for raw in [r for extra in IMAGE_EXTRAS for r in extras[extra]] + project["dependencies"]:
         req = Requirement(raw)
         name = canonicalize_name(req.name)
         if name == "torch":
@@ -159,6 +196,64 @@ def test_lock_covers_the_train_extra_and_the_base_dependencies() -> None:
         assert req.specifier.contains(pins[name], prereleases=True), f"{name}=={pins[name]} does not satisfy {raw}"
         for extra in req.extras:  # e.g. hera[yaml]: the extra's packages are pinned too
             assert extra != "yaml" or "pyyaml" in pins
+
+
+STRATEGY_PACKAGES: dict[str, str | None] = {
+    "ddp": None,  # torch, from the base image
+    "fsdp": None,
+    "deepspeed_zero2": "deepspeed",
+    "deepspeed_zero3": "deepspeed",
+}
+STORAGE_PACKAGES: dict[str, str | None] = {"gs": "google-cloud-storage", "s3": "boto3", "pvc": None}
+METHOD_PACKAGES: dict[str, str | None] = {"full": None, "lora": "peft", "qlora": "bitsandbytes"}
+
+
+def _literal_values(model: type, field: str) -> set[str]:
+    return set(typing.get_args(model.model_fields[field].annotation))
+
+
+def image_packages(spec: PipelineSpec) -> dict[str, str]:
+    """Package → what in the spec needs it: the training stages' strategies and methods, deploy's storage."""
+    needed: dict[str, str] = {}
+    for stage in TRAINING_STAGES:
+        section = spec.stage(stage)
+        if not section.enabled:
+            continue
+        strategy = section.distributed.strategy
+        if package := STRATEGY_PACKAGES[strategy]:
+            needed[package] = f"stages.{stage}.distributed.strategy={strategy}"
+        if package := METHOD_PACKAGES[section.method]:
+            needed[package] = f"stages.{stage}.method={section.method}"
+    uri = spec.stages.deploy.storage_uri
+    if spec.stages.deploy.enabled and uri is not None and (package := STORAGE_PACKAGES[uri.split("://", 1)[0]]):
+        needed[package] = f"stages.deploy.storage_uri={uri}"
+    return needed
+
+
+def test_the_package_tables_know_every_choice() -> None:
+    """A new strategy or method in the spec needs a row here, so the test below cannot miss it."""
+    assert _literal_values(DistributedSpec, "strategy") == set(STRATEGY_PACKAGES)
+    assert _literal_values(TrainingStage, "method") == set(METHOD_PACKAGES)
+
+
+def missing_packages(spec: PipelineSpec, pins: dict[str, Version]) -> list[str]:
+    """What the spec uses that the lock does not pin, with the field that uses it."""
+    return sorted(f"{package} (for {why})" for package, why in image_packages(spec).items() if package not in pins)
+
+
+@pytest.mark.parametrize("variant", PIPELINE_VARIANTS, ids=[variant_id(v) for v in PIPELINE_VARIANTS])
+def test_the_image_has_what_each_shipped_pipeline_uses(variant: tuple[str, str | None]) -> None:
+    assert missing_packages(load_pipeline(*variant).spec, lock_pins()) == []
+
+
+def test_the_pipeline_package_check_can_fail() -> None:
+    pins = {k: v for k, v in lock_pins().items() if k not in ("deepspeed", "google-cloud-storage")}
+    assert missing_packages(load_pipeline("qwen3-30b-a3b").spec, pins) == [
+        "deepspeed (for stages.rlhf.distributed.strategy=deepspeed_zero3)"
+    ]
+    assert missing_packages(load_pipeline("llama3-dolly").spec, pins) == [
+        "google-cloud-storage (for stages.deploy.storage_uri=gs://example-llm-models/llama3-dolly)"
+    ]
 
 
 def test_lock_matches_the_declared_minor_versions() -> None:

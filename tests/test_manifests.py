@@ -439,60 +439,97 @@ def test_mlflow_server_settings(builds: dict[str, list[Doc]]) -> None:
 
 # --------------------------------------------------------------------------- RBAC
 
-VERB_REASONS: dict[tuple[str, str], dict[tuple[str, str, str], str]] = {
+ALL: tuple[str, ...] = ()
+"""resourceNames of a rule that names none: every object of the resource."""
+PREFLIGHT_CRDS = (
+    "cronworkflows.argoproj.io",
+    "inferenceservices.serving.kserve.io",
+    "localqueues.kueue.x-k8s.io",
+    "pytorchjobs.kubeflow.org",
+    "workflows.argoproj.io",
+    "workflowtemplates.argoproj.io",
+)
+PREFLIGHT_SECRETS = ("aws-credentials", "hf-token", "mlflow-auth", "registry-credentials", "slack-webhook", "wandb")
+"""The names preflight's rules are limited to, sorted (as `_grants` sorts them)."""
+
+Grant = tuple[str, str, str, tuple[str, ...]]
+"""(apiGroup, resource, verb, resourceNames): one permission a role grants."""
+
+VERB_REASONS: dict[tuple[str, str], dict[Grant, str]] = {
     ("Role", "posttrain-workflow"): {
-        ("argoproj.io", "workflowtaskresults", "create"): "Argo's executor reports each step's outputs",
-        ("argoproj.io", "workflowtaskresults", "patch"): "Argo's executor updates the step's result",
-        ("kubeflow.org", "pytorchjobs", "create"): "training steps are resource templates with action create",
-        ("kubeflow.org", "pytorchjobs", "get"): "the resource step polls the job for its success/failure condition",
-        ("serving.kserve.io", "inferenceservices", "create"): "deploy creates the InferenceService",
-        ("serving.kserve.io", "inferenceservices", "get"): "deploy reads the existing InferenceService",
-        ("serving.kserve.io", "inferenceservices", "patch"): "deploy moves an existing InferenceService to the model",
+        ("argoproj.io", "workflowtaskresults", "create", ALL): "Argo's executor reports each step's outputs",
+        ("argoproj.io", "workflowtaskresults", "patch", ALL): "Argo's executor updates the step's result",
+        ("kubeflow.org", "pytorchjobs", "create", ALL): "training steps are resource templates with action create",
+        (
+            "kubeflow.org",
+            "pytorchjobs",
+            "get",
+            ALL,
+        ): "the resource step polls the job for its success/failure condition",
+        ("serving.kserve.io", "inferenceservices", "create", ALL): "deploy creates the InferenceService",
+        ("serving.kserve.io", "inferenceservices", "get", ALL): "deploy reads the existing InferenceService",
+        (
+            "serving.kserve.io",
+            "inferenceservices",
+            "patch",
+            ALL,
+        ): "deploy moves an existing InferenceService to the model",
     },
     ("Role", "posttrain-submitter"): {
-        ("argoproj.io", "workflows", "create"): "submit",
-        ("argoproj.io", "workflows", "get"): "watch a run (and the UI's workflow page)",
-        ("argoproj.io", "workflows", "list"): "the Argo UI and `argo list`",
-        ("argoproj.io", "workflowtemplates", "create"): "register a new pipeline",
-        ("argoproj.io", "workflowtemplates", "get"): "register reads the resourceVersion to update; submit from UI",
-        ("argoproj.io", "workflowtemplates", "list"): "the Argo UI's template list",
-        ("argoproj.io", "workflowtemplates", "update"): "register an existing pipeline again",
-        ("argoproj.io", "cronworkflows", "create"): "register a scheduled pipeline",
-        ("argoproj.io", "cronworkflows", "get"): "register reads the resourceVersion, and finds stale schedules",
-        ("argoproj.io", "cronworkflows", "update"): "register a changed schedule",
+        ("argoproj.io", "workflows", "create", ALL): "submit a run (CLI, or the UI's submit dialog)",
+        ("argoproj.io", "workflows", "get", ALL): "`submit --watch` follows the run it submitted",
+        ("argoproj.io", "workflowtemplates", "get", ALL): "a run references its pipeline's registered template",
+    },
+    ("Role", "posttrain-registrar"): {
+        ("argoproj.io", "workflowtemplates", "create", ALL): "register a new pipeline",
+        ("argoproj.io", "workflowtemplates", "get", ALL): "register reads the resourceVersion to update",
+        ("argoproj.io", "workflowtemplates", "update", ALL): "register an existing pipeline again",
+        ("argoproj.io", "cronworkflows", "create", ALL): "register a scheduled pipeline",
+        ("argoproj.io", "cronworkflows", "get", ALL): "register reads the resourceVersion, and finds stale schedules",
+        ("argoproj.io", "cronworkflows", "update", ALL): "register a changed schedule",
     },
     ("ClusterRole", "posttrain-preflight"): {
-        ("apiextensions.k8s.io", "customresourcedefinitions", "get"): "preflight: the CRDs are installed",
-        ("", "namespaces", "get"): "preflight: the namespace exists",
-        ("", "nodes", "list"): "preflight: GPU nodes with the stages' labels, taints and GPUs",
-        ("scheduling.k8s.io", "priorityclasses", "get"): "preflight: the stages' PriorityClasses exist",
-        ("serving.kserve.io", "clusterservingruntimes", "get"): "preflight: the serving runtime, cluster-wide",
+        (
+            "apiextensions.k8s.io",
+            "customresourcedefinitions",
+            "get",
+            PREFLIGHT_CRDS,
+        ): "preflight: the CRDs are installed",
+        ("", "namespaces", "get", ALL): "preflight: the namespace exists",
+        ("", "nodes", "list", ALL): "preflight: GPU nodes with the stages' labels, taints and GPUs",
+        ("scheduling.k8s.io", "priorityclasses", "get", ALL): "preflight: the stages' PriorityClasses exist",
+        ("serving.kserve.io", "clusterservingruntimes", "get", ALL): "preflight: the serving runtime, cluster-wide",
     },
     ("Role", "posttrain-preflight"): {
-        ("", "serviceaccounts", "get"): "preflight: the workflow ServiceAccount exists",
-        ("", "persistentvolumeclaims", "get"): "preflight: the volumes exist, are Bound and ReadWriteMany",
-        ("", "secrets", "get"): "preflight: the spec's Secrets exist (metadata only is requested)",
-        ("kueue.x-k8s.io", "localqueues", "get"): "preflight: the stages' Kueue LocalQueues exist",
-        ("serving.kserve.io", "servingruntimes", "get"): "preflight: the deploy stage's ServingRuntime exists",
+        ("", "serviceaccounts", "get", ALL): "preflight: the workflow ServiceAccount exists",
+        ("", "persistentvolumeclaims", "get", ALL): "preflight: the volumes exist, are Bound and ReadWriteMany",
+        ("", "secrets", "get", PREFLIGHT_SECRETS): (
+            "preflight: the spec's Secrets exist; it requests their metadata only (PartialObjectMetadata), and "
+            "RBAC has no narrower verb than get"
+        ),
+        ("kueue.x-k8s.io", "localqueues", "get", ALL): "preflight: the stages' Kueue LocalQueues exist",
+        ("serving.kserve.io", "servingruntimes", "get", ALL): "preflight: the deploy stage's ServingRuntime exists",
     },
 }
-"""Every verb any Role of the kit grants, with the reason it is needed. A verb without a row here fails."""
+"""Every permission any Role of the kit grants, with the reason it is needed. A verb, resource or widened
+resourceNames without a row here fails."""
 
 
-def _grants(role: Doc) -> set[tuple[str, str, str]]:
+def _grants(role: Doc) -> set[Grant]:
     out = set()
     for rule in role.get("rules", []):
         assert "nonResourceURLs" not in rule
+        names = tuple(sorted(rule.get("resourceNames") or ()))
         for group in rule["apiGroups"]:
             for resource in rule["resources"]:
                 for verb in rule["verbs"]:
                     assert "*" not in (group, resource, verb), f"{role['metadata']['name']}: wildcard in {rule}"
-                    out.add((group, resource, verb))
+                    out.add((group, resource, verb, names))
     return out
 
 
 def rbac_differences(roles: list[Doc]) -> list[str]:
-    """What differs between the roles' grants and VERB_REASONS: each unexplained or unused verb, one line each."""
+    """What differs between the roles' grants and VERB_REASONS: each unexplained or unused grant, one line each."""
     problems = []
     seen = set()
     for role in roles:
@@ -523,13 +560,40 @@ def test_roles_grant_exactly_the_verbs_with_a_reason(builds: dict[str, list[Doc]
     assert rbac_differences(_all_roles(builds)) == []
 
 
+def _role(roles: list[Doc], kind: str, name: str) -> Doc:
+    return next(r for r in roles if (r["kind"], r["metadata"]["name"]) == (kind, name))
+
+
 def test_an_extra_verb_fails_the_rbac_check(builds: dict[str, list[Doc]]) -> None:
     roles = copy.deepcopy(_all_roles(builds))
-    workflow = next(r for r in roles if r["metadata"]["name"] == "posttrain-workflow")
-    workflow["rules"][1]["verbs"].append("delete")
+    _role(roles, "Role", "posttrain-workflow")["rules"][1]["verbs"].append("delete")
+    _role(roles, "Role", "posttrain-submitter")["rules"][1]["verbs"].append("update")
     assert rbac_differences(roles) == [
-        "('Role', 'posttrain-workflow'): ('kubeflow.org', 'pytorchjobs', 'delete') is granted without a reason"
+        "('Role', 'posttrain-workflow'): ('kubeflow.org', 'pytorchjobs', 'delete', ()) is granted without a reason",
+        "('Role', 'posttrain-submitter'): ('argoproj.io', 'workflowtemplates', 'update', ()) is granted without a "
+        "reason",
     ]
+
+
+def test_widening_a_named_resource_rule_fails_the_rbac_check(builds: dict[str, list[Doc]]) -> None:
+    roles = copy.deepcopy(_all_roles(builds))
+    secrets = next(r for r in _role(roles, "Role", "posttrain-preflight")["rules"] if r["resources"] == ["secrets"])
+    del secrets["resourceNames"]  # every Secret of the namespace
+    problems = rbac_differences(roles)
+    assert problems == [
+        "('Role', 'posttrain-preflight'): ('', 'secrets', 'get', ()) is granted without a reason",
+        f"('Role', 'posttrain-preflight'): ('', 'secrets', 'get', {PREFLIGHT_SECRETS}) has a reason but is not granted",
+    ]
+
+
+def test_submitters_cannot_write_templates(builds: dict[str, list[Doc]]) -> None:
+    """What a run executes is decided by whoever registers templates, not by whoever submits runs."""
+    submitter = _grants(_role(_all_roles(builds), "Role", "posttrain-submitter"))
+    writes = {"create", "update", "patch", "delete"}
+    assert not {g for g in submitter if g[1] in ("workflowtemplates", "cronworkflows") and g[2] in writes}
+    for name in ("posttrain-submitters", "posttrain-registrars"):
+        for docs in builds.values():
+            _find(docs, "RoleBinding", name)
 
 
 def test_nothing_cluster_wide_outside_the_optional_components(builds: dict[str, list[Doc]]) -> None:
@@ -557,9 +621,12 @@ def _pvc_checks(docs: list[Doc], claim: str, storage_class: str | None) -> None:
     assert pvc["spec"].get("storageClassName") == storage_class
 
 
+OVERLAY_PIPELINES = {"onprem": ["korean-llm", "qwen3-30b-a3b"], "gke": ["llama3-dolly"]}
+
+
 @pytest.mark.parametrize(
     ("overlay", "pipelines", "storage_class"),
-    [("onprem", ["korean-llm", "qwen3-30b-a3b"], "nfs-client"), ("gke", ["llama3-dolly"], "premium-rwx")],
+    [("onprem", OVERLAY_PIPELINES["onprem"], "nfs-client"), ("gke", OVERLAY_PIPELINES["gke"], "premium-rwx")],
 )
 def test_overlay_has_what_its_pipelines_name(
     builds: dict[str, list[Doc]], overlay: str, pipelines: list[str], storage_class: str
@@ -583,9 +650,64 @@ def test_overlay_has_what_its_pipelines_name(
         # The runtime lands on the GPU nodes the evaluate stage uses, tolerating their GPU taint.
         runtime = _find(docs, "ServingRuntime", spec.stages.deploy.serving.runtime)["spec"]
         evaluate = spec.stages.evaluate.resources
-        assert runtime["nodeSelector"].items() <= {**evaluate.node_selector, **runtime["nodeSelector"]}.items()
-        assert set(runtime["nodeSelector"]) & set(evaluate.node_selector)
-        assert any(t.to_k8s() in runtime["tolerations"] for t in evaluate.tolerations)
+        assert runtime_fits_evaluate_nodes(runtime, evaluate) == [], pipeline
+
+
+def runtime_fits_evaluate_nodes(runtime: Doc, evaluate: Any) -> list[str]:
+    """Why the ServingRuntime would not land on the evaluate stage's GPU nodes: a shared node-selector label with
+    another value, no shared label at all, or a taint the stage tolerates that the runtime does not."""
+    problems = []
+    selector = runtime.get("nodeSelector") or {}
+    shared = set(selector) & set(evaluate.node_selector)
+    if not shared:
+        problems.append(f"no node-selector label in common with evaluate's {evaluate.node_selector}")
+    for key in sorted(shared):
+        if selector[key] != evaluate.node_selector[key]:
+            problems.append(f"{key}={selector[key]}, evaluate has {key}={evaluate.node_selector[key]}")
+    for toleration in evaluate.tolerations:
+        if toleration.to_k8s() not in (runtime.get("tolerations") or []):
+            problems.append(f"does not tolerate {toleration.to_k8s()}")
+    return problems
+
+
+def test_the_runtime_placement_check_can_fail() -> None:
+    evaluate = load_pipeline("qwen3-30b-a3b").spec.stages.evaluate.resources
+    runtime = {
+        "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB"},
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+    }
+    assert runtime_fits_evaluate_nodes(runtime, evaluate) == [
+        "nvidia.com/gpu.product=NVIDIA-A100-SXM4-80GB, evaluate has nvidia.com/gpu.product=NVIDIA-H100-80GB-HBM3",
+        "does not tolerate {'key': 'dedicated', 'operator': 'Equal', 'value': 'llm-training', 'effect': 'NoSchedule'}",
+    ]
+
+
+def test_the_runtime_loads_safetensors_only(builds: dict[str, list[Doc]]) -> None:
+    for name, docs in builds.items():
+        for runtime in (d for d in docs if d["kind"] == "ServingRuntime"):
+            (container,) = runtime["spec"]["containers"]
+            formats = [a for a in container["args"] if a.startswith("--load-format")]
+            assert formats == ["--load-format=safetensors"], name
+
+
+def test_kit_pods_pull_a_pipeline_image_with_its_pull_secrets(builds: dict[str, list[Doc]]) -> None:
+    """A kit workload that runs an image one of its overlay's pipelines pulls with pull secrets has them too;
+    on-prem, TensorBoard runs the private registry's trainer image."""
+    for overlay, pipelines in OVERLAY_PIPELINES.items():
+        secrets_for: dict[str, set[str]] = {}
+        for pipeline in pipelines:
+            cluster = load_pipeline(pipeline).spec.cluster
+            secrets_for.setdefault(cluster.image, set()).update(cluster.image_pull_secrets)
+        for doc in builds[overlay]:
+            for pod in _pod_specs(doc):
+                pulled = {s["name"] for s in pod.get("imagePullSecrets", [])}
+                for container in pod["containers"]:
+                    missing = secrets_for.get(container["image"], set()) - pulled
+                    assert not missing, (
+                        f"{overlay}: {doc['metadata']['name']} pulls {container['image']} without {missing}"
+                    )
+    (tensorboard,) = _pod_specs(_find(builds["onprem"], "Deployment", "tensorboard"))
+    assert tensorboard["containers"][0]["image"] == load_pipeline("qwen3-30b-a3b").spec.cluster.image
 
 
 def test_gke_overlay_uses_workload_identity(builds: dict[str, list[Doc]]) -> None:

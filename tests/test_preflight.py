@@ -1,6 +1,6 @@
 """Preflight against a fake cluster: a local HTTP server serving the Kubernetes API routes preflight reads and the
-Argo server's version route. A ready cluster passes; each missing piece fails with its fix; secret values never
-show."""
+Argo server's version route. A ready cluster passes; each missing piece fails with its fix; Secrets are only ever
+asked for as metadata (the fake API fails the test on a request for a whole Secret), so their values never show."""
 
 from __future__ import annotations
 
@@ -32,14 +32,29 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         path = urlsplit(self.path).path
+        accept = self.headers.get("Accept", "")
         self.server.seen.append((path, dict(self.headers)))
         status, body = self.server.routes.get(path, (404, {"kind": "Status", "reason": "NotFound", "code": 404}))
-        payload = json.dumps(body).encode()
+        if "/secrets/" in path and status == 200:
+            body = self._secret_metadata(path, accept, body)
+            status = 200 if body is not None else 500
+        if isinstance(body, str):  # e.g. a proxy's HTML page
+            payload, content_type = body.encode(), "text/html"
+        else:
+            payload, content_type = json.dumps(body).encode(), "application/json"
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(payload)))
         self.end_headers()
         self.wfile.write(payload)
+
+    def _secret_metadata(self, path: str, accept: str, secret: dict) -> dict | None:
+        """What the API server answers to a metadata-only GET of a Secret; a request for the whole Secret (its
+        values) is recorded, and fails the test."""
+        if accept != preflight.METADATA_ONLY:
+            self.server.full_secret_reads.append(f"GET {path} with Accept {accept!r}")
+            return None
+        return {"kind": "PartialObjectMetadata", "apiVersion": "meta.k8s.io/v1", "metadata": secret["metadata"]}
 
     def log_message(self, *_: Any) -> None:
         pass
@@ -48,17 +63,19 @@ class _Handler(BaseHTTPRequestHandler):
 class _Server(ThreadingHTTPServer):
     routes: Routes
     seen: list[tuple[str, dict[str, str]]]
+    full_secret_reads: list[str]
 
 
 @pytest.fixture
 def server() -> Iterator[_Server]:
     srv = _Server(("127.0.0.1", 0), _Handler)
-    srv.routes, srv.seen = {}, []
+    srv.routes, srv.seen, srv.full_secret_reads = {}, [], []
     thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     yield srv
     srv.shutdown()
     srv.server_close()
+    assert not srv.full_secret_reads, f"preflight asked for Secret values: {srv.full_secret_reads}"
 
 
 def _url(srv: _Server) -> str:
@@ -221,11 +238,6 @@ MISSING = {
         "secret hf-token",
         "kubectl -n llm-training create secret generic hf-token --from-literal=token=...",
     ),
-    "secret-key": (
-        _set(f"{NS}/secrets/mlflow-auth", lambda s: s["data"].pop("password")),
-        "secret mlflow-auth",
-        "--from-literal=password=...",
-    ),
     "too-few-gpus": (
         _nodes(lambda items: [n["status"]["allocatable"].update({"nvidia.com/gpu": "4"}) for n in items]),
         "gpu nodes: cpt",
@@ -300,7 +312,7 @@ def test_missing_namespace_skips_the_namespaced_checks(server: _Server, korean: 
 
 def test_secret_values_never_appear(server: _Server, korean: PipelineSpec, capsys, monkeypatch) -> None:
     routes = ready_cluster(korean)
-    routes[f"{NS}/secrets/mlflow-auth"][1]["data"].pop("password")  # a failing secret check, too
+    del routes[f"{NS}/secrets/slack-webhook"]  # a failing secret check, too
     encoded = base64.b64encode(SECRET_VALUE.encode()).decode()
     server.routes = routes
     monkeypatch.setattr(preflight, "_default_api_client", lambda: _api(server))
@@ -312,16 +324,50 @@ def test_secret_values_never_appear(server: _Server, korean: PipelineSpec, capsy
     for text in (out.out, out.err, report.render_text(), repr(report), json.dumps([c.__dict__ for c in report.checks])):
         assert SECRET_VALUE not in text
         assert encoded not in text
-    assert any(path.endswith("/secrets/hf-token") for path, _ in server.seen)
+    secret_reads = [headers["Accept"] for path, headers in server.seen if "/secrets/" in path]
+    assert secret_reads and set(secret_reads) == {preflight.METADATA_ONLY}
 
 
-def test_no_argo_server_is_a_note_not_a_failure(server: _Server, korean: PipelineSpec, monkeypatch) -> None:
+def test_secrets_are_checked_from_their_metadata_alone(server: _Server, korean: PipelineSpec) -> None:
+    """A Secret that exists passes whatever keys it holds: only its metadata is requested, so they are unknown."""
+    routes = ready_cluster(korean)
+    routes[f"{NS}/secrets/mlflow-auth"][1]["data"].pop("password")
+    report = _run(server, korean, routes)
+    check = _check(report, "secret mlflow-auth")
+    assert check.status == "ok" and "keys are not read" in check.detail
+
+
+def test_the_fake_api_fails_a_request_for_a_whole_secret(server: _Server, korean: PipelineSpec) -> None:
+    """The guard above can fail: a plain GET of a Secret is refused and recorded."""
+    server.routes = ready_cluster(korean)
+    with pytest.raises(preflight._Unreachable):
+        preflight._Kube(_api(server)).get(f"{NS}/secrets/hf-token")
+    assert server.full_secret_reads == [f"GET {NS}/secrets/hf-token with Accept 'application/json'"]
+    server.full_secret_reads.clear()
+
+
+def test_no_argo_server_is_a_failure_with_the_fix(server: _Server, korean: PipelineSpec, monkeypatch) -> None:
     monkeypatch.delenv("ARGO_SERVER", raising=False)
     server.routes = ready_cluster(korean)
     report = run_preflight(korean, kube_api_client=_api(server))
     check = _check(report, "argo server")
-    assert check.status == "warn" and "ARGO_SERVER" in check.fix
-    assert report.ok
+    assert check.status == "fail" and "ARGO_SERVER is unset" in check.detail
+    assert "set ARGO_SERVER and ARGO_TOKEN" in check.fix
+    assert [c.name for c in report.failed()] == ["argo server"]
+    assert not report.ok
+
+
+def test_an_html_answer_is_a_clear_failure(server: _Server, korean: PipelineSpec) -> None:
+    """A proxy in front of the API server answering 200 with its HTML login page."""
+    routes = ready_cluster(korean)
+    for path in list(routes):
+        if path.startswith("/api/v1/namespaces/") or path.startswith("/apis/apiextensions"):
+            routes[path] = (200, "<html><body>Sign in</body></html>")
+    report = _run(server, korean, routes)
+    (failed,) = report.failed()
+    assert failed.name == "cluster access"
+    assert "not a JSON object" in failed.detail and "proxy" in failed.fix
+    assert "Traceback" not in report.render_text()
 
 
 def test_unscheduled_pipeline_accepts_an_older_argo(server: _Server) -> None:
@@ -341,7 +387,7 @@ def test_forbidden_reads_are_warnings(server: _Server, korean: PipelineSpec) -> 
 
 
 def test_unreachable_cluster_is_one_clear_failure(korean: PipelineSpec, monkeypatch) -> None:
-    monkeypatch.delenv("ARGO_SERVER", raising=False)
+    monkeypatch.setenv("ARGO_SERVER", "127.0.0.1:1")  # what fails besides the cluster: the Argo server, reported apart
     probe = ThreadingHTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)
     port = probe.server_address[1]
     probe.server_close()  # nothing listens there now
@@ -349,7 +395,7 @@ def test_unreachable_cluster_is_one_clear_failure(korean: PipelineSpec, monkeypa
     configuration.host = f"http://127.0.0.1:{port}"
     configuration.retries = 0
     report = run_preflight(korean, kube_api_client=client.ApiClient(configuration))
-    assert [c.name for c in report.failed()] == ["cluster access"]
+    assert [c.name for c in report.failed()] == ["cluster access", "argo server"]
     assert "kubeconfig" in report.failed()[0].fix
 
 

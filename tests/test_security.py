@@ -13,16 +13,17 @@ import base64
 import binascii
 import json
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from functools import cache
 from typing import Any
 
 import pytest
 import yaml
-from conftest import PIPELINE_VARIANTS, compiler_or_skip, fresh_spec, variant_id
+from conftest import PIPELINE_VARIANTS, fresh_spec, variant_id
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from workflows.compile import compile_pipeline
 from workflows.spec import PipelineSpec, SecretRef, Secrets
 
 FAKE_SECRET_VALUES = {
@@ -95,9 +96,7 @@ def _with_all_secrets(spec: PipelineSpec) -> PipelineSpec:
 
 
 @pytest.mark.parametrize("variant", PIPELINE_VARIANTS, ids=[variant_id(v) for v in PIPELINE_VARIANTS])
-def test_no_secret_value_in_any_document(
-    variant: tuple[str, str | None], compile_pipeline: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_no_secret_value_in_any_document(variant: tuple[str, str | None], monkeypatch: pytest.MonkeyPatch) -> None:
     for name, value in FAKE_SECRET_VALUES.items():
         monkeypatch.setenv(name, value)
     spec = _with_all_secrets(fresh_spec(*variant))
@@ -109,9 +108,7 @@ def test_no_secret_value_in_any_document(
 
 
 @pytest.mark.parametrize("variant", PIPELINE_VARIANTS, ids=[variant_id(v) for v in PIPELINE_VARIANTS])
-def test_secrets_appear_only_as_secret_key_refs(
-    variant: tuple[str, str | None], compile_pipeline: Callable[..., Any]
-) -> None:
+def test_secrets_appear_only_as_secret_key_refs(variant: tuple[str, str | None]) -> None:
     spec = _with_all_secrets(fresh_spec(*variant))
     documents = _expanded(compile_pipeline(spec).documents())
     names = {ref.name for ref in SECRET_REFS.values()}
@@ -165,7 +162,7 @@ MARK = "QQINERT"  # makes each value distinctive, so finding it anywhere means i
 @cache
 def _parameter_names(variant: tuple[str, str | None]) -> tuple[str, ...]:
     """Names of the compiled template's parameters (the UI form)."""
-    template = compiler_or_skip()(fresh_spec(*variant)).documents()["workflowtemplate.yaml"]
+    template = compile_pipeline(fresh_spec(*variant)).documents()["workflowtemplate.yaml"]
     return tuple(p["name"] for p in template["spec"]["arguments"]["parameters"])
 
 
@@ -180,9 +177,7 @@ def _executable_text(documents: dict[str, Any]) -> Iterator[tuple[str, tuple[Any
 
 
 @pytest.mark.parametrize("variant", PIPELINE_VARIANTS, ids=[variant_id(v) for v in PIPELINE_VARIANTS])
-def test_template_reads_parameters_only_into_files(
-    variant: tuple[str, str | None], compile_pipeline: Callable[..., Any]
-) -> None:
+def test_template_reads_parameters_only_into_files(variant: tuple[str, str | None]) -> None:
     """In the WorkflowTemplate, `{{workflow.parameters.*}}` is only ever a whole raw artifact's data."""
     spec = fresh_spec(*variant)
     documents = _expanded(compile_pipeline(spec).documents())
@@ -201,9 +196,7 @@ def test_template_reads_parameters_only_into_files(
 @pytest.mark.parametrize("variant", PIPELINE_VARIANTS, ids=[variant_id(v) for v in PIPELINE_VARIANTS])
 @settings(max_examples=15, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_parameter_values_stay_inert(
-    variant: tuple[str, str | None], compile_pipeline: Callable[..., Any], data: st.DataObject
-) -> None:
+def test_parameter_values_stay_inert(variant: tuple[str, str | None], data: st.DataObject) -> None:
     spec = fresh_spec(*variant)
     names = _parameter_names(variant)
     values = {name: f"{MARK}{i}:{data.draw(HOSTILE, label=name)}" for i, name in enumerate(names)}

@@ -1,4 +1,5 @@
-"""The KServe InferenceService (workflows/serving.py): the v1beta1 shape, storage URIs, no secrets, no torch."""
+"""The KServe InferenceService (workflows/serving.py): the v1beta1 shape, storage URIs, safetensors only, no secrets,
+no torch."""
 
 from __future__ import annotations
 
@@ -121,7 +122,7 @@ def test_serving_settings_reach_the_predictor() -> None:
         "modelFormat": {"name": "vllm"},
         "runtime": "kserve-vllm",
         "storageUri": "gs://bucket/models/run-1",
-        "args": ["--max-model-len=8192", "--tensor-parallel-size=2"],
+        "args": ["--load-format=safetensors", "--max-model-len=8192", "--tensor-parallel-size=2"],
         "resources": {"requests": {"nvidia.com/gpu": "2"}, "limits": {"nvidia.com/gpu": "2"}},
     }
     assert (predictor["minReplicas"], predictor["maxReplicas"]) == (0, 3)
@@ -138,7 +139,14 @@ def test_serving_settings_reach_the_predictor() -> None:
 
     serving.gpus, serving.max_model_len = 0, None
     model = inference_service(spec, "gs://bucket/m", "run-1")["spec"]["predictor"]["model"]
-    assert "resources" not in model and "args" not in model
+    assert "resources" not in model and model["args"] == ["--load-format=safetensors"]
+
+
+def test_every_inference_service_loads_safetensors_only(spec: PipelineSpec) -> None:
+    """In the deploy stage's file and in the DAG's resource step alike; no other load format can follow it."""
+    for manifest in (inference_service(spec, "s3://b/m", "run-1"), yaml.safe_load(argo_manifest(spec))):
+        args = manifest["spec"]["predictor"]["model"]["args"]
+        assert [a for a in args if a.startswith("--load-format")] == ["--load-format=safetensors"]
 
 
 def test_the_runtime_exists_in_the_manifests() -> None:

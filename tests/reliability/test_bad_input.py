@@ -249,8 +249,7 @@ def check_nothing_half_written(tmp: Path, case: Case, before: dict[Path, bytes])
     assert not (tmp / "runs").exists()  # no run directory for a spec that does not load
 
 
-def run_in_process(case: Case, tmp: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
-    argv = case.build(tmp)
+def run_in_process(case: Case, argv: list[str], tmp: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
     try:
         if case.tool == "stages":
             code = stages_main(argv)
@@ -272,13 +271,29 @@ def test_malformed_input_is_named_in_one_message(
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     for name, value in case.env.items():
         monkeypatch.setenv(name, value)
-    before = snapshot(tmp_path)
-    code, output = run_in_process(case, tmp_path, capsys)
+    argv = case.build(tmp_path)
+    before = snapshot(tmp_path)  # what the case laid out, which the failed command must leave as it was
+    code, output = run_in_process(case, argv, tmp_path, capsys)
     assert code == case.code, output
     for fragment in case.says:
         assert fragment in output, f"{fragment!r} not in:\n{output}"
     assert "Traceback" not in output
     check_nothing_half_written(tmp_path, case, before)
+
+
+def test_the_half_written_check_can_fail(tmp_path: Path) -> None:
+    """Built first, then snapshotted: a command that changed or removed a file of its input would be caught."""
+    case = next(c for c in CASES if c.id == "data-bad-json")
+    case.build(tmp_path)
+    before = snapshot(tmp_path)
+    data = next(p for p in before if p.name == "data.jsonl")
+    data.write_text('{"text": "rewritten"}\n', encoding="utf-8")
+    with pytest.raises(AssertionError, match=r"data\.jsonl changed"):
+        check_nothing_half_written(tmp_path, case, before)
+    spec = next(p for p in before if p.name == "spec.json")
+    spec.unlink()
+    with pytest.raises(FileNotFoundError):
+        check_nothing_half_written(tmp_path, case, {spec: before[spec]})
 
 
 @pytest.mark.slow

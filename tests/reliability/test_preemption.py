@@ -1,17 +1,22 @@
 """Preemption: SIGTERM during training saves a checkpoint within 30 s and exits with the retryable status; the
-compiled workflow's retry (a fresh PyTorchJob running the same entry point) then resumes from it."""
+compiled workflow's retry (a fresh PyTorchJob running the same entry point) then resumes from it. Also under
+torchrun, as the pods run it: SIGTERM to the launcher reaches every rank, which all save the same checkpoint."""
 
 from __future__ import annotations
 
+import json
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import faults
 import pytest
 import yaml
-from training_fixtures import make_run_dir
+from training_fixtures import child_env, make_run_dir
 
-from stages.checkpoints import MARKER
+from stages.checkpoints import MARKER, why_invalid
 from stages.contract import EXIT_RETRYABLE
 from workflows.compile import compile_pipeline
 from workflows.loading import load_pipeline
@@ -71,3 +76,88 @@ def test_sigterm_checkpoints_within_30s_exits_75_and_the_retry_resumes(tmp_path)
     assert result.mlflow_run_id == interrupted.mlflow_run_id
     assert faults.mlflow_runs(run_dir, "sft") == [result.mlflow_run_id]
     faults.assert_clean_outputs(run_dir, "sft")
+
+
+# --------------------------------------------------------------------------- under torchrun
+
+TORCHRUN_STEPS = 6
+TORCHRUN_OVERRIDES = [
+    "stages.sft.enabled=false",
+    f"stages.cpt.training.max_steps={TORCHRUN_STEPS}",
+    "stages.cpt.training.save_steps=3",
+    "stages.cpt.training.logging_steps=1",
+    "stages.cpt.training.per_device_batch_size=2",
+]
+
+# Runs a stage script and writes each rank's exit status to $EXIT_CODES/rank-<RANK> (torchrun does not report its
+# workers' statuses when it was itself signalled).
+_EXIT_RECORDER = """
+import os, runpy, sys
+from pathlib import Path
+
+script = sys.argv[1]
+sys.argv = [script, *sys.argv[2:]]
+try:
+    runpy.run_path(script, run_name="__main__")
+except SystemExit as exc:
+    Path(os.environ["EXIT_CODES"], "rank-" + os.environ["RANK"]).write_text(str(exc.code))
+    raise
+"""
+
+
+def torchrun(run_dir, script: Path, stage: str) -> list[str]:
+    """The pods' launcher: torchrun with two processes on this machine (DDP over gloo on CPU)."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    return [*launcher, str(script), stage, "--run-dir", str(run_dir.root)]
+
+
+def test_sigterm_to_torchrun_checkpoints_on_every_rank_and_the_retry_resumes(tmp_path: Path) -> None:
+    run_dir = make_run_dir(tmp_path / "run", overrides=TORCHRUN_OVERRIDES, n_text=160, n_chat=10)
+    checkpoints = run_dir.stage_dir("cpt") / "checkpoints"
+    recorder, codes = tmp_path / "record_exit.py", tmp_path / "exit-codes"
+    recorder.write_text(_EXIT_RECORDER, encoding="utf-8")
+    codes.mkdir()
+    command = torchrun(run_dir, recorder, "cpt")
+    command.insert(command.index("cpt"), str(faults.fault_script(run_dir)))
+    # The pod's environment: torchrun gives its workers this long after forwarding SIGTERM before it kills them.
+    env = faults.fault_env(
+        run_dir, OMP_NUM_THREADS="1", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="60", HOLD_AFTER_SAVE="3", EXIT_CODES=str(codes)
+    )
+    log = tmp_path / "torchrun.log"
+    with log.open("w") as out:
+        launcher = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+    faults.wait_held(run_dir, "after-save", 3, launcher)
+    launcher.send_signal(signal.SIGTERM)  # the kubelet signals the container's main process: torchrun
+    faults.release(run_dir, "after-save", 3)
+    code = launcher.wait(timeout=180)
+    output = log.read_text(encoding="utf-8", errors="replace")
+    workers = sorted(p.read_text() for p in codes.iterdir())
+    print(f"torchrun exited with {code} after SIGTERM; its workers with {workers}")
+
+    # torchrun re-raises the signal as an error (status 1 with torch 2.13): non-zero, so the job fails and Argo
+    # retries it. Each rank saved the same checkpoint and exited with the stage's retryable status.
+    assert code != 0, output[-3000:]
+    assert "Received 15 death signal, shutting down workers" in output
+    assert output.count("SIGTERM received") == 2
+    assert {p.name: p.read_text() for p in codes.iterdir()} == {"rank-0": "75", "rank-1": "75"}
+    assert why_invalid(checkpoints / "checkpoint-4") is None  # complete: marker and readable files
+    interrupted = run_dir.read_result("cpt")
+    assert interrupted.status == "interrupted" and "checkpoint-4" in interrupted.message
+
+    # The retry: a fresh launcher, the same entry point and run directory.
+    retry = subprocess.run(
+        torchrun(run_dir, faults.fault_script(run_dir), "cpt"),
+        env=child_env(OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert retry.returncode == 0, retry.stdout[-3000:] + retry.stderr[-3000:]
+    result = run_dir.read_result("cpt")
+    assert result.status == "succeeded" and result.attempts == 2
+    assert result.extra["resumed_from"] == "checkpoint-4" and result.metrics["steps"] == TORCHRUN_STEPS
+    assert result.mlflow_run_id == interrupted.mlflow_run_id
+    faults.assert_clean_outputs(run_dir, "cpt")
+    distributed = json.loads((run_dir.stage_dir("cpt") / "logs" / "distributed.json").read_text())
+    assert distributed["world_size"] == 2 and distributed["ddp_backend"] == "gloo"
+    assert distributed["strategy"] == "ddp" and distributed["parallel_mode"] == "distributed"

@@ -13,6 +13,7 @@ import urllib.request
 from pathlib import Path
 
 import faults
+import mlflow
 import pytest
 from test_tracking import free_port
 from training_fixtures import make_run_dir
@@ -20,8 +21,6 @@ from training_fixtures import make_run_dir
 from stages.contract import RunDir, StageContext
 from stages.tracking import WANDB_INIT_TIMEOUT_SECONDS, StageTracker
 from workflows.loading import load_pipeline
-
-mlflow = pytest.importorskip("mlflow")
 
 
 class MlflowServer:

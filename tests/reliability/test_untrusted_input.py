@@ -7,6 +7,8 @@
   in the cluster a data path must resolve under the datasets or checkpoints mount; locally any path of the
   user's machine may be read; everywhere `pvc://` stays inside its claim and a data directory's symlinks stay
   inside the directory.
+- Publishing a model to `pvc://` (stages.deploy.storage_uri) replaces its target folder: the folder must resolve,
+  symlinks and `..` followed, strictly inside the checkpoints volume and away from every run directory.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ from hypothesis import HealthCheck, given, settings
 from test_parameters import _params_dir
 from test_security import HOSTILE, MARK, _executable_text, _expanded, _walk
 
+from stages import deploy
 from stages.__main__ import main as stages_main
-from stages.contract import RunDir
+from stages.contract import RunDir, StageContext
 from stages.data import DataError, read_dataset
 from workflows.compile import compile_pipeline
 from workflows.loading import SpecError, load_pipeline
+from workflows.serving import model_storage_uri
 
 ROW = '{"text": "서울은 아름답습니다."}\n'
 
@@ -121,6 +125,32 @@ def test_in_the_cluster_data_must_be_on_a_volume(volumes: tuple[Path, Path], tmp
     assert read_dataset(ok.stages.cpt.data, ok, "cpt", run_root).rows == [json.loads(ROW)]
 
 
+def test_in_the_cluster_lm_eval_tasks_must_be_on_a_volume(volumes: tuple[Path, Path], tmp_path: Path) -> None:
+    from stages.evaluate import include_dir
+
+    datasets, checkpoints = volumes
+    (datasets / "tasks").mkdir()
+    (tmp_path / "outside" / "tasks").mkdir()
+    run_root = checkpoints / "runs" / "korean-llm-abcde"
+
+    def spec_with(path: Path):
+        overrides = [
+            f"cluster.datasets.mount_path={datasets}",
+            f"cluster.checkpoints.mount_path={checkpoints}",
+            f"stages.evaluate.lm_eval_include_path={path}",
+        ]
+        return load_pipeline("korean-llm", "local", overrides).spec
+
+    assert include_dir(spec_with(datasets / "tasks"), run_root) == str(datasets / "tasks")
+    outside = tmp_path / "outside" / "tasks"
+    with pytest.raises(DataError, match=r"^stages\.evaluate\.lm_eval_include_path: .*outside the mounted volumes"):
+        include_dir(spec_with(outside), run_root)
+    assert include_dir(spec_with(outside), tmp_path / "runs" / "local") == str(outside)  # locally: any folder
+    (datasets / "tasks" / "evil.py").symlink_to(tmp_path / "outside" / "secret.jsonl")
+    with pytest.raises(DataError, match="is a symlink to"):
+        include_dir(spec_with(datasets / "tasks"), run_root)
+
+
 def test_locally_any_path_of_the_machine_may_be_read(volumes: tuple[Path, Path], tmp_path: Path) -> None:
     datasets, checkpoints = volumes
     spec = cluster_spec(datasets, checkpoints, str(tmp_path / "outside" / "secret.jsonl"))
@@ -171,3 +201,90 @@ def test_a_stage_name_never_makes_a_path(tmp_path: Path) -> None:
         RunDir(tmp_path).stage_dir("../../etc")
     with pytest.raises(SystemExit):
         stages_main(["../cpt", "--run-dir", str(tmp_path)])
+
+
+# --------------------------------------------------------------------------- publishing on the checkpoints volume
+
+RUN = "korean-llm-x7k2p"
+
+
+@pytest.fixture
+def deployed(volumes: tuple[Path, Path]) -> tuple[Path, Path]:
+    """A run directory on the checkpoints 'mount' holding stage outputs and deploy's model; (checkpoints, run)."""
+    _, checkpoints = volumes
+    run = checkpoints / "runs" / RUN
+    for relative in ("spec.json", "cpt/model/model.safetensors", "deploy/model/model.safetensors"):
+        (run / relative).parent.mkdir(parents=True, exist_ok=True)
+        (run / relative).write_bytes(b"weights" if relative.endswith(".safetensors") else b"{}")
+    (checkpoints / "runs" / "other-run" / "sft").mkdir(parents=True)
+    return checkpoints, run
+
+
+def files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def publish_to(checkpoints: Path, run: Path, prefix: str) -> None:
+    """What deploy does with `stages.deploy.storage_uri=<prefix>`: publish under `<prefix>/<run>`."""
+    spec = load_pipeline("korean-llm", "local", [f"cluster.checkpoints.mount_path={checkpoints}"]).spec
+    deploy.publish(spec, run / "deploy" / "model", f"{prefix.rstrip('/')}/{run.name}", run)
+
+
+@pytest.mark.parametrize(
+    ("prefix", "rule"),
+    [
+        ("pvc://checkpoints-rwx/runs", "overlaps"),  # the run directory itself
+        ("pvc://checkpoints-rwx/runs/other-run", "overlaps"),  # inside another run's outputs
+        ("pvc://checkpoints-rwx/models/../runs", "overlaps"),
+        ("pvc://checkpoints-rwx/../../outside", "not a folder inside the checkpoints volume"),
+        ("pvc://checkpoints-rwx/linked", "not a folder inside the checkpoints volume"),  # a symlink out of it
+        ("pvc://checkpoints-rwx/to-runs", "overlaps"),  # a symlink onto the runs
+    ],
+)
+def test_a_pvc_storage_uri_never_replaces_runs_or_leaves_the_volume(
+    deployed: tuple[Path, Path], tmp_path: Path, prefix: str, rule: str
+) -> None:
+    checkpoints, run = deployed
+    (checkpoints / "linked").symlink_to(tmp_path / "outside")
+    (checkpoints / "to-runs").symlink_to(checkpoints / "runs")
+    before, outside = files(checkpoints / "runs"), files(tmp_path / "outside")
+    with pytest.raises(deploy.PublishError, match=rf"^stages\.deploy\.storage_uri \(pvc://.*{rule}"):
+        publish_to(checkpoints, run, prefix)
+    assert files(checkpoints / "runs") == before  # nothing deleted, nothing copied over a run
+    assert files(tmp_path / "outside") == outside and not (tmp_path / "outside" / RUN).exists()
+
+
+def test_a_pvc_storage_uri_inside_the_volume_gets_the_model(deployed: tuple[Path, Path]) -> None:
+    checkpoints, run = deployed
+    publish_to(checkpoints, run, "pvc://checkpoints-rwx/models/korean-llm")
+    assert files(checkpoints / "models" / "korean-llm" / RUN) == {"model.safetensors": b"weights"}
+    publish_to(checkpoints, run, "pvc://checkpoints-rwx/models/korean-llm")  # a retry replaces its own copy
+    assert files(checkpoints / "models" / "korean-llm" / RUN) == {"model.safetensors": b"weights"}
+
+
+@pytest.mark.slow
+def test_the_deploy_stage_refuses_to_publish_over_its_run(volumes: tuple[Path, Path], capsys) -> None:
+    """End to end, as the pod runs it: the storage URI names a folder that is a symlink onto the runs (a spec
+    check cannot see that); deploy fails with one error naming the field, and the run directory is untouched."""
+    from test_deploy import make_run
+
+    _, checkpoints = volumes
+    run_dir = make_run(checkpoints / "runs", RUN, gate="pass")
+    (checkpoints / "published").symlink_to(checkpoints / "runs")
+    spec = run_dir.load_spec()
+    spec.cluster.checkpoints.mount_path = str(checkpoints)
+    spec.stages.deploy.storage_uri = "pvc://checkpoints-rwx/published"
+    run_dir.write_spec(spec)
+    assert model_storage_uri(spec, RUN) == f"pvc://checkpoints-rwx/published/{RUN}"
+
+    def upstream() -> dict[str, bytes]:
+        return {name: data for name, data in files(run_dir.root).items() if not name.startswith("deploy/")}
+
+    before = upstream()
+    code = deploy.run(StageContext(run_dir, "deploy", run_dir.load_spec()))
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "[deploy] error: stages.deploy.storage_uri (pvc://checkpoints-rwx/published/" in err
+    assert "Traceback" not in err
+    assert upstream() == before
+    assert run_dir.read_result("deploy").status == "failed"
