@@ -90,6 +90,7 @@ class Case:
     liger: bool | None = None  # None: the stage's default for the device
     strategy: str = "ddp"
     reshard_after_forward: bool | None = None  # FSDP2: None keeps the stage's setting
+    pure_bf16: bool = False  # full fine-tuning: bf16 weights and optimizer state instead of float32 master weights
     warmup: int = 4
     steps: int = 20
     max_seq_length: int = 2048
@@ -146,6 +147,40 @@ CASES: list[Case] = [
         warmup=3,
         steps=10,
         note="packed, stage GPU defaults, 24 rows per step",
+    ),
+    Case(
+        "b1_packed_b16_pure",
+        "B1",
+        "qwen3-1.7b",
+        per_device_batch_size=16,
+        pure_bf16=True,
+        warmup=3,
+        steps=12,
+        note="as b1_packed_b16 with training.pure_bf16: bf16 weights and optimizer state, no float32 master",
+    ),
+    Case(
+        "b1_padded_pure",
+        "B1",
+        "qwen3-1.7b",
+        packing=False,
+        per_device_batch_size=4,
+        attn="sdpa",
+        liger=False,
+        pure_bf16=True,
+        warmup=4,
+        steps=25,
+        note="as b1_padded with training.pure_bf16",
+    ),
+    Case(
+        "b1_matmul_ceiling",
+        "B1",
+        "qwen3-1.7b",
+        kind="matmul_ceiling",
+        per_device_batch_size=16,
+        warmup=3,
+        steps=10,
+        note="forward and backward of the model's Linear layers alone (bf16, 16 rows of 2048 tokens): the "
+        "ceiling of any stage's MFU at this shape",
     ),
     # B2: LoRA SFT, Qwen3-8B shape, one GPU.
     Case(
@@ -222,6 +257,17 @@ CASES: list[Case] = [
         warmup=3,
         steps=10,
         note="torchrun, FSDP2 as the stage configures it, 24 rows per GPU",
+    ),
+    Case(
+        "b3_fsdp_b24_noreshard",
+        "B3",
+        "qwen3-1.7b",
+        strategy="fsdp",
+        per_device_batch_size=24,
+        reshard_after_forward=False,
+        warmup=3,
+        steps=10,
+        note="torchrun, FSDP2 keeping the gathered parameters from forward to backward, 24 rows per GPU",
     ),
     Case(
         "b2_stage",
@@ -454,6 +500,7 @@ def stage_context(case: Case, tmp: Path, tiny: bool) -> SimpleNamespace:
         logging_steps=1000,
         save_steps=100000,
         warmup_ratio=0.0,
+        pure_bf16=case.pure_bf16,
     )
     cls = RlhfStage if case.kind == "stage_dpo" else SftStage
     section = cls(
@@ -480,6 +527,7 @@ def build_model(ctx: SimpleNamespace, tokenizer: Any, case: Case, tmp: Path) -> 
     from stages.modeling import (
         _quantization_config,
         build_from_config,
+        float32_masters,
         load_pretrained,
         lora_config,
         on_gpu,
@@ -506,6 +554,8 @@ def build_model(ctx: SimpleNamespace, tokenizer: Any, case: Case, tmp: Path) -> 
         model.set_attn_implementation(switch)
     if case.method != "full":
         model = get_peft_model(model, lora_config(ctx.section))
+    else:
+        float32_masters(model, ctx.section)
     model.config.use_cache = False
     return model
 
@@ -559,10 +609,90 @@ def plain_collator(pad_id: int) -> Any:
 # --------------------------------------------------------------------------- running one case
 
 
+def matmul_ceiling(case: Case, tiny: bool) -> dict[str, Any]:
+    """Forward and backward of the shape's Linear layers alone, in bf16, over the tokens of one packed step:
+    attention, norms, activations, the loss and the optimizer left out. MFU here bounds any stage's MFU."""
+    import torch
+
+    c = SimpleNamespace(**SHAPES["tiny" if tiny else case.shape])
+    vocab = 4096 if tiny else VOCAB
+    device, dtype = ("cuda", torch.bfloat16) if torch.cuda.is_available() else ("cpu", torch.float32)
+    tokens = case.per_device_batch_size * case.max_seq_length
+    q_out, kv_out = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+
+    def weight(n_in: int, n_out: int) -> Any:
+        return (torch.randn(n_out, n_in, device=device, dtype=dtype) * n_in**-0.5).requires_grad_()
+
+    layers = [
+        {
+            "q": weight(c.hidden_size, q_out),
+            "k": weight(c.hidden_size, kv_out),
+            "v": weight(c.hidden_size, kv_out),
+            "o": weight(q_out, c.hidden_size),
+            "gate": weight(c.hidden_size, c.intermediate_size),
+            "up": weight(c.hidden_size, c.intermediate_size),
+            "down": weight(c.intermediate_size, c.hidden_size),
+        }
+        for _ in range(c.num_hidden_layers)
+    ]
+    head = weight(c.hidden_size, vocab)
+    n_mm = sum(w.numel() for layer in layers for w in layer.values()) + head.numel()
+    x0 = torch.randn(tokens, c.hidden_size, device=device, dtype=dtype, requires_grad=True)
+    F = torch.nn.functional
+
+    def step() -> None:
+        x = x0
+        for w in layers:
+            kv = F.linear(x, w["k"]) + F.linear(x, w["v"])
+            attn = F.linear(x, w["q"])
+            mlp = F.linear(F.linear(x, w["gate"]) * F.linear(x, w["up"]), w["down"])
+            x = F.linear(attn, w["o"]) + mlp + kv.mean()  # the mean keeps k and v in the backward pass
+        F.linear(x, head).sum().backward()
+
+    times = []
+    for i in range(case.warmup + case.steps):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if i >= case.warmup:
+            times.append(time.perf_counter() - t0)
+    seconds = sorted(times)[len(times) // 2]
+    result: dict[str, Any] = {
+        "case": asdict(case),
+        "matmul_parameters": n_mm,
+        "tokens": tokens,
+        "step_s_median": seconds,
+        "tokens_per_s": tokens / seconds,
+    }
+    if device == "cuda":
+        result["mfu"] = 6 * n_mm * tokens / seconds / gpu_peak()
+        result["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        result["device"] = torch.cuda.get_device_name()
+    return result
+
+
+def update_probe(model: Any) -> tuple[Any, Any] | None:
+    """One weight of a middle decoder layer and a copy of it, to count afterwards how much of it training moved
+    (bf16 weights drop updates smaller than half their spacing)."""
+    import torch
+
+    layers = [m for name, m in model.named_modules() if name.endswith("mlp.down_proj") and hasattr(m, "weight")]
+    if not layers or not layers[len(layers) // 2].weight.requires_grad:
+        return None
+    weight = layers[len(layers) // 2].weight
+    return weight, weight.detach().to(torch.float32).clone()
+
+
 def run_case(case: Case, tiny: bool, tmp: Path) -> dict[str, Any]:
     """Build, train `warmup + steps` steps, and measure one case in this process (scratch files under `tmp`)."""
     import torch
     import torch.distributed as dist
+
+    if case.kind == "matmul_ceiling":
+        return matmul_ceiling(case, tiny)
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -686,7 +816,12 @@ def run_case(case: Case, tiny: bool, tmp: Path) -> dict[str, Any]:
     result["use_liger_kernel"] = bool(getattr(trainer.args, "use_liger_kernel", False))
     result["gradient_checkpointing"] = bool(trainer.args.gradient_checkpointing)
     result["optim"] = str(trainer.args.optim)
+    probe = update_probe(trainer.model) if world == 1 and case.method == "full" else None
+    result["weights_dtype"] = str(next(trainer.model.parameters()).dtype)
     trainer.train()
+    if probe is not None:
+        weight, before = probe
+        result["updated_fraction"] = (weight.detach().to(torch.float32) != before).float().mean().item()
     result["train_s"] = time.perf_counter() - started
 
     timed = collator.batches[case.warmup : case.warmup + case.steps]
@@ -801,7 +936,7 @@ def _spawn(names: list[str], out: Path, cases_dir: Path, gpus: str, log: Path, t
 
 
 def suite(args: argparse.Namespace) -> int:
-    """Phase 1: the B3 cases on all GPUs. Phase 2: B1 on GPU 0 beside B2 and B4 on GPU 1 (or after, on one)."""
+    """Phase 1: the B3 cases on all GPUs. Phase 2: the one-GPU cases, dealt over the GPUs in the given order."""
     import threading
 
     import torch
@@ -816,9 +951,8 @@ def suite(args: argparse.Namespace) -> int:
     multi = [n for n in chosen if BY_NAME[n].group == "B3"]
     if multi and count > 1:
         _spawn(multi, out, cases_dir, ",".join(map(str, range(count))), out / "log_b3.txt", args.tiny, deadline)
-    lanes = [[n for n in chosen if BY_NAME[n].group == "B1"], [n for n in chosen if BY_NAME[n].group in ("B2", "B4")]]
-    if count == 1:
-        lanes = [lanes[0] + lanes[1], []]
+    single = [n for n in chosen if BY_NAME[n].group != "B3"]
+    lanes = [single[i::count] for i in range(count)]  # one-GPU cases dealt over the GPUs, in the given order
     threads = [
         threading.Thread(
             target=_spawn, args=(lane, out, cases_dir, str(i), out / f"log_gpu{i}.txt", args.tiny, deadline)
@@ -846,7 +980,8 @@ def print_table(results: dict[str, Any]) -> None:
         print(
             f"{name:22s} {r.get('tokens_per_s') or 0:10.0f} tok/s  mfu {mfu}  "
             f"peak {r.get('peak_allocated_gib') or 0:6.1f} GiB  attn={r.get('attn_implementation')} "
-            f"liger={r.get('use_liger_kernel')} bc={r.get('boundary_check')}"
+            f"liger={r.get('use_liger_kernel')} bc={r.get('boundary_check')} "
+            f"weights={r.get('weights_dtype')} updated={r.get('updated_fraction')}"
         )
 
 

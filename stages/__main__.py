@@ -69,7 +69,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m stages", description=__doc__)
     parser.add_argument("stage", choices=STAGE_ORDER, help="Stage to run.")
     parser.add_argument("--run-dir", required=True, type=Path, help="Run directory holding spec.json.")
-    parser.add_argument("--force", action="store_true", help="Run a completed stage again even if its config changed.")
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="Run the stage again, also when it completed with another config; a training stage starts over "
+        "(its checkpoints and model from before are moved aside to <stage>/superseded-<hash8>-<time>/).",
+    )
     parser.add_argument(
         "--params-dir",
         type=Path,

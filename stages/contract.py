@@ -11,7 +11,9 @@ A run directory holds `spec.json` (the resolved pipeline spec) and one folder pe
 Rules every stage follows (the same in a PyTorchJob pod and under --local):
 - a completed stage with the same config hash is a no-op that says so;
 - a completed stage with a different config hash is refused unless forced;
-- an incomplete stage resumes from its newest valid checkpoint;
+- an incomplete stage resumes from its newest valid checkpoint; checkpoints (and a model) made with another config
+  hash are refused unless forced, and forcing moves them aside to `<stage>/superseded-<hash8>-<time>/`, so a
+  forced or changed stage never continues from what another config trained;
 - only rank 0 writes `stage.json`; SIGTERM saves a checkpoint and exits with EXIT_RETRYABLE;
 - a training stage starts only when prepare's outputs and the enabled stages before it are there (`check_ready`);
 - a full disk (ENOSPC) fails the stage with a message that says so; `stage.json` and the checkpoints written
@@ -31,6 +33,7 @@ import re
 import socket
 import sys
 import tempfile
+import time
 import traceback
 from datetime import datetime, timezone
 from pathlib import Path
@@ -53,6 +56,9 @@ StageStatus = Literal["running", "succeeded", "failed", "interrupted", "skipped"
 
 # Parts of a stage's spec that change where or how fast it runs, not what it produces.
 _NOT_HASHED = {"enabled", "resources", "run_policy", "env"}
+
+CHECKPOINTS_CONFIG = "config_hash"
+"""`<stage>/checkpoints/config_hash`: the config hash the checkpoints (and the model next to them) were made with."""
 
 SECRET_NAME = re.compile(
     r"(token|secret|password|passwd|api[_-]?key|access[_-]?key|credential|webhook|private[_-]?key)", re.I
@@ -240,17 +246,43 @@ def config_hash(spec: PipelineSpec, stage: str) -> str:
 
 
 def conflicting_stages(run_dir: RunDir, spec: PipelineSpec) -> list[str]:
-    """Stages that completed in `run_dir` with another config than `spec` gives them: running `spec` there
-    would be refused at those stages, so its spec.json must not replace the one they were made from."""
+    """Stages of `run_dir` that running `spec` there would refuse: completed with another config than `spec`
+    gives them, or holding checkpoints of another config. Their spec.json must not replace the one they were
+    made from."""
     conflicts = []
     for stage in spec.stages.enabled():
         try:
             previous = run_dir.read_result(stage)
         except ValueError:  # an unreadable record is not a completed stage
             continue
-        if previous is not None and previous.status == "succeeded" and previous.config_hash != config_hash(spec, stage):
+        wanted = config_hash(spec, stage)
+        changed = previous is not None and previous.status == "succeeded" and previous.config_hash != wanted
+        if changed or (stage in TRAINING_STAGES and _stale_outputs(run_dir.stage_dir(stage), previous, wanted)):
             conflicts.append(stage)
     return conflicts
+
+
+def _outputs_config(stage_dir: Path, previous: StageResult | None) -> str | None:
+    """The config hash a training stage's checkpoints and model were made with: the one recorded next to the
+    checkpoints, else the stage record's; None when neither is there."""
+    recorded = stage_dir / "checkpoints" / CHECKPOINTS_CONFIG
+    try:
+        return recorded.read_text(encoding="utf-8").strip() or None
+    except OSError:
+        return previous.config_hash if previous is not None else None
+
+
+def _has_outputs(stage_dir: Path) -> bool:
+    """Whether a training stage left checkpoints or a model."""
+    checkpoints = stage_dir / "checkpoints"
+    trained = checkpoints.is_dir() and any(p.name.startswith("checkpoint-") for p in checkpoints.iterdir())
+    return trained or (stage_dir / "model").exists()
+
+
+def _stale_outputs(stage_dir: Path, previous: StageResult | None, wanted: str) -> bool:
+    """Whether a training stage holds checkpoints or a model made with another config than `wanted` (or with an
+    unknown one): resuming from them would continue what another config trained."""
+    return _has_outputs(stage_dir) and _outputs_config(stage_dir, previous) != wanted
 
 
 def check_ready(run_dir: RunDir, spec: PipelineSpec, stage: str) -> None:
@@ -347,7 +379,9 @@ class StageContext:
 
     def begin(self) -> bool:
         """Decide whether to run: False for a no-op (done before, same config); raises StageRefused for a
-        completed stage whose config changed (unless forced). Records the stage as running."""
+        completed stage whose config changed, or for checkpoints of another config (unless forced). Forced, a
+        training stage starts over: its checkpoints and model from before are moved aside. Records the stage
+        as running."""
         previous = self.run_dir.read_result(self.stage)
         if previous is not None and previous.status == "succeeded" and not self.force:
             if previous.config_hash == self.config_hash:
@@ -358,8 +392,20 @@ class StageContext:
             raise StageRefused(
                 f"[{self.stage}] already completed in {self.run_dir.root} with another config "
                 f"({previous.config_hash[:12]} there, {self.config_hash[:12]} now). Use a new run directory, "
-                "or --force to run it again over the old outputs."
+                "or --force to run it again (its checkpoints and model are moved aside)."
             )
+        training = self.stage in TRAINING_STAGES
+        if training and not self.force and _stale_outputs(self.dir, previous, self.config_hash):
+            made_with = _outputs_config(self.dir, previous)
+            raise StageRefused(
+                f"[{self.stage}] {self.checkpoints_dir} holds checkpoints of another config "
+                f"({made_with[:12] if made_with else 'unknown'} there, {self.config_hash[:12]} now): resuming "
+                "from them would continue what that config trained. Use a new run directory, or --force to "
+                "start this stage over (they are moved aside)."
+            )
+        if training and self.force and _has_outputs(self.dir):
+            self.supersede(_outputs_config(self.dir, previous))
+            previous = None  # a fresh start: new attempt count, new tracking runs
         attempts = 1
         started = now()
         if previous is not None and previous.config_hash == self.config_hash and previous.status != "succeeded":
@@ -377,8 +423,37 @@ class StageContext:
         )
         for path in (self.dir, self.logs_dir):
             path.mkdir(parents=True, exist_ok=True)
+        if training and is_main_process():
+            # The checkpoints about to be written belong to this config (read back by the next attempt).
+            self.checkpoints_dir.mkdir(parents=True, exist_ok=True)
+            (self.checkpoints_dir / CHECKPOINTS_CONFIG).write_text(self.config_hash + "\n", encoding="utf-8")
         self._write()
         return True
+
+    def supersede(self, made_with: str | None) -> Path | None:
+        """Rank 0: move the stage's checkpoints, model and record aside to `superseded-<hash8>-<time>/` (kept,
+        never deleted), so the forced attempt starts from scratch. Returns where they went."""
+        if not is_main_process():
+            return None
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        base = f"superseded-{(made_with or 'unknown')[:8]}-{stamp}"
+        target = self.dir / base
+        n = 1
+        while target.exists():
+            n += 1
+            target = self.dir / f"{base}-{n}"
+        target.mkdir(parents=True)
+        moved = []
+        for name in ("checkpoints", "model", STAGE_JSON):
+            if (self.dir / name).exists():
+                (self.dir / name).rename(target / name)
+                moved.append(name)
+        print(
+            f"[{self.stage}] --force: {', '.join(moved)} of config {(made_with or 'unknown')[:12]} moved aside to "
+            f"{self.run_dir.relative(target)}; config {self.config_hash[:12]} starts from scratch",
+            flush=True,
+        )
+        return target
 
     def add_input(self, name: str, uri: str, fingerprint: str) -> None:
         assert self.result is not None

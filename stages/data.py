@@ -189,7 +189,7 @@ def dataset_fingerprint(data: DataSpec, files: list[SourceFile]) -> str:
 # --------------------------------------------------------------------------- readers
 
 
-def _within(path: Path, root: Path) -> bool:
+def within(path: Path, root: Path) -> bool:
     """Whether `path` is `root` or below it, both with symlinks and `..` resolved."""
     return path.resolve().is_relative_to(root.resolve())
 
@@ -198,14 +198,14 @@ def in_cluster(spec: PipelineSpec | None, run_root: Path | None) -> bool:
     """Whether a run directory is on the cluster's checkpoints volume (so the stage runs in a pod of the DAG)."""
     if spec is None or run_root is None:
         return False
-    return _within(Path(run_root), Path(spec.cluster.checkpoints.mount_path))
+    return within(Path(run_root), Path(spec.cluster.checkpoints.mount_path))
 
 
 def confine(path: Path, uri: str, spec: PipelineSpec | None, run_root: Path | None) -> Path:
     """`path` when a stage may read it (see the module docstring); DataError naming the rule otherwise."""
     if spec is not None and in_cluster(spec, run_root):
         volumes = [spec.cluster.datasets, spec.cluster.checkpoints]
-        if not any(_within(path, Path(v.mount_path)) for v in volumes):
+        if not any(within(path, Path(v.mount_path)) for v in volumes):
             mounts = " or ".join(f"{v.mount_path} ({v.claim_name})" for v in volumes)
             raise DataError(
                 f"{uri}: resolves to {path.resolve()}, outside the mounted volumes; in the cluster data is read "
@@ -225,7 +225,7 @@ def resolve_path(uri: str, spec: PipelineSpec | None = None) -> Path:
         for volume in volumes:
             if volume.claim_name == claim:
                 path = Path(volume.mount_path) / rest
-                if Path(rest).is_absolute() or not _within(path, Path(volume.mount_path)):
+                if Path(rest).is_absolute() or not within(path, Path(volume.mount_path)):
                     raise DataError(
                         f"{uri}: the path leaves the claim {claim!r} (mounted at {volume.mount_path}); "
                         "use a path inside it, without '..'"
@@ -245,7 +245,7 @@ def data_files(path: Path, uri: str) -> list[Path]:
         return [path]
     if path.is_dir():
         for link in (p for p in path.rglob("*") if p.is_symlink()):
-            if not _within(link, path):
+            if not within(link, path):
                 raise DataError(
                     f"{uri}: {link} is a symlink to {link.resolve()}, outside the data directory; copy the file into "
                     "the directory (or name it in the spec) instead of linking to it"

@@ -17,10 +17,13 @@ Reads top to bottom:
    - greedy generations for `stages.evaluate.prompts` (through the chat template when sft or rlhf ran).
 3. The champion: the `champion` alias of the registered model (deploy.registered_model, else the pipeline name)
    in the MLflow Model Registry. Its numbers come from the version's `posttrain.metric.<name>` tags, then from
-   the metrics of the run that registered it; a gated metric found in neither is measured again on the model
-   downloaded from the registry. No champion yet: the gate compares with the base model.
+   the metrics of the run that registered it. They are measured again, on the model downloaded from the
+   registry: the held-out numbers whenever the held-out rows they were measured on differ from this run's, or
+   are not recorded (`heldout_change`), and any gated metric found nowhere. stage.json says which numbers were
+   measured again and why (`champion_remeasured`). No champion yet: the gate compares with the base model.
 4. The gate: every rule of `stages.evaluate.gate` must hold against the reference (the champion, else the base
-   model); a metric that was not measured fails its rule, saying so. The registry cannot be read: fail.
+   model); a metric that was not measured fails its rule, saying so. The registry cannot be read: fail. A gate
+   that does not pass ends the pipeline run here (deploy does not run): the MLflow parent run is closed.
 5. The report (`evaluate/report/report.md` and `report.html`, with metric bars and the loss curves of the
    training stages) is logged to MLflow with the metrics (`candidate/...`, `base/...`, `champion/...`), and
    stage.json records the decision and the numbers: extra {gate, gate_reasons, gate_checks, candidate, base,
@@ -33,17 +36,26 @@ import base64
 import html
 import json
 import math
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from stages.contract import EXIT_OK, RunDir, StageContext
+from stages.data import DataError, confine, resolve_path, within
 from workflows.spec import TRAINING_STAGES, GateRule, PipelineSpec
 
 CHAMPION = "champion"
 CHALLENGER = "challenger"
 METRIC_TAG_PREFIX = "posttrain.metric."
 """Model version tags holding the metrics a version was gated with (written by deploy, read here)."""
+HELDOUT_TAG = "posttrain.heldout_fingerprint"
+"""Model version tag: the fingerprint of the held-out rows its perplexity was measured on (this stage's
+`heldout_fingerprint`, written by deploy)."""
+EVALUATE_DATA_TAG = "posttrain.data.evaluate.fingerprint"
+"""Model version tag: the fingerprint of evaluate's source data in the run that registered it (from prepare)."""
+HELDOUT_METRICS = ("eval_loss", "perplexity", "eval_rows", "eval_tokens", "eval_rows_truncated")
+"""What `perplexity` measures: numbers that only compare over the same held-out rows."""
 
 GATE_PASS, GATE_FAIL, GATE_SKIPPED = "pass", "fail", "skipped"
 TOKENS_PER_BATCH = 8192
@@ -283,9 +295,38 @@ class Measured:
     errors: list[str] = field(default_factory=list)
 
 
-def measure(ctx: StageContext, model: Any, tokenizer: Any, rows: list[dict[str, Any]], who: str) -> Measured:
-    """Perplexity, lm-eval tasks and generations of one model. A part that fails is recorded in `errors`
-    (its metrics are then missing, which fails the gate rules that need them) and the others still run."""
+def include_dir(spec: PipelineSpec, run_root: Path) -> str | None:
+    """stages.evaluate.lm_eval_include_path as a local directory, held to the rules of data paths: pvc:// stays
+    inside its claim, in the cluster it must lie on the datasets or checkpoints volume, and no symlink in it may
+    lead out of it. Its task YAMLs can import Python (`!function`), so nothing else may be read as one."""
+    raw = spec.stages.evaluate.lm_eval_include_path
+    if raw is None:
+        return None
+    try:
+        path = confine(resolve_path(raw, spec), raw, spec, run_root)
+    except DataError as exc:
+        raise DataError(f"stages.evaluate.lm_eval_include_path: {exc}") from None
+    if path.is_dir():
+        for link in (p for p in path.rglob("*") if p.is_symlink()):
+            if not within(link, path):
+                raise DataError(
+                    f"stages.evaluate.lm_eval_include_path: {link} is a symlink to {link.resolve()}, outside "
+                    f"{raw}; copy the file into the directory instead of linking to it"
+                )
+    return str(path)
+
+
+def measure(
+    ctx: StageContext,
+    model: Any,
+    tokenizer: Any,
+    rows: list[dict[str, Any]],
+    who: str,
+    lm_eval: bool = True,
+    generations: bool = True,
+) -> Measured:
+    """Perplexity (over `rows`), lm-eval tasks and generations of one model. A part that fails is recorded in
+    `errors` (its metrics are then missing, which fails the gate rules that need them) and the others still run."""
     import torch
 
     section = ctx.section
@@ -299,21 +340,21 @@ def measure(ctx: StageContext, model: Any, tokenizer: Any, rows: list[dict[str, 
             out.metrics.update(perplexity(model, tokenizer, rows, max_length(spec, stage), thinking(spec)))
         except Exception as exc:
             out.errors.append(f"{who}: perplexity failed: {type(exc).__name__}: {exc}")
-    if section.lm_eval_tasks:
+    if section.lm_eval_tasks and lm_eval:
         try:
             out.metrics.update(
                 lm_eval_metrics(
                     model,
                     tokenizer,
                     section.lm_eval_tasks,
-                    section.lm_eval_include_path,
+                    include_dir(spec, ctx.run_dir.root),
                     section.limit,
                     max_length(spec, stage),
                 )
             )
         except Exception as exc:
             out.errors.append(f"{who}: lm-eval failed: {type(exc).__name__}: {exc}")
-    if section.prompts:
+    if section.prompts and generations:
         out.generations = generate(model, tokenizer, section.prompts, section.max_new_tokens, chat_model(spec))
     for message in out.errors:
         print(f"[evaluate] {message}", flush=True)
@@ -354,6 +395,8 @@ class Champion:
     run_id: str | None
     metrics: dict[str, float]
     source: dict[str, str]  # metric -> where its value came from: 'tag', 'run' or 're-evaluated'
+    tags: dict[str, str] = field(default_factory=dict)
+    remeasured: dict[str, str] = field(default_factory=dict)  # metric -> why it was measured again
 
 
 def registry_client(spec: PipelineSpec, run_root: Path) -> tuple[Any, str]:
@@ -398,7 +441,72 @@ def find_champion(client: Any, name: str) -> Champion | None:
         for key, value in run_metrics.items():
             if key not in metrics:
                 metrics[key], source[key] = float(value), "run"
-    return Champion(name=name, version=str(version.version), run_id=version.run_id, metrics=metrics, source=source)
+    return Champion(
+        name=name,
+        version=str(version.version),
+        run_id=version.run_id,
+        metrics=metrics,
+        source=source,
+        tags=dict(version.tags or {}),
+    )
+
+
+def heldout_change(tags: dict[str, str], heldout: str, evaluate_data: str | None) -> str | None:
+    """Why a champion's recorded held-out numbers do not compare with this run's (measured on `heldout`), or None
+    when they were measured on the same rows. Its version's held-out fingerprint decides; a version registered
+    without one is compared by its evaluate data fingerprint, when this run's held-out rows are evaluate's data
+    (`evaluate_data`); with neither, it is unknown, which counts as changed."""
+    if recorded := tags.get(HELDOUT_TAG):
+        if recorded == heldout:
+            return None
+        return f"measured on other held-out rows ({recorded[:19]}; this run's are {heldout[:19]})"
+    if (recorded := tags.get(EVALUATE_DATA_TAG)) and evaluate_data:
+        if recorded == evaluate_data:
+            return None
+        return f"measured on other evaluate data ({recorded[:19]}; this run's is {evaluate_data[:19]})"
+    return "the held-out rows its numbers were measured on are not recorded"
+
+
+def remeasure_champion(
+    ctx: StageContext,
+    client: Any,
+    tracking_uri: str,
+    champion: Champion,
+    rows: list[dict[str, Any]],
+    changed: str | None,
+) -> list[str]:
+    """Measure the champion again where its recorded numbers do not compare with the candidate's: the held-out
+    numbers when `changed` says why they are stale (they are dropped first, so a failed measurement fails the
+    gate instead of comparing stale numbers), and the gated metrics it has no number for. Records what was
+    measured again, and why, in `champion.remeasured`; returns the errors of the measurement."""
+    from transformers import AutoTokenizer
+
+    from stages.modeling import load_pretrained
+
+    section, spec = ctx.section, ctx.spec
+    stale = changed is not None and bool(rows)
+    if stale:
+        for key in HELDOUT_METRICS:
+            champion.metrics.pop(key, None)
+            champion.source.pop(key, None)
+    missing = [rule.metric for rule in section.gate if rule.metric not in champion.metrics]
+    heldout = bool(rows) and (stale or any(m in HELDOUT_METRICS for m in missing))
+    lm_eval = bool(section.lm_eval_tasks) and any(m not in HELDOUT_METRICS for m in missing)
+    if not (heldout or lm_eval):
+        return []
+    why = [f"held-out numbers {changed}" if stale else "", f"no recorded {missing}" if missing else ""]
+    print(f"[evaluate] measuring champion v{champion.version} again: {'; '.join(w for w in why if w)}", flush=True)
+    path = download_champion(client, champion, ctx.dir / "champion-model", tracking_uri)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=spec.model.trust_remote_code)
+    model = load_pretrained(path, spec.model)
+    again = measure(ctx, model, tokenizer, rows if heldout else [], "champion", lm_eval=lm_eval, generations=False)
+    release(model)
+    for key, value in again.metrics.items():
+        if key in champion.metrics:
+            continue
+        champion.metrics[key], champion.source[key] = value, "re-evaluated"
+        champion.remeasured[key] = f"held-out numbers {changed}" if stale and key in HELDOUT_METRICS else "not recorded"
+    return again.errors
 
 
 def download_champion(client: Any, champion: Champion, dst: Path, tracking_uri: str) -> Path:
@@ -575,6 +683,11 @@ def write_report(out_dir: Path, facts: dict[str, Any]) -> list[Path]:
         f"candidate: output of the {facts['candidate_stage']} stage",
         f"base model: {facts['base_model']}",
         f"champion: {facts['registered_model']} version {champion}" if champion else "champion: none yet",
+        *[
+            f"champion measured again ({', '.join(m for m, w in facts['champion_remeasured'].items() if w == why)}): "
+            + why
+            for why in dict.fromkeys(facts["champion_remeasured"].values())
+        ],
         f"held-out data: {facts['perplexity_data'] or 'none'}",
         f"lm-eval tasks: {', '.join(facts['lm_eval_tasks']) or 'none'}"
         + (f" (limit {facts['limit']})" if facts["limit"] else ""),
@@ -664,12 +777,15 @@ def run(ctx: StageContext) -> int:
         return EXIT_OK
     try:
         return evaluate(ctx)
+    except DataError as exc:
+        print(f"[evaluate] error: {exc}", file=sys.stderr, flush=True)
+        return ctx.fail(str(exc))
     except Exception as exc:
         return ctx.crash(exc)
 
 
 def evaluate(ctx: StageContext) -> int:
-    from stages.modeling import load_base, load_pretrained, load_stage_model, load_tokenizer, spec_base
+    from stages.modeling import load_base, load_stage_model, load_tokenizer, spec_base
     from stages.tracking import StageTracker
 
     run_dir, spec, section = ctx.run_dir, ctx.spec, ctx.section
@@ -679,12 +795,14 @@ def evaluate(ctx: StageContext) -> int:
     if (reason := skip_reason(run_dir, stage)) is not None:
         print(f"[evaluate] skipped: {reason}", flush=True)
         return ctx.finish(status="skipped", message=reason, extra={"gate": GATE_SKIPPED, "gate_reasons": [reason]})
+    include_dir(spec, run_dir.root)  # a task folder off the volumes fails here, before any model loads
     result = run_dir.read_result(stage)
     ctx.add_input("candidate", f"{stage}/model", result.config_hash if result else "")
     data_path = perplexity_data(run_dir, stage)
     rows = read_rows(data_path) if data_path is not None else []
+    heldout_fingerprint = _sha256(data_path) if data_path is not None else ""
     if data_path is not None:
-        ctx.add_input("heldout", run_dir.relative(data_path), _sha256(data_path))
+        ctx.add_input("heldout", run_dir.relative(data_path), heldout_fingerprint)
 
     with StageTracker(ctx) as tracker:
         tracker.log_params(
@@ -706,26 +824,18 @@ def evaluate(ctx: StageContext) -> int:
         release(model)
         errors = candidate.errors + base.errors
 
-        # 3. The champion: recorded numbers, measured again only for a gated metric it has none for.
+        # 3. The champion: its recorded numbers, measured again on this run's held-out rows when they were
+        #    measured on others (or on unknown ones), and for the gated metrics it has no number for.
         champion: Champion | None = None
         registry_error = ""
         try:
             client, tracking_uri = registry_client(spec, run_dir.root)
             champion = find_champion(client, registered_model_name(spec))
-            missing = [r.metric for r in section.gate if champion is not None and r.metric not in champion.metrics]
-            if champion is not None and missing:
-                print(f"[evaluate] champion v{champion.version} has no recorded {missing}: measuring it", flush=True)
-                from transformers import AutoTokenizer
-
-                path = download_champion(client, champion, ctx.dir / "champion-model", tracking_uri)
-                champ_tok = AutoTokenizer.from_pretrained(path, trust_remote_code=spec.model.trust_remote_code)
-                model = load_pretrained(path, spec.model)
-                again = measure(ctx, model, champ_tok, rows, "champion")
-                release(model)
-                errors += again.errors
-                for key, value in again.metrics.items():
-                    if key not in champion.metrics:
-                        champion.metrics[key], champion.source[key] = value, "re-evaluated"
+            if champion is not None:
+                changed = heldout_change(
+                    champion.tags, heldout_fingerprint, evaluate_data_fingerprint(run_dir, data_path)
+                )
+                errors += remeasure_champion(ctx, client, tracking_uri, champion, rows, changed)
         except Exception as exc:
             registry_error = f"the champion could not be read from the model registry: {type(exc).__name__}: {exc}"
             print(f"[evaluate] {registry_error}", flush=True)
@@ -739,6 +849,8 @@ def evaluate(ctx: StageContext) -> int:
         if registry_error:
             decision, reasons = GATE_FAIL, [registry_error, *reasons]
         print(f"[evaluate] gate {decision}: " + "; ".join(reasons), flush=True)
+        if decision != GATE_PASS:  # deploy runs only after gate=pass: the pipeline run ends here
+            tracker.end_pipeline_run("gate-fail", f"gate {decision} against the {ref_name}: " + "; ".join(reasons))
 
         # 5. The report, the tracker, the record.
         facts: dict[str, Any] = {
@@ -754,6 +866,9 @@ def evaluate(ctx: StageContext) -> int:
             "champion": champion.metrics if champion else {},
             "champion_version": champion.version if champion else "",
             "champion_source": champion.source if champion else {},
+            "champion_remeasured": champion.remeasured if champion else {},
+            "champion_heldout_fingerprint": champion.tags.get(HELDOUT_TAG, "") if champion else "",
+            "heldout_fingerprint": heldout_fingerprint,
             "registered_model": registered_model_name(spec),
             "base_model": spec.model.name_or_path,
             "perplexity_data": run_dir.relative(data_path) if data_path else "",
@@ -799,6 +914,17 @@ def evaluate(ctx: StageContext) -> int:
             extra=extra,
             message=f"gate {decision} against the {ref_name}",
         )
+
+
+def evaluate_data_fingerprint(run_dir: RunDir, data_path: Path | None) -> str | None:
+    """The fingerprint prepare recorded for evaluate's source data, when the held-out rows are that data."""
+    if data_path is None or data_path.parent.name != "evaluate":
+        return None
+    prepare = run_dir.read_result("prepare")
+    if prepare is None:
+        return None
+    counts = (prepare.extra.get("data") or {}).get("evaluate") or {}
+    return counts.get("fingerprint") or None
 
 
 def _sha256(path: Path) -> str:

@@ -104,9 +104,30 @@ def build_tokenizer_and_caches(
     return tokenizer_dir, tokenizer, tok_hash, build_token_caches(ctx.run_dir, ctx.spec, packed)
 
 
+def ended_as_designed(results: dict[str, dict[str, Any]]) -> bool:
+    """Whether a run's enabled stages (name → stage.json, None when it has none) add up to a run that ended as
+    the DAG intends: every stage succeeded (or was skipped), or evaluate succeeded with a gate that did not pass
+    and the stages after it never ran (deploy runs only after gate=pass)."""
+    if all(r is not None and r.get("status") in ("succeeded", "skipped") for r in results.values()):
+        return True
+    if "evaluate" not in results:
+        return False
+    cut = STAGE_ORDER.index("evaluate") + 1
+    before = {s: r for s, r in results.items() if STAGE_ORDER.index(s) < cut}
+    after = [r for s, r in results.items() if STAGE_ORDER.index(s) >= cut]
+    evaluate = before["evaluate"] or {}
+    gate_failed = evaluate.get("status") == "succeeded" and evaluate.get("extra", {}).get("gate") == "fail"
+    return (
+        gate_failed
+        and all(r is not None and r.get("status") in ("succeeded", "skipped") for r in before.values())
+        and all(r is None or r.get("status") == "skipped" for r in after)
+    )
+
+
 def last_success(run_dir: RunDir, spec: PipelineSpec) -> tuple[str | None, str | None]:
-    """(run name, data fingerprint) of the newest other run of this pipeline, next to this one, in which every
-    enabled stage succeeded (or was skipped). (None, None) when there is none.
+    """(run name, data fingerprint) of the newest other run of this pipeline, next to this one, that completed:
+    every enabled stage succeeded (or was skipped), or it ended after a failed gate (`ended_as_designed`).
+    (None, None) when there is none.
 
     Run directories of a pipeline are siblings (`runs/<name>` locally, `<checkpoints>/runs/<workflow>` in the
     cluster), so this reads their spec.json and stage.json files; nothing else keeps state."""
@@ -119,15 +140,22 @@ def last_success(run_dir: RunDir, spec: PipelineSpec) -> tuple[str | None, str |
             if other_spec.get("name") != spec.name:
                 continue
             enabled = [s for s in STAGE_ORDER if other_spec.get("stages", {}).get(s, {}).get("enabled", s == "prepare")]
-            results = {s: json.loads((other / s / "stage.json").read_text(encoding="utf-8")) for s in enabled}
+            results = {s: _read_record(other / s / "stage.json") for s in enabled}
         except (OSError, ValueError):
             continue
-        if all(r.get("status") in ("succeeded", "skipped") for r in results.values()):
+        if results.get("prepare") is not None and ended_as_designed(results):
             prepare = results["prepare"]
             fingerprint = prepare.get("extra", {}).get("fingerprint")
             if fingerprint and (best is None or (prepare.get("ended_at") or "") > best[0]):
                 best = (prepare.get("ended_at") or "", other.name, fingerprint)
     return (best[1], best[2]) if best else (None, None)
+
+
+def _read_record(path: Path) -> dict[str, Any] | None:
+    """A stage.json as a dict; None when the stage never ran (raises ValueError for a broken file)."""
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text(encoding="utf-8"))
 
 
 def run(ctx: StageContext) -> int:
@@ -187,6 +215,8 @@ def run(ctx: StageContext) -> int:
     for stage, c in counts.items():
         metrics.update({f"{stage}_rows": c["rows"], f"{stage}_quarantined": c["quarantined"]})
     with StageTracker(ctx) as tracker:
+        if skip_reason:  # no stage runs after this one: close the pipeline's MLflow run, saying why
+            tracker.end_pipeline_run("skipped", skip_reason)
         tracker.log_params(
             {
                 "data": {s: {k: c[k] for k in ("uri", "format", "fingerprint")} for s, c in counts.items()},

@@ -46,7 +46,14 @@ from stages.modeling import (
 )
 from stages.rewards import RewardError, build_reward_functions
 from stages.tracking import StageTracker
-from stages.training import loss_curve, resume_checkpoint, resume_details, trainer_arguments, write_log_history
+from stages.training import (
+    loss_curve,
+    resume_checkpoint,
+    resume_details,
+    trainer_arguments,
+    write_distributed_config,
+    write_log_history,
+)
 from workflows.spec import RlhfStage
 
 REFERENCE_ADAPTER = "ref"
@@ -93,6 +100,7 @@ def train(ctx: StageContext, sigterm: SigtermCheckpoint) -> int:
         files = preference_files(ctx)
         train_rows, eval_rows = load_rows(ctx, files)
     record_inputs(ctx, files, start.upstream)
+    write_distributed_config(ctx, config)
 
     # 3. Resume from the newest valid checkpoint of an earlier attempt, if any.
     checkpoint = resume_checkpoint(ctx)

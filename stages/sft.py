@@ -25,6 +25,7 @@ from stages.training import (
     resume_details,
     summary_metrics,
     trainer_arguments,
+    write_distributed_config,
     write_log_history,
 )
 
@@ -61,6 +62,7 @@ def train(ctx: StageContext, sigterm: SigtermCheckpoint) -> int:
     with args.main_process_first(desc="token cache"):
         cache = load_token_cache(run_dir, spec, ctx.stage)
     record_inputs(ctx, cache, start.upstream)
+    write_distributed_config(ctx, args)
 
     # 3. Resume from the newest valid checkpoint of an earlier attempt, if any.
     checkpoint = resume_checkpoint(ctx)

@@ -9,7 +9,10 @@ Every stage wraps its work in a tracker:
         return ctx.finish(...)      # inside the block: the tracker then uploads the final stage.json
 
 MLflow: one parent run per pipeline run (named after the run directory; opened by prepare, or by the first
-stage that tracks) and one nested run per stage. The parent's id lives in `<run>/tracking.json`; the stage
+stage that tracks) and one nested run per stage. The parent is closed by the stage that ends the pipeline run,
+with the tag `posttrain.end_reason`: the last enabled stage (`completed`, or the failed stage's status), prepare
+when it ends the run early (`skipped`, skip_if_unchanged) and evaluate when the gate does not pass (`gate-fail`:
+deploy does not run); `posttrain.end_message` says why. The parent's id lives in `<run>/tracking.json`; the stage
 run's id is stored in stage.json through `ctx.set_tracking`, so a resumed attempt continues the SAME run; the
 steps it trains again (those after its checkpoint that the killed attempt had already logged) are not logged a
 second time, so every metric has one value per step.
@@ -355,12 +358,15 @@ class _Mlflow:
         self.breaker.succeeded()
         return True
 
-    def end(self, status: str, close_parent: bool) -> None:
+    def end(self, status: str, parent_tags: dict[str, str] | None) -> None:
+        """End the stage's run; with `parent_tags`, also the pipeline run's parent (tagged with why it ended)."""
         if not self.flush(force=True) or self.run_id is None:
             return
         try:
             self.client.set_terminated(self.run_id, status)
-            if close_parent and self.parent_run_id:
+            if parent_tags is not None and self.parent_run_id:
+                for key, value in parent_tags.items():
+                    self.client.set_tag(self.parent_run_id, key, value[:MAX_PARAM_VALUE])
                 self.client.set_terminated(self.parent_run_id, status)
         except Exception as exc:
             self.breaker.failed("ending the run", exc)
@@ -542,6 +548,7 @@ class StageTracker:
         self.finished = False
         self.loss_curve: Path | None = None
         self.last_step = -1
+        self.run_ended: tuple[str, str] | None = None  # (reason, message) when this stage ends the pipeline run
 
     # -- lifecycle
 
@@ -602,9 +609,15 @@ class StageTracker:
         """This stage's MLflow run."""
         return self.mlflow.run_id if self.mlflow is not None else None
 
+    def end_pipeline_run(self, reason: str, message: str = "") -> None:
+        """Say that no stage runs after this one (prepare: `skipped`; evaluate: `gate-fail`): `finish` then
+        closes the pipeline run's parent as FINISHED, tagged with the reason, instead of leaving it RUNNING."""
+        self.run_ended = (reason, message)
+
     def finish(self, status: str | None = None) -> None:
         """End the runs: status is a stage status (succeeded, failed, interrupted, skipped); default: the
-        stage's recorded status, or succeeded. Uploads stage.json; the parent run ends with the last stage."""
+        stage's recorded status, or succeeded. Uploads stage.json; the parent run ends with the last stage, a
+        failed one, or one that ended the pipeline run (`end_pipeline_run`)."""
         if not self.enabled or self.finished:
             return
         self.finished = True
@@ -616,11 +629,22 @@ class StageTracker:
         if self.tensorboard is not None:
             self.tensorboard.close()
         last = ctx.spec.stages.enabled()[-1] == ctx.stage
+        parent_tags: dict[str, str] | None = None
+        if mlflow_status != "FINISHED":
+            parent_tags = {"posttrain.end_reason": status, "posttrain.end_message": f"{ctx.stage} {status}"}
+        elif self.run_ended is not None:
+            reason, message = self.run_ended
+            parent_tags = {"posttrain.end_reason": reason, "posttrain.end_message": message or f"ended by {ctx.stage}"}
+        elif last:
+            parent_tags = {
+                "posttrain.end_reason": "completed",
+                "posttrain.end_message": f"{ctx.stage} was the last stage",
+            }
         if self.mlflow is not None:
             result = ctx.run_dir.result_path(ctx.stage)
             if result.is_file():
                 self.mlflow.add_artifact(result)
-            self.mlflow.end(mlflow_status, close_parent=last or mlflow_status != "FINISHED")
+            self.mlflow.end(mlflow_status, parent_tags)
             self._save_unsent()
         if self.wandb is not None:
             self.wandb.end(failed=mlflow_status != "FINISHED")

@@ -6,6 +6,7 @@ Each stage module reads as the recipe; the pieces here keep it short:
     cache = load_token_cache(...)                    stages/packing.py
     record_inputs(ctx, cache, start.upstream)         lineage in stage.json
     args = trainer_arguments(ctx, start.model)        hyperparameters + distributed strategy + precision
+    write_distributed_config(ctx, args)               what the Trainer (and accelerate) got, in logs/
     resume = resume_checkpoint(ctx)                   newest valid checkpoint (torn ones set aside)
     trainer.train(resume_from_checkpoint=resume)
     metrics = summary_metrics(trainer)
@@ -83,9 +84,35 @@ def record_inputs(ctx: StageContext, cache: Any, upstream: str | None) -> None:
         ctx.add_input("model", ctx.run_dir.relative(model_dir), result.config_hash if result else "")
 
 
+def write_distributed_config(ctx: StageContext, args: Any) -> Path:
+    """Rank 0: `<stage>/logs/distributed.json`, the distributed settings generated from
+    `stages.<stage>.distributed` as the Trainer received them (`fsdp`/`fsdp_config`, `deepspeed`, the DDP
+    backend, precision): the configuration accelerate runs with, there for the user to read."""
+    path = ctx.logs_dir / "distributed.json"
+    if is_main_process():
+        settings = {
+            "strategy": ctx.section.distributed.strategy,
+            "world_size": args.world_size,
+            "parallel_mode": getattr(args.parallel_mode, "value", str(args.parallel_mode)),
+            "ddp_backend": args.ddp_backend,
+            "ddp_find_unused_parameters": args.ddp_find_unused_parameters,
+            "fsdp": args.fsdp or None,
+            "fsdp_config": args.fsdp_config if args.fsdp else None,
+            "deepspeed": args.deepspeed,
+            "mixed_precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "no",
+            "gradient_checkpointing": args.gradient_checkpointing,
+        }
+        write_json_atomic(path, json.loads(json.dumps(settings, default=str)))  # enums and options as text
+    return path
+
+
 def resume_checkpoint(ctx: StageContext) -> Path | None:
-    """The newest valid checkpoint of an earlier attempt, or None to start fresh. Newer torn checkpoints
-    are set aside (rank 0) so the trainer does not rotate or overwrite into them."""
+    """The newest valid checkpoint of an earlier attempt, or None to start fresh. Every checkpoint there was made
+    with this config (`StageContext.begin` refuses or moves aside those of another). Newer torn checkpoints are
+    set aside (rank 0) so the trainer does not rotate or overwrite into them. A forced stage starts over: rank 0
+    moved the old checkpoints aside, and the other ranks must not pick one up before it did."""
+    if ctx.force:
+        return None
     checkpoint = newest_valid_checkpoint(ctx.checkpoints_dir)
     set_aside_torn(ctx.checkpoints_dir, checkpoint)
     return checkpoint

@@ -13,6 +13,7 @@ from training_fixtures import chat_rows, make_run_dir, run_stage, text_rows, wri
 
 import stages.evaluate as evaluate
 from stages.contract import RunDir, StageContext, StageResult
+from stages.data import sha256_file
 from stages.modeling import load_stage_model, load_tokenizer
 from stages.packing import tokenize_conversation, tokenize_document
 from workflows.loading import load_pipeline
@@ -81,6 +82,24 @@ def task_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     write_jsonl(folder / "tiny_ko.jsonl", rows)
     (folder / "tiny_ko.yaml").write_text(TASK_YAML.format(data=folder / "tiny_ko.jsonl"), encoding="utf-8")
     return folder
+
+
+def heldout_fingerprint(run_dir: RunDir) -> str:
+    return sha256_file(run_dir.root / "prepare/data/evaluate/eval.jsonl")
+
+
+def register_champion(run_dir: RunDir, spec: PipelineSpec, name: str, art: Path, tags: dict[str, str]) -> None:
+    """The cpt model of `run_dir`, registered as `name` with the champion alias and the given version tags."""
+    from mlflow import MlflowClient
+
+    uri = spec.tracking.mlflow_tracking_uri
+    client = MlflowClient(uri, registry_uri=uri)
+    experiment = client.create_experiment(f"source-of-{name}", artifact_location=art.as_uri())
+    source_run = client.create_run(experiment).info.run_id
+    client.log_artifacts(source_run, str(run_dir.stage_dir("cpt") / "model"), "model")
+    client.create_registered_model(name)
+    version = client.create_model_version(name, source=f"runs:/{source_run}/model", run_id=source_run, tags=tags)
+    client.set_registered_model_alias(name, "champion", version.version)
 
 
 def spec_of(run_dir: RunDir) -> PipelineSpec:
@@ -225,9 +244,8 @@ def test_gate_fails_against_a_champion_with_better_metrics(trained: RunDir, tmp_
     uri = spec.tracking.mlflow_tracking_uri
     client = MlflowClient(uri, registry_uri=uri)
     client.create_registered_model("tiny-champion-better")
-    version = client.create_model_version(
-        "tiny-champion-better", source=str(tmp_path), tags={"posttrain.metric.perplexity": "1.5"}
-    )
+    tags = {"posttrain.metric.perplexity": "1.5", evaluate.HELDOUT_TAG: heldout_fingerprint(trained)}
+    version = client.create_model_version("tiny-champion-better", source=str(tmp_path), tags=tags)
     client.set_registered_model_alias("tiny-champion-better", "champion", version.version)
 
     result = run_evaluate(trained, spec, tmp_path / "outputs")
@@ -236,6 +254,7 @@ def test_gate_fails_against_a_champion_with_better_metrics(trained: RunDir, tmp_
     extra = result.extra
     assert extra["gate"] == "fail" and extra["reference"] == "champion v1"
     assert extra["champion"] == {"perplexity": 1.5} and extra["champion_source"] == {"perplexity": "tag"}
+    assert extra["champion_remeasured"] == {}  # measured on these very held-out rows: the recorded number holds
     assert extra["candidate"]["perplexity"] > 2.0
     assert "vs champion v1 1.5" in extra["gate_reasons"][0] and extra["gate_reasons"][0].endswith("fails")
     markdown = (trained.stage_dir("evaluate") / "report" / "report.md").read_text(encoding="utf-8")
@@ -245,26 +264,60 @@ def test_gate_fails_against_a_champion_with_better_metrics(trained: RunDir, tmp_
 
 
 def test_a_champion_without_recorded_metrics_is_measured_again(trained: RunDir, tmp_path: Path) -> None:
-    from mlflow import MlflowClient
-
     spec = spec_of(trained)
     spec.stages.deploy.registered_model = "tiny-champion-unrecorded"
-    uri = spec.tracking.mlflow_tracking_uri
-    client = MlflowClient(uri, registry_uri=uri)
-    experiment = client.create_experiment("champion-source", artifact_location=(tmp_path / "art").as_uri())
-    source_run = client.create_run(experiment).info.run_id
-    client.log_artifacts(source_run, str(trained.stage_dir("cpt") / "model"), "model")
-    client.create_registered_model("tiny-champion-unrecorded")
-    version = client.create_model_version(
-        "tiny-champion-unrecorded", source=f"runs:/{source_run}/model", run_id=source_run
-    )
-    client.set_registered_model_alias("tiny-champion-unrecorded", "champion", version.version)
+    register_champion(trained, spec, "tiny-champion-unrecorded", tmp_path / "art", tags={})
 
     extra = run_evaluate(trained, spec, tmp_path / "outputs").extra
     # The champion is this very model: measured again, it scores the same, and the gate holds.
     assert extra["champion_source"]["perplexity"] == "re-evaluated"
+    assert extra["champion_remeasured"]["perplexity"].endswith("its numbers were measured on are not recorded")
     assert extra["champion"]["perplexity"] == pytest.approx(extra["candidate"]["perplexity"], rel=1e-5)
     assert extra["gate"] == "pass" and extra["reference"] == "champion v1"
+
+
+def test_a_champion_measured_on_other_heldout_rows_is_measured_again(trained: RunDir, tmp_path: Path) -> None:
+    spec = spec_of(trained)
+    spec.stages.deploy.registered_model = "tiny-champion-old-heldout"
+    spec.stages.evaluate.gate = [GateRule(metric="perplexity", higher_is_better=False, max_regression=0.5)]
+    before = heldout_fingerprint(trained)
+    # The champion's recorded perplexity (1.5, out of reach) was measured on the held-out rows of this run.
+    tags = {"posttrain.metric.perplexity": "1.5", evaluate.HELDOUT_TAG: before}
+    register_champion(trained, spec, "tiny-champion-old-heldout", tmp_path / "art", tags)
+    extra = run_evaluate(trained, spec, tmp_path / "outputs").extra
+    assert extra["champion_remeasured"] == {} and extra["gate"] == "fail"
+
+    # The held-out set changes: 1.5 no longer compares with the candidate's number, so the champion is measured
+    # again on the new rows (it is this very model: the same perplexity, and the gate holds).
+    heldout = trained.root / "prepare/data/evaluate/eval.jsonl"
+    original = heldout.read_bytes()
+    try:
+        write_jsonl(heldout, text_rows(10, seed=11) + chat_rows(3, seed=11))
+        extra = run_evaluate(trained, spec, tmp_path / "outputs").extra
+    finally:
+        heldout.write_bytes(original)
+    now = extra["heldout_fingerprint"]
+    assert now != before and extra["champion_heldout_fingerprint"] == before
+    assert extra["champion_source"]["perplexity"] == "re-evaluated"
+    assert extra["champion"]["perplexity"] == pytest.approx(extra["candidate"]["perplexity"], rel=1e-5)
+    assert extra["champion"]["eval_rows"] == 13 == extra["candidate"]["eval_rows"]
+    why = extra["champion_remeasured"]["perplexity"]
+    assert why == f"held-out numbers measured on other held-out rows ({before[:19]}; this run's are {now[:19]})"
+    assert set(extra["champion_remeasured"]) == set(evaluate.HELDOUT_METRICS)
+    assert extra["gate"] == "pass" and extra["reference"] == "champion v1"
+    markdown = (trained.stage_dir("evaluate") / "report" / "report.md").read_text(encoding="utf-8")
+    assert "champion measured again (eval_loss, perplexity" in markdown
+
+
+def test_which_recorded_heldout_numbers_compare() -> None:
+    same, other = "sha256:" + "a" * 64, "sha256:" + "b" * 64
+    assert evaluate.heldout_change({evaluate.HELDOUT_TAG: same}, same, None) is None
+    assert "other held-out rows" in evaluate.heldout_change({evaluate.HELDOUT_TAG: other}, same, same)
+    # A version registered without it: its evaluate data fingerprint, when the held-out rows are evaluate's data.
+    assert evaluate.heldout_change({evaluate.EVALUATE_DATA_TAG: same}, other, same) is None
+    assert "other evaluate data" in evaluate.heldout_change({evaluate.EVALUATE_DATA_TAG: other}, other, same)
+    assert "not recorded" in evaluate.heldout_change({evaluate.EVALUATE_DATA_TAG: same}, other, None)
+    assert "not recorded" in evaluate.heldout_change({}, same, same)
 
 
 # --------------------------------------------------------------------------- nothing to evaluate

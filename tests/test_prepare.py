@@ -187,3 +187,28 @@ def test_last_success_is_the_newest_fully_successful_sibling_run(tmp_path: Path)
     this = RunDir(tmp_path / "now")
     assert last_success(this, spec) == ("b", "sha256:new")
     assert last_success(RunDir(tmp_path / "empty" / "now"), spec) == (None, None)
+
+
+def test_a_run_that_ended_at_a_failed_gate_counts_as_completed(tmp_path: Path):
+    spec = load_pipeline("korean-llm", "local").spec
+    chain = {"prepare": "succeeded", "cpt": "succeeded", "evaluate": "succeeded", "deploy": "succeeded"}
+    _fake_run(tmp_path, "a", "korean-llm", chain, "sha256:a", "2026-01-01")
+    # deploy never ran after a failed gate (the DAG's `when`): the run ended as designed.
+    _fake_run(tmp_path, "b", "korean-llm", {**chain, "deploy": "skipped"}, "sha256:b", "2026-02-01")
+    gate = {"status": "succeeded", "ended_at": "2026-02-01", "extra": {"gate": "fail"}}
+    write_json_atomic(tmp_path / "b" / "evaluate" / "stage.json", gate)
+    (tmp_path / "b" / "deploy" / "stage.json").unlink()
+    assert last_success(RunDir(tmp_path / "now"), spec) == ("b", "sha256:b")
+
+    # Not complete: an evaluate that failed, a passed gate whose deploy never ran, a stage after it that failed.
+    for name, evaluate, deploy in (
+        ("c", {"status": "failed", "extra": {}}, None),
+        ("d", {"status": "succeeded", "extra": {"gate": "pass"}}, None),
+        ("e", {"status": "succeeded", "extra": {"gate": "fail"}}, {"status": "failed"}),
+    ):
+        _fake_run(tmp_path, name, "korean-llm", chain, f"sha256:{name}", "2026-03-01")
+        write_json_atomic(tmp_path / name / "evaluate" / "stage.json", {**evaluate, "ended_at": "2026-03-01"})
+        (tmp_path / name / "deploy" / "stage.json").unlink()
+        if deploy is not None:
+            write_json_atomic(tmp_path / name / "deploy" / "stage.json", deploy)
+        assert last_success(RunDir(tmp_path / "now"), spec) == ("b", "sha256:b"), name

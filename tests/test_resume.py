@@ -1,9 +1,11 @@
 """Preemption: a killed stage resumes from its newest valid checkpoint (a torn one falls back to the one
-before), SIGTERM saves a checkpoint and exits 75, and the rerun keeps the same MLflow run."""
+before), SIGTERM saves a checkpoint and exits 75, and the rerun keeps the same MLflow run. Checkpoints belong to
+the config that made them: another config is refused, and --force moves them aside and starts over."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import shutil
 import signal
 from pathlib import Path
@@ -14,8 +16,9 @@ from safetensors.torch import save_file
 from training_fixtures import make_run_dir, run_stage, start_stage, wait_for_file
 
 from stages.checkpoints import MARKER, mark_complete, newest_valid_checkpoint, set_aside_torn
-from stages.contract import EXIT_RETRYABLE
+from stages.contract import CHECKPOINTS_CONFIG, EXIT_RETRYABLE, EXIT_USAGE, config_hash, conflicting_stages
 from stages.training import read_log_history
+from workflows.loading import load_pipeline
 
 FAST = [
     "stages.cpt.training.max_steps=12",
@@ -118,3 +121,65 @@ def test_newest_valid_checkpoint_skips_torn_ones(tmp_path: Path) -> None:
     (tmp_path / "checkpoint-2" / "trainer_state.json").write_text("{not json")
     with pytest.warns(UserWarning, match="unreadable"):
         assert newest_valid_checkpoint(tmp_path) is None
+
+
+# --------------------------------------------------------------------------- checkpoints belong to a config
+
+SHORT = ["stages.cpt.training.max_steps=6", "stages.cpt.training.save_steps=3", "stages.cpt.training.logging_steps=1"]
+
+
+def changed_spec(run_dir, learning_rate: str):
+    """The run's spec with another cpt learning rate (a new config hash for cpt)."""
+    overrides = ["tracking.wandb_project=null", *SHORT, f"stages.cpt.training.learning_rate={learning_rate}"]
+    return load_pipeline("korean-llm", profile="local", overrides=overrides).spec
+
+
+@pytest.mark.slow
+def test_checkpoints_of_another_config_are_refused_and_forced_aside(tmp_path: Path) -> None:
+    run_dir = make_run_dir(tmp_path / "run", overrides=SHORT, n_text=80, n_chat=10)
+    stage_dir = run_dir.stage_dir("cpt")
+    checkpoints = stage_dir / "checkpoints"
+
+    # Interrupted with checkpoint-4 of the first config.
+    child = start_stage(run_dir, "cpt", HOLD_AFTER_CHECKPOINT="3")
+    wait_for_file(checkpoints / "checkpoint-3" / MARKER, child)
+    child.send_signal(signal.SIGTERM)
+    assert child.wait(timeout=300) == EXIT_RETRYABLE
+    interrupted = run_dir.read_result("cpt")
+    assert interrupted.status == "interrupted"
+    assert (checkpoints / CHECKPOINTS_CONFIG).read_text().strip() == interrupted.config_hash
+
+    # The config changes: resuming from checkpoint-4 would continue what the old learning rate trained.
+    spec = changed_spec(run_dir, "1e-3")
+    assert conflicting_stages(run_dir, spec) == ["cpt"]  # the local runner refuses before writing spec.json
+    run_dir.write_spec(spec)
+    refused = run_stage(run_dir, "cpt")
+    assert refused.returncode == EXIT_USAGE, refused.stderr[-3000:]
+    assert "holds checkpoints of another config" in refused.stderr and "--force" in refused.stderr
+    assert run_dir.read_result("cpt") == interrupted and newest_valid_checkpoint(checkpoints).name == "checkpoint-4"
+
+    # Forced: the old checkpoints and record are moved aside, and training starts from scratch.
+    forced = run_stage(run_dir, "cpt", "--force")
+    assert forced.returncode == 0, forced.stderr[-3000:]
+    (aside,) = stage_dir.glob(f"superseded-{interrupted.config_hash[:8]}-*")
+    assert f"moved aside to cpt/{aside.name}" in forced.stdout
+    assert (aside / "checkpoints" / "checkpoint-4" / MARKER).is_file()
+    assert json.loads((aside / "stage.json").read_text())["status"] == "interrupted"
+    result = run_dir.read_result("cpt")
+    assert result.status == "succeeded" and result.config_hash == config_hash(spec, "cpt") != interrupted.config_hash
+    assert result.attempts == 1 and result.extra["resumed_from_step"] == 0 and "resumed_from" not in result.extra
+    assert result.metrics["steps"] == 6 and logged_steps(run_dir) == list(range(1, 7))  # all trained anew
+    assert result.mlflow_run_id != interrupted.mlflow_run_id
+    assert (checkpoints / CHECKPOINTS_CONFIG).read_text().strip() == result.config_hash
+
+    # A completed stage: another config is refused; forced, it trains again instead of resuming from its last
+    # checkpoint (which would train no step at all).
+    spec = changed_spec(run_dir, "5e-4")
+    run_dir.write_spec(spec)
+    assert run_stage(run_dir, "cpt").returncode == EXIT_USAGE
+    forced = run_stage(run_dir, "cpt", "--force")
+    assert forced.returncode == 0, forced.stderr[-3000:]
+    assert len(list(stage_dir.glob(f"superseded-{result.config_hash[:8]}-*"))) == 1
+    again = run_dir.read_result("cpt")
+    assert again.config_hash == config_hash(spec, "cpt") and again.extra["resumed_from_step"] == 0
+    assert again.metrics["steps"] == 6 and logged_steps(run_dir) == list(range(1, 7))

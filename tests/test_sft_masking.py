@@ -1,5 +1,6 @@
 """SFT labels: only what the assistant says (its content and its <|im_end|>) carries loss, for messages,
-alpaca and sharegpt rows as prepare normalizes them, single- and multi-turn, packed or not."""
+alpaca and sharegpt rows as prepare normalizes them, single- and multi-turn, packed or not; with reasoning, the
+final turn's thinking block is assistant output and carries loss, and earlier turns' thinking is not in the row."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from training_fixtures import chat_rows, make_run_dir, text_rows
 from stages.data import normalize_row
 from stages.modeling import load_tokenizer
 from stages.packing import IGNORE_INDEX, TURN_END, load_token_cache, tokenize_conversation
-from stages.tokenizer import build_tokenizer, render_for_training
+from stages.tokenizer import QWEN3_CHAT_TEMPLATE, build_tokenizer, render_for_training
 from workflows.loading import load_pipeline
 
 RAW_ROWS: list[tuple[str, dict[str, Any]]] = [
@@ -107,3 +108,39 @@ def test_packed_sft_rows_keep_the_masking(tmp_path: Path) -> None:
     assert spans and all(span.endswith(TURN_END) for span in spans)
     assert all("<|im_start|>" not in span and "?" not in span for span in spans)  # no user question is trained
     assert cache.meta["train"]["label_tokens"] < cache.meta["train"]["tokens"] / 2
+
+
+THINKING_ROW = {
+    "messages": [
+        {"role": "user", "content": "서울은 어떤가요?"},
+        {"role": "assistant", "content": "서울은 크고 넓습니다.", "reasoning_content": "수도에 대해 묻는다."},
+        {"role": "user", "content": "부산은요?"},
+        {"role": "assistant", "content": "부산은 바다가 아름답습니다.", "reasoning_content": "항구 도시를 떠올린다."},
+    ]
+}
+
+
+@pytest.mark.parametrize("enable_thinking", [False, True])
+def test_the_last_turns_thinking_is_trained_and_past_thinking_is_dropped(tokenizer: Any, enable_thinking: bool) -> None:
+    assert tokenizer.chat_template == QWEN3_CHAT_TEMPLATE  # Qwen3's own template, as every stage uses it
+    messages = normalize_row(THINKING_ROW, "messages")["messages"]  # reasoning_content → <think>...</think>
+    ids, labels = tokenize_conversation(tokenizer, messages, enable_thinking=enable_thinking)
+
+    # The template keeps the thinking of the turn after the last user message only (it is what the model
+    # generates there, tags included), and drops the thinking of earlier assistant turns from the text.
+    pieces = [
+        ("<|im_start|>user\n서울은 어떤가요?<|im_end|>\n<|im_start|>assistant\n", False),
+        ("서울은 크고 넓습니다.<|im_end|>", True),
+        ("\n<|im_start|>user\n부산은요?<|im_end|>\n<|im_start|>assistant\n", False),
+        ("<think>\n항구 도시를 떠올린다.\n</think>\n\n부산은 바다가 아름답습니다.<|im_end|>", True),
+        ("\n", False),
+    ]
+    expected_ids, expected_labels = [], []
+    for text, trained in pieces:
+        piece = tokenizer(text, add_special_tokens=False)["input_ids"]
+        expected_ids += piece
+        expected_labels += piece if trained else [IGNORE_INDEX] * len(piece)
+    assert ids == expected_ids and labels == expected_labels
+    assert "수도에 대해 묻는다" not in tokenizer.decode(ids)
+    think = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    assert [t for t, label in zip(ids, labels, strict=True) if t in think and label != IGNORE_INDEX] == think

@@ -1,5 +1,6 @@
-"""Cron semantics: with skip_if_unchanged, a run whose data did not change since the last successful run ends
-after prepare, as skipped, with the reason in the summary and the notification."""
+"""Cron semantics: with skip_if_unchanged, a run whose data did not change since the last completed run ends after
+prepare, as skipped, with the reason in the summary and the notification. A run whose gate failed completed as
+designed (deploy skipped, as the cluster DAG does): the champion stays, and it counts as the last run."""
 
 from __future__ import annotations
 
@@ -12,18 +13,20 @@ from workflows.loading import load_pipeline
 from workflows.local import run_local
 from workflows.notify import read_outcome, slack_message
 
-CPT_ONLY = [
+CHAIN = [  # cpt → evaluate → deploy, briefly
+    "tracking.wandb_project=null",
     "stages.sft.enabled=false",
     "stages.rlhf.enabled=false",
-    "stages.evaluate.enabled=false",
-    "stages.deploy.enabled=false",
     "stages.cpt.training.max_steps=2",
     "stages.cpt.training.save_steps=2",
+    "stages.evaluate.max_new_tokens=4",
 ]
+GATE_PASSES = "stages.evaluate.gate=[{metric: perplexity, higher_is_better: false, max_regression: 1.0e9}]"
+GATE_FAILS = "stages.evaluate.gate=[{metric: not_measured}]"  # a gated metric nobody measures fails its rule
 
 
 def _run(run_dir: Path, *extra: str) -> int:
-    loaded = load_pipeline("korean-llm", profile="local", overrides=[*CPT_ONLY, *extra])
+    loaded = load_pipeline("korean-llm", profile="local", overrides=[*CHAIN, *extra])
     return run_local(loaded, run_dir)
 
 
@@ -31,26 +34,59 @@ def _record(run_dir: Path, stage: str) -> dict:
     return json.loads((run_dir / stage / "stage.json").read_text(encoding="utf-8"))
 
 
+def _parent_run(client, run_dir: Path):
+    """The run's MLflow parent run (the pipeline run)."""
+    tracking = json.loads((run_dir / "tracking.json").read_text(encoding="utf-8"))
+    return client.get_run(tracking["mlflow"]["parent_run_id"])
+
+
 @pytest.mark.slow
-def test_unchanged_data_ends_the_run_after_prepare(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_failed_gate_skips_deploy_and_unchanged_data_then_ends_the_next_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'registry.db'}"  # one registry for the three runs, as in the cluster
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    client = MlflowClient(uri, registry_uri=uri)
     runs = tmp_path / "runs"
-    assert _run(runs / "first", "stages.prepare.skip_if_unchanged=true") == 0
-    assert _record(runs / "first", "cpt")["status"] == "succeeded"
-    assert _record(runs / "first", "prepare")["extra"]["proceed"] == "true"  # nothing to compare with yet
 
+    # A champion, from a run of another folder (so that it is not a sibling of the runs below).
+    champion_run = tmp_path / "earlier" / "champion"
+    assert _run(champion_run, GATE_PASSES) == 0
+    assert _record(champion_run, "deploy")["extra"]["aliases"] == ["challenger", "champion"]
+    assert _parent_run(client, champion_run).data.tags["posttrain.end_reason"] == "completed"
+
+    # The gate fails: deploy is skipped, as in the cluster (its `when` is gate == pass); nothing is registered.
     capsys.readouterr()
-    assert _run(runs / "second", "stages.prepare.skip_if_unchanged=true") == 0
-    prepare = _record(runs / "second", "prepare")
-    assert prepare["extra"]["unchanged"] == "true" and prepare["extra"]["proceed"] == "false"
-    assert "data unchanged since run first" in prepare["extra"]["skip-reason"]
-    assert not (runs / "second" / "cpt").exists()  # the training stage never started
-    assert not (runs / "second" / "prepare" / "tokenizer").exists()  # nor the tokenizer work it needs
+    assert _run(runs / "second", GATE_FAILS) == 0
     out = capsys.readouterr().out
-    assert "ending the run: data unchanged since run first" in out and "skipped" in out
+    evaluate = _record(runs / "second", "evaluate")
+    assert evaluate["status"] == "succeeded" and evaluate["extra"]["gate"] == "fail"
+    assert "skipping deploy: gate fail: not_measured: not measured for the candidate" in out
+    assert "deploy: running" not in out and not (runs / "second" / "deploy").exists()
+    deploy_row = next(line for line in out.splitlines() if line.startswith("│ deploy"))
+    assert "skipped" in deploy_row and "gate fail" in deploy_row
+    assert str(client.get_model_version_by_alias("korean-llm", "champion").version) == "1"
+    assert str(client.get_model_version_by_alias("korean-llm", "challenger").version) == "1"
+    assert len(client.search_model_versions("name='korean-llm'")) == 1
+    parent = _parent_run(client, runs / "second")  # closed by evaluate, not left RUNNING
+    assert parent.info.status == "FINISHED" and parent.data.tags["posttrain.end_reason"] == "gate-fail"
+    assert "not_measured" in parent.data.tags["posttrain.end_message"]
 
-    # Without the setting the same data trains again.
-    assert _run(runs / "third") == 0
-    assert _record(runs / "third", "cpt")["status"] == "succeeded"
+    # The next scheduled run on the same data: the gate-failed run completed, so there is nothing to train.
+    capsys.readouterr()
+    assert _run(runs / "third", "stages.prepare.skip_if_unchanged=true") == 0
+    prepare = _record(runs / "third", "prepare")
+    assert prepare["extra"]["unchanged"] == "true" and prepare["extra"]["proceed"] == "false"
+    assert "data unchanged since run second" in prepare["extra"]["skip-reason"]
+    assert not (runs / "third" / "cpt").exists()  # the training stage never started
+    assert not (runs / "third" / "prepare" / "tokenizer").exists()  # nor the tokenizer work it needs
+    out = capsys.readouterr().out
+    assert "ending the run: data unchanged since run second" in out and "skipped" in out
+    parent = _parent_run(client, runs / "third")  # closed by prepare
+    assert parent.info.status == "FINISHED" and parent.data.tags["posttrain.end_reason"] == "skipped"
+    assert "data unchanged since run second" in parent.data.tags["posttrain.end_message"]
 
 
 def test_the_notification_says_why_the_run_was_skipped(tmp_path: Path) -> None:

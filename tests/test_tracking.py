@@ -1,5 +1,6 @@
-"""Experiment tracking (stages/tracking.py): MLflow parent and nested runs, resumption, a server that dies
-mid-run, W&B offline, Langfuse events, and no secrets in params."""
+"""Experiment tracking (stages/tracking.py): MLflow parent and nested runs (the parent closed by the stage that
+ends the pipeline run), resumption, a server that dies mid-run, W&B offline runs with their group and job type,
+Langfuse events, and no secrets in params."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import pytest
+from training_fixtures import wandb_offline_runs
 
 from stages.contract import RunDir, StageContext
 from stages.tracking import TRACKING_FILE, StageTracker
@@ -91,6 +93,23 @@ def test_stages_are_nested_runs_of_one_parent_with_params_metrics_and_artifacts(
     assert {a.path for a in client.list_artifacts(run.info.run_id)} == {"stage.json", "loss_curve.png"}
     assert list((root / "cpt" / "logs" / "tensorboard").glob("events.out.tfevents.*"))
     assert not tracker.warnings
+
+
+def test_the_stage_that_ends_the_pipeline_run_closes_its_parent_run(tmp_path: Path):
+    ctx = make_ctx(tmp_path / "skipped", "prepare")  # prepare ends the run: unchanged data
+    with StageTracker(ctx) as tracker:
+        tracker.end_pipeline_run("skipped", "data unchanged since run before")
+        ctx.finish(status="succeeded")
+    parent = client_for().get_run(tracker.parent_run_id)
+    assert parent.info.status == "FINISHED"
+    assert parent.data.tags["posttrain.end_reason"] == "skipped"
+    assert parent.data.tags["posttrain.end_message"] == "data unchanged since run before"
+
+    ctx = make_ctx(tmp_path / "running", "prepare")  # a stage followed by others leaves it open
+    with StageTracker(ctx) as tracker:
+        ctx.finish()
+    parent = client_for().get_run(tracker.parent_run_id)
+    assert parent.info.status == "RUNNING" and "posttrain.end_reason" not in parent.data.tags
 
 
 def test_a_resumed_attempt_continues_the_same_run(tmp_path: Path):
@@ -199,6 +218,10 @@ def test_wandb_offline_writes_a_run_directory_under_the_run(tmp_path: Path):
     offline = list((run_dir.root / "wandb").glob("offline-run-*"))
     assert len(offline) == 1 and list(offline[0].glob("*.wandb"))
     assert ctx.result.wandb_run_path == str(offline[0])
+    # What the run file records (read back as W&B would sync it): grouped by pipeline run, typed by stage.
+    (run,) = wandb_offline_runs(run_dir.root)
+    assert (run["project"], run["group"], run["job_type"], run["name"]) == ("korean-llm", "run", "sft", "run/sft")
+    assert run["dir"] == ctx.result.wandb_run_path
 
 
 class _Collector(BaseHTTPRequestHandler):

@@ -3,6 +3,8 @@ safetensors, and sft continues from cpt's output."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -62,7 +64,22 @@ def test_cpt_trains_a_full_model(trained: RunDir) -> None:
     assert sorted(p.name for p in (trained.stage_dir("cpt") / "checkpoints").iterdir()) == [
         "checkpoint-12",
         "checkpoint-6",
+        "config_hash",  # the config these checkpoints belong to
     ]
+    assert (trained.stage_dir("cpt") / "checkpoints" / "config_hash").read_text().strip() == result.config_hash
+    distributed = json.loads((trained.stage_dir("cpt") / "logs" / "distributed.json").read_text())
+    assert distributed == {
+        "strategy": "ddp",
+        "world_size": 1,
+        "parallel_mode": "not_parallel",
+        "ddp_backend": None,
+        "ddp_find_unused_parameters": False,
+        "fsdp": None,
+        "fsdp_config": None,
+        "deepspeed": None,
+        "mixed_precision": "no",
+        "gradient_checkpointing": False,
+    }
 
 
 def test_sft_continues_from_cpt_with_a_lora_adapter(trained: RunDir) -> None:
@@ -118,3 +135,90 @@ def test_qlora_on_cpu_names_the_spec_field() -> None:
         pytest.skip("this machine has a GPU")
     with pytest.raises(NotSupportedHere, match=r"stages\.sft\.method"):
         check_method("sft", spec.stages.sft)
+
+
+def _tiny_bf16_model() -> torch.nn.Module:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16,
+    )  # fmt: skip
+    return Qwen3ForCausalLM(config).to(torch.bfloat16)
+
+
+def _fraction_moved_by_one_adam_step(model: torch.nn.Module, lr: float) -> float:
+    weight = model.model.layers[0].mlp.down_proj.weight
+    before = weight.detach().float().clone()
+    ids = torch.randint(0, 64, (2, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    torch.optim.AdamW(model.parameters(), lr=lr).step()
+    return (weight.detach().float() != before).float().mean().item()
+
+
+@pytest.mark.parametrize(
+    ("strategy", "pure_bf16", "upcast"),
+    [("ddp", False, True), ("ddp", True, False), ("fsdp", False, False), ("deepspeed_zero3", False, False)],
+)
+def test_full_fine_tuning_on_gpu_trains_float32_masters(
+    monkeypatch: pytest.MonkeyPatch, strategy: str, pure_bf16: bool, upcast: bool
+) -> None:
+    """Under DDP the stage upcasts bf16 weights to float32 masters (FSDP and DeepSpeed do it themselves), unless
+    training.pure_bf16; the final model is saved in the dtype it was loaded in."""
+    from stages import modeling
+    from workflows.spec import SftStage
+
+    monkeypatch.setattr(modeling, "on_gpu", lambda: True)
+    section = SftStage.model_validate(
+        {
+            "enabled": False,
+            "method": "full",
+            "distributed": {"strategy": strategy},
+            "training": {"pure_bf16": pure_bf16},
+        }
+    )
+    model = _tiny_bf16_model()
+    save_dtype = modeling.float32_masters(model, section)
+    assert save_dtype == (torch.bfloat16 if upcast else None)
+    assert {p.dtype for p in model.parameters()} == {torch.float32 if upcast else torch.bfloat16}
+
+
+def test_bf16_weights_lose_fine_tuning_updates_that_float32_masters_keep(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Why the masters: one AdamW step at a fine-tuning learning rate moves almost every float32 weight and leaves
+    most bf16 weights where they were."""
+    from stages import modeling
+    from workflows.spec import SftStage
+
+    monkeypatch.setattr(modeling, "on_gpu", lambda: True)
+    masters = _tiny_bf16_model()
+    modeling.float32_masters(masters, SftStage.model_validate({"enabled": False, "method": "full"}))
+    assert _fraction_moved_by_one_adam_step(masters, lr=2e-5) > 0.95
+    assert _fraction_moved_by_one_adam_step(_tiny_bf16_model(), lr=2e-5) < 0.5
+
+
+def test_a_model_trained_on_float32_masters_is_saved_in_its_loaded_dtype(tmp_path: Path) -> None:
+    from transformers import Trainer, TrainingArguments
+
+    from stages.modeling import BaseRef, StartingModel, save_stage_model
+
+    run_dir = make_run_dir(tmp_path / "run", n_text=20, n_chat=20)
+    spec = run_dir.load_spec()
+    tokenizer = load_tokenizer(run_dir, spec.model)
+    model = _tiny_bf16_model().float()  # what float32_masters leaves for training
+    start = StartingModel(model=model, kind="full", base=BaseRef("pretrained", "x"), upstream=None)
+    trainer = Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True))
+
+    save_stage_model(trainer, tokenizer, run_dir, spec, "cpt", replace(start, save_dtype=torch.bfloat16))
+    assert {t.dtype for t in load_file(run_dir.stage_dir("cpt") / "model" / "model.safetensors").values()} == {
+        torch.bfloat16
+    }
+    model = _tiny_bf16_model().float()
+    trainer = Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True))
+    save_stage_model(trainer, tokenizer, run_dir, spec, "sft", replace(start, model=model))
+    # without save_dtype (CPU, LoRA, FSDP, DeepSpeed, pure_bf16) the weights are saved as they trained
+    assert torch.float32 in {
+        t.dtype for t in load_file(run_dir.stage_dir("sft") / "model" / "model.safetensors").values()
+    }

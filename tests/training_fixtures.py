@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 import os
 import random
+import struct
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -125,10 +127,10 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_stage(run_dir: RunDir, stage: str, **env: str) -> subprocess.CompletedProcess[str]:
-    """Run a stage to completion in a child process."""
+def run_stage(run_dir: RunDir, stage: str, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """Run a stage to completion in a child process (`args`: more options, e.g. --force)."""
     return subprocess.run(
-        stage_command(run_dir, stage), env=child_env(**env), capture_output=True, text=True, timeout=600
+        [*stage_command(run_dir, stage), *args], env=child_env(**env), capture_output=True, text=True, timeout=600
     )
 
 
@@ -188,3 +190,50 @@ def make_preference_run_dir(root: Path, overrides: list[str], n_train: int = 64)
 def run_ok(run_dir: RunDir, stage: str, **env: str) -> None:
     done = run_stage(run_dir, stage, **env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+# --------------------------------------------------------------------------- W&B offline runs
+
+_WANDB_BLOCK = 32768
+_WANDB_HEADER = 7  # ":W&B", magic 0xBEE1, version
+
+
+def wandb_records(path: Path) -> Iterator[Any]:
+    """The records of an offline run's `.wandb` file (wandb's LevelDB-style log of protobuf `Record`s: blocks
+    of 32 KiB, each record chunked with a 7-byte header: checksum, length, chunk type)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", f"{path} is not a W&B run file"
+    pos, pending = _WANDB_HEADER, b""
+    while pos + 7 <= len(data):
+        left = _WANDB_BLOCK - pos % _WANDB_BLOCK
+        if left < 7:  # a block's tail too short for a header is padding
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        pending += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a full record, or the last chunk of one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            yield record
+
+
+def wandb_offline_runs(root: Path) -> list[dict[str, str]]:
+    """Each offline W&B run under `<root>/wandb/`: its id, project, group, job type and name, as recorded."""
+    runs = []
+    for path in sorted(root.glob("wandb/offline-run-*/run-*.wandb")):
+        run = next(r.run for r in wandb_records(path) if r.WhichOneof("record_type") == "run")
+        runs.append(
+            {
+                "id": run.run_id,
+                "project": run.project,
+                "group": run.run_group,
+                "job_type": run.job_type,
+                "name": run.display_name,
+                "dir": str(path.parent),
+            }
+        )
+    return runs
