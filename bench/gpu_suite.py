@@ -336,6 +336,26 @@ CASES: list[Case] = [
         reshard_after_forward=False,
         note="torchrun, FSDP2 keeping the gathered parameters from forward to backward",
     ),
+    Case(
+        "b3_zero2",
+        "B3",
+        "qwen3-1.7b",
+        strategy="deepspeed_zero2",
+        per_device_batch_size=8,
+        warmup=3,
+        steps=10,
+        note="torchrun, DeepSpeed ZeRO-2 as the stage configures it, 8 rows per GPU",
+    ),
+    Case(
+        "b3_zero3",
+        "B3",
+        "qwen3-1.7b",
+        strategy="deepspeed_zero3",
+        per_device_batch_size=8,
+        warmup=3,
+        steps=10,
+        note="torchrun, DeepSpeed ZeRO-3 as the stage configures it, 8 rows per GPU",
+    ),
     # B4: DPO with LoRA, Qwen3-1.7B shape.
     Case(
         "b4_trl_default",
@@ -899,7 +919,18 @@ def environment() -> dict[str, Any]:
     import torch
 
     versions = {}
-    for pkg in ("torch", "transformers", "trl", "peft", "accelerate", "datasets", "liger-kernel", "bitsandbytes"):
+    packages = (
+        "torch",
+        "transformers",
+        "trl",
+        "peft",
+        "accelerate",
+        "datasets",
+        "liger-kernel",
+        "bitsandbytes",
+        "deepspeed",
+    )
+    for pkg in packages:
         try:
             versions[pkg] = md.version(pkg)
         except md.PackageNotFoundError:

@@ -11,9 +11,10 @@ Reads top to bottom:
    merged into its base first).
 3. Published where the InferenceService reads it (workflows/serving.py): gs:// (google-cloud-storage) or s3://
    (boto3) under `<storage_uri>/<run>`, with credentials from the environment only (Workload Identity / Google
-   ADC, AWS_* or a web identity); pvc:// on the checkpoints claim by a copy, into a folder strictly inside the
-   volume and outside `runs/` (never over a run directory); by default the run directory on the checkpoints
-   volume itself.
+   ADC, AWS_* or a web identity; AWS_ENDPOINT_URL(_S3) for an S3-compatible store, STORAGE_EMULATOR_HOST for a
+   GCS emulator), a refusal (no such bucket, access denied) being one error that names the field; pvc:// on the
+   checkpoints claim by a copy, into a folder strictly inside the volume and outside `runs/` (never over a run
+   directory); by default the run directory on the checkpoints volume itself.
 4. The MLflow Model Registry: the model files are logged as the `model` artifacts of deploy's run (with the
    candidate's metrics), a new version of the registered model (deploy.registered_model, else the pipeline
    name) is created from them with lineage tags, alias `challenger` points at it, and `champion` moves to it
@@ -112,44 +113,94 @@ def split_uri(uri: str) -> tuple[str, str, str]:
     return scheme, bucket, prefix.strip("/")
 
 
-def upload_s3(model_dir: Path, bucket: str, prefix: str) -> None:
-    """Upload with boto3; credentials from the environment (AWS_*, a web identity or an instance role),
-    AWS_ENDPOINT_URL for S3-compatible stores."""
+MISSING_BUCKET = "the bucket does not exist; create it, or correct the bucket name"
+S3_DENIED = {"AccessDenied", "AllAccessDisabled", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken"}
+"""S3 error codes that mean the credentials may not write to the bucket."""
+
+
+def upload_failed(storage_uri: str, target: str, reason: str, hint: str = "") -> PublishError:
+    """An upload the store refused, as one line: the field, the object, what the store said, the fix."""
+    said = " ".join(reason.split())  # stores answer with multi-line bodies; the log gets one `error:` line
+    return PublishError(
+        f"stages.deploy.storage_uri ({storage_uri}): uploading {target} failed ({said})" + (f": {hint}" if hint else "")
+    )
+
+
+def upload_s3(model_dir: Path, storage_uri: str) -> None:
+    """Upload with boto3; credentials from the environment (AWS_*, a web identity or an instance role), the
+    endpoint of an S3-compatible store from AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL (boto3 reads both)."""
     try:
         import boto3
+        from boto3.exceptions import S3UploadFailedError
+        from botocore.exceptions import BotoCoreError, ClientError
     except ImportError:
-        raise PublishError("storage_uri is s3://, which needs boto3 in the image (pip install boto3)") from None
+        raise PublishError(
+            "stages.deploy.storage_uri is s3://, which needs boto3 in the image (pip install boto3)"
+        ) from None
+    _, bucket, prefix = split_uri(storage_uri)
     session = boto3.session.Session()
     if session.get_credentials() is None:
         raise PublishError(
-            "storage_uri is s3:// but no AWS credentials were found in the environment: set "
+            "stages.deploy.storage_uri is s3:// but no AWS credentials were found in the environment: set "
             "cluster.secrets.aws_access_key_id/aws_secret_access_key, or give the pod a web identity (IRSA)"
         )
     client = session.client("s3")
     for rel in model_files(model_dir):
-        client.upload_file(str(model_dir / rel), bucket, f"{prefix}/{rel.as_posix()}".lstrip("/"))
+        key = f"{prefix}/{rel.as_posix()}".lstrip("/")
+        try:
+            client.upload_file(str(model_dir / rel), bucket, key)
+        except (S3UploadFailedError, ClientError, BotoCoreError) as exc:
+            # upload_file wraps the store's answer (a ClientError) in S3UploadFailedError
+            error = (exc.__cause__ or exc.__context__) if isinstance(exc, S3UploadFailedError) else exc
+            code = error.response["Error"].get("Code", "") if isinstance(error, ClientError) else ""
+            said = f"{code}: {error.response['Error'].get('Message', '')}" if code else str(error)
+            hint = MISSING_BUCKET if code == "NoSuchBucket" else ""
+            if code in S3_DENIED:
+                hint = "access denied; give the pod's AWS identity s3:PutObject on the bucket, or check its keys"
+            reason = f"{said}, at {client.meta.endpoint_url}"
+            raise upload_failed(storage_uri, f"s3://{bucket}/{key}", reason, hint) from None
 
 
-def upload_gcs(model_dir: Path, bucket: str, prefix: str) -> None:
-    """Upload with google-cloud-storage; credentials from Google ADC (Workload Identity in GKE)."""
+def upload_gcs(model_dir: Path, storage_uri: str) -> None:
+    """Upload with google-cloud-storage; credentials from Google ADC (Workload Identity in GKE). With
+    STORAGE_EMULATOR_HOST set, the client's own emulator mode: that endpoint, anonymous credentials and the project
+    from GOOGLE_CLOUD_PROJECT."""
     try:
         import google.auth
         import google.auth.exceptions
+        from google.api_core.exceptions import GoogleAPICallError
         from google.cloud import storage
     except ImportError:
         raise PublishError(
-            "storage_uri is gs://, which needs google-cloud-storage in the image (pip install google-cloud-storage)"
+            "stages.deploy.storage_uri is gs://, which needs google-cloud-storage in the image "
+            "(pip install google-cloud-storage)"
         ) from None
-    try:
-        credentials, project = google.auth.default()
-    except google.auth.exceptions.DefaultCredentialsError:
-        raise PublishError(
-            "storage_uri is gs:// but no Google credentials were found: bind the pod's ServiceAccount to a Google "
-            "service account (Workload Identity), or set GOOGLE_APPLICATION_CREDENTIALS"
-        ) from None
-    target = storage.Client(project=project, credentials=credentials).bucket(bucket)
+    _, bucket, prefix = split_uri(storage_uri)
+    if os.environ.get("STORAGE_EMULATOR_HOST"):
+        client = storage.Client()  # anonymous: the pod's Google token never goes to a non-Google endpoint
+    else:
+        try:
+            credentials, project = google.auth.default()
+        except google.auth.exceptions.DefaultCredentialsError as exc:
+            raise PublishError(
+                f"stages.deploy.storage_uri is gs:// but no usable Google credentials were found ({exc}): bind the "
+                "pod's ServiceAccount to a Google service account (Workload Identity), or set "
+                "GOOGLE_APPLICATION_CREDENTIALS"
+            ) from None
+        client = storage.Client(project=project, credentials=credentials)
+    target = client.bucket(bucket)
     for rel in model_files(model_dir):
-        target.blob(f"{prefix}/{rel.as_posix()}".lstrip("/")).upload_from_filename(str(model_dir / rel))
+        key = f"{prefix}/{rel.as_posix()}".lstrip("/")
+        try:
+            target.blob(key).upload_from_filename(str(model_dir / rel))
+        except GoogleAPICallError as exc:
+            hint = MISSING_BUCKET if exc.code == 404 else ""
+            if exc.code in (401, 403):
+                hint = "access denied; give the pod's Google service account roles/storage.objectUser on the bucket"
+            raise upload_failed(storage_uri, f"gs://{bucket}/{key}", str(exc), hint) from None
+        except google.auth.exceptions.GoogleAuthError as exc:
+            hint = "the pod's Google credentials were refused; check its Workload Identity binding"
+            raise upload_failed(storage_uri, f"gs://{bucket}/{key}", str(exc), hint) from None
 
 
 def _overlaps(a: Path, b: Path) -> bool:
@@ -202,9 +253,9 @@ def publish(spec: PipelineSpec, model_dir: Path, storage_uri: str, run_root: Pat
     scheme, bucket, prefix = split_uri(storage_uri)
     print(f"[deploy] publishing the model to {storage_uri}", flush=True)
     if scheme == "s3":
-        upload_s3(model_dir, bucket, prefix)
+        upload_s3(model_dir, storage_uri)
     elif scheme == "gs":
-        upload_gcs(model_dir, bucket, prefix)
+        upload_gcs(model_dir, storage_uri)
     elif scheme == "pvc":
         copy_to_pvc(spec, model_dir, bucket, prefix, run_root)
     else:

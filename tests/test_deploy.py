@@ -2,33 +2,49 @@
 from the registry by alias, the InferenceService file, publishing to object storage, and a skipped run.
 
 The candidate here is a tiny model built from config (or a LoRA adapter over it) written as a training stage
-writes it; evaluate's decision is written as evaluate records it. No training: these tests are about deploy."""
+writes it; evaluate's decision is written as evaluate records it. No training: these tests are about deploy.
+Publishing goes through the real boto3 and google-cloud-storage clients to moto's S3 server and a GCS emulator
+on 127.0.0.1 (tests/object_stores.py), configured only through the environment, as in a pod."""
 
 from __future__ import annotations
 
+import random
 import sys
-import types
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import torch
 import yaml
+from object_stores import GcsEmulator, MotoS3, ObjectStore, gcs_emulator, moto_s3
 from safetensors.torch import load_file
 from training_fixtures import make_run_dir
 
 import stages.deploy as deploy
-from stages.contract import RunDir, StageContext, StageResult, config_hash
+from stages.contract import EXIT_FAILED, RunDir, StageContext, StageResult, config_hash
 from stages.modeling import build_from_config, load_tokenizer
 
 CANDIDATE = {"perplexity": 12.5, "eval_loss": 2.53}
+CLOUD_ENV = (
+    "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_DEFAULT_PROFILE",
+    "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "AWS_ROLE_ARN",
+    "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+    "GOOGLE_APPLICATION_CREDENTIALS", "GOOGLE_CLOUD_PROJECT", "STORAGE_EMULATOR_HOST",
+)  # fmt: skip
+CREDENTIALS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+StoreT = TypeVar("StoreT", MotoS3, GcsEmulator)
 
 
 @pytest.fixture(autouse=True)
-def _env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("MLFLOW_TRACKING_URI", "ARGO_WORKFLOW_NAME", "ARGO_WORKFLOW_UID"):
+def _env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    for name in ("MLFLOW_TRACKING_URI", "ARGO_WORKFLOW_NAME", "ARGO_WORKFLOW_UID", *CLOUD_ENV):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("WANDB_MODE", "disabled")
+    # Cloud credentials come only from what a test sets: none from this machine's files or metadata services.
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
 
 
 def record(run_dir: RunDir, stage: str, extra: dict[str, Any], status: str = "succeeded") -> None:
@@ -38,11 +54,18 @@ def record(run_dir: RunDir, stage: str, extra: dict[str, Any], status: str = "su
     ctx.finish(extra=extra, status=status)  # type: ignore[arg-type]
 
 
-def make_run(tmp_path: Path, name: str, gate: str, adapter: bool = False, champion_version: str = "") -> RunDir:
+def make_run(
+    tmp_path: Path,
+    name: str,
+    gate: str,
+    adapter: bool = False,
+    champion_version: str = "",
+    overrides: tuple[str, ...] = (),
+) -> RunDir:
     """A run in which cpt left a model (full, or a LoRA adapter over the base) and evaluate decided `gate`;
     every run of a test shares one MLflow database (one registry)."""
     tracking = f"tracking.mlflow_tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"
-    overrides = ["stages.sft.enabled=false", "stages.rlhf.enabled=false", tracking]
+    overrides = ("stages.sft.enabled=false", "stages.rlhf.enabled=false", tracking, *overrides)
     run_dir = make_run_dir(tmp_path / name, overrides, n_text=40, n_chat=8)
     spec = run_dir.load_spec()
     record(
@@ -213,30 +236,121 @@ def test_a_skipped_evaluation_deploys_nothing(tmp_path: Path) -> None:
 
 # --------------------------------------------------------------------------- publishing
 
+RUN = "korean-llm-x7k2p"
 
-class FakeS3:
-    """Records boto3 uploads."""
 
-    def __init__(self, credentials: object | None) -> None:
-        self.credentials = credentials
-        self.uploads: list[tuple[str, str, str]] = []
+@pytest.fixture(scope="module")
+def s3_server() -> Iterator[MotoS3]:
+    with moto_s3() as server:
+        yield server
 
-    def module(self) -> types.ModuleType:
-        fake = self
 
-        class Session:
-            def get_credentials(self) -> object | None:
-                return fake.credentials
+@pytest.fixture(scope="module")
+def gcs_server() -> Iterator[GcsEmulator]:
+    with gcs_emulator() as server:
+        yield server
 
-            def client(self, service: str) -> Any:
-                assert service == "s3"
-                return types.SimpleNamespace(
-                    upload_file=lambda path, bucket, key: fake.uploads.append((path, bucket, key))
-                )
 
-        boto3 = types.ModuleType("boto3")
-        boto3.session = types.SimpleNamespace(Session=Session)  # type: ignore[attr-defined]
-        return boto3
+def pointed_at(store: StoreT, monkeypatch: pytest.MonkeyPatch) -> StoreT:
+    """`store` emptied, with the environment that points the deploy stage at it."""
+    store.reset()
+    for name, value in store.env.items():
+        monkeypatch.setenv(name, value)
+    return store
+
+
+@pytest.fixture
+def s3(s3_server: MotoS3, monkeypatch: pytest.MonkeyPatch) -> MotoS3:
+    return pointed_at(s3_server, monkeypatch)
+
+
+@pytest.fixture
+def gcs(gcs_server: GcsEmulator, monkeypatch: pytest.MonkeyPatch) -> GcsEmulator:
+    return pointed_at(gcs_server, monkeypatch)
+
+
+@pytest.fixture(params=["s3", "gcs"])
+def store(request: pytest.FixtureRequest) -> ObjectStore:
+    """Each object store in turn, empty, with the deploy stage pointed at it."""
+    return request.getfixturevalue(request.param)
+
+
+def deploy_in_pod(run_dir: RunDir) -> int:
+    """The deploy step as the pod runs it (no smoke generation in the cluster)."""
+    return deploy.run(StageContext(run_dir, "deploy", run_dir.load_spec(), outputs_dir=run_dir.root / "outputs"))
+
+
+def assert_one_error(run_dir: RunDir, err: str, starts: str) -> str:
+    """deploy failed with one `error:` line that starts with `starts` and no traceback; returns the line."""
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0].startswith(f"[deploy] error: {starts}"), err
+    assert "Traceback" not in err and not (run_dir.stage_dir("deploy") / "logs" / "traceback.txt").exists()
+    result = run_dir.read_result("deploy")
+    assert result is not None and result.status == "failed" and f"[deploy] error: {result.message}" == errors[0]
+    return errors[0]
+
+
+def test_deploy_publishes_every_model_file_to_the_store_and_no_credential(
+    tmp_path: Path, store: ObjectStore, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("ARGO_WORKFLOW_NAME", RUN)
+    store.create_bucket("models")
+    uri = f"{store.scheme}://models/korean-llm/"
+    run_dir = make_run(tmp_path, RUN, "pass", overrides=(f"stages.deploy.storage_uri={uri}",))
+    assert deploy_in_pod(run_dir) == 0
+    result = run_dir.read_result("deploy")
+    assert result is not None and result.status == "succeeded"
+
+    model_dir = run_dir.stage_dir("deploy") / "model"
+    files = deploy.model_files(model_dir)
+    expected = {f"models/korean-llm/{RUN}/{rel.as_posix()}": (model_dir / rel).read_bytes() for rel in files}
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= {key.rsplit("/", 1)[1] for key in expected}
+    assert store.objects() == expected  # every file, byte for byte, under <storage_uri>/<run>, and nothing else
+    served = f"{store.scheme}://models/korean-llm/{RUN}"
+    isvc = yaml.safe_load((run_dir.stage_dir("deploy") / "inferenceservice.yaml").read_text(encoding="utf-8"))
+    assert result.extra["storage_uri"] == served == isvc["spec"]["predictor"]["model"]["storageUri"]
+
+    out, err = capfd.readouterr()
+    mlflow_run = registry(run_dir).get_run(result.mlflow_run_id).data
+    assert mlflow_run.params["storage_uri"] == served
+    version = registry(run_dir).get_model_version("korean-llm", result.extra["model_version"])
+    recorded = [out, err, *mlflow_run.params.values(), *mlflow_run.tags.values(), *version.tags.values()]
+    written = [p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()]  # stage.json, logs, MLflow's database
+    for name in CREDENTIALS:  # the GCS emulator takes anonymous credentials: nothing to leak there
+        if name in store.env:
+            secret = store.env[name]
+            assert not any(secret in text for text in recorded), name
+            assert not any(secret.encode() in data for data in written), name
+
+
+def test_a_bucket_that_does_not_exist_fails_deploy_with_one_error(
+    tmp_path: Path, store: ObjectStore, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("ARGO_WORKFLOW_NAME", RUN)
+    uri = f"{store.scheme}://no-such-bucket/korean-llm"
+    run_dir = make_run(tmp_path, RUN, "pass", overrides=(f"stages.deploy.storage_uri={uri}",))
+    assert deploy_in_pod(run_dir) == EXIT_FAILED
+    line = assert_one_error(run_dir, capfd.readouterr().err, f"stages.deploy.storage_uri ({uri}/{RUN}): uploading ")
+    assert line.endswith("the bucket does not exist; create it, or correct the bucket name")
+    assert store.objects() == {}
+
+
+def test_credentials_without_write_access_fail_deploy_with_one_error(
+    tmp_path: Path, s3: MotoS3, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("ARGO_WORKFLOW_NAME", RUN)
+    uri = "s3://models/korean-llm"
+    run_dir = make_run(tmp_path, RUN, "pass", overrides=(f"stages.deploy.storage_uri={uri}",))
+    s3.create_bucket("models")
+    with s3.read_only_keys() as keys:
+        for name, value in keys.items():
+            monkeypatch.setenv(name, value)
+        assert deploy_in_pod(run_dir) == EXIT_FAILED
+    err = capfd.readouterr().err
+    line = assert_one_error(run_dir, err, f"stages.deploy.storage_uri ({uri}/{RUN}): uploading s3://models/")
+    assert "(AccessDenied: " in line and "give the pod's AWS identity s3:PutObject on the bucket" in line
+    assert keys["AWS_SECRET_ACCESS_KEY"] not in err + run_dir.result_path("deploy").read_text(encoding="utf-8")
+    assert s3.objects() == {}
 
 
 def model_dir(tmp_path: Path) -> Path:
@@ -247,18 +361,37 @@ def model_dir(tmp_path: Path) -> Path:
     return folder
 
 
-def test_publish_to_s3_uploads_every_file_under_the_run_prefix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    s3 = FakeS3(credentials=object())
-    monkeypatch.setitem(sys.modules, "boto3", s3.module())
+def test_weights_larger_than_one_request_arrive_intact(tmp_path: Path, store: ObjectStore) -> None:
+    """Above 8 MiB boto3 uploads in parts and google-cloud-storage resumably: how a real model's weights go."""
     from workflows.loading import load_pipeline
 
-    spec = load_pipeline("korean-llm", None, ["stages.deploy.storage_uri=s3://models/korean-llm/"]).spec
+    store.create_bucket("models")
     folder = model_dir(tmp_path)
-    deploy.publish(spec, folder, "s3://models/korean-llm/run-1", tmp_path / "run")
-    assert sorted((b, k) for _, b, k in s3.uploads) == [
-        ("models", "korean-llm/run-1/model.safetensors"),
-        ("models", "korean-llm/run-1/sub/tokenizer.json"),
-    ]
+    weights = random.Random(0).randbytes(9 * 2**20)
+    (folder / "model.safetensors").write_bytes(weights)
+    spec = load_pipeline("korean-llm", None).spec
+    deploy.publish(spec, folder, f"{store.scheme}://models/korean-llm/run-1", tmp_path / "run")
+    assert store.objects() == {
+        "models/korean-llm/run-1/model.safetensors": weights,
+        "models/korean-llm/run-1/sub/tokenizer.json": b"{}",
+    }
+
+
+def test_the_s3_endpoint_variable_wins_over_the_general_one(
+    tmp_path: Path, s3: MotoS3, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """boto3 reads both standard variables; AWS_ENDPOINT_URL_S3 is the one for S3 alone."""
+    from workflows.loading import load_pipeline
+
+    spec = load_pipeline("korean-llm", None).spec
+    s3.create_bucket("models")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens there
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3.endpoint)
+    deploy.publish(spec, model_dir(tmp_path), "s3://models/korean-llm/run-1", tmp_path / "run")
+    assert s3.objects() == {
+        "models/korean-llm/run-1/model.safetensors": b"weights",
+        "models/korean-llm/run-1/sub/tokenizer.json": b"{}",
+    }
 
 
 def test_publish_says_what_is_missing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -266,13 +399,17 @@ def test_publish_says_what_is_missing(tmp_path: Path, monkeypatch: pytest.Monkey
 
     spec = load_pipeline("korean-llm", None).spec
     folder = model_dir(tmp_path)
-    monkeypatch.setitem(sys.modules, "boto3", FakeS3(credentials=None).module())
+    # No keys, no config files, no instance metadata (the `_env` fixture): boto3 finds no credentials.
     with pytest.raises(deploy.PublishError, match="no AWS credentials were found in the environment"):
         deploy.publish(spec, folder, "s3://models/x", tmp_path / "run")
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "missing-key.json"))
+    with pytest.raises(deploy.PublishError, match="no usable Google credentials were found"):
+        deploy.publish(spec, folder, "gs://models/x", tmp_path / "run")
     monkeypatch.setitem(sys.modules, "boto3", None)  # not installed
     with pytest.raises(deploy.PublishError, match="needs boto3"):
         deploy.publish(spec, folder, "s3://models/x", tmp_path / "run")
     monkeypatch.setitem(sys.modules, "google.cloud.storage", None)
+    monkeypatch.delattr("google.cloud.storage", raising=False)  # imported by the tests above
     with pytest.raises(deploy.PublishError, match="needs google-cloud-storage"):
         deploy.publish(spec, folder, "gs://models/x", tmp_path / "run")
     with pytest.raises(deploy.PublishError, match="names a claim deploy does not mount"):

@@ -109,3 +109,16 @@ def test_deploy_is_skipped_unless_the_gate_passed():
     assert local.deploy_skip_reason(failed) == "gate fail: perplexity: candidate 9 vs base model 8: fails"
     skipped = {"status": "skipped", "message": "nothing new", "extra": {"gate": "skipped", "gate_reasons": ["same"]}}
     assert local.deploy_skip_reason(skipped) == "gate skipped: same"
+
+
+def test_the_summary_shows_the_gate_and_the_registered_version() -> None:
+    from workflows.local import key_metric
+
+    evaluate = {"metrics": {"eval_loss": 6.6, "perplexity": 744.69}, "extra": {"gate": "pass"}}
+    deploy = {
+        "metrics": {},
+        "extra": {"registered_model": "korean-llm", "model_version": "3", "aliases": ["challenger"]},
+    }
+    assert key_metric("evaluate", evaluate) == "gate pass, perplexity 744.7"
+    assert key_metric("deploy", deploy) == "korean-llm v3 (challenger)"
+    assert key_metric("sft", {"metrics": {"train_loss": 2.0, "eval_loss": 1.5}}) == "eval_loss 1.5"

@@ -23,6 +23,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+from schema_validation import SchemaViolation, validate_custom_resource
 
 from workflows.loading import load_pipeline
 
@@ -299,49 +300,67 @@ def _all_objects(builds: dict[str, list[Doc]]) -> list[tuple[str, Doc]]:
     return objects
 
 
-def _validate_serving_runtime(doc: Doc) -> None:
-    assert doc["apiVersion"] == "serving.kserve.io/v1alpha1"
-    spec = doc["spec"]
-    assert spec["supportedModelFormats"] and all(f["name"] for f in spec["supportedModelFormats"])
-    pod_fields = {"containers", "volumes", "nodeSelector", "tolerations", "affinity", "imagePullSecrets"}
-    # The runtime's pod fields are core PodSpec fields: validate them as a Pod, strictly.
-    extra = set(spec) - pod_fields - {"supportedModelFormats", "protocolVersions", "multiModel", "disabled"}
-    assert not extra, f"unknown ServingRuntime fields {extra}"
-    pod = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": doc["metadata"]["name"]},
-        "spec": {k: v for k, v in spec.items() if k in pod_fields},
-    }
-    # KServe fills in {{.Name}}-style templates; they are plain strings to the Pod schema.
-    kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+RUNTIME_POD_FIELDS = {"containers", "volumes", "nodeSelector", "tolerations", "affinity", "imagePullSecrets"}
+"""The ServingRuntime fields that KServe copies into the predictor's PodSpec."""
 
 
-def _validate_local_queue(doc: Doc) -> None:
-    assert doc["apiVersion"] == "kueue.x-k8s.io/v1beta1"
-    assert set(doc["spec"]) <= {"clusterQueue", "stopPolicy", "fairSharing"}
-    assert isinstance(doc["spec"]["clusterQueue"], str) and doc["spec"]["clusterQueue"]
+def _runtime_pod(doc: Doc) -> Doc:
+    """The runtime's PodSpec fields as a core Pod, for kubernetes-validate."""
+    spec = {k: v for k, v in doc["spec"].items() if k in RUNTIME_POD_FIELDS}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": doc["metadata"]["name"]}, "spec": spec}
+
+
+def _kubernetes_error(doc: Doc) -> str | None:
+    """kubernetes-validate's strict verdict on a core object, at the oldest Kubernetes the kit supports."""
+    try:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    except kubernetes_validate.ValidationError as exc:
+        return str(exc.message)
+    return None
 
 
 def test_every_object_validates(builds: dict[str, list[Doc]]) -> None:
-    """Core kinds against the Kubernetes schema (strict: unknown fields fail); CRD kinds structurally."""
+    """Core kinds against the Kubernetes schema, ServingRuntimes against KServe's and LocalQueues against Kueue's
+    (tests/schemas); strict: unknown fields fail."""
+    checked = dict.fromkeys(CRD_KINDS, 0)
     for where, doc in _all_objects(builds):
+        what = f"{where}: {doc['kind']}/{doc['metadata']['name']}"
+        if doc["kind"] not in CRD_KINDS:
+            assert (error := _kubernetes_error(doc)) is None, f"{what}: {error}"
+            continue
+        try:
+            validate_custom_resource(doc)
+        except SchemaViolation as exc:
+            pytest.fail(f"{where}: {exc}")
+        checked[doc["kind"]] += 1
         if doc["kind"] == "ServingRuntime":
-            _validate_serving_runtime(doc)
-        elif doc["kind"] == "LocalQueue":
-            _validate_local_queue(doc)
-        else:
-            assert doc["kind"] not in CRD_KINDS
-            try:
-                kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
-            except kubernetes_validate.ValidationError as exc:
-                pytest.fail(f"{where}: {doc['kind']}/{doc['metadata']['name']}: {exc.message}")
+            # KServe's schema embeds a newer Kubernetes' Pod fields; the oldest one the kit supports must know them.
+            assert (error := _kubernetes_error(_runtime_pod(doc))) is None, f"{what}: {error}"
+    assert all(checked.values()), checked
 
 
 def test_validation_catches_an_unknown_field() -> None:
     bad = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "x"}, "spec": {"portz": []}}
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(bad, K8S_VERSION, strict=True)
+
+
+def test_custom_resource_validation_is_strict(builds: dict[str, list[Doc]]) -> None:
+    """Guard: a misplaced field or a missing required one in the kit's ServingRuntime or LocalQueue fails."""
+    runtime = copy.deepcopy(_find(builds["onprem"], "ServingRuntime", "kserve-vllm"))
+    runtime["spec"]["containers"][0]["resource"] = {}
+    with pytest.raises(SchemaViolation, match=r"spec\.containers\[0\]: .*'resource' was unexpected"):
+        validate_custom_resource(runtime)
+    del runtime["spec"]["containers"]
+    with pytest.raises(SchemaViolation, match=r"spec: 'containers' is a required property"):
+        validate_custom_resource(runtime)
+    queue = copy.deepcopy(_find(builds["onprem"], "LocalQueue", "h100-training"))
+    queue["spec"]["stopPolicy"] = "Drain"
+    with pytest.raises(SchemaViolation, match=r"spec\.stopPolicy: 'Drain' is not one of"):
+        validate_custom_resource(queue)
+    del queue["spec"]["clusterQueue"]
+    with pytest.raises(SchemaViolation, match=r"spec: 'clusterQueue' is a required property"):
+        validate_custom_resource(queue)
 
 
 def test_no_image_is_floating(builds: dict[str, list[Doc]]) -> None:

@@ -1,18 +1,21 @@
-"""The KServe InferenceService (workflows/serving.py): the v1beta1 shape, storage URIs, safetensors only, no secrets,
-no torch."""
+"""The KServe InferenceService (workflows/serving.py): valid against KServe's v1beta1 schema, storage URIs,
+safetensors only, no secrets, no torch."""
 
 from __future__ import annotations
 
+import copy
 import json
+import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import jsonschema
 import pytest
 import yaml
 from conftest import fresh_spec
+from schema_validation import SchemaViolation, validate_custom_resource
 
 from workflows.serving import (
     ARGO_RUN_NAME,
@@ -26,77 +29,22 @@ from workflows.spec import PipelineSpec
 
 REPO = Path(__file__).resolve().parents[1]
 
-_LABELS = {
-    "type": "object",
-    "propertyNames": {"pattern": r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"},
-    "additionalProperties": {"type": "string", "pattern": r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$"},
-}
-_GPUS = {
-    "type": "object",
-    "additionalProperties": False,
-    "required": ["nvidia.com/gpu"],
-    "properties": {"nvidia.com/gpu": {"type": "string", "pattern": "^[1-9][0-9]*$"}},
-}
-# The fields the renderer emits, as KServe's v1beta1 CRD defines them; strict: anything else is an error.
-INFERENCE_SERVICE_SCHEMA: dict[str, Any] = {
-    "$schema": "https://json-schema.org/draft/2020-12/schema",
-    "type": "object",
-    "additionalProperties": False,
-    "required": ["apiVersion", "kind", "metadata", "spec"],
-    "properties": {
-        "apiVersion": {"const": "serving.kserve.io/v1beta1"},
-        "kind": {"const": "InferenceService"},
-        "metadata": {
-            "type": "object",
-            "additionalProperties": False,
-            "required": ["name", "namespace", "labels"],
-            "properties": {
-                "name": {"type": "string", "pattern": "^[a-z]([-a-z0-9]*[a-z0-9])?$", "maxLength": 63},
-                "namespace": {"type": "string", "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", "maxLength": 63},
-                "labels": _LABELS,
-                "annotations": {"type": "object", "additionalProperties": {"type": "string"}},
-            },
-        },
-        "spec": {
-            "type": "object",
-            "additionalProperties": False,
-            "required": ["predictor"],
-            "properties": {
-                "predictor": {
-                    "type": "object",
-                    "additionalProperties": False,
-                    "required": ["model"],
-                    "properties": {
-                        "serviceAccountName": {"type": "string", "minLength": 1},
-                        "minReplicas": {"type": "integer", "minimum": 0},
-                        "maxReplicas": {"type": "integer", "minimum": 1},
-                        "model": {
-                            "type": "object",
-                            "additionalProperties": False,
-                            "required": ["modelFormat", "storageUri"],
-                            "properties": {
-                                "modelFormat": {
-                                    "type": "object",
-                                    "additionalProperties": False,
-                                    "required": ["name"],
-                                    "properties": {"name": {"const": "vllm"}, "version": {"type": "string"}},
-                                },
-                                "runtime": {"type": "string", "minLength": 1},
-                                "storageUri": {"type": "string", "pattern": "^(gs|s3|pvc)://[^/]+/.+"},
-                                "args": {"type": "array", "items": {"type": "string", "pattern": "^--[a-z-]+=.+$"}},
-                                "resources": {
-                                    "type": "object",
-                                    "additionalProperties": False,
-                                    "properties": {"requests": _GPUS, "limits": _GPUS},
-                                },
-                            },
-                        },
-                    },
-                },
-            },
-        },
-    },
-}
+# What the API server checks of every object's metadata beyond the schema: DNS-1035 name, DNS-1123 namespace,
+# qualified label keys and label values.
+_NAME = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+_NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+_LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+_LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$")
+
+
+def _embedded_inference_services(documents: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The InferenceService each compiled document's `serve` resource step applies."""
+    return [
+        yaml.safe_load(template["resource"]["manifest"])
+        for doc in documents.values()
+        for template in doc.get("spec", {}).get("templates", []) or []
+        if template["name"] == "serve"
+    ]
 
 
 def spec_with(**deploy: Any) -> PipelineSpec:
@@ -106,10 +54,48 @@ def spec_with(**deploy: Any) -> PipelineSpec:
     return spec
 
 
-def test_the_rendered_inference_service_has_the_kserve_v1beta1_shape(spec: PipelineSpec) -> None:
+def test_the_rendered_inference_service_validates_against_kserve(
+    spec: PipelineSpec, compile_pipeline: Callable[..., Any]
+) -> None:
+    """The deploy stage's document, the DAG's, and the one the compiled serve step applies, for every shipped
+    pipeline and profile, against KServe's v1beta1 schema, strictly."""
     manifest = inference_service(spec, model_storage_uri(spec, "run-1"), "run-1", model_version="7")
-    jsonschema.validate(manifest, INFERENCE_SERVICE_SCHEMA)
+    validate_custom_resource(manifest)
     assert yaml.safe_load(to_yaml(manifest)) == manifest
+    meta = manifest["metadata"]
+    assert _NAME.match(meta["name"]) and _NAMESPACE.match(meta["namespace"]), meta
+    assert all(_LABEL_KEY.match(k) and _LABEL_VALUE.match(v) for k, v in meta["labels"].items()), meta["labels"]
+    # A scheme KServe's storage initializer fetches, and a path below the bucket or claim.
+    assert re.match(r"^(gs|s3|pvc)://[^/]+/.+", manifest["spec"]["predictor"]["model"]["storageUri"])
+
+    validate_custom_resource(yaml.safe_load(argo_manifest(spec)))
+    embedded = _embedded_inference_services(compile_pipeline(spec).documents())
+    serving = spec.stages.deploy.enabled and spec.stages.deploy.serving.enabled
+    assert len(embedded) == (1 if serving else 0)
+    for service in embedded:
+        validate_custom_resource(service)
+        assert service == yaml.safe_load(argo_manifest(spec))
+
+
+def test_the_kserve_validator_is_strict() -> None:
+    """Guard: a misspelt or misplaced predictor field and a missing required one are errors, not dropped."""
+    manifest = inference_service(fresh_spec("korean-llm"), "s3://b/m", "run-1")
+    unknown = copy.deepcopy(manifest)
+    unknown["spec"]["predictor"]["replicas"] = 2
+    with pytest.raises(SchemaViolation, match=r"spec\.predictor: .*'replicas' was unexpected"):
+        validate_custom_resource(unknown)
+    nested = copy.deepcopy(manifest)
+    nested["spec"]["predictor"]["model"]["resources"]["limit"] = {"nvidia.com/gpu": "1"}
+    with pytest.raises(SchemaViolation, match=r"spec\.predictor\.model\.resources: .*'limit' was unexpected"):
+        validate_custom_resource(nested)
+    missing = copy.deepcopy(manifest)
+    del missing["spec"]["predictor"]["model"]["modelFormat"]
+    with pytest.raises(SchemaViolation, match=r"spec\.predictor\.model: 'modelFormat' is a required property"):
+        validate_custom_resource(missing)
+    quantity = copy.deepcopy(manifest)
+    quantity["spec"]["predictor"]["model"]["resources"]["limits"]["nvidia.com/gpu"] = "one"
+    with pytest.raises(SchemaViolation, match=r"limits\.nvidia\.com/gpu: 'one' does not match"):
+        validate_custom_resource(quantity)
 
 
 def test_serving_settings_reach_the_predictor() -> None:

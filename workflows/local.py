@@ -202,6 +202,13 @@ def key_metric(stage: str, result: dict[str, Any] | None) -> str:
     if not result:
         return ""
     metrics = result.get("metrics") or {}
+    extra = result.get("extra") or {}
+    if stage == "evaluate" and extra.get("gate"):
+        shown = next((f", {n} {metrics[n]:.4g}" for n in ("perplexity", "eval_loss") if n in metrics), "")
+        return f"gate {extra['gate']}{shown}"
+    if stage == "deploy" and extra.get("model_version"):
+        aliases = ", ".join(extra.get("aliases") or [])
+        return f"{extra.get('registered_model', '')} v{extra['model_version']}" + (f" ({aliases})" if aliases else "")
     if stage == "prepare":
         rows = {k.removesuffix("_rows"): int(v) for k, v in metrics.items() if k.endswith("_rows")}
         return ", ".join(f"{s} {n}" for s, n in rows.items()) + (" rows" if rows else "")
