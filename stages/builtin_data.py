@@ -10,6 +10,11 @@ Korea (`kolaw/constitution.txt`) and ten National Assembly bills (`kobill/*.txt`
   answer rejected.
 - `korean-heldout` (text): the supplementary provisions (부칙) and two bills that no other dataset uses.
 
+and one folder of lm-eval-harness tasks (`builtin:korean-lm-eval` as `stages.evaluate.lm_eval_include_path`):
+
+- `ko_constitution_mc` (multiple choice): the start of an article, and its true continuation among four (the
+  other three continue other articles). It asks what cpt was trained on: did the model learn the corpus?
+
 Every row is already in the canonical form of its kind (see `stages.data`); the same installed files always
 give the same rows (fixed seeds, sorted files).
 """
@@ -24,6 +29,8 @@ from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 SEED = 20101115
 """Seed of every random choice below (phrasings, system prompts, rejected answers)."""
@@ -359,3 +366,97 @@ def builtin_dataset(name: str) -> list[dict[str, Any]]:
     if name not in BUILTIN_DATASETS:
         raise BuiltinDataError(f"unknown builtin dataset {name!r}; known: {', '.join(sorted(BUILTIN_DATASETS))}")
     return BUILTIN_DATASETS[name][1]()
+
+
+# --------------------------------------------------------------------------- the lm-eval tasks
+
+LM_EVAL_TASKS = "korean-lm-eval"
+"""The builtin task folder: `stages.evaluate.lm_eval_include_path: builtin:korean-lm-eval`."""
+
+MC_EXAMPLES = 60
+"""Questions of ko_constitution_mc (of the 112 articles whose first line has at least MC_MIN_WORDS words)."""
+MC_CHOICES = 4
+MC_MIN_WORDS = 6
+MC_START_WORDS = 6
+MC_CONTINUATION_WORDS = 6
+
+
+def _article_words(article: Article) -> list[str]:
+    """The words of an article's first line, without `제N조` and the paragraph mark ①."""
+    words = article.text.splitlines()[0].split()[1:]
+    return words[1:] if words and words[0] == "①" else words
+
+
+def ko_constitution_mc() -> list[dict[str, Any]]:
+    """Multiple-choice rows {article, context, choices, answer}: `context` is the start of an article (the first
+    half of its first line, at most MC_START_WORDS words), `choices[answer]` the words that follow, the other
+    choices the same part of three other articles."""
+    rng = random.Random(SEED + 2)
+    split: dict[int, tuple[str, str]] = {}  # article number -> (its start, its continuation)
+    for article in constitution().articles:
+        words = _article_words(article)
+        if len(words) >= MC_MIN_WORDS:
+            cut = min(len(words) // 2, MC_START_WORDS)
+            split[article.number] = (" ".join(words[:cut]), " ".join(words[cut : cut + MC_CONTINUATION_WORDS]))
+    rows = []
+    for number in sorted(rng.sample(sorted(split), MC_EXAMPLES)):
+        start, truth = split[number]
+        others = sorted({cont for n, (_, cont) in split.items() if n != number and cont != truth})
+        choices = rng.sample(others, MC_CHOICES - 1)
+        answer = rng.randrange(MC_CHOICES)
+        choices.insert(answer, truth)
+        rows.append(
+            {"article": number, "context": f"대한민국헌법 제{number}조 {start}", "choices": choices, "answer": answer}
+        )
+    return rows
+
+
+def _mc_task(name: str, data_file: Path) -> dict[str, Any]:
+    """The lm-eval task YAML of a multiple-choice task over a local JSONL file (score: loglikelihood of each
+    choice after the context; acc_norm divides it by the choice's length in characters)."""
+    return {
+        "task": name,
+        "dataset_path": "json",
+        # datasets reads data_files relative to the working directory, not to this YAML: write an absolute path.
+        "dataset_kwargs": {"data_files": {"test": str(data_file)}},
+        "test_split": "test",
+        "output_type": "multiple_choice",
+        "doc_to_text": "context",
+        "doc_to_choice": "choices",
+        "doc_to_target": "answer",
+        "metric_list": [
+            {"metric": "acc", "aggregation": "mean", "higher_is_better": True},
+            {"metric": "acc_norm", "aggregation": "mean", "higher_is_better": True},
+        ],
+        "metadata": {"version": 1.0},
+    }
+
+
+BUILTIN_LM_EVAL_TASKS: dict[str, tuple[Callable[[str, Path], dict[str, Any]], Callable[[], list[dict[str, Any]]]]] = {
+    "ko_constitution_mc": (_mc_task, ko_constitution_mc),
+}
+"""Task name → (its YAML given the data file, the generator of its rows)."""
+
+
+def write_lm_eval_tasks(name: str, folder: Path) -> tuple[dict[str, int], str]:
+    """Write the builtin task folder `name` into `folder` (a `<task>.yaml` and `<task>.jsonl` per task, nothing
+    else: it replaces what was there); returns the rows per task and the fingerprint of the tasks (their YAML
+    with the data file named relatively, and their rows), which does not depend on where `folder` is."""
+    from stages.data import sha256_rows, write_jsonl
+
+    if name != LM_EVAL_TASKS:
+        raise BuiltinDataError(f"unknown builtin lm-eval task folder {name!r}; known: {LM_EVAL_TASKS}")
+    folder.mkdir(parents=True, exist_ok=True)
+    for stale in (p for p in folder.iterdir() if p.is_file()):
+        stale.unlink()
+    counts: dict[str, int] = {}
+    described = []
+    for task, (config, generate) in BUILTIN_LM_EVAL_TASKS.items():
+        rows = generate()
+        data_file = folder.absolute() / f"{task}.jsonl"
+        write_jsonl(data_file, rows)
+        text = yaml.safe_dump(config(task, data_file), sort_keys=False, allow_unicode=True)
+        (folder / f"{task}.yaml").write_text(text, encoding="utf-8")
+        counts[task] = len(rows)
+        described.append({"config": config(task, Path(data_file.name)), "rows": sha256_rows(rows)})
+    return counts, sha256_rows(described)

@@ -237,6 +237,9 @@ def stage_config(spec: PipelineSpec, stage: str) -> dict[str, Any]:
             for s in STAGE_ORDER
             if spec.stage(s).enabled and (data := getattr(spec.stage(s), "data", None)) is not None
         }
+        include = spec.stages.evaluate.lm_eval_include_path
+        if spec.stages.evaluate.enabled and include is not None and include.startswith("builtin:"):
+            config["lm_eval_tasks"] = include  # prepare writes this builtin task folder too
     return config
 
 

@@ -67,6 +67,10 @@ STAGE_FORMATS: dict[str, tuple[str, ...]] = {
 
 DATA_SUFFIXES = (".jsonl", ".parquet")
 
+BUILTIN_TASKS_DIR = Path("prepare") / "data" / "evaluate" / "lm_eval"
+"""Where prepare writes a builtin lm-eval task folder (`lm_eval_include_path: builtin:<name>`), in the run
+directory; evaluate reads it from there."""
+
 
 class DataError(Exception):
     """A dataset that cannot be used: missing, unreadable, empty, or with too many bad rows."""

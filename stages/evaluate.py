@@ -13,7 +13,8 @@ Reads top to bottom:
      without evaluate data, the candidate stage's own held-out split;
    - the lm-eval-harness tasks of `stages.evaluate.lm_eval_tasks` through `lm_eval.simple_evaluate` on an HFLM
      wrapping the loaded model, with `lm_eval_include_path` as extra task YAMLs (tasks over local data files
-     work on an offline cluster); metrics are named `<task>/<metric>` (e.g. `kobest_boolq/acc`);
+     work on an offline cluster; `builtin:korean-lm-eval` is the folder prepare generated from the builtin
+     corpus); metrics are named `<task>/<metric>` (e.g. `kobest_boolq/acc`);
    - greedy generations for `stages.evaluate.prompts` (through the chat template when sft or rlhf ran).
 3. The champion: the `champion` alias of the registered model (deploy.registered_model, else the pipeline name)
    in the MLflow Model Registry. Its numbers come from the version's `posttrain.metric.<name>` tags, then from
@@ -42,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.contract import EXIT_OK, RunDir, StageContext
-from stages.data import DataError, confine, resolve_path, within
+from stages.data import BUILTIN_TASKS_DIR, DataError, confine, resolve_path, within
 from workflows.spec import TRAINING_STAGES, GateRule, PipelineSpec
 
 CHAMPION = "champion"
@@ -298,12 +299,19 @@ class Measured:
 def include_dir(spec: PipelineSpec, run_root: Path) -> str | None:
     """stages.evaluate.lm_eval_include_path as a local directory, held to the rules of data paths: pvc:// stays
     inside its claim, in the cluster it must lie on the datasets or checkpoints volume, and no symlink in it may
-    lead out of it. Its task YAMLs can import Python (`!function`), so nothing else may be read as one."""
+    lead out of it. Its task YAMLs can import Python (`!function`), so nothing else may be read as one.
+    `builtin:<name>` is the folder prepare generated in the run directory."""
     raw = spec.stages.evaluate.lm_eval_include_path
     if raw is None:
         return None
     try:
-        path = confine(resolve_path(raw, spec), raw, spec, run_root)
+        if raw.startswith("builtin:"):
+            path = run_root / BUILTIN_TASKS_DIR
+            if not path.is_dir():
+                raise DataError(f"{raw}: prepare did not write {path} (run prepare again with --force)")
+        else:
+            path = resolve_path(raw, spec)
+        path = confine(path, raw, spec, run_root)
     except DataError as exc:
         raise DataError(f"stages.evaluate.lm_eval_include_path: {exc}") from None
     if path.is_dir():

@@ -6,7 +6,8 @@ Reads top to bottom:
 2. For each enabled stage with data (cpt, sft, rlhf, evaluate): read and validate every row (`stages.data`),
    quarantine bad rows within the stage's max_bad_row_fraction, split off the eval rows, write
    `prepare/data/<stage>/{train,eval}.jsonl` (evaluate: eval.jsonl only) and `manifest.json`, and record
-   each input file with its sha256 fingerprint.
+   each input file with its sha256 fingerprint. A builtin lm-eval task folder (`stages.evaluate.
+   lm_eval_include_path: builtin:<name>`) is generated into `prepare/data/evaluate/lm_eval/` and recorded too.
 3. The combined data fingerprint, and whether it equals the last successful run's (see `last_success`); with
    `skip_if_unchanged` and unchanged data, the run ends after prepare (steps 4 and 5 are not needed).
 4. The tokenizer (`stages.tokenizer`) into `prepare/tokenizer/`, trained on the training rows for a model
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.contract import EXIT_OK, RunDir, StageContext, canonical_hash, write_json_atomic
-from stages.data import DataError, Dataset, read_dataset, split_eval, write_jsonl
+from stages.data import BUILTIN_TASKS_DIR, DataError, Dataset, read_dataset, split_eval, write_jsonl
 from stages.tokenizer import build_tokenizer, render_for_training, tokenizer_hash
 from stages.tracking import StageTracker
 from workflows.spec import STAGE_ORDER, TRAINING_STAGES, DataSpec, PipelineSpec
@@ -77,6 +78,25 @@ def write_stage_data(ctx: StageContext, stage: str, dataset: Dataset, data: Data
     }
     write_json_atomic(out_dir / "manifest.json", counts)
     return counts
+
+
+def write_builtin_tasks(ctx: StageContext) -> dict[str, Any] | None:
+    """The builtin lm-eval task folder that stages.evaluate.lm_eval_include_path names (`builtin:<name>`),
+    written into the run directory for evaluate; its record for stage.json, or None when the spec names none."""
+    from stages.builtin_data import BuiltinDataError, write_lm_eval_tasks
+
+    section = ctx.spec.stages.evaluate
+    uri = section.lm_eval_include_path
+    if not section.enabled or uri is None or not uri.startswith("builtin:"):
+        return None
+    try:
+        rows, fingerprint = write_lm_eval_tasks(uri.removeprefix("builtin:"), ctx.run_dir.root / BUILTIN_TASKS_DIR)
+    except BuiltinDataError as exc:
+        raise DataError(f"stages.evaluate.lm_eval_include_path: {uri}: {exc}") from None
+    ctx.add_input(f"evaluate:{uri}", uri, fingerprint)
+    listed = ", ".join(f"{task} ({n} rows)" for task, n in rows.items())
+    print(f"[prepare] evaluate: lm-eval tasks {listed} ({uri})", flush=True)
+    return {"uri": uri, "dir": str(BUILTIN_TASKS_DIR), "rows": rows, "fingerprint": fingerprint}
 
 
 def build_token_caches(run_dir: RunDir, spec: PipelineSpec, stages: list[str]) -> dict[str, Path]:
@@ -167,6 +187,7 @@ def run(ctx: StageContext) -> int:
     # 1. Data: validate, quarantine, split, write.
     counts: dict[str, dict[str, Any]] = {}
     datasets: dict[str, Dataset] = {}
+    tasks: dict[str, Any] | None = None
     try:
         for stage, data in data_specs(spec).items():
             dataset = read_dataset(data, spec, stage, ctx.run_dir.root)
@@ -179,12 +200,16 @@ def run(ctx: StageContext) -> int:
                 f"{counts[stage]['quarantined']} quarantined ({dataset.uri})",
                 flush=True,
             )
+        tasks = write_builtin_tasks(ctx)
     except DataError as exc:
         print(f"[prepare] error: {exc}", file=sys.stderr, flush=True)
         return ctx.fail(str(exc))
 
     # 2. Fingerprints, and the cron rule: unchanged data since the last successful run ends the run here.
-    fingerprint = "sha256:" + canonical_hash({s: c["fingerprint"] for s, c in counts.items()})
+    fingerprints = {s: c["fingerprint"] for s, c in counts.items()}
+    if tasks is not None:  # evaluation data too: other questions are another run's data
+        fingerprints["evaluate:lm_eval"] = tasks["fingerprint"]
+    fingerprint = "sha256:" + canonical_hash(fingerprints)
     previous_run, previous_fingerprint = last_success(ctx.run_dir, spec)
     unchanged = previous_fingerprint == fingerprint
     skip_reason = ""
@@ -211,6 +236,8 @@ def run(ctx: StageContext) -> int:
             if path.is_file():
                 outputs[f"{stage}_{split}"] = path
     outputs.update({f"{stage}_token_cache": path for stage, path in caches.items()})
+    if tasks is not None:
+        outputs["evaluate_lm_eval"] = ctx.run_dir.root / BUILTIN_TASKS_DIR
     metrics: dict[str, float] = {"tokenizer_vocab_size": len(tokenizer)} if tokenizer is not None else {}
     for stage, c in counts.items():
         metrics.update({f"{stage}_rows": c["rows"], f"{stage}_quarantined": c["quarantined"]})
@@ -222,6 +249,7 @@ def run(ctx: StageContext) -> int:
                 "data": {s: {k: c[k] for k in ("uri", "format", "fingerprint")} for s, c in counts.items()},
                 "data_fingerprint": fingerprint,
                 "tokenizer_hash": tok_hash,
+                **({"lm_eval_tasks": {k: tasks[k] for k in ("uri", "fingerprint")}} if tasks else {}),
             }
         )
         tracker.log_metrics(metrics, step=0)
@@ -231,6 +259,7 @@ def run(ctx: StageContext) -> int:
                 tracker.log_artifact(quarantine, "quarantine")
         extra = {
             "data": counts,
+            **({"lm_eval_tasks": tasks} if tasks else {}),
             "fingerprint": fingerprint,
             "tokenizer_hash": tok_hash,
             "unchanged": "true" if unchanged else "false",

@@ -9,9 +9,20 @@ from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
+import yaml
 
-from stages.builtin_data import BUILTIN_DATASETS, builtin_dataset, constitution, corpus_dir, source_files
-from stages.data import normalize_row, sha256_rows
+from stages.builtin_data import (
+    BUILTIN_DATASETS,
+    LM_EVAL_TASKS,
+    BuiltinDataError,
+    builtin_dataset,
+    constitution,
+    corpus_dir,
+    ko_constitution_mc,
+    source_files,
+    write_lm_eval_tasks,
+)
+from stages.data import normalize_row, read_jsonl, sha256_rows
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -64,15 +75,57 @@ def test_heldout_documents_are_not_used_for_training():
 
 def test_generation_is_deterministic_across_processes():
     here = {name: sha256_rows(builtin_dataset(name)) for name in BUILTIN_DATASETS}
+    here["ko_constitution_mc"] = sha256_rows(ko_constitution_mc())
     code = (
-        "from stages.builtin_data import BUILTIN_DATASETS, builtin_dataset\n"
+        "from stages.builtin_data import BUILTIN_DATASETS, builtin_dataset, ko_constitution_mc\n"
         "from stages.data import sha256_rows\n"
         "for n in sorted(BUILTIN_DATASETS): print(n, sha256_rows(builtin_dataset(n)))\n"
+        "print('ko_constitution_mc', sha256_rows(ko_constitution_mc()))\n"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONHASHSEED": "123"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120, check=True)
     there = dict(line.split(" ", 1) for line in out.stdout.splitlines())
     assert there == here
+
+
+def test_the_multiple_choice_task_asks_for_the_true_continuation_of_an_article():
+    rows = ko_constitution_mc()
+    assert 40 <= len(rows) <= 80 and ko_constitution_mc() == rows
+    first_lines = {a.number: a.text.splitlines()[0].replace("① ", "") for a in constitution().articles}
+    assert len({r["article"] for r in rows}) == len(rows)
+    for row in rows:
+        assert set(row) == {"article", "context", "choices", "answer"}
+        number, choices = row["article"], row["choices"]
+        prefix = f"대한민국헌법 제{number}조 "
+        assert row["context"].startswith(prefix) and len(choices) == 4 == len(set(choices))
+        start = row["context"].removeprefix(prefix)
+        line = first_lines[number].split(" ", 1)[1]
+        assert f"{start} {choices[row['answer']]}" in line  # the true continuation, word for word
+        wrong = [c for i, c in enumerate(choices) if i != row["answer"]]
+        assert all(f"{start} {c}" not in line for c in wrong)
+        assert all(any(c in text for n, text in first_lines.items() if n != number) for c in wrong)
+    assert len({r["answer"] for r in rows}) == 4  # the answer's position varies
+
+
+def test_the_task_folder_is_an_lm_eval_task_over_a_local_file(tmp_path: Path):
+    counts, fingerprint = write_lm_eval_tasks(LM_EVAL_TASKS, tmp_path / "a")
+    assert counts == {"ko_constitution_mc": len(ko_constitution_mc())}
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["ko_constitution_mc.jsonl", "ko_constitution_mc.yaml"]
+    task = yaml.safe_load((tmp_path / "a" / "ko_constitution_mc.yaml").read_text(encoding="utf-8"))
+    data_file = Path(task["dataset_kwargs"]["data_files"]["test"])
+    assert task["task"] == "ko_constitution_mc" and task["dataset_path"] == "json" and task["test_split"] == "test"
+    assert task["output_type"] == "multiple_choice"
+    assert [m["metric"] for m in task["metric_list"]] == ["acc", "acc_norm"]
+    # datasets reads data_files relative to the working directory: the path must not depend on it.
+    assert data_file.is_absolute() and data_file == (tmp_path / "a" / "ko_constitution_mc.jsonl").absolute()
+    assert [r.value for r in read_jsonl(data_file, 1 << 20)] == ko_constitution_mc()
+    # The fingerprint is of the questions and the task, not of where the folder is.
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "old.yaml").write_text("task: old\n", encoding="utf-8")
+    assert write_lm_eval_tasks(LM_EVAL_TASKS, tmp_path / "b") == (counts, fingerprint)
+    assert not (tmp_path / "b" / "old.yaml").exists()  # the folder holds the builtin tasks only
+    with pytest.raises(BuiltinDataError, match="unknown builtin lm-eval task folder 'nope'; known: korean-lm-eval"):
+        write_lm_eval_tasks("nope", tmp_path / "c")
 
 
 def test_the_corpus_text_is_not_committed_to_the_repository():

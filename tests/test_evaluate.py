@@ -1,5 +1,6 @@
-"""The evaluate stage on a briefly trained tiny model: perplexity, lm-eval over local task files, the gate against
-the base model and against a registered champion, stage.json, the report, and a run with nothing to evaluate."""
+"""The evaluate stage on a briefly trained tiny model: perplexity, lm-eval over local task files (and the builtin
+task folder prepare generates), the gate against the base model and against a registered champion, stage.json, the
+report, and a run with nothing to evaluate."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import torch
 from training_fixtures import chat_rows, make_run_dir, run_stage, text_rows, write_jsonl
 
 import stages.evaluate as evaluate
+from stages.builtin_data import LM_EVAL_TASKS, write_lm_eval_tasks
 from stages.contract import RunDir, StageContext, StageResult
-from stages.data import sha256_file
+from stages.data import BUILTIN_TASKS_DIR, DataError, sha256_file
 from stages.modeling import load_stage_model, load_tokenizer
 from stages.packing import tokenize_conversation, tokenize_document
 from workflows.loading import load_pipeline
@@ -28,6 +30,7 @@ OVERRIDES = [
     "stages.cpt.training.save_steps=8",
     "stages.cpt.training.logging_steps=1",
     "stages.evaluate.max_new_tokens=8",
+    "stages.evaluate.limit=8",  # of the profile's ko_constitution_mc questions
 ]
 
 TASK_YAML = """\
@@ -64,10 +67,12 @@ def tracking(root: Path) -> str:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> RunDir:
-    """A run in which cpt trained a few steps (the candidate) and evaluate has held-out text and chat rows."""
+    """A run in which cpt trained a few steps (the candidate) and evaluate has held-out text and chat rows and the
+    builtin lm-eval tasks, as prepare writes them."""
     root = tmp_path_factory.mktemp("evaluate") / "run"
     run_dir = make_run_dir(root, [*OVERRIDES, tracking(root)], n_text=120, n_chat=40)
     write_jsonl(root / "prepare/data/evaluate/eval.jsonl", text_rows(12, seed=7) + chat_rows(4, seed=7))
+    write_lm_eval_tasks(LM_EVAL_TASKS, root / BUILTIN_TASKS_DIR)
     done = run_stage(run_dir, "cpt")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return run_dir
@@ -160,6 +165,32 @@ def test_lm_eval_runs_a_task_defined_over_local_files(trained: RunDir, task_dir:
     metrics = evaluate.lm_eval_metrics(model, tokenizer, ["tiny_ko"], str(task_dir), limit=4, max_len=256)
     assert set(metrics) == {"tiny_ko/acc"}
     assert (metrics["tiny_ko/acc"] * 4).is_integer() and 0.0 <= metrics["tiny_ko/acc"] <= 1.0  # 4 of 6 questions
+
+
+def test_the_builtin_task_is_measured_for_the_candidate_and_the_base(trained: RunDir, tmp_path: Path) -> None:
+    spec = spec_of(trained)  # the local profile's evaluate section, as shipped
+    section = spec.stages.evaluate
+    assert section.lm_eval_tasks == ["ko_constitution_mc"] and section.lm_eval_include_path == "builtin:korean-lm-eval"
+    assert evaluate.include_dir(spec, trained.root) == str(trained.root / BUILTIN_TASKS_DIR)
+    extra = run_evaluate(trained, spec, tmp_path / "outputs").extra
+
+    assert extra["errors"] == [] and extra["lm_eval_tasks"] == ["ko_constitution_mc"]
+    for who in ("candidate", "base"):
+        acc = extra[who]["ko_constitution_mc/acc"]
+        assert (acc * 8).is_integer() and 0.0 <= acc <= 1.0  # 8 questions (limit)
+        assert "ko_constitution_mc/acc_norm" in extra[who]
+    (check,) = [c for c in extra["gate_checks"] if c["metric"] == "ko_constitution_mc/acc"]
+    assert check["candidate"] == extra["candidate"]["ko_constitution_mc/acc"]
+    assert check["reference"] == extra["base"]["ko_constitution_mc/acc"] and check["reference_name"] == "base model"
+    markdown = (trained.stage_dir("evaluate") / "report" / "report.md").read_text(encoding="utf-8")
+    assert "lm-eval tasks: ko_constitution_mc (limit 8)" in markdown
+    assert f"| ko_constitution_mc/acc | {extra['base']['ko_constitution_mc/acc']:.6g} |" in markdown
+
+
+def test_a_builtin_task_folder_that_prepare_did_not_write_is_named(tmp_path: Path) -> None:
+    spec = load_pipeline("korean-llm", "local", ["tracking.wandb_project=null"]).spec
+    with pytest.raises(DataError, match=r"^stages\.evaluate\.lm_eval_include_path: builtin:korean-lm-eval: prepare "):
+        evaluate.include_dir(spec, tmp_path / "run")
 
 
 # --------------------------------------------------------------------------- the gate

@@ -1,7 +1,8 @@
 """The whole DAG, prepare → cpt → sft → rlhf → evaluate → deploy, on the unmodified `local` profile, through the
 command a user types (`python -m workflows.submit korean-llm --local --run-dir DIR`): every stage succeeds, MLflow
 holds the pipeline run with one nested run per stage, the model is registered and loads back by alias, W&B
-offline holds one run per training stage, the report is written, and the training losses go down."""
+offline holds one run per training stage, the builtin lm-eval task is measured and gated, the report is written,
+and the training losses go down."""
 
 from __future__ import annotations
 
@@ -104,8 +105,20 @@ def test_wandb_offline_holds_one_run_per_training_stage(dag: RunDir) -> None:
         assert dag.read_result(stage).wandb_run_path == run["dir"]
 
 
+def test_the_builtin_lm_eval_task_is_measured_and_gated(dag: RunDir) -> None:
+    extra = dag.read_result("evaluate").extra
+    assert extra["lm_eval_tasks"] == ["ko_constitution_mc"] and extra["errors"] == []
+    for who in ("candidate", "base"):  # 60 questions of 4 choices: a share of 60
+        assert round(extra[who]["ko_constitution_mc/acc"] * 60, 6).is_integer(), extra[who]
+    (check,) = [c for c in extra["gate_checks"] if c["metric"] == "ko_constitution_mc/acc"]
+    assert check["passed"] and check["reference"] == extra["base"]["ko_constitution_mc/acc"]
+
+
 def test_the_report_is_written(dag: RunDir) -> None:
     report = dag.stage_dir("evaluate") / "report"
     assert dag.read_result("evaluate").extra["report"] == "evaluate/report/report.html"
-    assert "**Gate: PASS**" in (report / "report.md").read_text(encoding="utf-8")
+    markdown = (report / "report.md").read_text(encoding="utf-8")
+    assert "**Gate: PASS**" in markdown and "- lm-eval tasks: ko_constitution_mc" in markdown
+    assert "| ko_constitution_mc/acc | higher |" in markdown  # its gate rule
+    assert "| ko_constitution_mc/acc | " in markdown.split("## Metrics", 1)[1]
     assert (report / "report.html").stat().st_size > 0

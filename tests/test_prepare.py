@@ -1,5 +1,6 @@
-"""The prepare stage on the local profile: normalized data, quarantine, tokenizer, stage.json, Argo outputs,
-rerun as a no-op, a changed config refused, and the comparison with the last successful run."""
+"""The prepare stage on the local profile: normalized data, the builtin lm-eval tasks, quarantine, tokenizer,
+stage.json, Argo outputs, rerun as a no-op, a changed config refused, and the comparison with the last successful
+run."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from stages.contract import RunDir, StageContext, write_json_atomic
+from stages.contract import RunDir, StageContext, canonical_hash, write_json_atomic
 from stages.prepare import last_success, run
 from workflows.loading import load_pipeline
 
@@ -68,6 +69,7 @@ def test_stage_json_records_inputs_counts_fingerprints_and_tracking(prepared):
         "sft:builtin:korean-instructions",
         "rlhf:builtin:korean-preferences",
         "evaluate:builtin:korean-heldout",
+        "evaluate:builtin:korean-lm-eval",
     }
     assert all(ref.fingerprint.startswith("sha256:") for ref in result.inputs.values())
     data = result.extra["data"]
@@ -81,6 +83,22 @@ def test_stage_json_records_inputs_counts_fingerprints_and_tracking(prepared):
     parent = json.loads((root / "tracking.json").read_text())["mlflow"]["parent_run_id"]
     assert result.extra["mlflow_parent_run_id"] == parent and result.mlflow_run_id not in (None, parent)
     assert result.outputs["tokenizer"] == "prepare/tokenizer"
+
+
+def test_the_builtin_lm_eval_tasks_are_written_for_evaluate_and_fingerprinted(prepared):
+    root, _, _ = prepared
+    result = RunDir(root).read_result("prepare")
+    tasks = result.extra["lm_eval_tasks"]
+    folder = root / "prepare" / "data" / "evaluate" / "lm_eval"
+    assert tasks["uri"] == "builtin:korean-lm-eval" and tasks["dir"] == "prepare/data/evaluate/lm_eval"
+    assert result.outputs["evaluate_lm_eval"] == tasks["dir"]
+    assert tasks["rows"] == {"ko_constitution_mc": len(read_jsonl(folder / "ko_constitution_mc.jsonl"))}
+    assert (folder / "ko_constitution_mc.yaml").is_file()
+    assert result.inputs["evaluate:builtin:korean-lm-eval"].fingerprint == tasks["fingerprint"]
+    # Part of the run's data fingerprint, like every stage's data: other questions are other data.
+    parts = {stage: counts["fingerprint"] for stage, counts in result.extra["data"].items()}
+    parts["evaluate:lm_eval"] = tasks["fingerprint"]
+    assert result.extra["fingerprint"] == "sha256:" + canonical_hash(parts)
 
 
 def test_argo_output_parameters_are_written(prepared):
@@ -212,3 +230,12 @@ def test_a_run_that_ended_at_a_failed_gate_counts_as_completed(tmp_path: Path):
         if deploy is not None:
             write_json_atomic(tmp_path / name / "deploy" / "stage.json", deploy)
         assert last_success(RunDir(tmp_path / "now"), spec) == ("b", "sha256:b"), name
+
+
+def test_a_builtin_lm_eval_task_folder_is_part_of_prepare_config() -> None:
+    from stages.contract import config_hash
+
+    with_tasks = load_pipeline("korean-llm", "local").spec
+    without = load_pipeline("korean-llm", "local", ["stages.evaluate.lm_eval_include_path=null"]).spec
+    assert with_tasks.stages.evaluate.lm_eval_include_path.startswith("builtin:")
+    assert config_hash(with_tasks, "prepare") != config_hash(without, "prepare")

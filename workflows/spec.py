@@ -430,9 +430,10 @@ class EvaluateStage(StageBase):
     )
     lm_eval_include_path: str | None = Field(
         None,
-        description="Directory of extra lm-eval task YAMLs (tasks over local data files, for offline clusters). "
-        "Pipeline file only (task YAMLs can run Python); in the cluster it must lie on the datasets or checkpoints "
-        "volume.",
+        description="Directory of extra lm-eval task YAMLs (tasks over local data files, for offline clusters), or "
+        "'builtin:korean-lm-eval' for the tasks prepare generates offline from the builtin corpus "
+        "(ko_constitution_mc). Pipeline file only (task YAMLs can run Python); in the cluster it must lie on the "
+        "datasets or checkpoints volume.",
     )
     limit: int | None = Field(None, gt=0, description="Examples per lm-eval task (None: all).")
     prompts: list[str] = Field(default_factory=list, description="Prompts for the sampled-generation table.")
