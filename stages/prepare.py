@@ -124,23 +124,24 @@ def build_tokenizer_and_caches(
     return tokenizer_dir, tokenizer, tok_hash, build_token_caches(ctx.run_dir, ctx.spec, packed)
 
 
-def ended_as_designed(results: dict[str, dict[str, Any]]) -> bool:
+def _done(record: dict[str, Any] | None) -> bool:
+    """Whether a stage record says the stage succeeded or was skipped."""
+    return record is not None and record.get("status") in ("succeeded", "skipped")
+
+
+def ended_as_designed(results: dict[str, dict[str, Any] | None]) -> bool:
     """Whether a run's enabled stages (name → stage.json, None when it has none) add up to a run that ended as
     the DAG intends: every stage succeeded (or was skipped), or evaluate succeeded with a gate that did not pass
     and the stages after it never ran (deploy runs only after gate=pass)."""
-    if all(r is not None and r.get("status") in ("succeeded", "skipped") for r in results.values()):
+    if all(_done(r) for r in results.values()):
         return True
-    if "evaluate" not in results:
+    evaluate = results.get("evaluate") or {}
+    if evaluate.get("status") != "succeeded" or evaluate.get("extra", {}).get("gate") != "fail":
         return False
-    cut = STAGE_ORDER.index("evaluate") + 1
-    before = {s: r for s, r in results.items() if STAGE_ORDER.index(s) < cut}
-    after = [r for s, r in results.items() if STAGE_ORDER.index(s) >= cut]
-    evaluate = before["evaluate"] or {}
-    gate_failed = evaluate.get("status") == "succeeded" and evaluate.get("extra", {}).get("gate") == "fail"
-    return (
-        gate_failed
-        and all(r is not None and r.get("status") in ("succeeded", "skipped") for r in before.values())
-        and all(r is None or r.get("status") == "skipped" for r in after)
+    cut = STAGE_ORDER.index("evaluate")
+    return all(
+        _done(r) if STAGE_ORDER.index(s) <= cut else (r is None or r.get("status") == "skipped")
+        for s, r in results.items()
     )
 
 
