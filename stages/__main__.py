@@ -1,8 +1,13 @@
 """`python -m stages <stage> --run-dir DIR`: the one entry point of every stage, in a pod and locally.
 
 Expected failures end with one `error:` line that says what to fix, never a bare traceback: a missing or invalid
-spec, a stage whose inputs are not there yet (exit 2), a full disk (exit 1). Everything the stage prints goes
-through `MaskingStream`, so the value of a secret-looking environment variable never reaches the pod's log.
+spec, a stage whose inputs are not there yet (exit 2), a full disk (exit 1), a stage another process is running
+(exit 75, nothing written). Everything the stage prints goes through `MaskingStream`, so neither the value of a
+secret-looking environment variable nor anything credential-shaped (`workflows.credentials`) reaches the log.
+
+Whatever escapes a stage ends as a truthful record: SIGTERM and SIGINT raise `StageInterrupted` (training stages
+first save a checkpoint, see `stages.checkpoints.SigtermCheckpoint`), recorded as interrupted with exit 75; any
+other exception goes through `StageContext.crash` (traceback file, one `error:` line, recorded as failed).
 """
 
 from __future__ import annotations
@@ -10,20 +15,30 @@ from __future__ import annotations
 import argparse
 import importlib
 import io
+import os
+import signal
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from types import FrameType
 from typing import TextIO
 
 from pydantic import ValidationError
 
 from stages.contract import (
     EXIT_FAILED,
+    EXIT_RETRYABLE,
     EXIT_USAGE,
     RunDir,
+    StageBusy,
     StageContext,
+    StageInterrupted,
     StageRefused,
     check_ready,
     disk_full_message,
+    hold_stage_lock,
     is_disk_full,
     mask_secrets,
     secret_values,
@@ -32,12 +47,29 @@ from workflows.loading import SpecError
 from workflows.spec import STAGE_ORDER
 
 
-class MaskingStream(io.TextIOBase):
-    """A text stream that replaces secret values before passing the text on (line by line, so a secret is
-    never split across two writes)."""
+class _PassThrough(io.TextIOBase):
+    """A text stream in front of another one: it answers isatty, fileno and encoding as the stream behind it."""
+
+    def __init__(self, target: TextIO) -> None:
+        self.target = target
+
+    def isatty(self) -> bool:
+        return self.target.isatty()
+
+    def fileno(self) -> int:
+        return self.target.fileno()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return getattr(self.target, "encoding", "utf-8")
+
+
+class MaskingStream(_PassThrough):
+    """A text stream that masks secret values and credential shapes before passing the text on (line by line, so
+    a secret is never split across two writes)."""
 
     def __init__(self, target: TextIO, secrets: set[str]) -> None:
-        self.target = target
+        super().__init__(target)
         self.secrets = secrets
         self.pending = ""
 
@@ -54,15 +86,35 @@ class MaskingStream(io.TextIOBase):
             self.pending = ""
         self.target.flush()
 
-    def isatty(self) -> bool:
-        return self.target.isatty()
 
-    def fileno(self) -> int:
-        return self.target.fileno()
+class ReaderSafeStream(_PassThrough):
+    """A text stream that outlives its reader. When a write finds the pipe closed (the local runner that read the
+    stage's output was killed), the process's stdout and stderr are pointed at /dev/null, so that no later print,
+    nor the flush at exit, fails: the stage goes on to save and to record how it ended."""
 
-    @property
-    def encoding(self) -> str:  # type: ignore[override]
-        return getattr(self.target, "encoding", "utf-8")
+    def write(self, text: str) -> int:
+        try:
+            self.target.write(text)
+        except BrokenPipeError:
+            output_to_devnull()
+        return len(text)
+
+    def flush(self) -> None:
+        try:
+            self.target.flush()
+        except BrokenPipeError:
+            output_to_devnull()
+
+    def __getattr__(self, name: str) -> object:  # e.g. `buffer`, for code that writes bytes
+        return getattr(self.target, name)
+
+
+def output_to_devnull() -> None:
+    """Point file descriptors 1 and 2 at /dev/null (what Python's documentation advises after EPIPE)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for fd in (1, 2):
+        os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -84,6 +136,36 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+INTERRUPTS = (signal.SIGTERM, signal.SIGINT)
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise StageInterrupted(signum)
+
+
+@contextmanager
+def interrupts_raise() -> Iterator[None]:
+    """SIGTERM and SIGINT raise StageInterrupted while the stage runs (main thread only); the handlers from before
+    come back afterwards."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+    previous = {signum: signal.signal(signum, _interrupt) for signum in INTERRUPTS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+
+
+def ignore_interrupts() -> None:
+    """While the outcome is being recorded, a further SIGTERM or Ctrl-C must not cut the record short."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in INTERRUPTS:
+        signal.signal(signum, signal.SIG_IGN)
+
+
 def run(args: argparse.Namespace) -> int:
     """Resolve the spec (from --params-dir for prepare in the cluster), check the stage can start, run it."""
     run_dir = RunDir(args.run_dir)
@@ -93,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
         from workflows.parameters import resolve_params_dir, stage_switches
 
         resolved = resolve_params_dir(args.params_dir)
-        run_dir.root.mkdir(parents=True, exist_ok=True)
+        hold_stage_lock(run_dir, "prepare")  # before spec.json: a second prepare pod must not rewrite it
         run_dir.write_spec(resolved)
         if args.outputs_dir is not None:
             # Which stages run is decided here, from validated values, never from raw form input.
@@ -106,20 +188,45 @@ def run(args: argparse.Namespace) -> int:
         check_ready(run_dir, spec, args.stage)
     module = importlib.import_module(f"stages.{args.stage}")
     ctx = StageContext(run_dir, args.stage, spec, force=args.force, outputs_dir=args.outputs_dir)
-    return int(module.run(ctx))
+    try:
+        return int(module.run(ctx))
+    except (StageInterrupted, KeyboardInterrupt) as exc:
+        ignore_interrupts()
+        return ctx.interrupted(exc)
+    except StageRefused as exc:  # main() prints it; refused after it began, the record says so too
+        ctx.fail(str(exc))
+        raise
+    except StageBusy:
+        raise
+    except Exception as exc:
+        if ctx.result is None:  # nothing recorded yet (e.g. an invalid stage.json): main() says what to fix
+            raise
+        ignore_interrupts()
+        return ctx.crash(exc)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     secrets = secret_values()
     streams = sys.stdout, sys.stderr
-    if secrets:
-        sys.stdout, sys.stderr = MaskingStream(sys.stdout, secrets), MaskingStream(sys.stderr, secrets)
+    sys.stdout, sys.stderr = ReaderSafeStream(sys.stdout), ReaderSafeStream(sys.stderr)
+    # Always: besides the environment's secret values, anything credential-shaped (a URI's user:password@) is masked.
+    sys.stdout, sys.stderr = MaskingStream(sys.stdout, secrets), MaskingStream(sys.stderr, secrets)
     try:
-        return run(args)
+        with interrupts_raise():
+            return run(args)
     except (StageRefused, SpecError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except StageBusy as exc:
+        # 75 (EX_TEMPFAIL), not 2: the request is fine, only not now. In the cluster this is a retry (Argo's, or a
+        # restarted pod) that starts while the previous attempt still runs; a retry later finds the lock free.
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_RETRYABLE
+    except (StageInterrupted, KeyboardInterrupt) as exc:  # before the stage began: nothing to record
+        name = signal.Signals(getattr(exc, "signum", signal.SIGINT)).name
+        print(f"[{args.stage}] interrupted by {name} before it started; nothing recorded", file=sys.stderr)
+        return EXIT_RETRYABLE
     except ValidationError as exc:  # a stage.json that is not a stage record (edited, or from another version)
         first = str(exc).splitlines()[0]
         print(f"error: {args.run_dir}/{args.stage}/stage.json is not a valid stage record ({first})", file=sys.stderr)
@@ -130,10 +237,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: [{args.stage}] {disk_full_message(exc, args.run_dir.absolute())}", file=sys.stderr)
         return EXIT_FAILED
     finally:
-        if secrets:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            sys.stdout, sys.stderr = streams
+        sys.stdout.flush()
+        sys.stderr.flush()
+        sys.stdout, sys.stderr = streams
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@ optimizer, scheduler, RNG and trainer state). When every rank has finished writi
 marker file `COMPLETE`, last. A checkpoint without the marker, or whose files cannot be read, is torn (the pod
 was killed while saving): resuming warns, moves it aside as `torn-checkpoint-<step>` and takes the one before.
 
-SIGTERM (preemption, node drain) sets a flag; at the end of the step in progress the trainer saves a checkpoint
-and stops, and the stage exits with EXIT_RETRYABLE so that Argo's retry resumes from it.
+SIGTERM (preemption, node drain) and SIGINT (Ctrl-C) set a flag; at the end of the step in progress the trainer saves
+a checkpoint and stops, and the stage exits with EXIT_RETRYABLE so that Argo's retry (or a rerun) resumes from it.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from stages.contract import is_main_process, write_json_atomic
+from stages.contract import StageInterrupted, is_main_process, write_json_atomic
 
 MARKER = "COMPLETE"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
@@ -136,30 +136,52 @@ class CheckpointMarker(TrainerCallback):
 
 
 class SigtermCheckpoint(TrainerCallback):
-    """On SIGTERM: save a checkpoint at the end of the current step and stop training.
+    """On SIGTERM (preemption) or SIGINT (Ctrl-C): save a checkpoint at the end of the current step and stop
+    training; a second SIGINT interrupts at once (StageInterrupted: the stage is recorded as interrupted and
+    resumes from its newest complete checkpoint).
 
     The signal handler only sets a flag. Under torchrun the ranks agree on it (an all-reduce each step), so
-    they all save at the same step. `stopped` tells the stage to exit with EXIT_RETRYABLE.
+    they all save at the same step. `stopped` tells the stage to exit with EXIT_RETRYABLE; `signal_name` names
+    the signal for its record. Uninstalling brings back the handlers from before (the entry point's, which raise
+    StageInterrupted).
     """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self) -> None:
         self.requested = False
         self.stopped = False
-        self._previous: Any = None
+        self.signum: int | None = None
+        self.sigints = 0
+        self._previous: dict[int, Any] = {}
+
+    @property
+    def signal_name(self) -> str:
+        """SIGTERM or SIGINT: the signal that stopped training (SIGTERM when none did)."""
+        return signal.Signals(self.signum or signal.SIGTERM).name
 
     def install(self) -> SigtermCheckpoint:
-        """Route SIGTERM to this callback (main thread only)."""
-        self._previous = signal.signal(signal.SIGTERM, self._handle)
+        """Route SIGTERM and SIGINT to this callback (main thread only)."""
+        self._previous = {signum: signal.signal(signum, self._handle) for signum in self.SIGNALS}
         return self
 
     def uninstall(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        self._previous = {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        print("SIGTERM received: saving a checkpoint at the end of this step, then exiting", flush=True)
+        name = signal.Signals(signum).name
+        if signum == signal.SIGINT:
+            self.sigints += 1
+            if self.sigints > 1:  # Ctrl-C twice: the user does not want to wait for the step to end
+                print(f"{name} again: stopping now, without a checkpoint of this step", flush=True)
+                raise StageInterrupted(signum)
+        print(f"{name} received: saving a checkpoint at the end of this step, then exiting", flush=True)
+        if signum == signal.SIGINT:
+            print("(press Ctrl-C again to stop at once)", flush=True)
         self.requested = True
+        self.signum = self.signum or signum
 
     def _agreed(self, args: TrainingArguments) -> bool:
         if not (torch.distributed.is_available() and torch.distributed.is_initialized()):

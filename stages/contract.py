@@ -15,6 +15,12 @@ Rules every stage follows (the same in a PyTorchJob pod and under --local):
   hash are refused unless forced, and forcing moves them aside to `<stage>/superseded-<hash8>-<time>/`, so a
   forced or changed stage never continues from what another config trained;
 - only rank 0 writes `stage.json`; SIGTERM saves a checkpoint and exits with EXIT_RETRYABLE;
+- one process at a time runs a stage: it holds `<stage>/.lock` (see `hold_stage_lock`) from before it reads the
+  record until it exits; another process is refused (`StageBusy`, exit EXIT_RETRYABLE) and writes nothing, and a
+  record left `running` under a free lock is a dead attempt, which resumes;
+- SIGTERM and SIGINT (Ctrl-C) record the stage as interrupted and exit with EXIT_RETRYABLE (`StageContext.
+  interrupted`); anything else unexpected records it as failed (`StageContext.crash`); a record is written only
+  while it says running, so a stage that already recorded its outcome keeps it;
 - a training stage starts only when prepare's outputs and the enabled stages before it are there (`check_ready`);
 - a full disk (ENOSPC) fails the stage with a message that says so; `stage.json` and the checkpoints written
   before stay as they were (every record is written to a temporary file and renamed);
@@ -26,10 +32,11 @@ Rules every stage follows (the same in a PyTorchJob pod and under --local):
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import json
 import os
-import re
+import signal
 import socket
 import sys
 import tempfile
@@ -37,10 +44,11 @@ import time
 import traceback
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Literal
+from typing import IO, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from workflows import credentials
 from workflows.loading import spec_from_json
 from workflows.spec import STAGE_ORDER, TRAINING_STAGES, PipelineSpec
 
@@ -60,17 +68,25 @@ _NOT_HASHED = {"enabled", "resources", "run_policy", "env"}
 CHECKPOINTS_CONFIG = "config_hash"
 """`<stage>/checkpoints/config_hash`: the config hash the checkpoints (and the model next to them) were made with."""
 
-SECRET_NAME = re.compile(
-    r"(token|secret|password|passwd|api[_-]?key|access[_-]?key|credential|webhook|private[_-]?key)", re.I
-)
-"""Environment variable names whose values are secrets: never logged, never sent as tracking params."""
-
-MASK = "***"
+MASK = credentials.MASK
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 class StageRefused(Exception):
     """The stage must not run as asked (e.g. a completed stage with another config). Exit code 2."""
+
+
+class StageBusy(Exception):
+    """Another live process holds the stage's lock: it is running the stage. Exit EXIT_RETRYABLE, nothing written."""
+
+
+class StageInterrupted(BaseException):
+    """SIGTERM or SIGINT arrived while a stage was working. A BaseException, like KeyboardInterrupt, so that a
+    stage's `except Exception` never records it as a failure: the stage is recorded as interrupted (retryable)."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
 
 
 class InputRef(BaseModel):
@@ -125,17 +141,27 @@ def write_json_atomic(path: Path, data: Any) -> None:
 
 
 def secret_values() -> set[str]:
-    """Values of environment variables whose names look like secrets (at least 6 characters, so that masking
-    them never garbles ordinary text)."""
-    return {v for k, v in os.environ.items() if SECRET_NAME.search(k) and len(v) >= 6}
+    """What must never be written out: values of secret-named environment variables (case-insensitive, word by
+    word) and credentials found by shape inside any variable (`workflows.credentials.secret_values`)."""
+    return credentials.secret_values()
 
 
 def mask_secrets(text: str, secrets: set[str] | None = None) -> str:
-    """`text` with every secret value replaced by MASK (longest first, so a secret inside another goes too)."""
-    for value in sorted(secret_values() if secrets is None else secrets, key=len, reverse=True):
-        if value in text:
-            text = text.replace(value, MASK)
-    return text
+    """`text` with every secret value (default: `secret_values()`) and every credential-shaped span (URI userinfo,
+    known key formats) replaced by MASK."""
+    return credentials.scrub(text, secrets)
+
+
+def mask_secrets_in(data: Any, secrets: set[str] | None = None) -> Any:
+    """`data` (JSON-like: mappings, lists, strings) with `mask_secrets` applied to every string in it."""
+    secrets = secret_values() if secrets is None else secrets
+    if isinstance(data, str):
+        return mask_secrets(data, secrets)
+    if isinstance(data, dict):
+        return {mask_secrets_in(k, secrets): mask_secrets_in(v, secrets) for k, v in data.items()}
+    if isinstance(data, list | tuple):
+        return [mask_secrets_in(v, secrets) for v in data]
+    return data
 
 
 def is_disk_full(exc: BaseException | None) -> bool:
@@ -212,7 +238,8 @@ class RunDir:
         return StageResult.model_validate_json(path.read_text(encoding="utf-8"))
 
     def write_result(self, result: StageResult) -> None:
-        write_json_atomic(self.result_path(result.stage), result.model_dump(mode="json"))
+        """Write the record atomically, secret values and credential shapes masked in every string of it."""
+        write_json_atomic(self.result_path(result.stage), mask_secrets_in(result.model_dump(mode="json")))
 
     def relative(self, path: Path) -> str:
         return str(Path(path).absolute().relative_to(self.root))
@@ -313,6 +340,70 @@ def check_ready(run_dir: RunDir, spec: PipelineSpec, stage: str) -> None:
             )
 
 
+LOCK_FILE = ".lock"
+"""`<run>/<stage>/.lock`: locked by the process running the stage; it names that process (pid, host, start)."""
+
+_HELD_LOCKS: dict[Path, IO[str]] = {}
+"""The stage locks this process holds, open until it exits (closing a handle would release its lock)."""
+
+
+def try_lock(path: Path, holder: str) -> tuple[IO[str] | None, str]:
+    """Try an exclusive, non-blocking `flock` on `path`: (the open handle, "") once taken, `holder` written into the
+    file for whoever is refused next; (None, what the holder wrote) while another process holds it. The lock lasts
+    as long as the handle stays open, and the kernel releases it when the process ends, however it ends."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle = open(path, "a+", encoding="utf-8")  # noqa: SIM115 -- the caller keeps it open to hold the lock
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        handle.seek(0)
+        held_by = handle.read().strip()
+        handle.close()
+        if exc.errno not in (errno.EAGAIN, errno.EACCES):
+            raise
+        return None, held_by
+    handle.seek(0)
+    handle.truncate()
+    handle.write(holder + "\n")
+    handle.flush()
+    return handle, ""
+
+
+def hold_stage_lock(run_dir: RunDir, stage: str) -> Path:
+    """Lock `<run>/<stage>/.lock` for this process, for the rest of its life; StageBusy when another process holds
+    it. Returns the lock file's path. Taking it again in the same process is a no-op.
+
+    An exclusive, non-blocking `flock`: the kernel releases it when the process ends, however it ends (SIGKILL,
+    the OOM killer), so a lock is never left behind and a `running` record under a free lock is a dead attempt.
+    On an NFS volume (the RWX checkpoints volume) Linux emulates flock with a POSIX lock on the server (NFSv4 lock
+    state, kept alive by the client's lease), so the lock also holds between pods on different nodes; a node that
+    disappears loses it when its lease expires (about 90 s). POSIX locks belong to the process and go when it
+    closes any descriptor of the file, which is why the holder never opens the lock file a second time."""
+    path = (run_dir.stage_dir(stage) / LOCK_FILE).resolve()
+    if path in _HELD_LOCKS:
+        return path
+    handle, holder = try_lock(path, f"pid {os.getpid()} on {socket.gethostname()} since {now()}")
+    if handle is None:
+        raise StageBusy(
+            f"[{stage}] is being run by another process ({holder or 'holder unknown'}; lock {path}). This attempt "
+            "stops without writing anything. Wait for that process to end (or stop it: a stopped or killed process "
+            "releases the lock at once), then run the stage again: it resumes from what that process left."
+        )
+    _HELD_LOCKS[path] = handle
+    return path
+
+
+def holds_stage_lock(run_dir: RunDir, stage: str) -> bool:
+    """Whether this process holds the stage's lock."""
+    return (run_dir.stage_dir(stage) / LOCK_FILE).resolve() in _HELD_LOCKS
+
+
+def writable(text: str) -> str:
+    """`text` as UTF-8 can hold it: a lone surrogate (what a `\\ud800` escape in a JSON input decodes to) is kept
+    as its backslash escape instead of failing the write."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _memory_hint(stage: str, section: Any) -> str:
     """What to change in the spec when a stage runs out of GPU memory."""
     training = getattr(section, "training", None)
@@ -384,7 +475,13 @@ class StageContext:
         """Decide whether to run: False for a no-op (done before, same config); raises StageRefused for a
         completed stage whose config changed, or for checkpoints of another config (unless forced). Forced, a
         training stage starts over: its checkpoints and model from before are moved aside. Records the stage
-        as running."""
+        as running.
+
+        First of all, the process that writes the record (rank 0; under torchrun every rank runs the stage, the
+        others never write it) takes the stage's lock (`hold_stage_lock`): StageBusy, before anything is read or
+        written, while another process runs the stage."""
+        if is_main_process():
+            hold_stage_lock(self.run_dir, self.stage)
         previous = self.run_dir.read_result(self.stage)
         if previous is not None and previous.status == "succeeded" and not self.force:
             if previous.config_hash == self.config_hash:
@@ -482,13 +579,15 @@ class StageContext:
     ) -> int:
         """Record the outcome (succeeded or skipped) and publish step outputs. Returns EXIT_OK."""
         assert self.result is not None
-        self.result.outputs = {k: self.run_dir.relative(v) for k, v in (outputs or {}).items()}
-        self.result.metrics = {k: float(v) for k, v in (metrics or {}).items()}
-        self.result.extra.update(extra or {})
-        self.result.status = status
-        self.result.message = message
-        self.result.ended_at = now()
-        self._write()
+        result = self.result.model_copy(deep=True)  # kept in memory once written: `result` is what the file says
+        result.outputs = {k: self.run_dir.relative(v) for k, v in (outputs or {}).items()}
+        result.metrics = {k: float(v) for k, v in (metrics or {}).items()}
+        result.extra.update(extra or {})
+        result.status = status
+        result.message = message
+        result.ended_at = now()
+        self._write(result)
+        self.result = result
         self.emit_outputs(self.result)
         return EXIT_OK
 
@@ -501,18 +600,29 @@ class StageContext:
             explained = disk_full_message(handling, self.dir)
             message = f"{message}\n{explained}"
             print(f"[{self.stage}] error: {explained}", file=sys.stderr, flush=True)
-        if self.result is not None:
-            self.result.status = "interrupted" if retryable else "failed"
-            self.result.message = message
-            self.result.ended_at = now()
-            self._write()
+        if self.result is not None and self.result.status == "running":  # an outcome recorded before stays
+            result = self.result.model_copy(deep=True)
+            result.status = "interrupted" if retryable else "failed"
+            result.message = writable(message)
+            result.ended_at = now()
+            self._write(result)
+            self.result = result
         return EXIT_RETRYABLE if retryable else EXIT_FAILED
+
+    def interrupted(self, exc: BaseException) -> int:
+        """Record a SIGTERM or SIGINT (StageInterrupted, or KeyboardInterrupt) that stopped the stage: status
+        interrupted, a message naming the signal, and EXIT_RETRYABLE: running the stage again resumes it."""
+        signum = getattr(exc, "signum", signal.SIGINT)  # a KeyboardInterrupt is Python's SIGINT
+        resumes = "resumes from its newest complete checkpoint" if self.stage in TRAINING_STAGES else "runs it again"
+        message = f"interrupted by {signal.Signals(signum).name}; running the stage again {resumes}"
+        print(f"[{self.stage}] {message}", file=sys.stderr, flush=True)
+        return self.fail(message, retryable=True)
 
     def crash(self, exc: Exception) -> int:
         """Record an error the stage did not expect and return the exit code. A full disk and a GPU out of
         memory are explained without a traceback; anything else keeps its traceback (what a bug report needs),
         printed and written to `logs/traceback.txt`, and the log ends with one `error:` line that says where."""
-        summary = f"{type(exc).__name__}: {exc}".strip()
+        summary = writable(f"{type(exc).__name__}: {exc}".strip())
         if is_disk_full(exc):
             return self.fail(summary)
         if type(exc).__name__ == "OutOfMemoryError":
@@ -520,7 +630,7 @@ class StageContext:
             message += _memory_hint(self.stage, self.section)
             print(f"[{self.stage}] error: {message}", file=sys.stderr, flush=True)
             return self.fail(message)
-        trace = "".join(traceback.format_exception(exc))
+        trace = writable("".join(traceback.format_exception(exc)))
         print(trace, file=sys.stderr, end="", flush=True)
         where = self.logs_dir / ("traceback.txt" if rank() == 0 else f"traceback-rank{rank()}.txt")
         try:
@@ -544,6 +654,11 @@ class StageContext:
         for name, value in values.items():
             (self.outputs_dir / name).write_text(value, encoding="utf-8")
 
-    def _write(self) -> None:
-        if self.result is not None and is_main_process():
-            self.run_dir.write_result(self.result)
+    def _write(self, result: StageResult | None = None) -> None:
+        """Rank 0: write `result` (default: the current record); only the holder of the stage's lock may."""
+        result = result or self.result
+        if result is None or not is_main_process():
+            return
+        if not holds_stage_lock(self.run_dir, self.stage):
+            raise RuntimeError(f"[{self.stage}] the record is written only by the process holding {LOCK_FILE}")
+        self.run_dir.write_result(result)

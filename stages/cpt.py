@@ -5,7 +5,8 @@
 
 Starts from the base model (or an earlier stage's output), trains with the transformers Trainer on the token
 cache prepare built, checkpoints into `cpt/checkpoints/`, resumes from the newest valid checkpoint after a
-preemption, and writes the model (safetensors) and tokenizer into `cpt/model/`.
+preemption (never past the plan: from the last checkpoint it trains no step), and writes the model (safetensors)
+and tokenizer into `cpt/model/`, its content fingerprint into stage.json.
 """
 
 from __future__ import annotations
@@ -13,16 +14,26 @@ from __future__ import annotations
 from transformers import Trainer, TrainingArguments
 
 from stages.checkpoints import CheckpointMarker, SigtermCheckpoint
-from stages.contract import EXIT_OK, StageContext
-from stages.modeling import NotSupportedHere, describe, load_starting_model, load_tokenizer, save_stage_model
+from stages.contract import EXIT_OK, StageContext, StageRefused
+from stages.modeling import (
+    ModelInputs,
+    NotSupportedHere,
+    begin_keeping_inputs,
+    describe,
+    load_starting_model,
+    load_tokenizer,
+    save_stage_model,
+)
 from stages.packing import PackedCollator, batch_width_multiple, load_token_cache
 from stages.tracking import StageTracker
 from stages.training import (
     loss_curve,
+    output_fingerprint,
     record_inputs,
     resume_checkpoint,
     resume_details,
     summary_metrics,
+    train_to_plan,
     trainer_arguments,
     write_distributed_config,
     write_log_history,
@@ -31,11 +42,14 @@ from stages.training import (
 
 def run(ctx: StageContext) -> int:
     """Train the cpt stage; returns the process exit code."""
-    if not ctx.begin():
+    if not begin_keeping_inputs(ctx):
         return EXIT_OK
     sigterm = SigtermCheckpoint().install()
     try:
         return train(ctx, sigterm)
+    except StageRefused as exc:  # an upstream model changed: nothing trained; one error line, exit 2
+        ctx.fail(str(exc))
+        raise
     except NotSupportedHere as exc:
         print(f"error: {exc}", flush=True)
         return ctx.fail(str(exc))
@@ -50,13 +64,13 @@ def train(ctx: StageContext, sigterm: SigtermCheckpoint) -> int:
 
     # 1. The tokenizer and the model this stage starts from.
     tokenizer = load_tokenizer(run_dir, spec.model)
-    start = load_starting_model(run_dir, spec, ctx.stage, tokenizer)
+    start = load_starting_model(run_dir, spec, ctx.stage, tokenizer, ModelInputs(ctx))
     args = TrainingArguments(**trainer_arguments(ctx, start.model))
 
     # 2. The packed token rows (built by prepare; built here when missing). Rank 0 builds, the others wait.
     with args.main_process_first(desc="token cache"):
         cache = load_token_cache(run_dir, spec, ctx.stage)
-    record_inputs(ctx, cache, start.upstream)
+    record_inputs(ctx, cache)
     write_distributed_config(ctx, args)
 
     # 3. Resume from the newest valid checkpoint of an earlier attempt, if any.
@@ -87,12 +101,12 @@ def train(ctx: StageContext, sigterm: SigtermCheckpoint) -> int:
             callbacks=[tracker.hf_callback(), CheckpointMarker(), sigterm],
         )
 
-        # 4. Train.
-        trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+        # 4. Train, up to the planned end and never past it (none left when the checkpoint is at it).
+        trained = train_to_plan(trainer, checkpoint, ctx.stage)
         if sigterm.stopped:
             tracker.finish("interrupted")
             step = trainer.state.global_step
-            return ctx.fail(f"SIGTERM: saved checkpoint-{step}; a rerun resumes from it", retryable=True)
+            return ctx.fail(f"{sigterm.signal_name}: saved checkpoint-{step}; a rerun resumes from it", retryable=True)
 
         # 5. Held-out loss, the model, the record.
         eval_metrics = trainer.evaluate() if cache.eval is not None else None
@@ -105,7 +119,12 @@ def train(ctx: StageContext, sigterm: SigtermCheckpoint) -> int:
         code = ctx.finish(
             outputs={"model": ctx.model_dir},
             metrics=metrics,
-            extra={**model_info, **resume_details(checkpoint), "upstream": start.upstream or ""},
+            extra={
+                **model_info,
+                **output_fingerprint(ctx),
+                **resume_details(checkpoint, trained),
+                "upstream": start.upstream or "",
+            },
         )
         tracker.finish("succeeded")
     return code

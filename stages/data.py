@@ -25,21 +25,26 @@ A bad row is reported as `<file>:<line>: field '<path>': <problem>`, e.g.
 `train.jsonl:17: field 'messages[2].content': expected a string, got null`. Bad rows are quarantined and
 counted when they stay within the dataset's `max_bad_row_fraction`; beyond it the dataset fails, listing the
 first errors. Blank lines of a JSONL file are not rows and are skipped; every other line is either a row or an
-error, never silently dropped.
+error, never silently dropped. JSON that Python cannot hold as data is a bad row too: arrays or objects nested too
+deeply to read, a number too long to convert, a string with a lone surrogate (an escape such as `\\ud800` that
+encodes half a character, which cannot be written as UTF-8). A file that cannot be read, a file name that is not
+UTF-8 and a symlink loop fail the dataset, naming the path.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stages.contract import canonical_hash
+from stages.contract import canonical_hash, writable
 from workflows.spec import DataSpec, PipelineSpec
 
 DEFAULT_MAX_ROW_BYTES = 4 * 1024 * 1024
@@ -194,8 +199,20 @@ def dataset_fingerprint(data: DataSpec, files: list[SourceFile]) -> str:
 
 
 def within(path: Path, root: Path) -> bool:
-    """Whether `path` is `root` or below it, both with symlinks and `..` resolved."""
-    return path.resolve().is_relative_to(root.resolve())
+    """Whether `path` is `root` or below it, both with symlinks and `..` resolved; DataError naming the path when
+    it cannot be resolved (a symlink loop)."""
+    return _resolved(path).is_relative_to(_resolved(root))
+
+
+def _resolved(path: Path) -> Path:
+    """`path` with symlinks and `..` resolved; DataError for a symlink loop (RuntimeError before Python 3.13,
+    OSError ELOOP since)."""
+    try:
+        return path.resolve()
+    except (RuntimeError, OSError) as exc:
+        if isinstance(exc, OSError) and exc.errno != errno.ELOOP:
+            raise DataError(f"{path}: cannot be resolved ({exc.strerror or exc})") from None
+        raise DataError(f"{path}: a symlink loop (following it leads back to it); remove the link or fix it") from None
 
 
 def in_cluster(spec: PipelineSpec | None, run_root: Path | None) -> bool:
@@ -257,8 +274,18 @@ def data_files(path: Path, uri: str) -> list[Path]:
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in DATA_SUFFIXES)
         if not files:
             raise DataError(f"{uri}: the directory has no .jsonl or .parquet files")
+        for file in files:
+            if writable(str(file)) != str(file):  # undecodable bytes in a name: recorded paths must be UTF-8
+                raise DataError(f"{writable(str(file))}: the file name is not valid UTF-8; rename the file")
         return files
+    if path.is_symlink():
+        _resolved(path)  # a loop says so
+        raise DataError(f"{uri}: {path} is a symlink to {os.readlink(path)}, which does not exist")
     raise DataError(f"{uri}: no such file or directory")
+
+
+def _unreadable(path: Path, exc: OSError) -> DataError:
+    return DataError(f"{path}: cannot be read ({exc.strerror or exc}); check the file and its permissions")
 
 
 def read_jsonl(path: Path, limit: int) -> Iterator[RawRow]:
@@ -284,6 +311,17 @@ def read_jsonl(path: Path, limit: int) -> Iterator[RawRow]:
                 value = json.loads(text)
             except json.JSONDecodeError as exc:
                 error = f"not valid JSON: {exc.msg} (column {exc.colno})"
+                yield RawRow(name, number, error=RowError(name, number, "", error, excerpt))
+                continue
+            except RecursionError:
+                error = "arrays or objects nested too deeply to read (a data row is a few levels deep)"
+                yield RawRow(name, number, error=RowError(name, number, "", error, excerpt))
+                continue
+            except ValueError as exc:  # a number Python refuses to convert (sys.get_int_max_str_digits)
+                error = f"not valid JSON: {exc}"
+                if "integer string conversion" in str(exc):
+                    limit_digits = sys.get_int_max_str_digits()
+                    error = f"a number of more than {limit_digits} digits, too long to read (write it as a string)"
                 yield RawRow(name, number, error=RowError(name, number, "", error, excerpt))
                 continue
             yield RawRow(name, number, value=value)
@@ -363,15 +401,23 @@ def read_source(
         return read_hub(uri, data.split)
     limit = max_row_bytes()
     files = data_files(confine(resolve_path(uri, spec), uri, spec, run_root), uri)
-    sources = [SourceFile(str(f), sha256_file(f)) for f in files]
+    sources = []
+    for f in files:
+        try:
+            sources.append(SourceFile(str(f), sha256_file(f)))
+        except OSError as exc:
+            raise _unreadable(f, exc) from None
 
     def rows() -> Iterator[RawRow]:
         for f in files:
             reader = read_parquet if f.suffix == ".parquet" else read_jsonl
             count = 0
-            for row in reader(f, limit):
-                count += 1
-                yield row
+            try:
+                for row in reader(f, limit):
+                    count += 1
+                    yield row
+            except OSError as exc:
+                raise _unreadable(f, exc) from None
             if count == 0:
                 raise DataError(f"{f}: empty file: no rows (an export that failed?)")
 
@@ -425,6 +471,13 @@ def _string(value: Any, path: str, allow_empty: bool = False) -> str:
         raise FieldError(path, f"expected a string, got {_type_name(value)}")
     if not allow_empty and not value.strip():
         raise FieldError(path, "empty string")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        surrogate = f"\\u{ord(value[exc.start]):04x}"
+        raise FieldError(
+            path, f"a lone surrogate {surrogate} at character {exc.start + 1}: half of a character, not text"
+        ) from None
     return value
 
 
@@ -563,7 +616,12 @@ def check_stage_format(stage: str, fmt: str) -> None:
 
 
 def _excerpt(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, default=str)[:RAW_EXCERPT_CHARS]
+    """The start of a row as JSON, writable as UTF-8 (a lone surrogate kept as its escape)."""
+    try:
+        text = json.dumps(value, ensure_ascii=False, default=str)
+    except (RecursionError, ValueError):
+        return f"<{_type_name(value)} too deep or too large to show>"
+    return writable(text[:RAW_EXCERPT_CHARS])
 
 
 def read_dataset(

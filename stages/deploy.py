@@ -8,7 +8,9 @@ Reads top to bottom:
    skipped (data unchanged) is skipped here too. deploy only runs after gate=pass, in the cluster and under
    --local; run by hand after a failed gate, it registers the model as `challenger` only and says so.
 2. The model as it is served: full weights in safetensors with the tokenizer, in `deploy/model/` (an adapter is
-   merged into its base first).
+   merged into its base first). The candidate's folders must be exactly what evaluate measured: their content
+   fingerprints (read as the files are copied or loaded) are held to evaluate's recorded inputs `candidate` and
+   `candidate_base`; anything else is refused before a byte is published or registered.
 3. Published where the InferenceService reads it (workflows/serving.py): gs:// (google-cloud-storage) or s3://
    (boto3) under `<storage_uri>/<run>`, with credentials from the environment only (Workload Identity / Google
    ADC, AWS_* or a web identity; AWS_ENDPOINT_URL(_S3) for an S3-compatible store, STORAGE_EMULATOR_HOST for a
@@ -26,13 +28,14 @@ Reads top to bottom:
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from stages.contract import EXIT_OK, RunDir, StageContext
+from stages.contract import EXIT_OK, RunDir, StageContext, StageRefused
 from stages.data import within
 from stages.evaluate import (
     CHALLENGER,
@@ -47,6 +50,9 @@ from stages.evaluate import (
 from workflows.pytorchjob import RUN_ROOT
 from workflows.serving import inference_service, model_storage_uri, to_yaml
 from workflows.spec import STAGE_ORDER, PipelineSpec
+
+if TYPE_CHECKING:
+    from stages.modeling import ModelInputs
 
 MAX_TAG_VALUE = 5000  # MLflow's limit for a model version tag value
 MODEL_FILES = (".safetensors", ".json", ".txt", ".model", ".jinja", ".tiktoken")
@@ -74,28 +80,64 @@ def evaluation(run_dir: RunDir) -> dict[str, Any]:
 # --------------------------------------------------------------------------- the model as served
 
 
-def export_model(run_dir: RunDir, spec: PipelineSpec, stage: str, out: Path) -> str:
+def export_model(run_dir: RunDir, spec: PipelineSpec, stage: str, out: Path, inputs: ModelInputs) -> tuple[str, str]:
     """Write the candidate as full safetensors weights with its tokenizer into `out`; returns what the stage
-    left ('full' copied, or 'adapter' merged into its base)."""
-    from stages.modeling import load_stage_model, load_tokenizer, stage_output
+    left ('full' copied, or 'adapter' merged into its base) and the content fingerprint of `out`. `inputs`
+    (stages.modeling.ModelInputs, measured_by evaluate) holds the candidate's folders to what evaluate measured:
+    a full model is hashed as it is copied (the bytes checked are the bytes published), an adapter and its base
+    before they load."""
+    from stages.modeling import fingerprint_of, load_stage_model, load_tokenizer, model_fingerprint, stage_output
 
     output = stage_output(run_dir, stage)
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
+    try:
+        if output.kind == "full":
+            digests, copied = copy_model_files(output.path, out)
+            inputs.check("candidate", output.path, digests=digests)
+        else:
+            tokenizer = load_tokenizer(run_dir, spec.model)
+            merged = load_stage_model(run_dir, spec, stage, tokenizer, inputs, name="candidate")
+    except StageRefused:
+        shutil.rmtree(out, ignore_errors=True)  # no copy of a model that was not measured is left behind
+        raise
     if output.kind == "full":
-        for path in sorted(output.path.iterdir()):
-            if path.is_file() and path.name.endswith(MODEL_FILES) and path.name != "training_args.bin":
-                shutil.copy2(path, out / path.name)
         if not list(out.glob("*.safetensors")):
             raise RuntimeError(f"{output.path} has no safetensors weights")
-        return output.kind
-    tokenizer = load_tokenizer(run_dir, spec.model)
-    merged = load_stage_model(run_dir, spec, stage, tokenizer)
+        return output.kind, fingerprint_of(copied)
     merged.config.use_cache = True
     merged.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    return output.kind
+    return output.kind, model_fingerprint(out)
+
+
+def copy_model_files(model_dir: Path, out: Path) -> tuple[dict[str, str], dict[str, str]]:
+    """Copy what is published of a full model folder (its top-level MODEL_FILES) into `out`, hashing each byte as
+    it is copied, and hash the rest; returns (sha256 of every file of `model_dir`, of the files copied), by
+    relative path (stages.modeling.file_digests' form): one read of the folder checks it and fingerprints the
+    copy."""
+    from stages.modeling import file_sha256
+
+    everything: dict[str, str] = {}
+    copied: dict[str, str] = {}
+    for path in sorted(p for p in model_dir.rglob("*") if p.is_file()):
+        name = path.relative_to(model_dir).as_posix()
+        if path.parent == model_dir and path.name.endswith(MODEL_FILES) and path.name != "training_args.bin":
+            everything[name] = copied[name] = _copy_hashing(path, out / path.name)
+        else:
+            everything[name] = file_sha256(path)
+    return everything, copied
+
+
+def _copy_hashing(source: Path, target: Path) -> str:
+    """Copy a file; returns the sha256 (hex) of the bytes written."""
+    digest = hashlib.sha256()
+    with open(source, "rb") as src, open(target, "wb") as dst:
+        while chunk := src.read(1 << 20):
+            digest.update(chunk)
+            dst.write(chunk)
+    return digest.hexdigest()
 
 
 def model_files(model_dir: Path) -> list[Path]:
@@ -270,9 +312,12 @@ def _tag(value: Any) -> str:
     return text[:MAX_TAG_VALUE]
 
 
-def lineage_tags(ctx: StageContext, evaluated: dict[str, Any], model_kind: str, storage_uri: str) -> dict[str, str]:
+def lineage_tags(
+    ctx: StageContext, evaluated: dict[str, Any], model_kind: str, storage_uri: str, fingerprint: str = ""
+) -> dict[str, str]:
     """Tags of the model version: where it comes from (run, workflow, data fingerprints, parent stages and
-    their config hashes, base model, commit) and the gate decision with its numbers."""
+    their config hashes, base model, commit, the content fingerprints of the registered files and of the
+    candidate evaluate measured) and the gate decision with its numbers."""
     from stages.tracking import run_tags
 
     run_dir, spec = ctx.run_dir, ctx.spec
@@ -291,8 +336,11 @@ def lineage_tags(ctx: StageContext, evaluated: dict[str, Any], model_kind: str, 
         if result is not None:
             tags[f"posttrain.stage.{stage}.config_hash"] = result.config_hash
     tags["posttrain.stage.deploy.config_hash"] = ctx.config_hash
+    candidate = ctx.result.inputs.get("candidate") if ctx.result is not None else None
     tags.update(
         {
+            "posttrain.model_fingerprint": fingerprint,
+            "posttrain.candidate_fingerprint": candidate.fingerprint if candidate is not None else "",
             "posttrain.candidate_stage": evaluated["candidate_stage"],
             "posttrain.model_kind": "merged adapter" if model_kind == "adapter" else model_kind,
             "posttrain.storage_uri": storage_uri,
@@ -384,10 +432,15 @@ def smoke_generation(
 
 def run(ctx: StageContext) -> int:
     """Register, alias, publish and render; returns the process exit code."""
-    if not ctx.begin():
+    from stages.modeling import begin_keeping_inputs
+
+    if not begin_keeping_inputs(ctx):
         return EXIT_OK
     try:
         return deploy(ctx)
+    except StageRefused as exc:  # not the model evaluate measured: nothing published or registered
+        ctx.fail(str(exc))
+        raise
     except PublishError as exc:
         print(f"[deploy] error: {exc}", file=sys.stderr, flush=True)
         return ctx.fail(str(exc))
@@ -396,6 +449,7 @@ def run(ctx: StageContext) -> int:
 
 
 def deploy(ctx: StageContext) -> int:
+    from stages.modeling import FINGERPRINT, ModelInputs
     from stages.tracking import StageTracker
 
     run_dir, spec = ctx.run_dir, ctx.spec
@@ -417,7 +471,8 @@ def deploy(ctx: StageContext) -> int:
 
     # 2-3. The model as served, published where the InferenceService reads it.
     model_dir = ctx.dir / "model"
-    model_kind = export_model(run_dir, spec, stage, model_dir)
+    measured = ModelInputs(ctx, measured_by="evaluate")  # the candidate's folders, held to evaluate's record
+    model_kind, fingerprint = export_model(run_dir, spec, stage, model_dir, measured)
     storage_uri = model_storage_uri(spec, run_name)
     if spec.stages.deploy.storage_uri is not None:
         publish(spec, model_dir, storage_uri, run_dir.root)
@@ -432,7 +487,7 @@ def deploy(ctx: StageContext) -> int:
         # 4. The registry: model files, version, lineage, aliases.
         client, tracking_uri = registry_client(spec, run_dir.root)
         client.log_artifacts(run_id, str(model_dir), "model")
-        tags = lineage_tags(ctx, evaluated, model_kind, storage_uri)
+        tags = lineage_tags(ctx, evaluated, model_kind, storage_uri, fingerprint)
         version = register(client, name, run_id, tags, promote)
         aliases = [CHALLENGER, CHAMPION] if promote else [CHALLENGER]
         print(f"[deploy] {name} version {version.version}: aliases {', '.join(aliases)}", flush=True)
@@ -473,6 +528,7 @@ def deploy(ctx: StageContext) -> int:
                 "storage_uri": storage_uri,
                 "model_uri": f"models:/{name}/{version.version}",
                 "model_kind": model_kind,
+                FINGERPRINT: fingerprint,  # of deploy/model: the files registered and published
                 "smoke": smoke,
             },
         )

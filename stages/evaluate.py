@@ -6,7 +6,10 @@ Reads top to bottom:
 
 1. The candidate is the output of the last enabled training stage (rlhf, else sft, else cpt). A run that prepare
    ended early (data unchanged, `prepare.skip_if_unchanged`) has no candidate: the stage is recorded as skipped
-   and outputs gate=skipped, so deploy does not run.
+   and outputs gate=skipped, so deploy does not run. The candidate's model folder (and the stage model folder an
+   adapter applies to) is fingerprinted by content as it loads and must be what its stage recorded; stage.json
+   records the fingerprints as the inputs `candidate` (and `candidate_base`), which deploy holds the model it
+   registers to.
 2. Each model (the candidate, then the base model; one in memory at a time) is measured the same way:
    - held-out perplexity over `prepare/data/evaluate/eval.jsonl` (text rows: every token, ending with eos, as
      cpt trains; chat rows: rendered with the chat template, the assistant's tokens scored, as sft trains);
@@ -42,7 +45,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stages.contract import EXIT_OK, RunDir, StageContext
+from stages.contract import EXIT_OK, RunDir, StageContext, StageRefused, mask_secrets_in
 from stages.data import BUILTIN_TASKS_DIR, DataError, confine, resolve_path, within
 from workflows.spec import TRAINING_STAGES, GateRule, PipelineSpec
 
@@ -670,7 +673,9 @@ def _md(text: str) -> str:
 
 def write_report(out_dir: Path, facts: dict[str, Any]) -> list[Path]:
     """report.md and report.html (images embedded) with the decision, the gate, the metrics, the generations,
-    and the plots; returns the files written."""
+    and the plots; returns the files written. Secret values and credential shapes in any text (an error message
+    holding a tracking URI, a generation repeating a token) are masked."""
+    facts = mask_secrets_in(facts)
     out_dir.mkdir(parents=True, exist_ok=True)
     columns = {"base": facts["base"], "champion": facts["champion"], "candidate": facts["candidate"]}
     if not facts["champion"]:
@@ -781,10 +786,15 @@ td,th{{border:1px solid #ccc;padding:4px 8px;text-align:left;vertical-align:top;
 
 def run(ctx: StageContext) -> int:
     """Evaluate the candidate and decide the gate; returns the process exit code."""
-    if not ctx.begin():
+    from stages.modeling import begin_keeping_inputs
+
+    if not begin_keeping_inputs(ctx):
         return EXIT_OK
     try:
         return evaluate(ctx)
+    except StageRefused as exc:  # the candidate changed after its stage recorded it: nothing measured
+        ctx.fail(str(exc))
+        raise
     except DataError as exc:
         print(f"[evaluate] error: {exc}", file=sys.stderr, flush=True)
         return ctx.fail(str(exc))
@@ -793,7 +803,7 @@ def run(ctx: StageContext) -> int:
 
 
 def evaluate(ctx: StageContext) -> int:
-    from stages.modeling import load_base, load_stage_model, load_tokenizer, spec_base
+    from stages.modeling import ModelInputs, load_base, load_stage_model, load_tokenizer, spec_base
     from stages.tracking import StageTracker
 
     run_dir, spec, section = ctx.run_dir, ctx.spec, ctx.section
@@ -804,8 +814,6 @@ def evaluate(ctx: StageContext) -> int:
         print(f"[evaluate] skipped: {reason}", flush=True)
         return ctx.finish(status="skipped", message=reason, extra={"gate": GATE_SKIPPED, "gate_reasons": [reason]})
     include_dir(spec, run_dir.root)  # a task folder off the volumes fails here, before any model loads
-    result = run_dir.read_result(stage)
-    ctx.add_input("candidate", f"{stage}/model", result.config_hash if result else "")
     data_path = perplexity_data(run_dir, stage)
     rows = read_rows(data_path) if data_path is not None else []
     heldout_fingerprint = _sha256(data_path) if data_path is not None else ""
@@ -824,7 +832,9 @@ def evaluate(ctx: StageContext) -> int:
 
         # 2. The candidate, then the base model, measured the same way (one in memory at a time).
         tokenizer = load_tokenizer(run_dir, spec.model)
-        model = load_stage_model(run_dir, spec, stage, tokenizer)
+        # Fingerprinted as it loads, held to its stage's record, recorded as the input `candidate` (and
+        # `candidate_base`): deploy registers only a model with these fingerprints.
+        model = load_stage_model(run_dir, spec, stage, tokenizer, ModelInputs(ctx), name="candidate")
         candidate = measure(ctx, model, tokenizer, rows, "candidate")
         release(model)
         model = load_base(run_dir, spec, spec_base(spec), tokenizer)

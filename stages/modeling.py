@@ -8,7 +8,10 @@ Where a stage starts:
   directory, or a LoRA adapter, which a LoRA stage continues and a full stage merges first.
 
 What a stage leaves in `<run>/<stage>/model/`: safetensors weights and the tokenizer; an adapter (with the base
-it applies to recorded in stage.json) or, for full training or `lora.merge_after`, a full model.
+it applies to recorded in stage.json) or, for full training or `lora.merge_after`, a full model, with its content
+fingerprint in stage.json (`extra.model_fingerprint`). Every stage that loads a stage's model folder (the next
+training stage, evaluate, deploy) fingerprints what it loads and refuses a folder that changed since its producer
+recorded it, or since its own earlier attempt loaded it (`ModelInputs`).
 
 On CPU the weights are float32 and there is no gradient checkpointing and no bf16. Attention is one of the
 implementations that keep packed documents apart through their position ids (see stages/packing.py): sdpa on
@@ -17,15 +20,17 @@ CPU; on a GPU flash-attention 2 where installed, else flex attention for the pac
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import shutil
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
-from stages.contract import RunDir, is_main_process
+from stages.contract import RunDir, StageContext, StageRefused, is_main_process
 from workflows.spec import TRAINING_STAGES, ModelSpec, PipelineSpec, TrainingStage
 
 ModelKind = Literal["full", "adapter"]
@@ -58,6 +63,173 @@ class StartingModel:
     upstream: str | None  # the training stage whose output this continues, if any
     continued_adapter: bool = False  # a LoRA stage that goes on training the upstream stage's adapter
     save_dtype: torch.dtype | None = None  # the loaded dtype, when training upcast the weights to float32 masters
+    inputs: ModelInputs | None = None  # the stage model folders it loaded, fingerprinted (held to again at a merge)
+
+
+# --------------------------------------------------------------------------- fingerprints
+
+FINGERPRINT = "model_fingerprint"
+"""stage.json extra key of a stage that writes a model folder: that folder's `model_fingerprint`."""
+
+_CHUNK = 1 << 20
+_HASH_THREADS = 4
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 (hex) of a file's bytes, read in 1 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def file_digests(model_dir: Path) -> dict[str, str]:
+    """sha256 (hex) of every file under `model_dir`, by its path relative to it. The files are hashed on a few
+    threads (hashlib releases the GIL), so the shards of a large model hash in parallel."""
+    files = sorted(p for p in model_dir.rglob("*") if p.is_file())
+    with ThreadPoolExecutor(max_workers=_HASH_THREADS) as pool:
+        digests = list(pool.map(file_sha256, files))
+    return {path.relative_to(model_dir).as_posix(): digest for path, digest in zip(files, digests, strict=True)}
+
+
+def fingerprint_of(digests: dict[str, str]) -> str:
+    """'sha256:<hex>' over the sorted (file name, file sha256) pairs of `file_digests`."""
+    combined = hashlib.sha256()
+    for name in sorted(digests):
+        combined.update(f"{name}\0{digests[name]}\n".encode())
+    return f"sha256:{combined.hexdigest()}"
+
+
+def model_fingerprint(model_dir: Path) -> str:
+    """The content fingerprint of a model folder: sha256 over its sorted file names and each file's sha256
+    (weights, config, tokenizer: every file, so any change to what loads changes it).
+
+    It costs one read of every byte. An 8B model is about 16 GB in bf16: sha256 runs at about 1.4 GB/s a core
+    (with the SHA extensions of current x86 CPUs), so about 12 s of CPU, spread over up to four threads (one
+    shard each); on a network volume its read speed decides (about 30 s at 500 MB/s). It is worth it: seconds
+    against the hours the stages around it train, and it is the only record of what a stage actually loaded.
+    A config hash says what a stage was asked to do; a model folder rewritten after its stage recorded it (a
+    stage rerun by hand or by a stale retry, a copy over it) keeps the config hash and changes the bytes, and
+    without this the next stage, evaluate's gate and deploy's registration would go on from a model nobody
+    recorded, with lineage saying otherwise."""
+    return fingerprint_of(file_digests(model_dir))
+
+
+def begin_keeping_inputs(ctx: StageContext) -> bool:
+    """`ctx.begin()` (False: nothing to do), keeping in the new record the inputs that an unfinished earlier
+    attempt of this config recorded: `begin` starts the record afresh, and the fingerprints of the models that
+    attempt loaded are what this one must load again (`ModelInputs`). A forced stage starts over and keeps none."""
+    try:
+        earlier = ctx.run_dir.read_result(ctx.stage)
+    except ValueError:  # not a record: begin() says so (or that another process runs the stage)
+        earlier = None
+    if not ctx.begin():
+        return False
+    if ctx.resumed and not ctx.force and earlier is not None and ctx.result is not None:
+        for name, ref in earlier.inputs.items():
+            ctx.add_input(name, ref.uri, ref.fingerprint)
+    return True
+
+
+@dataclass
+class ModelInputs:
+    """The stage model folders a stage loads (an upstream stage's output; the stage model an adapter applies to),
+    each fingerprinted once, right before it loads, recorded in stage.json's inputs, and held to:
+
+    - the fingerprint the stage that wrote it recorded (`extra.model_fingerprint`), or with `measured_by`, the
+      one that stage recorded for it as its input (deploy registers exactly the model evaluate measured);
+    - for the base of an adapter, the fingerprint the adapter's stage recorded for that base: an adapter fits
+      only the weights it was trained on;
+    - the fingerprint this stage recorded for it in an unfinished earlier attempt (its checkpoints, and any
+      partial work, were made from that model: `begin_keeping_inputs` keeps it in the record).
+
+    A folder that differs is refused (StageRefused: the stage records it as failed, prints one `error:` line and
+    exits 2) before it loads: nothing is trained, measured or registered from it. Rank 0 checks (under torchrun
+    the other ranks load the same folders; a refusal ends rank 0, and torchrun then stops the others)."""
+
+    ctx: StageContext
+    measured_by: str | None = None
+    earlier: dict[str, str] = field(init=False)  # uri → fingerprint, from this stage's unfinished earlier attempt
+    loaded: dict[str, tuple[str, str]] = field(init=False, default_factory=dict)  # uri → (input name, fingerprint)
+
+    def __post_init__(self) -> None:
+        inputs = self.ctx.result.inputs.values() if self.ctx.result is not None else []
+        self.earlier = {ref.uri: ref.fingerprint for ref in inputs if ref.fingerprint.startswith("sha256:")}
+
+    def check(
+        self, name: str, model_dir: Path, digests: dict[str, str] | None = None, adapter_of: str | None = None
+    ) -> None:
+        """Fingerprint `model_dir` (or take `digests`, its `file_digests` read along the way), refuse it when it
+        changed, record it as the input `name`. `adapter_of`: the stage whose adapter applies to this folder.
+        Checking a folder again (a merge at the end of training reloads its base) holds it to the fingerprint it
+        had when it loaded first."""
+        if not is_main_process():
+            return
+        run_dir, stage = self.ctx.run_dir, self.ctx.stage
+        uri = run_dir.relative(model_dir)
+        producer = uri.split("/", 1)[0]
+        actual = fingerprint_of(digests) if digests is not None else model_fingerprint(model_dir)
+
+        def again(who: str) -> str:
+            return f"python -m stages {who} --run-dir {run_dir.root} --force"
+
+        expected, where = self._recorded(uri)
+        if expected != actual and self.measured_by is not None:
+            raise StageRefused(
+                f"[{stage}] {uri} is not the model {self.measured_by} measured: its files hash to {actual}, "
+                f"{where} records {expected}. {stage} publishes only what {self.measured_by} measured and gated: "
+                f"run {self.measured_by} again ({again(self.measured_by)}), then {stage}."
+            )
+        if expected != actual:
+            raise StageRefused(
+                f"[{stage}] {uri} changed after {producer} recorded it: its files hash to {actual}, {where} records "
+                f"{expected}. {stage} loads only a model its stage recorded: put back the model {producer} wrote, "
+                f"or run {producer} again ({again(producer)}), then {stage}."
+            )
+        trained_on = _input_fingerprint(run_dir, adapter_of, uri) if adapter_of is not None else None
+        if trained_on is not None and trained_on != actual:
+            raise StageRefused(
+                f"[{stage}] {uri} is not the model {adapter_of}'s adapter was trained on: {adapter_of}/stage.json "
+                f"records {trained_on} for it, it is {actual} now ({producer} ran again after {adapter_of}). An "
+                f"adapter fits only the weights it was trained on: run {adapter_of} again "
+                f"({again(adapter_of)}), then {stage}."
+            )
+        before = self.loaded[uri][1] if uri in self.loaded else self.earlier.get(uri)
+        if before is not None and before != actual:
+            raise StageRefused(
+                f"[{stage}] {uri} changed while {stage} was in progress: {stage} loaded {before} before, it is "
+                f"{actual} now. Going on would mix work from two models (checkpoints trained from the old one). "
+                f"Run {stage} with --force to start it over from the current {uri} ({again(stage)})."
+            )
+        name = self.loaded[uri][0] if uri in self.loaded else name
+        self.loaded[uri] = (name, actual)
+        self.ctx.add_input(name, uri, actual)
+
+    def _recorded(self, uri: str) -> tuple[str, str]:
+        """(the fingerprint `uri` must have, the record that says so); StageRefused when none is recorded."""
+        run_dir, stage = self.ctx.run_dir, self.ctx.stage
+        source = self.measured_by or uri.split("/", 1)[0]
+        where = f"{source}/stage.json"
+        if self.measured_by is not None:
+            recorded = _input_fingerprint(run_dir, source, uri) or ""
+        else:
+            result = run_dir.read_result(source)
+            recorded = str(result.extra.get(FINGERPRINT, "")) if result is not None else ""
+        if not recorded.startswith("sha256:"):
+            raise StageRefused(
+                f"[{stage}] {where} records no content fingerprint of {uri} (it was written by an older version): "
+                f"nothing to hold {uri} to. Run {source} again (python -m stages {source} --run-dir {run_dir.root} "
+                f"--force), then {stage}."
+            )
+        return recorded, where
+
+
+def _input_fingerprint(run_dir: RunDir, stage: str, uri: str) -> str | None:
+    """The content fingerprint `stage` recorded for its input `uri`, if any."""
+    result = run_dir.read_result(stage)
+    found = [ref.fingerprint for ref in result.inputs.values() if ref.uri == uri] if result is not None else []
+    return next((f for f in found if f.startswith("sha256:")), None)
 
 
 # --------------------------------------------------------------------------- settings
@@ -281,9 +453,13 @@ def lora_config(section: TrainingStage) -> Any:
     )
 
 
-def load_starting_model(run_dir: RunDir, spec: PipelineSpec, stage: str, tokenizer: Any) -> StartingModel:
+def load_starting_model(
+    run_dir: RunDir, spec: PipelineSpec, stage: str, tokenizer: Any, inputs: ModelInputs | None = None
+) -> StartingModel:
     """The model `stage` trains: the base model or the upstream stage's output, with a LoRA adapter (new or
-    continued) when the stage's method is lora or qlora."""
+    continued) when the stage's method is lora or qlora. With `inputs` (the stages pass it), each stage model
+    folder is fingerprinted and checked before it loads: the upstream output as input `model`, the stage model
+    an upstream adapter applies to as `model_base`."""
     from peft import get_peft_model, prepare_model_for_kbit_training
 
     section: TrainingStage = spec.stage(stage)  # type: ignore[assignment]
@@ -300,6 +476,13 @@ def load_starting_model(run_dir: RunDir, spec: PipelineSpec, stage: str, tokeniz
             base = BaseRef("stage", run_dir.relative(previous.path))
         else:
             base, adapter_dir = previous.base, previous.path
+    if inputs is not None and upstream is not None:
+        if adapter_dir is None:
+            inputs.check("model", run_dir.root / base.name)  # the upstream's full model
+        else:
+            if base.kind == "stage":  # the stage model the upstream adapter applies to
+                inputs.check("model_base", run_dir.root / base.name, adapter_of=upstream)
+            inputs.check("model", adapter_dir)
     model = load_base(run_dir, spec, base, tokenizer, quantization)
     switch = packed_attention(spec.model, stage, section)
     if switch is not None:
@@ -310,7 +493,9 @@ def load_starting_model(run_dir: RunDir, spec: PipelineSpec, stage: str, tokeniz
             model = load_adapter(model, adapter_dir).merge_and_unload()
             model.requires_grad_(True)  # PEFT loaded the base frozen; full training trains every weight
         save_dtype = float32_masters(model, section)
-        start = StartingModel(model=model, kind="full", base=base, upstream=upstream, save_dtype=save_dtype)
+        start = StartingModel(
+            model=model, kind="full", base=base, upstream=upstream, save_dtype=save_dtype, inputs=inputs
+        )
     else:
         if quantization is not None:
             model = prepare_model_for_kbit_training(
@@ -321,17 +506,37 @@ def load_starting_model(run_dir: RunDir, spec: PipelineSpec, stage: str, tokeniz
         else:
             model = get_peft_model(model, lora_config(section))
         start = StartingModel(
-            model=model, kind="adapter", base=base, upstream=upstream, continued_adapter=adapter_dir is not None
+            model=model,
+            kind="adapter",
+            base=base,
+            upstream=upstream,
+            continued_adapter=adapter_dir is not None,
+            inputs=inputs,
         )
     start.model.config.use_cache = False  # a KV cache in training would hide the packed-document boundaries
     return start
 
 
-def load_stage_model(run_dir: RunDir, spec: PipelineSpec, stage: str, tokenizer: Any) -> Any:
-    """A finished stage's model for inference: a full model, or an adapter merged into its base."""
+def load_stage_model(
+    run_dir: RunDir,
+    spec: PipelineSpec,
+    stage: str,
+    tokenizer: Any,
+    inputs: ModelInputs | None = None,
+    name: str = "model",
+) -> Any:
+    """A finished stage's model for inference: a full model, or an adapter merged into its base. With `inputs`,
+    each stage model folder is fingerprinted and checked before it loads (input `name`, and `<name>_base` for
+    the stage model an adapter applies to)."""
     output = stage_output(run_dir, stage)
     if output.kind == "full":
+        if inputs is not None:
+            inputs.check(name, output.path)
         return load_pretrained(output.path, spec.model)
+    if inputs is not None:
+        if output.base.kind == "stage":
+            inputs.check(f"{name}_base", run_dir.root / output.base.name, adapter_of=stage)
+        inputs.check(name, output.path)
     base = load_base(run_dir, spec, output.base, tokenizer)
     return load_adapter(base, output.path).merge_and_unload()
 
@@ -359,7 +564,7 @@ def save_stage_model(
         (out / "training_args.bin").unlink(missing_ok=True)  # a pickle, not part of the model
         tokenizer.save_pretrained(out)
         if start.kind == "adapter" and section.lora.merge_after:
-            merged = _merge_adapter(run_dir, spec, start.base, out, tokenizer)
+            merged = _merge_adapter(run_dir, spec, start, out, tokenizer)
             for name in _ADAPTER_FILES:
                 (out / name).unlink(missing_ok=True)
             merged.save_pretrained(out)
@@ -368,9 +573,12 @@ def save_stage_model(
     return {"model_kind": kind, "base": start.base.name, "base_kind": start.base.kind}
 
 
-def _merge_adapter(run_dir: RunDir, spec: PipelineSpec, base: BaseRef, adapter_dir: Path, tokenizer: Any) -> Any:
-    """The adapter in `adapter_dir` merged into a fresh, unquantized copy of its base."""
-    model = load_base(run_dir, spec, base, tokenizer)
+def _merge_adapter(run_dir: RunDir, spec: PipelineSpec, start: StartingModel, adapter_dir: Path, tokenizer: Any) -> Any:
+    """The adapter in `adapter_dir` merged into a fresh, unquantized copy of its base. A base that is a stage's
+    model folder is read again from disk, hours after training started from it: it must still be what it was."""
+    if start.inputs is not None and start.base.kind == "stage":
+        start.inputs.check("model", run_dir.root / start.base.name)
+    model = load_base(run_dir, spec, start.base, tokenizer)
     merged = load_adapter(model, adapter_dir).merge_and_unload()
     merged.config.use_cache = True
     return merged

@@ -8,6 +8,7 @@ Reads top to bottom:
    `prepare/data/<stage>/{train,eval}.jsonl` (evaluate: eval.jsonl only) and `manifest.json`, and record
    each input file with its sha256 fingerprint. A builtin lm-eval task folder (`stages.evaluate.
    lm_eval_include_path: builtin:<name>`) is generated into `prepare/data/evaluate/lm_eval/` and recorded too.
+   Every task of `stages.evaluate.lm_eval_tasks` must be defined by lm-eval or the include path.
 3. The combined data fingerprint, and whether it equals the last successful run's (see `last_success`); with
    `skip_if_unchanged` and unchanged data, the run ends after prepare (steps 4 and 5 are not needed).
 4. The tokenizer (`stages.tokenizer`) into `prepare/tokenizer/`, trained on the training rows for a model
@@ -97,6 +98,20 @@ def write_builtin_tasks(ctx: StageContext) -> dict[str, Any] | None:
     listed = ", ".join(f"{task} ({n} rows)" for task, n in rows.items())
     print(f"[prepare] evaluate: lm-eval tasks {listed} ({uri})", flush=True)
     return {"uri": uri, "dir": str(BUILTIN_TASKS_DIR), "rows": rows, "fingerprint": fingerprint}
+
+
+def check_lm_eval_tasks(ctx: StageContext) -> None:
+    """DataError naming every task of stages.evaluate.lm_eval_tasks that neither the installed lm-eval nor the
+    include path defines: found here, before anything trains, not by evaluate hours later."""
+    section = ctx.spec.stages.evaluate
+    if not section.enabled or not section.lm_eval_tasks:
+        return
+    from stages.evaluate import include_dir
+    from stages.lm_eval_registry import unknown_tasks
+
+    problems = unknown_tasks(ctx.spec, include_dir(ctx.spec, ctx.run_dir.root))
+    if problems:
+        raise DataError("; ".join(problems))
 
 
 def build_token_caches(run_dir: RunDir, spec: PipelineSpec, stages: list[str]) -> dict[str, Path]:
@@ -202,6 +217,7 @@ def run(ctx: StageContext) -> int:
                 flush=True,
             )
         tasks = write_builtin_tasks(ctx)
+        check_lm_eval_tasks(ctx)
     except DataError as exc:
         print(f"[prepare] error: {exc}", file=sys.stderr, flush=True)
         return ctx.fail(str(exc))
@@ -220,14 +236,11 @@ def run(ctx: StageContext) -> int:
         if unchanged:
             skip_reason = f"data unchanged since run {previous_run} ({fingerprint[:19]}): nothing to train"
 
-    # 3-4. Tokenizer and token caches (not needed when the run ends here); a failure is recorded first.
+    # 3-4. Tokenizer and token caches (not needed when the run ends here). What fails unexpectedly, here or
+    #      anywhere in this stage, is recorded by the entry point (`StageContext.crash`, in stages/__main__.py).
     tokenizer_dir, tokenizer, tok_hash, caches = None, None, "", {}
     if not skip_reason:
-        try:
-            tokenizer_dir, tokenizer, tok_hash, caches = build_tokenizer_and_caches(ctx, datasets)
-        except Exception as exc:
-            ctx.fail(f"{type(exc).__name__}: {exc}")
-            raise
+        tokenizer_dir, tokenizer, tok_hash, caches = build_tokenizer_and_caches(ctx, datasets)
 
     # 5. Tracking: the pipeline run's parent run (W&B group) and prepare's own run.
     outputs: dict[str, Path] = {"tokenizer": tokenizer_dir} if tokenizer_dir else {}

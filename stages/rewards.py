@@ -1,7 +1,9 @@
 """GRPO reward functions: the built-ins and user functions named by import path.
 
 `stages.rlhf.reward_functions` lists the rewards GRPO sums (each with a weight). An entry's `name` is either a
-built-in or a Python import path `package.module:function`; its `args` are keyword arguments for that function.
+built-in or `package.module:function`, a function defined in a module that `stages.rlhf.reward_modules` lists (set
+in the pipeline file only); its `args` are keyword arguments for that function. No other module is ever imported
+for a reward: the spec refuses the name before the run starts, and `load_user_function` refuses it again here.
 
 Built-ins (every score is in [0, 1]):
 - `hangul_ratio`: the fraction of Hangul syllables (가-힣) among the letters of the completion;
@@ -23,7 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from stages.tokenizer import ENDOFTEXT, IM_END, THINK_CLOSE, THINK_OPEN
-from workflows.spec import RewardFunction
+from workflows.spec import BUILTIN_REWARDS, RewardFunction
 
 RewardFn = Callable[..., list[float | None]]
 
@@ -129,7 +131,8 @@ def _think_tags_closed(text: str) -> bool:
 
 
 BUILTINS: dict[str, RewardFn] = {"hangul_ratio": hangul_ratio, "length": length_window, "format": end_format}
-"""Built-in name (as the spec writes it) → function."""
+"""Built-in name (as the spec writes it, `workflows.spec.BUILTIN_REWARDS`) → function."""
+assert set(BUILTINS) == set(BUILTIN_REWARDS)
 
 
 # --------------------------------------------------------------------------- the spec's rewards
@@ -150,24 +153,29 @@ class Reward:
         return f"Reward({self.__name__!r}, args={self.args!r})"
 
 
-def load_user_function(path: str, field: str) -> RewardFn:
-    """The function `package.module:function`; RewardError naming `field` when it cannot be imported."""
+def load_user_function(path: str, field: str, modules: Iterable[str]) -> RewardFn:
+    """The function `package.module:function` of one of the allowed `modules` (the pipeline file's
+    stages.rlhf.reward_modules), defined in that module (not imported into it); RewardError naming `field`
+    otherwise. Nothing is imported unless the module is allowed."""
     module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
+    if not module_name or not attr.isidentifier():
+        raise RewardError(f"{field} is {path!r}: use a built-in ({', '.join(BUILTINS)}) or 'package.module:function'")
+    if module_name not in set(modules):
         raise RewardError(
-            f"{field} is {path!r}: use a built-in ({', '.join(BUILTINS)}) or an import path 'package.module:function'"
+            f"{field}: module {module_name!r} is not in stages.rlhf.reward_modules: only the modules the pipeline "
+            "file lists are imported for a reward"
         )
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # ImportError, or an error raised while the module runs
         raise RewardError(f"{field}: cannot import module {module_name!r} ({type(exc).__name__}: {exc})") from exc
-    func = module
-    for part in attr.split("."):
-        if not hasattr(func, part):
-            raise RewardError(f"{field}: module {module_name!r} has no attribute {attr!r}")
-        func = getattr(func, part)
-    if not callable(func):
-        raise RewardError(f"{field}: {path!r} is a {type(func).__name__}, not a function")
+    func = getattr(module, attr, None)
+    if func is None:
+        raise RewardError(f"{field}: module {module_name!r} has no attribute {attr!r}")
+    if not inspect.isfunction(func) or func.__module__ != module_name:
+        # A class, a builtin or a function imported from elsewhere (from torch.hub import load) is not the
+        # module's own reward: calling it could run whatever it wraps.
+        raise RewardError(f"{field}: {path!r} is not a function defined in {module_name!r}")
     return func
 
 
@@ -203,10 +211,11 @@ def check_builtin_args(func: RewardFn, args: dict[str, Any], field: str) -> None
 
 
 def build_reward_functions(
-    rewards: list[RewardFunction], end_token_ids: Iterable[int] = ()
+    rewards: list[RewardFunction], end_token_ids: Iterable[int] = (), modules: Iterable[str] = ()
 ) -> tuple[list[Reward], list[float]]:
     """The spec's reward functions, ready for GRPOTrainer(reward_funcs=...), and their weights. `end_token_ids`
-    (the tokenizer's end-of-turn ids) go to the `format` built-in unless the spec sets them."""
+    (the tokenizer's end-of-turn ids) go to the `format` built-in unless the spec sets them; user functions come
+    only from `modules` (stages.rlhf.reward_modules)."""
     functions: list[Reward] = []
     for i, reward in enumerate(rewards):
         field = f"stages.rlhf.reward_functions[{i}].name"
@@ -217,7 +226,7 @@ def build_reward_functions(
                 args.setdefault("end_token_ids", list(end_token_ids))
             check_builtin_args(func, args, f"stages.rlhf.reward_functions[{i}].args")
         else:
-            func, name = load_user_function(reward.name, field), reward.name.rpartition(":")[2]
+            func, name = load_user_function(reward.name, field, modules), reward.name.rpartition(":")[2]
             check_signature(func, args, field)
         functions.append(Reward(name, func, args))
     return functions, [reward.weight for reward in rewards]

@@ -18,8 +18,9 @@ starting adapter next to the trained one (a fresh adapter's copy is zero, i.e. t
 training, a frozen copy of the starting weights, or none at all when `precompute_ref_log_probs` computes the
 reference log-probabilities once, with the starting weights, before the first step (see docs/rlhf.md).
 
-Checkpoints go to `rlhf/checkpoints/`, a rerun resumes from the newest valid one, SIGTERM saves one and exits 75;
-the adapter or (merged) model and the tokenizer go to `rlhf/model/`.
+Checkpoints go to `rlhf/checkpoints/`, a rerun resumes from the newest valid one (never past the plan), SIGTERM
+saves one and exits 75; the adapter or (merged) model and the tokenizer go to `rlhf/model/`, its content fingerprint
+to stage.json. The upstream models are held to the fingerprints their stages recorded.
 """
 
 from __future__ import annotations
@@ -34,10 +35,12 @@ from datasets import Dataset, load_dataset
 from transformers import TrainingArguments
 
 from stages.checkpoints import CheckpointMarker, SigtermCheckpoint
-from stages.contract import EXIT_OK, StageContext, is_main_process
+from stages.contract import EXIT_OK, StageContext, StageRefused, is_main_process
 from stages.modeling import (
+    ModelInputs,
     NotSupportedHere,
     StartingModel,
+    begin_keeping_inputs,
     describe,
     load_starting_model,
     load_tokenizer,
@@ -48,8 +51,10 @@ from stages.rewards import RewardError, build_reward_functions
 from stages.tracking import StageTracker
 from stages.training import (
     loss_curve,
+    output_fingerprint,
     resume_checkpoint,
     resume_details,
+    train_to_plan,
     trainer_arguments,
     write_distributed_config,
     write_log_history,
@@ -71,11 +76,14 @@ LOGGED_METRICS = {
 
 def run(ctx: StageContext) -> int:
     """Train the rlhf stage; returns the process exit code."""
-    if not ctx.begin():
+    if not begin_keeping_inputs(ctx):
         return EXIT_OK
     sigterm = SigtermCheckpoint().install()
     try:
         return train(ctx, sigterm)
+    except StageRefused as exc:  # an upstream model changed: nothing trained; one error line, exit 2
+        ctx.fail(str(exc))
+        raise
     except (NotSupportedHere, RewardError) as exc:
         print(f"error: {exc}", flush=True)
         return ctx.fail(str(exc))
@@ -92,14 +100,14 @@ def train(ctx: StageContext, sigterm: SigtermCheckpoint) -> int:
 
     # 1. The tokenizer, the model this stage starts from (sft's output, when sft ran) and the trainer's settings.
     tokenizer = load_tokenizer(run_dir, spec.model)
-    start = load_starting_model(ctx.run_dir, ctx.spec, ctx.stage, tokenizer)
+    start = load_starting_model(ctx.run_dir, ctx.spec, ctx.stage, tokenizer, ModelInputs(ctx))
     config = trainer_config(ctx, start)
 
     # 2. The preference rows, in the shape the algorithm reads. Rank 0 reads them first, the others from its cache.
     with config.main_process_first(desc="preference data", local=False):
         files = preference_files(ctx)
         train_rows, eval_rows = load_rows(ctx, files)
-    record_inputs(ctx, files, start.upstream)
+    record_inputs(ctx, files)
     write_distributed_config(ctx, config)
 
     # 3. Resume from the newest valid checkpoint of an earlier attempt, if any.
@@ -127,12 +135,12 @@ def train(ctx: StageContext, sigterm: SigtermCheckpoint) -> int:
         callbacks = [tracker.hf_callback(), CheckpointMarker(), sigterm]
         trainer = make_trainer(ctx, start, config, tokenizer, train_rows, eval_rows, callbacks)
 
-        # 4. Train.
-        trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+        # 4. Train, up to the planned end and never past it (none left when the checkpoint is at it).
+        trained = train_to_plan(trainer, checkpoint, ctx.stage)
         if sigterm.stopped:
             tracker.finish("interrupted")
             step = trainer.state.global_step
-            return ctx.fail(f"SIGTERM: saved checkpoint-{step}; a rerun resumes from it", retryable=True)
+            return ctx.fail(f"{sigterm.signal_name}: saved checkpoint-{step}; a rerun resumes from it", retryable=True)
 
         # 5. Held-out preference metrics (not for GRPO: its eval would generate), the model, the record.
         eval_metrics = trainer.evaluate() if eval_rows is not None and section.algorithm != "grpo" else {}
@@ -148,7 +156,8 @@ def train(ctx: StageContext, sigterm: SigtermCheckpoint) -> int:
             metrics=metrics,
             extra={
                 **model_info,
-                **resume_details(checkpoint),
+                **output_fingerprint(ctx),  # after the reference adapter was dropped: the folder as handed on
+                **resume_details(checkpoint, trained),
                 "upstream": start.upstream or "",
                 "algorithm": section.algorithm,
                 "reference": reference_description(section, start),
@@ -199,7 +208,8 @@ def trainer_config(ctx: StageContext, start: StartingModel) -> TrainingArguments
             f"stages.rlhf.num_generations ({section.num_generations}) must divide per_device_batch_size × "
             f"gradient_accumulation_steps ({groups}): each batch holds whole groups of completions of one prompt"
         )
-    _, weights = build_reward_functions(section.reward_functions)  # fails early on a bad reward function
+    # Fails early on a bad reward function; imports only the modules the pipeline file allows.
+    _, weights = build_reward_functions(section.reward_functions, modules=section.reward_modules)
     return GRPOConfig(
         **common,
         num_generations=section.num_generations,
@@ -252,15 +262,12 @@ def unpaired(rows: Dataset, seed: int) -> Dataset:
     return rows.map(split, batched=True, remove_columns=rows.column_names).shuffle(seed=seed).flatten_indices()
 
 
-def record_inputs(ctx: StageContext, files: dict[str, Path], upstream: str | None) -> None:
-    """Lineage in stage.json: the preference files and, for a chained stage, the upstream stage's model."""
+def record_inputs(ctx: StageContext, files: dict[str, Path]) -> None:
+    """Lineage in stage.json: the preference files. (The upstream models are recorded, by content, as they load:
+    `stages.modeling.ModelInputs`.)"""
     for split, path in files.items():
         digest = hashlib.sha256(path.read_bytes()).hexdigest()
         ctx.add_input(f"preference_{split}", ctx.run_dir.relative(path), f"sha256:{digest}")
-    if upstream is not None:
-        result = ctx.run_dir.read_result(upstream)
-        model_dir = ctx.run_dir.stage_dir(upstream) / "model"
-        ctx.add_input("model", ctx.run_dir.relative(model_dir), result.config_hash if result else "")
 
 
 # --------------------------------------------------------------------------- the trainer
@@ -299,7 +306,9 @@ def make_trainer(
     from trl import GRPOTrainer
 
     end_ids = {tokenizer.eos_token_id, *_as_list(start.model.generation_config.eos_token_id)} - {None}
-    rewards, _ = build_reward_functions(section.reward_functions, end_token_ids=sorted(end_ids))
+    rewards, _ = build_reward_functions(
+        section.reward_functions, end_token_ids=sorted(end_ids), modules=section.reward_modules
+    )
     point_grpo_at_reference(ctx, start, config)
     return GRPOTrainer(**common, reward_funcs=rewards)
 

@@ -6,7 +6,8 @@
 Starts from cpt's output when cpt ran (else the base model), full or with a LoRA adapter (a new one, or cpt's
 adapter continued), trains with TRL's SFTTrainer on the packed token cache (labels -100 outside the assistant
 turns, documents kept apart through position ids), checkpoints into `sft/checkpoints/`, resumes after a
-preemption, and writes the adapter or the (merged) model with the tokenizer into `sft/model/`.
+preemption (never past the plan), and writes the adapter or the (merged) model with the tokenizer into
+`sft/model/`, its content fingerprint into stage.json. cpt's model is held to the fingerprint cpt recorded.
 """
 
 from __future__ import annotations
@@ -14,16 +15,26 @@ from __future__ import annotations
 from trl import SFTConfig, SFTTrainer
 
 from stages.checkpoints import CheckpointMarker, SigtermCheckpoint
-from stages.contract import EXIT_OK, StageContext
-from stages.modeling import NotSupportedHere, describe, load_starting_model, load_tokenizer, save_stage_model
+from stages.contract import EXIT_OK, StageContext, StageRefused
+from stages.modeling import (
+    ModelInputs,
+    NotSupportedHere,
+    begin_keeping_inputs,
+    describe,
+    load_starting_model,
+    load_tokenizer,
+    save_stage_model,
+)
 from stages.packing import PackedCollator, batch_width_multiple, load_token_cache
 from stages.tracking import StageTracker
 from stages.training import (
     loss_curve,
+    output_fingerprint,
     record_inputs,
     resume_checkpoint,
     resume_details,
     summary_metrics,
+    train_to_plan,
     trainer_arguments,
     write_distributed_config,
     write_log_history,
@@ -32,11 +43,14 @@ from stages.training import (
 
 def run(ctx: StageContext) -> int:
     """Train the sft stage; returns the process exit code."""
-    if not ctx.begin():
+    if not begin_keeping_inputs(ctx):
         return EXIT_OK
     sigterm = SigtermCheckpoint().install()
     try:
         return train(ctx, sigterm)
+    except StageRefused as exc:  # an upstream model changed: nothing trained; one error line, exit 2
+        ctx.fail(str(exc))
+        raise
     except NotSupportedHere as exc:
         print(f"error: {exc}", flush=True)
         return ctx.fail(str(exc))
@@ -51,7 +65,7 @@ def train(ctx: StageContext, sigterm: SigtermCheckpoint) -> int:
 
     # 1. The tokenizer and the model this stage starts from (cpt's output, when cpt ran).
     tokenizer = load_tokenizer(run_dir, spec.model)
-    start = load_starting_model(run_dir, spec, ctx.stage, tokenizer)
+    start = load_starting_model(run_dir, spec, ctx.stage, tokenizer, ModelInputs(ctx))
     args = SFTConfig(
         **trainer_arguments(ctx, start.model),
         max_length=ctx.section.training.max_seq_length,
@@ -61,7 +75,7 @@ def train(ctx: StageContext, sigterm: SigtermCheckpoint) -> int:
     # 2. The packed, assistant-masked token rows. Rank 0 builds them when missing, the others wait.
     with args.main_process_first(desc="token cache"):
         cache = load_token_cache(run_dir, spec, ctx.stage)
-    record_inputs(ctx, cache, start.upstream)
+    record_inputs(ctx, cache)
     write_distributed_config(ctx, args)
 
     # 3. Resume from the newest valid checkpoint of an earlier attempt, if any.
@@ -94,12 +108,12 @@ def train(ctx: StageContext, sigterm: SigtermCheckpoint) -> int:
             callbacks=[tracker.hf_callback(), CheckpointMarker(), sigterm],
         )
 
-        # 4. Train.
-        trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+        # 4. Train, up to the planned end and never past it (none left when the checkpoint is at it).
+        trained = train_to_plan(trainer, checkpoint, ctx.stage)
         if sigterm.stopped:
             tracker.finish("interrupted")
             step = trainer.state.global_step
-            return ctx.fail(f"SIGTERM: saved checkpoint-{step}; a rerun resumes from it", retryable=True)
+            return ctx.fail(f"{sigterm.signal_name}: saved checkpoint-{step}; a rerun resumes from it", retryable=True)
 
         # 5. Held-out loss on the assistant tokens, the model, the record.
         eval_metrics = trainer.evaluate() if cache.eval is not None else None
@@ -112,7 +126,12 @@ def train(ctx: StageContext, sigterm: SigtermCheckpoint) -> int:
         code = ctx.finish(
             outputs={"model": ctx.model_dir},
             metrics=metrics,
-            extra={**model_info, **resume_details(checkpoint), "upstream": start.upstream or ""},
+            extra={
+                **model_info,
+                **output_fingerprint(ctx),
+                **resume_details(checkpoint, trained),
+                "upstream": start.upstream or "",
+            },
         )
         tracker.finish("succeeded")
     return code

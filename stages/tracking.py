@@ -13,59 +13,97 @@ stage that tracks) and one nested run per stage. The parent is closed by the sta
 with the tag `posttrain.end_reason`: the last enabled stage (`completed`, or the failed stage's status), prepare
 when it ends the run early (`skipped`, skip_if_unchanged) and evaluate when the gate does not pass (`gate-fail`:
 deploy does not run); `posttrain.end_message` says why. The parent's id lives in `<run>/tracking.json`; the stage
-run's id is stored in stage.json through `ctx.set_tracking`, so a resumed attempt continues the SAME run; the
-steps it trains again (those after its checkpoint that the killed attempt had already logged) are not logged a
-second time, so every metric has one value per step.
+run's id is stored in stage.json through `ctx.set_tracking`, so a resumed attempt continues the SAME run.
 The tracking URI is spec.tracking.mlflow_tracking_uri, else $MLFLOW_TRACKING_URI, else
 `sqlite:///<run>/mlflow.db` (artifacts then go next to the database, in `mlartifacts/`).
 
-W&B (only when spec.tracking.wandb_project is set): group = run name, job_type = stage, one run per stage with
-a stable id (resumed attempts continue it); offline under `<run>/wandb/` unless WANDB_API_KEY is set.
-TensorBoard (spec.tracking.tensorboard): event files under `<run>/<stage>/logs/tensorboard`. Langfuse: start,
-end and error events of each stage in one trace per run, only when LANGFUSE_PUBLIC_KEY, LANGFUSE_SECRET_KEY
-and LANGFUSE_HOST are set (plain HTTP to its ingestion API).
+One value per step: every backend gets at most one value per (metric, step), also across resumed attempts
+(`<stage>/logs/tracking-steps.json` remembers the last step logged per metric; the MLflow run's history counts
+too). The first value wins (see `StageTracker.log_metrics`).
 
-Tracking never fails a stage: a backend that errors costs one warning, its metrics are buffered and sent on
-a later call (after RETRY_SECONDS), and whatever is still unsent at the end is written to
-`<run>/<stage>/logs/tracking-unsent.jsonl`. W&B gets WANDB_INIT_TIMEOUT_SECONDS to start a run, not its own
-90 s. Only rank 0 tracks. Credentials come only from the environment
-and are never logged: parameter names that look like secrets, and values equal to a secret in the
-environment, are not sent.
+Outages: tracking never fails a stage. A backend that errors costs one warning and is left alone for
+RETRY_SECONDS. What the MLflow server cannot take is appended at once to the stage's journal,
+`<stage>/logs/tracking-unsent.jsonl` (params, metrics, artifacts, and the end of the stage's run and of the
+pipeline's parent), synced to disk, so a stage killed during an outage loses at most the line being written. The
+journal is sent, before anything new, by the stage's next attempt; by any stage's tracker when it starts (the
+journals of the run directory's other stages); and by `python -m workflows.runs sync-tracking DIR`
+(`sync_tracking`). Sending is idempotent (a metric at a step the run already has, a param it already has, is not
+sent again), and the journal is removed once the server took all of it, so a send cut short is simply done again.
+Only a process holding the stage's lock (`<stage>/.lock`, `stages.contract.hold_stage_lock`) touches a stage's
+journal: the stage's own attempt, or a sender while no process runs the stage (`stage_idle`).
+
+W&B (only when spec.tracking.wandb_project is set): group = run name, job_type = stage, one run per stage with
+a stable id (resumed attempts continue it); offline under `<run>/wandb/` unless WANDB_API_KEY is set. W&B gets
+WANDB_INIT_TIMEOUT_SECONDS to start a run, not its own 90 s. TensorBoard (spec.tracking.tensorboard): event
+files under `<run>/<stage>/logs/tensorboard`. Langfuse: start, end and error events of each stage in one trace
+per run, only when LANGFUSE_PUBLIC_KEY, LANGFUSE_SECRET_KEY and LANGFUSE_HOST are set (plain HTTP to its
+ingestion API). Only rank 0 tracks.
+
+Credentials come only from the environment and never reach a backend: parameter names that look like secrets,
+and values holding a secret of the environment, are not sent; every string tracking writes or sends (params,
+tags, warnings, the journal, Langfuse events, W&B's config) goes through `mask_secrets`; W&B captures no console
+output and no git remote.
 """
 
 from __future__ import annotations
 
 import base64
+import errno
+import fcntl
 import json
 import logging
 import math
 import os
 import re
+import socket
 import subprocess
 import time
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stages.contract import SECRET_NAME, StageContext, is_main_process, now, secret_values, write_json_atomic
-from workflows.spec import PipelineSpec
+from stages.contract import (
+    EXIT_RETRYABLE,
+    LOCK_FILE,
+    RunDir,
+    StageContext,
+    StageInterrupted,
+    StageResult,
+    holds_stage_lock,
+    is_main_process,
+    mask_secrets,
+    mask_secrets_in,
+    now,
+    secret_values,
+    write_json_atomic,
+)
+from workflows.credentials import looks_secret_name
+from workflows.spec import STAGE_ORDER, PipelineSpec
 
 log = logging.getLogger("posttrain.tracking")
 
 TRACKING_FILE = "tracking.json"
 """`<run>/tracking.json`: the MLflow experiment and parent run ids shared by the stages of a run."""
 
+JOURNAL = "tracking-unsent.jsonl"
+"""`<stage>/logs/tracking-unsent.jsonl`: what the MLflow server has not taken yet (see `Journal`)."""
+
+STEPS_FILE = "tracking-steps.json"
+"""`<stage>/logs/tracking-steps.json`: the last step logged per metric by the attempts of a stage."""
+
 RETRY_SECONDS = 30.0
 """After a failed call, a backend is left alone this long before the next try."""
 
 MAX_BUFFERED_METRICS = 200_000
+"""Metrics kept in memory when the journal cannot be written either (a full disk); the oldest go first."""
+
 BATCH = 1000  # MLflow log_batch limit for metrics
 PARAM_BATCH = 100
 MAX_PARAM_VALUE = 6000
-
-_SECRET_NAME = SECRET_NAME
 
 WANDB_INIT_TIMEOUT_SECONDS = 20
 """How long W&B may take to start a run (its own default is 90 s); $WANDB_INIT_TIMEOUT overrides it. An
@@ -94,8 +132,8 @@ def resolve_tracking_uri(spec: PipelineSpec, run_root: Path) -> str:
 
 
 def redact_uri(uri: str) -> str:
-    """A URI fit for logs: user:password@ removed."""
-    return re.sub(r"//[^/@]*@", "//***@", uri)
+    """A URI fit for logs: user:password@ and any other credential in it masked."""
+    return mask_secrets(re.sub(r"//[^/@]*@", "//***@", uri))
 
 
 def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
@@ -109,16 +147,18 @@ def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def clean_params(params: dict[str, Any]) -> dict[str, str]:
-    """Params as MLflow accepts them (flat, string values, legal keys), without anything secret."""
-    secrets = secret_values()
+def clean_params(params: dict[str, Any], secrets: set[str] | None = None) -> dict[str, str]:
+    """Params as MLflow accepts them (flat, string values, legal keys), without anything secret: a secret-looking
+    name or a value holding a secret of the environment is left out, a credential-shaped part of a value (a URI's
+    user:password@, a known key format) is masked."""
+    secrets = secret_values() if secrets is None else secrets
     out = {}
     for key, value in flatten(params).items():
         text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
-        if _SECRET_NAME.search(key) or any(s in text for s in secrets):
+        if looks_secret_name(key) or any(s in text for s in secrets):
             continue
-        safe_key = re.sub(r"[^A-Za-z0-9_\-. /:]", "_", key)[:250]
-        out[safe_key] = text[:MAX_PARAM_VALUE]
+        safe_key = mask_secrets(re.sub(r"[^A-Za-z0-9_\-. /:]", "_", key)[:250], secrets)
+        out[safe_key] = mask_secrets(text, secrets)[:MAX_PARAM_VALUE]
     return out
 
 
@@ -142,7 +182,7 @@ def git_sha() -> str | None:
 
 
 def run_tags(spec: PipelineSpec, run_root: Path) -> dict[str, str]:
-    """Tags on every MLflow run of a pipeline run: pipeline, run dir, Argo workflow, git commit, image."""
+    """Tags on every MLflow run of a pipeline run: pipeline, run dir, Argo workflow, git commit, image (masked)."""
     tags = {
         "posttrain.pipeline": spec.name,
         "posttrain.run": run_root.name,
@@ -158,7 +198,8 @@ def run_tags(spec: PipelineSpec, run_root: Path) -> dict[str, str]:
     tags.update({tag: os.environ[var] for tag, var in env.items() if os.environ.get(var)})
     if sha := git_sha():
         tags["mlflow.source.git.commit"] = sha
-    return tags
+    secrets = secret_values()
+    return {key: mask_secrets(value, secrets)[:MAX_PARAM_VALUE] for key, value in tags.items()}
 
 
 def read_tracking_file(run_root: Path) -> dict[str, Any]:
@@ -171,11 +212,60 @@ def read_tracking_file(run_root: Path) -> dict[str, Any]:
         return {}
 
 
+def _read_record(run_dir: RunDir, stage: str) -> StageResult | None:
+    """A stage's record, None when it is missing or unreadable."""
+    try:
+        return run_dir.read_result(stage)
+    except (OSError, ValueError):  # pydantic's ValidationError is a ValueError
+        return None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text.splitlines()[0][:200]}" if text else type(exc).__name__
+
+
+@contextmanager
+def stage_idle(run_dir: RunDir, stage: str) -> Iterator[bool]:
+    """Whether no other process runs `stage` (its lock, `<stage>/.lock`, is free), holding the lock for the block
+    when it is, so that the stage cannot start meanwhile (it would stop with StageBusy, nothing written). This
+    process's own hold counts as idle: the holder never opens the lock file a second time (on NFS, closing that
+    second descriptor would release the lock)."""
+    if holds_stage_lock(run_dir, stage):
+        yield True
+        return
+    try:
+        handle = open(run_dir.stage_dir(stage) / LOCK_FILE, "a+", encoding="utf-8")  # noqa: SIM115
+    except OSError:
+        yield False
+        return
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            idle = True
+        except OSError as exc:
+            if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+            idle = False
+        if idle:
+            handle.seek(0)
+            handle.truncate()
+            handle.write(f"pid {os.getpid()} on {socket.gethostname()}: sending the stage's unsent tracking records\n")
+            handle.flush()
+        try:
+            yield idle
+        finally:
+            if idle:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+    finally:
+        handle.close()
+
+
 class _Breaker:
     """Warn once per backend, then leave it alone for RETRY_SECONDS after each failure."""
 
     def __init__(self, name: str, warn: Callable[[str], None]) -> None:
-        self.name = name
+        self.name = mask_secrets(name)
         self.warn = warn
         self.retry_at = 0.0
         self.failures = 0
@@ -189,10 +279,12 @@ class _Breaker:
         self.retry_at = time.monotonic() + RETRY_SECONDS
         if not self.warned:
             self.warned = True
-            first_line = str(exc).splitlines()[0][:200] if str(exc) else ""
+            # The error's text can hold the whole URI, password included (MLflow names the URL it called).
             self.warn(
-                f"{self.name}: {what} failed ({type(exc).__name__}: {first_line}); "
-                "the stage goes on, data is kept and sent again later"
+                mask_secrets(
+                    f"{self.name}: {what} failed ({_first_line(exc)}); the stage goes on, data is kept and sent "
+                    "again later"
+                )
             )
 
     def succeeded(self) -> None:
@@ -202,99 +294,145 @@ class _Breaker:
         self.warned = False
 
 
+# --------------------------------------------------------------------------- the journal
+
+
+class Journal:
+    """A stage's `logs/tracking-unsent.jsonl`: what the MLflow server has not taken yet, one JSON object a line,
+    appended and synced to disk as soon as the server cannot take it (so a killed writer loses at most the line it
+    was writing; a line cut short is skipped when read).
+
+    Each writer (a stage attempt) starts its part with a header naming what its records belong to:
+
+        {"journal": 1, "stage": s, "config_hash": h, "started_at": t, "run_id": id|null, "parent_run_id": id|null,
+         "tags": {...}}
+
+    then records, in the order they were logged:
+
+        {"param": key, "value": text}
+        {"metric": key, "value": x, "step": n, "timestamp": ms}
+        {"artifact": path relative to the run directory, "artifact_path": folder|null}
+        {"end": "FINISHED"|"FAILED"|"KILLED", "time": ms}                  the stage's run ended
+        {"end_pipeline": status, "tags": {...}, "time": ms}               ... and with it the pipeline's parent
+
+    Every string is masked (`mask_secrets`) before it is written. The file is removed, in one unlink, once the
+    server took everything in it. Only the holder of the stage's lock reads or writes it (see `stage_idle`)."""
+
+    def __init__(self, logs_dir: Path, secrets: set[str] | None = None) -> None:
+        self.path = Path(logs_dir) / JOURNAL
+        self.secrets = secret_values() if secrets is None else secrets
+        self._header_written = False
+
+    # -- the file
+
+    def exists(self) -> bool:
+        try:
+            return self.path.stat().st_size > 0
+        except OSError:
+            return False
+
+    def append(self, records: list[dict[str, Any]], header: dict[str, Any]) -> None:
+        """Append `records` (after `header` when this writer has not started a part of the current file yet),
+        flushed and synced before returning."""
+        if not records:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a+b") as f:
+            size = os.fstat(f.fileno()).st_size
+            lines: list[dict[str, Any]] = []
+            if not self._header_written or size == 0:
+                lines.append({"journal": 1, **header})
+            lines += records
+            data = b"".join(
+                json.dumps(mask_secrets_in(line, self.secrets), ensure_ascii=False).encode() + b"\n" for line in lines
+            )
+            if size and os.pread(f.fileno(), 1, size - 1) != b"\n":
+                data = b"\n" + data  # a line cut short by a killed writer stays a line of its own
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        self._header_written = True
+
+    def read(self) -> tuple[list[tuple[dict[str, Any], list[dict[str, Any]]]], int]:
+        """The parts of the journal, each (header, records), in order, and how many lines could not be read.
+        Records before any header (journals of earlier versions) get an empty header."""
+        parts: list[tuple[dict[str, Any], list[dict[str, Any]]]] = []
+        torn = 0
+        try:
+            text = self.path.read_text(encoding="utf-8", errors="replace")
+        except FileNotFoundError:
+            return parts, 0
+        for line in text.splitlines():
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError:
+                torn += 1
+                continue
+            if not isinstance(item, dict):
+                torn += 1
+            elif "journal" in item:
+                parts.append((item, []))
+            else:
+                if not parts:
+                    parts.append(({}, []))
+                parts[-1][1].append(item)
+        return parts, torn
+
+    def count(self) -> int:
+        """How many records the journal holds."""
+        return sum(len(records) for _, records in self.read()[0])
+
+    def remove(self) -> None:
+        """Everything in it was sent: remove the file (one unlink; the next append starts a new one)."""
+        self.path.unlink(missing_ok=True)
+        self._header_written = False
+
+
 # --------------------------------------------------------------------------- MLflow
 
 
-class _Mlflow:
-    """A stage's nested MLflow run under the pipeline run's parent, with buffering across outages."""
+class _Server:
+    """The run directory's MLflow server: the client, the experiment, the pipeline's parent run and stage runs."""
 
-    def __init__(self, ctx: StageContext, warn: Callable[[str], None]) -> None:
+    def __init__(self, spec: PipelineSpec, root: Path) -> None:
         for name, value in _MLFLOW_HTTP_DEFAULTS.items():
             os.environ.setdefault(name, value)
         logging.getLogger("alembic").setLevel(logging.WARNING)
-        self.ctx = ctx
-        self.root = ctx.run_dir.root
-        self.uri = resolve_tracking_uri(ctx.spec, self.root)
-        self.experiment_name = ctx.spec.tracking.mlflow_experiment or ctx.spec.name
-        self.breaker = _Breaker(f"MLflow at {redact_uri(self.uri)}", warn)
+        self.spec = spec
+        self.root = Path(root)
+        self.uri = resolve_tracking_uri(spec, self.root)
+        self.experiment_name = spec.tracking.mlflow_experiment or spec.name
         self.client: Any = None
         self.experiment_id: str | None = None
-        self.parent_run_id: str | None = None
-        self.run_id: str | None = ctx.result.mlflow_run_id if ctx.result is not None else None
-        self.resuming = self.run_id is not None
-        self.sent_params: dict[str, str] = {}
-        self.logged_steps: dict[str, int] = {}  # metric → last step an earlier attempt logged (resumed runs)
-        self.params: dict[str, str] = {}
-        self.metrics: list[Any] = []
-        self.artifacts: list[tuple[str, str | None]] = []
-        self.dropped = 0
-
-    # -- connection
 
     def _artifact_location(self) -> str | None:
         if self.uri.startswith("sqlite:///"):
             return (Path(self.uri.removeprefix("sqlite:///")).parent / "mlartifacts").absolute().as_uri()
         return None
 
-    def _connect(self) -> None:
-        """Create client, experiment, parent run and this stage's run as far as they do not exist yet."""
+    def connect(self) -> Any:
+        """The client, with the experiment looked up or created."""
         from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient
 
         if self.client is None:
             self.client = MlflowClient(tracking_uri=self.uri)
-        client = self.client
         if self.experiment_id is None:
-            experiment = client.get_experiment_by_name(self.experiment_name)
+            experiment = self.client.get_experiment_by_name(self.experiment_name)
             if experiment is None:
                 try:
-                    self.experiment_id = client.create_experiment(
+                    self.experiment_id = self.client.create_experiment(
                         self.experiment_name, artifact_location=self._artifact_location()
                     )
                 except MlflowException:  # created by someone else in between
-                    self.experiment_id = client.get_experiment_by_name(self.experiment_name).experiment_id
+                    self.experiment_id = self.client.get_experiment_by_name(self.experiment_name).experiment_id
             else:
                 self.experiment_id = experiment.experiment_id
-        tags = run_tags(self.ctx.spec, self.root)
-        if self.parent_run_id is None:
-            shared = read_tracking_file(self.root).get("mlflow", {})
-            parent = shared.get("parent_run_id")
-            if parent and shared.get("experiment_id") == self.experiment_id and self._exists(parent):
-                client.update_run(parent, status="RUNNING")
-            else:
-                parent = client.create_run(
-                    self.experiment_id, run_name=self.root.name, tags={**tags, "posttrain.kind": "pipeline"}
-                ).info.run_id
-                write_json_atomic(
-                    self.root / TRACKING_FILE,
-                    {
-                        **read_tracking_file(self.root),
-                        "mlflow": {"experiment_id": self.experiment_id, "parent_run_id": parent},
-                    },
-                )
-            self.parent_run_id = parent
-        if self.run_id is not None and self.client is not None and self.resuming:
-            if self._exists(self.run_id):
-                client.update_run(self.run_id, status="RUNNING")
-                data = client.get_run(self.run_id).data
-                self.sent_params = dict(data.params)
-                self.logged_steps = {
-                    key: max(m.step for m in client.get_metric_history(self.run_id, key)) for key in data.metrics
-                }
-            else:
-                self.run_id = None
-            self.resuming = False
-        if self.run_id is None:
-            stage_tags = {
-                **tags,
-                "mlflow.parentRunId": self.parent_run_id,
-                "posttrain.stage": self.ctx.stage,
-                "posttrain.config_hash": self.ctx.config_hash,
-            }
-            self.run_id = client.create_run(self.experiment_id, run_name=self.ctx.stage, tags=stage_tags).info.run_id
-            self.ctx.set_tracking(mlflow_run_id=self.run_id)
+        return self.client
 
-    def _exists(self, run_id: str) -> bool:
+    def exists(self, run_id: str) -> bool:
         from mlflow.exceptions import MlflowException
 
         try:
@@ -305,79 +443,389 @@ class _Mlflow:
             raise
         return True
 
+    def parent(self, tags: dict[str, str], reopen: bool) -> str:
+        """The pipeline run's parent run: the one `tracking.json` names when it is on this server (set RUNNING
+        again with `reopen`: a stage starts), else a new one, written to `tracking.json`."""
+        client = self.connect()
+        shared = read_tracking_file(self.root).get("mlflow", {})
+        parent = shared.get("parent_run_id")
+        if parent and shared.get("experiment_id") == self.experiment_id and self.exists(parent):
+            if reopen:
+                client.update_run(parent, status="RUNNING")
+            return parent
+        parent = client.create_run(
+            self.experiment_id, run_name=self.root.name, tags={**tags, "posttrain.kind": "pipeline"}
+        ).info.run_id
+        write_json_atomic(
+            self.root / TRACKING_FILE,
+            {**read_tracking_file(self.root), "mlflow": {"experiment_id": self.experiment_id, "parent_run_id": parent}},
+        )
+        return parent
+
+    def create_stage_run(self, stage: str, config_hash: str, parent: str, tags: dict[str, str]) -> str:
+        stage_tags = {
+            **tags,
+            "mlflow.parentRunId": parent,
+            "posttrain.stage": stage,
+            "posttrain.config_hash": config_hash,
+        }
+        return self.connect().create_run(self.experiment_id, run_name=stage, tags=stage_tags).info.run_id
+
+    def end_parent(self, parent: str, status: str, tags: dict[str, str], end_time: int | None = None) -> None:
+        """Close the pipeline's parent run, tagged with why it ended."""
+        for key, value in tags.items():
+            self.client.set_tag(parent, key, mask_secrets(value)[:MAX_PARAM_VALUE])
+        self.client.set_terminated(parent, status, end_time=end_time)
+
+
+@dataclass
+class _Replayed:
+    """What sending a journal did."""
+
+    sent: int = 0
+    already: int = 0  # records the server had already (a send cut short before, or a step logged twice)
+    missing: int = 0  # artifacts whose file is gone
+    torn: int = 0  # lines cut short by a killed writer
+    ended: dict[str, str] = field(default_factory=dict)  # run id → the status it ended with
+    run_id: str | None = None  # the stage's run the last part went to
+
+
+def _journal_target(
+    server: _Server,
+    run_dir: RunDir,
+    stage: str,
+    header: dict[str, Any],
+    own: StageContext | None,
+    runs: dict[tuple[Any, ...], str],
+) -> str:
+    """The MLflow run a journal part belongs to: the run its header names, else the run the stage's record names
+    when the record is of the same attempts (same config hash, same start), else a new run under the parent, which
+    the record then names (so the next attempt continues it)."""
+    record = own.result if own is not None else _read_record(run_dir, stage)
+    config = header.get("config_hash") or (record.config_hash if record else "")
+    started = header.get("started_at") or (record.started_at if record else "")
+    key = (header.get("run_id"), config, started)
+    if key in runs:
+        return runs[key]
+    same = record is not None and record.config_hash == config and record.started_at == started
+    for candidate in (header.get("run_id"), record.mlflow_run_id if same and record else None):
+        if candidate and server.exists(candidate):
+            runs[key] = candidate
+            return candidate
+    tags = header.get("tags") or run_tags(server.spec, run_dir.root)
+    parent = header.get("parent_run_id")
+    if not (parent and server.exists(parent)):
+        parent = server.parent(tags, reopen=False)
+    run_id = server.create_stage_run(stage, config, parent, tags)
+    if same and record is not None:
+        if own is not None:
+            own.set_tracking(mlflow_run_id=run_id)
+        elif is_main_process():
+            record.mlflow_run_id = run_id
+            run_dir.write_result(record)
+    runs[key] = run_id
+    return run_id
+
+
+def _replay(
+    server: _Server, run_dir: RunDir, stage: str, journal: Journal, own: StageContext | None = None
+) -> _Replayed:
+    """Send a stage's journal (the caller holds its lock), then remove it. Idempotent: what the runs already have
+    (a metric at that step, a param) is not sent again, so a send cut short by a crash is simply done again; within
+    the journal too the first value of a (metric, step) wins. The end of a run (and of the pipeline's parent)
+    is applied after everything else, with the time it ended; a later part's end replaces an earlier one's."""
+    from mlflow.entities import Metric, Param
+
+    parts, torn = journal.read()
+    done = _Replayed(torn=torn)
+    if not parts:
+        journal.remove()
+        return done
+    client = server.connect()
+    runs: dict[tuple[Any, ...], str] = {}
+    have_params: dict[str, dict[str, str]] = {}
+    have_steps: dict[tuple[str, str], set[int]] = {}
+    ends: dict[str, tuple[str, int | None]] = {}
+    pipeline_end: tuple[str, str, dict[str, str], int | None] | None = None
+    for header, records in parts:
+        run_id = _journal_target(server, run_dir, stage, header, own, runs)
+        done.run_id = run_id
+        if run_id not in have_params:
+            have_params[run_id] = dict(client.get_run(run_id).data.params)
+        params: list[Param] = []
+        metrics: list[Metric] = []
+        for record in records:
+            try:
+                if "param" in record:
+                    key, value = str(record["param"]), str(record.get("value", ""))
+                    if key in have_params[run_id]:
+                        done.already += 1
+                    else:
+                        have_params[run_id][key] = value
+                        params.append(Param(key, value))
+                elif "metric" in record:
+                    key, step, value = str(record["metric"]), int(record["step"]), float(record["value"])
+                    stamp = int(record.get("timestamp") or _now_ms())
+                    if (run_id, key) not in have_steps:
+                        have_steps[run_id, key] = {m.step for m in client.get_metric_history(run_id, key)}
+                    if step in have_steps[run_id, key]:
+                        done.already += 1
+                    else:
+                        have_steps[run_id, key].add(step)
+                        metrics.append(Metric(key, value, stamp, step))
+            except (KeyError, TypeError, ValueError):  # a record this version cannot read
+                done.torn += 1
+        for i in range(0, len(params), PARAM_BATCH):
+            client.log_batch(run_id, params=params[i : i + PARAM_BATCH])
+        for i in range(0, len(metrics), BATCH):
+            client.log_batch(run_id, metrics=metrics[i : i + BATCH])
+        done.sent += len(params) + len(metrics)
+        for record in records:
+            if "artifact" in record:
+                path = run_dir.root / str(record["artifact"])
+                if path.exists():
+                    client.log_artifact(run_id, str(path), record.get("artifact_path"))
+                    done.sent += 1
+                else:
+                    done.missing += 1
+            elif "end" in record:
+                ends[run_id] = (str(record["end"]), record.get("time"))
+            elif "end_pipeline" in record:
+                parent = header.get("parent_run_id")
+                if not (parent and server.exists(parent)):
+                    parent = server.parent(header.get("tags") or run_tags(server.spec, run_dir.root), reopen=False)
+                pipeline_end = (parent, str(record["end_pipeline"]), dict(record.get("tags") or {}), record.get("time"))
+    for run_id, (status, end_time) in ends.items():
+        client.set_terminated(run_id, status, end_time=end_time)
+        done.ended[run_id] = status
+        done.sent += 1
+    if pipeline_end is not None:
+        parent, status, tags, end_time = pipeline_end
+        server.end_parent(parent, status, tags, end_time)
+        done.ended[parent] = status
+        done.sent += 1
+    journal.remove()
+    return done
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class _Mlflow:
+    """A stage's nested MLflow run under the pipeline run's parent; what the server cannot take goes to the
+    stage's journal, which is sent before anything new once the server is back."""
+
+    def __init__(self, ctx: StageContext, warn: Callable[[str], None], secrets: set[str]) -> None:
+        self.ctx = ctx
+        self.warn = warn
+        self.server = _Server(ctx.spec, ctx.run_dir.root)
+        self.uri = self.server.uri
+        self.breaker = _Breaker(f"MLflow at {redact_uri(self.uri)}", warn)
+        self.journal = Journal(ctx.logs_dir, secrets)
+        self.tags = run_tags(ctx.spec, ctx.run_dir.root)
+        self.parent_run_id: str | None = None
+        self.run_id: str | None = ctx.result.mlflow_run_id if ctx.result is not None else None
+        self.connected = False
+        self.ended = False
+        self.sent_params: dict[str, str] = {}
+        self.logged_steps: dict[str, int] = {}  # metric → last step the run has (earlier attempts, the journal)
+        # Not sent yet and not in the journal yet: what the current call logged.
+        self.params: dict[str, str] = {}
+        self.metrics: list[dict[str, Any]] = []
+        self.artifacts: list[dict[str, Any]] = []
+        self.ends: list[dict[str, Any]] = []
+        self.dropped = 0
+        self.journal_failed = False
+        self.others_failed: set[str] = set()
+
     # -- buffering
 
     def add_params(self, params: dict[str, str]) -> None:
-        self.params.update(params)
+        for key, value in params.items():
+            known = self.sent_params.get(key, self.params.get(key))
+            if known is None:
+                self.params[key] = value
+            elif known != value:
+                log.warning("MLflow param %r was logged before with another value; keeping the first", key)
 
     def add_metrics(self, metrics: dict[str, float], step: int) -> None:
-        from mlflow.entities import Metric
-
-        stamp = int(time.time() * 1000)
-        for key, value in metrics.items():
-            if len(self.metrics) >= MAX_BUFFERED_METRICS:
-                self.metrics.pop(0)
-                self.dropped += 1
-            self.metrics.append(Metric(key, value, stamp, step))
+        stamp = _now_ms()
+        self.metrics += [{"metric": k, "value": v, "step": step, "timestamp": stamp} for k, v in metrics.items()]
 
     def add_artifact(self, path: Path, artifact_path: str | None = None) -> None:
-        self.artifacts.append((str(path), artifact_path))
+        path = Path(path).absolute()
+        try:
+            where = str(path.relative_to(self.ctx.run_dir.root))
+        except ValueError:
+            where = str(path)
+        self.artifacts.append({"artifact": where, "artifact_path": artifact_path})
+
+    def _pending(self) -> list[dict[str, Any]]:
+        params = [{"param": k, "value": v} for k, v in self.params.items()]
+        return [*params, *self.metrics, *self.artifacts, *self.ends]
+
+    def _clear(self) -> None:
+        self.params, self.metrics, self.artifacts, self.ends = {}, [], [], []
+
+    def _header(self) -> dict[str, Any]:
+        result = self.ctx.result
+        return {
+            "stage": self.ctx.stage,
+            "config_hash": self.ctx.config_hash,
+            "started_at": result.started_at if result is not None else "",
+            "run_id": self.run_id,
+            "parent_run_id": self.parent_run_id,
+            "tags": self.tags,
+        }
+
+    def _to_journal(self) -> None:
+        """Append what is pending to the journal; when the journal cannot be written (a full disk), keep it in
+        memory instead (the newest MAX_BUFFERED_METRICS metrics)."""
+        records = self._pending()
+        if not records:
+            return
+        try:
+            self.journal.append(records, self._header())
+        except OSError as exc:
+            if not self.journal_failed:
+                self.journal_failed = True
+                self.warn(
+                    f"MLflow: writing {self.journal.path} failed ({_first_line(exc)}); unsent data is kept "
+                    "in memory only"
+                )
+            if len(self.metrics) > MAX_BUFFERED_METRICS:
+                self.dropped += len(self.metrics) - MAX_BUFFERED_METRICS
+                del self.metrics[: len(self.metrics) - MAX_BUFFERED_METRICS]
+            return
+        self._clear()
+
+    # -- sending
 
     def flush(self, force: bool = False) -> bool:
-        """Send what is buffered; False (buffer kept) when the server cannot be reached."""
+        """Send what is pending, after the journal when there is one; False (kept in the journal) when the server
+        cannot be reached."""
         if not self.breaker.ready(force):
+            self._to_journal()
             return False
-        from mlflow.entities import Param
-
         try:
             self._connect()
-            pending = {}
-            for key, value in self.params.items():
-                if key in self.sent_params and self.sent_params[key] != value:
-                    log.warning("MLflow param %r was logged before with another value; keeping the first", key)
-                elif key not in self.sent_params:
-                    pending[key] = value
-            items = list(pending.items())
-            for i in range(0, len(items), PARAM_BATCH):
-                chunk = items[i : i + PARAM_BATCH]
-                self.client.log_batch(self.run_id, params=[Param(k, v) for k, v in chunk])
-                self.sent_params.update(chunk)
-            self.params = {}
-            self.metrics = [m for m in self.metrics if m.step > self.logged_steps.get(m.key, -1)]
-            while self.metrics:
-                self.client.log_batch(self.run_id, metrics=self.metrics[:BATCH])
-                del self.metrics[:BATCH]
-            while self.artifacts:
-                path, artifact_path = self.artifacts[0]
-                if Path(path).exists():
-                    self.client.log_artifact(self.run_id, path, artifact_path)
-                self.artifacts.pop(0)
+            if self.journal.exists():
+                self._to_journal()
+                self._replay_own()
+            self._send()
         except Exception as exc:
+            self._to_journal()
             self.breaker.failed("logging", exc)
             return False
         self.breaker.succeeded()
         return True
 
-    def end(self, status: str, parent_tags: dict[str, str] | None) -> None:
-        """End the stage's run; with `parent_tags`, also the pipeline run's parent (tagged with why it ended)."""
-        if not self.flush(force=True) or self.run_id is None:
+    def _connect(self) -> None:
+        """On the first call that reaches the server: send this stage's journal (before anything new), then the
+        other stages' journals; open the parent and this stage's run (continuing the recorded one: its params and
+        the steps it has are not sent again)."""
+        client = self.server.connect()
+        if self.connected:
             return
-        try:
-            self.client.set_terminated(self.run_id, status)
-            if parent_tags is not None and self.parent_run_id:
-                for key, value in parent_tags.items():
-                    self.client.set_tag(self.parent_run_id, key, value[:MAX_PARAM_VALUE])
-                self.client.set_terminated(self.parent_run_id, status)
-        except Exception as exc:
-            self.breaker.failed("ending the run", exc)
+        if self.journal.exists():
+            self._replay_own()
+        self._replay_others()
+        self.parent_run_id = self.server.parent(self.tags, reopen=True)
+        self.run_id = self.ctx.result.mlflow_run_id if self.ctx.result is not None else self.run_id
+        if self.run_id is not None and self.server.exists(self.run_id):
+            client.update_run(self.run_id, status="RUNNING")
+            data = client.get_run(self.run_id).data
+            self.sent_params = dict(data.params)
+            for key in data.metrics:
+                steps = [m.step for m in client.get_metric_history(self.run_id, key)]
+                self.logged_steps[key] = max([*steps, self.logged_steps.get(key, -1)])
+        else:
+            self.run_id = self.server.create_stage_run(
+                self.ctx.stage, self.ctx.config_hash, self.parent_run_id, self.tags
+            )
+            self.ctx.set_tracking(mlflow_run_id=self.run_id)
+        self.connected = True
 
-    def unsent(self) -> list[dict[str, Any]]:
-        rows: list[dict[str, Any]] = [
-            {"metric": m.key, "value": m.value, "step": m.step, "timestamp": m.timestamp} for m in self.metrics
-        ]
-        rows += [{"param": k, "value": v} for k, v in self.params.items()]
-        rows += [{"artifact": p, "artifact_path": a} for p, a in self.artifacts]
-        return rows
+    def _replay_own(self) -> None:
+        done = _replay(self.server, self.ctx.run_dir, self.ctx.stage, self.journal, own=self.ctx)
+        log.info(
+            "MLflow: sent %d unsent records of %s (%d were there already)", done.sent, self.ctx.stage, done.already
+        )
+        self.run_id = self.ctx.result.mlflow_run_id if self.ctx.result is not None else done.run_id
+        if self.connected and not self.ended:
+            # An earlier attempt's end was in the journal: this attempt is still running.
+            self.server.client.update_run(self.run_id, status="RUNNING")
+            if self.parent_run_id is not None:
+                self.server.client.update_run(self.parent_run_id, status="RUNNING")
+
+    def _replay_others(self) -> None:
+        """Send the journals other stages of the run directory left, while no process runs them."""
+        run_dir = self.ctx.run_dir
+        for stage in STAGE_ORDER:
+            if stage == self.ctx.stage:
+                continue
+            journal = Journal(run_dir.stage_dir(stage) / "logs", self.journal.secrets)
+            if not journal.exists():
+                continue
+            with stage_idle(run_dir, stage) as idle:
+                if not idle:
+                    continue
+                try:
+                    done = _replay(self.server, run_dir, stage, journal)
+                except Exception as exc:  # that journal stays for the next try; this stage's own logging goes on
+                    if stage not in self.others_failed:
+                        self.others_failed.add(stage)
+                        self.warn(f"MLflow: sending the unsent records of {stage} failed ({_first_line(exc)})")
+                    continue
+            log.info("MLflow: sent %d unsent records of %s", done.sent, stage)
+
+    def _send(self) -> None:
+        """Send what is pending, dropping each part from memory once the server took it (an error leaves only
+        what was not sent)."""
+        from mlflow.entities import Metric, Param
+
+        client = self.server.client
+        items = list(self.params.items())
+        for i in range(0, len(items), PARAM_BATCH):
+            chunk = items[i : i + PARAM_BATCH]
+            client.log_batch(self.run_id, params=[Param(k, v) for k, v in chunk])
+            self.sent_params.update(chunk)
+            for key, _ in chunk:
+                del self.params[key]
+        while self.metrics:
+            chunk = self.metrics[:BATCH]
+            metrics = [Metric(m["metric"], m["value"], m["timestamp"], m["step"]) for m in chunk]
+            client.log_batch(self.run_id, metrics=metrics)
+            del self.metrics[:BATCH]
+        while self.artifacts:
+            artifact = self.artifacts[0]
+            path = self.ctx.run_dir.root / artifact["artifact"]
+            if path.exists():
+                client.log_artifact(self.run_id, str(path), artifact["artifact_path"])
+            self.artifacts.pop(0)
+        while self.ends:
+            end = self.ends[0]
+            if "end" in end:
+                client.set_terminated(self.run_id, end["end"], end_time=end["time"])
+            elif self.parent_run_id:
+                self.server.end_parent(self.parent_run_id, end["end_pipeline"], end["tags"], end["time"])
+            self.ends.pop(0)
+
+    def end(self, status: str, parent_tags: dict[str, str] | None) -> None:
+        """End the stage's run; with `parent_tags`, also the pipeline run's parent (tagged with why it ended).
+        During an outage the ends go to the journal with the rest."""
+        self.ended = True
+        self.ends.append({"end": status, "time": _now_ms()})
+        if parent_tags is not None:
+            self.ends.append({"end_pipeline": status, "tags": parent_tags, "time": _now_ms()})
+        if self.breaker.failures:
+            self._to_journal()  # on disk before the last try, which a blackholed server can make last long
+        self.flush(force=True)
+
+    def unsent(self) -> int:
+        """Records still waiting for the server (in the journal, or in memory when it could not be written)."""
+        return self.journal.count() + len(self._pending())
 
 
 # --------------------------------------------------------------------------- W&B, TensorBoard, Langfuse
@@ -423,7 +871,18 @@ class _Wandb:
                 mode=mode,
                 config=config,
                 reinit="create_new",
-                settings=wandb.Settings(init_timeout=_wandb_init_timeout()),
+                settings=wandb.Settings(
+                    init_timeout=_wandb_init_timeout(),
+                    # No console capture: "wrap" (W&B's default) patches the write method of the sys.stdout it
+                    # finds, which in a stage is the masking stream, so it would see text before it is masked;
+                    # "redirect" reads the file descriptors, which native code and child processes write to
+                    # without masking. The stage's output is in its log (<stage>/logs/stage.log, the pod's log).
+                    console="off",
+                    # No git metadata: W&B keeps a remote's user name (a token in `https://<token>:x@host/...`)
+                    # and can save a diff of uncommitted files. The commit is in the config (git_commit).
+                    disable_git=True,
+                    save_code=False,
+                ),
             )
         except Exception as exc:
             self.breaker.failed("starting the run", exc)
@@ -487,8 +946,9 @@ class _TensorBoard:
 class _Langfuse:
     """Stage lifecycle events in one Langfuse trace per pipeline run, through the public ingestion API."""
 
-    def __init__(self, ctx: StageContext, warn: Callable[[str], None]) -> None:
+    def __init__(self, ctx: StageContext, warn: Callable[[str], None], secrets: set[str]) -> None:
         self.ctx = ctx
+        self.secrets = secrets
         self.host = os.environ.get("LANGFUSE_HOST", "").rstrip("/")
         self.public = os.environ.get("LANGFUSE_PUBLIC_KEY", "")
         self.secret = os.environ.get("LANGFUSE_SECRET_KEY", "")
@@ -520,7 +980,7 @@ class _Langfuse:
         auth = base64.b64encode(f"{self.public}:{self.secret}".encode()).decode()
         request = urllib.request.Request(
             f"{self.host}/api/public/ingestion",
-            data=json.dumps({"batch": batch}).encode(),
+            data=json.dumps({"batch": mask_secrets_in(batch, self.secrets)}).encode(),
             headers={"Content-Type": "application/json", "Authorization": f"Basic {auth}"},
             method="POST",
         )
@@ -541,6 +1001,7 @@ class StageTracker:
         self.ctx = ctx
         self.enabled = is_main_process()
         self.warnings: list[str] = []
+        self.secrets: set[str] = set()
         self.mlflow: _Mlflow | None = None
         self.wandb: _Wandb | None = None
         self.tensorboard: _TensorBoard | None = None
@@ -548,6 +1009,7 @@ class StageTracker:
         self.finished = False
         self.loss_curve: Path | None = None
         self.last_step = -1
+        self.logged: dict[str, int] = {}  # metric → last step logged, by this attempt or an earlier one
         self.run_ended: tuple[str, str] | None = None  # (reason, message) when this stage ends the pipeline run
 
     # -- lifecycle
@@ -560,26 +1022,33 @@ class StageTracker:
         if exc_type is not None and not self.finished:
             if self.langfuse is not None:
                 self.langfuse.event("error", "ERROR", f"{exc_type.__name__}: {exc}")
-            retryable = exc_type is KeyboardInterrupt or (exc_type is SystemExit and getattr(exc, "code", 1) == 75)
+            # SIGTERM/SIGINT (StageInterrupted, KeyboardInterrupt) and a retryable exit are interruptions.
+            retryable = issubclass(exc_type, KeyboardInterrupt | StageInterrupted) or (
+                issubclass(exc_type, SystemExit) and getattr(exc, "code", 1) == EXIT_RETRYABLE
+            )
             self.finish("interrupted" if retryable else "failed")
         else:
             self.finish()
 
     def start(self) -> None:
-        """Open the runs (parent and stage in MLflow, W&B) and log the stage's settings as params."""
+        """Open the runs (parent and stage in MLflow, W&B) and log the stage's settings as params. MLflow first
+        sends what earlier attempts of this stage (and other stages) could not send."""
         if not self.enabled:
             return
         ctx = self.ctx
-        self.mlflow = _Mlflow(ctx, self._warn)
-        self.langfuse = _Langfuse(ctx, self._warn)
+        self.secrets = secret_values()
+        self.logged = self._read_steps()
+        self.mlflow = _Mlflow(ctx, self._warn, self.secrets)
+        self.langfuse = _Langfuse(ctx, self._warn, self.secrets)
         if ctx.spec.tracking.tensorboard:
             self.tensorboard = _TensorBoard(ctx.logs_dir / "tensorboard")
-        params = clean_params(self.base_params())
+        params = clean_params(self.base_params(), self.secrets)
         self.mlflow.add_params(params)
         self.mlflow.flush(force=True)
         if ctx.spec.tracking.wandb_project:
             self.wandb = _Wandb(ctx, self._warn)
-            path = self.wandb.start(params)
+            sha = git_sha()
+            path = self.wandb.start({**params, **({"git_commit": sha} if sha else {})})
             if path:
                 ctx.set_tracking(wandb_run_path=path)
         self.langfuse.event("start", metadata={"attempt": ctx.result.attempts if ctx.result else 1})
@@ -617,7 +1086,8 @@ class StageTracker:
     def finish(self, status: str | None = None) -> None:
         """End the runs: status is a stage status (succeeded, failed, interrupted, skipped); default: the
         stage's recorded status, or succeeded. Uploads stage.json; the parent run ends with the last stage, a
-        failed one, or one that ended the pipeline run (`end_pipeline_run`)."""
+        failed one, or one that ended the pipeline run (`end_pipeline_run`). During an MLflow outage the ends are
+        journaled with the rest, and sent later."""
         if not self.enabled or self.finished:
             return
         self.finished = True
@@ -640,12 +1110,14 @@ class StageTracker:
                 "posttrain.end_reason": "completed",
                 "posttrain.end_message": f"{ctx.stage} was the last stage",
             }
+        if parent_tags is not None:
+            parent_tags = {key: mask_secrets(value, self.secrets) for key, value in parent_tags.items()}
         if self.mlflow is not None:
             result = ctx.run_dir.result_path(ctx.stage)
             if result.is_file():
                 self.mlflow.add_artifact(result)
             self.mlflow.end(mlflow_status, parent_tags)
-            self._save_unsent()
+            self._report_unsent()
         if self.wandb is not None:
             self.wandb.end(failed=mlflow_status != "FINISHED")
         if self.langfuse is not None:
@@ -655,10 +1127,11 @@ class StageTracker:
     # -- logging
 
     def log_params(self, params: dict[str, Any]) -> None:
-        """Record settings (flattened, stringified; secret-looking names and values are left out)."""
+        """Record settings (flattened, stringified; secret-looking names and values are left out, credential
+        shapes masked)."""
         if not self.enabled or self.mlflow is None:
             return
-        cleaned = clean_params(params)
+        cleaned = clean_params(params, self.secrets)
         self.mlflow.add_params(cleaned)
         self.mlflow.flush()
         if self.wandb is not None and self.wandb.run is not None:
@@ -669,26 +1142,39 @@ class StageTracker:
 
     def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
         """Record numeric metrics at an optimizer step (non-numbers and NaN/inf are left out); without a
-        step, one past the last step logged."""
+        step, one past the last step logged.
+
+        At most one value per (metric, step) reaches each backend, in this attempt and across attempts: a value
+        at a step at or below the last one logged for that metric is dropped, so the FIRST value wins. The
+        Trainer repeats `epoch` and `num_input_tokens_seen` in every log dict of a step and `eval_loss` comes
+        again from the final evaluate() and the stage's summary; those repeats carry the same value. First-wins
+        is the only rule every backend can keep: MLflow, W&B and TensorBoard append and cannot replace a value
+        once sent (W&B even drops steps below its current one), and the first value may already be on the
+        server, sent by this attempt or by a killed one before its checkpoint was resumed."""
         if not self.enabled:
             return
         step = self.last_step + 1 if step is None else step
         self.last_step = max(self.last_step, step)
-        values = {
+        fresh = {
             str(k): float(v)
             for k, v in metrics.items()
-            if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(float(v))
+            if isinstance(v, int | float)
+            and not isinstance(v, bool)
+            and math.isfinite(float(v))
+            and step > self._last_logged(str(k))
         }
-        if not values:
+        if not fresh:
             return
+        self.logged.update(dict.fromkeys(fresh, step))
+        self._save_steps()
         if self.mlflow is not None:
-            self.mlflow.add_metrics(values, step)
+            self.mlflow.add_metrics(fresh, step)
             self.mlflow.flush()
         if self.wandb is not None:
-            self.wandb.log(values, step)
+            self.wandb.log(fresh, step)
         if self.tensorboard is not None:
             try:
-                self.tensorboard.log(values, step)
+                self.tensorboard.log(fresh, step)
             except Exception as exc:
                 self._warn(f"TensorBoard: writing events failed ({exc}); TensorBoard logging stops")
                 self.tensorboard = None
@@ -764,23 +1250,144 @@ class StageTracker:
 
     # -- internals
 
+    def _last_logged(self, key: str) -> int:
+        earlier = self.mlflow.logged_steps.get(key, -1) if self.mlflow is not None else -1
+        return max(self.logged.get(key, -1), earlier)
+
+    def _steps_identity(self) -> dict[str, str]:
+        """What makes attempts the same series: the config and the first attempt's start."""
+        result = self.ctx.result
+        return {"config_hash": self.ctx.config_hash, "started_at": result.started_at if result is not None else ""}
+
+    def _read_steps(self) -> dict[str, int]:
+        """The last steps logged by earlier attempts of this stage (none for a fresh start)."""
+        path = self.ctx.logs_dir / STEPS_FILE
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return {}
+        if not isinstance(data, dict) or any(data.get(k) != v for k, v in self._steps_identity().items()):
+            return {}
+        steps = data.get("steps")
+        return {str(k): int(v) for k, v in steps.items() if isinstance(v, int)} if isinstance(steps, dict) else {}
+
+    def _save_steps(self) -> None:
+        """Remember the last step per metric (renamed into place: a killed process leaves the old file or the
+        new one). Not synced: the MLflow run's history covers a lost node."""
+        path = self.ctx.logs_dir / STEPS_FILE
+        tmp = path.with_name(f".{path.name}.tmp")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps({**self._steps_identity(), "steps": self.logged}), encoding="utf-8")
+            os.replace(tmp, path)
+        except OSError:
+            pass  # tracking never fails a stage; the MLflow history is the fallback
+
     def _warn(self, message: str) -> None:
-        text = f"[{self.ctx.stage}] tracking warning: {message}"
+        text = mask_secrets(f"[{self.ctx.stage}] tracking warning: {message}", self.secrets or None)
         self.warnings.append(text)
         log.warning(text)
 
-    def _save_unsent(self) -> None:
+    def _report_unsent(self) -> None:
         assert self.mlflow is not None
-        rows = self.mlflow.unsent()
-        if not rows and not self.mlflow.dropped:
+        unsent = self.mlflow.unsent()
+        if not unsent and not self.mlflow.dropped:
             return
-        path = self.ctx.logs_dir / "tracking-unsent.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a", encoding="utf-8") as f:
-            for row in rows:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-        self._warn(
-            f"MLflow: {len(rows)} records could not be sent"
-            + (f" ({self.mlflow.dropped} oldest metrics dropped from a full buffer)" if self.mlflow.dropped else "")
-            + f"; saved to {path}"
+        where = (
+            self.mlflow.journal.path if self.mlflow.journal.exists() else "memory (the journal could not be written)"
         )
+        self._warn(
+            f"MLflow: {unsent} records could not be sent"
+            + (f" ({self.mlflow.dropped} oldest metrics dropped from a full buffer)" if self.mlflow.dropped else "")
+            + f"; kept in {where}. The stage's next attempt, the next stage, or `python -m workflows.runs "
+            f"sync-tracking {self.ctx.run_dir.root}` sends them once the server is back"
+        )
+
+
+# --------------------------------------------------------------------------- sync-tracking
+
+
+@dataclass
+class StageSync:
+    """What `sync_tracking` did for one stage."""
+
+    stage: str
+    sent: int = 0
+    already: int = 0
+    pending: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class SyncReport:
+    """What `sync_tracking` did for a run directory."""
+
+    uri: str
+    stages: list[StageSync] = field(default_factory=list)
+    unreachable: str | None = None  # the error, when the server could not be reached
+
+    @property
+    def pending(self) -> int:
+        return sum(s.pending for s in self.stages)
+
+    @property
+    def ok(self) -> bool:
+        return self.unreachable is None and self.pending == 0
+
+
+def sync_tracking(run_dir: RunDir) -> SyncReport:
+    """Send every stage journal of `run_dir` to its MLflow server (see `Journal`), and end the runs of attempts
+    that died (a record still `running` while no process runs the stage, its MLflow run RUNNING): they end
+    KILLED, and the pipeline's parent with them. A stage that a process runs is left alone: it sends its journal
+    itself. Raises SpecError (or StageRefused) when `run_dir` has no readable spec."""
+    spec = run_dir.load_spec()
+    server = _Server(spec, run_dir.root)
+    report = SyncReport(uri=redact_uri(server.uri))
+    secrets = secret_values()
+    for stage in STAGE_ORDER:
+        journal = Journal(run_dir.stage_dir(stage) / "logs", secrets)
+        record = _read_record(run_dir, stage)
+        if not journal.exists() and (record is None or record.status != "running"):
+            continue
+        done = StageSync(stage)
+        report.stages.append(done)
+        with stage_idle(run_dir, stage) as idle:
+            if not idle:
+                done.pending = journal.count()
+                done.notes.append("a process runs the stage: it sends its records itself")
+                continue
+            if report.unreachable is None:
+                try:
+                    if journal.exists():
+                        sent = _replay(server, run_dir, stage, journal)
+                        done.sent, done.already = sent.sent, sent.already
+                        if sent.missing:
+                            done.notes.append(f"{sent.missing} artifact files were gone")
+                        if sent.torn:
+                            done.notes.append(f"{sent.torn} lines cut short were skipped")
+                        done.notes += [f"run {run_id} ended {status}" for run_id, status in sent.ended.items()]
+                    if note := _end_dead_attempt(server, run_dir, stage):
+                        done.notes.append(note)
+                except Exception as exc:
+                    report.unreachable = mask_secrets(_first_line(exc), secrets)
+            done.pending = journal.count()
+    return report
+
+
+def _end_dead_attempt(server: _Server, run_dir: RunDir, stage: str) -> str | None:
+    """End the MLflow run of a stage attempt that died without ending it (its record says `running`; the caller
+    holds the stage's lock): KILLED, and the pipeline's parent with it, as the stage's own `finish` would have."""
+    record = _read_record(run_dir, stage)
+    if record is None or record.status != "running" or not record.mlflow_run_id:
+        return None
+    client = server.connect()
+    if not server.exists(record.mlflow_run_id) or client.get_run(record.mlflow_run_id).info.status != "RUNNING":
+        return None
+    client.set_terminated(record.mlflow_run_id, "KILLED")
+    note = f"run {record.mlflow_run_id} of an attempt that died ended KILLED"
+    parent = client.get_run(record.mlflow_run_id).data.tags.get("mlflow.parentRunId")
+    if parent and server.exists(parent) and client.get_run(parent).info.status == "RUNNING":
+        message = f"{stage} stopped without ending its run (its process died); closed by sync-tracking"
+        server.end_parent(parent, "KILLED", {"posttrain.end_reason": "interrupted", "posttrain.end_message": message})
+        note += ", and the pipeline's parent run with it"
+    return note

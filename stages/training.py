@@ -1,15 +1,17 @@
-"""What the training stages (cpt, sft) share: the Trainer arguments from the spec, resuming, and the summary.
+"""What the training stages (cpt, sft, rlhf) share: the Trainer arguments from the spec, resuming (never past the
+plan), and the summary.
 
 Each stage module reads as the recipe; the pieces here keep it short:
 
-    start = load_starting_model(...)                 stages/modeling.py
+    start = load_starting_model(..., ModelInputs(ctx))  stages/modeling.py (upstream models checked by content)
     cache = load_token_cache(...)                    stages/packing.py
-    record_inputs(ctx, cache, start.upstream)         lineage in stage.json
+    record_inputs(ctx, cache)                         lineage in stage.json
     args = trainer_arguments(ctx, start.model)        hyperparameters + distributed strategy + precision
     write_distributed_config(ctx, args)               what the Trainer (and accelerate) got, in logs/
     resume = resume_checkpoint(ctx)                   newest valid checkpoint (torn ones set aside)
-    trainer.train(resume_from_checkpoint=resume)
+    trained = train_to_plan(trainer, resume, stage)   never a step past the plan (0 when resume ends it)
     metrics = summary_metrics(trainer)
+    extra = {**resume_details(resume, trained), **output_fingerprint(ctx)}
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ import math
 from pathlib import Path
 from typing import Any
 
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
 from stages.checkpoints import checkpoint_step, newest_valid_checkpoint, set_aside_torn
 from stages.contract import StageContext, canonical_hash, is_main_process, write_json_atomic
 from stages.distributed import precision_arguments, strategy_arguments
-from stages.modeling import on_gpu, weights_dtype
+from stages.modeling import FINGERPRINT, model_fingerprint, on_gpu, weights_dtype
 from workflows.spec import TrainingStage
 
 
@@ -75,13 +79,10 @@ def kernel_arguments() -> dict[str, Any]:
     return {}
 
 
-def record_inputs(ctx: StageContext, cache: Any, upstream: str | None) -> None:
-    """Lineage in stage.json: the token cache and, for a chained stage, the upstream stage's model."""
+def record_inputs(ctx: StageContext, cache: Any) -> None:
+    """Lineage in stage.json: the token cache. (The upstream models are recorded, by content, as they load:
+    `stages.modeling.ModelInputs`.)"""
     ctx.add_input("token_cache", ctx.run_dir.relative(cache.path), canonical_hash(cache.meta["settings"]))
-    if upstream is not None:
-        result = ctx.run_dir.read_result(upstream)
-        model_dir = ctx.run_dir.stage_dir(upstream) / "model"
-        ctx.add_input("model", ctx.run_dir.relative(model_dir), result.config_hash if result else "")
 
 
 def write_distributed_config(ctx: StageContext, args: Any) -> Path:
@@ -152,8 +153,69 @@ def read_log_history(path: Path) -> list[dict[str, Any]]:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
-def resume_details(checkpoint: Path | None) -> dict[str, Any]:
-    """What stage.json's extra says about resuming."""
+def resume_details(checkpoint: Path | None, trained_steps: int) -> dict[str, Any]:
+    """What stage.json's extra says about resuming: the checkpoint, its step, and the optimizer steps this
+    attempt trained after it (0 when the checkpoint already ended the plan)."""
     if checkpoint is None:
-        return {"resumed_from_step": 0}
-    return {"resumed_from": checkpoint.name, "resumed_from_step": checkpoint_step(checkpoint) or 0}
+        return {"resumed_from_step": 0, "trained_steps": trained_steps}
+    step = checkpoint_step(checkpoint) or 0
+    return {"resumed_from": checkpoint.name, "resumed_from_step": step, "trained_steps": trained_steps}
+
+
+def output_fingerprint(ctx: StageContext) -> dict[str, str]:
+    """`{"model_fingerprint": ...}` of the model folder the stage wrote, for stage.json's extra: what every stage
+    that loads it holds it to (`stages.modeling.ModelInputs`). Rank 0 only: it writes the record, and the other
+    ranks must not read the whole model once more each."""
+    return {FINGERPRINT: model_fingerprint(ctx.model_dir)} if is_main_process() else {}
+
+
+# --------------------------------------------------------------------------- never past the plan
+
+
+class PlanComplete(Exception):
+    """The checkpoint the Trainer resumed from already ends the plan: there is no step left to train."""
+
+
+class StopAtPlannedEnd(TrainerCallback):
+    """Ends `Trainer.train` before its first step when the state it resumed (global_step) already reached the
+    plan (max_steps, also computed from the epochs): raises PlanComplete from `on_train_begin`.
+
+    Why it is needed: the Trainer checks the end of the plan only after a step (DefaultFlowCallback.on_step_end
+    sets should_training_stop once global_step >= max_steps), and its resumed loop starts with a step whenever
+    the plan ends inside an epoch (max_steps set and not a multiple of the steps per epoch, or fractional
+    epochs): resumed from checkpoint-40 of 40 it trains step 41. `on_train_begin` runs after the Trainer loaded
+    the checkpoint (weights, optimizer, scheduler, trainer state; the DeepSpeed engine's or FSDP's own state
+    under those strategies) and before any batch, on every rank alike (they all resumed the same state)."""
+
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> TrainerControl:
+        if state.max_steps > 0 and state.global_step >= state.max_steps:
+            raise PlanComplete(f"step {state.global_step} of {state.max_steps}")
+        return control
+
+
+def train_to_plan(trainer: Any, checkpoint: Path | None, stage: str) -> int:
+    """`trainer.train`, resumed from `checkpoint`, never past the planned end; returns the optimizer steps this
+    attempt trained. A checkpoint already at the planned end (the attempt before was stopped after its last
+    checkpoint, during the final evaluation, save or merge) trains 0 steps: the Trainer loads it the way it loads
+    any checkpoint it resumes, whatever the strategy (DDP, FSDP2, DeepSpeed ZeRO-2/3, full or LoRA), and stops
+    before the first batch; the stage then evaluates, saves and records the checkpoint's weights as they are.
+    (Loading the weights without `train()` is not enough: under FSDP2 and ZeRO-2, `evaluate()` and the save need
+    the model accelerate prepared together with its optimizer, which only `train()` does.)"""
+    guard = StopAtPlannedEnd()
+    trainer.add_callback(guard)
+    start = (checkpoint_step(checkpoint) or 0) if checkpoint is not None else 0
+    try:
+        trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint is not None else None)
+    except PlanComplete as done:
+        trainer.is_in_train = False  # as train() leaves it
+        print(
+            f"[{stage}] {checkpoint.name if checkpoint else 'the checkpoint'} is at the planned end "
+            f"({done}): no step left to train; evaluating, saving and recording it",
+            flush=True,
+        )
+        return 0
+    finally:
+        trainer.remove_callback(guard)
+    return trainer.state.global_step - start

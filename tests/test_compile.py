@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 import yaml
 
-from workflows.compile import compile_pipeline, template_name
+from workflows.compile import compile_pipeline, duration_seconds, template_name
 from workflows.loading import load_pipeline
 from workflows.pytorchjob import FAILURE_CONDITION, SUCCESS_CONDITION
 from workflows.spec import MAX_PIPELINE_NAME_LENGTH, RunPolicy
@@ -43,7 +46,10 @@ def test_prepare_can_end_a_scheduled_run_with_the_reason_in_the_ui() -> None:
     assert outputs["skip-reason"]["valueFrom"]["default"] == ""
     notify = templates["notify"]["container"]
     assert notify["command"][-2:] == ["--run-dir", "/mnt/checkpoints/runs/{{workflow.name}}"]
-    assert notify["volumeMounts"] == [{"name": "checkpoints", "mountPath": "/mnt/checkpoints", "readOnly": True}]
+    assert notify["volumeMounts"] == [
+        {"name": "checkpoints", "mountPath": "/mnt/checkpoints", "readOnly": True},
+        {"name": "tmp", "mountPath": "/tmp"},
+    ]
 
 
 def test_disabled_stages_drop_out_and_edges_close_up() -> None:
@@ -113,7 +119,8 @@ def test_exit_handler_posts_with_the_webhook_from_a_secret() -> None:
     doc = _template()
     assert doc["spec"]["onExit"] == "notify"
     notify = next(t for t in doc["spec"]["templates"] if t["name"] == "notify")
-    (env,) = notify["container"]["env"]
+    home, env = notify["container"]["env"]
+    assert home == {"name": "HOME", "value": "/tmp"}  # the root filesystem is read-only
     assert env == {"name": "SLACK_WEBHOOK_URL", "valueFrom": {"secretKeyRef": {"name": "slack-webhook", "key": "url"}}}
     no_slack = _template("qwen3-30b-a3b")
     assert "onExit" not in no_slack["spec"]
@@ -235,3 +242,272 @@ def test_an_unscheduled_profile_fits_argos_template_name_limit() -> None:
     assert template_name(spec, longest) == f"llama3-dolly-{longest}"
     with pytest.raises(ValueError, match=r"WorkflowTemplate 'llama3-dolly-p+' \(64 characters\), over the 63 that fit"):
         template_name(spec, longest + "p")
+
+
+# --------------------------------------------------------------------------- who holds a token
+
+CONTAINER_STEPS = ("prepare", "evaluate", "deploy", "notify")
+RESOURCE_STEPS = ("cpt", "sft", "rlhf", "serve")
+
+
+def _templates(doc: dict) -> dict[str, dict]:
+    return {t["name"]: t for t in doc["spec"]["templates"]}
+
+
+def test_only_the_steps_that_create_jobs_hold_a_token() -> None:
+    """Pods that run stage code run as the account without a Role and get no token (Argo mounts the executor
+    account's token into its own init and wait containers only); the resource steps, which create the PyTorchJobs
+    and apply the InferenceService, run as the workflow account with its token. The workflow's default is no token,
+    so a template that names no account fails closed."""
+    doc = _template(
+        overrides=(
+            "cluster.pod_service_account=runner-x",
+            "cluster.executor_service_account=executor-x",
+            "cluster.service_account=creator-x",
+        )
+    )
+    assert doc["spec"]["serviceAccountName"] == "runner-x"
+    assert doc["spec"]["automountServiceAccountToken"] is False
+    assert "executor" not in doc["spec"]  # it would mount the executor token into the resource steps' main too
+    templates = _templates(doc)
+    for name in CONTAINER_STEPS:
+        step = templates[name]
+        assert step["serviceAccountName"] == "runner-x", name
+        assert step["automountServiceAccountToken"] is False, name
+        assert step["executor"] == {"serviceAccountName": "executor-x"}, name
+    for name in RESOURCE_STEPS:
+        step = templates[name]
+        assert step["serviceAccountName"] == "creator-x", name
+        assert step["automountServiceAccountToken"] is True, name
+        assert "executor" not in step, name
+    job = yaml.safe_load(templates["sft"]["resource"]["manifest"])
+    pod = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "runner-x" and pod["automountServiceAccountToken"] is False
+
+
+def test_stage_containers_have_a_read_only_root_and_write_to_volumes() -> None:
+    """/tmp is an emptyDir of the step (Argo's outputs under /tmp/outputs are then read from that volume by the
+    wait container); the caches point into it; the root filesystem is read-only."""
+    templates = _templates(_template())
+    for name in CONTAINER_STEPS:
+        step = templates[name]
+        container = step["container"]
+        assert container["securityContext"]["readOnlyRootFilesystem"] is True, name
+        assert {"name": "tmp", "mountPath": "/tmp"} in container["volumeMounts"], name
+        assert {"name": "tmp", "emptyDir": {}} in step["volumes"], name
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["HOME"] == "/tmp", name
+        for output in step.get("outputs", {}).get("parameters", []):
+            assert output["valueFrom"]["path"].startswith("/tmp/outputs/"), (name, output)
+
+
+def test_argos_init_and_wait_containers_are_held_to_restricted_settings() -> None:
+    """Container steps patch Argo's own init and wait containers (template podSpecPatch), so their pods pass Pod
+    Security `restricted` without controller settings; the patch also carries the grace period."""
+    restricted = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}, "readOnlyRootFilesystem": True}
+    templates = _templates(_template(overrides=("stages.evaluate.run_policy.termination_grace_period_seconds=240",)))
+    for name in CONTAINER_STEPS:
+        patch = json.loads(templates[name]["podSpecPatch"])
+        assert patch["initContainers"] == [{"name": "init", "securityContext": restricted}], name
+        assert patch["containers"] == [{"name": "wait", "securityContext": restricted}], name
+    assert json.loads(templates["evaluate"]["podSpecPatch"])["terminationGracePeriodSeconds"] == 240
+    assert json.loads(templates["prepare"]["podSpecPatch"])["terminationGracePeriodSeconds"] == 120
+    for name in RESOURCE_STEPS:
+        assert "podSpecPatch" not in templates[name], name  # their pods have other containers; Argo locks them down
+    plain = _templates(_template(overrides=("cluster.executor_security_context=false",)))
+    assert json.loads(plain["deploy"]["podSpecPatch"]) == {"terminationGracePeriodSeconds": 120}
+
+
+# --------------------------------------------------------------------------- retries, timeouts, the deadline
+
+
+class _Expr:
+    """A small evaluator of the expr-lang subset the retry expression uses (the language Argo evaluates
+    `retryStrategy.expression` in): `||`, `&&`, `!`, parentheses, `==`, `!=`, `in` over a list of strings,
+    `contains`, string literals and dotted variables. Anything else is a syntax error, so the expression cannot
+    drift outside what this model understands."""
+
+    _TOKEN = re.compile(r'\s*(\|\||&&|==|!=|!|\(|\)|\[|\]|,|"[^"]*"|[A-Za-z_][A-Za-z0-9_.]*)')
+
+    def __init__(self, source: str) -> None:
+        self.tokens: list[str] = []
+        pos = 0
+        while pos < len(source.rstrip()):
+            match = self._TOKEN.match(source, pos)
+            if not match:
+                raise SyntaxError(f"unexpected {source[pos:]!r}")
+            self.tokens.append(match.group(1))
+            pos = match.end()
+
+    def evaluate(self, scope: dict[str, str]) -> bool:
+        self.pos, self.scope = 0, scope
+        value = self._or()
+        if self.pos != len(self.tokens):
+            raise SyntaxError(f"unexpected {self.tokens[self.pos]!r}")
+        assert isinstance(value, bool)
+        return value
+
+    def _peek(self) -> str | None:
+        return self.tokens[self.pos] if self.pos < len(self.tokens) else None
+
+    def _take(self, expected: str | None = None) -> str:
+        token = self._peek()
+        if token is None or (expected is not None and token != expected):
+            raise SyntaxError(f"expected {expected!r}, got {token!r}")
+        self.pos += 1
+        return token
+
+    def _or(self) -> object:
+        value = self._and()
+        while self._peek() == "||":
+            self._take()
+            right = self._and()
+            value = bool(value) or bool(right)
+        return value
+
+    def _and(self) -> object:
+        value = self._unary()
+        while self._peek() == "&&":
+            self._take()
+            right = self._unary()
+            value = bool(value) and bool(right)
+        return value
+
+    def _unary(self) -> object:
+        if self._peek() == "!":
+            self._take()
+            return not self._unary()
+        left = self._primary()
+        operator = self._peek()
+        if operator in ("==", "!=", "in", "contains"):
+            self._take()
+            right = self._primary()
+            if operator == "==":
+                return left == right
+            if operator == "!=":
+                return left != right
+            if operator == "in":
+                assert isinstance(right, list)
+                return left in right
+            assert isinstance(left, str) and isinstance(right, str)
+            return right in left
+        return left
+
+    def _primary(self) -> object:
+        token = self._take()
+        if token == "(":
+            value = self._or()
+            self._take(")")
+            return value
+        if token == "[":
+            items = []
+            while self._peek() != "]":
+                items.append(self._primary())
+                if self._peek() == ",":
+                    self._take()
+            self._take("]")
+            return items
+        if token.startswith('"'):
+            return token[1:-1]
+        if token in self.scope:
+            return self.scope[token]
+        raise SyntaxError(f"unknown name {token!r}")
+
+
+def _retried(expression: str, status: str, exit_code: str, message: str = "") -> bool:
+    scope = {"lastRetry.status": status, "lastRetry.exitCode": exit_code, "lastRetry.message": message}
+    return _Expr(expression).evaluate(scope)
+
+
+@pytest.mark.parametrize(
+    ("status", "exit_code", "message", "retried"),
+    [
+        ("Failed", "1", "main: Error (exit code 1)", False),  # the stage failed: its record says why
+        ("Failed", "2", "main: Error (exit code 2)", False),  # bad input
+        ("Failed", "75", "main: Error (exit code 75)", True),  # interrupted by SIGTERM, or its stage was held
+        ("Failed", "143", "main: Error (exit code 143)", True),  # SIGTERM before it could record itself
+        ("Failed", "137", "main: Error (exit code 137)", True),  # SIGKILL at the end of the grace period
+        ("Failed", "137", "main: OOMKilled (exit code 137)", False),  # the same limits would kill it again
+        ("Error", "-1", "pod deleted", True),  # preempted, evicted, node lost
+        ("Error", "0", "wait: Error (exit code 1)", True),  # Argo's own container failed
+    ],
+)
+def test_steps_retry_only_what_a_retry_can_fix(status: str, exit_code: str, message: str, retried: bool) -> None:
+    for name in CONTAINER_STEPS:
+        strategy = _templates(_template())[name]["retryStrategy"]
+        assert strategy["retryPolicy"] == "Always"  # both phases reach the expression, which decides
+        assert _retried(strategy["expression"], status, exit_code, message) is retried, name
+
+
+def test_the_expression_model_is_strict() -> None:
+    """Guard: the evaluator refuses what it does not model, instead of guessing."""
+    assert _retried('lastRetry.exitCode in ["1", "2"] && !(lastRetry.status == "Error")', "Failed", "2")
+    for unsupported in ("asInt(lastRetry.exitCode) > 1", 'lastRetry.status matches "E"', "retries < 2"):
+        with pytest.raises(SyntaxError):
+            _retried(unsupported, "Failed", "1")
+
+
+def test_steps_have_a_timeout_and_retries_with_a_doubling_backoff() -> None:
+    templates = _templates(
+        _template(
+            overrides=(
+                "stages.evaluate.run_policy.active_deadline_seconds=7200",
+                "stages.evaluate.run_policy.retries=4",
+                "stages.evaluate.run_policy.retry_backoff=1m",
+            )
+        )
+    )
+    evaluate = templates["evaluate"]
+    assert evaluate["activeDeadlineSeconds"] == 7200
+    assert evaluate["retryStrategy"]["limit"] == "4"
+    assert evaluate["retryStrategy"]["backoff"] == {"duration": "1m", "factor": "2", "cap": "1h"}
+    for name in ("prepare", "deploy"):  # the defaults
+        assert templates[name]["activeDeadlineSeconds"] == 24 * 3600, name
+        assert templates[name]["retryStrategy"]["limit"] == "2", name
+        assert templates[name]["retryStrategy"]["backoff"] == {"duration": "30s", "factor": "2", "cap": "1h"}, name
+    assert templates["notify"]["activeDeadlineSeconds"] == 600
+    serve = templates["serve"]
+    assert serve["timeout"] == "3600s" and serve["retryStrategy"]["backoff"]["duration"] == "30s"
+
+
+def test_the_workflow_deadline_is_the_steps_worst_case_unless_set() -> None:
+    """(retries + 1) × timeout + the waits between retries, for every step the template holds, plus an hour."""
+    overrides = (
+        "stages.cpt.enabled=false",
+        "stages.rlhf.enabled=false",
+        "stages.deploy.serving.enabled=false",
+        "notifications.slack=false",
+        "stages.prepare.run_policy.active_deadline_seconds=600",
+        "stages.prepare.run_policy.retries=1",
+        "stages.prepare.run_policy.retry_backoff=90s",
+        "stages.sft.run_policy.active_deadline_seconds=3600",
+        "stages.sft.run_policy.retries=2",
+        "stages.sft.run_policy.retry_backoff=40m",
+        "stages.evaluate.run_policy.active_deadline_seconds=1800",
+        "stages.evaluate.run_policy.retries=0",
+        "stages.deploy.run_policy.active_deadline_seconds=300",
+        "stages.deploy.run_policy.retries=3",
+        "stages.deploy.run_policy.retry_backoff=20",
+    )
+    prepare = 2 * 600 + 90
+    sft = 3 * (3600 + 3600) + 40 * 60 + 60 * 60  # the second wait (80m) is capped at 1h
+    evaluate = 1800
+    deploy = 4 * 300 + 20 + 40 + 80
+    assert _template(overrides=overrides)["spec"]["activeDeadlineSeconds"] == 3600 + prepare + sft + evaluate + deploy
+    explicit = _template(overrides=(*overrides, "workflow.active_deadline_seconds=7200"))
+    assert explicit["spec"]["activeDeadlineSeconds"] == 7200
+
+
+def test_the_default_deadline_covers_every_shipped_pipeline() -> None:
+    for name in ("korean-llm", "qwen3-30b-a3b", "llama3-dolly"):
+        spec = load_pipeline(name).spec
+        deadline = _template(name)["spec"]["activeDeadlineSeconds"]
+        longest_job = max(spec.stage(s).run_policy.active_deadline_seconds for s in spec.stages.enabled())
+        assert deadline > longest_job, name
+
+
+@pytest.mark.parametrize(
+    ("value", "seconds"), [("120", 120), ("90s", 90), ("2m", 120), ("1h30m", 5400), ("1.5h", 5400)]
+)
+def test_backoffs_are_read_as_argo_reads_them(value: str, seconds: float) -> None:
+    assert duration_seconds(value) == seconds

@@ -20,6 +20,7 @@ from stages.data import (
     read_dataset,
     sha256_file,
     split_eval,
+    write_jsonl,
 )
 from workflows.spec import DataSpec
 
@@ -75,6 +76,13 @@ MALFORMED: list[tuple[str, str | bytes, str, str]] = [
     ("preference", '{"chosen": "a", "rejected": "b"}', "prompt", "missing"),
     ("preference", '{"prompt": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], '
      '"chosen": "a", "rejected": "b"}', "prompt[1].role", "end with a user turn"),
+    # JSON that parses, or nearly, but is no data Python can hold or write
+    ("text", '{"text": ' + "[" * 100_000 + "]" * 100_000 + "}", "", "nested too deeply to read"),
+    ("text", '{"text": "a", "id": ' + "7" * 5000 + "}", "", "a number of more than 4300 digits"),
+    ("text", '{"text": "half \\ud800 a character"}', "text", "a lone surrogate \\ud800 at character 6"),
+    ("messages", '{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "\\udc00"}]}',
+     "messages[1].content", "a lone surrogate \\udc00"),
+    ("preference", '{"prompt": "q", "chosen": "a", "rejected": "\\udfff"}', "rejected", "a lone surrogate"),
 ]  # fmt: skip
 
 
@@ -124,6 +132,49 @@ def test_bad_rows_within_the_fraction_are_quarantined_and_counted(tmp_path: Path
     assert record["error"] == "expected a string, got null" and '"text": null' in record["raw"]
     with pytest.raises(DataError, match=r"over max_bad_row_fraction=0\.05"):
         read_dataset(spec_for(path, "text", bad=0.05))
+
+
+def test_quarantined_rows_that_are_no_text_are_written_as_utf8(tmp_path: Path):
+    """A row with a lone surrogate, or nested too deeply, is quarantined like any bad row: its record is writable."""
+    lines = [
+        '{"text": "ok"}',
+        '{"text": "x \\ud800"}',
+        '{"text": ' + "[" * 100_000 + "]" * 100_000 + "}",
+        '{"text": 1}',
+    ]
+    path = write_lines(tmp_path / "train.jsonl", lines)
+    dataset = read_dataset(spec_for(path, "text", bad=0.9))
+    assert [e.line for e in dataset.errors] == [2, 3, 4]
+    quarantine = tmp_path / "quarantine.jsonl"
+    write_jsonl(quarantine, [e.record() for e in dataset.errors])
+    records = [json.loads(line) for line in quarantine.read_text(encoding="utf-8").splitlines()]
+    assert records[0]["field"] == "text" and "\\ud800" in records[0]["raw"]
+
+
+def test_a_symlink_loop_or_a_dangling_link_names_the_path(tmp_path: Path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    write_lines(corpus / "a.jsonl", ['{"text": "ok"}'])
+    (corpus / "loop-1").symlink_to("loop-2")
+    (corpus / "loop-2").symlink_to("loop-1")
+    with pytest.raises(DataError, match=rf"{re.escape(str(corpus))}/loop-[12]: a symlink loop"):
+        read_dataset(spec_for(corpus, "text"))
+    looped = tmp_path / "looped.jsonl"
+    looped.symlink_to(looped.name)
+    with pytest.raises(DataError, match=rf"{re.escape(str(looped))}: a symlink loop"):
+        read_dataset(spec_for(looped, "text"))
+    dangling = tmp_path / "dangling.jsonl"
+    dangling.symlink_to(tmp_path / "moved-away.jsonl")
+    with pytest.raises(DataError, match=r"dangling\.jsonl is a symlink to .*moved-away\.jsonl, which does not exist"):
+        read_dataset(spec_for(dangling, "text"))
+
+
+def test_a_file_name_that_is_not_utf8_is_named_and_refused(tmp_path: Path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / os.fsdecode(b"caf\xe9.jsonl")).write_text('{"text": "ok"}\n', encoding="utf-8")
+    with pytest.raises(DataError, match=r"caf\\udce9\.jsonl: the file name is not valid UTF-8"):
+        read_dataset(spec_for(corpus, "text"))
 
 
 def test_failure_lists_the_first_errors_only(tmp_path: Path):

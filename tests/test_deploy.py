@@ -22,8 +22,8 @@ from safetensors.torch import load_file
 from training_fixtures import make_run_dir
 
 import stages.deploy as deploy
-from stages.contract import EXIT_FAILED, RunDir, StageContext, StageResult, config_hash
-from stages.modeling import build_from_config, load_tokenizer
+from stages.contract import EXIT_FAILED, RunDir, StageContext, StageRefused, StageResult, config_hash
+from stages.modeling import build_from_config, load_tokenizer, model_fingerprint
 
 CANDIDATE = {"perplexity": 12.5, "eval_loss": 2.53}
 CLOUD_ENV = (
@@ -47,10 +47,18 @@ def _env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
 
 
-def record(run_dir: RunDir, stage: str, extra: dict[str, Any], status: str = "succeeded") -> None:
-    """A stage's stage.json as the stage itself leaves it."""
+def record(
+    run_dir: RunDir,
+    stage: str,
+    extra: dict[str, Any],
+    status: str = "succeeded",
+    inputs: dict[str, tuple[str, str]] | None = None,
+) -> None:
+    """A stage's stage.json as the stage itself leaves it (`inputs`: name → (uri, fingerprint))."""
     ctx = StageContext(run_dir, stage, run_dir.load_spec())
     assert ctx.begin()
+    for name, (uri, fingerprint) in (inputs or {}).items():
+        ctx.add_input(name, uri, fingerprint)
     ctx.finish(extra=extra, status=status)  # type: ignore[arg-type]
 
 
@@ -62,8 +70,9 @@ def make_run(
     champion_version: str = "",
     overrides: tuple[str, ...] = (),
 ) -> RunDir:
-    """A run in which cpt left a model (full, or a LoRA adapter over the base) and evaluate decided `gate`;
-    every run of a test shares one MLflow database (one registry)."""
+    """A run in which cpt left a model (full, or a LoRA adapter over the base) and evaluate measured it (its
+    content fingerprint, as cpt recorded it) and decided `gate`; every run of a test shares one MLflow database
+    (one registry)."""
     tracking = f"tracking.mlflow_tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"
     overrides = ("stages.sft.enabled=false", "stages.rlhf.enabled=false", tracking, *overrides)
     run_dir = make_run_dir(tmp_path / name, overrides, n_text=40, n_chat=8)
@@ -89,7 +98,9 @@ def make_run(
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     kind = "adapter" if adapter else "full"
-    cpt.finish(extra={"model_kind": kind, "base": spec.model.name_or_path, "base_kind": "from_config"})
+    fingerprint = model_fingerprint(out)
+    extra = {"model_kind": kind, "base": spec.model.name_or_path, "base_kind": "from_config"}
+    cpt.finish(extra={**extra, "model_fingerprint": fingerprint})
     reasons = [
         f"perplexity: candidate 12.5 vs base model 40 (lower is better): {'holds' if gate == 'pass' else 'fails'}"
     ]
@@ -106,6 +117,7 @@ def make_run(
             "candidate_stage": "cpt",
             "reference": "base model",
         },
+        inputs={"candidate": ("cpt/model", fingerprint)},
     )
     return run_dir
 
@@ -220,6 +232,48 @@ def test_lineage_tags_and_the_inference_service(tmp_path: Path, monkeypatch: pyt
     assert isvc["spec"]["predictor"]["model"]["storageUri"] == f"pvc://{claim}/runs/korean-llm-x7k2p/deploy/model"
     assert isvc["metadata"]["annotations"]["posttrain.dev/model-version"] == result.extra["model_version"]
     assert result.extra["storage_uri"] == isvc["spec"]["predictor"]["model"]["storageUri"]
+
+
+@pytest.mark.parametrize("adapter", [False, True], ids=["full", "adapter"])
+def test_deploy_refuses_a_model_that_differs_from_what_evaluate_measured(tmp_path: Path, adapter: bool) -> None:
+    """cpt/model rewritten after evaluate measured it (a stage rerun by hand, a copy over it): deploy publishes and
+    registers nothing, and says what to do; cpt's own record is rewritten too, so only evaluate's record can tell."""
+    run_dir = make_run(tmp_path, "run", "pass", adapter=adapter)
+    model_dir = run_dir.stage_dir("cpt") / "model"
+    weights = "adapter_model.safetensors" if adapter else "model.safetensors"
+    from safetensors.torch import save_file
+
+    tensors = load_file(model_dir / weights)
+    save_file({k: v + 0.01 for k, v in tensors.items()}, model_dir / weights)
+    cpt = run_dir.read_result("cpt")
+    cpt.extra["model_fingerprint"] = model_fingerprint(model_dir)
+    run_dir.write_result(cpt)
+    measured = run_dir.read_result("evaluate").inputs["candidate"].fingerprint
+
+    ctx = StageContext(run_dir, "deploy", run_dir.load_spec(), outputs_dir=run_dir.root / "outputs")
+    with pytest.raises(StageRefused) as refused:
+        deploy.run(ctx)
+    message = str(refused.value)
+    assert message.startswith("[deploy] cpt/model is not the model evaluate measured: its files hash to ")
+    assert f"evaluate/stage.json records {measured}" in message and "python -m stages evaluate" in message
+    result = run_dir.read_result("deploy")
+    assert result.status == "failed" and result.message == message
+    assert not (run_dir.stage_dir("deploy") / "model").exists()
+    from mlflow.exceptions import MlflowException
+
+    with pytest.raises(MlflowException):  # nothing registered: not even the registered model was created
+        registry(run_dir).get_registered_model("korean-llm")
+
+
+def test_deploy_records_and_tags_what_it_registered(tmp_path: Path) -> None:
+    run_dir = make_run(tmp_path, "run", "pass")
+    result = run_deploy(run_dir)
+    candidate = run_dir.read_result("evaluate").inputs["candidate"]
+    assert result.inputs["candidate"] == candidate  # held to (and recorded as) what evaluate measured
+    assert result.extra["model_fingerprint"] == model_fingerprint(run_dir.stage_dir("deploy") / "model")
+    tags = registry(run_dir).get_model_version("korean-llm", result.extra["model_version"]).tags
+    assert tags["posttrain.model_fingerprint"] == result.extra["model_fingerprint"]
+    assert tags["posttrain.candidate_fingerprint"] == candidate.fingerprint
 
 
 def test_a_skipped_evaluation_deploys_nothing(tmp_path: Path) -> None:

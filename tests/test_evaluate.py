@@ -6,17 +6,19 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from training_fixtures import chat_rows, make_run_dir, run_stage, text_rows, write_jsonl
 
 import stages.evaluate as evaluate
 from stages.builtin_data import LM_EVAL_TASKS, write_lm_eval_tasks
-from stages.contract import RunDir, StageContext, StageResult
+from stages.contract import RunDir, StageContext, StageRefused, StageResult
 from stages.data import BUILTIN_TASKS_DIR, DataError, sha256_file
-from stages.modeling import load_stage_model, load_tokenizer
+from stages.modeling import load_stage_model, load_tokenizer, model_fingerprint
 from stages.packing import tokenize_conversation, tokenize_document
 from workflows.loading import load_pipeline
 from workflows.spec import GateRule, PipelineSpec
@@ -372,3 +374,37 @@ def test_a_run_that_prepare_ended_early_is_skipped(tmp_path: Path) -> None:
     assert result is not None and result.status == "skipped" and "unchanged since run-before" in result.message
     assert (tmp_path / "outputs" / "gate").read_text() == "skipped"
     assert json.loads((root / "evaluate" / "stage.json").read_text())["extra"]["gate"] == "skipped"
+
+
+# --------------------------------------------------------------------------- what is measured
+
+
+def test_the_candidate_is_recorded_by_content(trained: RunDir, tmp_path: Path) -> None:
+    result = run_evaluate(trained, spec_of(trained), tmp_path / "outputs")
+    candidate = result.inputs["candidate"]
+    assert candidate.uri == "cpt/model"
+    assert candidate.fingerprint == trained.read_result("cpt").extra["model_fingerprint"]
+    assert candidate.fingerprint == model_fingerprint(trained.stage_dir("cpt") / "model")
+
+
+def test_a_candidate_changed_after_its_stage_recorded_it_is_refused(trained: RunDir, tmp_path: Path) -> None:
+    """cpt/model rewritten after cpt recorded it: evaluate measures nothing and gates nothing."""
+    run_dir = RunDir(tmp_path / "run")
+    shutil.copytree(  # the run as cpt left it
+        trained.root,
+        run_dir.root,
+        ignore=lambda folder, names: [
+            n for n in names if n in ("checkpoints", ".lock") or Path(folder, n) == trained.root / "evaluate"
+        ],
+    )
+    weights = run_dir.stage_dir("cpt") / "model" / "model.safetensors"
+    save_file({k: v * 1.01 for k, v in load_file(weights).items()}, weights)
+
+    ctx = StageContext(run_dir, "evaluate", spec_of(trained), outputs_dir=tmp_path / "outputs")
+    with pytest.raises(StageRefused, match=r"^\[evaluate\] cpt/model changed after cpt recorded it: ") as refused:
+        evaluate.run(ctx)
+    assert "python -m stages cpt" in str(refused.value) and "--force" in str(refused.value)
+    result = run_dir.read_result("evaluate")
+    assert result.status == "failed" and result.message == str(refused.value)
+    assert "candidate" not in result.inputs and not (run_dir.stage_dir("evaluate") / "report").exists()
+    assert not (tmp_path / "outputs" / "gate").exists()

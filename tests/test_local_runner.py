@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -122,3 +124,58 @@ def test_the_summary_shows_the_gate_and_the_registered_version() -> None:
     assert key_metric("evaluate", evaluate) == "gate pass, perplexity 744.7"
     assert key_metric("deploy", deploy) == "korean-llm v3 (challenger)"
     assert key_metric("sft", {"metrics": {"train_loss": 2.0, "eval_loss": 1.5}}) == "eval_loss 1.5"
+
+
+# --------------------------------------------------------------------------- signals: the runner never orphans a stage
+
+_STAGE = """
+import signal, sys, time
+from pathlib import Path
+
+def stop(signum, frame):
+    Path(sys.argv[1]).write_text(signal.Signals(signum).name)
+    sys.exit(75)
+
+signal.signal(signal.SIGTERM, stop)
+signal.signal(signal.SIGINT, stop)
+Path(sys.argv[1] + ".ready").touch()
+time.sleep(120)
+"""
+
+_RUNNER = """
+import subprocess, sys, time
+from workflows.local import die_with_runner
+
+stage = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], preexec_fn=die_with_runner())
+time.sleep(120)
+"""
+
+
+def _wait_for(path: Path, timeout: float = 60) -> str:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.05)
+    return path.read_text()
+
+
+def test_a_stage_gets_sigterm_when_its_runner_is_killed(tmp_path: Path) -> None:
+    got = tmp_path / "got"
+    runner = subprocess.Popen(
+        [sys.executable, "-c", _RUNNER, _STAGE, str(got)],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    _wait_for(Path(f"{got}.ready"))
+    runner.kill()  # SIGKILL: the runner cannot pass anything on
+    runner.wait(timeout=30)
+    assert _wait_for(got) == "SIGTERM"  # from the kernel, on the runner's death
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_to_the_runner_is_passed_on_and_the_stage_awaited(tmp_path: Path, signum: int) -> None:
+    got = tmp_path / "got"
+    stage = subprocess.Popen([sys.executable, "-c", _STAGE, str(got)], start_new_session=True)
+    _wait_for(Path(f"{got}.ready"))
+    assert local.stop_stage(stage, signum) == 75  # returns once the stage has exited
+    assert got.read_text() == signal.Signals(signum).name

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -375,7 +376,9 @@ def test_no_image_is_floating(builds: dict[str, list[Doc]]) -> None:
 # --------------------------------------------------------------------------- pod security
 
 
-def _container_issues(pod: Doc, container: Doc) -> list[str]:
+def _container_issues(pod: Doc, container: Doc, writable_root: bool = False, token: bool = False) -> list[str]:
+    """Why `container` of `pod` falls short of Pod Security `restricted`, of a read-only root filesystem (unless
+    `writable_root`: a documented exception) and of running without a Kubernetes API token (unless `token`)."""
     pod_ctx = pod.get("securityContext", {})
     ctx = container.get("securityContext", {})
     issues = []
@@ -391,18 +394,35 @@ def _container_issues(pod: Doc, container: Doc) -> list[str]:
         issues.append("privileged")
     if ctx.get("seccompProfile", pod_ctx.get("seccompProfile", {})).get("type") != "RuntimeDefault":
         issues.append("seccomp profile is not RuntimeDefault")
+    if not writable_root and ctx.get("readOnlyRootFilesystem") is not True:
+        issues.append("the root filesystem is not read-only")
+    if not token and pod.get("automountServiceAccountToken") is not False:
+        issues.append("a ServiceAccount token is mounted")
     return issues
+
+
+WRITABLE_ROOT: dict[tuple[str, str], str] = {
+    ("StatefulSet", "mlflow-postgres"): "PostgreSQL writes its socket and lock files under /var/run/postgresql",
+    ("ServingRuntime", "kserve-vllm"): "vLLM, Triton and torch.compile write caches outside HOME",
+}
+"""The kit's workloads whose root filesystem is writable, each with its reason (manifests/README.md)."""
+TOKEN_HOLDERS: dict[tuple[str, str], str] = {
+    ("ServingRuntime", "kserve-vllm"): "a ServingRuntime has no pod-level automountServiceAccountToken; KServe "
+    "builds the predictor pod",
+}
+"""The kit's pod specs that cannot say whether a token is mounted, each with its reason."""
 
 
 def test_every_workload_runs_restricted(builds: dict[str, list[Doc]]) -> None:
     workloads = 0
     for where, doc in _all_objects(builds):
+        key = (doc["kind"], doc["metadata"]["name"])
         for pod in _pod_specs(doc):
             workloads += 1
             assert not any("hostPath" in v for v in pod.get("volumes", [])), f"{where}: hostPath volume"
             assert not (pod.get("hostNetwork") or pod.get("hostPID") or pod.get("hostIPC")), where
             for container in pod.get("containers", []) + pod.get("initContainers", []):
-                issues = _container_issues(pod, container)
+                issues = _container_issues(pod, container, key in WRITABLE_ROOT, key in TOKEN_HOLDERS)
                 assert not issues, f"{where}: {doc['kind']}/{doc['metadata']['name']}/{container['name']}: {issues}"
     assert workloads >= 4  # MLflow, TensorBoard, Postgres, the vLLM runtime
 
@@ -411,6 +431,12 @@ def test_pod_security_check_can_fail() -> None:
     pod = {"securityContext": {"runAsNonRoot": True, "runAsUser": 1000}}
     container = {"name": "c", "securityContext": {"allowPrivilegeEscalation": False}}
     assert _container_issues(pod, container) == [
+        "capabilities do not drop ALL (or add some)",
+        "seccomp profile is not RuntimeDefault",
+        "the root filesystem is not read-only",
+        "a ServiceAccount token is mounted",
+    ]
+    assert _container_issues(pod, container, writable_root=True, token=True) == [
         "capabilities do not drop ALL (or add some)",
         "seccomp profile is not RuntimeDefault",
     ]
@@ -422,6 +448,38 @@ def test_services_without_api_access_get_no_token(builds: dict[str, list[Doc]]) 
             for pod in _pod_specs(doc):
                 if doc["kind"] != "ServingRuntime":
                     assert pod.get("automountServiceAccountToken") is False, doc["metadata"]["name"]
+
+
+PSA = "pod-security.kubernetes.io/"
+
+
+def test_restricted_enforcement_is_an_opt_in_component(builds: dict[str, list[Doc]], tmp_path: Path) -> None:
+    """The overlays enforce `baseline` (other controllers' containers need settings outside the kit first) and
+    warn about and audit `restricted`; components/pod-security-restricted turns enforcement to `restricted` and
+    changes nothing else."""
+    for name, docs in builds.items():
+        (namespace,) = [d for d in docs if d["kind"] == "Namespace"]
+        labels = namespace["metadata"]["labels"]
+        assert (labels[PSA + "enforce"], labels[PSA + "warn"], labels[PSA + "audit"]) == ("baseline",) + (
+            "restricted",
+        ) * 2, name
+    overlay = tmp_path / "restricted"
+    overlay.mkdir()
+    kustomization = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "resources": [os.path.relpath(OVERLAYS["onprem"], overlay)],
+        "components": [os.path.relpath(MANIFESTS / "components" / "pod-security-restricted", overlay)],
+    }
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump(kustomization), encoding="utf-8")
+    restricted = build(overlay)
+    expected = copy.deepcopy(builds["onprem"])
+    (namespace,) = [d for d in expected if d["kind"] == "Namespace"]
+    namespace["metadata"]["labels"][PSA + "enforce"] = "restricted"
+    assert _by_id(restricted) == _by_id(expected)
+    if (kubectl := _kubectl_kustomize()) is not None:
+        out = subprocess.run([kubectl, "kustomize", str(overlay)], capture_output=True, text=True, check=True)
+        assert _by_id(_load_docs_text(out.stdout)) == _by_id(expected)
 
 
 def test_tensorboard_reads_the_runs_read_only(builds: dict[str, list[Doc]]) -> None:
@@ -476,8 +534,8 @@ Grant = tuple[str, str, str, tuple[str, ...]]
 
 VERB_REASONS: dict[tuple[str, str], dict[Grant, str]] = {
     ("Role", "posttrain-workflow"): {
-        ("argoproj.io", "workflowtaskresults", "create", ALL): "Argo's executor reports each step's outputs",
-        ("argoproj.io", "workflowtaskresults", "patch", ALL): "Argo's executor updates the step's result",
+        ("argoproj.io", "workflowtaskresults", "create", ALL): "a resource step's executor reports its outputs",
+        ("argoproj.io", "workflowtaskresults", "patch", ALL): "a resource step's executor updates the step's result",
         ("kubeflow.org", "pytorchjobs", "create", ALL): "training steps are resource templates with action create",
         (
             "kubeflow.org",
@@ -485,14 +543,33 @@ VERB_REASONS: dict[tuple[str, str], dict[Grant, str]] = {
             "get",
             ALL,
         ): "the resource step polls the job for its success/failure condition",
-        ("serving.kserve.io", "inferenceservices", "create", ALL): "deploy creates the InferenceService",
-        ("serving.kserve.io", "inferenceservices", "get", ALL): "deploy reads the existing InferenceService",
+        (
+            "serving.kserve.io",
+            "inferenceservices",
+            "create",
+            ALL,
+        ): "serve (a resource step, action apply) creates the InferenceService the first time",
+        (
+            "serving.kserve.io",
+            "inferenceservices",
+            "get",
+            ALL,
+        ): "serve's apply reads the existing InferenceService, and polls its rollout condition",
         (
             "serving.kserve.io",
             "inferenceservices",
             "patch",
             ALL,
-        ): "deploy moves an existing InferenceService to the model",
+        ): "serve's apply moves an existing InferenceService to the run's model",
+    },
+    ("Role", "posttrain-executor"): {
+        (
+            "argoproj.io",
+            "workflowtaskresults",
+            "create",
+            ALL,
+        ): "Argo's wait container of a stage pod reports the step's outputs (its token is mounted there only)",
+        ("argoproj.io", "workflowtaskresults", "patch", ALL): "Argo's wait container updates the step's result",
     },
     ("Role", "posttrain-submitter"): {
         ("argoproj.io", "workflows", "create", ALL): "submit a run (CLI, or the UI's submit dialog)",
@@ -520,7 +597,7 @@ VERB_REASONS: dict[tuple[str, str], dict[Grant, str]] = {
         ("serving.kserve.io", "clusterservingruntimes", "get", ALL): "preflight: the serving runtime, cluster-wide",
     },
     ("Role", "posttrain-preflight"): {
-        ("", "serviceaccounts", "get", ALL): "preflight: the workflow ServiceAccount exists",
+        ("", "serviceaccounts", "get", ALL): "preflight: the pipeline's three ServiceAccounts exist",
         ("", "persistentvolumeclaims", "get", ALL): "preflight: the volumes exist, are Bound and ReadWriteMany",
         ("", "secrets", "get", PREFLIGHT_SECRETS): (
             "preflight: the spec's Secrets exist; it requests their metadata only (PartialObjectMetadata), and "
@@ -621,14 +698,83 @@ def test_nothing_cluster_wide_outside_the_optional_components(builds: dict[str, 
         assert not kinds & {"ClusterRole", "ClusterRoleBinding"}, name
 
 
-def test_workflow_role_is_bound_to_the_workflow_service_account(builds: dict[str, list[Doc]]) -> None:
-    accounts = {"base": "posttrain-workflow", "onprem": "posttrain-workflow", "gke": "posttrain-gke-wi"}
+def _roles_bound_to(docs: list[Doc], account: str) -> list[str]:
+    """The roles the kit binds to ServiceAccount `account` (by RoleBinding or ClusterRoleBinding)."""
+    return sorted(
+        f"{doc['roleRef']['kind']}/{doc['roleRef']['name']}"
+        for doc in docs
+        if doc["kind"] in ("RoleBinding", "ClusterRoleBinding")
+        for subject in doc.get("subjects", [])
+        if subject["kind"] == "ServiceAccount" and subject["name"] == account
+    )
+
+
+def identity_problems(docs: list[Doc], cluster: Any) -> list[str]:
+    """What the kit gets wrong about a pipeline's three ServiceAccounts (cluster.*), one line each:
+    - service_account (the resource steps): bound to the posttrain-workflow Role only, its token not switched off
+      on the account (Argo writes only `false` into a pod, so the account's setting would win);
+    - pod_service_account (every pod that runs stage code): no role at all, no token;
+    - executor_service_account (Argo's init/wait): the posttrain-executor Role only, and the token Secret Argo
+      mounts, `<name>.service-account-token`."""
+    problems = []
+    accounts = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ServiceAccount"}
+    wanted = {
+        cluster.service_account: ["Role/posttrain-workflow"],
+        cluster.pod_service_account: [],
+        cluster.executor_service_account: ["Role/posttrain-executor"],
+    }
+    for account, roles in wanted.items():
+        if account not in accounts:
+            problems.append(f"ServiceAccount {account} is missing")
+        elif (bound := _roles_bound_to(docs, account)) != roles:
+            problems.append(f"ServiceAccount {account} is bound to {bound}, expected {roles}")
+    if accounts.get(cluster.service_account, {}).get("automountServiceAccountToken") is False:
+        problems.append(f"{cluster.service_account} switches its token off: the resource steps would have none")
+    for account in (cluster.pod_service_account, cluster.executor_service_account):
+        if account in accounts and accounts[account].get("automountServiceAccountToken") is not False:
+            problems.append(f"{account} does not set automountServiceAccountToken: false")
+    token = f"{cluster.executor_service_account}.service-account-token"
+    secrets = [d for d in docs if _matches(d, "Secret", token)]
+    if not secrets:
+        problems.append(f"Secret {token} (the executor's token, which Argo mounts) is missing")
+    elif (
+        secrets[0].get("type") != "kubernetes.io/service-account-token"
+        or secrets[0]["metadata"].get("annotations", {}).get("kubernetes.io/service-account.name")
+        != cluster.executor_service_account
+    ):
+        problems.append(f"Secret {token} is not a token of {cluster.executor_service_account}")
+    return problems
+
+
+def test_the_identities_hold_only_what_their_steps_need(builds: dict[str, list[Doc]]) -> None:
+    from workflows.spec import ClusterSpec
+
     for name, docs in builds.items():
+        pipelines = [load_pipeline(p).spec.cluster for p in OVERLAY_PIPELINES.get(name, [])] or [ClusterSpec()]
+        for cluster in pipelines:
+            assert identity_problems(docs, cluster) == [], name
         binding = _find(docs, "RoleBinding", "posttrain-workflow")
-        namespace = _find(docs, "Namespace", binding["metadata"].get("namespace", "posttrain"))["metadata"]["name"]
-        assert binding["roleRef"]["name"] == "posttrain-workflow"
-        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": accounts[name], "namespace": namespace}]
-        _find(docs, "ServiceAccount", accounts[name])
+        namespace = _find(docs, "Namespace", binding["metadata"]["namespace"])["metadata"]["name"]
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "posttrain-workflow", "namespace": namespace}]
+
+
+def test_the_identity_check_can_fail(builds: dict[str, list[Doc]]) -> None:
+    from workflows.spec import ClusterSpec
+
+    docs = copy.deepcopy(builds["base"])
+    cluster = ClusterSpec()
+    _find(docs, "RoleBinding", "posttrain-workflow")["subjects"].append(
+        {"kind": "ServiceAccount", "name": "posttrain-runner", "namespace": "posttrain"}
+    )
+    del _find(docs, "ServiceAccount", "posttrain-runner")["automountServiceAccountToken"]
+    _find(docs, "ServiceAccount", "posttrain-workflow")["automountServiceAccountToken"] = False
+    docs = [d for d in docs if not _matches(d, "Secret", "posttrain-executor.service-account-token")]
+    assert identity_problems(docs, cluster) == [
+        "ServiceAccount posttrain-runner is bound to ['Role/posttrain-workflow'], expected []",
+        "posttrain-workflow switches its token off: the resource steps would have none",
+        "posttrain-runner does not set automountServiceAccountToken: false",
+        "Secret posttrain-executor.service-account-token (the executor's token, which Argo mounts) is missing",
+    ]
 
 
 # --------------------------------------------------------------------------- overlays against the pipelines
@@ -656,7 +802,7 @@ def test_overlay_has_what_its_pipelines_name(
         ns = spec.cluster.namespace
         _find(docs, "Namespace", ns)
         assert all(d["metadata"]["namespace"] == ns for d in docs if d["kind"] not in CLUSTER_SCOPED)
-        _find(docs, "ServiceAccount", spec.cluster.service_account)
+        assert identity_problems(docs, spec.cluster) == [], pipeline
         _pvc_checks(docs, spec.cluster.datasets.claim_name, storage_class)
         _pvc_checks(docs, spec.cluster.checkpoints.claim_name, storage_class)
         _find(docs, "ServingRuntime", spec.stages.deploy.serving.runtime)
@@ -734,7 +880,11 @@ def test_gke_overlay_uses_workload_identity(builds: dict[str, list[Doc]]) -> Non
     for account in ("posttrain-gke-wi", "posttrain-mlflow"):
         annotations = _find(docs, "ServiceAccount", account)["metadata"]["annotations"]
         assert annotations["iam.gke.io/gcp-service-account"].endswith(".iam.gserviceaccount.com")
-    assert not [d for d in docs if _matches(d, "ServiceAccount", "posttrain-workflow")]
+    # Cloud identity is the stage pods' (they read gs:// data and publish the model), never the token holder's.
+    assert load_pipeline("llama3-dolly").spec.cluster.pod_service_account == "posttrain-gke-wi"
+    assert not _roles_bound_to(docs, "posttrain-gke-wi")
+    assert "annotations" not in _find(docs, "ServiceAccount", "posttrain-workflow")["metadata"]
+    assert not [d for d in docs if _matches(d, "ServiceAccount", "posttrain-runner")]
 
 
 def test_base_uses_the_spec_defaults(builds: dict[str, list[Doc]]) -> None:
@@ -743,7 +893,7 @@ def test_base_uses_the_spec_defaults(builds: dict[str, list[Doc]]) -> None:
     cluster = ClusterSpec()
     docs = builds["base"]
     _find(docs, "Namespace", cluster.namespace)
-    _find(docs, "ServiceAccount", cluster.service_account)
+    assert identity_problems(docs, cluster) == []
     _pvc_checks(docs, cluster.datasets.claim_name, None)
     _pvc_checks(docs, cluster.checkpoints.claim_name, None)
 

@@ -33,6 +33,17 @@ def _params_dir(tmp_path: Path, values: dict[str, str], pipeline: str = "korean-
     return out
 
 
+def prepare_step(run: Path, params_dir: Path) -> subprocess.CompletedProcess[str]:
+    """`python -m stages prepare --params-dir` as the cluster's prepare pod runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "stages", "prepare", "--run-dir", str(run), "--params-dir", str(params_dir)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 def test_defaults_resolve_to_the_compiled_spec(tmp_path: Path) -> None:
     spec = params.resolve_params_dir(_params_dir(tmp_path, {}))
     assert spec == load_pipeline("korean-llm").spec.model_copy(update={"profiles": {}})
@@ -157,14 +168,7 @@ def test_prepare_step_resolves_parameters_and_outputs_switches(tmp_path: Path) -
     """`python -m stages prepare --params-dir` as the pod runs it, up to the point the spec is resolved.
     A bad value fails the step with the parameter named and no traceback."""
     run = tmp_path / "run"
-    bad = _params_dir(tmp_path, {"run-sft": "maybe"})
-    proc = subprocess.run(
-        [sys.executable, "-m", "stages", "prepare", "--run-dir", str(run), "--params-dir", str(bad)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = prepare_step(run, _params_dir(tmp_path, {"run-sft": "maybe"}))
     assert proc.returncode == 2
     assert "parameter run-sft: expected true or false" in proc.stderr and "Traceback" not in proc.stderr
     assert not (run / "spec.json").exists()

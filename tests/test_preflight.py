@@ -108,7 +108,11 @@ def ready_cluster(spec: PipelineSpec, nodes: list[dict] | None = None, argo: str
         body = {"metadata": {"name": crd}, "spec": {"versions": [{"name": version, "served": True}]}}
         routes[f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{crd}"] = (200, body)
     routes[f"/api/v1/namespaces/{ns}"] = (200, {"metadata": {"name": ns}, "status": {"phase": "Active"}})
-    routes[f"/api/v1/namespaces/{ns}/serviceaccounts/{spec.cluster.service_account}"] = (200, {"metadata": {}})
+    cluster = spec.cluster
+    for account in (cluster.service_account, cluster.pod_service_account, cluster.executor_service_account):
+        routes[f"/api/v1/namespaces/{ns}/serviceaccounts/{account}"] = (200, {"metadata": {"name": account}})
+    token = {"metadata": {"name": f"{cluster.executor_service_account}.service-account-token"}, "data": {}}
+    routes[f"/api/v1/namespaces/{ns}/secrets/{token['metadata']['name']}"] = (200, token)
     for volume in (spec.cluster.datasets, spec.cluster.checkpoints):
         pvc = {
             "spec": {"accessModes": ["ReadWriteMany"]},
@@ -163,6 +167,9 @@ def test_a_ready_cluster_passes(server: _Server, korean: PipelineSpec) -> None:
         "CRD inferenceservices.serving.kserve.io",
         "namespace llm-training",
         "serviceaccount posttrain-workflow",
+        "serviceaccount posttrain-runner",
+        "serviceaccount posttrain-executor",
+        "secret posttrain-executor.service-account-token",
         "pvc datasets-rwx (datasets)",
         "pvc checkpoints-rwx (checkpoints)",
         "secret hf-token",
@@ -214,6 +221,26 @@ MISSING = {
         _drop(f"{NS}/serviceaccounts/posttrain-workflow"),
         "serviceaccount posttrain-workflow",
         "kubectl apply -k",
+    ),
+    "runner-serviceaccount": (
+        _drop(f"{NS}/serviceaccounts/posttrain-runner"),
+        "serviceaccount posttrain-runner",
+        "or set cluster.pod_service_account",
+    ),
+    "executor-serviceaccount": (
+        _drop(f"{NS}/serviceaccounts/posttrain-executor"),
+        "serviceaccount posttrain-executor",
+        "or set cluster.executor_service_account",
+    ),
+    "executor-token": (
+        _drop(f"{NS}/secrets/posttrain-executor.service-account-token"),
+        "secret posttrain-executor.service-account-token",
+        "kubernetes.io/service-account-token annotated kubernetes.io/service-account.name: posttrain-executor",
+    ),
+    "workflow-token-off": (
+        _set(f"{NS}/serviceaccounts/posttrain-workflow", lambda sa: sa.update(automountServiceAccountToken=False)),
+        "serviceaccount posttrain-workflow",
+        "kubectl -n llm-training patch serviceaccount posttrain-workflow --type json",
     ),
     "pvc-missing": (
         _drop(f"{NS}/persistentvolumeclaims/datasets-rwx"),
@@ -430,3 +457,39 @@ def test_spec_errors_exit_2_without_a_traceback(capsys) -> None:
     assert preflight.main(["korean-llm", "--set", "stages.sft.bogus=1"]) == 2
     err = capsys.readouterr().err
     assert "bogus" in err and "Traceback" not in err
+
+
+def test_the_executor_token_is_found_as_argo_finds_it(server: _Server, korean: PipelineSpec) -> None:
+    """Argo takes the executor account's first listed secret, else the one its annotation names, else
+    `<account>.service-account-token`; preflight checks the same Secret, by its metadata only."""
+    routes = ready_cluster(korean)
+    routes[f"{NS}/serviceaccounts/posttrain-executor"][1]["metadata"]["annotations"] = {
+        preflight.ARGO_TOKEN_ANNOTATION: "executor-token"
+    }
+    check = _check(_run(server, korean, routes), "secret executor-token")
+    assert check.status == "fail"
+    routes[f"{NS}/secrets/executor-token"] = (200, {"metadata": {"name": "executor-token"}, "data": {}})
+    assert _check(_run(server, korean, routes), "secret executor-token").status == "ok"
+    listed = {"metadata": {"name": "posttrain-executor"}, "secrets": [{"name": "listed-token"}]}
+    assert preflight.executor_token_secret(listed, "posttrain-executor") == "listed-token"
+
+
+def test_one_account_for_several_roles_is_checked_once(server: _Server) -> None:
+    spec = load_pipeline("korean-llm", overrides=["cluster.executor_service_account=posttrain-workflow"]).spec
+    report = _run(server, spec, ready_cluster(spec))
+    assert report.ok, report.render_text()
+    check = _check(report, "serviceaccount posttrain-workflow")
+    assert "the steps that create the jobs" in check.detail and "Argo's init and wait" in check.detail
+    _check(report, "secret posttrain-workflow.service-account-token")
+
+
+def test_the_executor_token_is_not_readable_through_preflight_access(server: _Server, korean: PipelineSpec) -> None:
+    """preflight-access does not grant reading the executor's token Secret (its token may write any step's outputs):
+    a refused read is a warning that says who can check it, not a hint to ask for that access."""
+    routes = ready_cluster(korean)
+    routes[f"{NS}/secrets/posttrain-executor.service-account-token"] = (403, {"kind": "Status", "code": 403})
+    report = _run(server, korean, routes)
+    check = _check(report, "secret posttrain-executor.service-account-token")
+    assert check.status == "warn" and "kubectl -n llm-training get secret" in check.fix
+    assert "preflight-access" not in check.fix
+    assert report.ok

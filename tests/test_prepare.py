@@ -239,3 +239,20 @@ def test_a_builtin_lm_eval_task_folder_is_part_of_prepare_config() -> None:
     without = load_pipeline("korean-llm", "local", ["stages.evaluate.lm_eval_include_path=null"]).spec
     assert with_tasks.stages.evaluate.lm_eval_include_path.startswith("builtin:")
     assert config_hash(with_tasks, "prepare") != config_hash(without, "prepare")
+
+
+def test_an_unknown_lm_eval_task_fails_prepare_before_anything_trains(tmp_path: Path) -> None:
+    """A spec that got past submit without lm-eval installed there (or a run directory written by hand): prepare
+    checks the task names against the image's lm-eval and the builtin task folder, and fails with the field."""
+    root = tmp_path / "korean-llm-typo"
+    spec = load_pipeline(
+        "korean-llm", "local", ["tracking.wandb_project=null", "stages.evaluate.lm_eval_tasks=[ko_constitution]"]
+    ).spec
+    RunDir(root).write_spec(spec)
+    done = prepare(root)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    assert "stages.evaluate.lm_eval_tasks[0]: 'ko_constitution' is not a task of lm-eval" in done.stderr
+    result = RunDir(root).read_result("prepare")
+    assert result.status == "failed" and "did you mean ko_constitution_mc?" in result.message
+    assert not (root / "prepare" / "tokenizer").exists()

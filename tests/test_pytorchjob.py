@@ -10,7 +10,7 @@ from conftest import PIPELINE_VARIANTS, fresh_spec, variant_id
 from schema_validation import SchemaViolation, pod_template_object, validate_core, validate_pytorchjob
 
 from workflows.loading import SpecError, known_pipelines, load_pipeline
-from workflows.pytorchjob import CONTAINER_NAME, STAGE_LABEL, pytorchjob_manifest, run_dir
+from workflows.pytorchjob import CONTAINER_NAME, SCRATCH_VOLUME, STAGE_LABEL, pytorchjob_manifest, run_dir
 from workflows.spec import (
     MAX_NODES,
     MAX_PIPELINE_NAME_LENGTH,
@@ -131,7 +131,7 @@ def test_shared_memory_volume(case: tuple[PipelineSpec, str]) -> None:
         for replica in _replicas(manifest).values():
             pod = replica["template"]["spec"]
             shm_mounts = [m for m in pod["containers"][0]["volumeMounts"] if m["mountPath"] == "/dev/shm"]
-            shm_volumes = [v for v in pod["volumes"] if "emptyDir" in v]
+            shm_volumes = [v for v in pod["volumes"] if v.get("emptyDir", {}).get("medium") == "Memory"]
             if shm is None:
                 assert not shm_mounts and not shm_volumes
                 continue
@@ -238,13 +238,48 @@ def test_placement_and_labels(case: tuple[PipelineSpec, str], schemas_dir: Any) 
         assert pod["metadata"]["labels"][STAGE_LABEL] == stage
         assert pod["spec"]["nodeSelector"] == {"pool": "gpu"}
         assert pod["spec"]["tolerations"] == [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]
-        assert pod["spec"]["serviceAccountName"] == spec.cluster.service_account
 
 
-def test_a_bad_affinity_is_caught_by_the_crd(case: tuple[PipelineSpec, str], schemas_dir: Any) -> None:
-    """The spec passes `affinity` through untyped; the strict CRD check is what catches a typo in it."""
+def test_training_pods_hold_no_api_token(case: tuple[PipelineSpec, str]) -> None:
+    """Training code needs no Kubernetes API: the pods run as the account without a Role, and no token is mounted
+    (the account that may create jobs is the resource step's, never the job's)."""
     spec, stage = case
-    spec.stage(stage).resources.affinity = {"nodeAfinity": {}}
+    spec.cluster.pod_service_account = "runner-x"
+    for replica in _replicas(pytorchjob_manifest(spec, stage)).values():
+        pod = replica["template"]["spec"]
+        assert pod["serviceAccountName"] == "runner-x" != spec.cluster.service_account
+        assert pod["automountServiceAccountToken"] is False
+
+
+def test_a_read_only_root_with_writable_scratch_and_caches(case: tuple[PipelineSpec, str]) -> None:
+    """The root filesystem is read-only; /tmp is an emptyDir and every cache the stages' libraries write points
+    into it (or at the checkpoints volume: HF_HOME). A stage's env may move one elsewhere."""
+    spec, stage = case
+    spec.stage(stage).env = {"TRITON_CACHE_DIR": "/mnt/checkpoints/.cache/triton"}
+    for replica in _replicas(pytorchjob_manifest(spec, stage)).values():
+        pod = replica["template"]["spec"]
+        (container,) = pod["containers"]
+        assert container["securityContext"]["readOnlyRootFilesystem"] is True
+        (scratch,) = [v for v in pod["volumes"] if v["name"] == SCRATCH_VOLUME]
+        assert scratch == {"name": SCRATCH_VOLUME, "emptyDir": {}}
+        assert {"name": SCRATCH_VOLUME, "mountPath": "/tmp"} in container["volumeMounts"]
+        names = [var["name"] for var in container["env"]]
+        assert len(names) == len(set(names)), "an environment variable is set twice"
+        env = _env(container)
+        writable = ("/tmp", spec.cluster.checkpoints.mount_path)
+        for name in ("HOME", "XDG_CACHE_HOME", "MPLCONFIGDIR", "TORCHINDUCTOR_CACHE_DIR", "TORCH_EXTENSIONS_DIR"):
+            assert env[name].startswith(writable), (name, env[name])
+        assert env["HF_HOME"].startswith(spec.cluster.checkpoints.mount_path + "/")
+        assert env["TRITON_CACHE_DIR"] == "/mnt/checkpoints/.cache/triton"
+
+
+def test_a_bad_affinity_is_caught_by_the_spec_and_by_the_crd(case: tuple[PipelineSpec, str], schemas_dir: Any) -> None:
+    """A typo in `affinity` is refused by the spec; were one to get past it, the strict CRD check catches it."""
+    spec, stage = case
+    resources = spec.stage(stage).resources
+    with pytest.raises(ValueError, match="nodeAfinity"):
+        resources.affinity = {"nodeAfinity": {}}
+    resources.__dict__["affinity"] = {"nodeAfinity": {}}  # past the spec's validation
     with pytest.raises(SchemaViolation, match="nodeAfinity"):
         validate_pytorchjob(pytorchjob_manifest(spec, stage))
 

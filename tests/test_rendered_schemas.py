@@ -4,13 +4,21 @@ embedded PyTorchJobs against the CRD, and each watch condition parses the way Ar
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import yaml
 from argo_model import parse_selector
-from schema_validation import SchemaViolation, require_schemas, validate_argo, validate_pytorchjob
+from schema_validation import (
+    SchemaViolation,
+    pod_template_object,
+    require_schemas,
+    validate_argo,
+    validate_core,
+    validate_pytorchjob,
+)
 
 from workflows.pytorchjob import pytorchjob_manifest
 from workflows.spec import TRAINING_STAGES, PipelineSpec
@@ -118,3 +126,17 @@ def test_missing_schemas_skip_unless_required(
     monkeypatch.setenv("POSTTRAIN_REQUIRE_SCHEMAS", required)
     with pytest.raises(outcome, match=f"not found in {tmp_path}"):
         require_schemas()
+
+
+def test_pod_spec_patches_are_strict_pod_specs(spec: PipelineSpec, compile_pipeline: Callable[..., Any]) -> None:
+    """A template's podSpecPatch is a string to the Argo schema; Argo reads it as a PodSpec and merges it into the
+    pod. Each one is a valid PodSpec (unknown fields fail), and a misspelt field would be caught."""
+    templates = compile_pipeline(spec).documents()["workflowtemplate.yaml"]["spec"]["templates"]
+    patches = {t["name"]: json.loads(t["podSpecPatch"]) for t in templates if "podSpecPatch" in t}
+    assert "prepare" in patches
+    for name, patch in patches.items():
+        validate_core(pod_template_object({"spec": patch}, name=name))
+    broken = copy.deepcopy(patches["prepare"])
+    broken["containers"][0]["securityContext"]["readOnlyRootFileSystem"] = True
+    with pytest.raises(SchemaViolation, match="readOnlyRootFileSystem"):
+        validate_core(pod_template_object({"spec": broken}, name="prepare"))

@@ -1,5 +1,6 @@
-"""GRPO reward functions (built-ins, user functions by import path, the errors), and the other preference
-algorithms run for a few steps: GRPO with hangul_ratio, ORPO and KTO."""
+"""GRPO reward functions (built-ins, user functions of the modules the pipeline file allows, the errors, and what a
+form cannot make them import), and the other preference algorithms run for a few steps: GRPO with hangul_ratio,
+ORPO and KTO."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 from safetensors.torch import load_file
 from training_fixtures import make_preference_run_dir, run_ok
 
 from stages.__main__ import main as stage_main
 from stages.rewards import RewardError, build_reward_functions, end_format, hangul_ratio, length_window
+from workflows.loading import SpecError, load_pipeline
 from workflows.spec import RewardFunction
 
 END = 7  # an end-of-turn token id, for the format reward
@@ -70,6 +73,8 @@ def user_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str
                 return [0.0 for _ in completions]
 
             NOT_A_FUNCTION = 3
+
+            from os.path import join as imported_function
             """
         )
     )
@@ -85,7 +90,7 @@ def test_builtins_and_user_functions_with_weights_and_args(user_module: str) -> 
         RewardFunction(name="format", args={"closed_think": False}),
         RewardFunction(name=f"{user_module}:polite", weight=0.5, args={"ending": "다."}),
     ]
-    rewards, weights = build_reward_functions(specs, end_token_ids=[END])
+    rewards, weights = build_reward_functions(specs, end_token_ids=[END], modules=[user_module])
     assert [r.__name__ for r in rewards] == ["hangul_ratio", "format", "polite"]
     assert weights == [2.0, 1.0, 0.5]
 
@@ -103,24 +108,53 @@ def test_builtins_and_user_functions_with_weights_and_args(user_module: str) -> 
         ("myrewards.missing:polite", "cannot import module 'myrewards.missing'"),
         ("no_such_package_xyz.rewards:f", "cannot import module 'no_such_package_xyz.rewards'"),
         ("myrewards.korean:absent", "has no attribute 'absent'"),
-        ("myrewards.korean:NOT_A_FUNCTION", "is a int, not a function"),
+        ("myrewards.korean:NOT_A_FUNCTION", "is not a function defined in 'myrewards.korean'"),
+        ("myrewards.korean:imported_function", "is not a function defined in 'myrewards.korean'"),
         ("myrewards.korean:no_kwargs", "does not take **kwargs"),
         ("myrewards.korean:needs_more", "cannot be called as"),
         ("hangul", "use a built-in"),
+        ("torch.hub:load", "module 'torch.hub' is not in stages.rlhf.reward_modules"),
+        ("transformers:AutoModelForCausalLM.from_pretrained", "use a built-in"),
     ],
 )
 def test_bad_reward_functions_name_the_spec_field(user_module: str, name: str, error: str) -> None:
     specs = [RewardFunction(name="hangul_ratio"), RewardFunction(name=name)]
+    allowed = [user_module, "myrewards.missing", "no_such_package_xyz.rewards"]
     with pytest.raises(RewardError, match=r"stages\.rlhf\.reward_functions\[1\]\.name") as caught:
-        build_reward_functions(specs)
+        build_reward_functions(specs, modules=allowed)
     assert error in str(caught.value)
 
 
+def test_a_module_not_allowed_is_never_imported(user_module: str) -> None:
+    """The allow-list is checked before the import: a module's top-level code (a hubconf.py, say) never runs."""
+    with pytest.raises(RewardError, match=r"not in stages\.rlhf\.reward_modules"):
+        build_reward_functions([RewardFunction(name=f"{user_module}:polite")], modules=[])
+    assert user_module not in sys.modules
+
+
 def test_builtin_with_unknown_args_names_the_args_field() -> None:
-    with pytest.raises(RewardError, match=r"reward_functions\[0\]\.args"):
-        build_reward_functions([RewardFunction(name="hangul_ratio", args={"min": 1}), RewardFunction(name="length")])
-    with pytest.raises(RewardError, match=r"reward_functions\[0\]\.args.*'lenght'"):
-        build_reward_functions([RewardFunction(name="length", args={"lenght": 1})])
+    with pytest.raises(ValidationError, match=r"are not arguments of the hangul_ratio reward"):
+        RewardFunction(name="hangul_ratio", args={"min": 1})
+    with pytest.raises(SpecError, match=r"stages\.rlhf\.reward_functions\[0\]\.args: \['lenght'\]"):
+        load_pipeline("korean-llm", overrides=["stages.rlhf.reward_functions=[{name: length, args: {lenght: 1}}]"])
+
+
+def test_the_spec_names_only_built_ins_and_allowed_modules() -> None:
+    """What a run may import is decided in the pipeline file: torch.hub:load (which runs a repository's
+    hubconf.py) or a from_pretrained path with trust_remote_code in its args are refused before anything runs."""
+    grpo = ["stages.rlhf.algorithm=grpo", "stages.rlhf.data.format=messages"]
+    hub = "stages.rlhf.reward_functions=[{name: 'torch.hub:load', args: {repo_or_dir: /tmp/x, trust_repo: true}}]"
+    with pytest.raises(SpecError, match=r"reward_functions\[0\]\.name: 'torch.hub:load': module 'torch.hub' is not"):
+        load_pipeline("korean-llm", overrides=[*grpo, hub])
+    pretrained = "stages.rlhf.reward_functions=[{name: 'transformers:AutoModelForCausalLM.from_pretrained'}]"
+    with pytest.raises(SpecError, match=r"is neither a built-in reward"):
+        load_pipeline("korean-llm", overrides=[*grpo, pretrained])
+    allowed = [
+        "stages.rlhf.reward_modules=[acme.rewards]",
+        "stages.rlhf.reward_functions=[{name: 'acme.rewards:polite'}]",
+    ]
+    spec = load_pipeline("korean-llm", overrides=[*grpo, *allowed]).spec
+    assert spec.stages.rlhf.reward_functions[0].name == "acme.rewards:polite"
 
 
 # --------------------------------------------------------------------------- the algorithms, a few steps each
@@ -193,6 +227,7 @@ def test_a_bad_reward_function_fails_the_stage_with_the_field(tmp_path: Path) ->
     overrides = [
         *ALONE,
         "stages.rlhf.algorithm=grpo",
+        "stages.rlhf.reward_modules=[no_such_package_xyz]",
         "stages.rlhf.reward_functions=[{name: hangul_ratio}, {name: 'no_such_package_xyz:reward'}]",
     ]
     run_dir = make_preference_run_dir(tmp_path / "run", overrides, n_train=8)

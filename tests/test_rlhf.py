@@ -101,7 +101,7 @@ def test_rlhf_record_model_and_chaining_from_sft(chained: RunDir) -> None:
     assert result.extra["base"] == spec.model.name_or_path
     assert "continued adapter" in result.extra["reference"]
     assert result.inputs["model"].uri == "sft/model"
-    assert result.inputs["model"].fingerprint == chained.read_result("sft").config_hash
+    assert result.inputs["model"].fingerprint == chained.read_result("sft").extra["model_fingerprint"]
     assert result.inputs["preference_train"].fingerprint.startswith("sha256:")
 
     model_dir, sft_dir = chained.stage_dir("rlhf") / "model", chained.stage_dir("sft") / "model"

@@ -1,6 +1,11 @@
 """Experiment tracking (stages/tracking.py): MLflow parent and nested runs (the parent closed by the stage that
 ends the pipeline run), resumption, a server that dies mid-run, W&B offline runs with their group and job type,
-Langfuse events, and no secrets in params."""
+Langfuse events, and no secrets in params.
+
+Outages: what the server cannot take is journaled on disk as it comes (a SIGKILLed stage keeps it) and sent by the
+next attempt, the next stage or `python -m workflows.runs sync-tracking`, once, ending the runs the journal ended.
+A server that is down is a URI with a closed port; "back" is the module's store. One value per (metric, step) in
+MLflow, TensorBoard and W&B, across attempts; no credential in anything tracking writes or sends."""
 
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ from typing import Any, ClassVar
 import pytest
 from training_fixtures import wandb_offline_runs
 
-from stages.contract import RunDir, StageContext
+from stages.contract import RunDir, StageContext, StageInterrupted
 from stages.tracking import TRACKING_FILE, StageTracker
 from workflows.loading import load_pipeline
 
@@ -285,3 +290,374 @@ def test_only_rank_zero_tracks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
         tracker.log_metrics({"loss": 1.0}, step=1)
     assert tracker.run_id is None and ctx.result.mlflow_run_id is None
     assert not (ctx.run_dir.root / TRACKING_FILE).exists() and not (ctx.logs_dir / "tensorboard").exists()
+
+
+# --------------------------------------------------------------------------- outages: the journal and its replay
+
+PASSWORD = "Pa55-w0rd-in-the-URI"
+
+
+def closed_uri(password: str = PASSWORD) -> str:
+    """An MLflow server URI with credentials in it, on a port where nothing listens: a server that is down."""
+    return f"http://posttrain:{password}@127.0.0.1:{free_port()}"
+
+
+def journal_lines(ctx: StageContext) -> list[dict[str, Any]]:
+    path = ctx.logs_dir / "tracking-unsent.jsonl"
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def history(client: Any, run_id: str) -> dict[str, list[tuple[int, float]]]:
+    """Every metric of a run: its (step, value) pairs in step order."""
+    keys = client.get_run(run_id).data.metrics
+    return {k: sorted((m.step, m.value) for m in client.get_metric_history(run_id, k)) for k in keys}
+
+
+def sync(root: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    from workflows.runs import main as runs_main
+
+    code = runs_main(["sync-tracking", str(root)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+_KILLED_ATTEMPT = """
+import os, signal, sys
+from stages.contract import RunDir, StageContext, StageInterrupted
+from stages.tracking import StageTracker
+
+run_dir = RunDir(sys.argv[1])
+ctx = StageContext(run_dir, "cpt", run_dir.load_spec())
+assert ctx.begin()
+tracker = StageTracker(ctx)
+tracker.start()
+for step in range(1, 6):
+    tracker.log_metrics({"loss": 10.0 - step, "epoch": step / 2}, step=step)
+os.kill(os.getpid(), signal.SIGKILL)  # the node is lost: no finish, no stage.json update
+"""
+
+
+def test_a_stage_killed_during_an_outage_keeps_its_metrics_and_its_next_attempt_sends_them_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    root = tmp_path / "run"
+    spec = load_pipeline("korean-llm", "local", ["tracking.wandb_project=null"]).spec
+    run_dir = RunDir(root)
+    run_dir.write_spec(spec)
+    script = tmp_path / "killed_attempt.py"
+    script.write_text(_KILLED_ATTEMPT, encoding="utf-8")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "MLFLOW_TRACKING_URI": closed_uri()}
+    killed = subprocess.run([sys.executable, str(script), str(root)], env=env, capture_output=True, text=True)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+
+    ctx = StageContext(run_dir, "cpt", spec)
+    lines = journal_lines(ctx)  # written as the metrics came, not at the end: the process never got there
+    assert [(r["metric"], r["step"]) for r in lines if r.get("metric") == "loss"] == [("loss", s) for s in range(1, 6)]
+    assert any("param" in r for r in lines) and not any("end" in r for r in lines)
+    assert PASSWORD not in (ctx.logs_dir / "tracking-unsent.jsonl").read_text() + killed.stderr
+
+    # The server is back; the next attempt resumes from "checkpoint-3" and trains steps 4-8 again.
+    assert ctx.begin() and ctx.resumed
+    with StageTracker(ctx) as tracker:
+        for step in range(4, 9):
+            tracker.log_metrics({"loss": 100.0 + step, "epoch": step / 2}, step=step)
+        ctx.finish()
+    assert not (ctx.logs_dir / "tracking-unsent.jsonl").exists()
+    client = client_for()
+    run = client.get_run(ctx.result.mlflow_run_id)
+    assert run.info.status == "FINISHED"
+    losses = history(client, run.info.run_id)["loss"]
+    assert [s for s, _ in losses] == list(range(1, 9))  # every step once
+    assert losses[:5] == [(s, 10.0 - s) for s in range(1, 6)]  # the first value of a step wins
+    assert [s for s, _ in history(client, run.info.run_id)["epoch"]] == list(range(1, 9))
+    stage_runs = client.search_runs([run.info.experiment_id], f"tags.`mlflow.parentRunId` = '{tracker.parent_run_id}'")
+    assert [r.info.run_id for r in stage_runs] == [run.info.run_id]  # one run for both attempts
+
+
+def test_a_stage_that_ended_during_an_outage_is_ended_by_sync_tracking(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+):
+    up = os.environ["MLFLOW_TRACKING_URI"]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", closed_uri())
+    ctx = make_ctx(tmp_path / "run", "cpt")
+    with pytest.raises(RuntimeError), StageTracker(ctx) as tracker:
+        for step in range(1, 4):
+            tracker.log_metrics({"loss": 4.0 - step}, step=step)
+        raise RuntimeError("boom")
+    assert [r.get("end") or r.get("end_pipeline") for r in journal_lines(ctx) if "time" in r] == ["FAILED"] * 2
+    assert any("sync-tracking" in w for w in tracker.warnings)
+
+    code, out, err = sync(ctx.run_dir.root, capsys)  # the server is still down
+    assert code == 1 and err.startswith("error: MLflow at http://***@127.0.0.1") and "pending" in err, err
+    assert PASSWORD not in out + err
+    assert (ctx.logs_dir / "tracking-unsent.jsonl").exists()
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", up)  # back
+    code, out, err = sync(ctx.run_dir.root, capsys)
+    assert code == 0 and "everything got through" in out and "cpt: sent" in out, out + err
+    assert not (ctx.logs_dir / "tracking-unsent.jsonl").exists()
+    client = client_for()
+    result = ctx.run_dir.read_result("cpt")
+    run = client.get_run(result.mlflow_run_id)  # created by the replay, and recorded for the next attempt
+    assert run.info.status == "FAILED" and run.info.end_time is not None
+    assert [s for s, _ in history(client, run.info.run_id)["loss"]] == [1, 2, 3]
+    assert {a.path for a in client.list_artifacts(run.info.run_id)} == {"stage.json"}
+    parent = client.get_run(run.data.tags["mlflow.parentRunId"])  # a failed stage closes the pipeline run
+    assert parent.info.status == "FAILED" and parent.data.tags["posttrain.end_reason"] == "failed"
+    assert json.loads((ctx.run_dir.root / TRACKING_FILE).read_text())["mlflow"]["parent_run_id"] == parent.info.run_id
+
+    code, out, _ = sync(ctx.run_dir.root, capsys)  # nothing left
+    assert code == 0 and "nothing to send" in out
+
+
+def test_the_next_stage_sends_what_an_earlier_stage_could_not(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    up = os.environ["MLFLOW_TRACKING_URI"]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", closed_uri())
+    prepare = make_ctx(tmp_path / "run", "prepare")
+    with StageTracker(prepare) as tracker:
+        tracker.log_metrics({"cpt_rows": 40.0}, step=0)
+        prepare.finish()
+    assert prepare.run_dir.read_result("prepare").mlflow_run_id is None
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", up)
+    ctx = StageContext(prepare.run_dir, "cpt", prepare.spec)
+    assert ctx.begin()
+    with StageTracker(ctx) as tracker:
+        ctx.finish()
+    assert not (prepare.logs_dir / "tracking-unsent.jsonl").exists()
+    client = client_for()
+    earlier = client.get_run(prepare.run_dir.read_result("prepare").mlflow_run_id)
+    assert earlier.info.status == "FINISHED" and earlier.data.metrics == {"cpt_rows": 40.0}
+    assert earlier.data.tags["mlflow.parentRunId"] == tracker.parent_run_id  # one parent for the run
+    assert client.get_run(tracker.parent_run_id).info.status == "RUNNING"  # cpt does not end this pipeline run
+
+
+def test_a_send_cut_short_is_done_again_without_duplicates(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+):
+    up = os.environ["MLFLOW_TRACKING_URI"]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", closed_uri())
+    ctx = make_ctx(tmp_path / "run", "cpt")
+    with StageTracker(ctx) as tracker:
+        tracker.log_params({"lr": 0.1})
+        for step in range(1, 4):
+            tracker.log_metrics({"loss": 4.0 - step}, step=step)
+        ctx.finish()
+    journal = ctx.logs_dir / "tracking-unsent.jsonl"
+    kept = journal.read_bytes()
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", up)
+    assert sync(ctx.run_dir.root, capsys)[0] == 0
+    journal.write_bytes(kept + b'{"metric": "loss", "va')  # died after sending, before removing; a torn line
+    code, out, _ = sync(ctx.run_dir.root, capsys)
+    assert code == 0 and "were there already" in out, out
+    client = client_for()
+    run_id = ctx.run_dir.read_result("cpt").mlflow_run_id
+    assert history(client, run_id)["loss"] == [(1, 3.0), (2, 2.0), (3, 1.0)]
+    assert client.get_run(run_id).data.params["lr"] == "0.1"
+    assert client.get_run(run_id).info.status == "FINISHED"
+
+
+def test_sync_tracking_leaves_a_running_stage_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    up = os.environ["MLFLOW_TRACKING_URI"]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", closed_uri())
+    ctx = make_ctx(tmp_path / "run", "cpt")  # this process runs cpt: it holds cpt's lock
+    tracker = StageTracker(ctx)
+    tracker.start()
+    tracker.log_metrics({"loss": 1.0}, step=1)
+    synced = subprocess.run(
+        [sys.executable, "-m", "workflows.runs", "sync-tracking", str(ctx.run_dir.root)],
+        env={**os.environ, "MLFLOW_TRACKING_URI": up},
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert synced.returncode == 1, synced.stdout + synced.stderr
+    assert "still pending; a process runs the stage" in synced.stdout, synced.stdout
+    assert (ctx.logs_dir / "tracking-unsent.jsonl").exists()
+    tracker.finish()
+
+
+def test_sync_tracking_refuses_a_directory_that_is_not_a_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    code, out, err = sync(tmp_path, capsys)
+    assert code == 2 and not out and len(err.splitlines()) == 1
+    assert err.startswith(f"error: {tmp_path} is not a run directory (has no spec.json)")
+    (tmp_path / "spec.json").write_text("{not json", encoding="utf-8")
+    code, _, err = sync(tmp_path, capsys)
+    assert code == 2 and len(err.splitlines()) == 1 and err.startswith(f"error: {tmp_path}/spec.json")
+    help_text = subprocess.run(
+        [sys.executable, "-m", "workflows.runs", "sync-tracking", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+        check=True,
+    ).stdout
+    assert "example:" in help_text and "python -m workflows.runs sync-tracking runs/" in help_text
+
+
+# --------------------------------------------------------------------------- one value per (metric, step)
+
+
+def trainer_logs(step: int, last: int, eval_steps: int) -> list[dict[str, float]]:
+    """The log dicts transformers' Trainer (5.x) passes to on_log at `step`, as a real cpt run logs them:
+    the training log, the held-out evaluation every eval_steps, and at the last step the training summary and
+    the stage's own final evaluate()."""
+    epoch, tokens = step / 2, 512.0 * step
+    logs = [
+        {
+            "loss": 6.0 - step / 10,
+            "grad_norm": 2.3,
+            "learning_rate": 1e-3,
+            "epoch": epoch,
+            "num_input_tokens_seen": tokens,
+            "train_runtime": 0.5 * step,
+            "train_tokens_per_second": 1600.0,
+        },
+    ]
+    evaluation = {
+        "eval_loss": 5.0 + 1 / step,
+        "eval_runtime": 0.01,
+        "eval_samples_per_second": 77.0,
+        "eval_steps_per_second": 77.0,
+        "epoch": epoch,
+        "num_input_tokens_seen": tokens,
+    }
+    if step % eval_steps == 0:
+        logs.append(evaluation)
+    if step == last:
+        logs.append(
+            {
+                "train_runtime": 0.5 * step + 0.1,
+                "train_samples_per_second": 8.5,
+                "train_steps_per_second": 2.1,
+                "total_flos": 2.9e9,
+                "train_loss": 5.5,
+                "epoch": epoch,
+                "num_input_tokens_seen": tokens,
+            }
+        )
+        logs.append({**evaluation, "eval_runtime": 0.09})
+    return logs
+
+
+def tensorboard_points(logs: Path) -> list[tuple[str, int]]:
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    return [
+        (value.tag, event.step)
+        for path in sorted(logs.glob("tensorboard/events.out.tfevents.*"))
+        for event in EventFileLoader(str(path)).Load()
+        for value in event.summary.value
+    ]
+
+
+def wandb_points(root: Path) -> list[tuple[str, int]]:
+    from training_fixtures import wandb_records
+
+    points = []
+    for path in sorted(root.glob("wandb/offline-run-*/run-*.wandb")):
+        for record in wandb_records(path):
+            if record.WhichOneof("record_type") == "history":
+                items = {"/".join(i.nested_key) or i.key: i.value_json for i in record.history.item}
+                step = int(items["_step"])
+                points += [(key, step) for key in items if not key.startswith("_")]
+    return points
+
+
+def test_every_backend_gets_one_value_per_metric_and_step_across_attempts_and_the_final_summary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    pytest.importorskip("transformers")
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    ctx = make_ctx(tmp_path / "run", "cpt", "tracking.wandb_project=dedupe")
+
+    def train(tracker: StageTracker, steps: range, last: int) -> None:
+        callback = tracker.hf_callback()
+        for step in steps:
+            state = SimpleNamespace(global_step=step, is_world_process_zero=True)
+            for logs in trainer_logs(step, last, eval_steps=3):
+                callback.on_log(None, state, None, logs=logs)
+
+    tracker = StageTracker(ctx)
+    tracker.start()
+    train(tracker, range(1, 6), last=8)  # killed at step 5, after checkpoint-3
+    tracker.finish("interrupted")
+    ctx.fail("preempted", retryable=True)
+
+    again = StageContext(ctx.run_dir, "cpt", ctx.spec)
+    assert again.begin() and again.resumed
+    with StageTracker(again) as tracker:
+        train(tracker, range(4, 9), last=8)  # resumed from checkpoint-3: steps 4 and 5 trained again
+        summary = {"steps": 8, "tokens": 4096.0, "train_loss_first": 5.9, "train_loss_last": 5.2, "eval_loss": 5.125}
+        tracker.log_metrics(summary, step=8)  # what the stage logs after training (summary_metrics)
+        again.finish()
+
+    client = client_for()
+    metrics = history(client, again.result.mlflow_run_id)
+    for key, points in metrics.items():
+        assert len({s for s, _ in points}) == len(points), f"{key} has several values at a step: {points}"
+    assert [s for s, _ in metrics["loss"]] == list(range(1, 9))
+    assert [s for s, _ in metrics["eval_loss"]] == [3, 6, 8]
+    assert [s for s, _ in metrics["epoch"]] == [s for s, _ in metrics["num_input_tokens_seen"]] == list(range(1, 9))
+    assert metrics["train_runtime"][-1] == (8, 4.0)  # the first value logged at step 8 (the training log's)
+    assert metrics["loss"][3] == (4, 5.6) and metrics["steps"] == [(8, 8.0)]
+    for name, points in (("TensorBoard", tensorboard_points(again.logs_dir)), ("W&B", wandb_points(ctx.run_dir.root))):
+        repeated = sorted({p for p in points if points.count(p) > 1})
+        assert not repeated, f"{name} has several values for {repeated[:5]}"
+        assert {s for k, s in points if k == "loss"} == set(range(1, 9)), name
+
+
+# --------------------------------------------------------------------------- credentials
+
+
+def test_a_password_in_the_tracking_uri_reaches_no_file_param_tag_warning_or_event(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+):
+    up = os.environ["MLFLOW_TRACKING_URI"]
+    down = closed_uri()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", down)
+    other = "https://reader:An0ther-Pa55word@mirror.example.com/data"  # a credential not from the environment
+    collector = HTTPServer(("127.0.0.1", 0), _Collector)
+    threading.Thread(target=collector.serve_forever, daemon=True).start()
+    monkeypatch.setenv("LANGFUSE_HOST", f"http://127.0.0.1:{collector.server_port}")
+    monkeypatch.setenv("LANGFUSE_PUBLIC_KEY", "pk-lf-test")
+    monkeypatch.setenv("LANGFUSE_SECRET_KEY", "sk-lf-test")
+    _Collector.received.clear()
+    ctx = make_ctx(tmp_path / "run", "cpt")
+    with pytest.raises(RuntimeError), StageTracker(ctx) as tracker:
+        tracker.log_params({"tracking_uri": down, "mirror": other, "lr": 0.1})
+        tracker.log_metrics({"loss": 1.0}, step=1)
+        raise RuntimeError(f"could not reach {down}")
+    collector.shutdown()
+
+    warning = next(w for w in tracker.warnings if "logging failed" in w)
+    assert "API request to http://***@127.0.0.1" in warning  # MLflow's error names the whole URL
+    events = json.dumps([body for _, body in _Collector.received])
+    assert "could not reach http://***@127.0.0.1" in events
+    journal = (ctx.logs_dir / "tracking-unsent.jsonl").read_text(encoding="utf-8")
+    assert "reader:***@mirror.example.com" not in journal and "https://***@mirror.example.com/data" in journal
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", up)
+    assert sync(ctx.run_dir.root, capsys)[0] == 0
+    client = client_for()
+    run = client.get_run(ctx.run_dir.read_result("cpt").mlflow_run_id)
+    parent = client.get_run(run.data.tags["mlflow.parentRunId"])
+    assert run.data.params["lr"] == "0.1" and "tracking_uri" not in run.data.params  # holds an env secret: left out
+    assert run.data.params["mirror"] == "https://***@mirror.example.com/data"
+    sent = json.dumps([run.data.params, run.data.tags, parent.data.tags])
+    seen = [events, sent, *tracker.warnings, capsys.readouterr().err]
+    seen += [p.read_text(errors="replace") for p in ctx.run_dir.root.rglob("*") if p.is_file()]
+    for secret in (PASSWORD, "An0ther-Pa55word"):
+        assert not [text[:200] for text in seen if secret in text], secret
+
+
+def test_a_stage_interrupted_by_a_signal_ends_its_runs_killed(tmp_path: Path):
+    ctx = make_ctx(tmp_path / "run", "cpt")
+    with pytest.raises(StageInterrupted), StageTracker(ctx) as tracker:
+        tracker.log_metrics({"loss": 1.0}, step=1)
+        raise StageInterrupted(signal.SIGTERM)
+    client = client_for()
+    assert client.get_run(ctx.result.mlflow_run_id).info.status == "KILLED"
+    parent = client.get_run(tracker.parent_run_id)
+    assert parent.info.status == "KILLED" and parent.data.tags["posttrain.end_reason"] == "interrupted"

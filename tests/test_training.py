@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file
 from training_fixtures import make_run_dir, run_stage
 
-from stages.contract import RunDir, config_hash
-from stages.modeling import NotSupportedHere, check_method, load_stage_model, load_tokenizer
+from stages.contract import RunDir
+from stages.modeling import NotSupportedHere, check_method, load_stage_model, load_tokenizer, model_fingerprint
 from stages.training import read_log_history
 
 pytestmark = pytest.mark.slow
@@ -58,6 +58,7 @@ def test_cpt_trains_a_full_model(trained: RunDir) -> None:
     assert sum(curve[-3:]) / 3 < sum(curve[:3]) / 3
 
     model_dir = trained.stage_dir("cpt") / "model"
+    assert result.extra["model_fingerprint"] == model_fingerprint(model_dir)  # what the stages after it hold to
     assert (model_dir / "model.safetensors").is_file() and (model_dir / "config.json").is_file()
     assert (model_dir / "tokenizer.json").is_file()
     no_pickles(model_dir)
@@ -92,7 +93,12 @@ def test_sft_continues_from_cpt_with_a_lora_adapter(trained: RunDir) -> None:
         "stage",
         "cpt",
     )
-    assert result.inputs["model"].fingerprint == config_hash(trained.load_spec(), "cpt")
+    # The model it started from, by content: what cpt recorded, and what is there.
+    cpt_model = trained.stage_dir("cpt") / "model"
+    assert result.inputs["model"].uri == "cpt/model"
+    assert result.inputs["model"].fingerprint == trained.read_result("cpt").extra["model_fingerprint"]
+    assert result.inputs["model"].fingerprint == model_fingerprint(cpt_model)
+    assert result.extra["model_fingerprint"] == model_fingerprint(trained.stage_dir("sft") / "model")
     assert result.metrics["train_loss_last"] < result.metrics["train_loss_first"]
 
     model_dir = trained.stage_dir("sft") / "model"

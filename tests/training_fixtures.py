@@ -123,6 +123,7 @@ def stage_command(run_dir: RunDir, stage: str) -> list[str]:
 
 def child_env(**extra: str) -> dict[str, str]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("WANDB_SERVICE", None)  # an in-process W&B test's service: a child must start its own
     env.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}, **extra)
     return env
 

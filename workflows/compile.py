@@ -11,6 +11,8 @@ generateName `<pipeline>-` either way (the training jobs' Service names are buil
 
 from __future__ import annotations
 
+import json
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -34,8 +36,12 @@ from workflows import serving
 from workflows.pytorchjob import (
     FAILURE_CONDITION,
     PIPELINE_LABEL,
+    SCRATCH_DIR,
+    SCRATCH_VOLUME,
     STAGE_LABEL,
     SUCCESS_CONDITION,
+    WRITABLE_ENV,
+    container_security_context,
     pod_env,
     pod_security_context,
     pytorchjob_manifest,
@@ -44,11 +50,15 @@ from workflows.pytorchjob import (
     stage_image,
     volumes,
 )
-from workflows.spec import MAX_PIPELINE_NAME_LENGTH, TRAINING_STAGES, PipelineSpec, StageBase
+from workflows.spec import MAX_PIPELINE_NAME_LENGTH, TRAINING_STAGES, PipelineSpec, StageBase, StepPolicy
 
 MAX_TEMPLATE_NAME_LENGTH = 63
 """Argo refuses a longer WorkflowTemplate name (the limit of a Kubernetes label value)."""
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+MAX_OBJECT_BYTES = 1024 * 1024
+"""The most a compiled document may weigh: etcd refuses requests over 1.5 MiB, and Argo copies the template into
+every Workflow it starts, next to the workflow's own status."""
 
 ENTRYPOINT = "pipeline"
 PARAMS_DIR = "/params"
@@ -62,6 +72,33 @@ DEADLINE_BACKSTOP_SECONDS = 3600
 # The longest wait between two retries of a stage. Argo's `cap` bounds each wait; `maxDuration` would instead stop
 # retrying once that long has passed since the first attempt, i.e. never retry a stage that ran longer.
 RETRY_BACKOFF_CAP = "1h"
+
+RETRYABLE_EXIT_CODES = ("75", "137", "143")
+"""Exit codes of a stage's container that a retry can fix: 75, a stage interrupted by SIGTERM or SIGINT (it recorded
+itself as interrupted), or one that found its stage held by another process; 137 and 143, killed by SIGKILL or
+SIGTERM before it could say so (preemption past the grace period, a node shutting down)."""
+
+STEP_RETRY_EXPRESSION = (
+    'lastRetry.status == "Error" || (lastRetry.exitCode in ['
+    + ", ".join(f'"{code}"' for code in RETRYABLE_EXIT_CODES)
+    + '] && !(lastRetry.message contains "OOMKilled"))'
+)
+"""When Argo retries a single-pod step (an expr-lang expression over the failed attempt; Argo's `lastRetry.exitCode`
+is a string). Status Error: the pod never ran the stage to its end (deleted, evicted, its node lost, or Argo's own
+init or wait container failed). Status Failed: the stage's container exited non-zero, retried only for
+RETRYABLE_EXIT_CODES and never when the kernel's OOM killer ended it (the same limits would end the retry the same
+way). A failed stage (exit 1: its record says why) and bad input (exit 2) are never retried: the same input fails
+the same way."""
+
+SERVE_POLICY = StepPolicy(active_deadline_seconds=3600, retries=2, retry_backoff="30s")
+"""The serve step (apply the InferenceService, wait for the rollout): its timeout and retries."""
+NOTIFY_POLICY = StepPolicy(
+    active_deadline_seconds=600, retries=2, retry_backoff="10s", termination_grace_period_seconds=30
+)
+"""The exit handler's timeout and retries (a notification is a courtesy: the step itself always exits 0)."""
+
+EXECUTOR_CONTAINERS = {"initContainers": "init", "containers": "wait"}
+"""Argo's own containers in a container step's pod (emissary executor, the default pod layout)."""
 
 
 @dataclass
@@ -112,6 +149,44 @@ def template_name(spec: PipelineSpec, profile: str | None = None) -> str:
 # --------------------------------------------------------------------------- templates
 
 
+def step_retry_strategy(policy: StepPolicy) -> m.RetryStrategy:
+    """Retries of a single-pod step: only what a retry can fix (STEP_RETRY_EXPRESSION), waits doubling from the
+    policy's backoff up to RETRY_BACKOFF_CAP."""
+    return m.RetryStrategy(
+        limit=str(policy.retries),
+        retry_policy="Always",  # both phases reach the expression, which decides
+        expression=STEP_RETRY_EXPRESSION,
+        backoff=m.Backoff(duration=policy.retry_backoff, factor="2", cap=RETRY_BACKOFF_CAP),
+    )
+
+
+def step_pod_spec_patch(spec: PipelineSpec, policy: StepPolicy) -> str:
+    """The pod settings a container template has no field for: the grace period, and Argo's init and wait
+    containers held to the restricted settings (cluster.executor_security_context)."""
+    patch: dict[str, Any] = {"terminationGracePeriodSeconds": policy.termination_grace_period_seconds}
+    if spec.cluster.executor_security_context:
+        for field, name in EXECUTOR_CONTAINERS.items():
+            patch[field] = [{"name": name, "securityContext": container_security_context()}]
+    return json.dumps(patch, separators=(",", ":"))
+
+
+def _step_identity(spec: PipelineSpec) -> dict[str, Any]:
+    """A pod that runs stage code: the account without a Role, no token for the stage's container; Argo mounts the
+    executor account's token into its own init and wait containers only."""
+    cluster = spec.cluster
+    return {
+        "service_account_name": cluster.pod_service_account,
+        "automount_service_account_token": False,
+        "executor": m.ExecutorConfig(service_account_name=cluster.executor_service_account),
+    }
+
+
+def _job_creator_identity(spec: PipelineSpec) -> dict[str, Any]:
+    """A resource step (create a PyTorchJob, apply the InferenceService): the account whose Role allows exactly
+    that, with its token (the workflow's default is no token)."""
+    return {"service_account_name": spec.cluster.service_account, "automount_service_account_token": True}
+
+
 def _container_template(
     spec: PipelineSpec,
     name: str,
@@ -121,10 +196,12 @@ def _container_template(
     outputs: list[Parameter] | None = None,
     secret_env: bool = True,
 ) -> Container:
-    """A single-pod step running in the trainer image with the volumes mounted (prepare, evaluate, deploy)."""
+    """A single-pod step running in the trainer image with the volumes mounted (prepare, evaluate, deploy): no API
+    token, a read-only root filesystem, a timeout and retries (stage.run_policy)."""
     res = stage.resources
     vols, mounts = volumes(spec, res.shm_size)
     env = pod_env(spec, stage) if secret_env else []
+    policy = stage.run_policy
     return Container(
         name=name,
         image=stage_image(spec, stage),
@@ -136,7 +213,7 @@ def _container_template(
         ),
         volume_mounts=[m.VolumeMount.model_validate(v) for v in mounts],
         volumes=[m.Volume.model_validate(v) for v in vols],
-        security_context=m.SecurityContext(allow_privilege_escalation=False, capabilities=m.Capabilities(drop=["ALL"])),
+        security_context=m.SecurityContext.model_validate(container_security_context()),
         node_selector=dict(res.node_selector) or None,
         tolerations=[m.Toleration.model_validate(t.to_k8s()) for t in res.tolerations] or None,
         affinity=m.Affinity.model_validate(res.affinity) if res.affinity else None,
@@ -145,6 +222,10 @@ def _container_template(
         annotations=dict(res.annotations) or None,
         inputs=inputs,
         outputs=outputs,
+        active_deadline_seconds=policy.active_deadline_seconds,
+        retry_strategy=step_retry_strategy(policy),
+        pod_spec_patch=step_pod_spec_patch(spec, policy),
+        **_step_identity(spec),
     )
 
 
@@ -198,6 +279,7 @@ def training_template(spec: PipelineSpec, stage_name: str) -> Resource:
             backoff=m.Backoff(duration=rp.retry_backoff, factor="2", cap=RETRY_BACKOFF_CAP),
         ),
         timeout=timeout,
+        **_job_creator_identity(spec),
     )
 
 
@@ -224,8 +306,13 @@ def serve_template(spec: PipelineSpec) -> Resource:
         success_condition=serving.SUCCESS_CONDITION,
         failure_condition=serving.FAILURE_CONDITION,
         outputs=[Parameter(name="service", value_from=m.ValueFrom(json_path="{.metadata.name}"))],
-        retry_strategy=m.RetryStrategy(limit="2", retry_policy="Always"),
-        timeout="1h",
+        retry_strategy=m.RetryStrategy(
+            limit=str(SERVE_POLICY.retries),
+            retry_policy="Always",
+            backoff=m.Backoff(duration=SERVE_POLICY.retry_backoff, factor="2", cap=RETRY_BACKOFF_CAP),
+        ),
+        timeout=f"{SERVE_POLICY.active_deadline_seconds}s",
+        **_job_creator_identity(spec),
     )
 
 
@@ -246,6 +333,8 @@ def notify_template(spec: PipelineSpec, rundir: str) -> Container:
     }
     inputs = [RawArtifact(name=k, path=f"{PARAMS_DIR}/{k}", data=v) for k, v in values.items()]
     checkpoints = spec.cluster.checkpoints
+    # Only HOME: the exit handler imports no library that caches anything.
+    env = [m.EnvVar(name="HOME", value=WRITABLE_ENV["HOME"])]
     return Container(
         name=NOTIFY,
         image=spec.cluster.image,
@@ -258,19 +347,27 @@ def notify_template(spec: PipelineSpec, rundir: str) -> Container:
                 persistent_volume_claim=m.PersistentVolumeClaimVolumeSource(
                     claim_name=checkpoints.claim_name, read_only=True
                 ),
-            )
+            ),
+            m.Volume(name=SCRATCH_VOLUME, empty_dir=m.EmptyDirVolumeSource()),
         ],
-        volume_mounts=[m.VolumeMount(name="checkpoints", mount_path=checkpoints.mount_path, read_only=True)],
+        volume_mounts=[
+            m.VolumeMount(name="checkpoints", mount_path=checkpoints.mount_path, read_only=True),
+            m.VolumeMount(name=SCRATCH_VOLUME, mount_path=SCRATCH_DIR),
+        ],
         env=[
+            *env,
             m.EnvVar(
                 name="SLACK_WEBHOOK_URL",
                 value_from=m.EnvVarSource(secret_key_ref=m.SecretKeySelector(name=ref.name, key=ref.key)),
-            )
+            ),
         ],
         resources=m.ResourceRequirements.model_validate(resource_requirements("100m", "256Mi", 0)),
-        security_context=m.SecurityContext(allow_privilege_escalation=False, capabilities=m.Capabilities(drop=["ALL"])),
+        security_context=m.SecurityContext.model_validate(container_security_context()),
         inputs=inputs,
-        retry_strategy=m.RetryStrategy(limit="2"),
+        active_deadline_seconds=NOTIFY_POLICY.active_deadline_seconds,
+        retry_strategy=step_retry_strategy(NOTIFY_POLICY),
+        pod_spec_patch=step_pod_spec_patch(spec, NOTIFY_POLICY),
+        **_step_identity(spec),
     )
 
 
@@ -308,6 +405,46 @@ def pipeline_dag(spec: PipelineSpec) -> DAG:
     return DAG(name=ENTRYPOINT, tasks=tasks)
 
 
+# --------------------------------------------------------------------------- the deadline
+
+_GO_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+_GO_UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def duration_seconds(value: str) -> float:
+    """Seconds in a retry backoff as Argo reads it: whole seconds ('120') or a Go duration ('90s', '1h30m')."""
+    if value.isdigit():
+        return float(value)
+    return sum(float(n) * _GO_UNIT_SECONDS[unit] for n, unit in _GO_DURATION_PART.findall(value))
+
+
+def worst_case_seconds(policy: StepPolicy, timeout_seconds: float) -> float:
+    """The longest a step can take: every attempt running to its timeout, and Argo's waits between them (doubling
+    from the backoff, each at most RETRY_BACKOFF_CAP)."""
+    base, cap = duration_seconds(policy.retry_backoff), duration_seconds(RETRY_BACKOFF_CAP)
+    waits = sum(min(base * 2**i, cap) for i in range(policy.retries))
+    return (policy.retries + 1) * timeout_seconds + waits
+
+
+def workflow_deadline(spec: PipelineSpec) -> int:
+    """workflow.active_deadline_seconds, or when unset the worst case of the steps the template holds, in DAG order
+    (each may run, whatever the form switches off), plus an hour for scheduling and the exit handler."""
+    if spec.workflow.active_deadline_seconds is not None:
+        return spec.workflow.active_deadline_seconds
+    total = float(DEADLINE_BACKSTOP_SECONDS)
+    for name in spec.stages.enabled():
+        policy = spec.stage(name).run_policy
+        timeout = policy.active_deadline_seconds
+        if name in TRAINING_STAGES:
+            timeout += DEADLINE_BACKSTOP_SECONDS  # the resource step's timeout (training_template)
+        total += worst_case_seconds(policy, timeout)
+    if spec.stages.deploy.enabled and spec.stages.deploy.serving.enabled:
+        total += worst_case_seconds(SERVE_POLICY, SERVE_POLICY.active_deadline_seconds)
+    if spec.notifications.slack:
+        total += worst_case_seconds(NOTIFY_POLICY, NOTIFY_POLICY.active_deadline_seconds)
+    return math.ceil(total)
+
+
 def _labels(spec: PipelineSpec) -> dict[str, str]:
     return {"app.kubernetes.io/part-of": "posttrain", PIPELINE_LABEL: spec.name, **spec.workflow.labels}
 
@@ -338,7 +475,9 @@ def workflow_template(spec: PipelineSpec, name: str | None = None) -> WorkflowTe
         labels=_labels(spec),
         annotations=annotations,
         entrypoint=ENTRYPOINT,
-        service_account_name=spec.cluster.service_account,
+        # No token unless a template asks for one: only the resource steps do (_job_creator_identity).
+        service_account_name=spec.cluster.pod_service_account,
+        automount_service_account_token=False,
         arguments=[
             Parameter(name=p.name, value=p.default, description=p.description, enum=list(p.enum) if p.enum else None)
             for p in params.ui_parameters(spec)
@@ -350,7 +489,7 @@ def workflow_template(spec: PipelineSpec, name: str | None = None) -> WorkflowTe
             seconds_after_success=wf.ttl_seconds_after_success,
             seconds_after_failure=wf.ttl_seconds_after_failure,
         ),
-        active_deadline_seconds=wf.active_deadline_seconds,
+        active_deadline_seconds=workflow_deadline(spec),
         security_context=m.PodSecurityContext.model_validate(pod_security_context(spec)),
         image_pull_secrets=[m.LocalObjectReference(name=n) for n in spec.cluster.image_pull_secrets] or None,
     )
@@ -407,9 +546,17 @@ def compile_pipeline(
     """Compile a validated spec. `parameters` overrides UI parameter values of the submitted Workflow; `profile`
     (the one applied to `spec`, if any) names the template and the schedule."""
     name = template_name(spec, profile)
-    return CompiledPipeline(
+    compiled = CompiledPipeline(
         spec=spec,
         template=workflow_template(spec, name),
         workflow=submitted_workflow(spec, parameters, name),
         cron=cron_workflow(spec, name),
     )
+    for file, document in compiled.documents().items():
+        size = len(json.dumps(document, separators=(",", ":")).encode())
+        if size > MAX_OBJECT_BYTES:
+            raise ValueError(
+                f"the compiled {document['kind']} ({file}) is {size} bytes, over the {MAX_OBJECT_BYTES} a Kubernetes "
+                "object may have: shorten the pipeline's description, prompts or other long values"
+            )
+    return compiled

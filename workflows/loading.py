@@ -2,20 +2,33 @@
 
 Every value remembers where it came from (file and line, or the `--set` argument), so a validation error
 names the file, the line and the field path the user has to fix.
+
+YAML is read safely and strictly, in pipeline files and in override values alike: a key given twice is an error
+(instead of the last one silently winning), dates stay text (`data_version: 2026-11-24`), and anchors/aliases may
+expand to at most MAX_EXPANDED_NODES values (a few hundred bytes of nested aliases otherwise expand to billions).
+An override of a text field takes its text as written (`--set data_version=2026-11-24`, `--set model.revision=1e3`).
+No value may hold a credential (`workflows.credentials`): the spec ends up in the template, readable by whoever may
+submit, and in logs; credentials come from Kubernetes Secrets (`cluster.secrets`).
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
-from workflows.spec import PipelineSpec
+from workflows.credentials import find_credentials, uri_userinfo
+from workflows.spec import FieldError, PipelineSpec
+
+MAX_EXPANDED_NODES = 20_000
+"""The most YAML values a document may hold once its aliases are expanded (a shipped pipeline has a few hundred)."""
 
 PIPELINES_DIR = Path(__file__).parent / "pipelines"
 
@@ -66,22 +79,107 @@ def pipeline_path(name_or_path: str) -> Path:
 # --------------------------------------------------------------------------- YAML with line numbers
 
 
-class _LineLoader(yaml.SafeLoader):
-    """A safe loader that also records the line of every mapping key and sequence item."""
+_TIMESTAMP = "tag:yaml.org,2002:timestamp"
 
 
-def _compose_with_lines(text: str, filename: str) -> tuple[Any, Origins]:
-    loader = _LineLoader(text)
+class _SpecLoader(yaml.SafeLoader):
+    """PyYAML's safe loader without its surprises: duplicate keys are errors and dates stay strings."""
+
+    yaml_implicit_resolvers: typing.ClassVar[dict[Any, list[Any]]] = {
+        first: [(tag, pattern) for tag, pattern in resolvers if tag != _TIMESTAMP]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, yaml.Node] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, typing.Hashable) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while reading a mapping",
+                    node.start_mark,
+                    f"key {key!r} appears twice (first on line {seen[key].start_mark.line + 1}); keep one",
+                    key_node.start_mark,
+                )
+            seen[key] = key_node
+        return super().construct_mapping(node, deep=deep)
+
+
+def _expanded_size(root: yaml.Node) -> int:
+    """How many values `root` holds with its aliases expanded (computed once per node, so a bomb costs nothing
+    to measure); ValueError for an alias that contains itself."""
+    sizes: dict[int, int] = {}
+    active: set[int] = set()
+
+    def size(node: yaml.Node) -> int:
+        if id(node) in sizes:
+            return sizes[id(node)]
+        if id(node) in active:
+            raise ValueError("an alias refers to the value that contains it")
+        active.add(id(node))
+        total = 1
+        if isinstance(node, yaml.MappingNode):
+            total += sum(size(k) + size(v) for k, v in node.value)
+        elif isinstance(node, yaml.SequenceNode):
+            total += sum(size(item) for item in node.value)
+        active.discard(id(node))
+        sizes[id(node)] = total
+        return total
+
+    return size(root)
+
+
+def _yaml_error(exc: yaml.YAMLError, filename: str) -> SpecError:
+    mark = getattr(exc, "problem_mark", None)
+    where = f"{filename}:{mark.line + 1}" if mark else filename
+    return SpecError(f"{where}: not valid YAML: {getattr(exc, 'problem', exc)}")
+
+
+def _compose(text: str, filename: str) -> tuple[yaml.Node | None, _SpecLoader]:
+    """The document's node tree (aliases within budget) and the loader to construct it with."""
+    loader = _SpecLoader(text)
     try:
         node = loader.get_single_node()
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{filename}:{mark.line + 1}" if mark else filename
-        raise SpecError(f"{where}: not valid YAML: {getattr(exc, 'problem', exc)}") from None
+        loader.dispose()
+        raise _yaml_error(exc, filename) from None
+    if node is not None:
+        try:
+            expanded = _expanded_size(node)
+        except ValueError as exc:
+            loader.dispose()
+            raise SpecError(f"{filename}: not valid YAML: {exc}") from None
+        if expanded > MAX_EXPANDED_NODES:
+            loader.dispose()
+            raise SpecError(
+                f"{filename}: its anchors and aliases expand to {expanded} values, more than the "
+                f"{MAX_EXPANDED_NODES} a pipeline spec may hold"
+            )
+    return node, loader
+
+
+def _construct(node: yaml.Node | None, loader: _SpecLoader, filename: str) -> Any:
+    try:
+        return None if node is None else loader.construct_document(node)
+    except yaml.YAMLError as exc:  # composed fine but failed to construct (a duplicate key, a bad tag)
+        raise _yaml_error(exc, filename) from None
     finally:
         loader.dispose()
+
+
+def load_yaml(text: str, filename: str) -> Any:
+    """A YAML document read as pipeline files are (duplicate keys refused, dates as text, aliases bounded)."""
+    node, loader = _compose(text, filename)
+    return _construct(node, loader, filename)
+
+
+def _compose_with_lines(text: str, filename: str) -> tuple[Any, Origins]:
+    node, loader = _compose(text, filename)
     origins = Origins()
     if node is None:
+        loader.dispose()
         return {}, origins
 
     def walk(n: yaml.Node, path: Path_) -> None:
@@ -97,11 +195,7 @@ def _compose_with_lines(text: str, filename: str) -> tuple[Any, Origins]:
                 walk(item, (*path, i))
 
     walk(node, ())
-    try:
-        data = yaml.load(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError as exc:  # composed fine but failed to construct (e.g. bad tag)
-        raise SpecError(f"{filename}: not valid YAML: {exc}") from None
-    return data, origins
+    return _construct(node, loader, filename), origins
 
 
 # --------------------------------------------------------------------------- overlays
@@ -118,8 +212,43 @@ def deep_merge(base: dict[str, Any], overlay: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
+def _field_annotation(keys: list[str]) -> Any:
+    """The type annotation of the spec field at `keys` (through nested models, mappings and lists), or None."""
+    annotation: Any = PipelineSpec
+    for key in keys:
+        options = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(options) == 1:
+            annotation = options[0]  # X | None
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            fields = annotation.model_fields
+            named = fields.get(key) or next((f for f in fields.values() if f.alias == key), None)
+            if named is None:
+                return None
+            annotation = named.annotation
+        elif typing.get_origin(annotation) is dict:
+            annotation = typing.get_args(annotation)[1]
+        elif typing.get_origin(annotation) is list and key.isdigit():
+            annotation = typing.get_args(annotation)[0]
+        else:
+            return None
+    return annotation
+
+
+def _text_field(keys: list[str]) -> tuple[bool, bool]:
+    """(whether the field at `keys` holds text, whether it may also be null)."""
+    annotation = _field_annotation(keys)
+    if annotation is str:
+        return True, False
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        options = set(typing.get_args(annotation))
+        if options == {str, type(None)}:
+            return True, True
+    return False, False
+
+
 def parse_override(expr: str) -> tuple[list[str], Any]:
-    """Split 'a.b.c=value' into its path and value (a YAML scalar, list or mapping)."""
+    """Split 'a.b.c=value' into its path and value. A text field takes the text as written (quotes removed, `null`
+    for an optional one); any other field reads the value as YAML (a scalar, list or mapping)."""
     if "=" not in expr:
         raise SpecError(f"--set {expr!r}: expected path.to.field=value")
     path, raw = expr.split("=", 1)
@@ -128,9 +257,16 @@ def parse_override(expr: str) -> tuple[list[str], Any]:
         raise SpecError(f"--set {path!r}: the field path is empty or has an empty part")
     if keys[0] == "profiles":
         raise SpecError(f"--set {path!r}: profiles cannot be set; use --profile")
+    text, nullable = _text_field(keys)
+    stripped = raw.strip()
+    if text and not stripped.startswith(("'", '"')):
+        # '2026-11-24', '2026', '1e3', 'on' are all text here, as the form's fields are.
+        return keys, None if nullable and stripped in ("null", "~") else stripped
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
+        value = load_yaml(raw, f"--set {path.strip()}") if stripped else ""
+    except SpecError as exc:
+        if "expand to" in str(exc) or "appears twice" in str(exc) or "contains it" in str(exc):
+            raise
         value = raw  # not YAML: take it as a plain string
     return keys, value
 
@@ -177,6 +313,9 @@ def format_validation_error(exc: ValidationError, origins: Origins, source: str)
     for err in exc.errors():
         # pydantic puts the model/union member names into loc for tagged types; keep only data keys.
         loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith(("function-", "tagged-"))))
+        cause = (err.get("ctx") or {}).get("error")
+        if isinstance(cause, FieldError):  # a rule across fields names the field that breaks it
+            loc = loc + cause.loc
         where = origins.find(loc)
         if where is None:  # a rule across fields: name the file and what was applied on top of it
             where = source + (f" (with {', '.join(origins.applied)})" if origins.applied else "")
@@ -201,8 +340,52 @@ class LoadedPipeline:
     """The profile merged into the spec, which names its template (workflows.compile.template_name)."""
 
 
+def _strings(node: Any, path: Path_ = ()) -> typing.Iterator[tuple[Path_, str]]:
+    """Every string of a document (mapping keys too), with its path."""
+    if isinstance(node, str):
+        yield path, node
+    elif isinstance(node, dict):
+        for key, value in node.items():
+            if isinstance(key, str):
+                yield (*path, key), key
+            yield from _strings(value, (*path, key))
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _strings(value, (*path, i))
+
+
+def _secret_hint(loc: Path_, value: str) -> str:
+    """Which Secret reference replaces a credential found at `loc`."""
+    dotted = ".".join(map(str, loc))
+    if "mlflow" in dotted:
+        return "cluster.secrets.mlflow_username and mlflow_password (or mlflow_token)"
+    if value.startswith("s3://") or "aws" in dotted.lower():
+        return "cluster.secrets.aws_access_key_id and aws_secret_access_key"
+    if value.startswith("hf://") or "huggingface" in value or dotted.startswith("model"):
+        return "cluster.secrets.hf_token"
+    return "cluster.secrets"
+
+
+def check_no_credentials(doc: Any, origins: Origins, source: str) -> None:
+    """SpecError naming the first value of `doc` that holds a credential: the userinfo of a URI (`user:pw@`) or a
+    known key format. The spec is embedded in the template (readable by whoever may submit) and in records."""
+    for loc, value in _strings(doc):
+        found = "credentials in its URI (user:password@)" if uri_userinfo(value) else None
+        if found is None and (credentials := find_credentials(value)):
+            found = credentials[0].what
+        if found is None:
+            continue
+        where = origins.find(loc) or source
+        raise SpecError(
+            f"{where}: {_loc_str(loc)}: holds {found}. Credentials never go into the spec (it is stored in the "
+            f"template and the run's records): put them in a Kubernetes Secret and reference it from "
+            f"{_secret_hint(loc, value)}; the pods read it through secretKeyRef"
+        )
+
+
 def validate_document(doc: dict[str, Any], origins: Origins, source: str) -> PipelineSpec:
     """Validate a merged spec document, raising SpecError with file:line: field messages."""
+    check_no_credentials(doc, origins, source)
     try:
         return PipelineSpec.model_validate(doc)
     except ValidationError as exc:
@@ -245,17 +428,24 @@ def override(doc: dict[str, Any], origins: Origins, keys: list[str], value: Any,
     misspelt key is reported at the override, not at the file line of its parent)."""
     node: Any = doc
     created = len(keys)
+    path: list[str | int] = []  # the keys as the document's paths have them: list indices are numbers
     for i, key in enumerate(keys):
+        if isinstance(node, list) and key.isdigit() and int(key) < len(node):
+            path.append(int(key))
+            node = node[int(key)]
+            continue
+        path.append(key)
         if not isinstance(node, dict) or key not in node:
             created = i
+            path.extend(keys[i + 1 :])
             break
         node = node[key]
     apply_override(doc, keys, value, where)
     origins.applied.append(f"{where} {'.'.join(keys)}" if where == "--set" else where)
-    for path in [p for p in origins.by_path if p[: len(keys)] == tuple(keys)]:
-        del origins.by_path[path]
-    for n in range(min(created + 1, len(keys)), len(keys) + 1):
-        origins.by_path[tuple(keys[:n])] = where
+    for known in [p for p in origins.by_path if p[: len(path)] == tuple(path)]:
+        del origins.by_path[known]
+    for n in range(min(created + 1, len(path)), len(path) + 1):
+        origins.by_path[tuple(path[:n])] = where
 
 
 def load_pipeline(

@@ -19,19 +19,25 @@ Two runners never share a run directory: each holds a lock on `<run>/.runner.loc
 directory whose completed stages (or checkpoints) were made with another config keeps its spec.json (the runner
 refuses before writing anything; use a new run directory, or --force, with which the training stages start over
 and their old checkpoints are moved aside). Values of secret-looking environment variables are masked in the stage
-logs.
+logs. Each stage also holds its own lock (`stages.contract.hold_stage_lock`), so a stage started by hand next to a
+runner is refused too.
+
+The runner never leaves a stage running without it. SIGTERM (`timeout`, a CI cancel) or Ctrl-C to the runner is
+passed on to the stage, which saves a checkpoint (training stages) and exits with 75; the runner waits for that,
+shows the stage as interrupted and exits (128 + the signal's number). A second Ctrl-C is passed on too (the stage
+stops at once), a third kills it. The stage runs in its own session, so a terminal's Ctrl-C reaches it only through
+the runner, once; and on Linux it gets SIGTERM when the runner itself dies (SIGKILL included), so it saves and
+stops rather than training on unsupervised.
 
 This module never imports torch or transformers: GPUs are counted from CUDA_VISIBLE_DEVICES or `nvidia-smi -L`.
 """
 
 from __future__ import annotations
 
-import errno
-import fcntl
+import ctypes
 import importlib.util
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -39,6 +45,8 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -49,7 +57,16 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from stages.contract import EXIT_RETRYABLE, EXIT_USAGE, RunDir, conflicting_stages, mask_secrets, secret_values
+from stages.contract import (
+    EXIT_RETRYABLE,
+    EXIT_USAGE,
+    RunDir,
+    StageInterrupted,
+    conflicting_stages,
+    mask_secrets,
+    secret_values,
+    try_lock,
+)
 from stages.evaluate import GATE_PASS
 from workflows.loading import LoadedPipeline
 from workflows.spec import TRAINING_STAGES, PipelineSpec
@@ -135,24 +152,12 @@ class RunDirBusy(Exception):
 def lock_run_dir(run_root: Path) -> Any:
     """Hold `<run>/.runner.lock` (an exclusive, non-blocking flock, released when the process ends); RunDirBusy
     when another runner holds it."""
-    run_root.mkdir(parents=True, exist_ok=True)
-    handle = open(run_root / ".runner.lock", "a+", encoding="utf-8")  # noqa: SIM115 -- held for the whole run
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        handle.seek(0)
-        holder = handle.read().strip()
-        handle.close()
-        if exc.errno not in (errno.EAGAIN, errno.EACCES):
-            raise
+    handle, holder = try_lock(run_root / ".runner.lock", f"pid {os.getpid()} on {os.uname().nodename}")
+    if handle is None:
         raise RunDirBusy(
             f"{run_root} is in use by another runner ({holder or 'unknown process'}); wait for it to end, "
             "or use another --run-dir"
-        ) from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
-    handle.flush()
+        )
     return handle
 
 
@@ -252,28 +257,98 @@ def _pump(stream: Any, log_file: Any, run: StageRun) -> None:
             run.tail.append(line)
 
 
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+KILL_AFTER_SIGNALS = 3
+"""The how-manyth signal to the runner, while it waits for an interrupted stage, kills the stage."""
+
+
+def die_with_runner() -> Callable[[], None] | None:
+    """A `preexec_fn` that makes the stage process get SIGTERM when the runner dies, however it dies (Linux
+    `prctl(PR_SET_PDEATHSIG)`; None elsewhere). The signal comes when the thread that started the stage ends, which
+    is the runner's main thread. A runner that died before the call leaves the stage to exit at once."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: after fork, only the call runs
+    except (OSError, AttributeError):
+        return None
+    runner = os.getpid()
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != runner:  # the runner is already gone
+            os._exit(EXIT_RETRYABLE)
+
+    return preexec
+
+
+@contextmanager
+def interrupts_raise() -> Iterator[None]:
+    """While the runner runs: SIGTERM and SIGINT raise StageInterrupted in its main thread (so that it can pass
+    them on to the stage and wait for it); the handlers from before come back afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise StageInterrupted(signum)
+
+    previous = {signum: signal.signal(signum, interrupt) for signum in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+
+
+def signal_of(exc: BaseException) -> int:
+    """The signal behind an interruption (a KeyboardInterrupt is SIGINT)."""
+    return getattr(exc, "signum", signal.SIGINT)
+
+
+def stop_stage(process: subprocess.Popen[bytes], signum: int) -> int:
+    """Pass `signum` on to the stage and wait until it has exited (a training stage saves a checkpoint first).
+    Signals that come while it stops are passed on too; the KILL_AFTER_SIGNALS-th kills it."""
+    signals = 1
+    process.send_signal(signum)
+    while True:
+        try:
+            return process.wait()
+        except (StageInterrupted, KeyboardInterrupt) as again:
+            signals += 1
+            if signals >= KILL_AFTER_SIGNALS:
+                process.kill()
+            else:
+                process.send_signal(signal_of(again))
+
+
 def run_stage(run: StageRun, command: list[str], env: dict[str, str], log_path: Path, refresh: Any) -> int:
-    """Run one stage to completion, its output appended to `log_path`; returns its exit code."""
+    """Run one stage to completion, its output appended to `log_path`; returns its exit code. Interrupted (SIGTERM
+    or Ctrl-C to the runner), it passes the signal on, waits for the stage to exit, records its exit code in `run`
+    and raises the interruption again."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log_file:
         started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
         log_file.write(f"===== {started_at} {' '.join(command)}\n".encode())
         log_file.flush()
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+        process = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,  # a terminal's Ctrl-C reaches the stage through the runner only, once
+            preexec_fn=die_with_runner(),  # only a prctl call runs between fork and exec
+        )
         pump = threading.Thread(target=_pump, args=(process.stdout, log_file, run), daemon=True)
-        pump.start()
         try:
+            pump.start()
             while process.poll() is None:
                 refresh()
                 time.sleep(0.25)
-        except KeyboardInterrupt:
-            process.send_signal(signal.SIGTERM)  # the stage checkpoints and exits with EXIT_RETRYABLE
-            try:
-                process.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-            pump.join(timeout=5)
+        except (StageInterrupted, KeyboardInterrupt):
+            run.returncode = stop_stage(process, signal_of(sys.exc_info()[1]))  # checkpoint, then EXIT_RETRYABLE
+            if pump.ident is not None:
+                pump.join(timeout=30)
             raise
         pump.join(timeout=30)
         return process.returncode
@@ -313,7 +388,12 @@ def run_local(loaded: LoadedPipeline, run_dir: Path | None = None, force: bool =
         console.print(Text(f"error: {exc}", style="bold red"), soft_wrap=True)
         return EXIT_USAGE
     try:
-        return _run_locked(loaded, run_root, force, console)
+        with interrupts_raise():
+            return _run_locked(loaded, run_root, force, console)
+    except (StageInterrupted, KeyboardInterrupt) as exc:  # between stages: no stage to stop
+        name = signal.Signals(signal_of(exc)).name
+        console.print(Text(f"{name}: the run stopped between stages", style="bold red"), soft_wrap=True)
+        return 128 + signal_of(exc)
     finally:
         lock.close()
 
@@ -374,9 +454,17 @@ def _run_locked(loaded: LoadedPipeline, run_root: Path, force: bool, console: Co
             try:
                 command = stage_command(run.name, run_root, force, gpus)
                 run.returncode = run_stage(run, command, env, run_root / run.name / "logs" / "stage.log", refresh)
-            except KeyboardInterrupt:
+            except (StageInterrupted, KeyboardInterrupt) as exc:
+                # The stage got the signal and has exited (run_stage waited): its record says how it ended.
+                name = signal.Signals(signal_of(exc)).name
                 run.ended, run.status = time.monotonic(), "interrupted"
-                failed, exit_code = run, 130
+                recorded = (read_stage_json(run_root, run.name) or {}).get("message", "")
+                run.message = f"{name} to the runner; the stage exited with {run.returncode}" + (
+                    f": {recorded}" if recorded else ""
+                )
+                failed, exit_code = run, 128 + signal_of(exc)
+                if not console.is_terminal:
+                    console.print(f"{run.name}: interrupted ({run.elapsed}): {run.message}", markup=False)
                 continue
             run.ended = time.monotonic()
             result = read_stage_json(run_root, run.name)
@@ -412,7 +500,7 @@ def _run_locked(loaded: LoadedPipeline, run_root: Path, force: bool, console: Co
     if uri.startswith("sqlite:///"):
         console.print(f"MLflow UI: mlflow ui --backend-store-uri {uri}", markup=False, soft_wrap=True)
     else:
-        console.print(f"MLflow: {re.sub(r'//[^/@]*@', '//***@', uri)}", markup=False, soft_wrap=True)
+        console.print(f"MLflow: {mask_secrets(uri)}", markup=False, soft_wrap=True)
     return exit_code
 
 

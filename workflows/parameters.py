@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from workflows.loading import Origins, SpecError, override, parse_override, validate_document
-from workflows.spec import OPTIONAL_STAGES, STAGE_ORDER, PipelineSpec
+from workflows.spec import OPTIONAL_STAGES, STAGE_ORDER, EvaluateStage, GateRule, PipelineSpec
 
 SPEC_FILE = "pipeline.json.b64"
 """The compiled spec inside the template, base64-encoded so Argo never reads '{{' in it as an expression."""
@@ -32,9 +32,14 @@ PIPELINE_FILE_ONLY: dict[tuple[str, ...], str] = {
     ("tracking", "mlflow_tracking_uri"): "the pods send their MLflow credentials to that server",
     ("stages", "evaluate", "lm_eval_include_path"): "lm-eval task files there can import and run Python code",
     ("stages", "deploy", "storage_uri"): "deploy uploads the model there with the pods' cloud credentials",
+    ("stages", "rlhf", "reward_modules"): "they name the Python modules a reward function may import and run",
+    ("stages", "deploy", "registered_model"): "it decides whose champion and challenger aliases a run moves",
 }
-"""Fields that decide what code runs or where credentials go: whoever registers the pipeline sets them in its
-file; the form (anyone who may submit) cannot."""
+"""Fields that decide what code runs, where credentials go or which registered model a run may promote: whoever
+registers the pipeline sets them in its file; the form (anyone who may submit) cannot."""
+
+GATE = ("stages", "evaluate", "gate")
+"""The form may tighten the gate (add rules, lower a max_regression), never loosen it (`check_gate_kept`)."""
 
 
 @dataclass(frozen=True)
@@ -144,14 +149,48 @@ def form_line(number: int) -> str:
     return f"parameter {OVERRIDES}, line {number}"
 
 
+def _gate_rules(document: dict) -> list[GateRule]:
+    """The gate rules of a spec document (the model's default when it names none)."""
+    rules = ((document.get("stages") or {}).get("evaluate") or {}).get("gate")
+    if rules is None:
+        return list(EvaluateStage().gate)
+    return [GateRule.model_validate(rule) for rule in rules]
+
+
+def _describe(rule: GateRule) -> str:
+    direction = "higher" if rule.higher_is_better else "lower"
+    return f"{rule.metric} ({direction} is better, max_regression {rule.max_regression:g})"
+
+
+def check_gate_kept(template: list[GateRule], resolved: list[GateRule], where: str) -> None:
+    """SpecError unless `resolved` keeps every rule of the template's gate, as strict or stricter: same metric and
+    direction, max_regression no larger. Added rules are fine (they only make the gate harder to pass)."""
+    for rule in template:
+        kept = [
+            r
+            for r in resolved
+            if r.metric == rule.metric
+            and r.higher_is_better == rule.higher_is_better
+            and r.max_regression <= rule.max_regression
+        ]
+        if not kept:
+            raise SpecError(
+                f"{where}: stages.evaluate.gate would no longer hold the rule {_describe(rule)}: the form may only "
+                "tighten the gate (add rules, lower a max_regression), never remove, relax or reverse a rule; "
+                "change the gate in the pipeline file and register it again"
+            )
+
+
 def resolve_parameters(
     document: dict, values: dict[str, str], line_origin: Callable[[int], str] = form_line
 ) -> PipelineSpec:
-    """Apply UI parameter values to the embedded spec document and validate the result. `line_origin` names
-    line N of the overrides parameter in errors (submit names the --set it came from)."""
+    """Apply UI parameter values to the embedded spec document and validate the result: fields the template
+    fixes are refused, the gate may only get stricter. `line_origin` names line N of the overrides parameter in
+    errors (submit names the --set it came from)."""
     doc = json.loads(json.dumps(document))  # deep copy, JSON types only
     origins = Origins()
     known = set(values)
+    gate_changed_by = ""
 
     def put(keys: list[str], value: object, where: str) -> None:
         override(doc, origins, keys, value, where)
@@ -179,8 +218,13 @@ def resolve_parameters(
         except SpecError as exc:
             raise SpecError(f"{where}: {str(exc).removeprefix('--set ')}") from None
         _check_not_compiled(keys, where)
+        if tuple(keys[: len(GATE)]) == GATE[: len(keys)]:
+            gate_changed_by = where
         put(keys, value, where)
-    return validate_document(doc, origins, "parameters")
+    spec = validate_document(doc, origins, "parameters")
+    if gate_changed_by:
+        check_gate_kept(_gate_rules(document), spec.stages.evaluate.gate, gate_changed_by)
+    return spec
 
 
 def read_params_dir(path: Path) -> tuple[dict, dict[str, str]]:

@@ -7,7 +7,9 @@ Checks, against the cluster of the current kubeconfig context (or the in-cluster
 
 - the CRDs the pipeline needs (PyTorchJob, Argo's Workflow/WorkflowTemplate, CronWorkflow when scheduled,
   InferenceService when deploying, Kueue's LocalQueue when a stage names a queue) and the ServingRuntime;
-- the namespace, the ServiceAccount, the two volumes (exist, Bound, ReadWriteMany);
+- the namespace; the three ServiceAccounts (the resource steps' account, which must not switch its token off; the
+  stage pods' account; Argo's executor account and the token Secret Argo mounts from it); the two volumes (exist,
+  Bound, ReadWriteMany);
 - every Secret the spec names exists: only its metadata is requested (a PartialObjectMetadata GET), so no key
   or value is ever read; the keys inside cannot be known without reading the Secret and are not checked;
 - for every GPU stage, enough nodes whose labels match its node_selector (and required node affinity), whose
@@ -268,17 +270,76 @@ def _check_namespace(kube: _Kube, spec: PipelineSpec, report: PreflightReport) -
     return True
 
 
-def _check_service_account(kube: _Kube, spec: PipelineSpec, report: PreflightReport) -> None:
-    sa, ns = spec.cluster.service_account, spec.cluster.namespace
-    name = f"serviceaccount {sa}"
+ARGO_TOKEN_ANNOTATION = "workflows.argoproj.io/service-account-token.name"
 
-    def check() -> None:
-        if kube.get(f"/api/v1/namespaces/{ns}/serviceaccounts/{sa}") is None:
-            report.add(name, "fail", f"not found in {ns}", f"{KIT_HINT}, or set cluster.service_account")
-        else:
-            report.add(name, "ok", "exists")
 
-    _guarded(report, name, check)
+def executor_token_secret(account: dict[str, Any], name: str) -> str:
+    """The Secret whose token Argo mounts into its init and wait containers for executor account `name`, found as
+    Argo finds it: the account's first listed secret, else the one its annotation names, else
+    `<name>.service-account-token`."""
+    listed = account.get("secrets") or []
+    if listed and listed[0].get("name"):
+        return str(listed[0]["name"])
+    annotations = account.get("metadata", {}).get("annotations") or {}
+    return str(annotations.get(ARGO_TOKEN_ANNOTATION) or f"{name}.service-account-token")
+
+
+def _check_service_accounts(kube: _Kube, spec: PipelineSpec, report: PreflightReport) -> None:
+    cluster, ns = spec.cluster, spec.cluster.namespace
+    roles = {
+        "service_account": "the steps that create the jobs and the InferenceService",
+        "pod_service_account": "the pods that run stage code",
+        "executor_service_account": "Argo's init and wait containers",
+    }
+    accounts: dict[str, list[str]] = {}
+    for field_name in roles:
+        accounts.setdefault(getattr(cluster, field_name), []).append(field_name)
+    for sa, fields in accounts.items():
+        name = f"serviceaccount {sa}"
+        uses = "; ".join(roles[f] for f in fields)
+
+        def check(sa: str = sa, fields: list[str] = fields, name: str = name, uses: str = uses) -> None:
+            account = kube.get(f"/api/v1/namespaces/{ns}/serviceaccounts/{sa}")
+            if account is None:
+                fix = f"{KIT_HINT}, or set {' / '.join('cluster.' + f for f in fields)}"
+                report.add(name, "fail", f"not found in {ns} ({uses})", fix)
+                return
+            if "service_account" in fields and account.get("automountServiceAccountToken") is False:
+                report.add(
+                    name,
+                    "fail",
+                    "sets automountServiceAccountToken: false: the resource steps would run without a token (Argo "
+                    "writes only `false` into a pod, so the account's setting decides)",
+                    f"kubectl -n {ns} patch serviceaccount {sa} --type json "
+                    '-p \'[{"op": "remove", "path": "/automountServiceAccountToken"}]\'',
+                )
+                return
+            report.add(name, "ok", f"exists ({uses})")
+            if "executor_service_account" in fields:
+                _check_executor_token(kube, ns, sa, executor_token_secret(account, sa), report)
+
+        _guarded(report, name, check)
+
+
+def _check_executor_token(kube: _Kube, ns: str, account: str, secret: str, report: PreflightReport) -> None:
+    """The token Secret Argo mounts into its init and wait containers (Kubernetes 1.24+ creates none by itself)."""
+    name = f"secret {secret}"
+
+    try:
+        exists = _secret_exists(kube, ns, secret)
+    except _Forbidden as exc:
+        # preflight-access does not grant it: the token may write any step's outputs, evaluate's gate among them.
+        fix = f"a namespace administrator can check it: kubectl -n {ns} get secret {secret}"
+        report.add(name, "warn", f"not checked: the API server refused the read ({exc})", fix)
+        return
+    if exists:
+        report.add(name, "ok", f"exists (the token of {account} that Argo's init and wait containers use)")
+        return
+    fix = (
+        f"{KIT_HINT} (serviceaccounts.yaml creates it), or create a Secret {secret} of type "
+        f"kubernetes.io/service-account-token annotated kubernetes.io/service-account.name: {account}"
+    )
+    report.add(name, "fail", f"not found in {ns}: Argo cannot start the pods that run stage code", fix)
 
 
 def _check_volumes(kube: _Kube, spec: PipelineSpec, report: PreflightReport) -> None:
@@ -620,7 +681,7 @@ def run_preflight(spec: PipelineSpec, kube_api_client: Any = None, argo_server: 
     try:
         _check_crds(kube, spec, report)
         if _check_namespace(kube, spec, report):
-            _check_service_account(kube, spec, report)
+            _check_service_accounts(kube, spec, report)
             _check_volumes(kube, spec, report)
             _check_secrets(kube, spec, report)
             _check_serving_runtime(kube, spec, report)

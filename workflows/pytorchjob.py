@@ -43,6 +43,31 @@ KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 SHUTDOWN_MARGIN_SECONDS = 15
 MIN_SHUTDOWN_TIMEOUT_SECONDS = 30
 
+SCRATCH_VOLUME = "tmp"
+SCRATCH_DIR = "/tmp"
+"""An emptyDir every pod that runs stage code mounts: the root filesystem is read-only, and what the stages and
+their libraries write outside the volumes lands here (torchrun's files, Argo's outputs under /tmp/outputs,
+temporary files, the caches of WRITABLE_ENV)."""
+
+WRITABLE_ENV: dict[str, str] = {
+    "HOME": SCRATCH_DIR,
+    "XDG_CACHE_HOME": f"{SCRATCH_DIR}/.cache",
+    "XDG_CONFIG_HOME": f"{SCRATCH_DIR}/.config",
+    "MPLCONFIGDIR": f"{SCRATCH_DIR}/.cache/matplotlib",
+    "TRITON_CACHE_DIR": f"{SCRATCH_DIR}/.cache/triton",
+    "TORCHINDUCTOR_CACHE_DIR": f"{SCRATCH_DIR}/.cache/torchinductor",
+    "TORCH_EXTENSIONS_DIR": f"{SCRATCH_DIR}/.cache/torch_extensions",
+    "CUDA_CACHE_PATH": f"{SCRATCH_DIR}/.cache/nv",
+    "WANDB_DIR": SCRATCH_DIR,
+    "WANDB_CACHE_DIR": f"{SCRATCH_DIR}/.cache/wandb",
+    "WANDB_CONFIG_DIR": f"{SCRATCH_DIR}/.config/wandb",
+}
+"""Every cache a stage's libraries write, on the scratch volume: the image's own settings (HOME, MPLCONFIGDIR,
+TRITON_CACHE_DIR under /home/posttrain) point at the read-only root filesystem. torch.compile (Inductor, Triton),
+DeepSpeed's ops (compiled on first use into TORCH_EXTENSIONS_DIR), the CUDA JIT, matplotlib and W&B's files outside
+the run directory. HF_HOME is on the checkpoints volume instead (pod_env), so models and datasets are downloaded
+once per cluster. cluster.env or a stage's env may set any of these to another writable path."""
+
 
 def run_dir(spec: PipelineSpec, run_name: str) -> str:
     """The run directory on the checkpoints volume for a run (a workflow name, or an Argo expression)."""
@@ -56,7 +81,8 @@ def stage_command(stage: str, run_directory: str) -> list[str]:
 
 
 def volumes(spec: PipelineSpec, shm_size: str | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Pod volumes and the matching container mounts: the datasets and checkpoints PVCs, and /dev/shm."""
+    """Pod volumes and the matching container mounts: the datasets and checkpoints PVCs, the scratch emptyDir at
+    /tmp, and /dev/shm."""
     cluster = spec.cluster
     vols: list[dict[str, Any]] = [
         {
@@ -76,6 +102,8 @@ def volumes(spec: PipelineSpec, shm_size: str | None) -> tuple[list[dict[str, An
         },
         {"name": "checkpoints", "mountPath": cluster.checkpoints.mount_path},
     ]
+    vols.append({"name": SCRATCH_VOLUME, "emptyDir": {}})
+    mounts.append({"name": SCRATCH_VOLUME, "mountPath": SCRATCH_DIR})
     if shm_size:
         vols.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_size}})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
@@ -95,8 +123,8 @@ def shutdown_timeout(stage: TrainingStage) -> int:
 
 
 def pod_env(spec: PipelineSpec, stage: StageBase) -> list[dict[str, Any]]:
-    """Environment of a stage's container: plain settings, Argo identity, the image (an MLflow tag), and secrets by
-    reference only."""
+    """Environment of a stage's container: plain settings, Argo identity, the image (an MLflow tag), the caches on
+    writable mounts, and secrets by reference only."""
     cluster = spec.cluster
     env: list[dict[str, Any]] = [
         {"name": "ARGO_WORKFLOW_NAME", "value": "{{workflow.name}}"},
@@ -105,7 +133,9 @@ def pod_env(spec: PipelineSpec, stage: StageBase) -> list[dict[str, Any]]:
         {"name": "HF_HOME", "value": f"{cluster.checkpoints.mount_path}/.cache/huggingface"},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
     ]
-    for name, value in {**cluster.env, **stage.env}.items():
+    plain = {**cluster.env, **stage.env}
+    env += [{"name": name, "value": value} for name, value in WRITABLE_ENV.items() if name not in plain]
+    for name, value in plain.items():
         env.append({"name": name, "value": value})
     for name, ref in cluster.secrets.env().items():
         env.append(
@@ -154,10 +184,12 @@ def pod_template(spec: PipelineSpec, stage_name: str, stage: TrainingStage, comm
         "env": env,
         "resources": resource_requirements(res.cpu, res.memory, res.gpus_per_node, res.ephemeral_storage),
         "volumeMounts": mounts,
-        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+        "securityContext": container_security_context(),
     }
     pod: dict[str, Any] = {
-        "serviceAccountName": cluster.service_account,
+        # Training code needs no Kubernetes API: the pods run as an account without a Role, and without its token.
+        "serviceAccountName": cluster.pod_service_account,
+        "automountServiceAccountToken": False,
         # SIGTERM makes the stage save a checkpoint after the current step; give it the time to.
         "terminationGracePeriodSeconds": stage.run_policy.termination_grace_period_seconds,
         "containers": [container],
@@ -179,6 +211,12 @@ def pod_template(spec: PipelineSpec, stage_name: str, stage: TrainingStage, comm
     if res.annotations:
         metadata["annotations"] = dict(res.annotations)
     return {"metadata": metadata, "spec": pod}
+
+
+def container_security_context() -> dict[str, Any]:
+    """Every container that runs stage code: no privilege escalation, no capabilities, a read-only root filesystem
+    (the volumes of `volumes` are its writable places)."""
+    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}, "readOnlyRootFilesystem": True}
 
 
 def pod_security_context(spec: PipelineSpec) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import argparse
 import sys
 
 from workflows.argo import ArgoClient, ArgoError
-from workflows.submit import add_pipeline_arguments, argo_client, compile_loaded, load, run_cli
+from workflows.submit import add_pipeline_arguments, argo_client, check_lm_eval_tasks, compile_loaded, load, run_cli
 
 
 def parser() -> argparse.ArgumentParser:
@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     """Register the pipeline and print what was created or updated; returns the exit code."""
     args = parser().parse_args(argv)
     loaded = load(args.pipeline, args.profile, args.overrides)
+    check_lm_eval_tasks(loaded.spec, loaded.source)
     compiled = compile_loaded(loaded)
     name = compiled.template.name
     if args.overrides:

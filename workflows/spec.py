@@ -9,7 +9,11 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from workflows import validation
+from workflows.credentials import looks_secret_name
+from workflows.model_shapes import AttentionShape, known_shape, tensor_parallel_problem
 
 STAGE_ORDER: tuple[str, ...] = ("prepare", "cpt", "sft", "rlhf", "evaluate", "deploy")
 """The DAG, in order. prepare always runs; the others can be switched off."""
@@ -28,9 +32,25 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 class StrictModel(BaseModel):
-    """Base for every spec model: unknown fields are errors, values are re-validated on assignment."""
+    """Base for every spec model: unknown fields are errors, numbers are finite (no .inf or .nan), values are
+    re-validated on assignment."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True, allow_inf_nan=False)
+
+
+class FieldError(ValueError):
+    """A rule across fields that one field breaks: `loc` (relative to the model whose validator raises it) names
+    that field, so the error points at its file and line."""
+
+    def __init__(self, loc: tuple[str | int, ...], message: str) -> None:
+        super().__init__(message)
+        self.loc = loc
+
+
+def _check(problem: str | None, prefix: str = "") -> None:
+    """Raise a validation error for a problem a `workflows.validation` rule found."""
+    if problem:
+        raise ValueError(prefix + problem)
 
 
 def _dns_label(value: str, what: str) -> str:
@@ -42,6 +62,18 @@ def _dns_label(value: str, what: str) -> str:
 Quantity = Annotated[
     str,
     Field(pattern=_QUANTITY.pattern, description="A Kubernetes quantity, e.g. '8', '500m', '64Gi'."),
+]
+
+
+def _cron_expression(expr: str) -> str:
+    _check(validation.cron_expression(expr))
+    return expr
+
+
+CronExpression = Annotated[
+    str,
+    AfterValidator(_cron_expression),
+    Field(description="Five fields (minute hour day-of-month month day-of-week) or @daily, @weekly, @every 6h..."),
 ]
 
 
@@ -61,6 +93,20 @@ class TinyModelConfig(StrictModel):
     max_position_embeddings: int = Field(2048, gt=0, description="Longest position the model supports.")
     vocab_size: int = Field(2048, ge=256, description="Size of the byte-level BPE vocabulary trained on the corpus.")
     seed: int = Field(0, description="Seed for the random initialisation.")
+
+    @model_validator(mode="after")
+    def _heads(self) -> TinyModelConfig:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise FieldError(
+                ("num_key_value_heads",),
+                f"num_key_value_heads ({self.num_key_value_heads}) must divide num_attention_heads "
+                f"({self.num_attention_heads}): each key/value head serves a whole group of query heads",
+            )
+        return self
+
+    def attention(self) -> AttentionShape:
+        """The attention shape this config builds."""
+        return AttentionShape(self.num_attention_heads, self.num_key_value_heads)
 
 
 class ModelSpec(StrictModel):
@@ -213,6 +259,21 @@ class Toleration(StrictModel):
         None, alias="tolerationSeconds", description="For NoExecute: how long the pod stays bound."
     )
 
+    @model_validator(mode="after")
+    def _coherent(self) -> Toleration:
+        # The API server's rules for a Toleration (k8s.io/kubernetes validation).
+        if self.key is not None:
+            _check(validation.qualified_name(self.key), "toleration ")
+        elif self.operator != "Exists":
+            raise ValueError("a toleration without a key must use operator Exists (it then tolerates every taint)")
+        if self.operator == "Exists" and self.value:
+            raise ValueError(f"a toleration with operator Exists takes no value, got {self.value!r}")
+        if self.value:
+            _check(validation.label_value(self.value), "toleration ")
+        if self.toleration_seconds is not None and self.effect != "NoExecute":
+            raise ValueError("tolerationSeconds only applies to effect NoExecute")
+        return self
+
     def to_k8s(self) -> dict[str, Any]:
         """This toleration as a core/v1 Toleration object."""
         return self.model_dump(by_alias=True, exclude_none=True)
@@ -248,8 +309,91 @@ class Resources(StrictModel):
     annotations: dict[str, str] = Field(default_factory=dict, description="Extra pod annotations.")
     labels: dict[str, str] = Field(default_factory=dict, description="Extra pod labels.")
 
+    @field_validator("node_selector", "labels")
+    @classmethod
+    def _labels(cls, mapping: dict[str, str]) -> dict[str, str]:
+        _check(validation.labels(mapping))
+        return mapping
 
-class RunPolicy(StrictModel):
+    @field_validator("annotations")
+    @classmethod
+    def _annotations(cls, mapping: dict[str, str]) -> dict[str, str]:
+        _check(validation.annotations(mapping))
+        return mapping
+
+    @field_validator("affinity")
+    @classmethod
+    def _affinity(cls, affinity: dict[str, Any] | None) -> dict[str, Any] | None:
+        if affinity is not None:
+            _check(validation.kubernetes_object(affinity, "V1Affinity"))
+        return affinity
+
+    @field_validator("image")
+    @classmethod
+    def _image(cls, image: str | None) -> str | None:
+        if image is not None:
+            _check(validation.image_reference(image))
+        return image
+
+    @field_validator("priority_class")
+    @classmethod
+    def _priority_class(cls, name: str | None) -> str | None:
+        if name is not None:
+            _check(validation.dns_subdomain(name), "priority_class: ")
+        return name
+
+    @field_validator("queue")
+    @classmethod
+    def _queue(cls, name: str | None) -> str | None:
+        if name is not None:  # a LocalQueue name, also written as a label value
+            _check(validation.dns_subdomain(name) or validation.label_value(name), "queue: ")
+        return name
+
+
+class StepPolicy(StrictModel):
+    """The Argo step around a single-pod stage (prepare, evaluate, deploy): its timeout, retries and grace period."""
+
+    active_deadline_seconds: int = Field(
+        24 * 3600,
+        gt=0,
+        description="The step's timeout: the pod is stopped after running this long (SIGTERM, then SIGKILL after "
+        "the grace period; time spent waiting to be scheduled does not count), and the attempt is retried like an "
+        "interrupted one. Default 24 hours.",
+    )
+    retries: int = Field(
+        2,
+        ge=0,
+        le=20,
+        description="Argo retries of the step, only after a failure a retry can fix: the pod was deleted, evicted "
+        "or lost with its node (Argo status Error), or the stage was interrupted (exit 75: SIGTERM, or another "
+        "process still held the stage) or killed (exit 137 or 143, not OOMKilled). A failed stage (exit 1) or bad "
+        "input (exit 2) is never retried.",
+    )
+    retry_backoff: str = Field(
+        "30s",
+        description="Wait before the first retry, in seconds or as a Go duration ('90s', '2m', '1h30m'); it doubles "
+        "with each retry, each wait at most 1h.",
+    )
+    termination_grace_period_seconds: int = Field(
+        120,
+        ge=30,
+        description="Time a stopped pod (preempted, or past its timeout) gets between SIGTERM and SIGKILL to "
+        "record itself as interrupted.",
+    )
+
+    @field_validator("retry_backoff", mode="before")
+    @classmethod
+    def _duration(cls, value: Any) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)  # `retry_backoff: 120` in YAML means seconds, as Argo reads it
+        if isinstance(value, str) and not _GO_DURATION.match(value):
+            raise ValueError(
+                f"retry_backoff must be whole seconds or a Go duration such as '90s', '2m' or '1h30m', got {value!r}"
+            )
+        return value
+
+
+class RunPolicy(StepPolicy):
     """The PyTorchJob's runPolicy, and the Argo retry around it."""
 
     active_deadline_seconds: int = Field(
@@ -274,8 +418,8 @@ class RunPolicy(StrictModel):
     retry_backoff: str = Field(
         "2m",
         description="Wait before the first retry, in seconds or as a Go duration ('90s', '2m', '1h30m'); it doubles "
-        "with each retry, each wait at most 1h. Retries are not limited in total time: a stage that fails after "
-        "days is still retried.",
+        "with each retry, each wait at most 1h. Retries are limited in number, and by the workflow's deadline, not "
+        "by the time since the first attempt: a stage that fails after days is still retried.",
     )
     termination_grace_period_seconds: int = Field(
         300,
@@ -283,17 +427,6 @@ class RunPolicy(StrictModel):
         description="Time a preempted pod gets between SIGTERM and SIGKILL: it must cover one training step "
         "plus writing a checkpoint.",
     )
-
-    @field_validator("retry_backoff", mode="before")
-    @classmethod
-    def _duration(cls, value: Any) -> Any:
-        if isinstance(value, int) and not isinstance(value, bool):
-            value = str(value)  # `retry_backoff: 120` in YAML means seconds, as Argo reads it
-        if isinstance(value, str) and not _GO_DURATION.match(value):
-            raise ValueError(
-                f"retry_backoff must be whole seconds or a Go duration such as '90s', '2m' or '1h30m', got {value!r}"
-            )
-        return value
 
 
 class StageBase(StrictModel):
@@ -304,15 +437,22 @@ class StageBase(StrictModel):
     env: dict[str, str] = Field(
         default_factory=dict, description="Extra environment variables (never secrets: use cluster.secrets)."
     )
+    run_policy: StepPolicy = Field(
+        default_factory=StepPolicy, description="The step's timeout, retries and grace period in the cluster."
+    )
 
     @field_validator("env")
     @classmethod
     def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
-        for name in env:
+        for name, value in env.items():
             if not _ENV_NAME.match(name):
                 raise ValueError(f"environment variable name {name!r} is not valid")
-            if re.search(r"(TOKEN|SECRET|PASSWORD|API_KEY|WEBHOOK)", name):
-                raise ValueError(f"{name} looks like a secret: reference it through cluster.secrets instead")
+            # Any casing, word by word (AWS_ACCESS_KEY_ID, wandb_key); a path names a mounted file, not a secret.
+            if looks_secret_name(name) and not value.startswith("/"):
+                raise ValueError(
+                    f"{name} looks like a secret: its value would be in the template, readable by anyone who may "
+                    "submit; reference a Kubernetes Secret through cluster.secrets instead"
+                )
         return env
 
 
@@ -332,6 +472,12 @@ class TrainingStage(StageBase):
             raise ValueError("an enabled training stage needs 'data'")
         if self.method == "qlora" and self.distributed.strategy == "deepspeed_zero3":
             raise ValueError("qlora cannot be sharded with deepspeed_zero3; use ddp or fsdp")
+        if self.training.eval_steps is not None and self.data is not None and self.data.eval_fraction == 0:
+            raise FieldError(
+                ("training", "eval_steps"),
+                "training.eval_steps evaluates held-out rows, and data.eval_fraction is 0: hold rows out "
+                "(data.eval_fraction: 0.02) or drop eval_steps",
+            )
         return self
 
 
@@ -362,12 +508,37 @@ class SftStage(TrainingStage):
         return self
 
 
-class RewardFunction(StrictModel):
-    """A GRPO reward: a built-in name or a Python import path 'package.module:function'."""
+BUILTIN_REWARDS: dict[str, tuple[str, ...]] = {
+    "hangul_ratio": (),
+    "length": ("min", "max"),
+    "format": ("require_end", "closed_think", "end_token_ids", "end_texts"),
+}
+"""The built-in GRPO rewards (stages/rewards.py) and the arguments each takes."""
 
-    name: str = Field(description="Built-in reward ('hangul_ratio', 'length', 'format') or 'module:function'.")
+_MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class RewardFunction(StrictModel):
+    """A GRPO reward: a built-in, or a function of a module the pipeline file allows (`module:function`)."""
+
+    name: str = Field(
+        description=f"Built-in reward ({', '.join(repr(n) for n in BUILTIN_REWARDS)}) or 'module:function', a "
+        "function defined in a module listed in stages.rlhf.reward_modules."
+    )
     weight: float = Field(1.0, description="Weight of this reward in the sum.")
-    args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the reward.")
+    args: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments for the reward (for a built-in: the ones it takes)."
+    )
+
+    @model_validator(mode="after")
+    def _known_args(self) -> RewardFunction:
+        if self.name in BUILTIN_REWARDS:
+            unknown = sorted(set(self.args) - set(BUILTIN_REWARDS[self.name]))
+            if unknown:
+                takes = ", ".join(BUILTIN_REWARDS[self.name]) or "none"
+                raise FieldError(("args",), f"{unknown} are not arguments of the {self.name} reward (it takes {takes})")
+        return self
 
 
 class RlhfStage(TrainingStage):
@@ -386,6 +557,12 @@ class RlhfStage(TrainingStage):
     reward_functions: list[RewardFunction] = Field(
         default_factory=list, description="GRPO rewards (ignored by the other algorithms)."
     )
+    reward_modules: list[str] = Field(
+        default_factory=list,
+        description="Python modules (installed in the trainer image) whose functions reward_functions may name as "
+        "'module:function', e.g. ['acme_rewards.korean']. Only these modules are ever imported for a reward. "
+        "Pipeline file only: the form may choose among the built-ins and these modules' functions, nothing else.",
+    )
     num_generations: int = Field(4, ge=2, description="GRPO completions per prompt.")
 
     @model_validator(mode="after")
@@ -393,6 +570,25 @@ class RlhfStage(TrainingStage):
         # DPO and KTO scale the preference margin by beta (no gradient at 0), ORPO weighs its odds-ratio term by it.
         if self.algorithm != "grpo" and self.beta == 0:
             raise ValueError(f"beta must be greater than 0 for {self.algorithm} (only grpo accepts 0)")
+        for module in self.reward_modules:
+            if not _MODULE_NAME.match(module):
+                raise FieldError(("reward_modules",), f"{module!r} is not a Python module name (package.module)")
+        for i, reward in enumerate(self.reward_functions):
+            if reward.name in BUILTIN_REWARDS:
+                continue
+            module, colon, function = reward.name.partition(":")
+            if not colon or not _MODULE_NAME.match(module) or not _IDENTIFIER.match(function):
+                raise FieldError(
+                    ("reward_functions", i, "name"),
+                    f"{reward.name!r} is neither a built-in reward ({', '.join(BUILTIN_REWARDS)}) nor "
+                    "'module:function' (a function name, no dots)",
+                )
+            if module not in self.reward_modules:
+                raise FieldError(
+                    ("reward_functions", i, "name"),
+                    f"{reward.name!r}: module {module!r} is not in stages.rlhf.reward_modules; a reward runs code, "
+                    "so its module must be listed there, in the pipeline file",
+                )
         if self.algorithm == "grpo":
             if self.enabled and not self.reward_functions:
                 raise ValueError("grpo needs at least one entry in reward_functions")
@@ -414,7 +610,9 @@ class PrepareStage(StageBase):
 class GateRule(StrictModel):
     """One rule of the champion/challenger gate."""
 
-    metric: str = Field(description="Metric name from the evaluation (e.g. 'perplexity', 'kobest_boolq/acc').")
+    metric: str = Field(
+        min_length=1, description="Metric name from the evaluation (e.g. 'perplexity', 'kobest_boolq/acc')."
+    )
     higher_is_better: bool = Field(True, description="Direction of the metric.")
     max_regression: float = Field(
         0.0, ge=0, description="How far the candidate may fall behind the champion (absolute) and still pass."
@@ -440,7 +638,9 @@ class EvaluateStage(StageBase):
     max_new_tokens: int = Field(128, gt=0, description="Tokens generated per prompt.")
     gate: list[GateRule] = Field(
         default_factory=lambda: [GateRule(metric="perplexity", higher_is_better=False, max_regression=0.0)],
-        description="Rules the candidate must pass to become champion; all must hold.",
+        description="Rules the candidate must pass to become champion; all must hold. Set in the pipeline file: "
+        "the form may add rules or lower a rule's max_regression (tighten the gate), never remove, relax or "
+        "reverse one.",
     )
 
 
@@ -460,11 +660,32 @@ class ServingSpec(StrictModel):
         "create jobs).",
     )
 
+    @field_validator("runtime", "service_account")
+    @classmethod
+    def _names(cls, name: str | None) -> str | None:
+        if name is not None:
+            _check(validation.dns_subdomain(name))
+        return name
+
+    @model_validator(mode="after")
+    def _replicas(self) -> ServingSpec:
+        if self.min_replicas > self.max_replicas:
+            raise FieldError(
+                ("min_replicas",),
+                f"min_replicas ({self.min_replicas}) is above max_replicas ({self.max_replicas}): KServe refuses it",
+            )
+        return self
+
 
 class DeployStage(StageBase):
     """Register the model, move aliases, serve it."""
 
-    registered_model: str | None = Field(None, description="MLflow registered model name; None uses the pipeline name.")
+    registered_model: str | None = Field(
+        None,
+        min_length=1,
+        description="MLflow registered model name, whose challenger and champion aliases deploy moves; None uses the "
+        "pipeline name. Pipeline file only: the form cannot point a run at another model's aliases.",
+    )
     storage_uri: str | None = Field(
         None,
         description="Where the served model is published: 'gs://...', 's3://...' or 'pvc://claim/path' (a folder "
@@ -570,7 +791,31 @@ class ClusterSpec(StrictModel):
     """Where and as whom the pipeline runs."""
 
     namespace: str = Field("posttrain", description="Namespace of the workflows and jobs.")
-    service_account: str = Field("posttrain-workflow", description="ServiceAccount of every pod.")
+    service_account: str = Field(
+        "posttrain-workflow",
+        description="ServiceAccount of the steps that create the training jobs and apply the InferenceService (Argo "
+        "resource templates), the only pods that hold a Kubernetes API token (the kit's posttrain-workflow Role).",
+    )
+    pod_service_account: str = Field(
+        "posttrain-runner",
+        description="ServiceAccount of every pod that runs stage code (prepare, the training jobs' pods, evaluate, "
+        "deploy, the notification): no Kubernetes API token is mounted in them (automountServiceAccountToken: "
+        "false) and the account has no Role. Bind cloud identity for buckets (GKE Workload Identity, EKS IRSA) to it.",
+    )
+    executor_service_account: str = Field(
+        "posttrain-executor",
+        description="ServiceAccount whose token Argo mounts into its own init and wait containers of those pods, "
+        "never into the stage's container, to report the step's outputs (workflowtaskresults create/patch only). "
+        "Argo reads the token from the Secret '<name>.service-account-token', which the kit creates.",
+    )
+    executor_security_context: bool = Field(
+        True,
+        description="Give Argo's init and wait containers of those pods the restricted securityContext (no "
+        "privilege escalation, all capabilities dropped, read-only root filesystem) through the templates' "
+        "podSpecPatch, so the pods pass Pod Security `restricted` whatever the controller's executor settings. Turn "
+        "off only with the controller's init-less pod layout (initlessPod, beta), which has no containers by those "
+        "names; then set the controller's executor.securityContext instead (manifests/README.md).",
+    )
     image: str = Field(
         "ghcr.io/posttrain/trainer:0.1.0", description="Trainer image (stages and control steps run in it)."
     )
@@ -595,7 +840,7 @@ class ClusterSpec(StrictModel):
     )
     run_as_user: int | None = Field(1000, ge=0, description="UID the pods run as (None: the image's user).")
 
-    @field_validator("namespace", "service_account")
+    @field_validator("namespace", "service_account", "pod_service_account", "executor_service_account")
     @classmethod
     def _names(cls, value: str) -> str:
         return _dns_label(value, "name")
@@ -631,7 +876,9 @@ class TrackingSpec(StrictModel):
 class ScheduleSpec(StrictModel):
     """When the CronWorkflow starts the pipeline."""
 
-    cron: list[str] = Field(default_factory=list, description="Cron expressions; empty means no CronWorkflow.")
+    cron: list[CronExpression] = Field(
+        default_factory=list, description="Cron expressions; empty means no CronWorkflow."
+    )
     timezone: str = Field("UTC", description="IANA timezone the cron expressions are read in (e.g. Asia/Seoul).")
     concurrency_policy: Literal["Forbid", "Allow", "Replace"] = Field(
         "Forbid", description="What to do when a run is still going at the next tick."
@@ -642,17 +889,6 @@ class ScheduleSpec(StrictModel):
     successful_history: int = Field(5, ge=0, description="Succeeded workflows kept by the CronWorkflow.")
     failed_history: int = Field(5, ge=0, description="Failed workflows kept by the CronWorkflow.")
     suspend: bool = Field(False, description="Register the CronWorkflow suspended.")
-
-    @field_validator("cron")
-    @classmethod
-    def _cron(cls, exprs: list[str]) -> list[str]:
-        for expr in exprs:
-            fields = expr.split()
-            if not (expr.startswith("@") and len(fields) == 1) and len(fields) != 5:
-                raise ValueError(f"cron expression {expr!r} must have 5 fields (min hour day month weekday)")
-            if any(not re.match(r"^[0-9*/,\-A-Za-z?]+$", f) for f in fields if not f.startswith("@")):
-                raise ValueError(f"cron expression {expr!r} has characters cron does not use")
-        return exprs
 
     @field_validator("timezone")
     @classmethod
@@ -685,7 +921,12 @@ class WorkflowSpec(StrictModel):
         "OnPodSuccess", description="When pods are deleted; failed pods stay for their logs by default."
     )
     active_deadline_seconds: int | None = Field(
-        None, gt=0, description="Backstop for the whole workflow; stage deadlines are the detectors."
+        None,
+        gt=0,
+        description="Backstop for the whole workflow (Argo stops it, and retries no step, past this); the steps' "
+        "timeouts are the detectors. None: the enabled steps' worst case, each step (retries + 1) times its timeout "
+        "plus the waits between its retries (training steps: run_policy.active_deadline_seconds plus an hour; serve: "
+        "an hour), summed in DAG order, plus an hour for scheduling and the exit handler.",
     )
     labels: dict[str, str] = Field(default_factory=dict, description="Labels on every workflow of the pipeline.")
 
@@ -702,6 +943,10 @@ MAX_PIPELINE_NAME_LENGTH = 63 - len(
     f"-{'9' * 10}-{'x' * 5}-{max(TRAINING_STAGES, key=len)}-{'x' * 5}-worker-{MAX_NODES - 2}"
 )
 """The longest pipeline name whose worst-case Service name still fits."""
+
+
+DESCRIPTION_ANNOTATION = "workflows.argoproj.io/description"
+"""The annotation that carries the pipeline's description into the Argo UI."""
 
 
 class PipelineSpec(StrictModel):
@@ -761,7 +1006,37 @@ class PipelineSpec(StrictModel):
         trained = [s for s in TRAINING_STAGES if getattr(self.stages, s).enabled]
         if self.stages.evaluate.enabled and not trained:
             raise ValueError("stages.evaluate needs at least one training stage (cpt, sft or rlhf) to evaluate")
+        self._kubernetes_values()
+        self._serving_fits_model()
         return self
+
+    def _kubernetes_values(self) -> None:
+        """Values compiled into the template that the API server would refuse only at submit or run time."""
+        if problem := validation.annotations({DESCRIPTION_ANNOTATION: self.description}):
+            raise FieldError(("description",), f"too long for the workflow's annotation: {problem}")
+        if problem := validation.labels(self.workflow.labels):
+            raise FieldError(("workflow", "labels"), problem)
+        if problem := validation.image_reference(self.cluster.image):
+            raise FieldError(("cluster", "image"), problem)
+        for i, name in enumerate(self.cluster.image_pull_secrets):
+            if problem := validation.dns_subdomain(name):
+                raise FieldError(("cluster", "image_pull_secrets", i), problem)
+
+    def _serving_fits_model(self) -> None:
+        """vLLM splits the model over serving.gpus GPUs (tensor parallelism): they must divide its heads."""
+        serving = self.stages.deploy.serving
+        if not (self.stages.deploy.enabled and serving.enabled and serving.gpus > 1):
+            return
+        config = self.model.from_config
+        shape = config.attention() if config is not None else known_shape(self.model.name_or_path)
+        if shape is None or (problem := tensor_parallel_problem(shape, serving.gpus)) is None:
+            return
+        fits = [n for n in range(1, 17) if tensor_parallel_problem(shape, n) is None]
+        raise FieldError(
+            ("stages", "deploy", "serving", "gpus"),
+            f"vLLM cannot split {self.model.name_or_path} over {serving.gpus} GPUs: {problem}; use one of "
+            f"{', '.join(map(str, fits))}",
+        )
 
     def data_uri(self, data: DataSpec) -> str:
         """The data URI with '{data_version}' replaced."""

@@ -30,6 +30,7 @@ message that says what to fix and exit non-zero; the Argo client, rich and the r
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import shlex
 import sys
 from collections.abc import Callable
@@ -99,6 +100,19 @@ def load(pipeline: str, profile: str | None, overrides: list[str]) -> LoadedPipe
         return load_pipeline(pipeline, profile, overrides)
     except SpecError as exc:
         raise usage_error(exc) from None
+
+
+def check_lm_eval_tasks(spec: PipelineSpec, source: str) -> None:
+    """A usage error for each lm-eval task that the installed harness (and the include path, where it can be read
+    here) does not define. Skipped where lm-eval is not installed: prepare checks the same in the pod."""
+    evaluate = spec.stages.evaluate
+    if not (evaluate.enabled and evaluate.lm_eval_tasks) or importlib.util.find_spec("lm_eval") is None:
+        return
+    from stages.lm_eval_registry import unknown_tasks
+
+    problems = unknown_tasks(spec)
+    if problems:
+        raise usage_error(SpecError("\n".join(f"{source}: {problem}" for problem in problems)))
 
 
 def compile_loaded(loaded: LoadedPipeline) -> CompiledPipeline:
@@ -327,6 +341,7 @@ def _submit(args: argparse.Namespace) -> int:
     loaded = load(args.pipeline, args.profile, [])
     template = compile_loaded(loaded).template
     values, run_spec = run_arguments(args, loaded, template.name)
+    check_lm_eval_tasks(run_spec, loaded.source)
     workflow = submitted_workflow(loaded.spec, values, template.name)
 
     client = argo_client(loaded)  # a missing ARGO_SERVER is reported before any cluster check
@@ -375,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         return _submit(args)
     # Standalone documents: every --set is compiled in (see the module docstring).
     loaded = load(args.pipeline, args.profile, args.overrides)
+    check_lm_eval_tasks(loaded.spec, loaded.source)
     compiled = compile_loaded(loaded)
     if args.render is not None:
         written = render(compiled.documents(), args.render)

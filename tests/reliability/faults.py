@@ -134,10 +134,10 @@ def output_of(process: subprocess.Popen[str]) -> str:
     return _LOGS[process.pid].read_text(encoding="utf-8", errors="replace")
 
 
-def run(run_dir: RunDir, stage: str, **env: str) -> subprocess.CompletedProcess[str]:
-    """Run a stage with faults to its end."""
+def run(run_dir: RunDir, stage: str, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """Run a stage with faults to its end (`args`: more options, e.g. --force)."""
     return subprocess.run(
-        faulty_command(run_dir, stage),
+        [*faulty_command(run_dir, stage), *args],
         env=fault_env(run_dir, **env),
         capture_output=True,
         text=True,

@@ -1,22 +1,28 @@
 """SIGKILL of each training stage, then a rerun of the stage.
 
-One run directory carries the chain cpt → sft → rlhf (each stage starts from the one before). Each stage is killed
-three times before it is let finish, once at each point that matters, in this order:
+One run directory carries the chain cpt (full) → sft (LoRA) → rlhf (DPO, LoRA), each stage starting from the one
+before. Each stage is killed four times before it is let finish, once at each point that matters, in this order:
 
     before the first checkpoint               → the next attempt starts from step 0
     between checkpoints (checkpoint-3 done)   → the next attempt resumes from checkpoint-3
     while writing a checkpoint                → the next attempt sets it aside and resumes from the one before
+    after the last checkpoint, before the     → the next attempt trains no step: it evaluates, saves and records
+    record (final evaluation, save, merge)      the last checkpoint's weights
 
-The finished stage has one MLflow run (the one the first attempt opened), one logged loss per step, complete
-checkpoints only, whole safetensors and no temporary files.
+The finished stage has one MLflow run (the one the first attempt opened), one logged loss per step and none past
+the plan, the last checkpoint's weights as its model, complete checkpoints only, whole safetensors and no
+temporary files.
 """
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import faults
 import pytest
+import torch
+from safetensors.torch import load_file
 from training_fixtures import make_run_dir, write_jsonl
 
 from stages.contract import RunDir
@@ -53,14 +59,23 @@ def ensure_done(run_dir: RunDir, stage: str) -> None:
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
 
 
-def kill_at(run_dir: RunDir, stage: str, what: str, step: int) -> None:
-    """Start the stage, wait until it pauses at `what` of `step`, SIGKILL it."""
-    env = {"before-save": "HOLD_BEFORE_SAVE", "in-save": "HOLD_IN_SAVE"}[what]
+def kill_at(run_dir: RunDir, stage: str, what: str, step: int) -> subprocess.Popen[str]:
+    """Start the stage, wait until it pauses at `what` of `step`, SIGKILL it; returns the killed child."""
+    env = {"before-save": "HOLD_BEFORE_SAVE", "in-save": "HOLD_IN_SAVE", "after-save": "HOLD_AFTER_SAVE"}[what]
     child = faults.start(run_dir, stage, **{env: str(step)})
     faults.wait_held(run_dir, what, step, child)
     faults.sigkill(child)
     result = run_dir.read_result(stage)
     assert result is not None and result.status == "running"  # the record of a killed attempt: still running
+    return child
+
+
+def weights(folder: Path) -> dict[str, torch.Tensor]:
+    """The trained weights a model folder or checkpoint holds: the full model, or the (trained) LoRA adapter."""
+    for name in ("model.safetensors", "adapter_model.safetensors"):
+        if (folder / name).is_file():
+            return load_file(folder / name)
+    raise AssertionError(f"{folder} holds no weights")
 
 
 KILLS = {
@@ -99,21 +114,40 @@ def check_kills_then_resume(run_dir: RunDir, stage: str) -> None:
             assert (checkpoints / f"checkpoint-{step}").is_dir()  # torn: weights only, no marker
         first_run_id = first_run_id or run_dir.read_result(stage).mlflow_run_id
     assert first_run_id  # recorded before training, so every later attempt continues the same run
-    resume_from = complete[-1]
+    torn = KILLS[stage][-1][1]
 
+    # The next attempt sets the torn checkpoint aside, resumes from the one before, trains to the end and is killed
+    # once its last checkpoint is complete, before its record (during the final evaluation, save or merge).
+    last_attempt = kill_at(run_dir, stage, "after-save", STEPS)
+    assert f"checkpoint-{torn} is torn" in faults.output_of(last_attempt)
+    assert faults.complete_checkpoints(run_dir, stage)[-1] == STEPS
+    final = checkpoints / f"checkpoint-{STEPS}"
+
+    # The rerun trains no step: it evaluates, saves and records what the last checkpoint holds.
     done = faults.run(run_dir, stage)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    torn = KILLS[stage][-1][1]
-    assert f"checkpoint-{torn} is torn" in done.stderr
+    assert f"checkpoint-{STEPS} is at the planned end (step {STEPS} of {STEPS})" in done.stdout
     result = run_dir.read_result(stage)
-    assert result.status == "succeeded" and result.attempts == len(KILLS[stage]) + 1
-    assert result.extra["resumed_from"] == f"checkpoint-{resume_from}" and result.metrics["steps"] == STEPS
+    assert result.status == "succeeded" and result.attempts == len(KILLS[stage]) + 2
+    assert result.extra["resumed_from"] == f"checkpoint-{STEPS}" and result.extra["resumed_from_step"] == STEPS
+    assert result.extra["trained_steps"] == 0 and result.metrics["steps"] == STEPS
+    assert not [p.name for p in checkpoints.iterdir() if p.name.startswith(f"checkpoint-{STEPS + 1}")]
     assert [p.name.rsplit("-", 1)[0] for p in checkpoints.glob("torn-*")] == [f"torn-checkpoint-{torn}"]
     assert faults.complete_checkpoints(run_dir, stage)[-1] == STEPS
     faults.assert_clean_outputs(run_dir, stage)
+    model, checkpoint = weights(run_dir.stage_dir(stage) / "model"), weights(final)
+    assert model.keys() == checkpoint.keys() and all(torch.equal(model[k], checkpoint[k]) for k in model)
 
+    # The same record as a stage that was never killed: every step's loss once, none past the plan, eval after it.
     history = read_log_history(run_dir.stage_dir(stage) / "logs/log_history.json")
-    assert [e["step"] for e in history if "loss" in e] == list(range(1, STEPS + 1))
+    losses = [e for e in history if "loss" in e]
+    assert [e["step"] for e in losses] == list(range(1, STEPS + 1))
+    assert max(e["step"] for e in history) == STEPS
+    assert (result.metrics["train_loss_first"], result.metrics["train_loss_last"]) == (
+        losses[0]["loss"],
+        losses[-1]["loss"],
+    )
+    assert "eval_loss" in result.metrics
     assert faults.mlflow_runs(run_dir, stage) == [first_run_id] == [result.mlflow_run_id]
     assert faults.metric_steps(run_dir, result.mlflow_run_id) == list(range(1, STEPS + 1))  # none twice
 

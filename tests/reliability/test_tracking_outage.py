@@ -1,22 +1,29 @@
 """Tracking outages never fail a stage: a real `mlflow server` on 127.0.0.1 stopped in the middle of a training
 stage and started again, and W&B online with no network (a fake key and a closed local port). Training finishes,
-with one warning per backend, every metric reaches MLflow once the server is back, and W&B costs seconds."""
+with one warning per backend, every metric reaches MLflow once the server is back, and W&B costs seconds.
+
+A stage SIGKILLed while the server is down loses nothing: its journal is on disk, `python -m workflows.runs
+sync-tracking` sends it and ends the dead attempt's run, and the next attempt continues that run with every step
+once; a password in MLFLOW_TRACKING_URI reaches no file of the run, no W&B file, no MLflow param or tag."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import faults
 import mlflow
 import pytest
-from test_tracking import free_port
-from training_fixtures import make_run_dir
+from test_tracking import free_port, history, tensorboard_points, wandb_points
+from training_fixtures import make_run_dir, wait_for_file
 
 from stages.contract import RunDir, StageContext
 from stages.tracking import WANDB_INIT_TIMEOUT_SECONDS, StageTracker
@@ -123,3 +130,176 @@ def test_wandb_online_without_network_costs_seconds_not_minutes(tmp_path: Path, 
     assert any("W&B: starting the run failed" in w for w in tracker.warnings)
     assert waited < WANDB_INIT_TIMEOUT_SECONDS + 30 < 90, f"W&B took {waited:.0f}s to give up"
     assert run_dir.read_result("sft").status == "succeeded"
+
+
+# --------------------------------------------------------------------------- SIGKILL during an outage
+
+PASSWORD = "Pa55-w0rd-of-the-tracking-server"
+GIT_TOKEN = "ghp_FAKEtokenInTheRemoteUrl0123456789ab"
+GIT_REMOTE = f"https://{GIT_TOKEN}:x-oauth-basic@github.com/example/posttrain.git"
+
+# Prints the tracking URI as a careless library would, while W&B runs: the stage's masking stream hides it in the
+# log, and W&B must not capture the text before it is masked.
+_PRINTS_THE_URI = """
+import os
+from stages import tracking as _tracking
+
+_log_metrics = _tracking.StageTracker.log_metrics
+
+def _printing_log_metrics(self, metrics, step=None):
+    if step == 2 and not getattr(self, "printed", False):
+        self.printed = True
+        print("tracking to", os.environ["MLFLOW_TRACKING_URI"], flush=True)
+    return _log_metrics(self, metrics, step)
+
+_tracking.StageTracker.log_metrics = _printing_log_metrics
+"""
+
+
+@dataclass
+class Journaled:
+    """A cpt stage SIGKILLed during an MLflow outage, synced with `sync-tracking`, then run again to the end."""
+
+    run_dir: Any
+    store: str
+    journal_before_kill: str
+    killed_run_id: str | None
+    after_sync: dict[str, Any]
+    sync_output: str
+    outputs: list[str]
+
+
+@pytest.fixture(scope="module")
+def journaled(tmp_path_factory: pytest.TempPathFactory) -> Journaled:
+    base = tmp_path_factory.mktemp("journaled")
+    server = MlflowServer(base)  # its port is chosen; it is not started: the server is down
+    overrides = [
+        "stages.cpt.training.max_steps=6",
+        "stages.cpt.training.save_steps=3",
+        "stages.cpt.training.logging_steps=1",
+        "stages.cpt.training.eval_steps=3",
+        "tracking.wandb_project=journal",
+    ]
+    run_dir = make_run_dir(base / "run", overrides=overrides, n_text=60, n_chat=10)
+    script = run_dir.root.parent / "run_tracked_stage.py"
+    script.write_text(_PRINTS_THE_URI + faults.fault_script(run_dir).read_text(encoding="utf-8"), encoding="utf-8")
+    command = [sys.executable, str(script), "cpt", "--run-dir", str(run_dir.root)]
+    env = faults.fault_env(run_dir, WANDB_MODE="offline", MLFLOW_HTTP_REQUEST_MAX_RETRIES="0")
+    env["MLFLOW_TRACKING_URI"] = f"http://posttrain:{PASSWORD}@127.0.0.1:{server.port}"
+    env.pop("WANDB_SERVICE", None)  # each stage starts its own W&B service, as in a pod (not this process's)
+    outputs = []
+    # The stages run from a checkout cloned with a token in its remote URL, as CI jobs often are.
+    checkout = base / "checkout"
+    checkout.mkdir()
+    subprocess.run(["git", "init", "-q"], cwd=checkout, check=True)
+    subprocess.run(["git", "remote", "add", "origin", GIT_REMOTE], cwd=checkout, check=True)
+
+    # 1. The server is down for the whole first attempt, which is killed at the end of step 5 (after checkpoint-3).
+    log = base / "attempt-1.log"
+    with log.open("w") as out:
+        child = subprocess.Popen(
+            command, env={**env, "HOLD_BEFORE_SAVE": "5"}, cwd=checkout, stdout=out, stderr=subprocess.STDOUT
+        )
+    try:
+        wait_for_file(faults.fault_dir(run_dir) / "held-before-save-5", child)
+        journal = run_dir.stage_dir("cpt") / "logs" / "tracking-unsent.jsonl"
+        journal_before_kill = journal.read_text(encoding="utf-8")
+    finally:
+        child.kill()
+        child.wait(timeout=60)
+    outputs.append(log.read_text(encoding="utf-8", errors="replace"))
+    killed_run_id = run_dir.read_result("cpt").mlflow_run_id
+
+    # 2. The server is back: sync-tracking sends the journal and ends the dead attempt's run.
+    server.start()
+    try:
+        synced = subprocess.run(
+            [sys.executable, "-m", "workflows.runs", "sync-tracking", str(run_dir.root)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=Path(__file__).resolve().parents[2],
+        )
+        assert synced.returncode == 0, synced.stdout + synced.stderr
+        outputs.append(synced.stdout + synced.stderr)
+        client = mlflow.tracking.MlflowClient(server.store)
+        run_id = run_dir.read_result("cpt").mlflow_run_id
+        run = client.get_run(run_id)
+        parent = client.get_run(run.data.tags["mlflow.parentRunId"])
+        after_sync = {
+            "run_id": run_id,
+            "status": run.info.status,
+            "parent_status": parent.info.status,
+            "history": history(client, run_id),
+            "journal_left": journal.exists(),
+        }
+
+        # 3. The next attempt resumes from checkpoint-3 and trains steps 4-6.
+        rerun = subprocess.run(command, env=env, cwd=checkout, capture_output=True, text=True, timeout=600)
+        assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+        outputs.append(rerun.stdout + rerun.stderr)
+    finally:
+        server.stop()
+    return Journaled(run_dir, server.store, journal_before_kill, killed_run_id, after_sync, synced.stdout, outputs)
+
+
+@pytest.mark.slow
+def test_a_stage_killed_during_an_outage_loses_no_metric_and_leaves_no_run_running(journaled: Journaled) -> None:
+    lines = [json.loads(line) for line in journaled.journal_before_kill.splitlines()]
+    assert sorted(r["step"] for r in lines if r.get("metric") == "loss") == [1, 2, 3, 4]  # on disk before the kill
+    assert journaled.killed_run_id is None  # the run was never created: the server was down from the start
+
+    after = journaled.after_sync  # sync-tracking created the run, sent the journal, ended the dead attempt
+    assert "cpt: sent" in journaled.sync_output and "ended KILLED" in journaled.sync_output, journaled.sync_output
+    assert (after["status"], after["parent_status"], after["journal_left"]) == ("KILLED", "KILLED", False)
+    assert [s for s, _ in after["history"]["loss"]] == [1, 2, 3, 4]
+
+    result = journaled.run_dir.read_result("cpt")  # the next attempt continued the same run, to its end
+    assert result.status == "succeeded" and result.attempts == 2 and result.mlflow_run_id == after["run_id"]
+    client = mlflow.tracking.MlflowClient(journaled.store)
+    assert client.get_run(result.mlflow_run_id).info.status == "FINISHED"
+    metrics = history(client, result.mlflow_run_id)
+    assert [s for s, _ in metrics["loss"]] == list(range(1, 7))
+    assert metrics["loss"][3] == after["history"]["loss"][3]  # step 4 trained twice: the first value stays
+
+
+@pytest.mark.slow
+def test_the_real_trainer_logs_one_value_per_metric_and_step_in_every_backend(journaled: Journaled) -> None:
+    result = journaled.run_dir.read_result("cpt")
+    metrics = history(mlflow.tracking.MlflowClient(journaled.store), result.mlflow_run_id)
+    for key, points in metrics.items():
+        assert len({s for s, _ in points}) == len(points), f"MLflow {key}: several values at a step: {points}"
+    assert [s for s, _ in metrics["eval_loss"]] == [3, 6]  # in training, final evaluate() and summary: once
+    assert [s for s, _ in metrics["epoch"]] == [s for s, _ in metrics["num_input_tokens_seen"]] == list(range(1, 7))
+    assert {"train_runtime", "perplexity", "tokens"} <= set(metrics)
+    # Both attempts' files. W&B writes its offline file in the background: the killed attempt's holds what W&B
+    # wrote before the kill (often nothing); the resumed attempt's has steps 5 and 6.
+    stage_logs = journaled.run_dir.stage_dir("cpt") / "logs"
+    for name, points, at_least in (
+        ("TensorBoard", tensorboard_points(stage_logs), set(range(1, 7))),
+        ("W&B", wandb_points(journaled.run_dir.root), {5, 6}),
+    ):
+        repeated = sorted({p for p in points if points.count(p) > 1})
+        assert not repeated, f"{name} has several values for {repeated[:5]}"
+        assert at_least <= {s for k, s in points if k == "loss"} <= set(range(1, 7)), (name, points)
+        assert at_least & {3, 6} <= {s for k, s in points if k == "eval_loss"} <= {3, 6}, (name, points)
+
+
+@pytest.mark.slow
+def test_no_credential_reaches_a_file_of_the_run_nor_mlflow(journaled: Journaled) -> None:
+    """The password of MLFLOW_TRACKING_URI (printed by the stage, in MLflow's errors) and a token in the git remote."""
+    root = journaled.run_dir.root
+    files = [p for p in root.rglob("*") if p.is_file()]
+    assert list(root.glob("wandb/offline-run-*/run-*.wandb")) and list(root.glob("cpt/logs/tensorboard/events.*"))
+    for secret in (PASSWORD, GIT_TOKEN):
+        found = [str(p) for p in files if secret.encode() in p.read_bytes()]
+        assert not found, f"{secret} is in {found}"
+    assert PASSWORD not in journaled.journal_before_kill
+    leaks = [line for output in journaled.outputs for line in output.splitlines() if PASSWORD in line]
+    assert not leaks, leaks[:3]  # the stage's log (both attempts) and sync-tracking's
+    assert "tracking to http://***@127.0.0.1" in journaled.outputs[0]  # printed, and masked by the stage's stream
+    client = mlflow.tracking.MlflowClient(journaled.store)
+    for run in client.search_runs([e.experiment_id for e in client.search_experiments()]):
+        sent = json.dumps([run.data.params, run.data.tags])
+        assert PASSWORD not in sent, run.info.run_name
