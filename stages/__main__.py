@@ -19,10 +19,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from types import FrameType
 from typing import TextIO
 
 from pydantic import ValidationError
@@ -31,6 +28,7 @@ from stages.contract import (
     EXIT_FAILED,
     EXIT_RETRYABLE,
     EXIT_USAGE,
+    INTERRUPTS,
     RunDir,
     StageBusy,
     StageContext,
@@ -39,6 +37,8 @@ from stages.contract import (
     check_ready,
     disk_full_message,
     hold_stage_lock,
+    interrupt_signal,
+    interrupts_raise,
     is_disk_full,
     mask_secrets,
     secret_values,
@@ -136,28 +136,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-INTERRUPTS = (signal.SIGTERM, signal.SIGINT)
-
-
-def _interrupt(signum: int, frame: FrameType | None) -> None:
-    raise StageInterrupted(signum)
-
-
-@contextmanager
-def interrupts_raise() -> Iterator[None]:
-    """SIGTERM and SIGINT raise StageInterrupted while the stage runs (main thread only); the handlers from before
-    come back afterwards."""
-    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
-        yield
-        return
-    previous = {signum: signal.signal(signum, _interrupt) for signum in INTERRUPTS}
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
-
-
 def ignore_interrupts() -> None:
     """While the outcome is being recorded, a further SIGTERM or Ctrl-C must not cut the record short."""
     if threading.current_thread() is not threading.main_thread():
@@ -224,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_RETRYABLE
     except (StageInterrupted, KeyboardInterrupt) as exc:  # before the stage began: nothing to record
-        name = signal.Signals(getattr(exc, "signum", signal.SIGINT)).name
+        name = signal.Signals(interrupt_signal(exc)).name
         print(f"[{args.stage}] interrupted by {name} before it started; nothing recorded", file=sys.stderr)
         return EXIT_RETRYABLE
     except ValidationError as exc:  # a stage.json that is not a stage record (edited, or from another version)

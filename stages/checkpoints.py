@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from stages.contract import StageInterrupted, is_main_process, write_json_atomic
+from stages.contract import INTERRUPTS, StageInterrupted, is_main_process, write_json_atomic
 
 MARKER = "COMPLETE"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
@@ -146,8 +146,6 @@ class SigtermCheckpoint(TrainerCallback):
     StageInterrupted).
     """
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
     def __init__(self) -> None:
         self.requested = False
         self.stopped = False
@@ -162,7 +160,7 @@ class SigtermCheckpoint(TrainerCallback):
 
     def install(self) -> SigtermCheckpoint:
         """Route SIGTERM and SIGINT to this callback (main thread only)."""
-        self._previous = {signum: signal.signal(signum, self._handle) for signum in self.SIGNALS}
+        self._previous = {signum: signal.signal(signum, self._handle) for signum in INTERRUPTS}
         return self
 
     def uninstall(self) -> None:

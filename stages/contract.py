@@ -40,10 +40,14 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
+from types import FrameType
 from typing import IO, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -87,6 +91,34 @@ class StageInterrupted(BaseException):
     def __init__(self, signum: int) -> None:
         self.signum = signum
         super().__init__(f"interrupted by {signal.Signals(signum).name}")
+
+
+INTERRUPTS = (signal.SIGTERM, signal.SIGINT)
+"""The signals that interrupt a stage (preemption, `timeout`, a CI cancel; Ctrl-C)."""
+
+
+def interrupt_signal(exc: BaseException) -> int:
+    """The signal behind an interruption: StageInterrupted's, or SIGINT for a KeyboardInterrupt."""
+    return getattr(exc, "signum", signal.SIGINT)
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise StageInterrupted(signum)
+
+
+@contextmanager
+def interrupts_raise() -> Iterator[None]:
+    """While the block runs, SIGTERM and SIGINT raise StageInterrupted (main thread only, where handlers can be
+    set); the handlers from before come back afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {signum: signal.signal(signum, _interrupt) for signum in INTERRUPTS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
 
 
 class InputRef(BaseModel):
@@ -475,7 +507,7 @@ class StageContext:
         """Decide whether to run: False for a no-op (done before, same config); raises StageRefused for a
         completed stage whose config changed, or for checkpoints of another config (unless forced). Forced, a
         training stage starts over: its checkpoints and model from before are moved aside. Records the stage
-        as running.
+        as running; a resumed attempt keeps the inputs the earlier attempts recorded.
 
         First of all, the process that writes the record (rank 0; under torchrun every rank runs the stage, the
         others never write it) takes the stage's lock (`hold_stage_lock`): StageBusy, before anything is read or
@@ -520,6 +552,9 @@ class StageContext:
             attempts=attempts,
             mlflow_run_id=previous.mlflow_run_id if previous and self.resumed else None,
             wandb_run_path=previous.wandb_run_path if previous and self.resumed else None,
+            # What the earlier attempts loaded (models by content) is what this one must load again: their
+            # checkpoints were made from it (stages.modeling.ModelInputs). A forced stage starts over.
+            inputs=dict(previous.inputs) if previous and self.resumed and not self.force else {},
         )
         for path in (self.dir, self.logs_dir):
             path.mkdir(parents=True, exist_ok=True)
@@ -612,7 +647,7 @@ class StageContext:
     def interrupted(self, exc: BaseException) -> int:
         """Record a SIGTERM or SIGINT (StageInterrupted, or KeyboardInterrupt) that stopped the stage: status
         interrupted, a message naming the signal, and EXIT_RETRYABLE: running the stage again resumes it."""
-        signum = getattr(exc, "signum", signal.SIGINT)  # a KeyboardInterrupt is Python's SIGINT
+        signum = interrupt_signal(exc)
         resumes = "resumes from its newest complete checkpoint" if self.stage in TRAINING_STAGES else "runs it again"
         message = f"interrupted by {signal.Signals(signum).name}; running the stage again {resumes}"
         print(f"[{self.stage}] {message}", file=sys.stderr, flush=True)

@@ -432,9 +432,7 @@ def smoke_generation(
 
 def run(ctx: StageContext) -> int:
     """Register, alias, publish and render; returns the process exit code."""
-    from stages.modeling import begin_keeping_inputs
-
-    if not begin_keeping_inputs(ctx):
+    if not ctx.begin():
         return EXIT_OK
     try:
         return deploy(ctx)

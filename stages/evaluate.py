@@ -786,9 +786,7 @@ td,th{{border:1px solid #ccc;padding:4px 8px;text-align:left;vertical-align:top;
 
 def run(ctx: StageContext) -> int:
     """Evaluate the candidate and decide the gate; returns the process exit code."""
-    from stages.modeling import begin_keeping_inputs
-
-    if not begin_keeping_inputs(ctx):
+    if not ctx.begin():
         return EXIT_OK
     try:
         return evaluate(ctx)

@@ -116,22 +116,6 @@ def model_fingerprint(model_dir: Path) -> str:
     return fingerprint_of(file_digests(model_dir))
 
 
-def begin_keeping_inputs(ctx: StageContext) -> bool:
-    """`ctx.begin()` (False: nothing to do), keeping in the new record the inputs that an unfinished earlier
-    attempt of this config recorded: `begin` starts the record afresh, and the fingerprints of the models that
-    attempt loaded are what this one must load again (`ModelInputs`). A forced stage starts over and keeps none."""
-    try:
-        earlier = ctx.run_dir.read_result(ctx.stage)
-    except ValueError:  # not a record: begin() says so (or that another process runs the stage)
-        earlier = None
-    if not ctx.begin():
-        return False
-    if ctx.resumed and not ctx.force and earlier is not None and ctx.result is not None:
-        for name, ref in earlier.inputs.items():
-            ctx.add_input(name, ref.uri, ref.fingerprint)
-    return True
-
-
 @dataclass
 class ModelInputs:
     """The stage model folders a stage loads (an upstream stage's output; the stage model an adapter applies to),
@@ -142,7 +126,7 @@ class ModelInputs:
     - for the base of an adapter, the fingerprint the adapter's stage recorded for that base: an adapter fits
       only the weights it was trained on;
     - the fingerprint this stage recorded for it in an unfinished earlier attempt (its checkpoints, and any
-      partial work, were made from that model: `begin_keeping_inputs` keeps it in the record).
+      partial work, were made from that model: `StageContext.begin` keeps it in the record).
 
     A folder that differs is refused (StageRefused: the stage records it as failed, prints one `error:` line and
     exits 2) before it loads: nothing is trained, measured or registered from it. Rank 0 checks (under torchrun

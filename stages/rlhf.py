@@ -40,7 +40,6 @@ from stages.modeling import (
     ModelInputs,
     NotSupportedHere,
     StartingModel,
-    begin_keeping_inputs,
     describe,
     load_starting_model,
     load_tokenizer,
@@ -76,7 +75,7 @@ LOGGED_METRICS = {
 
 def run(ctx: StageContext) -> int:
     """Train the rlhf stage; returns the process exit code."""
-    if not begin_keeping_inputs(ctx):
+    if not ctx.begin():
         return EXIT_OK
     sigterm = SigtermCheckpoint().install()
     try:

@@ -19,7 +19,6 @@ from stages.contract import EXIT_OK, StageContext, StageRefused
 from stages.modeling import (
     ModelInputs,
     NotSupportedHere,
-    begin_keeping_inputs,
     describe,
     load_starting_model,
     load_tokenizer,
@@ -43,7 +42,7 @@ from stages.training import (
 
 def run(ctx: StageContext) -> int:
     """Train the sft stage; returns the process exit code."""
-    if not begin_keeping_inputs(ctx):
+    if not ctx.begin():
         return EXIT_OK
     sigterm = SigtermCheckpoint().install()
     try:

@@ -48,8 +48,6 @@ output and no git remote.
 from __future__ import annotations
 
 import base64
-import errno
-import fcntl
 import json
 import logging
 import math
@@ -79,6 +77,7 @@ from stages.contract import (
     mask_secrets_in,
     now,
     secret_values,
+    try_lock,
     write_json_atomic,
 )
 from workflows.credentials import looks_secret_name
@@ -132,8 +131,8 @@ def resolve_tracking_uri(spec: PipelineSpec, run_root: Path) -> str:
 
 
 def redact_uri(uri: str) -> str:
-    """A URI fit for logs: user:password@ and any other credential in it masked."""
-    return mask_secrets(re.sub(r"//[^/@]*@", "//***@", uri))
+    """A URI fit for logs: its userinfo (user:password@) and any other credential in it masked."""
+    return mask_secrets(uri)
 
 
 def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
@@ -234,31 +233,19 @@ def stage_idle(run_dir: RunDir, stage: str) -> Iterator[bool]:
     if holds_stage_lock(run_dir, stage):
         yield True
         return
+    holder = f"pid {os.getpid()} on {socket.gethostname()}: sending the stage's unsent tracking records"
     try:
-        handle = open(run_dir.stage_dir(stage) / LOCK_FILE, "a+", encoding="utf-8")  # noqa: SIM115
+        handle, _ = try_lock(run_dir.stage_dir(stage) / LOCK_FILE, holder)
     except OSError:
         yield False
         return
+    if handle is None:
+        yield False
+        return
     try:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            idle = True
-        except OSError as exc:
-            if exc.errno not in (errno.EAGAIN, errno.EACCES):
-                raise
-            idle = False
-        if idle:
-            handle.seek(0)
-            handle.truncate()
-            handle.write(f"pid {os.getpid()} on {socket.gethostname()}: sending the stage's unsent tracking records\n")
-            handle.flush()
-        try:
-            yield idle
-        finally:
-            if idle:
-                fcntl.flock(handle, fcntl.LOCK_UN)
+        yield True
     finally:
-        handle.close()
+        handle.close()  # releases the lock
 
 
 class _Breaker:

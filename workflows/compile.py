@@ -51,6 +51,7 @@ from workflows.pytorchjob import (
     volumes,
 )
 from workflows.spec import MAX_PIPELINE_NAME_LENGTH, TRAINING_STAGES, PipelineSpec, StageBase, StepPolicy
+from workflows.validation import go_duration_seconds
 
 MAX_TEMPLATE_NAME_LENGTH = 63
 """Argo refuses a longer WorkflowTemplate name (the limit of a Kubernetes label value)."""
@@ -407,15 +408,13 @@ def pipeline_dag(spec: PipelineSpec) -> DAG:
 
 # --------------------------------------------------------------------------- the deadline
 
-_GO_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
-_GO_UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
-
 
 def duration_seconds(value: str) -> float:
     """Seconds in a retry backoff as Argo reads it: whole seconds ('120') or a Go duration ('90s', '1h30m')."""
-    if value.isdigit():
-        return float(value)
-    return sum(float(n) * _GO_UNIT_SECONDS[unit] for n, unit in _GO_DURATION_PART.findall(value))
+    seconds = float(value) if value.isdigit() else go_duration_seconds(value)
+    if seconds is None:
+        raise ValueError(f"{value!r} is neither whole seconds nor a Go duration")
+    return seconds
 
 
 def worst_case_seconds(policy: StepPolicy, timeout_seconds: float) -> float:

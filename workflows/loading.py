@@ -39,6 +39,14 @@ class SpecError(Exception):
     """A pipeline spec, profile or override the user has to fix. The message says where and what."""
 
 
+class UnsafeYaml(SpecError):
+    """YAML that parses but is refused: a key given twice, aliases beyond the budget or containing themselves."""
+
+
+class _DuplicateKey(yaml.constructor.ConstructorError):
+    """A mapping key given twice (raised while constructing, turned into UnsafeYaml)."""
+
+
 @dataclass
 class Origins:
     """Where each value of a spec document came from: field path → 'file:line' or '--set k=v'."""
@@ -97,7 +105,7 @@ class _SpecLoader(yaml.SafeLoader):
                 continue
             key = self.construct_object(key_node, deep=deep)
             if isinstance(key, typing.Hashable) and key in seen:
-                raise yaml.constructor.ConstructorError(
+                raise _DuplicateKey(
                     "while reading a mapping",
                     node.start_mark,
                     f"key {key!r} appears twice (first on line {seen[key].start_mark.line + 1}); keep one",
@@ -134,7 +142,8 @@ def _expanded_size(root: yaml.Node) -> int:
 def _yaml_error(exc: yaml.YAMLError, filename: str) -> SpecError:
     mark = getattr(exc, "problem_mark", None)
     where = f"{filename}:{mark.line + 1}" if mark else filename
-    return SpecError(f"{where}: not valid YAML: {getattr(exc, 'problem', exc)}")
+    error = UnsafeYaml if isinstance(exc, _DuplicateKey) else SpecError
+    return error(f"{where}: not valid YAML: {getattr(exc, 'problem', exc)}")
 
 
 def _compose(text: str, filename: str) -> tuple[yaml.Node | None, _SpecLoader]:
@@ -150,10 +159,10 @@ def _compose(text: str, filename: str) -> tuple[yaml.Node | None, _SpecLoader]:
             expanded = _expanded_size(node)
         except ValueError as exc:
             loader.dispose()
-            raise SpecError(f"{filename}: not valid YAML: {exc}") from None
+            raise UnsafeYaml(f"{filename}: not valid YAML: {exc}") from None
         if expanded > MAX_EXPANDED_NODES:
             loader.dispose()
-            raise SpecError(
+            raise UnsafeYaml(
                 f"{filename}: its anchors and aliases expand to {expanded} values, more than the "
                 f"{MAX_EXPANDED_NODES} a pipeline spec may hold"
             )
@@ -264,9 +273,9 @@ def parse_override(expr: str) -> tuple[list[str], Any]:
         return keys, None if nullable and stripped in ("null", "~") else stripped
     try:
         value = load_yaml(raw, f"--set {path.strip()}") if stripped else ""
-    except SpecError as exc:
-        if "expand to" in str(exc) or "appears twice" in str(exc) or "contains it" in str(exc):
-            raise
+    except UnsafeYaml:
+        raise
+    except SpecError:
         value = raw  # not YAML: take it as a plain string
     return keys, value
 

@@ -45,8 +45,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -63,6 +62,8 @@ from stages.contract import (
     RunDir,
     StageInterrupted,
     conflicting_stages,
+    interrupt_signal,
+    interrupts_raise,
     mask_secrets,
     secret_values,
     try_lock,
@@ -282,30 +283,6 @@ def die_with_runner() -> Callable[[], None] | None:
     return preexec
 
 
-@contextmanager
-def interrupts_raise() -> Iterator[None]:
-    """While the runner runs: SIGTERM and SIGINT raise StageInterrupted in its main thread (so that it can pass
-    them on to the stage and wait for it); the handlers from before come back afterwards."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(signum: int, frame: Any) -> None:
-        raise StageInterrupted(signum)
-
-    previous = {signum: signal.signal(signum, interrupt) for signum in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
-
-
-def signal_of(exc: BaseException) -> int:
-    """The signal behind an interruption (a KeyboardInterrupt is SIGINT)."""
-    return getattr(exc, "signum", signal.SIGINT)
-
-
 def stop_stage(process: subprocess.Popen[bytes], signum: int) -> int:
     """Pass `signum` on to the stage and wait until it has exited (a training stage saves a checkpoint first).
     Signals that come while it stops are passed on too; the KILL_AFTER_SIGNALS-th kills it."""
@@ -319,7 +296,7 @@ def stop_stage(process: subprocess.Popen[bytes], signum: int) -> int:
             if signals >= KILL_AFTER_SIGNALS:
                 process.kill()
             else:
-                process.send_signal(signal_of(again))
+                process.send_signal(interrupt_signal(again))
 
 
 def run_stage(run: StageRun, command: list[str], env: dict[str, str], log_path: Path, refresh: Any) -> int:
@@ -345,8 +322,8 @@ def run_stage(run: StageRun, command: list[str], env: dict[str, str], log_path: 
             while process.poll() is None:
                 refresh()
                 time.sleep(0.25)
-        except (StageInterrupted, KeyboardInterrupt):
-            run.returncode = stop_stage(process, signal_of(sys.exc_info()[1]))  # checkpoint, then EXIT_RETRYABLE
+        except (StageInterrupted, KeyboardInterrupt) as exc:
+            run.returncode = stop_stage(process, interrupt_signal(exc))  # checkpoint, then EXIT_RETRYABLE
             if pump.ident is not None:
                 pump.join(timeout=30)
             raise
@@ -391,9 +368,9 @@ def run_local(loaded: LoadedPipeline, run_dir: Path | None = None, force: bool =
         with interrupts_raise():
             return _run_locked(loaded, run_root, force, console)
     except (StageInterrupted, KeyboardInterrupt) as exc:  # between stages: no stage to stop
-        name = signal.Signals(signal_of(exc)).name
+        name = signal.Signals(interrupt_signal(exc)).name
         console.print(Text(f"{name}: the run stopped between stages", style="bold red"), soft_wrap=True)
-        return 128 + signal_of(exc)
+        return 128 + interrupt_signal(exc)
     finally:
         lock.close()
 
@@ -456,13 +433,13 @@ def _run_locked(loaded: LoadedPipeline, run_root: Path, force: bool, console: Co
                 run.returncode = run_stage(run, command, env, run_root / run.name / "logs" / "stage.log", refresh)
             except (StageInterrupted, KeyboardInterrupt) as exc:
                 # The stage got the signal and has exited (run_stage waited): its record says how it ended.
-                name = signal.Signals(signal_of(exc)).name
+                name = signal.Signals(interrupt_signal(exc)).name
                 run.ended, run.status = time.monotonic(), "interrupted"
                 recorded = (read_stage_json(run_root, run.name) or {}).get("message", "")
                 run.message = f"{name} to the runner; the stage exited with {run.returncode}" + (
                     f": {recorded}" if recorded else ""
                 )
-                failed, exit_code = run, 128 + signal_of(exc)
+                failed, exit_code = run, 128 + interrupt_signal(exc)
                 if not console.is_terminal:
                     console.print(f"{run.name}: interrupted ({run.elapsed}): {run.message}", markup=False)
                 continue

@@ -7,6 +7,7 @@ documentation come from the model itself. Cross-field rules live in validators n
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -25,8 +26,6 @@ OPTIONAL_STAGES: tuple[str, ...] = ("cpt", "sft", "rlhf", "evaluate", "deploy")
 
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
-# What Argo accepts for a retry backoff: whole seconds, or a Go duration such as '90s', '2m', '1h30m'.
-_GO_DURATION = re.compile(r"^(\d+|((\d+(\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h))+)$")
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|Ki|Mi|Gi|Ti|Pi|Ei|M|G|T|P|E)?$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -53,6 +52,26 @@ def _check(problem: str | None, prefix: str = "") -> None:
         raise ValueError(prefix + problem)
 
 
+def _obeys(rule: Callable[[Any], str | None]) -> AfterValidator:
+    """A validator for an annotated type: the value must pass a `workflows.validation` rule."""
+
+    def check(value: Any) -> Any:
+        _check(rule(value))
+        return value
+
+    return AfterValidator(check)
+
+
+Labels = Annotated[dict[str, str], _obeys(validation.labels)]
+"""Label keys and values as the API server accepts them (labels, node selectors)."""
+Annotations = Annotated[dict[str, str], _obeys(validation.annotations)]
+"""Annotation keys, and their total size."""
+KubernetesName = Annotated[str, _obeys(validation.dns_subdomain)]
+"""The name of a Kubernetes object (a DNS-1123 subdomain)."""
+ImageReference = Annotated[str, _obeys(validation.image_reference)]
+"""A container image: [registry[:port]/]repository[:tag][@digest]."""
+
+
 def _dns_label(value: str, what: str) -> str:
     if len(value) > 63 or not _DNS_LABEL.match(value):
         raise ValueError(f"{what} must be a DNS-1123 label (lowercase letters, digits, '-'; at most 63), got {value!r}")
@@ -65,14 +84,9 @@ Quantity = Annotated[
 ]
 
 
-def _cron_expression(expr: str) -> str:
-    _check(validation.cron_expression(expr))
-    return expr
-
-
 CronExpression = Annotated[
     str,
-    AfterValidator(_cron_expression),
+    _obeys(validation.cron_expression),
     Field(description="Five fields (minute hour day-of-month month day-of-week) or @daily, @weekly, @every 6h..."),
 ]
 
@@ -295,31 +309,19 @@ class Resources(StrictModel):
         description="Size of the memory-backed /dev/shm (NCCL and dataloader workers need it); None: none.",
     )
     ephemeral_storage: Quantity | None = Field(None, description="Ephemeral storage request per pod.")
-    node_selector: dict[str, str] = Field(default_factory=dict, description="Node labels the pods must match.")
+    node_selector: Labels = Field(default_factory=dict, description="Node labels the pods must match.")
     tolerations: list[Toleration] = Field(default_factory=list, description="Taints the pods tolerate.")
     affinity: dict[str, Any] | None = Field(
         None, description="A core/v1 Affinity object, as in a pod spec (nodeAffinity, podAntiAffinity...)."
     )
-    image: str | None = Field(None, description="Image for this stage; None uses cluster.image.")
-    priority_class: str | None = Field(None, description="PriorityClass name for the pods.")
+    image: ImageReference | None = Field(None, description="Image for this stage; None uses cluster.image.")
+    priority_class: KubernetesName | None = Field(None, description="PriorityClass name for the pods.")
     queue: str | None = Field(
         None,
         description="Kueue LocalQueue name (label kueue.x-k8s.io/queue-name) and the job's scheduling queue.",
     )
-    annotations: dict[str, str] = Field(default_factory=dict, description="Extra pod annotations.")
-    labels: dict[str, str] = Field(default_factory=dict, description="Extra pod labels.")
-
-    @field_validator("node_selector", "labels")
-    @classmethod
-    def _labels(cls, mapping: dict[str, str]) -> dict[str, str]:
-        _check(validation.labels(mapping))
-        return mapping
-
-    @field_validator("annotations")
-    @classmethod
-    def _annotations(cls, mapping: dict[str, str]) -> dict[str, str]:
-        _check(validation.annotations(mapping))
-        return mapping
+    annotations: Annotations = Field(default_factory=dict, description="Extra pod annotations.")
+    labels: Labels = Field(default_factory=dict, description="Extra pod labels.")
 
     @field_validator("affinity")
     @classmethod
@@ -327,20 +329,6 @@ class Resources(StrictModel):
         if affinity is not None:
             _check(validation.kubernetes_object(affinity, "V1Affinity"))
         return affinity
-
-    @field_validator("image")
-    @classmethod
-    def _image(cls, image: str | None) -> str | None:
-        if image is not None:
-            _check(validation.image_reference(image))
-        return image
-
-    @field_validator("priority_class")
-    @classmethod
-    def _priority_class(cls, name: str | None) -> str | None:
-        if name is not None:
-            _check(validation.dns_subdomain(name), "priority_class: ")
-        return name
 
     @field_validator("queue")
     @classmethod
@@ -386,7 +374,8 @@ class StepPolicy(StrictModel):
     def _duration(cls, value: Any) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             value = str(value)  # `retry_backoff: 120` in YAML means seconds, as Argo reads it
-        if isinstance(value, str) and not _GO_DURATION.match(value):
+        # What Argo accepts for a retry backoff: whole seconds, or a Go duration such as '90s', '2m', '1h30m'.
+        if isinstance(value, str) and not (value.isdigit() or validation.go_duration_seconds(value) is not None):
             raise ValueError(
                 f"retry_backoff must be whole seconds or a Go duration such as '90s', '2m' or '1h30m', got {value!r}"
             )
@@ -648,24 +637,17 @@ class ServingSpec(StrictModel):
     """The KServe InferenceService rendered for the model."""
 
     enabled: bool = Field(True, description="Render (and in-cluster apply) an InferenceService.")
-    runtime: str = Field("kserve-vllm", description="ServingRuntime name.")
+    runtime: KubernetesName = Field("kserve-vllm", description="ServingRuntime name.")
     gpus: int = Field(1, ge=0, description="GPUs for the predictor.")
     max_model_len: int | None = Field(None, gt=0, description="vLLM --max-model-len.")
     min_replicas: int = Field(1, ge=0, description="Predictor minReplicas.")
     max_replicas: int = Field(1, ge=1, description="Predictor maxReplicas.")
-    service_account: str | None = Field(
+    service_account: KubernetesName | None = Field(
         None,
         description="ServiceAccount of the predictor, e.g. one bound through Workload Identity or IRSA to read "
         "gs:// or s3:// storage. None uses the namespace's default account, never the workflow's (which may "
         "create jobs).",
     )
-
-    @field_validator("runtime", "service_account")
-    @classmethod
-    def _names(cls, name: str | None) -> str | None:
-        if name is not None:
-            _check(validation.dns_subdomain(name))
-        return name
 
     @model_validator(mode="after")
     def _replicas(self) -> ServingSpec:
@@ -816,11 +798,11 @@ class ClusterSpec(StrictModel):
         "off only with the controller's init-less pod layout (initlessPod, beta), which has no containers by those "
         "names; then set the controller's executor.securityContext instead (manifests/README.md).",
     )
-    image: str = Field(
+    image: ImageReference = Field(
         "ghcr.io/posttrain/trainer:0.1.0", description="Trainer image (stages and control steps run in it)."
     )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field("IfNotPresent", description="Pull policy.")
-    image_pull_secrets: list[str] = Field(default_factory=list, description="Secrets for pulling the image.")
+    image_pull_secrets: list[KubernetesName] = Field(default_factory=list, description="Secrets for pulling the image.")
     datasets: VolumeSpec = Field(
         default_factory=lambda: VolumeSpec(claim_name="posttrain-datasets", mount_path="/mnt/datasets", read_only=True),
         description="Volume with the input data.",
@@ -928,7 +910,7 @@ class WorkflowSpec(StrictModel):
         "plus the waits between its retries (training steps: run_policy.active_deadline_seconds plus an hour; serve: "
         "an hour), summed in DAG order, plus an hour for scheduling and the exit handler.",
     )
-    labels: dict[str, str] = Field(default_factory=dict, description="Labels on every workflow of the pipeline.")
+    labels: Labels = Field(default_factory=dict, description="Labels on every workflow of the pipeline.")
 
 
 # --------------------------------------------------------------------------- pipeline
@@ -990,6 +972,13 @@ class PipelineSpec(StrictModel):
             raise ValueError(f"pipeline name must start with a letter, as the Service names it begins do: {name!r}")
         return name
 
+    @field_validator("description")
+    @classmethod
+    def _description(cls, description: str) -> str:
+        problem = validation.annotations({DESCRIPTION_ANNOTATION: description})
+        _check(problem, "too long for the workflow's annotation: ")
+        return description
+
     @field_validator("data_version")
     @classmethod
     def _data_version(cls, version: str) -> str:
@@ -1006,21 +995,8 @@ class PipelineSpec(StrictModel):
         trained = [s for s in TRAINING_STAGES if getattr(self.stages, s).enabled]
         if self.stages.evaluate.enabled and not trained:
             raise ValueError("stages.evaluate needs at least one training stage (cpt, sft or rlhf) to evaluate")
-        self._kubernetes_values()
         self._serving_fits_model()
         return self
-
-    def _kubernetes_values(self) -> None:
-        """Values compiled into the template that the API server would refuse only at submit or run time."""
-        if problem := validation.annotations({DESCRIPTION_ANNOTATION: self.description}):
-            raise FieldError(("description",), f"too long for the workflow's annotation: {problem}")
-        if problem := validation.labels(self.workflow.labels):
-            raise FieldError(("workflow", "labels"), problem)
-        if problem := validation.image_reference(self.cluster.image):
-            raise FieldError(("cluster", "image"), problem)
-        for i, name in enumerate(self.cluster.image_pull_secrets):
-            if problem := validation.dns_subdomain(name):
-                raise FieldError(("cluster", "image_pull_secrets", i), problem)
 
     def _serving_fits_model(self) -> None:
         """vLLM splits the model over serving.gpus GPUs (tensor parallelism): they must divide its heads."""

@@ -122,7 +122,17 @@ _CRON_FIELDS: tuple[tuple[str, int, int, dict[str, int]], ...] = (
     ("day of week", 0, 6, {name: i for i, name in enumerate(_DAYS)}),
 )
 CRON_DESCRIPTORS = ("@yearly", "@annually", "@monthly", "@weekly", "@daily", "@midnight", "@hourly")
-_GO_DURATION = re.compile(r"^((\d+(\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h))+$")
+_GO_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+_GO_DURATION = re.compile(rf"^(?:{_GO_DURATION_PART.pattern})+$")
+_GO_UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def go_duration_seconds(value: str) -> float | None:
+    """The seconds of a Go duration ('90s', '2m', '1h30m', as Argo and robfig/cron read them), None when `value`
+    is not one."""
+    if not _GO_DURATION.match(value):
+        return None
+    return sum(float(n) * _GO_UNIT_SECONDS[unit] for n, unit in _GO_DURATION_PART.findall(value))
 
 
 def _cron_number(text: str, low: int, high: int, names: dict[str, int], field: str) -> int:
@@ -165,7 +175,7 @@ def cron_expression(expr: str) -> str | None:
         if text.lower() in CRON_DESCRIPTORS:
             return None
         every, _, duration = text.partition(" ")
-        if every.lower() == "@every" and _GO_DURATION.match(duration.strip()):
+        if every.lower() == "@every" and go_duration_seconds(duration.strip()) is not None:
             return None
         return (
             f"cron expression {expr!r}: unknown descriptor (use {', '.join(CRON_DESCRIPTORS)} or "

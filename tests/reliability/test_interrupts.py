@@ -209,8 +209,8 @@ def test_only_the_holder_of_the_lock_writes_the_record(tmp_path: Path) -> None:
 
 
 def test_the_training_handlers_wait_for_the_step_and_give_the_entry_points_back() -> None:
-    from stages.__main__ import interrupts_raise
     from stages.checkpoints import SigtermCheckpoint
+    from stages.contract import interrupts_raise
 
     with interrupts_raise():
         central = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
