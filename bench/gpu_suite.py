@@ -542,7 +542,7 @@ def stage_context(case: Case, tmp: Path, tiny: bool) -> SimpleNamespace:
 def build_model(ctx: SimpleNamespace, tokenizer: Any, case: Case, tmp: Path) -> Any:
     """The starting model as load_starting_model builds it for a first stage: from config, then the adapter."""
     import torch
-    from peft import get_peft_model, prepare_model_for_kbit_training
+    from peft import get_peft_model
 
     from stages.modeling import (
         _quantization_config,
@@ -552,6 +552,7 @@ def build_model(ctx: SimpleNamespace, tokenizer: Any, case: Case, tmp: Path) -> 
         lora_config,
         on_gpu,
         packed_attention,
+        prepare_for_kbit_training,
     )
 
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu() else torch.device("cpu")
@@ -568,12 +569,12 @@ def build_model(ctx: SimpleNamespace, tokenizer: Any, case: Case, tmp: Path) -> 
             quantization_config=_quantization_config(ctx.section, ctx.spec.model),
             device_map={"": torch.cuda.current_device()},
         )
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=case.gradient_checkpointing)
+        model = prepare_for_kbit_training(model, case.gradient_checkpointing)
     switch = packed_attention(ctx.spec.model, ctx.stage, ctx.section)
     if switch is not None and case.kind == "stage_sft":
         model.set_attn_implementation(switch)
     if case.method != "full":
-        model = get_peft_model(model, lora_config(ctx.section))
+        model = get_peft_model(model, lora_config(ctx.section, model))
     else:
         float32_masters(model, ctx.section)
     model.config.use_cache = False

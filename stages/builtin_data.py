@@ -2,21 +2,25 @@
 
 The text is never stored in this repository: it is read from the installed `konlpy` package (located with
 `importlib.util.find_spec`, without importing konlpy, which needs Java). The Constitution of the Republic of
-Korea (`kolaw/constitution.txt`) and ten National Assembly bills (`kobill/*.txt`) become four datasets:
+Korea (`kolaw/constitution.txt`) and ten National Assembly bills (`kobill/*.txt`) become five datasets:
 
 - `korean-corpus` (text): the preamble, one document per article of the main body, and eight bills.
 - `korean-instructions` (messages): questions about articles, chapters and bills, answered from the corpus.
 - `korean-preferences` (preference): the right answer chosen; a wrong article, a truncated or a garbled
   answer rejected.
 - `korean-heldout` (text): the supplementary provisions (부칙) and two bills that no other dataset uses.
+- `korean-dolly` (alpaca through `columns: {input: context, output: response}`): rows shaped exactly like
+  databricks-dolly-15k, `{instruction, context, response, category}` with dolly's eight categories, so that a
+  pipeline written for dolly runs offline on it.
 
 and one folder of lm-eval-harness tasks (`builtin:korean-lm-eval` as `stages.evaluate.lm_eval_include_path`):
 
 - `ko_constitution_mc` (multiple choice): the start of an article, and its true continuation among four (the
   other three continue other articles). It asks what cpt was trained on: did the model learn the corpus?
 
-Every row is already in the canonical form of its kind (see `stages.data`); the same installed files always
-give the same rows (fixed seeds, sorted files).
+Every row but korean-dolly's is already in the canonical form of its kind (see `stages.data`); korean-dolly's
+are in dolly's own column names, which the spec's `columns` maps. The same installed files always give the same
+rows (fixed seeds, sorted files).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
 
@@ -352,20 +356,199 @@ def _preference(prompt: list[dict[str, str]], chosen: str, rejected: str) -> dic
     }
 
 
-BUILTIN_DATASETS: dict[str, tuple[str, Callable[[], list[dict[str, Any]]]]] = {
-    "korean-corpus": ("text", korean_corpus),
-    "korean-instructions": ("messages", korean_instructions),
-    "korean-preferences": ("preference", korean_preferences),
-    "korean-heldout": ("text", korean_heldout),
+DOLLY_COLUMNS = {"input": "context", "output": "response"}
+"""How a spec reads korean-dolly, as databricks-dolly-15k, in format alpaca: `data.columns`."""
+
+DOLLY_CATEGORIES = (
+    "open_qa",
+    "closed_qa",
+    "information_extraction",
+    "summarization",
+    "brainstorming",
+    "classification",
+    "creative_writing",
+    "general_qa",
+)
+"""dolly-15k's categories. closed_qa, information_extraction and summarization rows read a context (an article or
+the cover page of a bill); the others have none."""
+
+_CIRCLED = "①②③④⑤⑥⑦⑧⑨⑩⑪⑫⑬⑭⑮⑯⑰⑱⑲⑳"
+
+
+def _first_sentence(article: Article) -> str:
+    """The first sentence of an article, without `제N조` and the paragraph mark ①."""
+    line = re.sub(rf"^제\d+조\s*[{_CIRCLED}]?\s*", "", article.text.splitlines()[0])
+    return re.split(r"(?<=다\.)\s", line)[0]
+
+
+def _paragraphs(article: Article) -> list[str]:
+    """The paragraphs (항) of an article, without their marks; one for an article without ① ②."""
+    body = re.sub(r"^제\d+조\s*", "", article.text)
+    return [re.sub(rf"^[{_CIRCLED}]\s*", "", p).strip() for p in re.split(rf"\n(?=[{_CIRCLED}])", body)]
+
+
+def _object_particle(word: str) -> str:
+    """을 after a final consonant (받침), 를 after a vowel: the object particle that follows `word`."""
+    last = word[-1]
+    return "을" if "가" <= last <= "힣" and (ord(last) - ord("가")) % 28 else "를"
+
+
+def _bill_cover(bill: Bill) -> str:
+    """The start of a bill: title, proposers, number, date and the reasons for it, up to its text (법률 제 호), its
+    main points (주요내용) or the third page, without page marks (a reason may run over a page break)."""
+    lines = []
+    for line in bill.text.splitlines():
+        if mark := re.fullmatch(r"\s*- (\d+) -\s*", line):
+            if int(mark[1]) >= 3:
+                break
+            continue
+        if re.match(r"^\s*(법률\s+제|주요내용|참고사항)", line):
+            break
+        lines.append(line)
+    return "\n".join(lines).strip()
+
+
+def _dolly(category: str, instruction: str, response: str, context: str = "") -> dict[str, str]:
+    return {"instruction": instruction, "context": context, "response": response, "category": category}
+
+
+def _dolly_without_context(rng: random.Random, con: Constitution, train_bills: list[Bill]) -> list[dict[str, str]]:
+    """open_qa, general_qa, brainstorming, classification and creative_writing: the question holds all it needs."""
+    articles = con.articles
+    rows = [_dolly("open_qa", rng.choice(_ASK_TEXT).format(n=a.number), a.text) for a in rng.sample(articles, 40)]
+    for c in con.chapters:
+        rows.append(_dolly("general_qa", rng.choice(_ASK_TITLE).format(k=c.number), _chapter_answer(c)))
+        picked = sorted(rng.sample(c.articles, min(5, len(c.articles))), key=lambda a: a.number)
+        ideas = "\n".join(f"- 제{a.number}조: {_first_sentence(a)}" for a in picked)
+        rows.append(
+            _dolly(
+                "brainstorming",
+                f"헌법 제{c.number}장 「{c.title}」에 담긴 내용을 몇 가지 들어 주세요.",
+                f"제{c.number}장 「{c.title}」에는 이런 내용이 있습니다.\n{ideas}",
+            )
+        )
+    for a in sorted(rng.sample(articles, 12), key=lambda a: a.number):
+        where = f"제{a.chapter}장 「{a.chapter_title}」" + (f" {a.section_title}" if a.section_title else "")
+        rows.append(
+            _dolly("general_qa", rng.choice(_ASK_CHAPTER).format(n=a.number), f"제{a.number}조는 {where}에 속합니다.")
+        )
+    for b in train_bills:
+        rows.append(
+            _dolly(
+                "general_qa",
+                f"의안번호 {b.number} 법률안의 제목은 무엇인가요?",
+                f"의안번호 {b.number}는 「{b.title}」입니다.",
+            )
+        )
+    large = [c for c in con.chapters if len(c.articles) >= 4]
+    for _ in range(20):
+        first, second = rng.sample(large, 2)
+        picked = sorted(rng.sample(first.articles, 2) + rng.sample(second.articles, 2), key=lambda a: a.number)
+        items = "\n".join(f"- 제{a.number}조: {_first_sentence(a)}" for a in picked)
+        answer = "\n".join(f"- 제{a.number}조: {a.chapter_title}" for a in picked)
+        rows.append(
+            _dolly(
+                "classification",
+                f"다음 헌법 조문을 「{first.title}」에 관한 것과 「{second.title}」에 관한 것으로 "
+                f"분류해 주세요.\n{items}",
+                answer,
+            )
+        )
+    poems = (
+        ("헌법 제{n}조를 시민에게 알리는 짧은 안내문을 써 주세요.", "시민 여러분께 알립니다. 대한민국헌법 제{n}조는 "
+         "「{s}」라고 정하고 있습니다. 이 조문은 제{k}장 「{t}」에 속하며, 우리 모두가 함께 지켜 가야 할 약속입니다."),
+        ("헌법 제{n}조의 내용을 어린이에게 들려주는 이야기로 써 주세요.", "우리나라에서 가장 높은 법인 헌법에는 "
+         "제{n}조가 있어요. 제{n}조는 「{s}」라고 말해요. 이 약속은 「{t}」{p} 다루는 제{k}장에 들어 있답니다."),
+        ("헌법 제{n}조를 주제로 네 줄짜리 시를 지어 주세요.", "제{n}조가 조용히 말하네\n「{s}」\n「{t}」의 자리에서\n"
+         "오늘도 우리를 지키네"),
+    )  # fmt: skip
+    for a in rng.sample(articles, 25):
+        ask, answer = rng.choice(poems)
+        title = a.chapter_title
+        fields = {"n": a.number, "s": _first_sentence(a), "k": a.chapter, "t": title, "p": _object_particle(title)}
+        rows.append(_dolly("creative_writing", ask.format(**fields), answer.format(**fields)))
+    return rows
+
+
+def _dolly_with_context(rng: random.Random, con: Constitution, train_bills: list[Bill]) -> list[dict[str, str]]:
+    """closed_qa, information_extraction and summarization: the answer is in the context."""
+    multi = [a for a in con.articles if len(_paragraphs(a)) > 1]
+    rows = []
+    for a in rng.sample(multi, 30):
+        paragraphs = _paragraphs(a)
+        question, answer = rng.choice(
+            (
+                ("이 조문은 몇 개의 항으로 이루어져 있나요?", f"{len(paragraphs)}개의 항으로 이루어져 있습니다."),
+                ("이 조문의 제2항은 무엇을 정하고 있나요?", f"제2항은 「{paragraphs[1]}」라고 정하고 있습니다."),
+                ("이 조문은 헌법 몇 조인가요?", f"대한민국헌법 제{a.number}조입니다."),
+            )
+        )
+        rows.append(_dolly("closed_qa", question, answer, a.text))
+    for a in rng.sample(multi, 20):
+        listed = "\n".join(f"- 제{i}항: {p}" for i, p in enumerate(_paragraphs(a), start=1))
+        rows.append(_dolly("information_extraction", "다음 조문의 각 항을 목록으로 정리해 주세요.", listed, a.text))
+    for a in rng.sample(multi, 20):
+        summary = (
+            f"제{a.number}조는 {len(_paragraphs(a))}개 항으로 되어 있으며, 첫 항에서 「{_first_sentence(a)}」라고 "
+            "정합니다."
+        )
+        rows.append(_dolly("summarization", "다음 조문을 한 문장으로 요약해 주세요.", summary, a.text))
+    for b in train_bills:
+        cover = _bill_cover(b)
+        date = re.search(r"발의연월일\s*:\s*(\d{4})\.\s*(\d+)\.\s*(\d+)", cover)
+        when = f"{date[1]}년 {int(date[2])}월 {int(date[3])}일" if date else "의안에 적혀 있지 않습니다"
+        facts = f"- 의안번호: {b.number}\n- 제목: {b.title}\n- 발의연월일: {when}"
+        rows.append(
+            _dolly("information_extraction", "다음 의안에서 의안번호, 제목, 발의연월일을 뽑아 주세요.", facts, cover)
+        )
+        rows.append(_dolly("summarization", "다음 의안의 제안이유를 두 문장 이내로 요약해 주세요.", b.reason, cover))
+    return rows
+
+
+def korean_dolly() -> list[dict[str, Any]]:
+    """Rows shaped like databricks-dolly-15k ({instruction, context, response, category}), in dolly's categories,
+    from the articles of the main body and the training bills (never the held-out ones); in a fixed shuffled order."""
+    rng = random.Random(SEED + 3)
+    con, train_bills = constitution(), bills()[:-HELDOUT_BILLS]
+    rows = _dolly_without_context(rng, con, train_bills) + _dolly_with_context(rng, con, train_bills)
+    rng.shuffle(rows)
+    return rows
+
+
+def korean_sharegpt() -> list[dict[str, Any]]:
+    """The korean-instructions conversations in ShareGPT's shape ({"conversations": [{"from": "system"|"human"|
+    "gpt", "value": ...}]}), as most public instruction sets ship."""
+    tags = {"system": "system", "user": "human", "assistant": "gpt"}
+    return [
+        {"conversations": [{"from": tags[m["role"]], "value": m["content"]} for m in row["messages"]]}
+        for row in korean_instructions()
+    ]
+
+
+class BuiltinDataset(NamedTuple):
+    """How a builtin dataset is read: the `data.format` and `data.columns` a spec gives it, and its generator."""
+
+    format: str
+    generate: Callable[[], list[dict[str, Any]]]
+    columns: dict[str, str] = {}  # noqa: RUF012 (a NamedTuple field, never mutated)
+
+
+BUILTIN_DATASETS: dict[str, BuiltinDataset] = {
+    "korean-corpus": BuiltinDataset("text", korean_corpus),
+    "korean-instructions": BuiltinDataset("messages", korean_instructions),
+    "korean-preferences": BuiltinDataset("preference", korean_preferences),
+    "korean-heldout": BuiltinDataset("text", korean_heldout),
+    "korean-dolly": BuiltinDataset("alpaca", korean_dolly, DOLLY_COLUMNS),
+    "korean-sharegpt": BuiltinDataset("sharegpt", korean_sharegpt),
 }
-"""Name → (format of its rows, generator)."""
+"""Name → how to read it and its generator."""
 
 
 def builtin_dataset(name: str) -> list[dict[str, Any]]:
     """The rows of the builtin dataset `name`."""
     if name not in BUILTIN_DATASETS:
         raise BuiltinDataError(f"unknown builtin dataset {name!r}; known: {', '.join(sorted(BUILTIN_DATASETS))}")
-    return BUILTIN_DATASETS[name][1]()
+    return BUILTIN_DATASETS[name].generate()
 
 
 # --------------------------------------------------------------------------- the lm-eval tasks

@@ -21,14 +21,22 @@ Canonical forms, what every later stage reads:
     preference  {"prompt": [messages...], "chosen": [{"role": "assistant", "content": str}],
                  "rejected": [{"role": "assistant", "content": str}]}
 
+Column mapping (`data.columns`, `data.text_field`, `data.roles`): a format's fields may have other names in a
+dataset, as in LLaMA-Factory's dataset_info. `columns` maps the format's name to the dataset's column (or, for
+`from`/`value` and `role`/`content`, to the key inside each message), `roles` maps user/assistant/system to the
+tags the messages use. Every source (JSONL, Parquet, hub, builtin) goes through the same mapping, in
+`normalize_row`; errors name the dataset's column and the mapping that led there.
+
 A bad row is reported as `<file>:<line>: field '<path>': <problem>`, e.g.
-`train.jsonl:17: field 'messages[2].content': expected a string, got null`. Bad rows are quarantined and
-counted when they stay within the dataset's `max_bad_row_fraction`; beyond it the dataset fails, listing the
-first errors. Blank lines of a JSONL file are not rows and are skipped; every other line is either a row or an
-error, never silently dropped. JSON that Python cannot hold as data is a bad row too: arrays or objects nested too
-deeply to read, a number too long to convert, a string with a lone surrogate (an escape such as `\\ud800` that
-encodes half a character, which cannot be written as UTF-8). A file that cannot be read, a file name that is not
-UTF-8 and a symlink loop fail the dataset, naming the path.
+`train.jsonl:17: field 'messages[2].content': expected a string, got null`, or with a mapped column
+`train.jsonl:3: field 'response' (columns.output): missing`. Bad rows are quarantined and counted when they stay
+within the dataset's `max_bad_row_fraction`; beyond it the dataset fails, listing the first errors. When every row
+(or each of the first MAPPING_PROBE_ROWS) lacks a mapped column, the dataset fails with one error instead, saying
+that the mapping names a column the data does not have, and which columns it has. Blank lines of a JSONL file are
+not rows and are skipped; every other line is either a row or an error, never silently dropped. JSON that Python
+cannot hold as data is a bad row too: arrays or objects nested too deeply to read, a number too long to convert, a
+string with a lone surrogate (an escape such as `\\ud800` that encodes half a character, which cannot be written as
+UTF-8). A file that cannot be read, a file name that is not UTF-8 and a symlink loop fail the dataset, naming the path.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -45,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.contract import canonical_hash, writable
-from workflows.spec import DataSpec, PipelineSpec
+from workflows.spec import FORMAT_COLUMNS, MESSAGE_KEYS, DataSpec, PipelineSpec
 
 DEFAULT_MAX_ROW_BYTES = 4 * 1024 * 1024
 """Rows larger than this (bytes of the JSONL line or of the row as JSON) are errors."""
@@ -53,14 +62,20 @@ DEFAULT_MAX_ROW_BYTES = 4 * 1024 * 1024
 MAX_ROW_BYTES_ENV = "POSTTRAIN_MAX_ROW_BYTES"
 """Environment variable that overrides DEFAULT_MAX_ROW_BYTES."""
 
-NORMALIZATION_VERSION = 1
-"""Part of every dataset fingerprint: bump it when the canonical forms or the validation rules change."""
+NORMALIZATION_VERSION = 2
+"""Part of every dataset fingerprint: bump it when the canonical forms or the validation rules change.
+2: column and role mapping; alpaca history; a system column for sharegpt and preference; a blank system is none."""
 
 MAX_LISTED_ERRORS = 5
 RAW_EXCERPT_CHARS = 500
 
 ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+"""The role tags a sharegpt dataset may use when `data.roles` does not say (tag → role)."""
+
+MAPPING_PROBE_ROWS = 100
+"""When this many rows in a row, from the first, all lack the same mapped column, the mapping is wrong, not the
+rows: the dataset fails there, without reading the rest."""
 
 STAGE_FORMATS: dict[str, tuple[str, ...]] = {
     "cpt": ("text",),
@@ -90,14 +105,20 @@ class RowError:
     field: str
     error: str
     raw: str = ""
+    mapping: str = ""
+    """The spec fields that renamed the field (e.g. 'columns.output'), when any did."""
 
     def __str__(self) -> str:
         where = f"{self.file}:{self.line}"
-        return f"{where}: field '{self.field}': {self.error}" if self.field else f"{where}: {self.error}"
+        if not self.field:
+            return f"{where}: {self.error}"
+        mapping = f" ({self.mapping})" if self.mapping else ""
+        return f"{where}: field '{self.field}'{mapping}: {self.error}"
 
     def record(self) -> dict[str, Any]:
         """The quarantine record of this row."""
-        return {"file": self.file, "line": self.line, "field": self.field, "error": self.error, "raw": self.raw}
+        record = {"file": self.file, "line": self.line, "field": self.field, "error": self.error, "raw": self.raw}
+        return record | ({"mapping": self.mapping} if self.mapping else {})
 
 
 class FieldError(Exception):
@@ -107,6 +128,15 @@ class FieldError(Exception):
         super().__init__(f"{field}: {error}")
         self.field = field
         self.error = error
+        self.mapping = ""  # the spec fields that renamed `field`, set by normalize_row
+
+
+class MissingField(FieldError):
+    """A required field is not in its row (or message); `present` are the keys that are."""
+
+    def __init__(self, field: str, error: str, present: list[str]) -> None:
+        super().__init__(field, error)
+        self.present = present
 
 
 @dataclass
@@ -187,7 +217,9 @@ def dataset_fingerprint(data: DataSpec, files: list[SourceFile]) -> str:
         {
             "version": NORMALIZATION_VERSION,
             "format": data.format,
-            "text_field": data.text_field,
+            # what is read from where (text_field and columns.text are one setting, so they hash alike)
+            "columns": ColumnMap.of(data).renames,
+            "roles": data.roles,
             "max_samples": data.max_samples,
             "eval_fraction": data.eval_fraction,
             "files": [f.fingerprint for f in files],
@@ -434,6 +466,73 @@ _FORMAT_KEYS = {
 }
 
 
+@dataclass(frozen=True)
+class ColumnMap:
+    """Where a format's fields are in a dataset: `data.columns`, `data.text_field` and `data.roles` resolved."""
+
+    fmt: str
+    renames: dict[str, str]
+    """The format's name → the dataset's, for the names the spec changes (text_field included, as 'text')."""
+    sources: dict[str, str]
+    """The format's name → the spec field that renames it ('columns.output', 'text_field')."""
+    roles: dict[str, str]
+    """The role tags the messages may use → the canonical role."""
+    text_field: str = "text"
+    """The text column, for the hint that a row looks like the text format."""
+
+    @classmethod
+    def of(cls, data: DataSpec) -> ColumnMap:
+        """The mapping of a dataset spec."""
+        return cls.build(data.format, data.text_field, data.columns, data.roles)
+
+    @classmethod
+    def build(
+        cls,
+        fmt: str,
+        text_field: str = "text",
+        columns: dict[str, str] | None = None,
+        roles: dict[str, str] | None = None,
+    ) -> ColumnMap:
+        """The mapping of format `fmt` with these settings (validated as DataSpec validates them)."""
+        columns = columns or {}
+        renames = {k: v for k, v in columns.items() if v != k}
+        sources = {k: f"columns.{k}" for k in renames}
+        if fmt == "text" and "text" not in columns and text_field != "text":
+            renames["text"], sources["text"] = text_field, "text_field"
+        text_column = columns.get("text", text_field)
+        return cls(fmt, renames, sources, _role_table(fmt, roles or {}), text_column)
+
+    def name(self, key: str) -> str:
+        """The dataset's name for the format's field `key`."""
+        return self.renames.get(key, key)
+
+    def note(self, field: str) -> str:
+        """The spec fields that renamed parts of a field path, e.g. 'columns.output' for 'response', or
+        'columns.conversations, columns.from' for 'dialog[0].speaker'."""
+        top = re.match(r"[^\[.]*", field).group()  # type: ignore[union-attr]
+        parts = [self._renamed_by(top, message_key=False), self.renamed(field) if "." in field else ""]
+        return ", ".join(p for p in parts if p)
+
+    def renamed(self, field: str) -> str:
+        """The spec field that renamed the last name of a field path (a column, or a key of a message), or ''."""
+        if "." in field:
+            return self._renamed_by(field.rsplit(".", 1)[1], message_key=True)
+        return self._renamed_by(field, message_key=False)
+
+    def _renamed_by(self, name: str, message_key: bool) -> str:
+        for key in FORMAT_COLUMNS[self.fmt]:
+            if (key in MESSAGE_KEYS) == message_key and key in self.sources and self.renames[key] == name:
+                return self.sources[key]
+        return ""
+
+
+def _role_table(fmt: str, roles: dict[str, str]) -> dict[str, str]:
+    """Tag → role for a format's messages: the format's default tags, where `roles` names a role its tag instead."""
+    default = SHAREGPT_ROLES if fmt == "sharegpt" else {r: r for r in ROLES}
+    table = {tag: role for tag, role in default.items() if role not in roles and tag not in roles.values()}
+    return table | {tag: role for role, tag in roles.items()}
+
+
 def _type_name(value: Any) -> str:
     if value is None:
         return "null"
@@ -459,11 +558,16 @@ def _format_hint(row: dict[str, Any], fmt: str, text_field: str) -> str:
     return ""
 
 
-def _required(row: dict[str, Any], key: str, fmt: str, text_field: str, path: str | None = None) -> Any:
-    path = path or key
-    if key not in row:
-        raise FieldError(path, "missing" + _format_hint(row, fmt, text_field))
-    return row[key]
+def _required(row: dict[str, Any], key: str, cm: ColumnMap) -> Any:
+    """The value of the format's field `key` (under its mapped name); MissingField when the row lacks it."""
+    column = cm.name(key)
+    if column not in row:
+        if column != key and key in row:  # the mapping is what sends the reader elsewhere
+            hint = f" (the row has {key!r}, the format's own name: is {cm.sources[key]} wrong?)"
+        else:
+            hint = _format_hint(row, cm.fmt, cm.text_field)
+        raise MissingField(column, "missing" + hint, sorted(str(k) for k in row))
+    return row[column]
 
 
 def _string(value: Any, path: str, allow_empty: bool = False) -> str:
@@ -484,7 +588,8 @@ def _string(value: Any, path: str, allow_empty: bool = False) -> str:
 def _message_list(
     value: Any, path: str, role_key: str = "role", content_key: str = "content", roles: dict[str, str] | None = None
 ) -> list[dict[str, str]]:
-    """Validate a list of chat messages (role/content, or from/value for sharegpt) into canonical messages."""
+    """Validate a list of chat messages (role/content, or from/value for sharegpt) into canonical messages;
+    `roles` maps the tags the messages may use to canonical roles."""
     if not isinstance(value, list):
         raise FieldError(path, f"expected a list of messages, got {_type_name(value)}")
     if not value:
@@ -498,7 +603,7 @@ def _message_list(
                 where, f"expected an object with {role_key!r} and {content_key!r}, got {_type_name(message)}"
             )
         if role_key not in message:
-            raise FieldError(f"{where}.{role_key}", "missing")
+            raise MissingField(f"{where}.{role_key}", "missing", sorted(str(k) for k in message))
         role = message[role_key]
         if not isinstance(role, str):
             raise FieldError(f"{where}.{role_key}", f"expected a string, got {_type_name(role)}")
@@ -508,7 +613,7 @@ def _message_list(
         if role == "system" and i != 0:
             raise FieldError(f"{where}.{role_key}", "a system message may only come first")
         if content_key not in message:
-            raise FieldError(f"{where}.{content_key}", "missing")
+            raise MissingField(f"{where}.{content_key}", "missing", sorted(str(k) for k in message))
         content = _string(message[content_key], f"{where}.{content_key}")
         reasoning = message.get("reasoning_content")
         if role == "assistant" and reasoning is not None:
@@ -534,31 +639,61 @@ def _conversation(messages: list[dict[str, str]], path: str, role_key: str = "ro
     return messages
 
 
-def _normalize_text(row: dict[str, Any], text_field: str) -> dict[str, Any]:
-    return {"text": _string(_required(row, text_field, "text", text_field), text_field)}
+def _system(row: dict[str, Any], cm: ColumnMap, messages: list[dict[str, str]], path: str) -> list[dict[str, str]]:
+    """`messages` after the system prompt of the row's system column, if it has one (null, missing or blank: none).
+    `path` names the messages, for the error when they start with a system message of their own."""
+    column = cm.name("system")
+    value = row.get(column)
+    if value is None or not _string(value, column, allow_empty=True).strip():
+        return messages
+    if messages and messages[0]["role"] == "system":
+        raise FieldError(column, f"a system prompt, but {path}[0] is a system message too: keep one of them")
+    return [{"role": "system", "content": value}, *messages]
 
 
-def _normalize_messages(row: dict[str, Any], text_field: str) -> dict[str, Any]:
-    messages = _message_list(_required(row, "messages", "messages", text_field), "messages")
-    return {"messages": _conversation(messages, "messages")}
+def _history(row: dict[str, Any], cm: ColumnMap) -> list[dict[str, str]]:
+    """The turns before this one of an alpaca row: its history column, a list of [instruction, response] pairs."""
+    column = cm.name("history")
+    value = row.get(column)
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise FieldError(column, f"expected a list of [instruction, response] pairs, got {_type_name(value)}")
+    turns = []
+    for i, pair in enumerate(value):
+        if not isinstance(pair, list) or len(pair) != 2:
+            got = f"a list of {len(pair)}" if isinstance(pair, list) else _type_name(pair)
+            raise FieldError(f"{column}[{i}]", f"expected a pair [instruction, response], got {got}")
+        turns.append({"role": "user", "content": _string(pair[0], f"{column}[{i}][0]")})
+        turns.append({"role": "assistant", "content": _string(pair[1], f"{column}[{i}][1]")})
+    return turns
 
 
-def _normalize_alpaca(row: dict[str, Any], text_field: str) -> dict[str, Any]:
-    instruction = _string(_required(row, "instruction", "alpaca", text_field), "instruction")
-    extra = _string(row.get("input") or "", "input", allow_empty=True)
-    output = _string(_required(row, "output", "alpaca", text_field), "output")
-    messages = []
-    if row.get("system") is not None:
-        messages.append({"role": "system", "content": _string(row["system"], "system")})
+def _normalize_text(row: dict[str, Any], cm: ColumnMap) -> dict[str, Any]:
+    return {"text": _string(_required(row, "text", cm), cm.name("text"))}
+
+
+def _normalize_messages(row: dict[str, Any], cm: ColumnMap) -> dict[str, Any]:
+    path, role_key = cm.name("messages"), cm.name("role")
+    messages = _message_list(_required(row, "messages", cm), path, role_key, cm.name("content"), cm.roles)
+    return {"messages": _conversation(messages, path, role_key)}
+
+
+def _normalize_alpaca(row: dict[str, Any], cm: ColumnMap) -> dict[str, Any]:
+    instruction = _string(_required(row, "instruction", cm), cm.name("instruction"))
+    extra = _string(row.get(cm.name("input")) or "", cm.name("input"), allow_empty=True)
+    output = _string(_required(row, "output", cm), cm.name("output"))
     user = f"{instruction}\n\n{extra}" if extra.strip() else instruction
-    messages += [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
-    return {"messages": messages}
+    turns = [*_history(row, cm), {"role": "user", "content": user}, {"role": "assistant", "content": output}]
+    return {"messages": _system(row, cm, turns, cm.name("instruction"))}
 
 
-def _normalize_sharegpt(row: dict[str, Any], text_field: str) -> dict[str, Any]:
-    value = _required(row, "conversations", "sharegpt", text_field)
-    messages = _message_list(value, "conversations", "from", "value", SHAREGPT_ROLES)
-    return {"messages": _conversation(messages, "conversations", "from")}
+def _normalize_sharegpt(row: dict[str, Any], cm: ColumnMap) -> dict[str, Any]:
+    path, role_key = cm.name("conversations"), cm.name("from")
+    messages = _message_list(_required(row, "conversations", cm), path, role_key, cm.name("value"), cm.roles)
+    # checked before the system column is put in front, so that error paths index the row's own list
+    messages = _conversation(messages, path, role_key)
+    return {"messages": _system(row, cm, messages, path)}
 
 
 def _completion(value: Any, path: str) -> list[dict[str, str]]:
@@ -572,24 +707,26 @@ def _completion(value: Any, path: str) -> list[dict[str, str]]:
     return messages
 
 
-def _normalize_preference(row: dict[str, Any], text_field: str) -> dict[str, Any]:
-    prompt = _required(row, "prompt", "preference", text_field)
+def _normalize_preference(row: dict[str, Any], cm: ColumnMap) -> dict[str, Any]:
+    path = cm.name("prompt")
+    prompt = _required(row, "prompt", cm)
     if isinstance(prompt, str):
-        prompt = [{"role": "user", "content": _string(prompt, "prompt")}]
+        prompt = [{"role": "user", "content": _string(prompt, path)}]
     else:
-        prompt = _message_list(prompt, "prompt")
+        prompt = _message_list(prompt, path)
         if prompt[-1]["role"] != "user":
             raise FieldError(
-                f"prompt[{len(prompt) - 1}].role", f"the prompt must end with a user turn, got {prompt[-1]['role']!r}"
+                f"{path}[{len(prompt) - 1}].role", f"the prompt must end with a user turn, got {prompt[-1]['role']!r}"
             )
-    chosen = _completion(_required(row, "chosen", "preference", text_field), "chosen")
-    rejected = _completion(_required(row, "rejected", "preference", text_field), "rejected")
+    prompt = _system(row, cm, prompt, path)
+    chosen = _completion(_required(row, "chosen", cm), cm.name("chosen"))
+    rejected = _completion(_required(row, "rejected", cm), cm.name("rejected"))
     if chosen == rejected:
-        raise FieldError("rejected", "identical to 'chosen': the pair teaches no preference")
+        raise FieldError(cm.name("rejected"), f"identical to {cm.name('chosen')!r}: the pair teaches no preference")
     return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
 
 
-NORMALIZERS: dict[str, Callable[[dict[str, Any], str], dict[str, Any]]] = {
+NORMALIZERS: dict[str, Callable[[dict[str, Any], ColumnMap], dict[str, Any]]] = {
     "text": _normalize_text,
     "messages": _normalize_messages,
     "alpaca": _normalize_alpaca,
@@ -598,11 +735,28 @@ NORMALIZERS: dict[str, Callable[[dict[str, Any], str], dict[str, Any]]] = {
 }
 
 
-def normalize_row(value: Any, fmt: str, text_field: str = "text") -> dict[str, Any]:
-    """The canonical form of one row of format `fmt`; FieldError names the field that is wrong."""
+def normalize_row(
+    value: Any,
+    fmt: str,
+    text_field: str = "text",
+    columns: dict[str, str] | None = None,
+    roles: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """The canonical form of one row of format `fmt`, its fields read through `columns` and `roles` (see
+    DataSpec); FieldError names the field that is wrong."""
+    return _normalize(value, ColumnMap.build(fmt, text_field, columns, roles))
+
+
+def _normalize(value: Any, cm: ColumnMap) -> dict[str, Any]:
+    """normalize_row with the mapping resolved once per dataset; a FieldError is marked with the spec fields
+    that renamed its field."""
     if not isinstance(value, dict):
         raise FieldError("", f"expected a JSON object per row, got {_type_name(value)}")
-    return NORMALIZERS[fmt](value, text_field)
+    try:
+        return NORMALIZERS[cm.fmt](value, cm)
+    except FieldError as exc:
+        exc.mapping = cm.note(exc.field)
+        raise
 
 
 # --------------------------------------------------------------------------- datasets
@@ -624,6 +778,52 @@ def _excerpt(value: Any) -> str:
     return writable(text[:RAW_EXCERPT_CHARS])
 
 
+class _UnmappedColumn:
+    """Whether every row read so far lacks the same mapped column (or message key): then the mapping is wrong, not
+    the rows, and one error says so instead of a line per row."""
+
+    def __init__(self) -> None:
+        self.first: RowError | None = None
+        self.shape = ""
+        self.source = ""
+        self.present: set[str] = set()
+        self.rows = 0
+        self.stopped = False
+
+    def see(self, exc: FieldError, error: RowError, mapping: ColumnMap) -> None:
+        """Count a bad row: one more that lacks the mapped column, or the end of the run."""
+        shape = re.sub(r"\[\d+\]", "[]", exc.field)  # a message's key: whichever message of the row lacks it
+        if not isinstance(exc, MissingField) or not mapping.renamed(exc.field) or shape != (self.shape or shape):
+            self.stop()
+        if self.stopped:
+            return
+        self.first, self.shape, self.source = self.first or error, shape, mapping.renamed(exc.field)
+        self.present.update(exc.present)
+        self.rows += 1
+
+    def stop(self) -> None:
+        """A row has the column, or fails for another reason: the mapping is not what is wrong."""
+        self.stopped, self.rows = True, 0
+
+    def error(self, where: str, stage: str | None, every: bool) -> DataError:
+        """The dataset error: the mapping names a column the data does not have, and what the data has."""
+        assert self.first is not None
+        nested = "." in self.first.field
+        name = self.first.field.rsplit(".", 1)[-1]
+        if every:
+            scope = f"all {self.rows} rows lack it" if self.rows > 1 else "the only row lacks it"
+        else:
+            scope = f"the first {self.rows} rows all lack it"
+        lacking = f"no message has ({scope};" if nested else f"no row has ({scope};"
+        present = sorted(self.present)
+        listed = ", ".join(repr(k) for k in present[:30]) + (", ..." if len(present) > 30 else "")
+        fix = (f"stages.{stage}.data." if stage else "data.") + self.source
+        return DataError(
+            f"{where}: {self.source} names {'message key' if nested else 'column'} {name!r}, which {lacking} "
+            f"they have {listed or 'no keys'}): fix {fix}. The first row: {self.first}"
+        )
+
+
 def read_dataset(
     data: DataSpec, spec: PipelineSpec | None = None, stage: str | None = None, run_root: Path | None = None
 ) -> Dataset:
@@ -636,6 +836,9 @@ def read_dataset(
     if stage is not None:
         check_stage_format(stage, data.format)
     files, raw_rows = read_source(uri, data, spec, run_root)
+    where = f"stages.{stage}.data ({uri})" if stage else uri
+    mapping = ColumnMap.of(data)
+    unmapped = _UnmappedColumn()
     rows: list[dict[str, Any]] = []
     errors: list[RowError] = []
     total = 0
@@ -645,12 +848,18 @@ def read_dataset(
             errors.append(raw.error)
             continue
         try:
-            rows.append(normalize_row(raw.value, data.format, data.text_field))
+            rows.append(_normalize(raw.value, mapping))
+            unmapped.stop()
         except FieldError as exc:
-            errors.append(RowError(raw.file, raw.line, exc.field, exc.error, _excerpt(raw.value)))
-    where = f"stages.{stage}.data ({uri})" if stage else uri
+            error = RowError(raw.file, raw.line, exc.field, exc.error, _excerpt(raw.value), exc.mapping)
+            errors.append(error)
+            unmapped.see(exc, error, mapping)
+            if unmapped.rows >= MAPPING_PROBE_ROWS:
+                raise unmapped.error(where, stage, every=False) from None
     if total == 0:
         raise DataError(f"{where}: no rows")
+    if unmapped.rows:  # every row lacks the mapped column
+        raise unmapped.error(where, stage, every=True)
     if errors and len(errors) / total > data.max_bad_row_fraction:
         listed = "\n".join(f"  {e}" for e in errors[:MAX_LISTED_ERRORS])
         more = f"\n  ... and {len(errors) - MAX_LISTED_ERRORS} more" if len(errors) > MAX_LISTED_ERRORS else ""

@@ -130,7 +130,8 @@ def encode_row(tokenizer: Any, row: dict[str, Any], enable_thinking: bool = Fals
     """Token ids and labels (-100: not scored) of a row, exactly as the training stages see it: a text row is
     the document ending with eos, every token scored; a chat row (or a preference row's prompt + chosen answer)
     goes through the chat template with the assistant's tokens scored."""
-    from stages.packing import tokenize_conversation, tokenize_document
+    from stages.chat import tokenize_conversation
+    from stages.packing import tokenize_document
 
     if "text" in row:
         ids = tokenize_document(tokenizer, row["text"])
@@ -264,7 +265,10 @@ def generate(model: Any, tokenizer: Any, prompts: list[str], max_new_tokens: int
     """Greedy completions of the prompts (through the chat template when `chat`), one at a time."""
     import torch
 
+    from stages.chat import stop_token_ids
+
     device = next(model.parameters()).device
+    stops = stop_token_ids(tokenizer) if chat else tokenizer.eos_token_id
     outputs = []
     for prompt in prompts:
         if chat:
@@ -281,6 +285,7 @@ def generate(model: Any, tokenizer: Any, prompts: list[str], max_new_tokens: int
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
                 pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+                eos_token_id=stops,  # the end of an assistant turn too (Gemma's <end_of_turn> is not its eos)
             )
         text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
         outputs.append("".join(c for c in text if c.isprintable() or c in "\n\t").strip())

@@ -2,8 +2,9 @@
 
 Where a stage starts:
 - the first enabled training stage starts from the base model: `model.from_config` builds a seeded, randomly
-  initialised Qwen3 with the tokenizer's vocabulary; otherwise the weights load with `from_pretrained`
-  (revision, dtype, safetensors only, remote code only when `model.trust_remote_code`);
+  initialised model of the family it names (qwen3, qwen3_moe, llama, gemma3, exaone4, mistral) with the
+  tokenizer's vocabulary; otherwise the weights load with `from_pretrained` (revision, dtype, safetensors only,
+  remote code only when `model.trust_remote_code`);
 - a later stage (cpt → sft → rlhf) starts from the output of the enabled training stage before it: a full model
   directory, or a LoRA adapter, which a LoRA stage continues and a full stage merges first.
 
@@ -16,6 +17,12 @@ recorded it, or since its own earlier attempt loaded it (`ModelInputs`).
 On CPU the weights are float32 and there is no gradient checkpointing and no bf16. Attention is one of the
 implementations that keep packed documents apart through their position ids (see stages/packing.py): sdpa on
 CPU; on a GPU flash-attention 2 where installed, else flex attention for the packing stages.
+
+Mixture-of-experts models (transformers 5 stacks each layer's experts into 3-D parameters): on a GPU their experts
+run as one grouped GEMM (`experts_implementation`); LoRA reaches the experts through PEFT's target_parameters
+(`lora_config`, `lora.target_experts`); the router's load-balancing loss is set from
+`training.router_aux_loss_coef` (`router_aux_loss`); under QLoRA the experts stay bf16, as the log says
+(`prepare_for_kbit_training`, `unquantized_experts`).
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from typing import Any, Literal
 import torch
 
 from stages.contract import RunDir, StageContext, StageRefused, is_main_process
-from workflows.spec import TRAINING_STAGES, ModelSpec, PipelineSpec, TrainingStage
+from workflows.spec import TRAINING_STAGES, ModelSpec, PipelineSpec, TinyModelConfig, TrainingStage
 
 ModelKind = Literal["full", "adapter"]
 BaseKind = Literal["from_config", "pretrained", "stage"]
@@ -64,6 +71,7 @@ class StartingModel:
     continued_adapter: bool = False  # a LoRA stage that goes on training the upstream stage's adapter
     save_dtype: torch.dtype | None = None  # the loaded dtype, when training upcast the weights to float32 masters
     inputs: ModelInputs | None = None  # the stage model folders it loaded, fingerprinted (held to again at a merge)
+    loaded_config: dict[str, Any] = field(default_factory=dict)  # config values training changed, put back at save
 
 
 # --------------------------------------------------------------------------- fingerprints
@@ -243,6 +251,62 @@ def attention_implementation(model_spec: ModelSpec) -> str:
     return "sdpa"
 
 
+def experts_implementation() -> str | None:
+    """How a mixture-of-experts model runs its experts: on a CUDA GPU 'grouped_mm', torch's grouped GEMM (one
+    kernel for the tokens of all experts, about 8× faster than the per-expert loop of transformers' 'eager'); on
+    CPU None, transformers' own default."""
+    return "grouped_mm" if on_gpu() else None
+
+
+def _fused_experts(model: Any) -> Any:
+    """`model`, its experts switched to `experts_implementation()` when it is a mixture-of-experts model (a dense
+    model refuses the setting)."""
+    choice = experts_implementation()
+    if choice is not None and expert_parameters(model):
+        model.set_experts_implementation(choice)
+    return model
+
+
+def expert_parameters(model: Any) -> dict[str, torch.nn.Parameter]:
+    """A mixture-of-experts model's expert weights, by name: transformers 5 stacks each layer's experts into 3-D
+    parameters ([experts, out, in]) of a module that counts them in `num_experts` (qwen3_moe:
+    `model.layers.N.mlp.experts.gate_up_proj` and `.down_proj`). Empty for a dense model."""
+    found: dict[str, torch.nn.Parameter] = {}
+    for module_name, module in model.named_modules():
+        count = getattr(module, "num_experts", None)
+        if not isinstance(count, int):
+            continue
+        for name, param in module.named_parameters(recurse=False):
+            if param.ndim == 3 and param.shape[0] == count:
+                found[f"{module_name}.{name}"] = param
+    return found
+
+
+def _in_layer(name: str) -> str:
+    """A parameter's name inside its decoder layer: model.layers.3.mlp.experts.down_proj → mlp.experts.down_proj."""
+    parts = name.split(".")
+    numbers = [i for i, part in enumerate(parts) if part.isdigit()]
+    return ".".join(parts[numbers[-1] + 1 :]) if numbers else name
+
+
+def unquantized_experts(model: Any) -> str | None:
+    """What QLoRA leaves unquantized on a mixture-of-experts model, for the log (None for a dense model).
+    bitsandbytes quantizes nn.Linear modules only; the stacked experts are parameters of their own and stay in the
+    dtype they loaded in, which is most of such a model (Qwen3-30B-A3B: 29.0 of its 30.5 billion weights)."""
+    experts = expert_parameters(model)
+    if not experts:
+        return None
+    size = sum(p.numel() * p.element_size() for p in experts.values())
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in experts.values()})
+    names = sorted({_in_layer(name) for name in experts})
+    return (
+        f"QLoRA: bitsandbytes quantizes nn.Linear layers only; this mixture-of-experts model's {len(experts)} "
+        f"stacked expert tensors ({', '.join(names)} of every layer) stay {'/'.join(dtypes)}: "
+        f"{size / 2**30:.2f} GiB of the {total / 2**30:.2f} GiB its weights take"
+    )
+
+
 def packed_attention(model_spec: ModelSpec, stage: str, section: TrainingStage) -> str | None:
     """The kernel a stage that packs documents (cpt, sft with `training.packing`) switches to on a GPU without
     flash-attention: flex attention, whose block mask, built from the position ids, skips the blocks between
@@ -315,38 +379,92 @@ def load_tokenizer(run_dir: RunDir, model_spec: ModelSpec) -> Any:
 
 
 def build_from_config(model_spec: ModelSpec, tokenizer: Any) -> Any:
-    """A randomly initialised Qwen3 from `model.from_config`, seeded, with the tokenizer's vocabulary size."""
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    """A randomly initialised model from `model.from_config`, seeded, with the tokenizer's vocabulary size."""
+    from transformers import AutoModelForCausalLM
 
     tiny = model_spec.from_config
     assert tiny is not None
-    config = Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=tiny.hidden_size,
-        intermediate_size=tiny.intermediate_size,
-        num_hidden_layers=tiny.num_hidden_layers,
-        num_attention_heads=tiny.num_attention_heads,
-        num_key_value_heads=tiny.num_key_value_heads,
-        head_dim=tiny.head_dim,
-        max_position_embeddings=tiny.max_position_embeddings,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(tiny.seed)
         model = AutoModelForCausalLM.from_config(
-            config, dtype=weights_dtype(model_spec), attn_implementation=attention_implementation(model_spec)
+            tiny_config(tiny, tokenizer),
+            dtype=weights_dtype(model_spec),
+            attn_implementation=attention_implementation(model_spec),
         )
     model.config._name_or_path = model_spec.name_or_path
-    return model
+    return _fused_experts(model)
+
+
+_WINDOWED_EVERY = {"gemma3": 6, "exaone4": 4}
+"""Families that interleave sliding-window layers with full-attention ones: every n-th layer is full (5:1, 3:1)."""
+
+
+def tiny_config(tiny: TinyModelConfig, tokenizer: Any) -> Any:
+    """The transformers config of `tiny.architecture`'s family with the spec's sizes and the tokenizer's vocabulary
+    and special tokens. The family's own settings are kept (the config class's defaults, tied embeddings included:
+    gemma3 ties them, the others do not), except where they only fit a full-size model:
+
+    - gemma3, exaone4: the default layer pattern leaves a 2-layer model without a full-attention layer, and a
+      4096-token window never slides in rows this short. Every n-th layer and the last one attend fully, the others
+      over a quarter of max_position_embeddings. gemma3 scales queries by head_dim**-0.5, as Gemma 3 1B to 12B
+      do (the config's default, 256, is their head_dim);
+    - mistral: no sliding window (Mistral 7B v0.2 and later);
+    - qwen3_moe: every layer is a mixture-of-experts layer, top-k weights renormalised (Qwen3-30B-A3B's
+      `norm_topk_prob`)."""
+    import transformers
+
+    common = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": tiny.hidden_size,
+        "intermediate_size": tiny.intermediate_size,
+        "num_hidden_layers": tiny.num_hidden_layers,
+        "num_attention_heads": tiny.num_attention_heads,
+        "num_key_value_heads": tiny.num_key_value_heads,
+        "head_dim": tiny.head_dim,  # exaone4's config has no such field; its attention reads the attribute
+        "max_position_embeddings": tiny.max_position_embeddings,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    family: dict[str, Any] = {}
+    if tiny.architecture in _WINDOWED_EVERY:
+        every, last = _WINDOWED_EVERY[tiny.architecture], tiny.num_hidden_layers - 1
+        family["layer_types"] = [
+            "full_attention" if (i + 1) % every == 0 or i == last else "sliding_attention"
+            for i in range(tiny.num_hidden_layers)
+        ]
+        family["sliding_window"] = max(1, tiny.max_position_embeddings // 4)
+    if tiny.architecture == "gemma3":
+        family["query_pre_attn_scalar"] = tiny.head_dim
+    elif tiny.architecture == "exaone4":
+        family["sliding_window_pattern"] = _WINDOWED_EVERY["exaone4"]
+    elif tiny.architecture == "mistral":
+        family["sliding_window"] = None
+    elif (moe := tiny.moe_sizes()) is not None:
+        family.update(
+            num_experts=moe[0],
+            num_experts_per_tok=moe[1],
+            moe_intermediate_size=moe[2],
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
+    config_class = {
+        "qwen3": "Qwen3Config",
+        "qwen3_moe": "Qwen3MoeConfig",
+        "llama": "LlamaConfig",
+        "gemma3": "Gemma3TextConfig",
+        "exaone4": "Exaone4Config",
+        "mistral": "MistralConfig",
+    }[tiny.architecture]
+    return getattr(transformers, config_class)(**common, **family)
 
 
 def load_pretrained(path_or_id: str | Path, model_spec: ModelSpec, revision: str | None = None, **kwargs: Any) -> Any:
     """Weights from a hub id or a directory: safetensors only, remote code only when the spec allows it."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(
+    model = AutoModelForCausalLM.from_pretrained(
         str(path_or_id),
         revision=revision,
         dtype=weights_dtype(model_spec),
@@ -355,6 +473,7 @@ def load_pretrained(path_or_id: str | Path, model_spec: ModelSpec, revision: str
         use_safetensors=True,
         **kwargs,
     )
+    return _fused_experts(model)
 
 
 def load_adapter(model: Any, adapter_dir: Path, is_trainable: bool = False) -> Any:
@@ -383,8 +502,34 @@ def load_base(run_dir: RunDir, spec: PipelineSpec, base: BaseRef, tokenizer: Any
             )
         return build_from_config(spec.model, tokenizer)
     if base.kind == "stage":
-        return load_pretrained(run_dir.root / base.name, spec.model, **extra)
-    return load_pretrained(spec.model.name_or_path, spec.model, revision=spec.model.revision, **extra)
+        model = load_pretrained(run_dir.root / base.name, spec.model, **extra)
+    else:
+        model = load_pretrained(spec.model.name_or_path, spec.model, revision=spec.model.revision, **extra)
+    grow_vocabulary(model, tokenizer)
+    return model
+
+
+def grow_vocabulary(model: Any, tokenizer: Any) -> None:
+    """Grow the input embeddings and the LM head to the tokenizer's size when model.chat_template brought tokens
+    the model does not have; the new rows start at the mean of the old ones (transformers' mean_resizing), so they
+    do not skew the first predictions. A model folder a stage wrote has them already (saved grown)."""
+    have = model.get_input_embeddings().weight.shape[0]
+    if len(tokenizer) > have:
+        print(f"model: embeddings {have} → {len(tokenizer)} rows for the chat template's new tokens", flush=True)
+        model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
+
+
+def template_token_ids(spec: PipelineSpec, tokenizer: Any) -> list[int]:
+    """The ids of the control tokens of model.chat_template (a known template set on a model that lacks one): new
+    rows, or rows a base model never trained (Llama-3 base's <|eot_id|>). A LoRA stage trains them too
+    (`lora_config`), or the model could not learn to end a turn; full fine-tuning trains every row anyway."""
+    from stages.chat import KNOWN_TEMPLATES
+
+    known = KNOWN_TEMPLATES.get(spec.model.chat_template or "")
+    if known is None or spec.model.from_config is not None:
+        return []
+    ids = tokenizer.convert_tokens_to_ids([known.eos, *known.extra])
+    return sorted({i for i in ids if i is not None and i != tokenizer.unk_token_id})
 
 
 def spec_base(spec: PipelineSpec) -> BaseRef:
@@ -424,17 +569,109 @@ def stage_output(run_dir: RunDir, stage: str) -> StageOutput:
     )
 
 
-def lora_config(section: TrainingStage) -> Any:
-    """The stage's LoRA adapter settings."""
+def lora_config(section: TrainingStage, model: Any, trained_tokens: list[int] | None = None) -> Any:
+    """The stage's LoRA adapter settings for `model`.
+
+    A mixture-of-experts model keeps its experts as stacked 3-D parameters (`expert_parameters`), which no
+    target_modules entry reaches: with `lora.target_experts` they get adapters through PEFT's target_parameters,
+    one rank-r adapter per expert on each stacked matrix. The names are resolved here, not by PEFT: on transformers
+    5, PEFT 0.21 widens 'all-linear' on such a model to the experts and the router by itself (what 'all-linear' met
+    on transformers 4, where they were nn.Linear), with twice the rank on gate_up_proj; 'all-linear' is therefore
+    passed as the linear modules' names (the attention projections, and any dense MLP). The router stays frozen.
+    PEFT cannot put dropout on a parameter's adapter (it refuses lora_dropout > 0 there), so an adapter with
+    expert targets has none."""
     from peft import LoraConfig
 
+    lora = section.lora
+    experts = expert_parameters(model)
+    targets = lora.target_modules
+    if experts and targets == "all-linear":
+        targets = _linear_module_names(model)
+    parameters = sorted({_in_layer(name) for name in experts}) if lora.target_experts else []
+    dropout = lora.dropout
+    if parameters and dropout:
+        print(
+            f"lora.dropout {dropout} → 0: the adapters on the experts' weights ({', '.join(parameters)}; "
+            "lora.target_experts) cannot apply dropout, and one adapter has one dropout",
+            flush=True,
+        )
+        dropout = 0.0
+    # The chat template's tokens (`template_token_ids`): their input-embedding rows train (a tied head shares them).
+    # An untied head's rows stay at their mean start under LoRA, the adapters learning to reach them: TRL's fused
+    # loss reads lm_head.bias, which PEFT's token wrapper on the head does not have.
+    token_rows = {"embed_tokens": trained_tokens} if trained_tokens else None
     return LoraConfig(
-        r=section.lora.r,
-        lora_alpha=section.lora.alpha,
-        lora_dropout=section.lora.dropout,
-        target_modules=section.lora.target_modules,
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=dropout,
+        target_modules=targets,
+        target_parameters=parameters or None,
+        trainable_token_indices=token_rows,
         task_type="CAUSAL_LM",
     )
+
+
+def _linear_module_names(model: Any) -> list[str]:
+    """What PEFT's 'all-linear' targets, by module name: every nn.Linear (bitsandbytes' 4-bit layers are ones)
+    but the output head."""
+    head = model.get_output_embeddings()
+    return sorted(
+        {
+            name.rsplit(".", 1)[-1]
+            for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear) and module is not head
+        }
+    )
+
+
+def prepare_for_kbit_training(model: Any, gradient_checkpointing: bool) -> Any:
+    """PEFT's `prepare_model_for_kbit_training` (base frozen, the weights bitsandbytes left in 16 bits cast to
+    float32, inputs that require grad for gradient checkpointing), except for a mixture-of-experts model's expert
+    weights: those are not quantized either, and PEFT would cast them to float32 too, doubling most of the model
+    (Qwen3-30B-A3B: 54 GiB of bf16 experts → 108 GiB). They stay in the dtype they loaded in, frozen: PEFT is
+    handed an empty tensor in their place while it casts."""
+    from peft import prepare_model_for_kbit_training
+
+    experts = list(expert_parameters(model).values())
+    kept = [param.data for param in experts]
+    for param in experts:
+        param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+    try:
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
+    finally:
+        for param, data in zip(experts, kept, strict=True):
+            param.data = data
+    return model
+
+
+def router_aux_loss(model: Any, stage: str, section: TrainingStage) -> dict[str, Any]:
+    """Sets a mixture-of-experts model's router load-balancing loss from `training.router_aux_loss_coef` and returns
+    the config values it changed (to be put back before the model is saved). None keeps the config's coefficient;
+    the model returns its router logits whenever the coefficient is not 0, so the loss the trainer optimises
+    includes coefficient × aux loss (the transformers Trainer takes the model's loss; TRL's trainers read the same
+    config). A dense model has no router: a coefficient given for it is ignored, with a log line."""
+    coef = section.training.router_aux_loss_coef
+    config = model.config.get_text_config()
+    if not hasattr(config, "output_router_logits"):
+        if coef is not None:
+            print(
+                f"[{stage}] training.router_aux_loss_coef ({coef}) ignored: {type(model).__name__} is not a "
+                "mixture-of-experts model",
+                flush=True,
+            )
+        return {}
+    loaded = {"output_router_logits": config.output_router_logits, "router_aux_loss_coef": config.router_aux_loss_coef}
+    coef = config.router_aux_loss_coef if coef is None else coef
+    config.router_aux_loss_coef = coef
+    config.output_router_logits = coef != 0  # 0: not even the router logits are gathered
+    if hasattr(model, "router_aux_loss_coef"):
+        model.router_aux_loss_coef = coef  # the forward reads the copy the model took from its config at init
+    print(
+        f"[{stage}] router load-balancing loss: {coef} × aux loss"
+        if coef
+        else f"[{stage}] router load-balancing loss: off"
+    )
+    return loaded
 
 
 def load_starting_model(
@@ -444,7 +681,7 @@ def load_starting_model(
     continued) when the stage's method is lora or qlora. With `inputs` (the stages pass it), each stage model
     folder is fingerprinted and checked before it loads: the upstream output as input `model`, the stage model
     an upstream adapter applies to as `model_base`."""
-    from peft import get_peft_model, prepare_model_for_kbit_training
+    from peft import get_peft_model
 
     section: TrainingStage = spec.stage(stage)  # type: ignore[assignment]
     check_method(stage, section)
@@ -468,6 +705,9 @@ def load_starting_model(
                 inputs.check("model_base", run_dir.root / base.name, adapter_of=upstream)
             inputs.check("model", adapter_dir)
     model = load_base(run_dir, spec, base, tokenizer, quantization)
+    if quantization is not None and (note := unquantized_experts(model)) is not None:
+        print(f"[{stage}] {note}", flush=True)
+    loaded_config = router_aux_loss(model, stage, section)
     switch = packed_attention(spec.model, stage, section)
     if switch is not None:
         model.set_attn_implementation(switch)
@@ -478,17 +718,21 @@ def load_starting_model(
             model.requires_grad_(True)  # PEFT loaded the base frozen; full training trains every weight
         save_dtype = float32_masters(model, section)
         start = StartingModel(
-            model=model, kind="full", base=base, upstream=upstream, save_dtype=save_dtype, inputs=inputs
+            model=model,
+            kind="full",
+            base=base,
+            upstream=upstream,
+            save_dtype=save_dtype,
+            inputs=inputs,
+            loaded_config=loaded_config,
         )
     else:
         if quantization is not None:
-            model = prepare_model_for_kbit_training(
-                model, use_gradient_checkpointing=section.training.gradient_checkpointing
-            )
+            model = prepare_for_kbit_training(model, section.training.gradient_checkpointing)
         if adapter_dir is not None:  # continue the upstream adapter (its own r/alpha/targets)
             model = load_adapter(model, adapter_dir, is_trainable=True)
         else:
-            model = get_peft_model(model, lora_config(section))
+            model = get_peft_model(model, lora_config(section, model, template_token_ids(spec, tokenizer)))
         start = StartingModel(
             model=model,
             kind="adapter",
@@ -496,6 +740,7 @@ def load_starting_model(
             upstream=upstream,
             continued_adapter=adapter_dir is not None,
             inputs=inputs,
+            loaded_config=loaded_config,
         )
     start.model.config.use_cache = False  # a KV cache in training would hide the packed-document boundaries
     return start
@@ -540,6 +785,8 @@ def save_stage_model(
     trainer.accelerator.wait_for_everyone()
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
     unwrapped.config.use_cache = True
+    for key, value in start.loaded_config.items():  # training settings (router aux loss) are not the model's
+        setattr(unwrapped.config.get_text_config(), key, value)
     if start.save_dtype is not None:  # trained on float32 masters: the model is served in the dtype it came in
         unwrapped.to(start.save_dtype)
     trainer.save_model(str(out))

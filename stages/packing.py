@@ -7,9 +7,9 @@ varlen kernel (flash-attention): a document never attends to the one packed befo
 
 - CPT (text): each document ends with the eos token and the documents are laid end to end and cut into rows of
   `max_seq_length`; a document longer than that continues in the next row, starting again at position 0.
-- SFT (messages; alpaca and sharegpt arrive normalized to messages from prepare): the chat template is applied,
-  and only the assistant's tokens (its content and its `<|im_end|>`) carry loss. Conversations are truncated to
-  `max_seq_length` and packed whole, best fit first.
+- SFT (messages; alpaca and sharegpt arrive normalized to messages from prepare): the model's chat template is
+  applied, and only the assistant's tokens (its content and its end-of-turn token: stages.chat) carry loss.
+  Conversations are truncated to `max_seq_length` and packed whole, best fit first.
 
 The first token of every segment has label -100: nothing before it in the row may predict it.
 
@@ -24,7 +24,6 @@ import bisect
 import hashlib
 import json
 import os
-import re
 import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -34,21 +33,28 @@ from typing import Any
 
 import torch
 
+from stages.chat import IGNORE_INDEX, ConversationError, tokenize_conversation
 from stages.contract import RunDir, canonical_hash, write_json_atomic
 from workflows.spec import PipelineSpec, TrainingSpec
 
-IGNORE_INDEX = -100
-CACHE_FORMAT = 1  # bump when the row layout changes: old caches are then rebuilt
+__all__ = ["IGNORE_INDEX", "tokenize_conversation"]  # re-exported: where the rows' labels come from
+CACHE_FORMAT = 2  # bump when the row layout changes: old caches are then rebuilt
 META_JSON = "meta.json"
 
-# The Qwen3 (ChatML) markers around an assistant turn, and the empty thinking block the template puts in the
-# last turn (the same block ends the generation prompt with enable_thinking=False, so it belongs to the prompt).
-ASSISTANT_HEADER = "<|im_start|>assistant\n"
-TURN_END = "<|im_end|>"
-EMPTY_THINKING = "<think>\n\n</think>\n\n"
-_ASSISTANT_TURN = re.compile(re.escape(ASSISTANT_HEADER) + "(.*?" + re.escape(TURN_END) + ")", re.DOTALL)
-
 Row = dict[str, list[int]]
+
+MAX_LISTED_ERRORS = 5
+
+
+class ConversationRowsError(Exception):
+    """Rows of a split that the chat template cannot render into a trainable conversation: (line, problem)."""
+
+    def __init__(self, path: Path, problems: list[tuple[int, str]]) -> None:
+        self.path = path
+        self.problems = problems
+        listed = "\n".join(f"  {path}:{line}: {problem}" for line, problem in problems[:MAX_LISTED_ERRORS])
+        more = f"\n  ... and {len(problems) - MAX_LISTED_ERRORS} more" if len(problems) > MAX_LISTED_ERRORS else ""
+        super().__init__(f"{len(problems)} conversations cannot be trained on:\n{listed}{more}")
 
 
 # --------------------------------------------------------------------------- tokenization
@@ -58,46 +64,6 @@ def tokenize_document(tokenizer: Any, text: str) -> list[int]:
     """A CPT document's token ids, ending with eos (the document boundary the model learns to predict)."""
     ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]  # long ones are cut later
     return [*ids, tokenizer.eos_token_id]
-
-
-def tokenize_conversation(
-    tokenizer: Any,
-    messages: list[dict[str, Any]],
-    enable_thinking: bool = False,
-    assistant_only_loss: bool = True,
-) -> tuple[list[int], list[int]]:
-    """Token ids and labels of a conversation rendered with the tokenizer's chat template.
-
-    The rendered text is split at the assistant turns and each piece is tokenized on its own, so the prompt
-    is tokenized exactly as at inference (ending with the assistant header, and an empty thinking block where
-    the template writes one) and the labels cover what the assistant generates: its content (with its
-    reasoning, if any) and its `<|im_end|>`; nothing else when `assistant_only_loss`.
-    """
-    text = tokenizer.apply_chat_template(messages, tokenize=False, enable_thinking=enable_thinking)
-    ids: list[int] = []
-    labels: list[int] = []
-
-    def add(piece: str, trained: bool) -> None:
-        if piece:
-            piece_ids = tokenizer(piece, add_special_tokens=False)["input_ids"]
-            ids.extend(piece_ids)
-            labels.extend(piece_ids if trained else [IGNORE_INDEX] * len(piece_ids))
-
-    start = 0
-    for turn in _ASSISTANT_TURN.finditer(text):
-        answer_at = turn.start(1)
-        if turn.group(1).startswith(EMPTY_THINKING):
-            answer_at += len(EMPTY_THINKING)
-        add(text[start:answer_at], trained=not assistant_only_loss)
-        add(text[answer_at : turn.end(1)], trained=True)
-        start = turn.end(1)
-    if start == 0:
-        raise ValueError(
-            f"the chat template rendered no assistant turn ('{ASSISTANT_HEADER.strip()}' ... '{TURN_END}'); "
-            "SFT needs a Qwen3/ChatML-style template and at least one assistant message"
-        )
-    add(text[start:], trained=not assistant_only_loss)
-    return ids, labels
 
 
 # --------------------------------------------------------------------------- packing
@@ -270,11 +236,16 @@ def _rows_for_split(path: Path, tokenizer: Any, settings: dict[str, Any]) -> tup
         rows = list(pack(documents, max_len))
     else:
         examples = []
-        for record in _read_jsonl(path):
+        problems: list[tuple[int, str]] = []
+        for line, record in enumerate(_read_jsonl(path), start=1):
             stats["documents"] += 1
-            ids, labels = tokenize_conversation(
-                tokenizer, record["messages"], settings["enable_thinking"], settings["assistant_only_loss"]
-            )
+            try:
+                ids, labels = tokenize_conversation(
+                    tokenizer, record["messages"], settings["enable_thinking"], settings["assistant_only_loss"]
+                )
+            except ConversationError as exc:
+                problems.append((line, str(exc)))
+                continue
             if len(ids) > max_len:
                 stats["truncated"] += 1
                 ids, labels = ids[:max_len], labels[:max_len]
@@ -282,6 +253,8 @@ def _rows_for_split(path: Path, tokenizer: Any, settings: dict[str, Any]) -> tup
                 stats["dropped"] += 1  # truncation left no assistant token to learn from
                 continue
             examples.append((ids, labels))
+        if problems:
+            raise ConversationRowsError(path, problems)
         if settings["packing"]:
             rows = pack_best_fit(examples, max_len)
         else:

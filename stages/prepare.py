@@ -13,8 +13,10 @@ Reads top to bottom:
    `skip_if_unchanged` and unchanged data, the run ends after prepare (steps 4 and 5 are not needed).
 4. The tokenizer (`stages.tokenizer`) into `prepare/tokenizer/`, trained on the training rows for a model
    built from config.
-5. Token caches: `stages.packing.build_token_cache(run_dir, spec, stage)` for each enabled training stage,
-   when that module exists; tokenization happens once, here.
+5. Token caches: `stages.packing.build_token_cache(run_dir, spec, stage)` for each enabled training stage;
+   tokenization happens once, here. Every conversation goes through the model's chat template (stages.chat),
+   the ones the trainers template themselves (rlhf's pairs, evaluate's chat rows) too: a row the template
+   refuses, a model without a template, a tokenizer without eos fail here (one error, exit 2).
 6. Tracking: the MLflow parent run of the pipeline run and prepare's own run, W&B group; then ctx.finish
    with the Argo output parameters `fingerprint`, `unchanged`, `tokenizer_hash`, `mlflow_parent_run_id`, and
    `proceed`/`skip-reason` (the later stages run only when proceed is true; the reason shows in the Argo UI
@@ -23,14 +25,12 @@ Reads top to bottom:
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
-from stages.contract import EXIT_OK, RunDir, StageContext, canonical_hash, write_json_atomic
+from stages.contract import EXIT_OK, RunDir, StageContext, StageRefused, canonical_hash, write_json_atomic
 from stages.data import BUILTIN_TASKS_DIR, DataError, Dataset, read_dataset, split_eval, write_jsonl
 from stages.tokenizer import build_tokenizer, render_for_training, tokenizer_hash
 from stages.tracking import StageTracker
@@ -115,12 +115,44 @@ def check_lm_eval_tasks(ctx: StageContext) -> None:
 
 
 def build_token_caches(run_dir: RunDir, spec: PipelineSpec, stages: list[str]) -> dict[str, Path]:
-    """Tokenize each training stage's data once, through stages.packing when it exists."""
-    if importlib.util.find_spec("stages.packing") is None:
-        print("[prepare] stages.packing is not there yet: no token caches built", flush=True)
-        return {}
-    packing = importlib.import_module("stages.packing")
-    return {stage: Path(packing.build_token_cache(run_dir, spec, stage)) for stage in stages}
+    """Tokenize each training stage's data once; StageRefused naming the stage's data and its rows when the chat
+    template cannot render some of its conversations."""
+    from stages.packing import ConversationRowsError, build_token_cache
+
+    caches = {}
+    for stage in stages:
+        try:
+            caches[stage] = Path(build_token_cache(run_dir, spec, stage))
+        except ConversationRowsError as exc:
+            raise StageRefused(f"stages.{stage}.data ({spec.data_uri(spec.stage(stage).data)}): {exc}") from None
+    return caches
+
+
+def check_conversations(spec: PipelineSpec, tokenizer: Any, stage: str, dataset: Dataset) -> None:
+    """Render every conversation the trainers will template themselves (preference pairs for rlhf, chat rows for
+    evaluate) with the model's chat template: a row the template refuses fails prepare, naming it, instead of
+    the stage hours later."""
+    from stages.chat import ConversationError, tokenize_conversation
+    from stages.packing import ConversationRowsError
+
+    problems: list[tuple[int, str]] = []
+    for line, row in enumerate(dataset.rows, start=1):
+        conversations = [row["messages"]] if "messages" in row else []
+        if "prompt" in row:
+            conversations = [[*row["prompt"], *row["chosen"]], [*row["prompt"], *row["rejected"]]]
+        try:
+            for messages in conversations:
+                tokenize_conversation(tokenizer, messages)
+        except ConversationError as exc:
+            problems.append((line, str(exc)))
+    if problems:
+        uri = spec.data_uri(spec.stage(stage).data)
+        raise StageRefused(f"stages.{stage}.data ({uri}): {ConversationRowsError(Path(uri), problems)}")
+
+
+def needs_chat_template(datasets: dict[str, Dataset]) -> bool:
+    """Whether any stage reads conversations (a model without a chat template can still do CPT)."""
+    return any(d.kind in ("chat", "preference") for d in datasets.values())
 
 
 def build_tokenizer_and_caches(
@@ -128,13 +160,21 @@ def build_tokenizer_and_caches(
 ) -> tuple[Path, Any, str, dict[str, Path]]:
     """The tokenizer (trained on the training rows, every stage but evaluate, when the model is built from
     config) and the token caches of the stages the packer tokenizes (text and chat data; preference data
-    is tokenized by the preference trainer itself)."""
+    is tokenized by the preference trainer itself, after prepare checked the template renders it)."""
+    from stages.chat import TemplateError
+
     training = [s for s in TRAINING_STAGES if s in datasets]
     texts = (render_for_training(r) for s in training for r in datasets[s].rows)
     tokenizer_dir = ctx.dir / "tokenizer"
-    tokenizer = build_tokenizer(ctx.spec, texts, tokenizer_dir)
+    try:
+        tokenizer = build_tokenizer(ctx.spec, texts, tokenizer_dir, needs_template=needs_chat_template(datasets))
+    except TemplateError as exc:
+        raise StageRefused(str(exc)) from None
     tok_hash = tokenizer_hash(tokenizer_dir)
     print(f"[prepare] tokenizer: {len(tokenizer)} tokens, {tok_hash[:19]}", flush=True)
+    for stage, dataset in datasets.items():
+        if stage in ("rlhf", "evaluate") and dataset.kind in ("chat", "preference"):
+            check_conversations(ctx.spec, tokenizer, stage, dataset)
     packed = [s for s in training if datasets[s].kind in ("text", "chat")]
     return tokenizer_dir, tokenizer, tok_hash, build_token_caches(ctx.run_dir, ctx.spec, packed)
 
@@ -213,7 +253,9 @@ def run(ctx: StageContext) -> int:
             datasets[stage] = dataset
             print(
                 f"[prepare] {stage}: {counts[stage]['train_rows']} train + {counts[stage]['eval_rows']} eval rows, "
-                f"{counts[stage]['quarantined']} quarantined ({dataset.uri})",
+                f"{counts[stage]['quarantined']} quarantined ({dataset.uri}, {data.format}"
+                + "".join(f", {key}←{column}" for key, column in data.columns.items())
+                + ")",
                 flush=True,
             )
         tasks = write_builtin_tasks(ctx)

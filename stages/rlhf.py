@@ -304,7 +304,10 @@ def make_trainer(
         return KTOTrainer(**common, eval_dataset=eval_rows, ref_model=frozen_reference(section, start))
     from trl import GRPOTrainer
 
-    end_ids = {tokenizer.eos_token_id, *_as_list(start.model.generation_config.eos_token_id)} - {None}
+    from stages.chat import stop_token_ids
+
+    # Where a turn ends in this template (Gemma's <end_of_turn>, Llama-3's <|eot_id|>), besides the eos ids.
+    end_ids = {*stop_token_ids(tokenizer), *_as_list(start.model.generation_config.eos_token_id)} - {None}
     rewards, _ = build_reward_functions(
         section.reward_functions, end_token_ids=sorted(end_ids), modules=section.reward_modules
     )

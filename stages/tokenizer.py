@@ -1,16 +1,14 @@
-# ruff: noqa: E501  (the Qwen3 chat template below is kept byte-identical, long lines included)
 """The tokenizer every stage uses, saved by prepare to `<run>/prepare/tokenizer/`.
 
 For a real model it is the model's own tokenizer (`AutoTokenizer.from_pretrained` with the spec's revision and
-trust_remote_code; HF_TOKEN is read from the environment by the hub client). For a model built from a config
+trust_remote_code; HF_TOKEN is read from the environment by the hub client), with its own chat template, or the
+one `model.chat_template` names (base models and CPT outputs have none; a known template's special tokens are
+added, and the model's embeddings grow to hold them: see stages.modeling). For a model built from a config
 (offline runs) it is a byte-level BPE tokenizer trained here on the run's training text, with the spec's
-vocab_size including the special tokens. Either way it ends up with:
+vocab_size including the special tokens of its family's real chat template (Qwen3's for qwen3 and qwen3_moe,
+Llama-3's for llama, Gemma 3's, EXAONE 4's, Mistral's: stages.chat), so a tiny model speaks its family's format.
 
-- the Qwen3 chat template (`<|im_start|>role\n...<|im_end|>\n`; the last assistant turn and, with
-  `enable_thinking=False`, the generation prompt carry the empty thinking block `<think>\n\n</think>\n\n`),
-  kept byte-identical to Qwen3's so TRL recognises it and swaps in its training variant for assistant-only loss;
-- eos `<|im_end|>` (the end of an assistant turn) and pad `<|endoftext|>` for the trained tokenizer; a loaded
-  tokenizer without a pad token pads with its eos token.
+A tokenizer without a pad token pads with its eos token; one without an eos token is refused.
 """
 
 from __future__ import annotations
@@ -22,167 +20,107 @@ from typing import Any
 
 from workflows.spec import PipelineSpec
 
-ENDOFTEXT = "<|endoftext|>"
-IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
+ENDOFTEXT = "<|endoftext|>"
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
-SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END, THINK_OPEN, THINK_CLOSE)
-"""The first ids of a trained tokenizer, in this order. The think tags decode like text (not special)."""
-
-QWEN3_CHAT_TEMPLATE = r"""{%- if tools %}
-    {{- '<|im_start|>system\n' }}
-    {%- if messages[0].role == 'system' %}
-        {{- messages[0].content + '\n\n' }}
-    {%- endif %}
-    {{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
-    {%- for tool in tools %}
-        {{- "\n" }}
-        {{- tool | tojson }}
-    {%- endfor %}
-    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
-{%- else %}
-    {%- if messages[0].role == 'system' %}
-        {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
-    {%- endif %}
-{%- endif %}
-{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
-{%- for message in messages[::-1] %}
-    {%- set index = (messages|length - 1) - loop.index0 %}
-    {%- if ns.multi_step_tool and message.role == "user" and message.content is string and not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
-        {%- set ns.multi_step_tool = false %}
-        {%- set ns.last_query_index = index %}
-    {%- endif %}
-{%- endfor %}
-{%- for message in messages %}
-    {%- if message.content is string %}
-        {%- set content = message.content %}
-    {%- else %}
-        {%- set content = '' %}
-    {%- endif %}
-    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
-        {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>' + '\n' }}
-    {%- elif message.role == "assistant" %}
-        {%- set reasoning_content = '' %}
-        {%- if message.reasoning_content is string %}
-            {%- set reasoning_content = message.reasoning_content %}
-        {%- else %}
-            {%- if '</think>' in content %}
-                {%- set reasoning_content = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
-                {%- set content = content.split('</think>')[-1].lstrip('\n') %}
-            {%- endif %}
-        {%- endif %}
-        {%- if loop.index0 > ns.last_query_index %}
-            {%- if loop.last or (not loop.last and reasoning_content) %}
-                {{- '<|im_start|>' + message.role + '\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}
-            {%- else %}
-                {{- '<|im_start|>' + message.role + '\n' + content }}
-            {%- endif %}
-        {%- else %}
-            {{- '<|im_start|>' + message.role + '\n' + content }}
-        {%- endif %}
-        {%- if message.tool_calls %}
-            {%- for tool_call in message.tool_calls %}
-                {%- if (loop.first and content) or (not loop.first) %}
-                    {{- '\n' }}
-                {%- endif %}
-                {%- if tool_call.function %}
-                    {%- set tool_call = tool_call.function %}
-                {%- endif %}
-                {{- '<tool_call>\n{"name": "' }}
-                {{- tool_call.name }}
-                {{- '", "arguments": ' }}
-                {%- if tool_call.arguments is string %}
-                    {{- tool_call.arguments }}
-                {%- else %}
-                    {{- tool_call.arguments | tojson }}
-                {%- endif %}
-                {{- '}\n</tool_call>' }}
-            {%- endfor %}
-        {%- endif %}
-        {{- '<|im_end|>\n' }}
-    {%- elif message.role == "tool" %}
-        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}
-            {{- '<|im_start|>user' }}
-        {%- endif %}
-        {{- '\n<tool_response>\n' }}
-        {{- content }}
-        {{- '\n</tool_response>' }}
-        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
-            {{- '<|im_end|>\n' }}
-        {%- endif %}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\n' }}
-    {%- if enable_thinking is defined and enable_thinking is false %}
-        {{- '<think>\n\n</think>\n\n' }}
-    {%- endif %}
-{%- endif %}"""
-"""Qwen3's chat template (Apache-2.0, from the Qwen3 tokenizer_config.json), unchanged."""
 
 
 def render_for_training(row: dict[str, Any]) -> str:
-    """A canonical data row as the text the tokenizer learns from (chat rows with their role markers)."""
+    """A canonical data row as the text a tokenizer learns from (the messages' contents, one per line; the
+    template's markers are special tokens, never split)."""
     if "text" in row:
         return row["text"]
     messages = row.get("messages") or [*row["prompt"], *row["chosen"], *row["rejected"]]
-    return "".join(f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n" for m in messages)
+    return "\n".join(m["content"] for m in messages)
 
 
-def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, model_max_length: int) -> Any:
+def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, model_max_length: int, template: str = "qwen3") -> Any:
     """A byte-level BPE tokenizer trained on `texts`, with exactly `vocab_size` entries at most (the special
-    tokens included), wrapped as a transformers fast tokenizer."""
+    tokens included), wrapped as a transformers fast tokenizer, with the special tokens of the known chat
+    template `template` (see stages.chat.KNOWN_TEMPLATES) and that template."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
+    from stages.chat import KNOWN_TEMPLATES, template_text
+
+    tokens = KNOWN_TEMPLATES[template]
+    # Every control token first, then the text tokens, so vocab_size counts them all.
+    special = [t for t in (tokens.pad, tokens.bos, tokens.eos, *tokens.extra, *tokens.text_tokens) if t is not None]
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(dict.fromkeys(special)),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer)
-    # The think tags stay single tokens but decode as text, as in Qwen3.
-    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in (THINK_OPEN, THINK_CLOSE)])
-    return PreTrainedTokenizerFast(
+    # Tokens such as Qwen3's think tags stay single tokens but decode as text, as in the real tokenizers.
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in tokens.text_tokens])
+    trained = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
-        eos_token=IM_END,
-        pad_token=ENDOFTEXT,
+        bos_token=tokens.bos,
+        eos_token=tokens.eos,
+        pad_token=tokens.pad,
         model_max_length=model_max_length,
         padding_side="right",
+        extra_special_tokens=[t for t in tokens.extra if t not in (tokens.bos, tokens.eos, tokens.pad)],
     )
+    trained.chat_template = template_text(template)
+    return trained
 
 
-def load_pretrained_tokenizer(spec: PipelineSpec) -> Any:
-    """The base model's tokenizer, from the hub or a local path, pinned to the spec's revision."""
+def load_pretrained_tokenizer(spec: PipelineSpec, needs_template: bool = True) -> Any:
+    """The base model's tokenizer, from the hub or a local path, pinned to the spec's revision; with
+    `model.chat_template` when the spec sets one (a known template brings its special tokens, which the model's
+    embeddings grow to hold). TemplateError when a chat stage needs a template and there is none, or the
+    tokenizer has no eos token."""
     from transformers import AutoTokenizer
+
+    from stages.chat import KNOWN_TEMPLATES, TemplateError, template_text
 
     model = spec.model
     tokenizer = AutoTokenizer.from_pretrained(
         model.name_or_path, revision=model.revision, trust_remote_code=model.trust_remote_code
     )
-    if tokenizer.chat_template is None:
-        missing = [t for t in (IM_START, IM_END) if t not in tokenizer.get_vocab()]
-        if missing:
-            tokenizer.add_special_tokens({"additional_special_tokens": missing})
-        tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
+    if model.chat_template is not None:
+        known = KNOWN_TEMPLATES.get(model.chat_template)
+        if known is not None:
+            needed = [t for t in (known.eos, *known.extra) if t not in tokenizer.get_vocab()]
+            if needed:
+                tokenizer.add_special_tokens({"additional_special_tokens": needed}, replace_extra_special_tokens=False)
+            if known.eos in tokenizer.get_vocab():
+                tokenizer.eos_token = known.eos  # generation stops where an assistant turn ends
+        tokenizer.chat_template = template_text(model.chat_template)
+    elif tokenizer.chat_template is None and needs_template:
+        raise TemplateError(
+            f"{model.name_or_path} has no chat template, and the pipeline trains or evaluates on conversations: "
+            f"set model.chat_template to one of {', '.join(KNOWN_TEMPLATES)} or to a Jinja file"
+        )
+    if tokenizer.eos_token is None:
+        raise TemplateError(f"{model.name_or_path}'s tokenizer has no eos token: it cannot end a document or a turn")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
 
-def build_tokenizer(spec: PipelineSpec, texts: Iterable[str], out_dir: Path) -> Any:
-    """Build (from_config) or load the run's tokenizer, give it the chat template, and save it to `out_dir`."""
+def build_tokenizer(spec: PipelineSpec, texts: Iterable[str], out_dir: Path, needs_template: bool = True) -> Any:
+    """Build (from_config: trained here, with the family's template or model.chat_template's) or load the run's
+    tokenizer, and save it to `out_dir`."""
+    from stages.chat import FAMILY_TEMPLATE, KNOWN_TEMPLATES, template_text
+
     tiny = spec.model.from_config
     if tiny is not None:
-        tokenizer = train_bpe_tokenizer(texts, tiny.vocab_size, tiny.max_position_embeddings)
-        tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
+        name = spec.model.chat_template or FAMILY_TEMPLATE[tiny.architecture]
+        base = name if name in KNOWN_TEMPLATES else FAMILY_TEMPLATE[tiny.architecture]
+        tokenizer = train_bpe_tokenizer(texts, tiny.vocab_size, tiny.max_position_embeddings, base)
+        tokenizer.chat_template = template_text(name)
+        if tokenizer.pad_token is None:  # Llama-3 and Mistral have none, as their real tokenizers
+            tokenizer.pad_token = tokenizer.eos_token
     else:
-        tokenizer = load_pretrained_tokenizer(spec)
+        tokenizer = load_pretrained_tokenizer(spec, needs_template)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(str(out_dir))
     return tokenizer

@@ -13,8 +13,12 @@ import yaml
 
 from stages.builtin_data import (
     BUILTIN_DATASETS,
+    DOLLY_CATEGORIES,
+    DOLLY_COLUMNS,
+    HELDOUT_BILLS,
     LM_EVAL_TASKS,
     BuiltinDataError,
+    bills,
     builtin_dataset,
     constitution,
     corpus_dir,
@@ -22,7 +26,8 @@ from stages.builtin_data import (
     source_files,
     write_lm_eval_tasks,
 )
-from stages.data import normalize_row, read_jsonl, sha256_rows
+from stages.data import DataError, normalize_row, read_dataset, read_jsonl, sha256_rows
+from workflows.spec import DataSpec
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -40,12 +45,14 @@ def test_corpus_is_read_from_the_installed_konlpy_without_importing_it():
 
 
 @pytest.mark.parametrize("name", sorted(BUILTIN_DATASETS))
-def test_every_row_is_valid_and_already_canonical(name: str):
-    fmt, _ = BUILTIN_DATASETS[name]
+def test_every_row_is_valid_and_canonical_unless_read_through_columns(name: str):
+    builtin = BUILTIN_DATASETS[name]
     rows = builtin_dataset(name)
     assert rows
     for row in rows:
-        assert normalize_row(row, fmt) == row
+        normalized = normalize_row(row, builtin.format, columns=builtin.columns)
+        # Rows in a canonical form come out as they are; dolly's and ShareGPT's shapes are read into one.
+        assert normalized == row or builtin.columns or builtin.format == "sharegpt"
 
 
 def test_sizes_and_content_come_from_the_corpus():
@@ -68,9 +75,58 @@ def test_heldout_documents_are_not_used_for_training():
     assert len(heldout) >= 5
     training_text = "\n".join(r["text"] for r in builtin_dataset("korean-corpus"))
     training_text += "\n".join(m["content"] for r in builtin_dataset("korean-instructions") for m in r["messages"])
+    training_text += "\n".join(v for r in builtin_dataset("korean-dolly") for v in r.values())
     for doc in heldout:
         body = doc.split("\n", 1)[1] if doc.startswith("대한민국헌법 부칙") else doc
         assert body[:200] not in training_text
+
+
+DOLLY_CONTEXTS = {
+    "open_qa": False,
+    "closed_qa": True,
+    "information_extraction": True,
+    "summarization": True,
+    "brainstorming": False,
+    "classification": False,
+    "creative_writing": False,
+    "general_qa": False,
+}
+"""databricks-dolly-15k's categories → whether korean-dolly's rows of it have a context."""
+
+
+def test_korean_dolly_is_shaped_like_databricks_dolly():
+    rows = builtin_dataset("korean-dolly")
+    assert 150 <= len(rows) <= 300 and len({tuple(r.values()) for r in rows}) == len(rows)
+    assert all(list(r) == ["instruction", "context", "response", "category"] for r in rows)
+    assert all(isinstance(v, str) and (v.strip() or k == "context") for r in rows for k, v in r.items())
+    assert {r["category"] for r in rows} == set(DOLLY_CATEGORIES) == set(DOLLY_CONTEXTS)
+    for row in rows:
+        assert bool(row["context"]) == DOLLY_CONTEXTS[row["category"]], row
+    # a context is an article of the constitution or the start of a training bill, line for line
+    articles = {a.text for a in constitution().articles}
+    bill_lines = [set(b.text.splitlines()) for b in bills()[:-HELDOUT_BILLS]]
+    for context in (r["context"] for r in rows if r["context"]):
+        assert context in articles or any(set(context.splitlines()) <= lines for lines in bill_lines), context
+    kinds = {"article" if r["context"] in articles else "bill" for r in rows if r["context"]}
+    assert kinds == {"article", "bill"}
+
+
+def test_korean_dolly_is_read_as_alpaca_only_through_the_columns():
+    """The rows keep dolly's names: the spec's columns are what map them, as for databricks-dolly-15k."""
+    rows = builtin_dataset("korean-dolly")
+    builtin = BUILTIN_DATASETS["korean-dolly"]
+    assert (builtin.format, builtin.columns) == ("alpaca", {"input": "context", "output": "response"})
+    with pytest.raises(DataError, match=r"korean-dolly:1: field 'output': missing"):
+        read_dataset(DataSpec(uri="builtin:korean-dolly", format="alpaca"))
+    dataset = read_dataset(DataSpec(uri="builtin:korean-dolly", format="alpaca", columns=DOLLY_COLUMNS), stage="sft")
+    assert len(dataset.rows) == len(rows) and not dataset.errors
+    closed = next(r for r in rows if r["category"] == "closed_qa")
+    user = f"{closed['instruction']}\n\n{closed['context']}"
+    assert {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": closed["response"]}]} in (
+        dataset.rows
+    )
+    open_qa = next(r for r in rows if r["category"] == "open_qa")
+    assert {"role": "user", "content": open_qa["instruction"]} in (m for r in dataset.rows for m in r["messages"])
 
 
 def test_generation_is_deterministic_across_processes():
@@ -136,3 +192,13 @@ def test_the_corpus_text_is_not_committed_to_the_repository():
             continue
         if path.suffix in {".py", ".json", ".jsonl", ".txt", ".md", ".yaml", ".yml"}:
             assert probe not in path.read_text(encoding="utf-8", errors="ignore"), path
+
+
+def test_korean_sharegpt_is_the_instructions_in_sharegpt_shape() -> None:
+    rows = builtin_dataset("korean-sharegpt")
+    assert rows and all(set(row) == {"conversations"} for row in rows)
+    assert {turn["from"] for row in rows for turn in row["conversations"]} == {"system", "human", "gpt"}
+    dataset = read_dataset(DataSpec(uri="builtin:korean-sharegpt", format="sharegpt"), stage="sft")
+    assert [row["messages"] for row in dataset.rows] == [
+        row["messages"] for row in builtin_dataset("korean-instructions")
+    ]

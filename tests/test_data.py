@@ -279,3 +279,274 @@ def test_object_storage_and_unknown_builtin_are_clear_errors():
         read_dataset(DataSpec(uri="s3://bucket/data.jsonl", format="text"))
     with pytest.raises(DataError, match="unknown builtin dataset 'nope'; known: korean-corpus"):
         read_dataset(DataSpec(uri="builtin:nope", format="text"))
+
+
+# --------------------------------------------------------------------------- column and role mapping
+
+DOLLY = {"input": "context", "output": "response"}
+
+
+def dolly_row(instruction: str, context: str, response: str, category: str = "closed_qa") -> dict[str, str]:
+    return {"instruction": instruction, "context": context, "response": response, "category": category}
+
+
+def jsonl(path: Path, rows: list[Any]) -> Path:
+    return write_lines(path, [json.dumps(r, ensure_ascii=False) for r in rows])
+
+
+def test_a_dolly_row_is_read_as_alpaca_through_columns(tmp_path: Path):
+    path = jsonl(
+        tmp_path / "dolly.jsonl",
+        [
+            dolly_row("요약하세요", "헌법 제1조 본문", "민주공화국"),
+            dolly_row("하늘은 왜 파랄까?", "", "산란", "open_qa"),
+        ],
+    )
+    dataset = read_dataset(spec_for(path, "alpaca", columns=DOLLY))
+    assert dataset.rows == [
+        {
+            "messages": [
+                {"role": "user", "content": "요약하세요\n\n헌법 제1조 본문"},
+                {"role": "assistant", "content": "민주공화국"},
+            ]
+        },
+        {"messages": [{"role": "user", "content": "하늘은 왜 파랄까?"}, {"role": "assistant", "content": "산란"}]},
+    ]
+
+
+def test_alpaca_history_and_system_columns_become_earlier_turns(tmp_path: Path):
+    """LLaMA-Factory's alpaca: history is [instruction, response] pairs before this turn; read from Parquet."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    table = pa.table(
+        {
+            "q": ["두 번째 질문"],
+            "a": ["두 번째 답"],
+            "sys": ["한국어로 답하세요."],
+            "past": [[["첫 질문", "첫 답"]]],
+        }
+    )
+    pq.write_table(table, tmp_path / "chat.parquet")
+    columns = {"instruction": "q", "output": "a", "system": "sys", "history": "past"}
+    assert read_dataset(spec_for(tmp_path / "chat.parquet", "alpaca", columns=columns)).rows == [
+        {
+            "messages": [
+                {"role": "system", "content": "한국어로 답하세요."},
+                {"role": "user", "content": "첫 질문"},
+                {"role": "assistant", "content": "첫 답"},
+                {"role": "user", "content": "두 번째 질문"},
+                {"role": "assistant", "content": "두 번째 답"},
+            ]
+        }
+    ]
+    bad = {"q": "질문", "a": "답", "past": [["첫 질문", "첫 답"], ["짝이 없음"]]}
+    with pytest.raises(DataError, match=r"b\.jsonl:1: field 'past\[1\]' \(columns\.history\): expected a pair"):
+        read_dataset(spec_for(jsonl(tmp_path / "b.jsonl", [bad]), "alpaca", columns=columns))
+
+
+def test_sharegpt_with_its_own_keys_role_tags_and_system_column(tmp_path: Path):
+    """A LLaMA-Factory sharegpt dataset: columns for the list, the system prompt and the message keys, and tags."""
+    row = {
+        "dialog": [{"speaker": "customer", "text": "환불되나요?"}, {"speaker": "agent", "text": "네, 가능합니다."}],
+        "prompt_system": "상담원으로 답하세요.",
+    }
+    columns = {"conversations": "dialog", "system": "prompt_system", "from": "speaker", "value": "text"}
+    roles = {"user": "customer", "assistant": "agent"}
+    path = jsonl(tmp_path / "sharegpt.jsonl", [row])
+    assert read_dataset(spec_for(path, "sharegpt", columns=columns, roles=roles)).rows == [
+        {
+            "messages": [
+                {"role": "system", "content": "상담원으로 답하세요."},
+                {"role": "user", "content": "환불되나요?"},
+                {"role": "assistant", "content": "네, 가능합니다."},
+            ]
+        }
+    ]
+    # a role given in roles accepts its tag only; the default tags of the others still work
+    human = {"dialog": [{"speaker": "human", "text": "q"}, {"speaker": "agent", "text": "a"}]}
+    assert (
+        normalize_row(human, "sharegpt", columns=columns, roles={"assistant": "agent"})["messages"][0]["role"] == "user"
+    )
+    path = jsonl(tmp_path / "human.jsonl", [row, human])
+    expected = (
+        r"human\.jsonl:2: field 'dialog\[0\]\.speaker' \(columns\.conversations, "
+        r"columns\.from\): unknown role 'human'"
+    )
+    with pytest.raises(DataError, match=expected):
+        read_dataset(spec_for(path, "sharegpt", columns=columns, roles=roles))
+
+
+def test_messages_with_their_own_role_and_content_keys(tmp_path: Path):
+    row = {"chat": [{"author": "user", "body": "안녕?"}, {"author": "model", "body": "안녕하세요."}]}
+    columns = {"messages": "chat", "role": "author", "content": "body"}
+    path = jsonl(tmp_path / "m.jsonl", [row])
+    assert read_dataset(spec_for(path, "messages", columns=columns, roles={"assistant": "model"})).rows == [
+        {"messages": [{"role": "user", "content": "안녕?"}, {"role": "assistant", "content": "안녕하세요."}]}
+    ]
+    expected = r"m\.jsonl:1: field 'chat\[1\]\.author' \(columns\.messages, columns\.role\): unknown role 'model'"
+    with pytest.raises(DataError, match=expected):
+        read_dataset(spec_for(path, "messages", columns=columns))
+
+
+def test_preference_with_renamed_columns_and_a_system_column(tmp_path: Path):
+    row = {"question": "수도는?", "good": "서울", "bad": "부산", "sys": "짧게 답하세요."}
+    columns = {"prompt": "question", "chosen": "good", "rejected": "bad", "system": "sys"}
+    path = jsonl(tmp_path / "p.jsonl", [row])
+    assert read_dataset(spec_for(path, "preference", columns=columns)).rows == [
+        {
+            "prompt": [{"role": "system", "content": "짧게 답하세요."}, {"role": "user", "content": "수도는?"}],
+            "chosen": [{"role": "assistant", "content": "서울"}],
+            "rejected": [{"role": "assistant", "content": "부산"}],
+        }
+    ]
+
+
+def test_text_column_mapping_is_text_field(tmp_path: Path):
+    path = jsonl(tmp_path / "t.jsonl", [{"body": "본문"}])
+    by_columns = read_dataset(spec_for(path, "text", columns={"text": "body"}))
+    by_text_field = read_dataset(spec_for(path, "text", text_field="body"))
+    assert by_columns.rows == by_text_field.rows == [{"text": "본문"}]
+    assert by_columns.fingerprint == by_text_field.fingerprint  # one setting, two spellings
+
+
+def test_the_mapping_is_part_of_the_fingerprint(tmp_path: Path):
+    path = jsonl(tmp_path / "d.jsonl", [{**dolly_row("q", "c", "r"), "output": "o"}])
+    plain = read_dataset(spec_for(path, "alpaca")).fingerprint
+    assert read_dataset(spec_for(path, "alpaca", columns=DOLLY)).fingerprint != plain
+    path = jsonl(
+        tmp_path / "s.jsonl", [{"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}]
+    )
+    tags = read_dataset(spec_for(path, "sharegpt", roles={"user": "human"})).fingerprint
+    assert read_dataset(spec_for(path, "sharegpt")).fingerprint != tags
+
+
+def test_a_row_missing_a_mapped_column_names_the_column_and_the_mapping(tmp_path: Path):
+    rows = [dolly_row("q1", "", "a1"), dolly_row("q2", "", "a2"), {"instruction": "q3", "context": "", "answer": "a3"}]
+    path = jsonl(tmp_path / "train.jsonl", rows)
+    with pytest.raises(DataError) as err:
+        read_dataset(spec_for(path, "alpaca", columns=DOLLY))
+    assert f"{path}:3: field 'response' (columns.output): missing" in str(err.value)
+    dataset = read_dataset(spec_for(path, "alpaca", bad=0.5, columns=DOLLY))  # quarantined like any bad row
+    assert (len(dataset.rows), dataset.total) == (2, 3)
+    assert str(dataset.errors[0]) == f"{path}:3: field 'response' (columns.output): missing"
+    assert dataset.errors[0].record()["mapping"] == "columns.output"
+    # a row that has the format's own name says so
+    own = jsonl(tmp_path / "own.jsonl", [dolly_row("q", "", "a"), {"instruction": "q", "output": "a"}])
+    expected = (
+        r"own\.jsonl:2: field 'response' \(columns\.output\): missing \(the row has 'output', the format's own name"
+    )
+    with pytest.raises(DataError, match=expected):
+        read_dataset(spec_for(own, "alpaca", columns=DOLLY))
+
+
+def test_a_mapping_no_row_matches_is_one_error_naming_the_columns_the_rows_have(tmp_path: Path):
+    """Alpaca rows read with dolly's columns: every row lacks 'response'; one error says the mapping is wrong."""
+    rows = [{"instruction": f"질문 {i}", "input": "", "output": f"답 {i}"} for i in range(3)]
+    path = jsonl(tmp_path / "alpaca.jsonl", rows)
+    with pytest.raises(DataError) as err:
+        read_dataset(spec_for(path, "alpaca", columns=DOLLY), stage="sft")
+    message = str(err.value)
+    assert "columns.output names column 'response', which no row has (all 3 rows lack it" in message
+    assert "they have 'input', 'instruction', 'output'" in message and "fix stages.sft.data.columns.output" in message
+    assert message.count("field 'response'") == 1 and f"{path}:1:" in message
+    # a sharegpt message key the messages do not have
+    convo = {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}
+    path = jsonl(tmp_path / "sharegpt.jsonl", [convo, convo])
+    expected = (
+        r"columns\.value names message key 'content', which no message has \(all 2 "
+        r"rows lack it; they have 'from', 'value'\)"
+    )
+    with pytest.raises(DataError, match=expected):
+        read_dataset(spec_for(path, "sharegpt", bad=0.9, columns={"value": "content"}))
+
+
+def test_a_mapping_the_first_rows_all_miss_stops_the_read_there(tmp_path: Path):
+    rows = [{"instruction": f"질문 {i}", "output": f"답 {i}"} for i in range(250)]
+    path = jsonl(tmp_path / "big.jsonl", rows)
+    with pytest.raises(DataError, match=r"which no row has \(the first 100 rows all lack it"):
+        read_dataset(spec_for(path, "alpaca", bad=0.99, columns=DOLLY))
+    # a mapped column that some rows have is no mapping mistake: those rows are bad rows as usual
+    mixed = jsonl(tmp_path / "mixed.jsonl", [{"instruction": "q", "output": "a"}, dolly_row("q", "", "a")])
+    with pytest.raises(DataError, match=r"1 of 2 rows are bad") as err:
+        read_dataset(spec_for(mixed, "alpaca", columns=DOLLY))
+    assert "which no row has" not in str(err.value)
+
+
+SPEC_ERRORS = [
+    ("alpaca", {"columns": {"answer": "response"}}, r"format 'alpaca' has no column 'answer'; it has instruction, "
+     r"input, output, system, history"),
+    ("sharegpt", {"columns": {"role": "speaker"}}, r"format 'sharegpt' has no column 'role'; it has conversations, "
+     r"system, from, value"),
+    ("sharegpt", {"roles": {"bot": "gpt"}}, r"'bot' is not a role; roles maps user, assistant, system"),
+    ("alpaca", {"roles": {"user": "human"}}, r"format 'alpaca' has no role tags; roles applies to messages and "
+     r"sharegpt"),
+    ("text", {"roles": {"user": "human"}}, r"format 'text' has no role tags"),
+    ("preference", {"roles": {"assistant": "gpt"}}, r"format 'preference' has no role tags"),
+    ("text", {"columns": {"text": "body"}, "text_field": "content"}, r"columns\.text \('body'\) and text_field "
+     r"\('content'\) both name the text column"),
+    ("alpaca", {"columns": {"output": "instruction"}}, r"instruction \(not mapped\) and columns\.output both read "
+     r"'instruction'"),
+    ("sharegpt", {"roles": {"user": "x", "assistant": "x"}}, r"roles\.assistant and roles\.user are both 'x'"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("fmt", "settings", "words"), SPEC_ERRORS, ids=[str(s) for _, s, _ in SPEC_ERRORS])
+def test_a_mapping_the_format_cannot_have_is_a_spec_error(fmt: str, settings: dict[str, Any], words: str):
+    with pytest.raises(ValueError, match=words):
+        DataSpec(uri="d.jsonl", format=fmt, **settings)
+
+
+def test_a_spec_error_of_the_mapping_names_the_file_line_and_field(tmp_path: Path):
+    from workflows.loading import SpecError, load_pipeline
+
+    text = (
+        "name: demo\nmodel:\n  name_or_path: Qwen/Qwen3-0.6B\nstages:\n  sft:\n    data:\n"
+        "      uri: /mnt/datasets/dolly.jsonl\n      format: alpaca\n"
+        "      columns: {input: context, response: response}\n"
+    )
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(SpecError) as err:
+        load_pipeline(str(path))
+    assert f"{path}:9: stages.sft.data.columns.response: format 'alpaca' has no column 'response'" in str(err.value)
+
+
+def test_the_llama3_dolly_pipeline_reads_dolly_rows_end_to_end(tmp_path: Path):
+    from workflows.loading import load_pipeline
+
+    data = load_pipeline("llama3-dolly").spec.stages.sft.data
+    rows = [
+        dolly_row("Who wrote Hamlet?", "", "William Shakespeare.", "open_qa"),
+        dolly_row("When was the tower built?", "The tower was built in 1889.", "In 1889."),
+    ]
+    local = DataSpec(**{**data.model_dump(), "uri": str(jsonl(tmp_path / "dolly.jsonl", rows))})
+    assert read_dataset(local, stage="sft").rows == [
+        {
+            "messages": [
+                {"role": "user", "content": "Who wrote Hamlet?"},
+                {"role": "assistant", "content": "William Shakespeare."},
+            ]
+        },
+        {
+            "messages": [
+                {"role": "user", "content": "When was the tower built?\n\nThe tower was built in 1889."},
+                {"role": "assistant", "content": "In 1889."},
+            ]
+        },
+    ]
+
+
+def test_a_hub_dataset_goes_through_the_same_mapping(monkeypatch: pytest.MonkeyPatch):
+    datasets = pytest.importorskip("datasets")
+    null_response = {"instruction": "q2", "context": "", "response": None, "category": "open_qa"}
+    hub = datasets.Dataset.from_list([dolly_row("q", "c", "a"), null_response])
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, split: hub)
+    spec = DataSpec(uri="hf://databricks/databricks-dolly-15k", format="alpaca", columns=DOLLY)
+    expected = r"databricks-dolly-15k\[train\]:2: field 'response' \(columns\.output\): expected a string, got null"
+    with pytest.raises(DataError, match=expected):
+        read_dataset(spec)
+    dataset = read_dataset(DataSpec(**{**spec.model_dump(), "max_bad_row_fraction": 0.5}))
+    assert dataset.rows == [
+        {"messages": [{"role": "user", "content": "q\n\nc"}, {"role": "assistant", "content": "a"}]}
+    ]

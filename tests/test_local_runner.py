@@ -179,3 +179,17 @@ def test_a_signal_to_the_runner_is_passed_on_and_the_stage_awaited(tmp_path: Pat
     _wait_for(Path(f"{got}.ready"))
     assert local.stop_stage(stage, signum) == 75  # returns once the stage has exited
     assert got.read_text() == signal.Signals(signum).name
+
+
+def test_the_runner_says_what_a_profile_swapped_before_it_starts() -> None:
+    from workflows.local import effective_plan
+
+    profiled = effective_plan(load_pipeline("llama3-dolly", profile="local"))
+    assert profiled[0].startswith("model: tiny-llama3 (built from config: llama") and "[profile local]" in profiled[0]
+    sft = next(line for line in profiled if line.startswith("sft:"))
+    assert "builtin:korean-dolly (alpaca; input←context, output←response) [profile local]" in sft
+    assert "30 steps [profile local] (the pipeline file says 3 epochs)" in sft
+    # The user's own settings are shown as they are, never marked as a profile's.
+    own = effective_plan(load_pipeline("llama3-dolly"))
+    assert own[1] == "sft: data hf://databricks/databricks-dolly-15k (alpaca; input←context, output←response), 3 epochs"
+    assert not any("[profile" in line for line in own)

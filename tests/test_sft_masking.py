@@ -10,11 +10,14 @@ from typing import Any
 import pytest
 from training_fixtures import chat_rows, make_run_dir, text_rows
 
+from stages.chat import template_text
 from stages.data import normalize_row
 from stages.modeling import load_tokenizer
-from stages.packing import IGNORE_INDEX, TURN_END, load_token_cache, tokenize_conversation
-from stages.tokenizer import QWEN3_CHAT_TEMPLATE, build_tokenizer, render_for_training
+from stages.packing import IGNORE_INDEX, load_token_cache, tokenize_conversation
+from stages.tokenizer import build_tokenizer, render_for_training
 from workflows.loading import load_pipeline
+
+TURN_END = "<|im_end|>"  # Qwen3's end-of-turn token
 
 RAW_ROWS: list[tuple[str, dict[str, Any]]] = [
     (
@@ -122,7 +125,7 @@ THINKING_ROW = {
 
 @pytest.mark.parametrize("enable_thinking", [False, True])
 def test_the_last_turns_thinking_is_trained_and_past_thinking_is_dropped(tokenizer: Any, enable_thinking: bool) -> None:
-    assert tokenizer.chat_template == QWEN3_CHAT_TEMPLATE  # Qwen3's own template, as every stage uses it
+    assert tokenizer.chat_template == template_text("qwen3")  # Qwen3's own template, as every stage uses it
     messages = normalize_row(THINKING_ROW, "messages")["messages"]  # reasoning_content → <think>...</think>
     ids, labels = tokenize_conversation(tokenizer, messages, enable_thinking=enable_thinking)
 

@@ -331,6 +331,43 @@ def run_stage(run: StageRun, command: list[str], env: dict[str, str], log_path: 
         return process.returncode
 
 
+def effective_plan(loaded: LoadedPipeline) -> list[str]:
+    """What the run will train on, said before it starts: the model, and per stage the data (URI, format, column
+    mapping) and the step budget, each marked where a profile set it instead of the pipeline file. A profile that
+    swaps data or caps steps is never silent about it."""
+    spec = loaded.spec
+    overlay = (loaded.document.get("profiles") or {}).get(loaded.profile) or {} if loaded.profile else {}
+    by_profile = f" [profile {loaded.profile}]"
+
+    def mark(*keys: str) -> str:
+        node: Any = overlay
+        for key in keys:
+            if not isinstance(node, dict) or key not in node:
+                return ""
+            node = node[key]
+        return by_profile
+
+    tiny = spec.model.from_config
+    built = f" (built from config: {tiny.architecture}, {tiny.num_hidden_layers} layers, random init)" if tiny else ""
+    lines = [f"model: {spec.model.name_or_path}{built}{mark('model')}"]
+    for name in spec.stages.enabled():
+        section = spec.stage(name)
+        data = getattr(section, "data", None)
+        if data is None:
+            continue
+        mapping = ", ".join(f"{key}←{column}" for key, column in data.columns.items())
+        described = f"{spec.data_uri(data)} ({data.format}{'; ' + mapping if mapping else ''})"
+        line = f"{name}: data {described}{mark('stages', name, 'data')}"
+        training = getattr(section, "training", None)
+        if training is not None:
+            capped = mark("stages", name, "training", "max_steps")
+            budget = f"{training.max_steps} steps" if training.max_steps else f"{training.epochs:g} epochs"
+            instead = f" (the pipeline file says {training.epochs:g} epochs)" if capped else ""
+            line += f", {budget}{capped or mark('stages', name, 'training', 'epochs')}{instead}"
+        lines.append(line)
+    return lines
+
+
 def render(spec: PipelineSpec, run_root: Path, runs: list[StageRun], live: bool = True) -> Table:
     """The progress (or summary) table."""
     table = Table(title=f"{spec.name}  ·  {run_root}", title_justify="left", expand=False)
@@ -398,6 +435,8 @@ def _run_locked(loaded: LoadedPipeline, run_root: Path, force: bool, console: Co
     plural = "s" if gpus != 1 else ""
     header = f"{spec.name} → {run_root} ({gpus} GPU{plural}; stages: {', '.join(stages)})"
     console.print(header, markup=False, soft_wrap=True)
+    for line in effective_plan(loaded):
+        console.print(f"  {line}", markup=False, soft_wrap=True)
 
     exit_code = 0
     failed: StageRun | None = None

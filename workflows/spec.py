@@ -94,10 +94,26 @@ CronExpression = Annotated[
 # --------------------------------------------------------------------------- model
 
 
+KNOWN_CHAT_TEMPLATES = ("chatml", "qwen3", "llama3", "gemma3", "exaone4", "mistral")
+"""Template names model.chat_template accepts (stages/chat.py holds them)."""
+
+
+MOE_ARCHITECTURES = ("qwen3_moe",)
+"""The `model.from_config.architecture` values that build a mixture-of-experts model."""
+
+_MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+
+
 class TinyModelConfig(StrictModel):
     """A randomly initialised model built from a config, for runs that cannot download weights."""
 
-    architecture: Literal["qwen3"] = Field("qwen3", description="Model family whose config class is used.")
+    architecture: Literal["qwen3", "qwen3_moe", "llama", "gemma3", "exaone4", "mistral"] = Field(
+        "qwen3",
+        description="Model family whose transformers config class is used: qwen3, qwen3_moe (mixture of experts), "
+        "llama, gemma3 (text-only, Gemma3ForCausalLM), exaone4, mistral. The family's own settings come with it "
+        "(gemma3 and exaone4 interleave sliding-window layers with full-attention ones, the last layer full; their "
+        "window is a quarter of max_position_embeddings).",
+    )
     hidden_size: int = Field(64, gt=0, description="Hidden size.")
     intermediate_size: int = Field(128, gt=0, description="MLP intermediate size.")
     num_hidden_layers: int = Field(2, gt=0, description="Number of decoder layers.")
@@ -105,6 +121,15 @@ class TinyModelConfig(StrictModel):
     num_key_value_heads: int = Field(2, gt=0, description="Key/value heads (grouped-query attention).")
     head_dim: int = Field(16, gt=0, description="Per-head dimension.")
     max_position_embeddings: int = Field(2048, gt=0, description="Longest position the model supports.")
+    num_experts: int | None = Field(
+        None, gt=0, description="qwen3_moe only: experts in each mixture-of-experts layer. None: 8."
+    )
+    num_experts_per_tok: int | None = Field(
+        None, gt=0, description="qwen3_moe only: experts each token is routed to (top-k), at most num_experts. None: 2."
+    )
+    moe_intermediate_size: int | None = Field(
+        None, gt=0, description="qwen3_moe only: each expert's MLP intermediate size. None: intermediate_size."
+    )
     vocab_size: int = Field(2048, ge=256, description="Size of the byte-level BPE vocabulary trained on the corpus.")
     seed: int = Field(0, description="Seed for the random initialisation.")
 
@@ -118,9 +143,40 @@ class TinyModelConfig(StrictModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _experts(self) -> TinyModelConfig:
+        if self.architecture not in MOE_ARCHITECTURES:
+            for name in _MOE_FIELDS:
+                if getattr(self, name) is not None:
+                    raise FieldError(
+                        (name,),
+                        f"{name} sizes a mixture-of-experts model ({', '.join(MOE_ARCHITECTURES)}); architecture "
+                        f"{self.architecture!r} is dense: remove {name}, or pick a mixture-of-experts architecture",
+                    )
+            return self
+        experts, per_token, _ = self.moe_sizes() or (0, 0, 0)
+        if per_token > experts:
+            raise FieldError(
+                ("num_experts_per_tok",),
+                f"num_experts_per_tok ({per_token}) is more than num_experts ({experts}): each token is routed "
+                "to that many distinct experts",
+            )
+        return self
+
     def attention(self) -> AttentionShape:
         """The attention shape this config builds."""
         return AttentionShape(self.num_attention_heads, self.num_key_value_heads)
+
+    def moe_sizes(self) -> tuple[int, int, int] | None:
+        """(num_experts, num_experts_per_tok, moe_intermediate_size) with their defaults filled in; None for a
+        dense architecture."""
+        if self.architecture not in MOE_ARCHITECTURES:
+            return None
+        return (
+            self.num_experts if self.num_experts is not None else 8,
+            self.num_experts_per_tok if self.num_experts_per_tok is not None else 2,
+            self.moe_intermediate_size if self.moe_intermediate_size is not None else self.intermediate_size,
+        )
 
 
 class ModelSpec(StrictModel):
@@ -147,11 +203,47 @@ class ModelSpec(StrictModel):
         description="Build a randomly initialised model from this config instead of loading weights "
         "(used by the offline 'local' profile). name_or_path then only names the run.",
     )
+    chat_template: str | None = Field(
+        None,
+        description="The chat template conversations are rendered with, for a model without one (a *-Base model, "
+        f"a CPT output) or to replace its own: a known name ({', '.join(KNOWN_CHAT_TEMPLATES)}), whose special "
+        "tokens are added to the tokenizer (the embeddings grow to hold them, and are trained and saved), or the "
+        "path of a Jinja file (a template with {% generation %} tags decides the trained tokens itself). None "
+        "keeps the model's own template (a model built from config: its family's).",
+    )
+
+    @field_validator("chat_template")
+    @classmethod
+    def _chat_template(cls, value: str | None) -> str | None:
+        if value is not None and value not in KNOWN_CHAT_TEMPLATES and not re.search(r"[/\\]|\.jinja2?$", value):
+            raise ValueError(
+                f"{value!r} is neither a known chat template ({', '.join(KNOWN_CHAT_TEMPLATES)}) nor the path of "
+                "a Jinja file"
+            )
+        return value
 
 
 # --------------------------------------------------------------------------- data
 
 DataFormat = Literal["text", "messages", "alpaca", "sharegpt", "preference"]
+
+FORMAT_COLUMNS: dict[str, tuple[str, ...]] = {
+    "text": ("text",),
+    "messages": ("messages", "role", "content"),
+    "alpaca": ("instruction", "input", "output", "system", "history"),
+    "sharegpt": ("conversations", "system", "from", "value"),
+    "preference": ("prompt", "chosen", "rejected", "system"),
+}
+"""The names `data.columns` may map, per format: the row's columns, and the keys inside each message."""
+
+MESSAGE_KEYS = frozenset({"role", "content", "from", "value"})
+"""The keys of FORMAT_COLUMNS that name a key inside each message, not a column of the row."""
+
+ROLE_NAMES = ("user", "assistant", "system")
+"""The canonical roles `data.roles` maps to the tags a dataset uses."""
+
+FORMATS_WITH_ROLES = ("messages", "sharegpt")
+"""The formats whose messages carry a role tag (`data.roles` applies to them only)."""
 
 
 class DataSpec(StrictModel):
@@ -168,11 +260,24 @@ class DataSpec(StrictModel):
         "sharegpt (conversations/from/value), preference (prompt/chosen/rejected)."
     )
     split: str = Field("train", description="Split to read for hub datasets.")
-    text_field: str = Field("text", description="Field holding the text for the 'text' format.")
+    text_field: str = Field(
+        "text", min_length=1, description="Field holding the text for the 'text' format (the same as columns.text)."
+    )
     columns: dict[str, str] = Field(
         default_factory=dict,
-        description="Renames from the format's field names to the dataset's, e.g. {input: context, output: response} "
-        "to read dolly-15k as alpaca.",
+        description="Where the format's fields are in the dataset: the format's name → the dataset's column (or "
+        "message key), as LLaMA-Factory's dataset_info 'columns'. text: text; alpaca: instruction, input, output, "
+        "system, history (earlier [instruction, response] pairs); sharegpt: conversations, system, and the message "
+        "keys from, value; messages: messages, and the message keys role, content; preference: prompt, chosen, "
+        "rejected, system. E.g. {input: context, output: response} reads databricks-dolly-15k as alpaca. Names not "
+        "given keep the format's own.",
+    )
+    roles: dict[str, str] = Field(
+        default_factory=dict,
+        description="The role tags the messages use (sharegpt and messages only): user, assistant or system → the "
+        "dataset's tag, as LLaMA-Factory's user_tag/assistant_tag/system_tag, e.g. {user: human, assistant: gpt}. "
+        "A role given here accepts only its tag; one not given accepts the defaults (sharegpt: human or user, gpt "
+        "or assistant, system; messages: the role's own name).",
     )
     max_samples: int | None = Field(None, gt=0, description="Use at most this many rows (after validation).")
     eval_fraction: float = Field(
@@ -194,6 +299,52 @@ class DataSpec(StrictModel):
             raise ValueError(f"unsupported URI scheme {scheme!r}; use a path, hf://, builtin:, gs:// or s3://")
         return uri
 
+    @model_validator(mode="after")
+    def _mapping(self) -> DataSpec:
+        known = FORMAT_COLUMNS[self.format]
+        for key, column in self.columns.items():
+            if key not in known:
+                raise FieldError(
+                    ("columns", key),
+                    f"format {self.format!r} has no column {key!r}; it has {', '.join(known)}",
+                )
+            if not column:
+                raise FieldError(("columns", key), "an empty column name")
+        if "text" in self.columns and self.text_field not in ("text", self.columns["text"]):
+            raise FieldError(
+                ("columns", "text"),
+                f"columns.text ({self.columns['text']!r}) and text_field ({self.text_field!r}) both name the text "
+                "column; set one of them",
+            )
+        # Two names read from one column (or message key) is a mapping mistake, never a way to copy a value.
+        for group in ([k for k in known if k not in MESSAGE_KEYS], [k for k in known if k in MESSAGE_KEYS]):
+            seen: dict[str, str] = {}
+            for key in group:
+                column = self.columns.get(key, key)
+                if column in seen:
+                    first = seen[column]
+                    names = [f"columns.{k}" if k in self.columns else f"{k} (not mapped)" for k in (first, key)]
+                    raise FieldError(
+                        ("columns", key if key in self.columns else first),
+                        f"{names[0]} and {names[1]} both read {column!r}; map each to its own column",
+                    )
+                seen[column] = key
+        if self.roles and self.format not in FORMATS_WITH_ROLES:
+            raise FieldError(
+                ("roles",),
+                f"format {self.format!r} has no role tags; roles applies to {' and '.join(FORMATS_WITH_ROLES)}",
+            )
+        tags: dict[str, str] = {}
+        for role, tag in self.roles.items():
+            if role not in ROLE_NAMES:
+                raise FieldError(("roles", role), f"{role!r} is not a role; roles maps {', '.join(ROLE_NAMES)}")
+            if not tag:
+                raise FieldError(("roles", role), "an empty role tag")
+            if tag in tags:
+                raise FieldError(("roles", role), f"roles.{role} and roles.{tags[tag]} are both {tag!r}")
+            tags[tag] = role
+        return self
+
 
 # --------------------------------------------------------------------------- training
 
@@ -206,6 +357,15 @@ class LoraSpec(StrictModel):
     dropout: float = Field(0.05, ge=0.0, lt=1.0, description="Dropout on the adapter input.")
     target_modules: list[str] | Literal["all-linear"] = Field(
         "all-linear", description="Modules that get adapters: 'all-linear' or a list of module names."
+    )
+    target_experts: bool = Field(
+        True,
+        description="On a mixture-of-experts model, also put adapters on the experts' weights (one rank-r adapter "
+        "per expert on each stacked expert matrix, e.g. qwen3_moe's mlp.experts.gate_up_proj and down_proj, "
+        "through PEFT target_parameters): transformers keeps them as 3-D parameters, which target_modules never "
+        "reaches. PEFT applies no dropout to such adapters, so dropout is then 0 for the whole adapter. Off: "
+        "adapters on target_modules only (the attention projections, and any dense MLP layers). The router "
+        "(mlp.gate) stays frozen either way: it keeps the base model's routing. Ignored on dense models.",
     )
     merge_after: bool = Field(
         False,
@@ -237,6 +397,13 @@ class TrainingSpec(StrictModel):
         "model.dtype instead of float32 master weights with bf16 compute. Faster and about half the memory, but an "
         "update smaller than half a bf16 step of its weight (about 0.4% of it) is lost, which at fine-tuning "
         "learning rates is most of them. FSDP and DeepSpeed always keep float32 master weights.",
+    )
+    router_aux_loss_coef: float | None = Field(
+        None,
+        ge=0,
+        description="Mixture-of-experts models: weight of the router's load-balancing loss added to the training "
+        "loss (the model returns its router logits for it). None: the model config's own coefficient (Qwen3-MoE: "
+        "0.001); 0: no auxiliary loss. Ignored, with a log line, on dense models.",
     )
     seed: int = Field(42, description="Seed for data order and initialisation.")
     logging_steps: int = Field(10, gt=0, description="Log metrics every this many steps.")

@@ -1,0 +1,318 @@
+"""Benchmark (not a test): GPU memory of QLoRA on a mixture-of-experts model of Qwen3-30B-A3B's shape, random weights.
+
+    python bench/moe_qlora_memory.py --layers 4,8 --out DIR     # on a CUDA GPU with bitsandbytes: DIR/results.json
+    python bench/moe_qlora_memory.py --tiny --out DIR           # a smoke run of the script itself, on CPU
+
+The shape is Qwen3-30B-A3B's (hidden 2048, 32 heads, 4 key/value heads, head_dim 128, 128 experts, 8 active,
+moe_intermediate 768, vocabulary 151936) with fewer layers: a 48-layer model would first have to be written to disk
+in bf16 (61 GB) for bitsandbytes to quantize it as it loads. Per layer count, the model is built once with
+`model.from_config` (build_from_config, on the GPU) and saved; then each case loads it in a process of its own as
+the qlora stage does (load_pretrained with the stage's NF4 BitsAndBytesConfig, router_aux_loss, QLoRA's preparation,
+lora_config → get_peft_model; r 16, alpha 32) and trains two steps on one packed row of 4096 tokens (8 documents of
+512, position ids restarting at each, no attention mask: what PackedCollator gives for a full row), in bf16 autocast
+with gradient checkpointing, AdamW on the adapter. Reported: peak GPU memory (torch.cuda.max_memory_allocated) up to
+the end of loading (adapter included) and over the two steps, and what stays allocated after them.
+
+Cases: LoRA on the attention projections, or on attention + experts (`lora.target_experts`), with the experts in
+bf16 as bitsandbytes leaves them; `peft_prepare`: PEFT's own prepare_model_for_kbit_training, which casts the bf16
+experts to float32 (what the stage avoids); `experts_4bit`: the experts quantized to NF4 after loading with
+bitsandbytes' experimental `bitsandbytes.nn.parametrize.replace_parameter_4bit` (transformers does not use it), LoRA
+on attention only. Memory grows linearly with the layers: the 48-layer figure is fixed + 48 × per layer, both fitted
+from the two smallest layer counts measured (the summary says which).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+VOCAB = 151936  # Qwen3's vocabulary
+PAD_ID, EOS_ID = 151643, 151645  # <|endoftext|>, <|im_end|>
+FULL_LAYERS = 48
+SHAPE = dict(  # Qwen3-30B-A3B's config.json
+    architecture="qwen3_moe",
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    max_position_embeddings=40960,
+    num_experts=128,
+    num_experts_per_tok=8,
+    moe_intermediate_size=768,
+)
+TINY = dict(SHAPE, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)  # fmt: skip
+
+# name → (experts, LoRA targets, preparation)
+CASES: dict[str, tuple[str, str, str]] = {
+    "attention": ("bf16", "attention", "stage"),
+    "attention_experts": ("bf16", "attention+experts", "stage"),
+    "experts_4bit": ("4bit", "attention", "stage"),
+    "peft_prepare": ("bf16", "attention+experts", "peft"),
+}
+
+
+class Tokenizer:
+    """What build_from_config reads of a tokenizer (no tokenizer is downloaded): size and special token ids."""
+
+    bos_token_id = None
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.pad_token_id, self.eos_token_id = (PAD_ID, EOS_ID) if size == VOCAB else (size - 2, size - 1)
+
+    def __len__(self) -> int:
+        return self.size
+
+
+def specs(layers: int, tiny: bool, target_experts: bool, targets: Any = "all-linear") -> tuple[Any, Any]:
+    """The ModelSpec of the shape with `layers` layers, and an sft stage with method qlora (lora without a GPU)."""
+    from workflows.spec import ModelSpec, SftStage
+
+    shape = dict(TINY if tiny else SHAPE, num_hidden_layers=layers)
+    model = ModelSpec(name_or_path="qwen3-30b-a3b-shape", from_config=shape)
+    section = SftStage.model_validate(
+        {
+            "enabled": False,
+            "method": "lora" if tiny else "qlora",
+            "lora": {"r": 16, "alpha": 32, "target_experts": target_experts, "target_modules": targets},
+            "training": {"max_seq_length": 4096, "gradient_checkpointing": True},
+        }
+    )
+    return model, section
+
+
+def gib(n: int) -> float:
+    return round(n / 2**30, 3)
+
+
+def memory() -> dict[str, float]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"allocated_gib": 0.0, "peak_gib": 0.0}
+    return {"allocated_gib": gib(torch.cuda.memory_allocated()), "peak_gib": gib(torch.cuda.max_memory_allocated())}
+
+
+def save_model(layers: int, tiny: bool, path: Path) -> None:
+    """Build the shape with `layers` layers as the stage builds a from_config model (on the GPU) and save it."""
+    import torch
+
+    from stages.modeling import build_from_config
+
+    model_spec, _ = specs(layers, tiny, True)
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    with device:
+        model = build_from_config(model_spec, Tokenizer(VOCAB if not tiny else 512))
+    model.save_pretrained(path)
+
+
+def packed_row(tokens: int, vocab: int, document: int = 512) -> dict[str, Any]:
+    """One full packed row: documents of `document` tokens, positions restarting at each, no label on a document's
+    first token, no attention mask."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, min(vocab, PAD_ID), (1, tokens), generator=generator)  # text, no special tokens
+    positions = torch.arange(tokens) % document
+    labels = ids.clone()
+    labels[0, positions == 0] = -100
+    return {"input_ids": ids, "labels": labels, "position_ids": positions[None]}
+
+
+def quantize_experts(model: Any) -> int:
+    """bitsandbytes' experimental route to 4-bit experts: each stacked expert tensor is quantized to NF4 in place
+    and dequantized whenever it is read (a torch parametrization). Returns how many tensors it quantized."""
+    import torch
+    from bitsandbytes.nn.parametrize import replace_parameter_4bit
+
+    from stages.modeling import expert_parameters
+
+    names = list(expert_parameters(model))
+    for name in names:
+        module, param = name.rsplit(".", 1)
+        replace_parameter_4bit(model.get_submodule(module), param, compress_statistics=True, quant_type="nf4")
+    torch.cuda.empty_cache()
+    return len(names)
+
+
+def run_case(name: str, model_dir: Path, layers: int, tiny: bool, tokens: int) -> dict[str, Any]:
+    """Load the saved model as the qlora stage does, add the adapter, train two steps; the memory along the way."""
+    import torch
+    from peft import get_peft_model, prepare_model_for_kbit_training
+
+    from stages import modeling
+
+    experts, targets, preparation = CASES[name]
+    # 4-bit experts are hidden in a parametrization, where lora_config does not see them: on a model it takes
+    # for dense, PEFT would widen 'all-linear' to the experts and the router. The attention projections by name.
+    names = ["q_proj", "k_proj", "v_proj", "o_proj"] if experts == "4bit" else "all-linear"
+    model_spec, section = specs(layers, tiny, targets == "attention+experts", names)
+    gpu = torch.cuda.is_available()
+    result: dict[str, Any] = {"case": name, "layers": layers, "tokens": tokens, "experts": experts, "lora": targets}
+    started = time.perf_counter()
+    quantization = modeling._quantization_config(section, model_spec) if gpu else None
+    extra = {"quantization_config": quantization, "device_map": {"": 0}} if gpu else {}
+    model = modeling.load_pretrained(model_dir, model_spec, num_hidden_layers=layers, **extra)
+    result["unquantized_experts"] = modeling.unquantized_experts(model)
+    result["experts_implementation"] = model.config._experts_implementation
+    result["attention"] = model.config._attn_implementation
+    modeling.router_aux_loss(model, "sft", section)
+    if experts == "4bit":
+        result["experts_quantized"] = quantize_experts(model)
+    if preparation == "peft":
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=True)
+    else:
+        model = modeling.prepare_for_kbit_training(model, True)
+    model = get_peft_model(model, modeling.lora_config(section, model))
+    model.config.use_cache = False
+    result["load_s"] = round(time.perf_counter() - started, 1)
+    result["after_load"] = memory()
+    result["trainable_parameters"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    experts_now = modeling.expert_parameters(model.base_model.model)
+    result["expert_dtypes"] = sorted({str(p.dtype) for p in experts_now.values()})
+
+    device = torch.device("cuda", 0) if gpu else torch.device("cpu")
+    batch = {key: value.to(device) for key, value in packed_row(tokens, model.config.vocab_size).items()}
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    model.train()
+    if gpu:
+        torch.cuda.reset_peak_memory_stats()
+    losses, seconds = [], []
+    for _ in range(2):
+        start = time.perf_counter()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=gpu):
+            loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if gpu:
+            torch.cuda.synchronize()
+        seconds.append(round(time.perf_counter() - start, 2))
+        losses.append(round(loss.item(), 4))
+    result.update(step=memory(), losses=losses, step_s=seconds)
+    return result
+
+
+def fit(results: list[dict[str, Any]], key: str) -> dict[str, Any] | None:
+    """fixed + per layer × layers through the two smallest layer counts of one case; the 48-layer figure."""
+    points = sorted((r["layers"], r[key]["peak_gib"]) for r in results if key in r)
+    if len(points) < 2:
+        return None
+    (l0, m0), (l1, m1) = points[0], points[1]
+    per_layer = (m1 - m0) / (l1 - l0)
+    fixed = m0 - per_layer * l0
+    return {
+        "fitted_on_layers": [l0, l1],
+        "per_layer_gib": round(per_layer, 3),
+        "fixed_gib": round(fixed, 3),
+        f"layers_{FULL_LAYERS}_gib": round(fixed + per_layer * FULL_LAYERS, 1),
+        "measured": {layers: peak for layers, peak in points},
+    }
+
+
+def suite(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + args.budget_s
+    layer_counts = [int(n) for n in args.layers.split(",")]
+    names = args.cases.split(",") if args.cases else list(CASES)
+    work = Path(args.work)
+    results: list[dict[str, Any]] = []
+    environment = {"argv": sys.argv, **versions()}
+    print(json.dumps(environment), flush=True)
+    saved = work / f"model-{max(layer_counts)}"
+    if not (saved / "config.json").is_file():  # one model of the most layers; fewer load from it (from_pretrained
+        started = time.perf_counter()  # reads the layers its config has and leaves the rest on disk)
+        child(["save", "--layers", str(max(layer_counts)), "--model-dir", str(saved)], args)
+        print(f"saved {saved} in {time.perf_counter() - started:.0f} s", flush=True)
+    for name in names:  # the cases in order, each at every layer count: the budget cuts the last cases first
+        for layers in layer_counts:
+            if time.monotonic() > deadline:
+                results.append({"case": name, "layers": layers, "skipped": "budget"})
+                continue
+            record = out / f"{name}-{layers}.json"
+            command = ["case", name, "--layers", str(layers), "--model-dir", str(saved), "--record", str(record)]
+            code = child(command, args)
+            result = json.loads(record.read_text()) if record.is_file() else {"case": name, "layers": layers}
+            result.setdefault("exit_code", code)
+            results.append(result)
+            print(json.dumps(result), flush=True)
+    summary = {
+        name: {key: fit([r for r in results if r["case"] == name], key) for key in ("after_load", "step")}
+        for name in names
+    }
+    (out / "results.json").write_text(json.dumps({"environment": environment, "results": results,
+                                                  "fits": summary}, indent=2))  # fmt: skip
+    print(json.dumps(summary, indent=2), flush=True)
+    return 0
+
+
+def child(command: list[str], args: argparse.Namespace) -> int:
+    """Run this script's `command` in a process of its own (a clean GPU and a clean peak)."""
+    extra = ["--tiny"] if args.tiny else []
+    argv = [sys.executable, str(Path(__file__).resolve()), *command, "--tokens", str(args.tokens), *extra]
+    return subprocess.run(argv, env={**os.environ, "PYTHONUNBUFFERED": "1"}, check=False).returncode
+
+
+def versions() -> dict[str, Any]:
+    import peft
+    import torch
+    import transformers
+
+    found = {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__}
+    try:
+        import bitsandbytes
+
+        found["bitsandbytes"] = bitsandbytes.__version__
+    except ImportError:
+        found["bitsandbytes"] = None
+    if torch.cuda.is_available():
+        found["gpu"] = torch.cuda.get_device_name(0)
+        found["gpu_memory_gib"] = gib(torch.cuda.get_device_properties(0).total_memory)
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", nargs="?", default="suite", choices=["suite", "case", "save"])
+    parser.add_argument("name", nargs="?", help="the case, for the 'case' command")
+    parser.add_argument("--out", default="bench-results", help="where results.json goes")
+    parser.add_argument("--work", default="/tmp/moe-qlora-bench", help="where the random model is saved")
+    parser.add_argument("--layers", default="4,8", help="comma-separated layer counts")
+    parser.add_argument("--cases", default="", help=f"comma-separated cases (default: all of {', '.join(CASES)})")
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens in the packed row")
+    parser.add_argument("--budget-s", type=float, default=480.0, help="skip cases that would start after this")
+    parser.add_argument("--model-dir", help="the saved model ('case', 'save')")
+    parser.add_argument("--record", help="where 'case' writes its result")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes on CPU: a smoke run of the script itself")
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.tokens = min(args.tokens, 256)
+    if args.command == "save":
+        save_model(int(args.layers), args.tiny, Path(args.model_dir))
+        return 0
+    if args.command == "case":
+        try:
+            result = run_case(args.name, Path(args.model_dir), int(args.layers), args.tiny, args.tokens)
+        except Exception as exc:  # recorded, so the suite goes on with the next case
+            traceback.print_exc()
+            result = {"case": args.name, "layers": int(args.layers), "error": f"{type(exc).__name__}: {exc}"[:2000]}
+        Path(args.record).write_text(json.dumps(result))
+        return 0 if "error" not in result else 1
+    return suite(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

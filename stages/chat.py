@@ -1,0 +1,308 @@
+"""Chat templates: which template a model speaks, and which tokens of a rendered conversation are the assistant's.
+
+Any template works. A conversation is rendered with the tokenizer's own template and tokenized once, as
+transformers does; the labels cover what the model generates after the generation prompt: the assistant's
+content and the end-of-turn token that closes it (`<|im_end|>`, `<|eot_id|>`, `<end_of_turn>`,
+`[|endofturn|]`, `</s>`, ...), never the prompt, the system text, the role headers, a thinking block the
+generation prompt already holds, or the whitespace after the end-of-turn token.
+
+How the assistant's text is found (`assistant_spans`):
+
+- a template with `{% generation %}` tags (its author marked what the assistant generates): transformers'
+  `apply_chat_template(..., return_assistant_tokens_mask=True)`;
+- any other template, by rendering growing prefixes: turn i is what `render(messages[:i+1])` adds to
+  `render(messages[:i], add_generation_prompt=True)`, located in the whole conversation. For templates that do
+  not render a prefix the same way inside the whole conversation (Qwen3 drops past thinking blocks; Mistral puts
+  the system text before the last user message only), each message is located by rendering it with a marker
+  appended, and the turn starts where the whole conversation stops following the generation prompt.
+
+We do not swap in TRL's training variants (`get_training_chat_template`): for Qwen3 the variant renders a
+thinking block into every past turn, so the model would train on text it never sees at inference; a test
+checks that for Llama-3 and Gemma 3, whose variants render the same text, both give the same labels.
+
+A template that rejects a conversation (Gemma's or Mistral's role alternation, a template without system
+support) raises ConversationError with the template's own message, for prepare to report with the data row.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+from weakref import WeakKeyDictionary
+
+IGNORE_INDEX = -100
+
+_MARK = "\ue000"  # a private-use character: not whitespace (trim keeps it), not in any template's syntax
+
+
+class ConversationError(ValueError):
+    """The chat template cannot render this conversation, or renders it without an assistant turn to learn."""
+
+
+class TemplateError(ValueError):
+    """A chat template (model.chat_template or the tokenizer's own) that cannot be used at all."""
+
+
+# --------------------------------------------------------------------------- known templates
+
+
+@dataclass(frozen=True)
+class TemplateTokens:
+    """The special tokens a template writes, as a tokenizer trained for it must have them."""
+
+    bos: str | None
+    eos: str  # what ends an assistant turn, the token generation stops at
+    pad: str | None
+    extra: tuple[str, ...] = ()  # role markers and other control tokens
+    text_tokens: tuple[str, ...] = ()  # single tokens that decode as text (Qwen3's think tags)
+
+
+KNOWN_TEMPLATES: dict[str, TemplateTokens] = {
+    "chatml": TemplateTokens(None, "<|im_end|>", "<|endoftext|>", ("<|im_start|>",)),
+    "qwen3": TemplateTokens(None, "<|im_end|>", "<|endoftext|>", ("<|im_start|>",), ("<think>", "</think>")),
+    "llama3": TemplateTokens(
+        "<|begin_of_text|>", "<|eot_id|>", None, ("<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>")
+    ),
+    "gemma3": TemplateTokens("<bos>", "<end_of_turn>", "<pad>", ("<eos>", "<start_of_turn>")),
+    "exaone4": TemplateTokens(
+        "[BOS]",
+        "[|endofturn|]",
+        "[PAD]",
+        ("[|system|]", "[|user|]", "[|assistant|]", "[|tool|]"),
+        ("<think>", "</think>"),
+    ),
+    "mistral": TemplateTokens("<s>", "</s>", None, ("<unk>", "[INST]", "[/INST]")),
+}
+"""Template names `model.chat_template` accepts. qwen3, llama3 and gemma3 are the models' own templates as TRL
+ships them (trl/chat_templates/); chatml, exaone4 and mistral are in stages/chat_templates/."""
+
+FAMILY_TEMPLATE: dict[str, str] = {
+    "qwen3": "qwen3",
+    "qwen3_moe": "qwen3",
+    "llama": "llama3",
+    "gemma3": "gemma3",
+    "exaone4": "exaone4",
+    "mistral": "mistral",
+}
+"""The template of each `model.from_config.architecture`: a tiny model speaks its family's real template."""
+
+_TRL_TEMPLATES = {"qwen3": "qwen3.jinja", "llama3": "llama3.jinja", "gemma3": "gemma3.jinja"}
+
+
+def template_text(name_or_path: str) -> str:
+    """The Jinja source of a known template name, or of a template file (a path)."""
+    if name_or_path in _TRL_TEMPLATES:
+        return (resources.files("trl") / "chat_templates" / _TRL_TEMPLATES[name_or_path]).read_text(encoding="utf-8")
+    if name_or_path in KNOWN_TEMPLATES:
+        return (resources.files("stages") / "chat_templates" / f"{name_or_path}.jinja").read_text(encoding="utf-8")
+    path = Path(os.path.expanduser(name_or_path))
+    if not path.is_file():
+        known = ", ".join(KNOWN_TEMPLATES)
+        raise TemplateError(f"model.chat_template: {name_or_path!r} is neither a known template ({known}) nor a file")
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TemplateError(f"model.chat_template: cannot read {path}: {exc}") from None
+
+
+def has_generation_tags(template: str) -> bool:
+    """Whether a template marks the assistant's output with `{% generation %}` (TRL's check)."""
+    from trl.chat_template_utils import has_generation_markers
+
+    return has_generation_markers(template)
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+def render(
+    tokenizer: Any, messages: list[dict[str, Any]], generation_prompt: bool = False, enable_thinking: bool = False
+) -> str:
+    """The conversation as the tokenizer's template writes it; ConversationError when the template refuses it."""
+    from jinja2.exceptions import TemplateError as JinjaError
+
+    try:
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt, enable_thinking=enable_thinking
+        )
+    except JinjaError as exc:
+        raise ConversationError(f"the chat template rejects this conversation: {exc}") from None
+
+
+def _common_prefix(a: str, b: str) -> int:
+    return len(os.path.commonprefix([a, b]))  # noqa: RUF071 (strings, character by character, as meant)
+
+
+def _marked(messages: list[dict[str, Any]], i: int) -> list[dict[str, Any]]:
+    """The messages with a marker appended to message i's content."""
+    out = [dict(m) for m in messages]
+    out[i]["content"] = f"{out[i]['content']}{_MARK}"
+    return out
+
+
+def _stop_tokens(tokenizer: Any) -> list[str]:
+    """Tokens that may close an assistant turn: the special and added (control) tokens, longest first; not the
+    tokens that decode as text (Qwen3's think tags)."""
+    stops = _STOPS.get(tokenizer)
+    if stops is None:
+        text_tokens = {t for tokens in KNOWN_TEMPLATES.values() for t in tokens.text_tokens}
+        found = set(tokenizer.get_added_vocab()) | set(tokenizer.all_special_tokens)
+        stops = sorted((t for t in found if t and t not in text_tokens), key=len, reverse=True)
+        _STOPS[tokenizer] = stops
+    return stops
+
+
+_STOPS: WeakKeyDictionary[Any, list[str]] = WeakKeyDictionary()
+
+
+def _turn_end(tokenizer: Any, text: str, at: int) -> int | None:
+    """The end of the end-of-turn token that `text` has at `at` (after optional whitespace), else None."""
+    skipped = len(text[at:]) - len(text[at:].lstrip(" \n"))
+    for token in _stop_tokens(tokenizer):
+        if text.startswith(token, at + skipped):
+            return at + skipped + len(token)
+    return None
+
+
+def _ends_turn(tokenizer: Any, said: str) -> bool:
+    """Whether `said` ends with an end-of-turn token."""
+    return any(said.endswith(token) for token in _stop_tokens(tokenizer))
+
+
+def assistant_spans(
+    tokenizer: Any, messages: list[dict[str, Any]], enable_thinking: bool = False
+) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the character spans of what the assistant generates in it (each turn's
+    content, its reasoning where the template renders it into the turn, and its end-of-turn token)."""
+    text = render(tokenizer, messages, enable_thinking=enable_thinking)
+    spans: list[tuple[int, int]] = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        if i == 0:
+            raise ConversationError("an assistant message first: there is no prompt it answers")
+        # A turn that reasons was generated in thinking mode: its generation prompt holds no (empty) thinking block.
+        thinking = enable_thinking or "</think>" in message["content"]
+        prompt = render(tokenizer, messages[:i], generation_prompt=True, enable_thinking=thinking)
+        turn = render(tokenizer, messages[: i + 1], enable_thinking=thinking)
+        said = turn[len(prompt) :].rstrip(" \n") if turn.startswith(prompt) else ""
+        if said and text.startswith(turn[: len(prompt) + len(said)]) and _ends_turn(tokenizer, said):
+            start, end = len(prompt), len(prompt) + len(said)  # a prefix-preserving template (most of them)
+        else:
+            start, end = _located_turn(tokenizer, messages, i, text, prompt, thinking)
+        if spans and start < spans[-1][1]:
+            raise ConversationError(f"the chat template renders assistant message {i} before the one ahead of it")
+        spans.append((start, end))
+    if not spans:
+        raise ConversationError("no assistant message: nothing to learn from")
+    return text, spans
+
+
+def _located_turn(
+    tokenizer: Any, messages: list[dict[str, Any]], i: int, text: str, prompt: str, enable_thinking: bool
+) -> tuple[int, int]:
+    """Turn i's span in `text` for a template that renders it differently in the whole conversation: the end
+    of its content (where a marker appended to it shows up) and the end-of-turn token after it; the start,
+    after the message before it, where `text` stops following the generation prompt."""
+    content_end = _common_prefix(text, render(tokenizer, _marked(messages, i), enable_thinking=enable_thinking))
+    end = _turn_end(tokenizer, text, content_end)
+    if end is None:
+        raise ConversationError(
+            f"the chat template closes assistant message {i} with no end-of-turn token: the model would never "
+            "learn to stop (set model.chat_template to a template that ends each assistant turn with one)"
+        )
+    before_in_text = _common_prefix(text, render(tokenizer, _marked(messages, i - 1), enable_thinking=enable_thinking))
+    marked_prompt = render(tokenizer, _marked(messages[:i], i - 1), True, enable_thinking)
+    before_in_prompt = _common_prefix(prompt, marked_prompt)
+    header = prompt[before_in_prompt:]  # the closing of message i-1 and the generation prompt
+    start = before_in_text + _common_prefix(text[before_in_text:], header)
+    if not before_in_text <= start < content_end:
+        raise ConversationError(f"the chat template renders assistant message {i} where it cannot be found")
+    return start, end
+
+
+# --------------------------------------------------------------------------- tokens and labels
+
+
+def tokenize_conversation(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    enable_thinking: bool = False,
+    assistant_only_loss: bool = True,
+) -> tuple[list[int], list[int]]:
+    """Token ids and labels of a conversation rendered with the tokenizer's chat template: labels are the ids on
+    the assistant's tokens (see the module docstring) and -100 elsewhere; every token is labelled when not
+    `assistant_only_loss`. ConversationError when the template refuses it or it has no assistant turn."""
+    template = tokenizer.chat_template
+    if template is None:
+        raise TemplateError("the tokenizer has no chat template: set model.chat_template (e.g. chatml or llama3)")
+    if has_generation_tags(template):
+        ids, mask = _generation_mask(tokenizer, messages, enable_thinking)
+    else:
+        text, spans = assistant_spans(tokenizer, messages, enable_thinking)
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
+        mask = [0] * len(ids)
+        for start, end in spans:
+            for j, (tok_start, tok_end) in enumerate(offsets):
+                if tok_end > start and tok_start < end:
+                    mask[j] = 1
+    _check_turns_end(tokenizer, ids, mask)
+    if not assistant_only_loss:
+        return list(ids), list(ids)
+    return list(ids), [tid if m else IGNORE_INDEX for tid, m in zip(ids, mask, strict=True)]
+
+
+def _generation_mask(
+    tokenizer: Any, messages: list[dict[str, Any]], enable_thinking: bool
+) -> tuple[list[int], list[int]]:
+    """transformers' assistant mask of a `{% generation %}`-tagged template, without the whitespace tokens that
+    follow an end-of-turn token inside the tagged block (nothing the model generates)."""
+    from jinja2.exceptions import TemplateError as JinjaError
+
+    try:
+        out = tokenizer.apply_chat_template(
+            messages,
+            tokenize=True,
+            return_dict=True,
+            return_assistant_tokens_mask=True,
+            enable_thinking=enable_thinking,
+        )
+    except JinjaError as exc:
+        raise ConversationError(f"the chat template rejects this conversation: {exc}") from None
+    ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
+    for j in range(len(ids) - 1, -1, -1):
+        if mask[j] and (j + 1 == len(ids) or not mask[j + 1]):  # the last token of a span
+            k = j
+            while k >= 0 and mask[k] and not tokenizer.decode([ids[k]]).strip():
+                mask[k] = 0
+                k -= 1
+    if not any(mask):
+        raise ConversationError("the chat template's {% generation %} blocks cover no token of this conversation")
+    return ids, mask
+
+
+def _check_turns_end(tokenizer: Any, ids: list[int], mask: list[int]) -> None:
+    """Every labelled span must end with an end-of-turn token, or the model never learns to stop."""
+    stops = set(tokenizer.convert_tokens_to_ids(_stop_tokens(tokenizer)))
+    for j, m in enumerate(mask):
+        if m and (j + 1 == len(mask) or not mask[j + 1]) and ids[j] not in stops:
+            raise ConversationError(
+                f"an assistant turn ends with {tokenizer.decode([ids[j]])!r}, not an end-of-turn token: the model "
+                "would never learn to stop (use a chat template that closes each assistant turn with one)"
+            )
+
+
+def stop_token_ids(tokenizer: Any) -> list[int]:
+    """The ids generation stops at: eos and the token that closes an assistant turn in this template."""
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    probe = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]
+    try:
+        text, spans = assistant_spans(tokenizer, probe)
+    except (ConversationError, TemplateError):
+        return ids
+    end_of_turn = tokenizer(text[spans[0][0] : spans[0][1]], add_special_tokens=False)["input_ids"][-1:]
+    return ids + [t for t in end_of_turn if t not in ids]

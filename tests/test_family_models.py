@@ -1,0 +1,174 @@
+"""A user's own model directory of each family Korean teams fine-tune (Llama-3, EXAONE 4, Gemma 3, Mistral: the real
+architecture, the real chat template, safetensors weights, a trained BPE tokenizer), given as model.name_or_path,
+with the user's own messages and preference files, runs prepare → sft (LoRA) → rlhf (DPO) → evaluate as a user
+runs it: `python -m workflows.submit FILE --local`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from training_fixtures import REPO, chat_rows, text_rows, write_jsonl
+
+from stages.tokenizer import render_for_training, train_bpe_tokenizer
+
+FAMILIES = {
+    # architecture → (transformers config class, its chat template, extra config)
+    "llama": ("LlamaConfig", "llama3", {}),
+    "exaone4": ("Exaone4Config", "exaone4", {"sliding_window": 64, "sliding_window_pattern": 2}),
+    "gemma3": ("Gemma3TextConfig", "gemma3", {"sliding_window": 64, "query_pre_attn_scalar": 16}),
+    "mistral": ("MistralConfig", "mistral", {"sliding_window": None}),
+}
+
+
+def make_model_dir(root: Path, architecture: str) -> Path:
+    """A model folder as a user has one on a volume: config.json, model.safetensors, the tokenizer files with
+    the family's chat template."""
+    import torch
+    import transformers
+
+    config_class, template, extra = FAMILIES[architecture]
+    corpus = [render_for_training(row) for row in text_rows(80) + chat_rows(80)]
+    tokenizer = train_bpe_tokenizer(corpus, 512, 512, template)
+    config = getattr(transformers, config_class)(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **extra,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    path = root / f"tiny-{architecture}"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    assert (path / "model.safetensors").is_file() and json.loads((path / "config.json").read_text())
+    return path
+
+
+def preference_rows(n: int) -> list[dict[str, Any]]:
+    rows = []
+    for i, row in enumerate(chat_rows(n, seed=3)):
+        prompt, answer = row["messages"][:-1], row["messages"][-1]["content"]
+        rows.append({"prompt": prompt, "chosen": answer, "rejected": f"{answer[::-1]} {i}"})
+    return rows
+
+
+def pipeline_file(root: Path, model_dir: Path, architecture: str) -> Path:
+    """The user's pipeline: their model folder, their chat file, their preference file."""
+    write_jsonl(root / "data" / "chat.jsonl", chat_rows(60, seed=1))
+    write_jsonl(root / "data" / "preferences.jsonl", preference_rows(40))
+    steps = {
+        "max_steps": 2,
+        "per_device_batch_size": 4,
+        "max_seq_length": 128,
+        "save_steps": 2,
+        "logging_steps": 1,
+        "warmup_ratio": 0.0,
+        "learning_rate": 1.0e-3,
+    }
+    spec = {
+        "name": f"tiny-{architecture.replace('_', '-')}",
+        "model": {"name_or_path": str(model_dir)},
+        "stages": {
+            "sft": {
+                "method": "lora",
+                "data": {"uri": str(root / "data" / "chat.jsonl"), "format": "messages", "eval_fraction": 0.1},
+                "training": steps,
+                "lora": {"r": 4, "alpha": 8},
+            },
+            "rlhf": {
+                "algorithm": "dpo",
+                "method": "lora",
+                "data": {"uri": str(root / "data" / "preferences.jsonl"), "format": "preference"},
+                "training": steps,
+            },
+            "evaluate": {
+                "data": {"uri": str(root / "data" / "chat.jsonl"), "format": "messages"},
+                "lm_eval_tasks": [],
+                "prompts": ["서울은 어떤가요?"],
+                "gate": [{"metric": "perplexity", "higher_is_better": False, "max_regression": 100.0}],
+            },
+            "deploy": {"enabled": False},
+        },
+        "tracking": {"mlflow_tracking_uri": None, "wandb_project": None},
+    }
+    path = root / f"{architecture}.yaml"
+    path.write_text(yaml.safe_dump(spec, allow_unicode=True), encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize("architecture", sorted(FAMILIES))
+def test_a_users_model_directory_trains_through_sft_dpo_and_evaluate(tmp_path: Path, architecture: str) -> None:
+    model_dir = make_model_dir(tmp_path, architecture)
+    pipeline = pipeline_file(tmp_path, model_dir, architecture)
+    run_root = tmp_path / "run"
+    env = {**os.environ, "WANDB_MODE": "disabled", "POSTTRAIN_NO_GPU": "1"}
+    command = [sys.executable, "-m", "workflows.submit", str(pipeline), "--local", "--run-dir", str(run_root)]
+    done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+
+    results = {s: json.loads((run_root / s / "stage.json").read_text()) for s in ("prepare", "sft", "rlhf", "evaluate")}
+    assert all(r["status"] == "succeeded" for r in results.values()), results
+    assert results["sft"]["extra"]["model_kind"] == "adapter" and results["rlhf"]["extra"]["model_kind"] == "adapter"
+    assert (run_root / "rlhf" / "model" / "adapter_model.safetensors").is_file()
+    assert results["evaluate"]["metrics"]["perplexity"] > 0
+    # The run's tokenizer is the user's, with its own template.
+    saved = json.loads((run_root / "prepare" / "tokenizer" / "tokenizer_config.json").read_text())
+    original = json.loads((model_dir / "tokenizer_config.json").read_text())
+    assert saved.get("chat_template", "") == original.get("chat_template", "") or (
+        (run_root / "prepare" / "tokenizer" / "chat_template.jinja").read_text()
+        == (model_dir / "chat_template.jinja").read_text()
+    )
+
+
+def test_a_base_model_without_a_chat_template_is_given_one_and_learns_its_new_tokens(tmp_path: Path) -> None:
+    """A *-Base model ships no chat template: prepare says to set model.chat_template; with `chatml`, its tokens are
+    added, the embeddings grow, LoRA trains the new rows, and the later stages load the grown model."""
+    from safetensors import safe_open
+
+    model_dir = make_model_dir(tmp_path, "mistral")
+    for name in ("chat_template.jinja",):
+        (model_dir / name).unlink(missing_ok=True)
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    pipeline = pipeline_file(tmp_path, model_dir, "mistral")
+    env = {**os.environ, "WANDB_MODE": "disabled"}
+
+    def submit(run_root: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "workflows.submit", str(pipeline), "--local", "--run-dir", str(run_root)]
+        return subprocess.run([*command, *extra], env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+
+    refused = submit(tmp_path / "without")
+    assert refused.returncode != 0
+    assert "has no chat template" in refused.stdout + refused.stderr and "model.chat_template" in refused.stdout
+    assert not (tmp_path / "without" / "sft" / "stage.json").exists()
+
+    done = submit(tmp_path / "run", "--set", "model.chat_template=chatml")
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    tokenizer_config = json.loads((tmp_path / "run" / "prepare" / "tokenizer" / "tokenizer_config.json").read_text())
+    assert tokenizer_config["eos_token"] == "<|im_end|>"
+    with safe_open(str(tmp_path / "run" / "sft" / "model" / "adapter_model.safetensors"), "pt") as f:
+        token_rows = [k for k in f.keys() if "trainable_tokens" in k]  # noqa: SIM118 (safe_open has keys(), no __iter__)
+        assert token_rows and any("embed_tokens" in k for k in token_rows)
+        delta = next(f.get_tensor(k) for k in token_rows if "embed_tokens" in k)
+    assert delta.abs().sum() > 0  # the new tokens' rows moved
+    added = json.loads((tmp_path / "run" / "prepare" / "tokenizer" / "tokenizer.json").read_text())["added_tokens"]
+    assert max(t["id"] for t in added) >= vocab  # ChatML's tokens are new rows: the embeddings grew to hold them
+    evaluate = json.loads((tmp_path / "run" / "evaluate" / "stage.json").read_text())
+    assert evaluate["status"] == "succeeded"

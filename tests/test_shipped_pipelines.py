@@ -1,0 +1,46 @@
+"""Every shipped pipeline runs with --local as itself: its own model family (a tiny random model of it) and its own
+data format and column mapping. korean-llm's run is checked in depth by tests/test_local_dag.py; here the other two:
+llama3-dolly (a Llama with Llama-3's template, dolly-shaped rows read through `columns`) and qwen3-30b-a3b (a
+Qwen3 mixture of experts, ShareGPT rows, full fine-tuning and DPO)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+@pytest.mark.parametrize(
+    ("pipeline", "architecture", "stages"),
+    [
+        ("llama3-dolly", "LlamaForCausalLM", ("prepare", "sft", "evaluate", "deploy")),
+        ("qwen3-30b-a3b", "Qwen3MoeForCausalLM", ("prepare", "sft", "rlhf", "evaluate", "deploy")),
+    ],
+)
+def test_a_shipped_pipeline_runs_locally_as_itself(
+    tmp_path: Path, pipeline: str, architecture: str, stages: tuple
+) -> None:
+    run_root = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "WANDB_API_KEY", "WANDB_MODE")}
+    command = [sys.executable, "-m", "workflows.submit", pipeline, "--local", "--run-dir", str(run_root)]
+    done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert "[profile local]" in done.stdout  # the runner said what the profile swapped
+
+    for stage in stages:
+        assert json.loads((run_root / stage / "stage.json").read_text())["status"] == "succeeded", stage
+    trained = "rlhf" if "rlhf" in stages else "sft"
+    config = json.loads((run_root / trained / "model" / "config.json").read_text())
+    assert config["architectures"] == [architecture]
+    manifest = json.loads((run_root / "prepare" / "data" / "sft" / "manifest.json").read_text())
+    spec = json.loads((run_root / "spec.json").read_text())
+    assert manifest["format"] == spec["stages"]["sft"]["data"]["format"]
+    if pipeline == "llama3-dolly":
+        assert manifest["uri"] == "builtin:korean-dolly" and manifest["quarantined"] == 0
+        assert spec["stages"]["sft"]["data"]["columns"] == {"input": "context", "output": "response"}
+    else:
+        assert manifest["format"] == "sharegpt" and config["num_experts"] == 4
