@@ -49,7 +49,7 @@ import re
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -168,6 +168,7 @@ class Dataset:
     total: int
     files: list[SourceFile]
     fingerprint: str
+    origins: list[str] = field(default_factory=list)  # '<file>:<line>' of each row, for errors found later
 
     @property
     def kind(self) -> str:
@@ -840,6 +841,7 @@ def read_dataset(
     mapping = ColumnMap.of(data)
     unmapped = _UnmappedColumn()
     rows: list[dict[str, Any]] = []
+    origins: list[str] = []
     errors: list[RowError] = []
     total = 0
     for raw in raw_rows:
@@ -849,6 +851,7 @@ def read_dataset(
             continue
         try:
             rows.append(_normalize(raw.value, mapping))
+            origins.append(f"{raw.file}:{raw.line}")
             unmapped.stop()
         except FieldError as exc:
             error = RowError(raw.file, raw.line, exc.field, exc.error, _excerpt(raw.value), exc.mapping)
@@ -870,8 +873,8 @@ def read_dataset(
     if not rows:
         raise DataError(f"{where}: no valid rows")
     if data.max_samples is not None:
-        rows = rows[: data.max_samples]
-    return Dataset(uri, data.format, rows, errors, total, files, dataset_fingerprint(data, files))
+        rows, origins = rows[: data.max_samples], origins[: data.max_samples]
+    return Dataset(uri, data.format, rows, errors, total, files, dataset_fingerprint(data, files), origins)
 
 
 def split_eval(rows: list[dict[str, Any]], eval_fraction: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

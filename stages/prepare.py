@@ -31,7 +31,15 @@ from pathlib import Path
 from typing import Any
 
 from stages.contract import EXIT_OK, RunDir, StageContext, StageRefused, canonical_hash, write_json_atomic
-from stages.data import BUILTIN_TASKS_DIR, DataError, Dataset, read_dataset, split_eval, write_jsonl
+from stages.data import (
+    BUILTIN_TASKS_DIR,
+    MAX_LISTED_ERRORS,
+    DataError,
+    Dataset,
+    read_dataset,
+    split_eval,
+    write_jsonl,
+)
 from stages.tokenizer import build_tokenizer, render_for_training, tokenizer_hash
 from stages.tracking import StageTracker
 from workflows.spec import STAGE_ORDER, TRAINING_STAGES, DataSpec, PipelineSpec
@@ -114,9 +122,18 @@ def check_lm_eval_tasks(ctx: StageContext) -> None:
         raise DataError("; ".join(problems))
 
 
-def build_token_caches(run_dir: RunDir, spec: PipelineSpec, stages: list[str]) -> dict[str, Path]:
-    """Tokenize each training stage's data once; StageRefused naming the stage's data and its rows when the chat
-    template cannot render some of its conversations."""
+def split_origins(dataset: Dataset, eval_fraction: float, stage: str) -> dict[str, list[str]]:
+    """Where each row of the written train and eval splits came from ('<file>:<line>'), in their order."""
+    by_row = {id(row): origin for row, origin in zip(dataset.rows, dataset.origins, strict=True)}
+    train, held = ([], dataset.rows) if stage == "evaluate" else split_eval(dataset.rows, eval_fraction)
+    return {"train": [by_row[id(r)] for r in train], "eval": [by_row[id(r)] for r in held]}
+
+
+def build_token_caches(
+    run_dir: RunDir, spec: PipelineSpec, stages: list[str], origins: dict[str, dict[str, list[str]]]
+) -> dict[str, Path]:
+    """Tokenize each training stage's data once; StageRefused naming the stage's data and the rows (the user's
+    file and line) when the chat template cannot render some of its conversations."""
     from stages.packing import ConversationRowsError, build_token_cache
 
     caches = {}
@@ -124,8 +141,22 @@ def build_token_caches(run_dir: RunDir, spec: PipelineSpec, stages: list[str]) -
         try:
             caches[stage] = Path(build_token_cache(run_dir, spec, stage))
         except ConversationRowsError as exc:
-            raise StageRefused(f"stages.{stage}.data ({spec.data_uri(spec.stage(stage).data)}): {exc}") from None
+            split = origins.get(stage, {}).get(exc.path.stem, [])
+            rows = [
+                (split[line - 1] if line <= len(split) else f"{exc.path}:{line}", problem)
+                for line, problem in exc.problems
+            ]
+            raise StageRefused(
+                f"stages.{stage}.data ({spec.data_uri(spec.stage(stage).data)}): {conversation_errors(rows)}"
+            ) from None
     return caches
+
+
+def conversation_errors(rows: list[tuple[str, str]]) -> str:
+    """The rows (where, problem) a chat template cannot turn into a trainable conversation, the first few listed."""
+    listed = "\n".join(f"  {where}: {problem}" for where, problem in rows[:MAX_LISTED_ERRORS])
+    more = f"\n  ... and {len(rows) - MAX_LISTED_ERRORS} more" if len(rows) > MAX_LISTED_ERRORS else ""
+    return f"{len(rows)} conversations cannot be trained on with the model's chat template:\n{listed}{more}"
 
 
 def check_conversations(spec: PipelineSpec, tokenizer: Any, stage: str, dataset: Dataset) -> None:
@@ -133,10 +164,9 @@ def check_conversations(spec: PipelineSpec, tokenizer: Any, stage: str, dataset:
     evaluate) with the model's chat template: a row the template refuses fails prepare, naming it, instead of
     the stage hours later."""
     from stages.chat import ConversationError, tokenize_conversation
-    from stages.packing import ConversationRowsError
 
-    problems: list[tuple[int, str]] = []
-    for line, row in enumerate(dataset.rows, start=1):
+    problems: list[tuple[str, str]] = []
+    for where, row in zip(dataset.origins, dataset.rows, strict=True):
         conversations = [row["messages"]] if "messages" in row else []
         if "prompt" in row:
             conversations = [[*row["prompt"], *row["chosen"]], [*row["prompt"], *row["rejected"]]]
@@ -144,10 +174,10 @@ def check_conversations(spec: PipelineSpec, tokenizer: Any, stage: str, dataset:
             for messages in conversations:
                 tokenize_conversation(tokenizer, messages)
         except ConversationError as exc:
-            problems.append((line, str(exc)))
+            problems.append((where, str(exc)))
     if problems:
         uri = spec.data_uri(spec.stage(stage).data)
-        raise StageRefused(f"stages.{stage}.data ({uri}): {ConversationRowsError(Path(uri), problems)}")
+        raise StageRefused(f"stages.{stage}.data ({uri}): {conversation_errors(problems)}")
 
 
 def needs_chat_template(datasets: dict[str, Dataset]) -> bool:
@@ -176,7 +206,8 @@ def build_tokenizer_and_caches(
         if stage in ("rlhf", "evaluate") and dataset.kind in ("chat", "preference"):
             check_conversations(ctx.spec, tokenizer, stage, dataset)
     packed = [s for s in training if datasets[s].kind in ("text", "chat")]
-    return tokenizer_dir, tokenizer, tok_hash, build_token_caches(ctx.run_dir, ctx.spec, packed)
+    origins = {s: split_origins(datasets[s], ctx.spec.stage(s).data.eval_fraction, s) for s in packed}
+    return tokenizer_dir, tokenizer, tok_hash, build_token_caches(ctx.run_dir, ctx.spec, packed, origins)
 
 
 def _done(record: dict[str, Any] | None) -> bool:

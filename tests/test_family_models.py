@@ -172,3 +172,53 @@ def test_a_base_model_without_a_chat_template_is_given_one_and_learns_its_new_to
     assert max(t["id"] for t in added) >= vocab  # ChatML's tokens are new rows: the embeddings grew to hold them
     evaluate = json.loads((tmp_path / "run" / "evaluate" / "stage.json").read_text())
     assert evaluate["status"] == "succeeded"
+
+
+def test_a_conversation_the_template_refuses_fails_prepare_naming_the_users_file_and_line(tmp_path: Path) -> None:
+    model_dir = make_model_dir(tmp_path, "mistral")
+    pipeline = pipeline_file(tmp_path, model_dir, "mistral")
+    rows = chat_rows(60, seed=1)
+    # Mistral's template requires user/assistant alternation: two user turns in a row is refused, by the template.
+    rows[4] = {
+        "messages": [{"role": "user", "content": "하나"}, {"role": "user", "content": "둘"}, rows[4]["messages"][-1]]
+    }
+    write_jsonl(tmp_path / "data" / "chat.jsonl", rows)
+    command = [sys.executable, "-m", "stages", "prepare", "--run-dir", str(tmp_path / "run")]
+    from workflows.loading import load_pipeline
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "spec.json").write_text(load_pipeline(str(pipeline)).spec.model_dump_json(), encoding="utf-8")
+    done = subprocess.run(
+        command, env={**os.environ, "WANDB_MODE": "disabled"}, cwd=REPO, capture_output=True, text=True, timeout=600
+    )
+
+    assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    # evaluate reads the same file, and is checked first (the trainers template their rows later).
+    assert len(errors) == 1 and "stages.evaluate.data" in errors[0]
+    assert f"{tmp_path / 'data' / 'chat.jsonl'}:5: the chat template rejects this conversation" in done.stderr
+    assert "roles must alternate" in done.stderr and "Traceback" not in done.stderr
+    assert json.loads((tmp_path / "run" / "prepare" / "stage.json").read_text())["status"] == "failed"
+    assert not list((tmp_path / "run" / "prepare").glob("cache/sft/*/meta.json"))  # no token cache left behind
+
+    # Without evaluate reading it, the SFT token cache finds the same row, and names it the same way.
+    write_jsonl(tmp_path / "data" / "heldout.jsonl", text_rows(5))
+    spec = load_pipeline(
+        str(pipeline),
+        overrides=[
+            f"stages.evaluate.data.uri={tmp_path / 'data' / 'heldout.jsonl'}",
+            "stages.evaluate.data.format=text",
+        ],
+    ).spec
+    (tmp_path / "run2").mkdir()
+    (tmp_path / "run2" / "spec.json").write_text(spec.model_dump_json(), encoding="utf-8")
+    command[-1] = str(tmp_path / "run2")
+    done = subprocess.run(
+        command, env={**os.environ, "WANDB_MODE": "disabled"}, cwd=REPO, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "error: stages.sft.data" in done.stderr and "Traceback" not in done.stderr
+    eval_rows = 6  # 60 rows, eval_fraction 0.1: the refused row is a training row (or the message names eval's file)
+    assert f"{tmp_path / 'data' / 'chat.jsonl'}:5: the chat template rejects this conversation" in done.stderr, (
+        eval_rows
+    )
