@@ -596,10 +596,19 @@ def lora_config(section: TrainingStage, model: Any, trained_tokens: list[int] | 
             flush=True,
         )
         dropout = 0.0
-    # The chat template's tokens (`template_token_ids`): their input-embedding rows train (a tied head shares them).
-    # An untied head's rows stay at their mean start under LoRA, the adapters learning to reach them: TRL's fused
-    # loss reads lm_head.bias, which PEFT's token wrapper on the head does not have.
-    token_rows = {"embed_tokens": trained_tokens} if trained_tokens else None
+    # The chat template's tokens (`template_token_ids`): their input-embedding rows train (PEFT trainable tokens).
+    # The LM head's rows keep their start (trained for a base model's existing tokens, the mean for new ones) and
+    # the adapters learn to reach them: TRL's fused loss reads lm_head.weight and .bias directly, past any PEFT
+    # wrapper, so PEFT cannot train head rows under it, and it wraps a tied head with the embeddings (no .bias).
+    token_rows = None
+    if trained_tokens and model.config.get_text_config().tie_word_embeddings:
+        print(
+            "lora: the chat template's token rows are not trained (tied embeddings: PEFT's token adapter on the "
+            "shared head breaks TRL's fused loss); train the first stage with method 'full' to train them",
+            flush=True,
+        )
+    elif trained_tokens:
+        token_rows = {"embed_tokens": trained_tokens}
     return LoraConfig(
         r=lora.r,
         lora_alpha=lora.alpha,

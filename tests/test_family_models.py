@@ -222,3 +222,39 @@ def test_a_conversation_the_template_refuses_fails_prepare_naming_the_users_file
     assert f"{tmp_path / 'data' / 'chat.jsonl'}:5: the chat template rejects this conversation" in done.stderr, (
         eval_rows
     )
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_lora_trains_the_template_token_rows_where_trls_fused_loss_sees_them(tied: bool) -> None:
+    """Untied head: the new tokens' input rows train (PEFT trainable tokens). Tied: PEFT would wrap the shared head,
+    which TRL's fused loss reads directly (lm_head.bias), so the rows are left alone and the head stays a Linear."""
+    import transformers
+    from peft import get_peft_model
+
+    from stages.modeling import lora_config
+    from workflows.loading import load_pipeline
+
+    section = load_pipeline("korean-llm", profile="local").spec.stages.sft
+    config = transformers.LlamaConfig(
+        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, tie_word_embeddings=tied,
+    )  # fmt: skip
+    base = transformers.AutoModelForCausalLM.from_config(config)
+    model = get_peft_model(base, lora_config(section, base, [298, 299]))
+    head = model.get_base_model().get_output_embeddings()
+    assert hasattr(head, "bias")  # what TRL's fused loss reads
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad and "trainable_tokens" in n]
+    assert bool(trainable) is (not tied)
+
+
+def test_a_tokenizer_without_eos_is_refused(tmp_path: Path) -> None:
+    from stages.chat import TemplateError
+    from stages.tokenizer import load_pretrained_tokenizer
+    from workflows.loading import load_pipeline
+
+    tokenizer = train_bpe_tokenizer(["서울은 크고 넓습니다."] * 20, 300, 128, "chatml")
+    tokenizer.eos_token = None
+    tokenizer.save_pretrained(tmp_path / "model")
+    spec = load_pipeline("korean-llm", overrides=[f"model.name_or_path={tmp_path / 'model'}"]).spec
+    with pytest.raises(TemplateError, match="has no eos token"):
+        load_pretrained_tokenizer(spec)
