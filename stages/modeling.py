@@ -596,11 +596,12 @@ def lora_config(section: TrainingStage, model: Any, trained_tokens: list[int] | 
             flush=True,
         )
         dropout = 0.0
-    # The chat template's tokens (`template_token_ids`): their input-embedding rows train (PEFT trainable tokens).
-    # The LM head's rows keep their start (trained for a base model's existing tokens, the mean for new ones) and
-    # the adapters learn to reach them: TRL's fused loss reads lm_head.weight and .bias directly, past any PEFT
-    # wrapper, so PEFT cannot train head rows under it, and it wraps a tied head with the embeddings (no .bias).
-    token_rows = None
+    # The chat template's tokens (`template_token_ids`) must be learnt, or the model never ends a turn: their
+    # input-embedding rows train through PEFT's trainable tokens, and an untied LM head trains whole (a copy in the
+    # adapter, as Axolotl's lora_modules_to_save): TRL's fused loss reads the head's weight and bias directly, which
+    # a modules_to_save copy has and PEFT's token adapter on a head does not. A tied head cannot: PEFT would wrap
+    # the shared weights in the token adapter (no bias), and a head copy would be lost on reload (tied again).
+    token_rows, head = None, None
     if trained_tokens and model.config.get_text_config().tie_word_embeddings:
         print(
             "lora: the chat template's token rows are not trained (tied embeddings: PEFT's token adapter on the "
@@ -609,6 +610,11 @@ def lora_config(section: TrainingStage, model: Any, trained_tokens: list[int] | 
         )
     elif trained_tokens:
         token_rows = {"embed_tokens": trained_tokens}
+        output = model.get_output_embeddings()
+        head = [name.rsplit(".", 1)[-1] for name, module in model.named_modules() if module is output]
+        print(
+            f"lora: the chat template's tokens train: their embedding rows and the whole head ({head[0]})", flush=True
+        )
     return LoraConfig(
         r=lora.r,
         lora_alpha=lora.alpha,
@@ -616,6 +622,7 @@ def lora_config(section: TrainingStage, model: Any, trained_tokens: list[int] | 
         target_modules=targets,
         target_parameters=parameters or None,
         trainable_token_indices=token_rows,
+        modules_to_save=head,
         task_type="CAUSAL_LM",
     )
 

@@ -167,6 +167,8 @@ def test_a_base_model_without_a_chat_template_is_given_one_and_learns_its_new_to
         token_rows = [k for k in f.keys() if "trainable_tokens" in k]  # noqa: SIM118 (safe_open has keys(), no __iter__)
         assert token_rows and any("embed_tokens" in k for k in token_rows)
         delta = next(f.get_tensor(k) for k in token_rows if "embed_tokens" in k)
+        heads = [k for k in f.keys() if "lm_head" in k]  # noqa: SIM118
+        assert heads and f.get_tensor(heads[0]).shape[0] > vocab  # the whole (grown) head trained, in the adapter
     assert delta.abs().sum() > 0  # the new tokens' rows moved
     added = json.loads((tmp_path / "run" / "prepare" / "tokenizer" / "tokenizer.json").read_text())["added_tokens"]
     assert max(t["id"] for t in added) >= vocab  # ChatML's tokens are new rows: the embeddings grew to hold them
@@ -245,6 +247,9 @@ def test_lora_trains_the_template_token_rows_where_trls_fused_loss_sees_them(tie
     assert hasattr(head, "bias")  # what TRL's fused loss reads
     trainable = [n for n, p in model.named_parameters() if p.requires_grad and "trainable_tokens" in n]
     assert bool(trainable) is (not tied)
+    # Untied, the head trains as a copy, which TRL's fused loss reads: head.weight is the trained copy.
+    if not tied:
+        assert head.weight.requires_grad and head.weight is head.modules_to_save["default"].weight
 
 
 def test_a_tokenizer_without_eos_is_refused(tmp_path: Path) -> None:
