@@ -733,13 +733,13 @@ def run_case(case: Case, tiny: bool, tmp: Path) -> dict[str, Any]:
     if case.kind in ("stage_sft", "plain_peft"):
         from datasets import Dataset
 
-        from stages.packing import PackedCollator, _segment, batch_width_multiple, pack_best_fit
+        from stages.packing import PackedCollator, batch_width_multiple, example_row, pack_best_fit
 
         examples = sft_examples(4000 if not tiny else 400, seed=rank, vocab=vocab, max_len=case.max_seq_length)
         if case.packing:
             rows = pack_best_fit(examples, case.max_seq_length)
         else:
-            rows = [_segment(ids, labels) for ids, labels in examples]
+            rows = [example_row(ids, labels) for ids, labels in examples]
         columns = {k: [r[k] for r in rows] for k in ("input_ids", "labels", "position_ids")}
         if case.kind == "plain_peft":
             from transformers import Trainer, TrainingArguments

@@ -1,9 +1,10 @@
 """Training data: reading every source, validating rows, normalizing them to one canonical form per kind.
 
-Sources (a stage's `data.uri`): a JSONL file, a Parquet file, a directory of `.jsonl`/`.parquet` files (read in
-sorted order), `hf://org/name` (a hub dataset, through `datasets`), or `builtin:<name>` (see
-`stages.builtin_data`). `file://` paths work as plain paths, and `pvc://<claim>/<path>` is read from the mount
-of that claim in the spec's cluster volumes.
+Sources (a stage's `data.uri`): a file, a directory or a glob of `.jsonl`, `.jsonl.gz`, `.jsonl.zst` and
+`.parquet` files, on a volume or in a bucket (`s3://`, `gs://`; listed and opened by `stages.sources`),
+`hf://datasets/org/name` (a hub dataset, through `datasets`), or `builtin:<name>` (see `stages.builtin_data`).
+`file://` paths work as plain paths, and `pvc://<claim>/<path>` is read from the mount of that claim in the spec's
+cluster volumes. JSONL is decoded with `data.encoding` (UTF-8, or CP949/EUC-KR for Korean legacy exports).
 
 Where data may come from (`confine`):
 - in the cluster (the run directory is on the checkpoints volume, as every compiled workflow's is), a data path
@@ -48,7 +49,7 @@ import os
 import re
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,8 +85,6 @@ STAGE_FORMATS: dict[str, tuple[str, ...]] = {
     "evaluate": ("text", "messages", "alpaca", "sharegpt"),
 }
 """Formats each stage can train or evaluate on."""
-
-DATA_SUFFIXES = (".jsonl", ".parquet")
 
 BUILTIN_TASKS_DIR = Path("prepare") / "data" / "evaluate" / "lm_eval"
 """Where prepare writes a builtin lm-eval task folder (`lm_eval_include_path: builtin:<name>`), in the run
@@ -147,6 +146,8 @@ class RawRow:
     line: int
     value: Any = None
     error: RowError | None = None
+    raw: bytes | None = None
+    """A JSONL line not parsed yet (parse_row parses it, in a worker process)."""
 
 
 @dataclass
@@ -286,92 +287,78 @@ def resolve_path(uri: str, spec: PipelineSpec | None = None) -> Path:
                     )
                 return path
         raise DataError(f"{uri}: claim {claim!r} is not one of the cluster volumes (cluster.datasets/checkpoints)")
-    if uri.startswith(("gs://", "s3://")):
-        raise DataError(
-            f"{uri}: object storage is not read directly; copy the data to the datasets volume and use its path"
-        )
     return Path(uri)
 
 
-def data_files(path: Path, uri: str) -> list[Path]:
-    """The data files of a path: the file itself, or the .jsonl/.parquet files of a directory, sorted."""
-    if path.is_file():
-        return [path]
-    if path.is_dir():
-        for link in (p for p in path.rglob("*") if p.is_symlink()):
-            if not within(link, path):
-                raise DataError(
-                    f"{uri}: {link} is a symlink to {link.resolve()}, outside the data directory; copy the file into "
-                    "the directory (or name it in the spec) instead of linking to it"
-                )
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in DATA_SUFFIXES)
-        if not files:
-            raise DataError(f"{uri}: the directory has no .jsonl or .parquet files")
-        for file in files:
-            if writable(str(file)) != str(file):  # undecodable bytes in a name: recorded paths must be UTF-8
-                raise DataError(f"{writable(str(file))}: the file name is not valid UTF-8; rename the file")
-        return files
-    if path.is_symlink():
-        _resolved(path)  # a loop says so
-        raise DataError(f"{uri}: {path} is a symlink to {os.readlink(path)}, which does not exist")
-    raise DataError(f"{uri}: no such file or directory")
-
-
-def _unreadable(path: Path, exc: OSError) -> DataError:
+def _unreadable(path: Path | str, exc: OSError) -> DataError:
     return DataError(f"{path}: cannot be read ({exc.strerror or exc}); check the file and its permissions")
 
 
-def read_jsonl(path: Path, limit: int) -> Iterator[RawRow]:
+def jsonl_lines(stream: Iterable[bytes], digest: Any = None) -> Iterator[tuple[int, bytes]]:
+    """(line number, bytes) of each non-blank line of a JSONL stream; every byte read goes into `digest` (a
+    hashlib object) when given, so the content is fingerprinted in the same pass."""
+    for number, raw in enumerate(stream, start=1):
+        if digest is not None:
+            digest.update(raw)
+        if raw.strip():
+            yield number, raw
+
+
+def parse_jsonl_line(raw: bytes, name: str, number: int, limit: int, encoding: str = "utf-8") -> RawRow:
+    """One JSONL line decoded (`encoding`) and parsed, or the RowError saying why it cannot be."""
+    if number == 1 and encoding == "utf-8":
+        raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark is not data
+    line = raw.rstrip(b"\r\n")
+    excerpt = line[:RAW_EXCERPT_CHARS].decode(encoding, errors="replace")
+    if len(raw) > limit:
+        return RawRow(name, number, error=_too_long(name, number, len(raw), limit, excerpt))
+    try:
+        text = line.decode(encoding)
+    except UnicodeDecodeError as exc:
+        return RawRow(name, number, error=RowError(name, number, "", _undecodable(line, exc, encoding), excerpt))
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        error = f"not valid JSON: {exc.msg} (column {exc.colno})"
+        return RawRow(name, number, error=RowError(name, number, "", error, excerpt))
+    except RecursionError:
+        error = "arrays or objects nested too deeply to read (a data row is a few levels deep)"
+        return RawRow(name, number, error=RowError(name, number, "", error, excerpt))
+    except ValueError as exc:  # a number Python refuses to convert (sys.get_int_max_str_digits)
+        error = f"not valid JSON: {exc}"
+        if "integer string conversion" in str(exc):
+            limit_digits = sys.get_int_max_str_digits()
+            error = f"a number of more than {limit_digits} digits, too long to read (write it as a string)"
+        return RawRow(name, number, error=RowError(name, number, "", error, excerpt))
+    return RawRow(name, number, value=value)
+
+
+def _undecodable(line: bytes, exc: UnicodeDecodeError, encoding: str) -> str:
+    """The error for a line that is not text in `encoding`, with the encoding it is when that is a Korean one."""
+    label = "UTF-8" if encoding == "utf-8" else encoding
+    error = f"invalid {label} at byte {exc.start} of the line"
+    for other in ("cp949",) if encoding == "utf-8" else ("utf-8",):
+        try:
+            line.decode(other)
+        except UnicodeDecodeError:
+            continue
+        return f"{error}; the line decodes as {other}: set data.encoding: {other}" + (
+            " (CP949/EUC-KR, a Korean export)" if other == "cp949" else ""
+        )
+    return error
+
+
+def read_jsonl(path: Path, limit: int, encoding: str = "utf-8") -> Iterator[RawRow]:
     """Rows of a JSONL file: one JSON object per line; blank lines are skipped."""
-    name = str(path)
     with open(path, "rb") as f:
-        for number, raw in enumerate(f, start=1):
-            if number == 1:
-                raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark is not data
-            if not raw.strip():
-                continue
-            excerpt = raw.rstrip(b"\r\n")[:RAW_EXCERPT_CHARS].decode("utf-8", errors="replace")
-            if len(raw) > limit:
-                yield RawRow(name, number, error=_too_long(name, number, len(raw), limit, excerpt))
-                continue
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                error = f"invalid UTF-8 at byte {exc.start} of the line"
-                yield RawRow(name, number, error=RowError(name, number, "", error, excerpt))
-                continue
-            try:
-                value = json.loads(text)
-            except json.JSONDecodeError as exc:
-                error = f"not valid JSON: {exc.msg} (column {exc.colno})"
-                yield RawRow(name, number, error=RowError(name, number, "", error, excerpt))
-                continue
-            except RecursionError:
-                error = "arrays or objects nested too deeply to read (a data row is a few levels deep)"
-                yield RawRow(name, number, error=RowError(name, number, "", error, excerpt))
-                continue
-            except ValueError as exc:  # a number Python refuses to convert (sys.get_int_max_str_digits)
-                error = f"not valid JSON: {exc}"
-                if "integer string conversion" in str(exc):
-                    limit_digits = sys.get_int_max_str_digits()
-                    error = f"a number of more than {limit_digits} digits, too long to read (write it as a string)"
-                yield RawRow(name, number, error=RowError(name, number, "", error, excerpt))
-                continue
-            yield RawRow(name, number, value=value)
+        for number, raw in jsonl_lines(f):
+            yield parse_jsonl_line(raw, str(path), number, limit, encoding)
 
 
-def read_parquet(path: Path, limit: int) -> Iterator[RawRow]:
-    """Rows of a Parquet file (numbered from 1 in file order), through pyarrow."""
+def parquet_rows(parquet: Any, name: str, limit: int) -> Iterator[RawRow]:
+    """Rows of a pyarrow ParquetFile (numbered from 1 in file order), read a batch at a time."""
+    number = 0
     try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise DataError(
-            f"{path}: reading Parquet needs pyarrow (pip install pyarrow), which is not installed"
-        ) from None
-    name = str(path)
-    try:
-        parquet = pq.ParquetFile(path)
-        number = 0
         for batch in parquet.iter_batches(batch_size=1024):
             for value in batch.to_pylist():
                 number += 1
@@ -385,14 +372,48 @@ def read_parquet(path: Path, limit: int) -> Iterator[RawRow]:
         raise DataError(f"{name}: not a readable Parquet file ({exc})") from None
 
 
+def read_parquet(path: Path, limit: int) -> Iterator[RawRow]:
+    """Rows of a local Parquet file, through pyarrow."""
+    pq = _pyarrow_parquet(str(path))
+    try:
+        parquet = pq.ParquetFile(path)
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{path}: not a readable Parquet file ({exc})") from None
+    yield from parquet_rows(parquet, str(path), limit)
+
+
+def _pyarrow_parquet(name: str) -> Any:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(
+            f"{name}: reading Parquet needs pyarrow (pip install pyarrow), which is not installed"
+        ) from None
+    return pq
+
+
 def _too_long(name: str, number: int, size: int, limit: int, excerpt: str) -> RowError:
     error = f"row is {size} bytes, over the limit of {limit} (raise it with {MAX_ROW_BYTES_ENV})"
     return RowError(name, number, "", error, excerpt)
 
 
+HUB_PREFIXES = ("hf://datasets/", "hf://")
+"""A hub dataset's URI: hf://datasets/<org>/<name> (as huggingface_hub writes it), or the short hf://<org>/<name>."""
+
+
+def hub_name(uri: str) -> str:
+    """The repository id of a hub dataset URI."""
+    for prefix in HUB_PREFIXES:
+        if uri.startswith(prefix):
+            return uri.removeprefix(prefix).strip("/")
+    return uri
+
+
 def read_hub(uri: str, split: str) -> tuple[list[SourceFile], Iterator[RawRow]]:
-    """Rows of a hub dataset `hf://org/name` (split `split`), through `datasets`."""
-    name = uri.removeprefix("hf://").strip("/")
+    """Rows of a hub dataset (split `split`), through `datasets`: downloaded once into HF_HOME (on the checkpoints
+    volume in the cluster, with HF_TOKEN from cluster.secrets.hf_token) and read from its memory-mapped Arrow
+    files, never whole into memory."""
+    name = hub_name(uri)
     try:
         import datasets
 
@@ -424,37 +445,59 @@ def read_builtin(uri: str) -> tuple[list[SourceFile], Iterator[RawRow]]:
 
 
 def read_source(
-    uri: str, data: DataSpec, spec: PipelineSpec | None = None, run_root: Path | None = None
+    uri: str,
+    data: DataSpec,
+    spec: PipelineSpec | None = None,
+    run_root: Path | None = None,
+    staging: Path | None = None,
 ) -> tuple[list[SourceFile], Iterator[RawRow]]:
-    """The inputs of a data URI with their fingerprints, and an iterator over its raw rows. `run_root` (the run
-    directory) tells whether the cluster's rule for data paths applies (see `confine`)."""
+    """The inputs of a data URI and an iterator over its raw rows: a JSONL line comes unparsed (`RawRow.raw`,
+    parsed by `parse_row`, in a worker), other sources parsed. The inputs' fingerprints are complete once the
+    rows are: a local file's content is hashed as it is read, a stored object is named by its version (etag or
+    generation) and size. `run_root` (the run directory) tells whether the cluster's rule for data paths
+    applies (see `confine`); `staging` is where a Parquet object from S3 is downloaded while it is read."""
     if uri.startswith("builtin:"):
         return read_builtin(uri)
     if uri.startswith("hf://"):
         return read_hub(uri, data.split)
+    from stages.sources import list_objects, open_parquet, open_stream
+
     limit = max_row_bytes()
-    files = data_files(confine(resolve_path(uri, spec), uri, spec, run_root), uri)
-    sources = []
-    for f in files:
-        try:
-            sources.append(SourceFile(str(f), sha256_file(f)))
-        except OSError as exc:
-            raise _unreadable(f, exc) from None
+    objects = list_objects(uri, spec, run_root)
+    sources = [SourceFile(o.uri, "") for o in objects]
 
     def rows() -> Iterator[RawRow]:
-        for f in files:
-            reader = read_parquet if f.suffix == ".parquet" else read_jsonl
+        for obj, source in zip(objects, sources, strict=True):
             count = 0
-            try:
-                for row in reader(f, limit):
-                    count += 1
-                    yield row
-            except OSError as exc:
-                raise _unreadable(f, exc) from None
+            if obj.kind == "parquet":
+                with open_parquet(obj, staging or Path(tempfile.gettempdir())) as parquet:
+                    for row in parquet_rows(parquet, obj.uri, limit):
+                        count += 1
+                        yield row
+                source.fingerprint = (
+                    f"{obj.version}:size={obj.size}" if obj.version else sha256_file(obj.path)  # type: ignore[arg-type]
+                )
+            else:
+                digest = hashlib.sha256() if not obj.version else None
+                try:
+                    with open_stream(obj) as stream:
+                        for number, raw in jsonl_lines(stream, digest):
+                            count += 1
+                            yield RawRow(obj.uri, number, raw=raw)
+                except OSError as exc:
+                    raise _unreadable(obj.uri, exc) from None
+                source.fingerprint = f"sha256:{digest.hexdigest()}" if digest else f"{obj.version}:size={obj.size}"
             if count == 0:
-                raise DataError(f"{f}: empty file: no rows (an export that failed?)")
+                raise DataError(f"{obj.uri}: empty file: no rows (an export that failed?)")
 
     return sources, rows()
+
+
+def parse_row(raw: RawRow, limit: int, encoding: str) -> RawRow:
+    """A raw row with its JSONL line parsed (the others as they are)."""
+    if raw.raw is None:
+        return raw
+    return parse_jsonl_line(raw.raw, raw.file, raw.line, limit, encoding)
 
 
 # --------------------------------------------------------------------------- validation and normalization
@@ -791,15 +834,16 @@ class _UnmappedColumn:
         self.rows = 0
         self.stopped = False
 
-    def see(self, exc: FieldError, error: RowError, mapping: ColumnMap) -> None:
-        """Count a bad row: one more that lacks the mapped column, or the end of the run."""
-        shape = re.sub(r"\[\d+\]", "[]", exc.field)  # a message's key: whichever message of the row lacks it
-        if not isinstance(exc, MissingField) or not mapping.renamed(exc.field) or shape != (self.shape or shape):
+    def see(self, field: str, present: list[str] | None, error: RowError, mapping: ColumnMap) -> None:
+        """Count a bad row (its error named `field`; `present` are the row's keys when the field was missing): one
+        more that lacks the mapped column, or the end of the run."""
+        shape = re.sub(r"\[\d+\]", "[]", field)  # a message's key: whichever message of the row lacks it
+        if present is None or not mapping.renamed(field) or shape != (self.shape or shape):
             self.stop()
         if self.stopped:
             return
-        self.first, self.shape, self.source = self.first or error, shape, mapping.renamed(exc.field)
-        self.present.update(exc.present)
+        self.first, self.shape, self.source = self.first or error, shape, mapping.renamed(field)
+        self.present.update(present or [])
         self.rows += 1
 
     def stop(self) -> None:
@@ -828,66 +872,23 @@ class _UnmappedColumn:
 def read_dataset(
     data: DataSpec, spec: PipelineSpec | None = None, stage: str | None = None, run_root: Path | None = None
 ) -> Dataset:
-    """Read, validate and normalize one dataset; bad rows within `max_bad_row_fraction` are kept as errors.
-    `run_root` is the run directory reading it (it decides which paths may be read, see `confine`).
+    """Read, validate, clean and normalize one dataset into memory (for small data: prepare streams a stage's
+    dataset to disk with `stages.prepared_data.prepare_split` instead); bad rows within `max_bad_row_fraction`
+    are kept as errors. `run_root` is the run directory reading it (it decides which paths may be read, see
+    `confine`).
 
     Raises DataError for an unusable dataset: a missing or empty source, no valid rows, or more bad rows
     than allowed (the message lists the first few)."""
-    uri = spec.data_uri(data) if spec is not None else data.uri
-    if stage is not None:
-        check_stage_format(stage, data.format)
-    files, raw_rows = read_source(uri, data, spec, run_root)
-    where = f"stages.{stage}.data ({uri})" if stage else uri
-    mapping = ColumnMap.of(data)
-    unmapped = _UnmappedColumn()
-    rows: list[dict[str, Any]] = []
-    origins: list[str] = []
-    errors: list[RowError] = []
-    total = 0
-    for raw in raw_rows:
-        total += 1
-        if raw.error is not None:
-            errors.append(raw.error)
-            continue
-        try:
-            rows.append(_normalize(raw.value, mapping))
-            origins.append(f"{raw.file}:{raw.line}")
-            unmapped.stop()
-        except FieldError as exc:
-            error = RowError(raw.file, raw.line, exc.field, exc.error, _excerpt(raw.value), exc.mapping)
-            errors.append(error)
-            unmapped.see(exc, error, mapping)
-            if unmapped.rows >= MAPPING_PROBE_ROWS:
-                raise unmapped.error(where, stage, every=False) from None
-    if total == 0:
-        raise DataError(f"{where}: no rows")
-    if unmapped.rows:  # every row lacks the mapped column
-        raise unmapped.error(where, stage, every=True)
-    if errors and len(errors) / total > data.max_bad_row_fraction:
-        listed = "\n".join(f"  {e}" for e in errors[:MAX_LISTED_ERRORS])
-        more = f"\n  ... and {len(errors) - MAX_LISTED_ERRORS} more" if len(errors) > MAX_LISTED_ERRORS else ""
-        raise DataError(
-            f"{where}: {len(errors)} of {total} rows are bad ({len(errors) / total:.2%}), over "
-            f"max_bad_row_fraction={data.max_bad_row_fraction}:\n{listed}{more}"
-        )
-    if not rows:
-        raise DataError(f"{where}: no valid rows")
-    if data.max_samples is not None:
-        rows, origins = rows[: data.max_samples], origins[: data.max_samples]
-    return Dataset(uri, data.format, rows, errors, total, files, dataset_fingerprint(data, files), origins)
+    from stages.prepared_data import DatasetReader
 
-
-def split_eval(rows: list[dict[str, Any]], eval_fraction: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Split rows into (train, eval). The eval rows are those with the smallest content hashes, so the split
-    is the same on every run and a row stays on its side when rows are added; both sides keep file order.
-    A non-zero fraction holds out at least one row (when there are two or more)."""
-    if eval_fraction <= 0 or len(rows) < 2:
-        return list(rows), []
-    n_eval = min(len(rows) - 1, max(1, round(len(rows) * eval_fraction)))
-    ranked = sorted(range(len(rows)), key=lambda i: (canonical_hash(rows[i]), i))
-    held = set(ranked[:n_eval])
-    train = [r for i, r in enumerate(rows) if i not in held]
-    return train, [r for i, r in enumerate(rows) if i in held]
+    reader = DatasetReader(data, spec, stage, run_root)
+    rows, origins = [], []
+    for origin, line, _ in reader.rows():
+        rows.append(json.loads(line))
+        origins.append(origin)
+    return Dataset(
+        reader.uri, data.format, rows, reader.errors, reader.total, reader.files, reader.fingerprint, origins
+    )
 
 
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:

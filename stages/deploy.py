@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stages.contract import EXIT_OK, RunDir, StageContext, StageRefused
-from stages.data import within
+from stages.data import DataError, within
 from stages.evaluate import (
     CHALLENGER,
     CHAMPION,
@@ -47,6 +47,7 @@ from stages.evaluate import (
     registered_model_name,
     registry_client,
 )
+from stages.sources import gcs_client, s3_client
 from workflows.pytorchjob import RUN_ROOT
 from workflows.serving import inference_service, model_storage_uri, to_yaml
 from workflows.spec import STAGE_ORDER, PipelineSpec
@@ -169,10 +170,10 @@ def upload_failed(storage_uri: str, target: str, reason: str, hint: str = "") ->
 
 
 def upload_s3(model_dir: Path, storage_uri: str) -> None:
-    """Upload with boto3; credentials from the environment (AWS_*, a web identity or an instance role), the
-    endpoint of an S3-compatible store from AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL (boto3 reads both)."""
+    """Upload with boto3, through the client the data sources use (`stages.sources.s3_client`): credentials from the
+    environment (AWS_*, a web identity or an instance role), the endpoint of an S3-compatible store from
+    AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL (boto3 reads both)."""
     try:
-        import boto3
         from boto3.exceptions import S3UploadFailedError
         from botocore.exceptions import BotoCoreError, ClientError
     except ImportError:
@@ -180,13 +181,10 @@ def upload_s3(model_dir: Path, storage_uri: str) -> None:
             "stages.deploy.storage_uri is s3://, which needs boto3 in the image (pip install boto3)"
         ) from None
     _, bucket, prefix = split_uri(storage_uri)
-    session = boto3.session.Session()
-    if session.get_credentials() is None:
-        raise PublishError(
-            "stages.deploy.storage_uri is s3:// but no AWS credentials were found in the environment: set "
-            "cluster.secrets.aws_access_key_id/aws_secret_access_key, or give the pod a web identity (IRSA)"
-        )
-    client = session.client("s3")
+    try:
+        client = s3_client(f"stages.deploy.storage_uri ({storage_uri})")
+    except DataError as exc:
+        raise PublishError(str(exc)) from None
     for rel in model_files(model_dir):
         key = f"{prefix}/{rel.as_posix()}".lstrip("/")
         try:
@@ -204,32 +202,22 @@ def upload_s3(model_dir: Path, storage_uri: str) -> None:
 
 
 def upload_gcs(model_dir: Path, storage_uri: str) -> None:
-    """Upload with google-cloud-storage; credentials from Google ADC (Workload Identity in GKE). With
-    STORAGE_EMULATOR_HOST set, the client's own emulator mode: that endpoint, anonymous credentials and the project
-    from GOOGLE_CLOUD_PROJECT."""
+    """Upload with google-cloud-storage, through the client the data sources use (`stages.sources.gcs_client`):
+    credentials from Google ADC (Workload Identity in GKE); with STORAGE_EMULATOR_HOST set, the client's own emulator
+    mode (that endpoint, anonymous credentials, the project from GOOGLE_CLOUD_PROJECT)."""
     try:
-        import google.auth
         import google.auth.exceptions
         from google.api_core.exceptions import GoogleAPICallError
-        from google.cloud import storage
     except ImportError:
         raise PublishError(
             "stages.deploy.storage_uri is gs://, which needs google-cloud-storage in the image "
             "(pip install google-cloud-storage)"
         ) from None
     _, bucket, prefix = split_uri(storage_uri)
-    if os.environ.get("STORAGE_EMULATOR_HOST"):
-        client = storage.Client()  # anonymous: the pod's Google token never goes to a non-Google endpoint
-    else:
-        try:
-            credentials, project = google.auth.default()
-        except google.auth.exceptions.DefaultCredentialsError as exc:
-            raise PublishError(
-                f"stages.deploy.storage_uri is gs:// but no usable Google credentials were found ({exc}): bind the "
-                "pod's ServiceAccount to a Google service account (Workload Identity), or set "
-                "GOOGLE_APPLICATION_CREDENTIALS"
-            ) from None
-        client = storage.Client(project=project, credentials=credentials)
+    try:
+        client = gcs_client(f"stages.deploy.storage_uri ({storage_uri})")
+    except DataError as exc:
+        raise PublishError(str(exc)) from None
     target = client.bucket(bucket)
     for rel in model_files(model_dir):
         key = f"{prefix}/{rel.as_posix()}".lstrip("/")

@@ -13,32 +13,36 @@ varlen kernel (flash-attention): a document never attends to the one packed befo
 
 The first token of every segment has label -100: nothing before it in the row may predict it.
 
-The cache lives in `<run>/prepare/cache/<stage>/<key>/` (`train/`, `eval/` as datasets saved to disk, and
-`meta.json` written last), keyed by the data fingerprint, the tokenizer, `max_seq_length` and the packing
-settings, so a change to any of them builds a new cache and an unchanged one is reused.
+The cache lives in `<run>/prepare/cache/<stage>/<key>/` (`train/`, `eval/`, and `meta.json` written last), keyed
+by the data fingerprint, the tokenizer, `max_seq_length` and the packing settings, so a change to any of them
+builds a new cache and an unchanged one is reused. Each split is a few flat arrays (tokens, loss flags, row
+segments: see SplitWriter), written in a stream by `num_proc` tokenizing processes and read memory-mapped
+(TokenRows): neither building nor training holds the corpus in memory, and the ranks of a node share the pages.
 """
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from stages.chat import IGNORE_INDEX, ConversationError, tokenize_conversation
 from stages.contract import RunDir, canonical_hash, write_json_atomic
+from stages.workers import default_num_proc, ordered_map
 from workflows.spec import PipelineSpec, TrainingSpec
 
 __all__ = ["IGNORE_INDEX", "tokenize_conversation"]  # re-exported: where the rows' labels come from
-CACHE_FORMAT = 2  # bump when the row layout changes: old caches are then rebuilt
+CACHE_FORMAT = 3  # bump when the row layout changes: old caches are then rebuilt (3: flat memory-mapped arrays)
 META_JSON = "meta.json"
 
 Row = dict[str, list[int]]
@@ -47,14 +51,16 @@ MAX_LISTED_ERRORS = 5
 
 
 class ConversationRowsError(Exception):
-    """Rows of a split that the chat template cannot render into a trainable conversation: (line, problem)."""
+    """Rows of a split that the chat template cannot render into a trainable conversation: the first few as
+    (line, problem), and how many there are in all."""
 
-    def __init__(self, path: Path, problems: list[tuple[int, str]]) -> None:
+    def __init__(self, path: Path, problems: list[tuple[int, str]], total: int | None = None) -> None:
         self.path = path
-        self.problems = problems
-        listed = "\n".join(f"  {path}:{line}: {problem}" for line, problem in problems[:MAX_LISTED_ERRORS])
-        more = f"\n  ... and {len(problems) - MAX_LISTED_ERRORS} more" if len(problems) > MAX_LISTED_ERRORS else ""
-        super().__init__(f"{len(problems)} conversations cannot be trained on:\n{listed}{more}")
+        self.problems = problems[:MAX_LISTED_ERRORS]
+        self.total = len(problems) if total is None else total
+        listed = "\n".join(f"  {path}:{line}: {problem}" for line, problem in self.problems)
+        more = f"\n  ... and {self.total - len(self.problems)} more" if self.total > len(self.problems) else ""
+        super().__init__(f"{self.total} conversations cannot be trained on:\n{listed}{more}")
 
 
 # --------------------------------------------------------------------------- tokenization
@@ -66,65 +72,140 @@ def tokenize_document(tokenizer: Any, text: str) -> list[int]:
     return [*ids, tokenizer.eos_token_id]
 
 
-# --------------------------------------------------------------------------- packing
+# --------------------------------------------------------------------------- packing plans
+
+Segment = tuple[int, int]
+"""[start, end) of one document's piece in a split's flat token array."""
 
 
-def _segment(ids: list[int], labels: list[int]) -> Row:
-    """One document's piece: positions from 0, and no label on its first token."""
-    return {
-        "input_ids": list(ids),
-        "labels": [IGNORE_INDEX, *labels[1:]],
-        "position_ids": list(range(len(ids))),
-    }
+class StreamPacker:
+    """CPT packing, planned on lengths: documents laid end to end and cut into rows of `max_seq_length` (the last
+    may be shorter). A document that does not fit continues in the next row, starting at position 0."""
+
+    def __init__(self, max_seq_length: int) -> None:
+        self.max_seq_length = max_seq_length
+        self.row: list[Segment] = []
+        self.room = max_seq_length
+
+    def add(self, start: int, length: int) -> list[list[Segment]]:
+        """Lay a document (its tokens at [start, start + length)) into the rows; returns the rows it completed."""
+        done = []
+        while length:
+            take = min(self.room, length)
+            self.row.append((start, start + take))
+            start, length, self.room = start + take, length - take, self.room - take
+            if self.room == 0:
+                done.append(self.row)
+                self.row, self.room = [], self.max_seq_length
+        return done
+
+    def finish(self) -> list[list[Segment]]:
+        """The last, partly filled row, if any."""
+        row, self.row, self.room = self.row, [], self.max_seq_length
+        return [row] if row else []
 
 
-def _join(segments: list[Row]) -> Row:
-    return {key: [value for seg in segments for value in seg[key]] for key in ("input_ids", "labels", "position_ids")}
-
-
-def pack_stream(documents: Iterable[list[int]], max_seq_length: int) -> Iterator[Row]:
-    """CPT packing: documents laid end to end and cut into rows of `max_seq_length` (the last may be shorter).
-    A document that does not fit continues in the next row, starting at position 0."""
-    row: list[Row] = []
-    room = max_seq_length
-    for ids in documents:
-        while ids:
-            piece, ids = ids[:room], ids[room:]
-            row.append(_segment(piece, piece))
-            room -= len(piece)
-            if room == 0:
-                yield _join(row)
-                row, room = [], max_seq_length
-    if row:
-        yield _join(row)
-
-
-def split_documents(documents: Iterable[list[int]], max_seq_length: int) -> Iterator[Row]:
+def document_rows(start: int, length: int, max_seq_length: int) -> list[list[Segment]]:
     """CPT without packing: one document per row, a long one cut into several rows."""
-    for ids in documents:
-        for start in range(0, len(ids), max_seq_length):
-            piece = ids[start : start + max_seq_length]
-            yield _segment(piece, piece)
+    end = start + length
+    return [[(s, min(s + max_seq_length, end))] for s in range(start, end, max_seq_length)]
 
 
-def pack_best_fit(examples: list[tuple[list[int], list[int]]], max_seq_length: int) -> list[Row]:
-    """SFT packing: whole examples (each at most `max_seq_length`) into as few rows as fit, longest first,
-    each into the row it fills best (best-fit decreasing)."""
-    order = sorted(range(len(examples)), key=lambda i: len(examples[i][0]), reverse=True)
+def best_fit(lengths: Sequence[int], max_seq_length: int) -> list[list[int]]:
+    """SFT packing, planned on lengths: the examples (each at most `max_seq_length`) into as few rows as fit,
+    longest first (ties in input order), each into the row it fills best (best-fit decreasing). The room left in
+    the rows is kept in a segment tree over 1..max_seq_length, as TRL's `pack_dataset(strategy="bfd")` does;
+    TRL packs each map batch of an Arrow table of token lists on its own, this plans the whole split at once
+    from its lengths alone, so the tokens never have to be in memory."""
+    size = 1 << (max_seq_length - 1).bit_length()
+    tree = [0] * (2 * size)  # tree[size + r - 1] = r when some row has room r; inner nodes hold their max
+
+    def set_leaf(room: int, value: int) -> None:
+        i = size + room - 1
+        tree[i] = value
+        while i > 1:
+            i >>= 1
+            left, right = tree[2 * i], tree[2 * i + 1]
+            tree[i] = left if left >= right else right
+
+    def smallest_room_at_least(need: int) -> int:
+        if tree[1] < need:
+            return 0
+        i = 1
+        while i < size:
+            i = 2 * i if tree[2 * i] >= need else 2 * i + 1
+        return tree[i]
+
     bins: list[list[int]] = []
-    free: list[tuple[int, int]] = []  # (room left, bin index), sorted
+    by_room: dict[int, deque[int]] = {}  # room left -> bins with that room, oldest first
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     for i in order:
-        size = len(examples[i][0])
-        at = bisect.bisect_left(free, (size, -1))
-        if at < len(free):
-            room, b = free.pop(at)
+        need = lengths[i]
+        room = smallest_room_at_least(need)
+        if room:
+            b = by_room[room].popleft()
+            if not by_room[room]:
+                del by_room[room]
+                set_leaf(room, 0)
         else:
             room, b = max_seq_length, len(bins)
             bins.append([])
         bins[b].append(i)
-        if room - size > 0:
-            bisect.insort(free, (room - size, b))
-    return [_join([_segment(*examples[i]) for i in members]) for members in bins]
+        left = room - need
+        if left > 0:
+            if left not in by_room:
+                by_room[left] = deque()
+                set_leaf(left, left)
+            by_room[left].append(b)
+    return bins
+
+
+def _row(segments: list[Segment], tokens: Sequence[int], loss: Sequence[int] | None = None) -> Row:
+    """A row's input_ids, labels and position_ids from its segments of a split's flat arrays: positions restart
+    at 0 in each segment, and the first token of a segment has no label (nothing before it in the row predicts
+    it); tokens without loss (`loss` 0) have none either."""
+    row: Row = {"input_ids": [], "labels": [], "position_ids": []}
+    for start, end in segments:
+        ids = [int(t) for t in tokens[start:end]]
+        labels = ids if loss is None else [t if m else IGNORE_INDEX for t, m in zip(ids, loss[start:end], strict=True)]
+        row["input_ids"] += ids
+        row["labels"] += [IGNORE_INDEX, *labels[1:]]
+        row["position_ids"] += list(range(end - start))
+    return row
+
+
+def pack_stream(documents: Iterable[list[int]], max_seq_length: int) -> Iterator[Row]:
+    """CPT packing of token lists (StreamPacker's plan, as rows)."""
+    tokens: list[int] = []
+    packer = StreamPacker(max_seq_length)
+    for ids in documents:
+        start = len(tokens)
+        tokens += ids
+        for segments in packer.add(start, len(ids)):
+            yield _row(segments, tokens)
+    for segments in packer.finish():
+        yield _row(segments, tokens)
+
+
+def split_documents(documents: Iterable[list[int]], max_seq_length: int) -> Iterator[Row]:
+    """CPT without packing, of token lists (document_rows' plan, as rows)."""
+    for ids in documents:
+        for segments in document_rows(0, len(ids), max_seq_length):
+            yield _row(segments, ids)
+
+
+def example_row(ids: list[int], labels: list[int]) -> Row:
+    """One (ids, labels) example as a row of its own: positions from 0, no label on its first token."""
+    return {"input_ids": list(ids), "labels": [IGNORE_INDEX, *labels[1:]], "position_ids": list(range(len(ids)))}
+
+
+def pack_best_fit(examples: list[tuple[list[int], list[int]]], max_seq_length: int) -> list[Row]:
+    """SFT packing of (ids, labels) examples (best_fit's plan, as rows)."""
+    rows = []
+    for members in best_fit([len(ids) for ids, _ in examples], max_seq_length):
+        parts = [example_row(*examples[i]) for i in members]
+        rows.append({key: [v for part in parts for v in part[key]] for key in ("input_ids", "labels", "position_ids")})
+    return rows
 
 
 @dataclass
@@ -190,6 +271,24 @@ def tokenizer_dir(run_dir: RunDir) -> Path:
     return run_dir.root / "prepare" / "tokenizer"
 
 
+def split_sha256(run_dir: RunDir, stage: str, split: str) -> str:
+    """sha256 of a prepared split ('' when it does not exist): what prepare recorded in the stage's manifest.json
+    while writing it, when the file is still the one it wrote (same size and modification time); hashed here
+    otherwise. Every training rank asks at start, and a corpus split can be hundreds of GB."""
+    path = data_dir(run_dir, stage) / f"{split}.jsonl"
+    if not path.is_file():
+        return ""
+    try:
+        manifest = json.loads((data_dir(run_dir, stage) / "manifest.json").read_text(encoding="utf-8"))
+        written = manifest["files"][split]
+        stat = path.stat()
+        if written["size"] == stat.st_size and written["mtime_ns"] == stat.st_mtime_ns:
+            return str(written["sha256"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return file_sha256(path)
+
+
 def cache_settings(run_dir: RunDir, spec: PipelineSpec, stage: str) -> dict[str, Any]:
     """Everything the cached rows depend on; its hash names the cache."""
     section = spec.stage(stage)
@@ -197,7 +296,7 @@ def cache_settings(run_dir: RunDir, spec: PipelineSpec, stage: str) -> dict[str,
     settings: dict[str, Any] = {
         "format": CACHE_FORMAT,
         "kind": "text" if section.data is not None and section.data.format == "text" else "chat",
-        "data": {split: file_sha256(data_dir(run_dir, stage) / f"{split}.jsonl") for split in ("train", "eval")},
+        "data": {split: split_sha256(run_dir, stage, split) for split in ("train", "eval")},
         "tokenizer": tokenizer_hash(tokenizer_dir(run_dir)),
         "max_seq_length": training.max_seq_length,
         "packing": training.packing,
@@ -214,62 +313,245 @@ def cache_path(run_dir: RunDir, spec: PipelineSpec, stage: str) -> Path:
     return run_dir.root / "prepare" / "cache" / stage / key[:16]
 
 
-def _read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
+# The cache of one split, flat arrays written in a stream and read memory-mapped (the ranks of a node share the
+# page cache, and nothing is loaded whole). Measured against Arrow lists of input_ids/labels/position_ids
+# (datasets' save_to_disk): 4 bytes a token instead of 3 x 8 (or 3 x 4 with int32 features), written at the speed
+# of the disk instead of Arrow's list builders (bench/prepare_corpus.py, docs/performance.md).
+TOKENS = "tokens.bin"  # uint32: the token ids of every kept document or conversation, in input order
+LOSS = "loss.bin"  # uint8 (chat only): 1 where the token carries loss (the assistant's tokens)
+SEGMENTS = "segments.bin"  # int64 pairs: [start, end) of each row's pieces in TOKENS, row after row
+ROWS = "rows.bin"  # int64: where each row's segments start in SEGMENTS, and the total at the end
+EXAMPLES = ".examples.bin"  # int64 pairs, while building (chat): [start, end) of each kept conversation
+
+TOKENIZE_BATCH_BYTES = 1 << 20
+"""Bytes of JSONL a worker tokenizes per batch: big enough that sending it costs little next to the work."""
+
+
+class SplitWriter:
+    """Writes one split's flat arrays, appending as tokens and rows arrive."""
+
+    def __init__(self, directory: Path, chat: bool) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.directory = directory
+        self.tokens = open(directory / TOKENS, "wb")  # noqa: SIM115 -- closed in close()
+        self.loss = open(directory / LOSS, "wb") if chat else None  # noqa: SIM115
+        self.segments = open(directory / SEGMENTS, "wb")  # noqa: SIM115
+        self.examples = open(directory / EXAMPLES, "wb") if chat else None  # noqa: SIM115
+        self.n_tokens = 0
+        self.n_segments = 0
+        self.row_starts: list[int] = [0]
+        self.rows_file = open(directory / ROWS, "wb")  # noqa: SIM115
+
+    def append(self, ids: np.ndarray, loss: np.ndarray | None) -> int:
+        """Append tokens (and their loss flags); returns where they start."""
+        start = self.n_tokens
+        ids.astype(np.uint32, copy=False).tofile(self.tokens)
+        if self.loss is not None and loss is not None:
+            loss.astype(np.uint8, copy=False).tofile(self.loss)
+        self.n_tokens += len(ids)
+        return start
+
+    def add_rows(self, rows: list[list[Segment]]) -> None:
+        """Append rows, each a list of segments."""
+        if not rows:
+            return
+        flat = [bound for row in rows for segment in row for bound in segment]
+        np.asarray(flat, dtype=np.int64).tofile(self.segments)
+        ends = np.cumsum([len(row) for row in rows], dtype=np.int64) + self.n_segments
+        ends.tofile(self.rows_file)
+        self.n_segments = int(ends[-1])
+
+    def close(self) -> None:
+        for f in (self.tokens, self.loss, self.segments, self.examples, self.rows_file):
+            if f is not None:
+                f.close()
+
+
+def _memmap(path: Path, dtype: Any) -> np.ndarray:
+    """A read-only memory map of a flat array file (an empty array for an empty file, which mmap refuses)."""
+    if path.stat().st_size == 0:
+        return np.empty(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+class TokenRows:
+    """The rows of a split's cache, memory-mapped: `rows[i]` is {input_ids, labels, position_ids} as lists.
+    Pickles as its directory (a DataLoader worker or datasets' fingerprinting never copies the arrays)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+        self.tokens = _memmap(self.directory / TOKENS, np.uint32)
+        loss = self.directory / LOSS
+        self.loss = _memmap(loss, np.uint8) if loss.is_file() else None
+        self.segments = _memmap(self.directory / SEGMENTS, np.int64).reshape(-1, 2)
+        self.row_ends = _memmap(self.directory / ROWS, np.int64)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"directory": str(self.directory)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(Path(state["directory"]))  # type: ignore[misc]
+
+    def __len__(self) -> int:
+        return len(self.row_ends)
+
+    def __getitem__(self, i: int) -> Row:
+        first = int(self.row_ends[i - 1]) if i > 0 else 0
+        segments = [(int(s), int(e)) for s, e in self.segments[first : int(self.row_ends[i])]]
+        return _row(segments, self.tokens, self.loss)
+
+    def __call__(self, batch: dict[str, list[int]]) -> dict[str, list[list[int]]]:
+        """The datasets transform: row indices -> the rows' columns."""
+        rows = [self[i] for i in batch["row"]]
+        return {key: [row[key] for row in rows] for key in ("input_ids", "labels", "position_ids")}
+
+
+def rows_dataset(directory: Path) -> Any:
+    """A split's rows as a `datasets.Dataset` (what the Trainer and TRL take): an Arrow column of row numbers,
+    formatted on access from the memory-mapped arrays."""
+    from datasets import Dataset
+
+    rows = TokenRows(directory)
+    return Dataset.from_dict({"row": np.arange(len(rows), dtype=np.int64)}).with_transform(rows)
+
+
+# --------------------------------------------------------------------------- building the cache, in parallel
+
+_WORKER: dict[str, Any] = {}
+
+
+def _init_tokenizer_worker(tokenizer_path: str, settings: dict[str, Any]) -> None:
+    """A tokenize worker's state, loaded once: the run's tokenizer and the cache settings."""
+    from transformers import AutoTokenizer
+
+    _WORKER["tokenizer"] = AutoTokenizer.from_pretrained(tokenizer_path)
+    _WORKER["settings"] = settings
+
+
+@dataclass
+class TokenizedBatch:
+    """A batch of one split, tokenized: the kept documents' tokens end to end, their lengths, and counts."""
+
+    ids: np.ndarray
+    loss: np.ndarray | None
+    lengths: np.ndarray
+    label_tokens: int
+    documents: int
+    truncated: int = 0
+    dropped: int = 0
+    problems: list[tuple[int, str]] = field(default_factory=list)
+
+
+def _tokenize_batch(lines: list[tuple[int, str]]) -> TokenizedBatch:
+    """Tokenize (line number, JSONL line) pairs of a prepared split with the worker's tokenizer."""
+    tokenizer, settings = _WORKER["tokenizer"], _WORKER["settings"]
+    records = [json.loads(line) for _, line in lines]
+    if settings["kind"] == "text":
+        encoded = tokenizer([r["text"] for r in records], add_special_tokens=False, verbose=False)["input_ids"]
+        docs = [[*ids, tokenizer.eos_token_id] for ids in encoded]
+        lengths = np.asarray([len(d) for d in docs], dtype=np.int64)
+        ids = np.fromiter((t for d in docs for t in d), dtype=np.uint32, count=int(lengths.sum()))
+        return TokenizedBatch(ids, None, lengths, int(lengths.sum()) - len(docs), len(docs))
+    max_len = settings["max_seq_length"]
+    kept_ids: list[list[int]] = []
+    kept_loss: list[list[int]] = []
+    batch = TokenizedBatch(np.empty(0, np.uint32), None, np.empty(0, np.int64), 0, len(records))
+    for (line, _), record in zip(lines, records, strict=True):
+        try:
+            ids, labels = tokenize_conversation(
+                tokenizer, record["messages"], settings["enable_thinking"], settings["assistant_only_loss"]
+            )
+        except ConversationError as exc:
+            batch.problems.append((line, str(exc)))
+            continue
+        if len(ids) > max_len:
+            batch.truncated += 1
+            ids, labels = ids[:max_len], labels[:max_len]
+        loss = [label != IGNORE_INDEX for label in labels]
+        if not any(loss[1:]):
+            batch.dropped += 1  # truncation left no assistant token to learn from
+            continue
+        kept_ids.append(ids)
+        kept_loss.append(loss)
+        batch.label_tokens += sum(loss[1:])
+    batch.lengths = np.asarray([len(ids) for ids in kept_ids], dtype=np.int64)
+    batch.ids = np.fromiter((t for ids in kept_ids for t in ids), dtype=np.uint32, count=int(batch.lengths.sum()))
+    batch.loss = np.fromiter((m for loss in kept_loss for m in loss), dtype=np.uint8, count=len(batch.ids))
+    return batch
+
+
+def _line_batches(path: Path) -> Iterator[list[tuple[int, str]]]:
+    """(line number, line) of a prepared JSONL split, in batches of about TOKENIZE_BATCH_BYTES."""
     if not path.is_file():
         return
+    batch: list[tuple[int, str]] = []
+    size = 0
     with path.open(encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                yield json.loads(line)
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            batch.append((number, line))
+            size += len(line)
+            if size >= TOKENIZE_BATCH_BYTES:
+                yield batch
+                batch, size = [], 0
+    if batch:
+        yield batch
 
 
-def _rows_for_split(path: Path, tokenizer: Any, settings: dict[str, Any]) -> tuple[list[Row], dict[str, int]]:
-    """Tokenize and pack one split; returns the rows and their counts."""
-    max_len = settings["max_seq_length"]
-    stats = {"documents": 0, "truncated": 0, "dropped": 0}
-    if settings["kind"] == "text":
-        documents = []
-        for record in _read_jsonl(path):
-            documents.append(tokenize_document(tokenizer, record["text"]))
-        stats["documents"] = len(documents)
-        pack = pack_stream if settings["packing"] else split_documents
-        rows = list(pack(documents, max_len))
-    else:
-        examples = []
-        problems: list[tuple[int, str]] = []
-        for line, record in enumerate(_read_jsonl(path), start=1):
-            stats["documents"] += 1
-            try:
-                ids, labels = tokenize_conversation(
-                    tokenizer, record["messages"], settings["enable_thinking"], settings["assistant_only_loss"]
-                )
-            except ConversationError as exc:
-                problems.append((line, str(exc)))
+def write_split(path: Path, out: Path, tokenizer_path: Path, settings: dict[str, Any], num_proc: int) -> dict[str, int]:
+    """Tokenize a prepared split in `num_proc` workers and write its packed rows into `out`; returns the counts.
+    ConversationRowsError (listing the first few, with their line numbers) when the chat template refuses some
+    conversations."""
+    chat = settings["kind"] == "chat"
+    max_len, packing = settings["max_seq_length"], settings["packing"]
+    writer = SplitWriter(out, chat)
+    packer = StreamPacker(max_len)
+    stats = {"documents": 0, "truncated": 0, "dropped": 0, "label_tokens": 0}
+    problems: list[tuple[int, str]] = []
+    n_problems = 0
+    try:
+        batches = _line_batches(path)
+        init = (str(tokenizer_path), settings)
+        for batch in ordered_map(_tokenize_batch, batches, num_proc, _init_tokenizer_worker, init):
+            for key in ("documents", "truncated", "dropped", "label_tokens"):
+                stats[key] += getattr(batch, key)
+            n_problems += len(batch.problems)
+            problems += batch.problems[: MAX_LISTED_ERRORS - len(problems)]
+            start = writer.append(batch.ids, batch.loss)
+            starts = start + np.cumsum(batch.lengths) - batch.lengths
+            if chat:
+                assert writer.examples is not None
+                np.stack([starts, starts + batch.lengths], axis=1).astype(np.int64).tofile(writer.examples)
                 continue
-            if len(ids) > max_len:
-                stats["truncated"] += 1
-                ids, labels = ids[:max_len], labels[:max_len]
-            if all(label == IGNORE_INDEX for label in labels[1:]):
-                stats["dropped"] += 1  # truncation left no assistant token to learn from
-                continue
-            examples.append((ids, labels))
-        if problems:
-            raise ConversationRowsError(path, problems)
-        if settings["packing"]:
-            rows = pack_best_fit(examples, max_len)
-        else:
-            rows = [_segment(ids, labels) for ids, labels in examples]
+            for s, n in zip(starts.tolist(), batch.lengths.tolist(), strict=True):
+                writer.add_rows(packer.add(s, n) if packing else document_rows(s, n, max_len))
+        if n_problems:
+            raise ConversationRowsError(path, problems, n_problems)
+        writer.add_rows(packer.finish())
+        if chat:
+            assert writer.examples is not None
+            writer.examples.close()
+            examples = _memmap(out / EXAMPLES, np.int64).reshape(-1, 2)
+            lengths = (examples[:, 1] - examples[:, 0]).tolist()
+            bins = best_fit(lengths, max_len) if packing else [[i] for i in range(len(lengths))]
+            for at in range(0, len(bins), 10_000):
+                writer.add_rows([[tuple(examples[i].tolist()) for i in members] for members in bins[at : at + 10_000]])
+            del examples
+    finally:
+        writer.close()
+    (out / EXAMPLES).unlink(missing_ok=True)
+    rows = TokenRows(out)
     stats["rows"] = len(rows)
-    stats["tokens"] = sum(len(row["input_ids"]) for row in rows)
-    stats["label_tokens"] = sum(label != IGNORE_INDEX for row in rows for label in row["labels"])
-    return rows, stats
+    stats["tokens"] = int((rows.segments[:, 1] - rows.segments[:, 0]).sum()) if len(rows) else 0
+    return stats
 
 
-def build_token_cache(run_dir: RunDir, spec: PipelineSpec, stage: str) -> Path:
-    """Tokenize and pack the stage's prepared data into `<run>/prepare/cache/<stage>/<key>/`; a cache that is
-    already complete (its meta.json exists) is reused. Returns the cache directory."""
-    from datasets import Dataset
-    from transformers import AutoTokenizer
+def build_token_cache(run_dir: RunDir, spec: PipelineSpec, stage: str, num_proc: int | None = None) -> Path:
+    """Tokenize and pack the stage's prepared data into `<run>/prepare/cache/<stage>/<key>/`, in `num_proc`
+    processes (default: `stages.workers.default_num_proc`); a cache that is already complete (its meta.json
+    exists) is reused. Returns the cache directory."""
+    from stages.data import in_cluster
 
     path = cache_path(run_dir, spec, stage)
     if (path / META_JSON).is_file():
@@ -277,17 +559,16 @@ def build_token_cache(run_dir: RunDir, spec: PipelineSpec, stage: str) -> Path:
     settings = cache_settings(run_dir, spec, stage)
     if not settings["data"]["train"]:
         raise FileNotFoundError(f"{data_dir(run_dir, stage) / 'train.jsonl'} is missing: run the prepare stage first")
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(run_dir))
+    if num_proc is None:
+        num_proc = default_num_proc(spec, in_cluster(spec, run_dir.root))
 
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
     try:
         meta: dict[str, Any] = {"stage": stage, "settings": settings}
         for split in ("train", "eval"):
-            rows, stats = _rows_for_split(data_dir(run_dir, stage) / f"{split}.jsonl", tokenizer, settings)
-            columns = {key: [row[key] for row in rows] for key in ("input_ids", "labels", "position_ids")}
-            Dataset.from_dict(columns).save_to_disk(str(staging / split))
-            meta[split] = stats
+            source = data_dir(run_dir, stage) / f"{split}.jsonl"
+            meta[split] = write_split(source, staging / split, tokenizer_dir(run_dir), settings, num_proc)
         write_json_atomic(staging / META_JSON, meta)
         try:
             os.replace(staging, path)
@@ -301,19 +582,17 @@ def build_token_cache(run_dir: RunDir, spec: PipelineSpec, stage: str) -> Path:
 
 @dataclass
 class TokenCache:
-    """A stage's packed rows, loaded from the cache."""
+    """A stage's packed rows, memory-mapped from the cache."""
 
     path: Path
-    train: Any  # datasets.Dataset
-    eval: Any | None  # datasets.Dataset, None when there is no held-out data
+    train: Any  # datasets.Dataset of row numbers, formatted into rows on access (rows_dataset)
+    eval: Any | None  # the same, None when there is no held-out data
     meta: dict[str, Any]
 
 
 def load_token_cache(run_dir: RunDir, spec: PipelineSpec, stage: str) -> TokenCache:
     """The stage's token cache, built first when it is missing (e.g. the data or settings changed)."""
-    from datasets import load_from_disk
-
     path = build_token_cache(run_dir, spec, stage)
     meta = json.loads((path / META_JSON).read_text(encoding="utf-8"))
-    evaluation = load_from_disk(str(path / "eval")) if meta["eval"]["rows"] else None
-    return TokenCache(path=path, train=load_from_disk(str(path / "train")), eval=evaluation, meta=meta)
+    evaluation = rows_dataset(path / "eval") if meta["eval"]["rows"] else None
+    return TokenCache(path=path, train=rows_dataset(path / "train"), eval=evaluation, meta=meta)

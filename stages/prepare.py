@@ -3,12 +3,16 @@
 Reads top to bottom:
 
 1. ctx.begin(): a completed prepare with the same config is a no-op.
-2. For each enabled stage with data (cpt, sft, rlhf, evaluate): read and validate every row (`stages.data`),
-   quarantine bad rows within the stage's max_bad_row_fraction, split off the eval rows, write
-   `prepare/data/<stage>/{train,eval}.jsonl` (evaluate: eval.jsonl only) and `manifest.json`, and record
-   each input file with its sha256 fingerprint. A builtin lm-eval task folder (`stages.evaluate.
-   lm_eval_include_path: builtin:<name>`) is generated into `prepare/data/evaluate/lm_eval/` and recorded too.
-   Every task of `stages.evaluate.lm_eval_tasks` must be defined by lm-eval or the include path.
+2. For each enabled stage with data (evaluate first, then cpt, sft, rlhf): stream every row through validation,
+   normalization and cleaning (`stages.prepared_data`, in `stages.prepare.num_proc` worker processes):
+   quarantine bad rows within the stage's max_bad_row_fraction, drop duplicates, filtered rows and rows that
+   contain evaluation text (the evaluate stage's rows and its lm-eval task documents), split off the eval rows
+   by a hash of their content, and write `prepare/data/<stage>/{train,eval}.jsonl` (evaluate: eval.jsonl only),
+   their `.origins` and `manifest.json`, recording each input with its fingerprint (sha256 of a local file's
+   content, the etag or generation and size of a stored object). A builtin lm-eval task folder
+   (`stages.evaluate.lm_eval_include_path: builtin:<name>`) is generated into `prepare/data/evaluate/lm_eval/`
+   first and recorded too. Every task of `stages.evaluate.lm_eval_tasks` must be defined by lm-eval or the
+   include path.
 3. The combined data fingerprint, and whether it equals the last successful run's (see `last_success`); with
    `skip_if_unchanged` and unchanged data, the run ends after prepare (steps 4 and 5 are not needed).
 4. The tokenizer (`stages.tokenizer`) into `prepare/tokenizer/`, trained on the training rows for a model
@@ -27,21 +31,16 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from stages.contract import EXIT_OK, RunDir, StageContext, StageRefused, canonical_hash, write_json_atomic
-from stages.data import (
-    BUILTIN_TASKS_DIR,
-    MAX_LISTED_ERRORS,
-    DataError,
-    Dataset,
-    read_dataset,
-    split_eval,
-    write_jsonl,
-)
+from stages.contract import EXIT_OK, RunDir, StageContext, StageRefused, canonical_hash
+from stages.data import BUILTIN_TASKS_DIR, MAX_LISTED_ERRORS, DataError, in_cluster
+from stages.prepared_data import origins_of, prepare_split, read_lines
 from stages.tokenizer import build_tokenizer, render_for_training, tokenizer_hash
 from stages.tracking import StageTracker
+from stages.workers import default_num_proc
 from workflows.spec import STAGE_ORDER, TRAINING_STAGES, DataSpec, PipelineSpec
 
 DATA_STAGES = ("cpt", "sft", "rlhf", "evaluate")
@@ -59,34 +58,62 @@ def data_specs(spec: PipelineSpec) -> dict[str, DataSpec]:
     return out
 
 
-def write_stage_data(ctx: StageContext, stage: str, dataset: Dataset, data: DataSpec) -> dict[str, Any]:
-    """Write a stage's normalized split, its quarantine and manifest; return its counts for stage.json."""
-    out_dir = ctx.dir / "data" / stage
-    if stage == "evaluate":
-        train, held = [], dataset.rows
-        (out_dir / "train.jsonl").unlink(missing_ok=True)
-    else:
-        train, held = split_eval(dataset.rows, data.eval_fraction)
-        write_jsonl(out_dir / "train.jsonl", train)
-    write_jsonl(out_dir / "eval.jsonl", held)
-    quarantine = ctx.dir / "quarantine" / f"{stage}.jsonl"
-    if dataset.errors:
-        write_jsonl(quarantine, [e.record() for e in dataset.errors])
-    else:
-        quarantine.unlink(missing_ok=True)
-    counts = {
-        "uri": dataset.uri,
-        "format": dataset.format,
-        "kind": dataset.kind,
-        "rows": len(dataset.rows),
-        "train_rows": len(train),
-        "eval_rows": len(held),
-        "quarantined": len(dataset.errors),
-        "read_rows": dataset.total,
-        "fingerprint": dataset.fingerprint,
-    }
-    write_json_atomic(out_dir / "manifest.json", counts)
-    return counts
+NOTHING_TO_COMPARE = object()
+"""The evaluation texts were looked for and there are none (as opposed to not looked for yet)."""
+
+
+def dropped_note(cleaning: dict[str, Any]) -> str:
+    """', dropped: 3 duplicate, 1 too_short' for the log line of a stage's data ('' when cleaning dropped none)."""
+    dropped = [f"{n} {reason}" for reason, n in cleaning.get("dropped", {}).items() if n]
+    return f", dropped: {', '.join(dropped)}" if dropped else ""
+
+
+def write_stage_data(
+    ctx: StageContext, stage: str, data: DataSpec, num_proc: int, contamination: Any = None
+) -> dict[str, Any]:
+    """Stream a stage's dataset into its normalized splits, origins, quarantine and manifest
+    (`stages.prepared_data.prepare_split`); return its counts for stage.json."""
+    return prepare_split(
+        ctx.dir / "data" / stage,
+        ctx.dir / "quarantine" / f"{stage}.jsonl",
+        stage,
+        data,
+        ctx.spec,
+        ctx.run_dir.root,
+        num_proc,
+        contamination,
+    )
+
+
+def evaluation_texts(ctx: StageContext) -> Any:
+    """What training data must not contain (`stages.cleaning.Contamination`): the evaluate stage's held-out rows
+    and the documents of its lm-eval tasks; None when no training stage decontaminates or there is nothing to
+    compare with. Tasks whose documents cannot be loaded here (a hub dataset, offline) are named in the log."""
+    from stages.cleaning import Contamination, lm_eval_texts, row_text
+
+    spec = ctx.spec
+    wanted = [s for s, d in data_specs(spec).items() if s != "evaluate" and d.cleaning.decontaminate]
+    section = spec.stages.evaluate
+    if not wanted or not section.enabled:
+        return None
+    texts = [row_text(row) for row in read_lines(ctx.dir / "data" / "evaluate" / "eval.jsonl")]
+    if section.lm_eval_tasks:
+        from stages.evaluate import include_dir
+
+        include = include_dir(spec, ctx.run_dir.root)
+        documents, unavailable = lm_eval_texts(section.lm_eval_tasks, str(include) if include else None)
+        texts += documents
+        if unavailable:
+            print(
+                f"[prepare] decontamination: the documents of {', '.join(unavailable)} could not be loaded here; "
+                "training data is not checked against them",
+                flush=True,
+            )
+    if not texts:
+        return None
+    ngram = min(spec.stage(s).data.cleaning.decontamination_ngram for s in wanted)
+    print(f"[prepare] decontamination: {len(texts)} evaluation texts, {ngram}-word spans", flush=True)
+    return Contamination(texts, ngram)
 
 
 def write_builtin_tasks(ctx: StageContext) -> dict[str, Any] | None:
@@ -122,92 +149,97 @@ def check_lm_eval_tasks(ctx: StageContext) -> None:
         raise DataError("; ".join(problems))
 
 
-def split_origins(dataset: Dataset, eval_fraction: float, stage: str) -> dict[str, list[str]]:
-    """Where each row of the written train and eval splits came from ('<file>:<line>'), in their order."""
-    by_row = {id(row): origin for row, origin in zip(dataset.rows, dataset.origins, strict=True)}
-    train, held = ([], dataset.rows) if stage == "evaluate" else split_eval(dataset.rows, eval_fraction)
-    return {"train": [by_row[id(r)] for r in train], "eval": [by_row[id(r)] for r in held]}
-
-
-def build_token_caches(
-    run_dir: RunDir, spec: PipelineSpec, stages: list[str], origins: dict[str, dict[str, list[str]]]
-) -> dict[str, Path]:
-    """Tokenize each training stage's data once; StageRefused naming the stage's data and the rows (the user's
-    file and line) when the chat template cannot render some of its conversations."""
+def build_token_caches(run_dir: RunDir, spec: PipelineSpec, stages: list[str], num_proc: int) -> dict[str, Path]:
+    """Tokenize each training stage's data once, in `num_proc` processes; StageRefused naming the stage's data
+    and the rows (the user's file and line) when the chat template cannot render some of its conversations."""
     from stages.packing import ConversationRowsError, build_token_cache
 
     caches = {}
     for stage in stages:
         try:
-            caches[stage] = Path(build_token_cache(run_dir, spec, stage))
+            caches[stage] = Path(build_token_cache(run_dir, spec, stage, num_proc))
         except ConversationRowsError as exc:
-            split = origins.get(stage, {}).get(exc.path.stem, [])
-            rows = [
-                (split[line - 1] if line <= len(split) else f"{exc.path}:{line}", problem)
-                for line, problem in exc.problems
-            ]
+            where = origins_of(exc.path, [line for line, _ in exc.problems])
+            rows = [(where.get(line, f"{exc.path}:{line}"), problem) for line, problem in exc.problems]
             raise StageRefused(
-                f"stages.{stage}.data ({spec.data_uri(spec.stage(stage).data)}): {conversation_errors(rows)}"
+                f"stages.{stage}.data ({spec.data_uri(spec.stage(stage).data)}): {conversation_errors(rows, exc.total)}"
             ) from None
     return caches
 
 
-def conversation_errors(rows: list[tuple[str, str]]) -> str:
-    """The rows (where, problem) a chat template cannot turn into a trainable conversation, the first few listed."""
+def conversation_errors(rows: list[tuple[str, str]], total: int | None = None) -> str:
+    """The rows (where, problem) a chat template cannot turn into a trainable conversation, the first few listed
+    (`total`: how many there are, when `rows` are only the first)."""
+    total = len(rows) if total is None else total
     listed = "\n".join(f"  {where}: {problem}" for where, problem in rows[:MAX_LISTED_ERRORS])
-    more = f"\n  ... and {len(rows) - MAX_LISTED_ERRORS} more" if len(rows) > MAX_LISTED_ERRORS else ""
-    return f"{len(rows)} conversations cannot be trained on with the model's chat template:\n{listed}{more}"
+    more = f"\n  ... and {total - min(len(rows), MAX_LISTED_ERRORS)} more" if total > MAX_LISTED_ERRORS else ""
+    return f"{total} conversations cannot be trained on with the model's chat template:\n{listed}{more}"
 
 
-def check_conversations(spec: PipelineSpec, tokenizer: Any, stage: str, dataset: Dataset) -> None:
+def check_conversations(ctx: StageContext, tokenizer: Any, stage: str) -> None:
     """Render every conversation the trainers will template themselves (preference pairs for rlhf, chat rows for
     evaluate) with the model's chat template: a row the template refuses fails prepare, naming it, instead of
     the stage hours later."""
     from stages.chat import ConversationError, tokenize_conversation
 
     problems: list[tuple[str, str]] = []
-    for where, row in zip(dataset.origins, dataset.rows, strict=True):
-        conversations = [row["messages"]] if "messages" in row else []
-        if "prompt" in row:
-            conversations = [[*row["prompt"], *row["chosen"]], [*row["prompt"], *row["rejected"]]]
-        try:
-            for messages in conversations:
-                tokenize_conversation(tokenizer, messages)
-        except ConversationError as exc:
-            problems.append((where, str(exc)))
-    if problems:
-        uri = spec.data_uri(spec.stage(stage).data)
-        raise StageRefused(f"stages.{stage}.data ({uri}): {conversation_errors(problems)}")
+    total = 0
+    for split in ("train", "eval"):
+        path = ctx.dir / "data" / stage / f"{split}.jsonl"
+        failed: list[tuple[int, str]] = []
+        for line, row in enumerate(read_lines(path), start=1):
+            conversations = [row["messages"]] if "messages" in row else []
+            if "prompt" in row:
+                conversations = [[*row["prompt"], *row["chosen"]], [*row["prompt"], *row["rejected"]]]
+            try:
+                for messages in conversations:
+                    tokenize_conversation(tokenizer, messages)
+            except ConversationError as exc:
+                total += 1
+                if len(failed) + len(problems) < MAX_LISTED_ERRORS:
+                    failed.append((line, str(exc)))
+        where = origins_of(path, [line for line, _ in failed])
+        problems += [(where.get(line, f"{path}:{line}"), problem) for line, problem in failed]
+    if total:
+        uri = ctx.spec.data_uri(ctx.spec.stage(stage).data)
+        raise StageRefused(f"stages.{stage}.data ({uri}): {conversation_errors(problems, total)}")
 
 
-def needs_chat_template(datasets: dict[str, Dataset]) -> bool:
+def needs_chat_template(counts: dict[str, dict[str, Any]]) -> bool:
     """Whether any stage reads conversations (a model without a chat template can still do CPT)."""
-    return any(d.kind in ("chat", "preference") for d in datasets.values())
+    return any(c["kind"] in ("chat", "preference") for c in counts.values())
+
+
+def training_texts(ctx: StageContext, stages: list[str]) -> Iterator[str]:
+    """The training rows of `stages` as the text a tokenizer is trained on, read back from their splits."""
+    for stage in stages:
+        for row in read_lines(ctx.dir / "data" / stage / "train.jsonl"):
+            yield render_for_training(row)
 
 
 def build_tokenizer_and_caches(
-    ctx: StageContext, datasets: dict[str, Dataset]
+    ctx: StageContext, counts: dict[str, dict[str, Any]], num_proc: int
 ) -> tuple[Path, Any, str, dict[str, Path]]:
     """The tokenizer (trained on the training rows, every stage but evaluate, when the model is built from
     config) and the token caches of the stages the packer tokenizes (text and chat data; preference data
     is tokenized by the preference trainer itself, after prepare checked the template renders it)."""
     from stages.chat import TemplateError
 
-    training = [s for s in TRAINING_STAGES if s in datasets]
-    texts = (render_for_training(r) for s in training for r in datasets[s].rows)
+    training = [s for s in TRAINING_STAGES if s in counts]
     tokenizer_dir = ctx.dir / "tokenizer"
     try:
-        tokenizer = build_tokenizer(ctx.spec, texts, tokenizer_dir, needs_template=needs_chat_template(datasets))
+        tokenizer = build_tokenizer(
+            ctx.spec, training_texts(ctx, training), tokenizer_dir, needs_template=needs_chat_template(counts)
+        )
     except TemplateError as exc:
         raise StageRefused(str(exc)) from None
     tok_hash = tokenizer_hash(tokenizer_dir)
     print(f"[prepare] tokenizer: {len(tokenizer)} tokens, {tok_hash[:19]}", flush=True)
-    for stage, dataset in datasets.items():
-        if stage in ("rlhf", "evaluate") and dataset.kind in ("chat", "preference"):
-            check_conversations(ctx.spec, tokenizer, stage, dataset)
-    packed = [s for s in training if datasets[s].kind in ("text", "chat")]
-    origins = {s: split_origins(datasets[s], ctx.spec.stage(s).data.eval_fraction, s) for s in packed}
-    return tokenizer_dir, tokenizer, tok_hash, build_token_caches(ctx.run_dir, ctx.spec, packed, origins)
+    for stage, c in counts.items():
+        if stage in ("rlhf", "evaluate") and c["kind"] in ("chat", "preference"):
+            check_conversations(ctx, tokenizer, stage)
+    packed = [s for s in training if counts[s]["kind"] in ("text", "chat")]
+    return tokenizer_dir, tokenizer, tok_hash, build_token_caches(ctx.run_dir, ctx.spec, packed, num_proc)
 
 
 def _done(record: dict[str, Any] | None) -> bool:
@@ -271,26 +303,32 @@ def run(ctx: StageContext) -> int:
         return EXIT_OK
     spec = ctx.spec
 
-    # 1. Data: validate, quarantine, split, write.
+    # 1. Data: validate, clean, quarantine, split, write; the evaluate stage's first, since training data is
+    #    checked against it (decontamination).
+    num_proc = default_num_proc(spec, in_cluster(spec, ctx.run_dir.root))
     counts: dict[str, dict[str, Any]] = {}
-    datasets: dict[str, Dataset] = {}
     tasks: dict[str, Any] | None = None
     try:
-        for stage, data in data_specs(spec).items():
-            dataset = read_dataset(data, spec, stage, ctx.run_dir.root)
-            for source in dataset.files:
-                ctx.add_input(f"{stage}:{source.uri}", source.uri, source.fingerprint)
-            counts[stage] = write_stage_data(ctx, stage, dataset, data)
-            datasets[stage] = dataset
+        tasks = write_builtin_tasks(ctx)
+        check_lm_eval_tasks(ctx)
+        specs = data_specs(spec)
+        contamination = None
+        for stage in sorted(specs, key=lambda s: s != "evaluate"):
+            data = specs[stage]
+            if stage != "evaluate" and contamination is None:
+                contamination = evaluation_texts(ctx) or NOTHING_TO_COMPARE
+            checked = contamination if data.cleaning.decontaminate and contamination is not NOTHING_TO_COMPARE else None
+            counts[stage] = c = write_stage_data(ctx, stage, data, num_proc, checked)
+            for source in c["sources"]:
+                ctx.add_input(f"{stage}:{source['uri']}", source["uri"], source["fingerprint"])
             print(
-                f"[prepare] {stage}: {counts[stage]['train_rows']} train + {counts[stage]['eval_rows']} eval rows, "
-                f"{counts[stage]['quarantined']} quarantined ({dataset.uri}, {data.format}"
+                f"[prepare] {stage}: {c['train_rows']} train + {c['eval_rows']} eval rows, "
+                f"{c['quarantined']} quarantined{dropped_note(c['cleaning'])} ({c['uri']}, {data.format}"
                 + "".join(f", {key}←{column}" for key, column in data.columns.items())
                 + ")",
                 flush=True,
             )
-        tasks = write_builtin_tasks(ctx)
-        check_lm_eval_tasks(ctx)
+        counts = {s: counts[s] for s in specs}  # DAG order
     except DataError as exc:
         print(f"[prepare] error: {exc}", file=sys.stderr, flush=True)
         return ctx.fail(str(exc))
@@ -313,7 +351,7 @@ def run(ctx: StageContext) -> int:
     #      anywhere in this stage, is recorded by the entry point (`StageContext.crash`, in stages/__main__.py).
     tokenizer_dir, tokenizer, tok_hash, caches = None, None, "", {}
     if not skip_reason:
-        tokenizer_dir, tokenizer, tok_hash, caches = build_tokenizer_and_caches(ctx, datasets)
+        tokenizer_dir, tokenizer, tok_hash, caches = build_tokenizer_and_caches(ctx, counts, num_proc)
 
     # 5. Tracking: the pipeline run's parent run (W&B group) and prepare's own run.
     outputs: dict[str, Path] = {"tokenizer": tokenizer_dir} if tokenizer_dir else {}
@@ -328,6 +366,7 @@ def run(ctx: StageContext) -> int:
     metrics: dict[str, float] = {"tokenizer_vocab_size": len(tokenizer)} if tokenizer is not None else {}
     for stage, c in counts.items():
         metrics.update({f"{stage}_rows": c["rows"], f"{stage}_quarantined": c["quarantined"]})
+        metrics.update({f"{stage}_dropped_{reason}": n for reason, n in c["cleaning"]["dropped"].items()})
     with StageTracker(ctx) as tracker:
         if skip_reason:  # no stage runs after this one: close the pipeline's MLflow run, saying why
             tracker.end_pipeline_run("skipped", skip_reason)

@@ -90,3 +90,44 @@ def schemas_dir() -> Path:
 def compile_pipeline() -> Callable[..., Any]:
     """The compiler entry point: compile_pipeline(spec, parameters=None) -> CompiledPipeline."""
     return _compile_pipeline
+
+
+# --------------------------------------------------------------------------- object stores (tests/object_stores.py)
+
+
+@pytest.fixture(scope="module")
+def s3_server() -> Any:
+    """moto's S3 server on 127.0.0.1, for a test module."""
+    from object_stores import moto_s3
+
+    with moto_s3() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def gcs_server() -> Any:
+    """The GCS emulator on 127.0.0.1, for a test module."""
+    from object_stores import gcs_emulator
+
+    with gcs_emulator() as server:
+        yield server
+
+
+def _pointed_at(store: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """`store` emptied, with the environment that points a pod's client (prepare's reader, deploy) at it."""
+    store.reset()
+    for name, value in store.env.items():
+        monkeypatch.setenv(name, value)
+    return store
+
+
+@pytest.fixture
+def s3(s3_server: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The S3 server, emptied, with the environment that points a pod's client at it."""
+    return _pointed_at(s3_server, monkeypatch)
+
+
+@pytest.fixture
+def gcs(gcs_server: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The GCS emulator, emptied, with the environment that points a pod's client at it."""
+    return _pointed_at(gcs_server, monkeypatch)

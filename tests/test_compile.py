@@ -204,6 +204,31 @@ def test_container_steps_know_their_image() -> None:
     assert templates["evaluate"]["container"]["image"] == "r/eval:1"
 
 
+def test_the_object_store_secrets_reach_every_pod_that_reads_data() -> None:
+    """s3:// data is read by prepare (and evaluate, and the training pods through their stage's data): the keys and
+    the endpoint of an S3-compatible store reach each of them by secretKeyRef, never as a value."""
+    overrides = (
+        "cluster.secrets.aws_access_key_id={name: minio, key: access-key}",
+        "cluster.secrets.aws_secret_access_key={name: minio, key: secret-key}",
+        "cluster.secrets.aws_endpoint_url={name: minio, key: endpoint}",
+    )
+    templates = _templates(_template(overrides=overrides))
+    wanted = {
+        "AWS_ACCESS_KEY_ID": {"name": "minio", "key": "access-key", "optional": True},
+        "AWS_SECRET_ACCESS_KEY": {"name": "minio", "key": "secret-key", "optional": True},
+        "AWS_ENDPOINT_URL": {"name": "minio", "key": "endpoint", "optional": True},
+    }
+    containers = {name: templates[name]["container"] for name in ("prepare", "evaluate", "deploy")}
+    for name in ("cpt", "sft", "rlhf"):
+        job = yaml.safe_load(templates[name]["resource"]["manifest"])
+        for role, replica in job["spec"]["pytorchReplicaSpecs"].items():
+            containers[f"{name}/{role}"] = replica["template"]["spec"]["containers"][0]
+    for name, container in containers.items():
+        env = {e["name"]: e for e in container["env"]}
+        for var, ref in wanted.items():
+            assert env[var] == {"name": var, "valueFrom": {"secretKeyRef": ref}}, (name, var)
+
+
 def test_a_profile_names_the_template_and_schedule_but_not_the_runs() -> None:
     loaded = load_pipeline("korean-llm", "local")
     docs = compile_pipeline(loaded.spec, profile=loaded.profile).documents()

@@ -19,9 +19,10 @@ from stages.data import (
     normalize_row,
     read_dataset,
     sha256_file,
-    split_eval,
     write_jsonl,
 )
+from stages.prepared_data import prepare_split, read_lines
+from workflows.loading import load_pipeline
 from workflows.spec import DataSpec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -247,15 +248,26 @@ def test_fingerprints_are_stable_and_follow_the_content(tmp_path: Path):
     assert read_dataset(spec_for(path, "text")).fingerprint != first
 
 
-def test_eval_split_is_deterministic_and_stable_when_rows_are_added():
-    rows = [{"text": f"문서 {i}"} for i in range(100)]
-    train, held = split_eval(rows, 0.1)
-    assert len(held) == 10 and len(train) == 90 and split_eval(rows, 0.1) == (train, held)
-    assert [r for r in rows if r in held] == held  # file order kept
-    more_train, more_held = split_eval(rows + [{"text": f"새 문서 {i}"} for i in range(100)], 0.05)
-    assert all(r in more_held or r in more_train for r in held)
-    assert split_eval(rows[:3], 0.02)[1] != [] and split_eval(rows[:1], 0.5) == (rows[:1], [])
-    assert split_eval(rows, 0.0) == (rows, [])
+def test_eval_split_is_by_content_deterministic_and_stable_when_rows_are_added(tmp_path: Path):
+    spec = load_pipeline("korean-llm", profile="local").spec
+
+    def split(rows: list[dict[str, Any]], fraction: float, name: str, num_proc: int = 1) -> tuple[list, list]:
+        source = tmp_path / f"{name}.jsonl"
+        write_jsonl(source, rows)
+        data = DataSpec(uri=str(source), format="text", eval_fraction=fraction)
+        out = tmp_path / name
+        prepare_split(out, tmp_path / f"{name}-quarantine.jsonl", "cpt", data, spec, tmp_path, num_proc)
+        return list(read_lines(out / "train.jsonl")), list(read_lines(out / "eval.jsonl"))
+
+    rows = [{"text": f"문서 {i}"} for i in range(400)]
+    train, held = split(rows, 0.1, "a")
+    assert 20 <= len(held) <= 60 and len(train) + len(held) == 400  # about the fraction, by each row's hash
+    assert split(rows, 0.1, "b", num_proc=2) == (train, held)  # the same on every run, with any number of workers
+    assert [r for r in rows if r in held] == held and [r for r in rows if r in train] == train  # file order kept
+    more_train, more_held = split(rows + [{"text": f"새 문서 {i}"} for i in range(400)], 0.1, "c")
+    assert all(r in more_held for r in held) and all(r in more_train for r in train)  # no row changes side
+    assert split(rows[:3], 0.02, "d")[1] != []  # a non-zero fraction holds out at least one row
+    assert split(rows[:1], 0.3, "e") == (rows[:1], []) and split(rows[:50], 0.0, "f") == (rows[:50], [])
 
 
 def test_hub_dataset_offline_is_a_clear_error():
@@ -274,9 +286,7 @@ def test_hub_dataset_offline_is_a_clear_error():
     assert re.search(r"hf://posttrain-test/none: could not load .*offline.*datasets volume", out.stdout), out.stderr
 
 
-def test_object_storage_and_unknown_builtin_are_clear_errors():
-    with pytest.raises(DataError, match="object storage is not read directly"):
-        read_dataset(DataSpec(uri="s3://bucket/data.jsonl", format="text"))
+def test_an_unknown_builtin_is_a_clear_error():  # object stores: tests/test_sources.py
     with pytest.raises(DataError, match="unknown builtin dataset 'nope'; known: korean-corpus"):
         read_dataset(DataSpec(uri="builtin:nope", format="text"))
 

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import random
 import sys
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 import torch
 import yaml
-from object_stores import GcsEmulator, MotoS3, ObjectStore, gcs_emulator, moto_s3
+from object_stores import MotoS3, ObjectStore
 from safetensors.torch import load_file
 from training_fixtures import make_run_dir
 
@@ -33,7 +32,6 @@ CLOUD_ENV = (
     "GOOGLE_APPLICATION_CREDENTIALS", "GOOGLE_CLOUD_PROJECT", "STORAGE_EMULATOR_HOST",
 )  # fmt: skip
 CREDENTIALS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
-StoreT = TypeVar("StoreT", MotoS3, GcsEmulator)
 
 
 @pytest.fixture(autouse=True)
@@ -291,36 +289,6 @@ def test_a_skipped_evaluation_deploys_nothing(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- publishing
 
 RUN = "korean-llm-x7k2p"
-
-
-@pytest.fixture(scope="module")
-def s3_server() -> Iterator[MotoS3]:
-    with moto_s3() as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def gcs_server() -> Iterator[GcsEmulator]:
-    with gcs_emulator() as server:
-        yield server
-
-
-def pointed_at(store: StoreT, monkeypatch: pytest.MonkeyPatch) -> StoreT:
-    """`store` emptied, with the environment that points the deploy stage at it."""
-    store.reset()
-    for name, value in store.env.items():
-        monkeypatch.setenv(name, value)
-    return store
-
-
-@pytest.fixture
-def s3(s3_server: MotoS3, monkeypatch: pytest.MonkeyPatch) -> MotoS3:
-    return pointed_at(s3_server, monkeypatch)
-
-
-@pytest.fixture
-def gcs(gcs_server: GcsEmulator, monkeypatch: pytest.MonkeyPatch) -> GcsEmulator:
-    return pointed_at(gcs_server, monkeypatch)
 
 
 @pytest.fixture(params=["s3", "gcs"])

@@ -70,6 +70,7 @@ def preference_rows(n: int) -> list[dict[str, Any]]:
 def pipeline_file(root: Path, model_dir: Path, architecture: str) -> Path:
     """The user's pipeline: their model folder, their chat file, their preference file."""
     write_jsonl(root / "data" / "chat.jsonl", chat_rows(60, seed=1))
+    write_jsonl(root / "data" / "heldout.jsonl", chat_rows(12, seed=2))
     write_jsonl(root / "data" / "preferences.jsonl", preference_rows(40))
     steps = {
         "max_steps": 2,
@@ -97,7 +98,7 @@ def pipeline_file(root: Path, model_dir: Path, architecture: str) -> Path:
                 "training": steps,
             },
             "evaluate": {
-                "data": {"uri": str(root / "data" / "chat.jsonl"), "format": "messages"},
+                "data": {"uri": str(root / "data" / "heldout.jsonl"), "format": "messages"},
                 "lm_eval_tasks": [],
                 "prompts": ["서울은 어떤가요?"],
                 "gate": [{"metric": "perplexity", "higher_is_better": False, "max_regression": 100.0}],
@@ -188,8 +189,12 @@ def test_a_conversation_the_template_refuses_fails_prepare_naming_the_users_file
     command = [sys.executable, "-m", "stages", "prepare", "--run-dir", str(tmp_path / "run")]
     from workflows.loading import load_pipeline
 
+    # evaluate reads the training file too (so prepare keeps the training rows that are also evaluation data)
+    same = [f"stages.evaluate.data.uri={tmp_path / 'data' / 'chat.jsonl'}"]
+    same.append("stages.sft.data.cleaning.decontaminate=false")
     (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "spec.json").write_text(load_pipeline(str(pipeline)).spec.model_dump_json(), encoding="utf-8")
+    spec_json = load_pipeline(str(pipeline), overrides=same).spec.model_dump_json()
+    (tmp_path / "run" / "spec.json").write_text(spec_json, encoding="utf-8")
     done = subprocess.run(
         command, env={**os.environ, "WANDB_MODE": "disabled"}, cwd=REPO, capture_output=True, text=True, timeout=600
     )

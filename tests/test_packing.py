@@ -121,7 +121,7 @@ def test_token_cache_is_reused_and_keyed_by_its_inputs(tmp_path: Path) -> None:
     spec.stages.cpt.training.max_seq_length = 128
     shorter = build_token_cache(run_dir, spec, "cpt")
     assert shorter != first
-    assert max(len(ids) for ids in load_token_cache(run_dir, spec, "cpt").train["input_ids"]) == 128
+    assert max(len(row["input_ids"]) for row in load_token_cache(run_dir, spec, "cpt").train) == 128
 
     data = Path(run_dir.root / "prepare/data/cpt/train.jsonl")
     data.write_text(data.read_text() + json.dumps({"text": "새 문서입니다."}) + "\n")

@@ -47,6 +47,7 @@ SECRET_REFS = {
     "slack_webhook": SecretRef(name="zz-slack-secret", key="zz-slack-key"),
     "aws_access_key_id": SecretRef(name="zz-s3-secret", key="zz-s3-id-key"),
     "aws_secret_access_key": SecretRef(name="zz-s3-secret", key="zz-s3-secret-key"),
+    "aws_endpoint_url": SecretRef(name="zz-s3-secret", key="zz-s3-endpoint-key"),
 }
 
 _BASE64 = re.compile(r"^[A-Za-z0-9+/]{40,}={0,2}$")

@@ -217,7 +217,13 @@ def key_metric(stage: str, result: dict[str, Any] | None) -> str:
         return f"{extra.get('registered_model', '')} v{extra['model_version']}" + (f" ({aliases})" if aliases else "")
     if stage == "prepare":
         rows = {k.removesuffix("_rows"): int(v) for k, v in metrics.items() if k.endswith("_rows")}
-        return ", ".join(f"{s} {n}" for s, n in rows.items()) + (" rows" if rows else "")
+        dropped: dict[str, int] = {}  # by cleaning filter, over every stage ('<stage>_dropped_<reason>')
+        for k, v in metrics.items():
+            if "_dropped_" in k and v:
+                reason = k.split("_dropped_", 1)[1]
+                dropped[reason] = dropped.get(reason, 0) + int(v)
+        note = f"; dropped {', '.join(f'{n} {r}' for r, n in dropped.items())}" if dropped else ""
+        return ", ".join(f"{s} {n}" for s, n in rows.items()) + (" rows" if rows else "") + note
     for name in KEY_METRICS:
         if name in metrics:
             return f"{name} {metrics[name]:.4g}"

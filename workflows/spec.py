@@ -246,13 +246,84 @@ FORMATS_WITH_ROLES = ("messages", "sharegpt")
 """The formats whose messages carry a role tag (`data.roles` applies to them only)."""
 
 
+class CleaningSpec(StrictModel):
+    """What prepare removes from a dataset, judged on each row's text (stages/cleaning.py says which text)."""
+
+    unicode_nfc: bool = Field(
+        True,
+        description="NFC-normalize every string of every row: Korean exported by macOS tools comes decomposed "
+        "(NFD, each syllable as jamo), which tokenizes into different, longer tokens than the same text composed.",
+    )
+    dedup: bool = Field(
+        True,
+        description="Drop rows whose text repeats one kept before, across all files of the stage, comparing the "
+        "text NFC-normalized, casefolded, with whitespace runs collapsed.",
+    )
+    near_dedup_threshold: float | None = Field(
+        None,
+        gt=0.0,
+        lt=1.0,
+        description="Drop rows whose estimated Jaccard similarity to a row kept before reaches this (e.g. 0.8), "
+        "by MinHash LSH over 4-character shingles of the text without spaces and punctuation (robust to Korean "
+        "spacing variants). None: no near-duplicate removal.",
+    )
+    near_dedup_num_perm: int = Field(
+        128,
+        ge=16,
+        le=1024,
+        description="MinHash permutations for near_dedup_threshold: more estimate the similarity better and cost "
+        "proportionally more time and memory.",
+    )
+    min_chars: int = Field(0, ge=0, description="Drop rows whose text has fewer characters (after NFC).")
+    max_chars: int | None = Field(
+        None, gt=0, description="Drop rows whose text has more characters (after NFC); None: no limit."
+    )
+    min_hangul_ratio: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="Drop rows whose Hangul share of letters is below this: Hangul syllables and jamo over all "
+        "letters (Hangul, Latin, Hanja...; digits, punctuation, symbols and spaces do not count). Above 0, a row "
+        "without letters is dropped too; 0 turns the check off.",
+    )
+    decontaminate: bool = Field(
+        True,
+        description="Drop rows that contain evaluation text: the documents (questions, answers, choices) of "
+        "stages.evaluate.lm_eval_tasks (not applied to stages.evaluate.data, itself evaluation data). A row is "
+        "contaminated when its words equal an evaluation text's, or when it shares decontamination_ngram "
+        "consecutive words with one (case and punctuation ignored).",
+    )
+    decontamination_ngram: int = Field(
+        13,
+        ge=3,
+        le=100,
+        description="Words in a row for decontaminate: a run this long shared with an evaluation text drops the "
+        "row; evaluation texts shorter than this match only a row equal to them. 13 follows GPT-3 and lm-eval's "
+        "decontamination; Korean words (eojeol) include their particles and endings, so the same overlap is fewer "
+        "words in Korean.",
+    )
+
+    @model_validator(mode="after")
+    def _coherent(self) -> CleaningSpec:
+        if self.max_chars is not None and self.max_chars <= self.min_chars:
+            raise FieldError(
+                ("max_chars",),
+                f"max_chars ({self.max_chars}) must be greater than min_chars ({self.min_chars}), or no row is kept",
+            )
+        return self
+
+
 class DataSpec(StrictModel):
     """One dataset a stage reads."""
 
     uri: str = Field(
-        description="Where the data is: a file or directory on a mounted volume (JSONL or Parquet), "
-        "'hf://org/name' for a hub dataset, or 'builtin:<name>' for the data generated offline by the project. "
-        "'{data_version}' is replaced by the pipeline's data_version.",
+        description="Where the data is: a JSONL (.jsonl, .jsonl.gz, .jsonl.zst) or Parquet file, a folder of them "
+        "(read at every level, in sorted order), or a glob ('*' and '?' within a folder, '**' across folders), on a "
+        "mounted volume (a path, 'file://', 'pvc://<claim>/<path>'), in S3 or an S3-compatible store "
+        "('s3://bucket/<key, prefix or glob>'; keys and endpoint from cluster.secrets, or IRSA), or in GCS "
+        "('gs://bucket/<name, prefix or glob>'; Workload Identity); 'hf://datasets/org/name' for a hub dataset, or "
+        "'builtin:<name>' for the data generated offline by the project. '{data_version}' is replaced by the "
+        "pipeline's data_version.",
         min_length=1,
     )
     format: DataFormat = Field(
@@ -289,6 +360,16 @@ class DataSpec(StrictModel):
         lt=1.0,
         description="Fraction of rows that may fail validation; they are quarantined and counted, never "
         "silently dropped. 0 makes any bad row an error.",
+    )
+    encoding: Literal["utf-8", "cp949", "euc-kr"] = Field(
+        "utf-8",
+        description="Byte encoding of JSONL files. cp949 (or its subset euc-kr) reads Korean exports of legacy "
+        "Windows tools as they are, without converting them first; Parquet and hub datasets are unaffected.",
+    )
+    cleaning: CleaningSpec = Field(
+        default_factory=CleaningSpec,
+        description="Normalization, filters, deduplication and decontamination of the rows read, judged on a row's "
+        "text: a text row's text, a chat row's message contents, a preference row's prompt and chosen answer.",
     )
 
     @field_validator("uri")
@@ -761,6 +842,13 @@ class PrepareStage(StageBase):
         False,
         description="End the run early, as skipped, when the data fingerprints match the last successful run.",
     )
+    num_proc: int | None = Field(
+        None,
+        gt=0,
+        le=256,
+        description="Worker processes that parse, clean and tokenize the data. Default: the prepare pod's CPU "
+        "request (resources.cpu, rounded down) in the cluster, the machine's usable CPUs locally.",
+    )
 
 
 class GateRule(StrictModel):
@@ -906,6 +994,11 @@ class Secrets(StrictModel):
     slack_webhook: SecretRef | None = Field(None, description="Slack incoming-webhook URL for notifications.")
     aws_access_key_id: SecretRef | None = Field(None, description="S3 access key id (AWS_ACCESS_KEY_ID).")
     aws_secret_access_key: SecretRef | None = Field(None, description="S3 secret key (AWS_SECRET_ACCESS_KEY).")
+    aws_endpoint_url: SecretRef | None = Field(
+        None,
+        description="Endpoint of an S3-compatible store such as MinIO or Ceph RGW (AWS_ENDPOINT_URL), kept in the "
+        "Secret beside its keys; boto3 addresses it path-style. Unset: AWS S3 (or cluster.env AWS_ENDPOINT_URL).",
+    )
 
     def env(self) -> dict[str, SecretRef]:
         """Environment variable name → secret reference, for the secrets that are set."""
@@ -917,6 +1010,7 @@ class Secrets(StrictModel):
             "mlflow_token": "MLFLOW_TRACKING_TOKEN",
             "aws_access_key_id": "AWS_ACCESS_KEY_ID",
             "aws_secret_access_key": "AWS_SECRET_ACCESS_KEY",
+            "aws_endpoint_url": "AWS_ENDPOINT_URL",
         }
         return {env: ref for field, env in names.items() if (ref := getattr(self, field)) is not None}
 

@@ -1,0 +1,406 @@
+"""A stage's prepared data: its rows streamed from the source through validation, cleaning and the eval split.
+
+One pass, in bounded memory, whatever the size of the corpus:
+
+1. the source's rows are read in the parent (`stages.data.read_source`: JSONL lines as bytes, Parquet, hub and
+   builtin rows parsed) and sent in batches to `num_proc` worker processes (`stages.workers.ordered_map`);
+2. a worker parses each line (`data.encoding`), validates and normalizes it to the canonical form
+   (`stages.data`), NFC-normalizes it and computes what the cleaning filters need (`stages.cleaning`): the
+   length and Hangul-ratio verdict, whether it contains evaluation text, the exact-duplicate key, the MinHash
+   signature, and the row's split key;
+3. the parent takes the results back in input order and keeps the state that spans rows: the exact and near
+   duplicate sets, the bad-row budget (`max_bad_row_fraction`), `max_samples`, and the counts. Every kept row goes
+   to the train or the eval file by its split key, a hash of its content: the same row lands on the same side on
+   every run, whatever else the data holds, and adding rows never moves an old one.
+
+`prepare_split` writes `prepare/data/<stage>/{train,eval}.jsonl` (one canonical row per line), next to each a
+`.origins` file (the user's `<file>:<line>` of every row, for errors found later, when tokenizing), the quarantine
+(`prepare/quarantine/<stage>.jsonl`) and `manifest.json` (counts, and the sha256, size and mtime of each file,
+which the token cache's key reads instead of hashing the file again). Everything is written to temporary files
+and renamed at the end: a dataset that fails leaves nothing a rerun would trust.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from stages.cleaning import CheckedRow, CleaningCounts, Contamination, Deduplication, check_row
+from stages.contract import canonical_hash, write_json_atomic
+from stages.data import (
+    MAPPING_PROBE_ROWS,
+    MAX_LISTED_ERRORS,
+    ColumnMap,
+    DataError,
+    FieldError,
+    MissingField,
+    RawRow,
+    RowError,
+    SourceFile,
+    _excerpt,
+    _normalize,
+    _UnmappedColumn,
+    check_stage_format,
+    dataset_fingerprint,
+    kind_of,
+    max_row_bytes,
+    parse_row,
+    read_source,
+)
+from stages.workers import ordered_map
+from workflows.spec import DataSpec, PipelineSpec
+
+READ_BATCH_ROWS = 512
+"""Rows per batch sent to a worker."""
+
+SPLIT_KEY_BITS = 64
+
+
+# --------------------------------------------------------------------------- the worker's part
+
+
+@dataclass
+class RowJob:
+    """What a worker needs to turn a raw row into a result; set once per dataset, before the workers fork."""
+
+    mapping: ColumnMap
+    limit: int
+    data: DataSpec
+    contamination: Contamination | None
+
+
+@dataclass
+class RowResult:
+    """One row as a worker leaves it: the canonical row as a JSONL line, or why it is bad or dropped."""
+
+    file: str
+    line: int
+    row: str = ""
+    error: RowError | None = None
+    field: str = ""
+    """The field a bad row's FieldError named (for the check that the column mapping is wrong)."""
+    present: list[str] | None = None
+    """The keys the row had, when the error was a missing field."""
+    dropped: str = ""
+    """The reason to drop the row found without other rows (stages.cleaning.check_row): too_short, too_long,
+    low_hangul or contaminated."""
+    key: bytes = b""
+    """The exact-duplicate key of the row's normalized text."""
+    signature: Any = None
+    """The row's MinHash signature (near-duplicate removal only)."""
+    split: float = 0.0
+    """Where the row falls in [0, 1): below the eval fraction, it is held out."""
+
+
+_JOB: dict[str, RowJob] = {}
+
+
+def _set_job(job: RowJob) -> None:
+    _JOB["job"] = job
+
+
+def process_rows(batch: list[RawRow]) -> list[RowResult]:
+    """Parse, validate, normalize and clean a batch of raw rows with the worker's job."""
+    job = _JOB["job"]
+    return [process_row(raw, job) for raw in batch]
+
+
+def process_row(raw: RawRow, job: RowJob) -> RowResult:
+    """One raw row through parsing, validation, normalization and the per-row cleaning work."""
+    raw = parse_row(raw, job.limit, job.data.encoding)
+    result = RowResult(raw.file, raw.line)
+    if raw.error is not None:
+        result.error = raw.error
+        return result
+    try:
+        row = _normalize(raw.value, job.mapping)
+    except FieldError as exc:
+        result.error = RowError(raw.file, raw.line, exc.field, exc.error, _excerpt(raw.value), exc.mapping)
+        result.field = exc.field
+        result.present = exc.present if isinstance(exc, MissingField) else None
+        return result
+    checked = check_row(row, job.data.cleaning, job.contamination)
+    if checked.reason is not None:
+        result.dropped = checked.reason
+        return result
+    result.row = json.dumps(checked.row, ensure_ascii=False)
+    result.key, result.signature = checked.key or b"", checked.signature
+    result.split = int(canonical_hash(checked.row)[: SPLIT_KEY_BITS // 4], 16) / 2**SPLIT_KEY_BITS
+    return result
+
+
+# --------------------------------------------------------------------------- the parent's part
+
+
+class DatasetReader:
+    """Reads one dataset in a stream: `rows()` yields the kept rows (origin, JSONL line, split key) in input
+    order, and afterwards `files`, `fingerprint`, `total`, `errors` and `counts` describe what was read.
+
+    Raises DataError (from `rows()`) for an unusable dataset: a missing or empty source, no valid rows, a column
+    mapping the data does not have, or more bad rows than `max_bad_row_fraction` allows (listing the first)."""
+
+    def __init__(
+        self,
+        data: DataSpec,
+        spec: PipelineSpec | None = None,
+        stage: str | None = None,
+        run_root: Path | None = None,
+        num_proc: int = 1,
+        contamination: Contamination | None = None,
+        quarantine: IO[str] | None = None,
+        staging: Path | None = None,
+    ) -> None:
+        self.data = data
+        self.uri = spec.data_uri(data) if spec is not None else data.uri
+        self.stage = stage
+        if stage is not None:
+            check_stage_format(stage, data.format)
+        self.where = f"stages.{stage}.data ({self.uri})" if stage else self.uri
+        self.spec, self.run_root, self.num_proc, self.staging = spec, run_root, num_proc, staging
+        self.job = RowJob(ColumnMap.of(data), max_row_bytes(), data, contamination)
+        self.quarantine = quarantine
+        self.files: list[SourceFile] = []
+        self.total = 0
+        self.errors: list[RowError] = []
+        """Every bad row without a quarantine file to write them to; with one, the first few."""
+        self.n_errors = 0
+        self.counts = CleaningCounts()
+
+    @property
+    def fingerprint(self) -> str:
+        """What determines the dataset's rows: the inputs' content and the settings that shape the rows."""
+        return dataset_fingerprint(self.data, self.files)
+
+    def rows(self) -> Iterator[tuple[str, str, float]]:
+        self.files, raw_rows = read_source(self.uri, self.data, self.spec, self.run_root, self.staging)
+        dedup = Deduplication(self.data.cleaning)
+        unmapped = _UnmappedColumn()
+        kept = 0
+        results = ordered_map(process_rows, _batches(raw_rows), self.num_proc, _set_job, (self.job,))
+        try:
+            for batch in results:
+                for result in batch:
+                    self.total += 1
+                    if result.error is not None:
+                        self._bad(result, unmapped)
+                        continue
+                    unmapped.stop()
+                    origin = f"{result.file}:{result.line}"
+                    checked = CheckedRow({}, result.dropped or None, result.key or None, result.signature)
+                    reason = dedup.reason(checked, origin)
+                    self.counts.record(reason)
+                    if reason is not None:
+                        continue
+                    kept += 1
+                    yield origin, result.row, result.split
+                    if self.data.max_samples is not None and kept >= self.data.max_samples:
+                        return
+        finally:
+            results.close()
+        self._check(unmapped, kept)
+
+    def _bad(self, result: RowResult, unmapped: _UnmappedColumn) -> None:
+        error = result.error
+        assert error is not None
+        self.n_errors += 1
+        if self.quarantine is not None:
+            self.quarantine.write(json.dumps(error.record(), ensure_ascii=False) + "\n")
+        if self.quarantine is None or len(self.errors) < MAX_LISTED_ERRORS:
+            self.errors.append(error)
+        if result.field or result.present is not None:
+            unmapped.see(result.field, result.present, error, self.job.mapping)
+        else:
+            unmapped.stop()
+        if unmapped.rows >= MAPPING_PROBE_ROWS:
+            raise unmapped.error(self.where, self.stage, every=False)
+
+    def _check(self, unmapped: _UnmappedColumn, kept: int) -> None:
+        if self.total == 0:
+            raise DataError(f"{self.where}: no rows")
+        if unmapped.rows:  # every row lacks the mapped column
+            raise unmapped.error(self.where, self.stage, every=True)
+        if self.n_errors and self.n_errors / self.total > self.data.max_bad_row_fraction:
+            listed = "\n".join(f"  {e}" for e in self.errors[:MAX_LISTED_ERRORS])
+            more = self.n_errors - min(len(self.errors), MAX_LISTED_ERRORS)
+            raise DataError(
+                f"{self.where}: {self.n_errors} of {self.total} rows are bad ({self.n_errors / self.total:.2%}), "
+                f"over max_bad_row_fraction={self.data.max_bad_row_fraction}:\n{listed}"
+                + (f"\n  ... and {more} more" if more else "")
+            )
+        if not kept:
+            dropped = ", ".join(f"{n} {r}" for r, n in self.counts.as_dict()["dropped"].items() if n)
+            hint = ""
+            if self.counts.contaminated and self.stage:
+                hint = (
+                    f"; its rows are evaluation data too: evaluate on other data, or set stages.{self.stage}.data."
+                    "cleaning.decontaminate: false to train on them anyway"
+                )
+            raise DataError(
+                f"{self.where}: no valid rows" + (f" (cleaning dropped {dropped}{hint})" if dropped else "")
+            )
+
+
+def _batches(rows: Iterator[RawRow]) -> Iterator[list[RawRow]]:
+    batch: list[RawRow] = []
+    for row in rows:
+        batch.append(row)
+        if len(batch) >= READ_BATCH_ROWS:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+# --------------------------------------------------------------------------- writing a stage's splits
+
+
+class _HashedFile:
+    """A temporary file next to its destination, hashed as it is written, renamed into place by `commit`."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        self.tmp = Path(tmp)
+        self.file = os.fdopen(fd, "w", encoding="utf-8")
+        self.digest = hashlib.sha256()
+        self.lines = 0
+
+    def write_line(self, line: str) -> None:
+        data = line + "\n"
+        self.file.write(data)
+        self.digest.update(data.encode("utf-8"))
+        self.lines += 1
+
+    def commit(self) -> dict[str, Any]:
+        """Rename into place; the file's record for the manifest."""
+        self.file.close()
+        os.replace(self.tmp, self.path)
+        stat = self.path.stat()
+        return {"sha256": self.digest.hexdigest(), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+    def discard(self) -> None:
+        self.file.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+def prepare_split(
+    out_dir: Path,
+    quarantine_path: Path,
+    stage: str,
+    data: DataSpec,
+    spec: PipelineSpec,
+    run_root: Path,
+    num_proc: int,
+    contamination: Contamination | None = None,
+) -> dict[str, Any]:
+    """Read a stage's dataset and write its train and eval splits, their origins, the quarantine and the
+    manifest (see the module docstring); returns the stage's counts for stage.json. The evaluate stage's rows all
+    go to eval. DataError for an unusable dataset, with nothing written."""
+    splits = ("eval",) if stage == "evaluate" else ("train", "eval")
+    with ExitStack() as stack:
+        files = {s: _HashedFile(out_dir / f"{s}.jsonl") for s in splits}
+        origins = {s: _HashedFile(out_dir / f"{s}.origins") for s in splits}
+        quarantine = _HashedFile(quarantine_path)
+        everything = [*files.values(), *origins.values(), quarantine]
+        stack.callback(lambda: [f.discard() for f in everything])
+        reader = DatasetReader(
+            data, spec, stage, run_root, num_proc, contamination, quarantine.file, out_dir / ".staging"
+        )
+        # For a dataset too small for the keys to give both sides a row: the row of each side nearest the other.
+        nearest: dict[str, tuple[float, str, str]] = {}
+        for origin, line, split in reader.rows():
+            side = "eval" if stage == "evaluate" or split < data.eval_fraction else "train"
+            files[side].write_line(line)
+            origins[side].write_line(origin)
+            key = split if side == "train" else -split
+            if side not in nearest or key < nearest[side][0]:
+                nearest[side] = (key, line, origin)
+        if stage != "evaluate":
+            train, held = files["train"].lines, files["eval"].lines
+            if not train and held:  # training needs a row; held-out rows are optional
+                _move_row(nearest["eval"], files["eval"], origins["eval"], files["train"], origins["train"])
+            elif data.eval_fraction > 0 and not held and train > 1:  # a non-zero fraction holds out at least one
+                _move_row(nearest["train"], files["train"], origins["train"], files["eval"], origins["eval"])
+        records = {s: f.commit() for s, f in files.items()}
+        for f in origins.values():
+            f.commit()
+        if reader.n_errors:
+            quarantine.commit()
+        else:
+            quarantine.discard()
+            quarantine_path.unlink(missing_ok=True)
+        stack.pop_all()
+    if stage == "evaluate":
+        (out_dir / "train.jsonl").unlink(missing_ok=True)
+        (out_dir / "train.origins").unlink(missing_ok=True)
+    counts = {
+        "uri": reader.uri,
+        "format": data.format,
+        "kind": kind_of(data.format),
+        "rows": sum(f.lines for f in files.values()),
+        "train_rows": files["train"].lines if "train" in files else 0,
+        "eval_rows": files["eval"].lines,
+        "quarantined": reader.n_errors,
+        "read_rows": reader.total,
+        "cleaning": reader.counts.as_dict(),
+        "fingerprint": reader.fingerprint,
+        "sources": [{"uri": f.uri, "fingerprint": f.fingerprint} for f in reader.files],
+    }
+    write_json_atomic(out_dir / "manifest.json", {**counts, "files": records})
+    return counts
+
+
+def _move_row(
+    row: tuple[float, str, str],
+    source: _HashedFile,
+    source_origins: _HashedFile,
+    to: _HashedFile,
+    to_origins: _HashedFile,
+) -> None:
+    """Move a row (key, line, origin) from one side of a small split to the other: the source side's files are
+    written again without it. Only a dataset too small to give both sides a row by their keys gets here."""
+    _, line, origin = row
+    source.file.flush()
+    source_origins.file.flush()
+    lines = source.tmp.read_text(encoding="utf-8").splitlines()
+    where = source_origins.tmp.read_text(encoding="utf-8").splitlines()
+    at = where.index(origin)
+    for f, content in ((source, lines), (source_origins, where)):
+        f.file.seek(0)
+        f.file.truncate()
+        f.digest, f.lines = hashlib.sha256(), 0
+        for i, text in enumerate(content):
+            if i != at:
+                f.write_line(text)
+    to.write_line(line)
+    to_origins.write_line(origin)
+
+
+def read_lines(path: Path) -> Iterator[dict[str, Any]]:
+    """The rows of a prepared JSONL split, one at a time."""
+    if not path.is_file():
+        return
+    with path.open(encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                yield json.loads(line)
+
+
+def origins_of(path: Path, lines: list[int]) -> dict[int, str]:
+    """The user's `<file>:<line>` of rows of a prepared split, by their line numbers in it (1-based)."""
+    wanted, found = set(lines), {}
+    origins = path.with_suffix(".origins")
+    if origins.is_file():
+        with origins.open(encoding="utf-8") as f:
+            for number, origin in enumerate(f, start=1):
+                if number in wanted:
+                    found[number] = origin.rstrip("\n")
+    return found
