@@ -230,3 +230,17 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/status").read_text().lower()
     except OSError:
         return "zombie"
+
+
+def test_workers_default_to_the_prepare_pods_cpu_request_in_the_cluster(monkeypatch: pytest.MonkeyPatch) -> None:
+    from stages import workers
+
+    monkeypatch.setattr(workers, "usable_cpus", lambda: 16)
+    spec = load_pipeline("korean-llm", "local").spec
+    spec.stages.prepare.resources.cpu = "7500m"
+    assert workers.default_num_proc(spec, in_cluster=True) == 7  # the request, rounded down
+    assert workers.default_num_proc(spec, in_cluster=False) == 16  # locally: the machine's CPUs
+    spec.stages.prepare.resources.cpu = "500m"
+    assert workers.default_num_proc(spec, in_cluster=True) == 1
+    spec.stages.prepare.num_proc = 32
+    assert workers.default_num_proc(spec, in_cluster=True) == 16  # never more than this process may use
