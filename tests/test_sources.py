@@ -435,3 +435,37 @@ def test_gcs_without_credentials_or_the_library_says_what_to_set(
     monkeypatch.delattr("google.cloud.storage", raising=False)  # imported by the tests above
     with pytest.raises(DataError, match=r"^gs://data/x\.jsonl: gs:// needs google-cloud-storage, .*posttrain\[storage"):
         list_objects("gs://data/x.jsonl")
+
+
+def test_prepare_reads_a_bucket_and_records_the_versions_it_read(
+    store: MotoS3 | GcsEmulator, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole stage on a bucket prefix: rows of every shard (gz, zst, parquet), the objects as inputs with
+    their version and size, and the same rows as from the files on a volume."""
+    from stages.contract import RunDir, StageContext
+    from stages.prepare import run
+
+    put(store, "data", CORPUS)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    off = [f"stages.{s}.enabled=false" for s in ("sft", "rlhf", "evaluate", "deploy")]
+    spec = load_pipeline(
+        "korean-llm",
+        "local",
+        ["tracking.wandb_project=null", *off, f"stages.cpt.data.uri={store.scheme}://data/corpus/"],
+    ).spec
+    run_dir = RunDir(tmp_path / "run")
+    run_dir.write_spec(spec)
+    assert run(StageContext(run_dir, "prepare", spec)) == 0, run_dir.read_result("prepare").message
+    result = run_dir.read_result("prepare")
+    counts = result.extra["data"]["cpt"]
+    assert counts["read_rows"] == 13 and counts["rows"] == 13
+    inputs = {ref.uri: ref.fingerprint for ref in result.inputs.values()}
+    version = "etag:" if isinstance(store, MotoS3) else "generation:"
+    for key in ("corpus/part-0.jsonl.gz", "corpus/part-1.jsonl.zst", "corpus/sub/part-2.parquet"):
+        uri = f"{store.scheme}://data/{key}"
+        assert inputs[uri].startswith(version) and inputs[uri].endswith(f":size={len(CORPUS[key])}")
+    data = run_dir.stage_dir("prepare") / "data" / "cpt"
+    texts = [json.loads(line)["text"] for split in ("train", "eval") for line in (data / f"{split}.jsonl").open()]
+    expected = [json.loads(r)["text"] for r in rows("s0", 5) + rows("s1", 5)]
+    assert sorted(texts) == sorted([*expected, "q0", "q1", "q2"])
+    assert not list(data.glob(".staging/*"))  # the S3 parquet copy is gone
