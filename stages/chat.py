@@ -187,7 +187,8 @@ def assistant_spans(
         # A turn that reasons was generated in thinking mode: its generation prompt holds no (empty) thinking block.
         thinking = enable_thinking or "</think>" in message["content"]
         prompt = render(tokenizer, messages[:i], generation_prompt=True, enable_thinking=thinking)
-        turn = render(tokenizer, messages[: i + 1], enable_thinking=thinking)
+        last = i == len(messages) - 1 and thinking == enable_thinking
+        turn = text if last else render(tokenizer, messages[: i + 1], enable_thinking=thinking)  # the last: the whole
         said = turn[len(prompt) :].rstrip(" \n") if turn.startswith(prompt) else ""
         if said and text.startswith(turn[: len(prompt) + len(said)]) and _ends_turn(tokenizer, said):
             start, end = len(prompt), len(prompt) + len(said)  # a prefix-preserving template (most of them)

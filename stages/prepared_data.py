@@ -27,7 +27,7 @@ import json
 import os
 import tempfile
 from collections.abc import Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -310,6 +310,7 @@ def prepare_split(
         origins = {s: _HashedFile(out_dir / f"{s}.origins") for s in splits}
         quarantine = _HashedFile(quarantine_path)
         everything = [*files.values(), *origins.values(), quarantine]
+        stack.callback(_remove_empty, [out_dir, out_dir.parent, quarantine_path.parent])
         stack.callback(lambda: [f.discard() for f in everything])
         reader = DatasetReader(
             data, spec, stage, run_root, num_proc, contamination, quarantine.file, out_dir / ".staging"
@@ -356,6 +357,13 @@ def prepare_split(
     }
     write_json_atomic(out_dir / "manifest.json", {**counts, "files": records})
     return counts
+
+
+def _remove_empty(directories: list[Path]) -> None:
+    """Remove the directories a failed dataset created, when nothing else is in them."""
+    for directory in directories:
+        with suppress(OSError):
+            directory.rmdir()
 
 
 def _move_row(
