@@ -372,26 +372,6 @@ def parquet_rows(parquet: Any, name: str, limit: int) -> Iterator[RawRow]:
         raise DataError(f"{name}: not a readable Parquet file ({exc})") from None
 
 
-def read_parquet(path: Path, limit: int) -> Iterator[RawRow]:
-    """Rows of a local Parquet file, through pyarrow."""
-    pq = _pyarrow_parquet(str(path))
-    try:
-        parquet = pq.ParquetFile(path)
-    except (OSError, ValueError) as exc:
-        raise DataError(f"{path}: not a readable Parquet file ({exc})") from None
-    yield from parquet_rows(parquet, str(path), limit)
-
-
-def _pyarrow_parquet(name: str) -> Any:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise DataError(
-            f"{name}: reading Parquet needs pyarrow (pip install pyarrow), which is not installed"
-        ) from None
-    return pq
-
-
 def _too_long(name: str, number: int, size: int, limit: int, excerpt: str) -> RowError:
     error = f"row is {size} bytes, over the limit of {limit} (raise it with {MAX_ROW_BYTES_ENV})"
     return RowError(name, number, "", error, excerpt)

@@ -164,14 +164,21 @@ def _row(segments: list[Segment], tokens: Sequence[int], loss: Sequence[int] | N
     """A row's input_ids, labels and position_ids from its segments of a split's flat arrays: positions restart
     at 0 in each segment, and the first token of a segment has no label (nothing before it in the row predicts
     it); tokens without loss (`loss` 0) have none either."""
-    row: Row = {"input_ids": [], "labels": [], "position_ids": []}
-    for start, end in segments:
-        ids = [int(t) for t in tokens[start:end]]
-        labels = ids if loss is None else [t if m else IGNORE_INDEX for t, m in zip(ids, loss[start:end], strict=True)]
-        row["input_ids"] += ids
-        row["labels"] += [IGNORE_INDEX, *labels[1:]]
-        row["position_ids"] += list(range(end - start))
-    return row
+    ids, labels, positions = [], [], []
+    for start, end in segments:  # numpy: a training row is read at every step
+        piece = np.asarray(tokens[start:end], dtype=np.int64)
+        labelled = piece.copy() if loss is None else np.where(np.asarray(loss[start:end], bool), piece, IGNORE_INDEX)
+        labelled[0] = IGNORE_INDEX
+        ids.append(piece)
+        labels.append(labelled)
+        positions.append(np.arange(end - start))
+    if not ids:
+        return {"input_ids": [], "labels": [], "position_ids": []}
+    return {
+        "input_ids": np.concatenate(ids).tolist(),
+        "labels": np.concatenate(labels).tolist(),
+        "position_ids": np.concatenate(positions).tolist(),
+    }
 
 
 def pack_stream(documents: Iterable[list[int]], max_seq_length: int) -> Iterator[Row]:

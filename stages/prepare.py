@@ -58,10 +58,6 @@ def data_specs(spec: PipelineSpec) -> dict[str, DataSpec]:
     return out
 
 
-NOTHING_TO_COMPARE = object()
-"""The evaluation texts were looked for and there are none (as opposed to not looked for yet)."""
-
-
 def dropped_note(cleaning: dict[str, Any]) -> str:
     """', dropped: 3 duplicate, 1 too_short' for the log line of a stage's data ('' when cleaning dropped none)."""
     dropped = [f"{n} {reason}" for reason, n in cleaning.get("dropped", {}).items() if n]
@@ -72,8 +68,9 @@ def write_stage_data(
     ctx: StageContext, stage: str, data: DataSpec, num_proc: int, contamination: Any = None
 ) -> dict[str, Any]:
     """Stream a stage's dataset into its normalized splits, origins, quarantine and manifest
-    (`stages.prepared_data.prepare_split`); return its counts for stage.json."""
-    return prepare_split(
+    (`stages.prepared_data.prepare_split`), record its inputs and log its counts; return the counts for
+    stage.json."""
+    c = prepare_split(
         ctx.dir / "data" / stage,
         ctx.dir / "quarantine" / f"{stage}.jsonl",
         stage,
@@ -83,6 +80,16 @@ def write_stage_data(
         num_proc,
         contamination,
     )
+    for source in c["sources"]:
+        ctx.add_input(f"{stage}:{source['uri']}", source["uri"], source["fingerprint"])
+    print(
+        f"[prepare] {stage}: {c['train_rows']} train + {c['eval_rows']} eval rows, {c['quarantined']} quarantined"
+        f"{dropped_note(c['cleaning'])} ({c['uri']}, {data.format}"
+        + "".join(f", {key}←{column}" for key, column in data.columns.items())
+        + ")",
+        flush=True,
+    )
+    return c
 
 
 def evaluation_texts(ctx: StageContext) -> Any:
@@ -312,22 +319,13 @@ def run(ctx: StageContext) -> int:
         tasks = write_builtin_tasks(ctx)
         check_lm_eval_tasks(ctx)
         specs = data_specs(spec)
-        contamination = None
-        for stage in sorted(specs, key=lambda s: s != "evaluate"):
-            data = specs[stage]
-            if stage != "evaluate" and contamination is None:
-                contamination = evaluation_texts(ctx) or NOTHING_TO_COMPARE
-            checked = contamination if data.cleaning.decontaminate and contamination is not NOTHING_TO_COMPARE else None
-            counts[stage] = c = write_stage_data(ctx, stage, data, num_proc, checked)
-            for source in c["sources"]:
-                ctx.add_input(f"{stage}:{source['uri']}", source["uri"], source["fingerprint"])
-            print(
-                f"[prepare] {stage}: {c['train_rows']} train + {c['eval_rows']} eval rows, "
-                f"{c['quarantined']} quarantined{dropped_note(c['cleaning'])} ({c['uri']}, {data.format}"
-                + "".join(f", {key}←{column}" for key, column in data.columns.items())
-                + ")",
-                flush=True,
-            )
+        if "evaluate" in specs:
+            counts["evaluate"] = write_stage_data(ctx, "evaluate", specs["evaluate"], num_proc)
+        contamination = evaluation_texts(ctx)
+        for stage, data in specs.items():
+            if stage != "evaluate":
+                checked = contamination if data.cleaning.decontaminate else None
+                counts[stage] = write_stage_data(ctx, stage, data, num_proc, checked)
         counts = {s: counts[s] for s in specs}  # DAG order
     except DataError as exc:
         print(f"[prepare] error: {exc}", file=sys.stderr, flush=True)

@@ -28,7 +28,7 @@ import os
 import tempfile
 from collections.abc import Iterator
 from contextlib import ExitStack, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any
 
@@ -88,13 +88,9 @@ class RowResult:
     """The field a bad row's FieldError named (for the check that the column mapping is wrong)."""
     present: list[str] | None = None
     """The keys the row had, when the error was a missing field."""
-    dropped: str = ""
-    """The reason to drop the row found without other rows (stages.cleaning.check_row): too_short, too_long,
-    low_hangul or contaminated."""
-    key: bytes = b""
-    """The exact-duplicate key of the row's normalized text."""
-    signature: Any = None
-    """The row's MinHash signature (near-duplicate removal only)."""
+    checked: CheckedRow | None = None
+    """What the cleaning checks found without other rows (stages.cleaning.check_row): a reason to drop the row, or
+    its duplicate keys; the row itself travels as `row`."""
     split: float = 0.0
     """Where the row falls in [0, 1): below the eval fraction, it is held out."""
 
@@ -127,12 +123,10 @@ def process_row(raw: RawRow, job: RowJob) -> RowResult:
         result.present = exc.present if isinstance(exc, MissingField) else None
         return result
     checked = check_row(row, job.data.cleaning, job.contamination)
-    if checked.reason is not None:
-        result.dropped = checked.reason
-        return result
-    result.row = json.dumps(checked.row, ensure_ascii=False)
-    result.key, result.signature = checked.key or b"", checked.signature
-    result.split = int(canonical_hash(checked.row)[: SPLIT_KEY_BITS // 4], 16) / 2**SPLIT_KEY_BITS
+    result.checked = replace(checked, row={})
+    if checked.reason is None:
+        result.row = json.dumps(checked.row, ensure_ascii=False)
+        result.split = int(canonical_hash(checked.row)[: SPLIT_KEY_BITS // 4], 16) / 2**SPLIT_KEY_BITS
     return result
 
 
@@ -193,8 +187,8 @@ class DatasetReader:
                         continue
                     unmapped.stop()
                     origin = f"{result.file}:{result.line}"
-                    checked = CheckedRow({}, result.dropped or None, result.key or None, result.signature)
-                    reason = dedup.reason(checked, origin)
+                    assert result.checked is not None
+                    reason = dedup.reason(result.checked, origin)
                     self.counts.record(reason)
                     if reason is not None:
                         continue
