@@ -27,7 +27,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from stages.checkpoints import checkpoint_step, newest_valid_checkpoint, set_aside_torn
 from stages.contract import StageContext, canonical_hash, is_main_process, write_json_atomic
 from stages.distributed import precision_arguments, strategy_arguments
-from stages.modeling import FINGERPRINT, model_fingerprint, on_gpu, weights_dtype
+from stages.modeling import FINGERPRINT, expert_parameters, model_fingerprint, on_gpu, weights_dtype
 from workflows.spec import TrainingStage
 
 
@@ -66,17 +66,24 @@ def trainer_arguments(ctx: StageContext, model: Any) -> dict[str, Any]:
         "report_to": "none",  # the stage tracker's callback reports instead
         "disable_tqdm": True,
         **precision_arguments(weights_dtype(ctx.spec.model)),
-        **kernel_arguments(),
+        **kernel_arguments(model),
         **strategy_arguments(ctx.stage, section, model),  # last: FSDP replaces the checkpointing settings
     }
 
 
-def kernel_arguments() -> dict[str, Any]:
+def kernel_arguments(model: Any) -> dict[str, Any]:
     """Fused Triton kernels on a GPU where liger-kernel is installed: RMSNorm, SwiGLU, RoPE and the fused linear
-    cross-entropy, which never materialises the logits (see docs/performance.md). Nothing on CPU."""
-    if on_gpu() and importlib.util.find_spec("liger_kernel") is not None:
-        return {"use_liger_kernel": True}
-    return {}
+    cross-entropy, which never materialises the logits (see docs/performance.md). Nothing on CPU.
+
+    A mixture of experts keeps its own experts: Liger's SwiGLU replaces transformers' experts module with a loop
+    over the experts (slower than the grouped_mm experts, `stages.modeling.experts_implementation`), and breaks
+    on the experts' LoRA wrapper (`lora.target_experts`: "'ParamWrapper' object has no attribute 'hidden_dim'",
+    measured on an H200, B5 in docs/performance.md)."""
+    if not on_gpu() or importlib.util.find_spec("liger_kernel") is None:
+        return {}
+    if expert_parameters(model):
+        return {"use_liger_kernel": True, "liger_kernel_config": {"swiglu": False}}
+    return {"use_liger_kernel": True}
 
 
 def record_inputs(ctx: StageContext, cache: Any) -> None:

@@ -274,6 +274,22 @@ def test_experts_run_as_a_grouped_gemm_on_a_gpu(monkeypatch: pytest.MonkeyPatch)
     modeling._fused_experts(tiny("llama"))  # a dense model refuses the setting: it is not asked
 
 
+def test_liger_leaves_a_mixture_of_experts_its_grouped_experts_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Liger's SwiGLU swaps transformers' experts for a per-expert loop and breaks on the experts' LoRA wrapper
+    (measured, B5 in docs/performance.md): a mixture of experts gets Liger's other kernels only."""
+    from stages import training
+
+    moe, dense = tiny("qwen3_moe"), tiny("llama")
+    assert training.kernel_arguments(moe) == {}  # CPU: no Liger
+    monkeypatch.setattr(training, "on_gpu", lambda: True)
+    monkeypatch.setattr(training.importlib.util, "find_spec", lambda name: object() if name == "liger_kernel" else None)
+    assert training.kernel_arguments(dense) == {"use_liger_kernel": True}
+    expected = {"use_liger_kernel": True, "liger_kernel_config": {"swiglu": False}}
+    assert training.kernel_arguments(moe) == expected
+    adapted = get_peft_model(moe, lora_config(moe_section(target_experts=True), moe))
+    assert training.kernel_arguments(adapted) == expected  # the experts found under PEFT's wrapper too
+
+
 def test_qlora_preparation_keeps_the_experts_in_bf16() -> None:
     model = tiny("qwen3_moe").to(torch.bfloat16)
     note = unquantized_experts(model)
