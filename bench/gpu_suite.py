@@ -626,6 +626,37 @@ def step_timer(warmup: int) -> Any:
     return StepTimer()
 
 
+def step_profiler(warmup: int, steps: int = 2) -> Any:
+    """A TrainerCallback that runs torch.profiler over `steps` steps after the warm-up (BENCH_PROFILE=1): where a
+    step's time goes, by CUDA kernel and by CPU operator, in the case's result under "profile"."""
+    import torch
+    from transformers import TrainerCallback
+
+    class StepProfiler(TrainerCallback):
+        def __init__(self) -> None:
+            self.profiler: Any = None
+            self.tables: dict[str, str] = {}
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step == warmup:
+                activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+                self.profiler = torch.profiler.profile(activities=activities)
+                self.profiler.__enter__()
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if self.profiler is not None and state.global_step == warmup + steps:
+                torch.cuda.synchronize()
+                self.profiler.__exit__(None, None, None)
+                averages = self.profiler.key_averages()
+                self.tables = {
+                    "cuda": averages.table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=60),
+                    "cpu": averages.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60),
+                }
+                self.profiler = None
+
+    return StepProfiler()
+
+
 def matmul_parameters(model: Any) -> int:
     """Parameters of the Linear layers (the output head included, LoRA's small matrices too), plus a mixture of
     experts' active share of its expert weights (top-k of the experts: the matmuls a token goes through)."""
@@ -886,6 +917,8 @@ def run_case(case: Case, tiny: bool, tmp: Path) -> dict[str, Any]:
     tokenizer = fake_tokenizer(vocab)
     model = build_model(ctx, tokenizer, case, tmp)
     timer = step_timer(case.warmup)
+    profiler = step_profiler(case.warmup) if os.environ.get("BENCH_PROFILE") == "1" and gpu else None
+    callbacks = [timer] if profiler is None else [timer, profiler]
     started = time.perf_counter()
     result: dict[str, Any] = {"case": asdict(case), "world_size": world}
 
@@ -917,7 +950,9 @@ def run_case(case: Case, tiny: bool, tmp: Path) -> dict[str, Any]:
                 remove_unused_columns=False,
             )
             collator = CountingCollator(plain_collator(tokenizer.pad_token_id))
-            trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator, callbacks=[timer])
+            trainer = Trainer(
+                model=model, args=args, train_dataset=dataset, data_collator=collator, callbacks=callbacks
+            )
         else:
             from trl import SFTConfig, SFTTrainer
 
@@ -937,7 +972,7 @@ def run_case(case: Case, tiny: bool, tmp: Path) -> dict[str, Any]:
                 data_collator=collator,
                 train_dataset=dataset,
                 processing_class=tokenizer,
-                callbacks=[timer],
+                callbacks=callbacks,
             )
         result["packing"] = {
             "examples": len(examples),
@@ -1003,6 +1038,8 @@ def run_case(case: Case, tiny: bool, tmp: Path) -> dict[str, Any]:
         weight, before = probe
         result["updated_fraction"] = (weight.detach().to(torch.float32) != before).float().mean().item()
     result["train_s"] = time.perf_counter() - started
+    if profiler is not None:
+        result["profile"] = profiler.tables
 
     timed = collator.batches[case.warmup : case.warmup + case.steps]
     tokens = sum(t for t, _ in timed)
