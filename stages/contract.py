@@ -52,7 +52,6 @@ from typing import IO, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from stages.workers import WorkerDied
 from workflows import credentials
 from workflows.loading import spec_from_json
 from workflows.spec import STAGE_ORDER, TRAINING_STAGES, PipelineSpec
@@ -655,16 +654,12 @@ class StageContext:
         return self.fail(message, retryable=True)
 
     def crash(self, exc: Exception) -> int:
-        """Record an error the stage did not expect and return the exit code. A full disk, a GPU out of memory
-        and a killed worker process are explained without a traceback; anything else keeps its traceback (what a
-        bug report needs), printed and written to `logs/traceback.txt`, and the log ends with one `error:` line that
-        says where."""
+        """Record an error the stage did not expect and return the exit code. A full disk and a GPU out of
+        memory are explained without a traceback; anything else keeps its traceback (what a bug report needs),
+        printed and written to `logs/traceback.txt`, and the log ends with one `error:` line that says where."""
         summary = writable(f"{type(exc).__name__}: {exc}".strip())
         if is_disk_full(exc):
             return self.fail(summary)
-        if isinstance(exc, WorkerDied):
-            print(f"[{self.stage}] error: {exc}", file=sys.stderr, flush=True)
-            return self.fail(str(exc))
         if type(exc).__name__ == "OutOfMemoryError":
             message = f"the GPU ran out of memory ({str(exc).splitlines()[0] if str(exc) else 'no details'}). "
             message += _memory_hint(self.stage, self.section)

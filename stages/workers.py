@@ -1,9 +1,10 @@
 """Worker processes of the prepare stage: an ordered parallel map over batches, sized to the pod's CPU request.
 
 Parsing, cleaning and tokenizing are pure per-row work, so prepare sends batches of rows to `num_proc` forked
-processes (a `ProcessPoolExecutor`) and takes the results back in input order: the output is the same bytes
+processes and takes the results back in input order (`multiprocessing.Pool.imap`): the output is the same bytes
 whatever the number of workers. Each worker builds its own state once (`initializer`, e.g. loading the tokenizer),
-never per batch. With one process everything runs inline, without a pool.
+never per batch. With one process everything runs inline, without a pool, and so it does, with a warning, where
+the system cannot start the workers.
 """
 
 from __future__ import annotations
@@ -15,8 +16,6 @@ import signal
 import sys
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
@@ -83,17 +82,24 @@ def ordered_map(
     initargs: tuple[Any, ...] = (),
 ) -> Iterator[R]:
     """`fn` over `batches` in `num_proc` processes, results in input order. The batches are read lazily, at most
-    IN_FLIGHT_PER_WORKER per worker ahead of the consumer. Stopping the iteration early stops the workers; a
-    worker that dies (the OOM killer, a signal) raises WorkerDied instead of leaving the map waiting forever."""
-    executor = _start_executor(num_proc, initializer, initargs) if num_proc > 1 else None
-    if executor is None:
+    IN_FLIGHT_PER_WORKER per worker ahead of the consumer. Stopping the iteration early stops the workers."""
+    if num_proc <= 1:
         if initializer is not None:
             initializer(*initargs)
         yield from map(fn, batches)
         return
-    pending: deque[Future[R]] = deque()
+    try:
+        with _quiet_tokenizers():
+            pool = multiprocessing.get_context("fork").Pool(num_proc, _start_worker, (initializer, initargs))
+    except OSError as exc:  # no writable /dev/shm for the pool's semaphores, a process limit, fork refused
+        print(f"warning: cannot start {num_proc} worker processes ({exc}); working in this process", file=sys.stderr)
+        if initializer is not None:
+            initializer(*initargs)
+        yield from map(fn, batches)
+        return
     finished = False
     try:
+        pending: deque[Any] = deque()
         source = iter(batches)
         limit = num_proc * IN_FLIGHT_PER_WORKER
         exhausted = False
@@ -104,62 +110,22 @@ def ordered_map(
                 except StopIteration:
                     exhausted = True
                     break
-                pending.append(executor.submit(fn, batch))
+                pending.append(pool.apply_async(fn, (batch,)))
             if not pending:
                 break
-            yield pending.popleft().result()
+            yield pending.popleft().get()
         finished = True
-    except BrokenProcessPool as exc:  # from a result, or from a submit once the executor knows
-        raise WorkerDied(num_proc) from exc
     finally:
-        if not finished:  # stopped early, or failed: the queued and running work is not wanted
-            for future in pending:
-                future.cancel()
-            for process in list((executor._processes or {}).values()):  # no public terminate before 3.14
-                process.terminate()
-        executor.shutdown(wait=True, cancel_futures=not finished)
-
-
-def _start_executor(
-    num_proc: int, initializer: Callable[..., None] | None, initargs: tuple[Any, ...]
-) -> ProcessPoolExecutor | None:
-    """`num_proc` forked workers, started; None, with a warning, where this system cannot start them (no writable
-    /dev/shm for the executor's semaphores, a process limit, a fork refused for memory): the work then runs in this
-    process, slower, with the same output."""
-    # concurrent.futures rather than multiprocessing.Pool: a Pool replaces a killed worker and loses its task, so
-    # the parent would wait on that result forever; the executor fails every pending result instead.
-    executor = None
-    try:
-        executor = ProcessPoolExecutor(
-            num_proc,
-            mp_context=multiprocessing.get_context("fork"),
-            initializer=_start_worker,
-            initargs=(initializer, initargs),
-        )
-        with _quiet_tokenizers():
-            executor.submit(int).result()  # forks every worker now, while the tokenizers' variable is set
-        return executor
-    except OSError as exc:
-        if executor is not None:
-            executor.shutdown(wait=True, cancel_futures=True)
-        print(f"warning: cannot start {num_proc} worker processes ({exc}); working in this process", file=sys.stderr)
-        return None
-
-
-class WorkerDied(Exception):
-    """A worker process of the prepare stage ended abruptly, most often killed by the OOM killer."""
-
-    def __init__(self, num_proc: int) -> None:
-        super().__init__(
-            f"a worker process ended abruptly (killed by a signal, most often the out-of-memory killer) while "
-            f"{num_proc} workers were running: give the prepare step more memory (stages.prepare.resources.memory) "
-            "or fewer workers (stages.prepare.num_proc)"
-        )
+        if finished:
+            pool.close()
+        else:  # stopped early, or failed: the queued work is not wanted
+            pool.terminate()
+        pool.join()
 
 
 def _start_worker(initializer: Callable[..., None] | None, initargs: tuple[Any, ...]) -> None:
     """A worker's start: the default signal dispositions (the stage's SIGTERM handler, inherited through the fork,
-    would keep the parent from terminating it; Ctrl-C is for the parent, which stops the pool), then its state."""
+    would keep `Pool.terminate` from ending it; Ctrl-C is for the parent, which stops the pool), then its state."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if initializer is not None:
