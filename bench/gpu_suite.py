@@ -34,7 +34,7 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -75,18 +75,6 @@ SHAPES: dict[str, dict[str, Any]] = {  # the Qwen3 configs' shapes (untied outpu
         num_experts_per_tok=8,
         moe_intermediate_size=768,
     ),
-    "tiny-moe": dict(
-        architecture="qwen3_moe",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-    ),
     "tiny": dict(
         hidden_size=64,
         intermediate_size=128,
@@ -96,6 +84,9 @@ SHAPES: dict[str, dict[str, Any]] = {  # the Qwen3 configs' shapes (untied outpu
         head_dim=16,
     ),
 }
+SHAPES["tiny-moe"] = dict(  # the tiny shape as a mixture of experts
+    SHAPES["tiny"], architecture="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32
+)
 
 
 @dataclass(frozen=True)
@@ -103,7 +94,7 @@ class Case:
     """One measured configuration."""
 
     name: str
-    group: str  # B1..B4
+    group: str  # B1..B5
     shape: str
     kind: str = "stage_sft"  # stage_sft | plain_peft | stage_dpo | trl_dpo
     method: str = "full"  # full | lora | qlora
@@ -122,6 +113,32 @@ class Case:
     note: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
+
+# The base cases of the B2-at-4096 and B5 groups; their variants below differ in the fields they name.
+B2_4K = Case(
+    "b2_stage_4k",
+    "B2",
+    "qwen3-8b",
+    method="lora",
+    per_device_batch_size=2,
+    gradient_checkpointing=True,
+    max_seq_length=4096,
+    warmup=3,
+    steps=10,
+    note="sft stage, LoRA, packed rows of 4096, flex + Liger, gradient checkpointing",
+)
+B5 = Case(
+    "b5_stage",
+    "B5",
+    "qwen3-30b-a3b",
+    method="lora",
+    per_device_batch_size=1,
+    max_seq_length=4096,
+    warmup=3,
+    steps=10,
+    note="sft stage, LoRA on attention, packed rows of 4096 (document-masked), grouped_mm experts, stage GPU "
+    "defaults (attention kernel, Liger), no checkpointing",
+)
 
 CASES: list[Case] = [
     # B1: full fine-tuning, Qwen3-1.7B shape, one GPU.
@@ -406,113 +423,51 @@ CASES: list[Case] = [
         note="rlhf stage (dpo): precomputed reference log-probs, stage GPU defaults",
     ),
     # B2 at rows of 4096, the sequence length of NeMo AutoModel's published LoRA Llama-3-8B figure (one H100).
-    Case(
-        "b2_stage_4k",
-        "B2",
-        "qwen3-8b",
-        method="lora",
-        per_device_batch_size=2,
-        gradient_checkpointing=True,
-        max_seq_length=4096,
-        warmup=3,
-        steps=10,
-        note="sft stage, LoRA, packed rows of 4096, flex + Liger, gradient checkpointing",
-    ),
-    Case(
-        "b2_stage_4k_nockpt",
-        "B2",
-        "qwen3-8b",
-        method="lora",
-        per_device_batch_size=2,
-        max_seq_length=4096,
-        warmup=3,
-        steps=10,
+    B2_4K,
+    replace(
+        B2_4K,
+        name="b2_stage_4k_nockpt",
+        gradient_checkpointing=False,
         note="as b2_stage_4k without gradient checkpointing",
     ),
-    Case(
-        "b2_stage_4k_nockpt_b1",
-        "B2",
-        "qwen3-8b",
-        method="lora",
+    replace(
+        B2_4K,
+        name="b2_stage_4k_nockpt_b1",
+        gradient_checkpointing=False,
         per_device_batch_size=1,
-        max_seq_length=4096,
-        warmup=3,
         steps=12,
         note="as b2_stage_4k_nockpt with one row per step",
     ),
     # B5: LoRA SFT on a mixture of experts of Qwen3-30B-A3B's shape (all 48 layers), one GPU, rows of 4096.
-    Case(
-        "b5_plain_peft",
-        "B5",
-        "qwen3-30b-a3b",
+    B5,
+    replace(
+        B5,
+        name="b5_plain_peft",
         kind="plain_peft",
-        method="lora",
         attn="sdpa",
-        per_device_batch_size=1,
-        max_seq_length=4096,
-        warmup=3,
-        steps=10,
         note="transformers Trainer + PEFT: the same packed rows (no position ids, so attention crosses documents), "
         "grouped_mm experts, sdpa, LoRA r16/alpha32 on attention, no checkpointing",
     ),
-    Case(
-        "b5_stage",
-        "B5",
-        "qwen3-30b-a3b",
-        method="lora",
-        per_device_batch_size=1,
-        max_seq_length=4096,
-        warmup=3,
-        steps=10,
-        note="sft stage, LoRA on attention, packed rows of 4096 (document-masked), grouped_mm experts, stage GPU "
-        "defaults (attention kernel, Liger), no checkpointing",
-    ),
-    Case(
-        "b5_stage_b2",
-        "B5",
-        "qwen3-30b-a3b",
-        method="lora",
-        per_device_batch_size=2,
-        max_seq_length=4096,
-        warmup=3,
-        steps=10,
-        note="as b5_stage with 2 rows per step",
-    ),
-    Case(
-        "b5_stage_b4_ckpt",
-        "B5",
-        "qwen3-30b-a3b",
-        method="lora",
+    replace(B5, name="b5_stage_b2", per_device_batch_size=2, note="as b5_stage with 2 rows per step"),
+    replace(
+        B5,
+        name="b5_stage_b4_ckpt",
         per_device_batch_size=4,
         gradient_checkpointing=True,
-        max_seq_length=4096,
-        warmup=3,
         steps=8,
         note="as b5_stage with 4 rows per step and gradient checkpointing",
     ),
-    Case(
-        "b5_stage_sdpa",
-        "B5",
-        "qwen3-30b-a3b",
-        method="lora",
+    replace(
+        B5,
+        name="b5_stage_sdpa",
         attn="sdpa",
-        per_device_batch_size=1,
-        max_seq_length=4096,
-        warmup=3,
-        steps=10,
         note="as b5_stage with sdpa (a dense block-diagonal mask from the position ids) instead of flex attention",
     ),
-    Case(
-        "b5_stage_experts",
-        "B5",
-        "qwen3-30b-a3b",
-        method="lora",
-        gradient_checkpointing=True,
+    replace(
+        B5,
+        name="b5_stage_experts",
         lora_experts=True,
-        per_device_batch_size=1,
-        max_seq_length=4096,
-        warmup=3,
-        steps=10,
+        gradient_checkpointing=True,
         note="as b5_stage with LoRA on the experts too (lora.target_experts) and gradient checkpointing (without "
         "it the experts' adapters run out of memory on 141 GB)",
     ),

@@ -36,21 +36,11 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-VOCAB = 151936  # Qwen3's vocabulary
-PAD_ID, EOS_ID = 151643, 151645  # <|endoftext|>, <|im_end|>
-FULL_LAYERS = 48
-SHAPE = dict(  # Qwen3-30B-A3B's config.json
-    architecture="qwen3_moe",
-    hidden_size=2048,
-    intermediate_size=6144,
-    num_attention_heads=32,
-    num_key_value_heads=4,
-    head_dim=128,
-    max_position_embeddings=40960,
-    num_experts=128,
-    num_experts_per_tok=8,
-    moe_intermediate_size=768,
-)
+from gpu_suite import EOS_ID, PAD_ID, SHAPES, VOCAB  # noqa: E402  (bench/, this script's folder, is on sys.path)
+
+FULL_LAYERS = SHAPES["qwen3-30b-a3b"]["num_hidden_layers"]
+SHAPE = {k: v for k, v in SHAPES["qwen3-30b-a3b"].items() if k != "num_hidden_layers"}  # each case sets its layers
+SHAPE["max_position_embeddings"] = 40960  # Qwen3-30B-A3B's config.json
 TINY = dict(SHAPE, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)  # fmt: skip
 

@@ -83,16 +83,8 @@ def ordered_map(
 ) -> Iterator[R]:
     """`fn` over `batches` in `num_proc` processes, results in input order. The batches are read lazily, at most
     IN_FLIGHT_PER_WORKER per worker ahead of the consumer. Stopping the iteration early stops the workers."""
-    if num_proc <= 1:
-        if initializer is not None:
-            initializer(*initargs)
-        yield from map(fn, batches)
-        return
-    try:
-        with _quiet_tokenizers():
-            pool = multiprocessing.get_context("fork").Pool(num_proc, _start_worker, (initializer, initargs))
-    except OSError as exc:  # no writable /dev/shm for the pool's semaphores, a process limit, fork refused
-        print(f"warning: cannot start {num_proc} worker processes ({exc}); working in this process", file=sys.stderr)
+    pool = _start_pool(num_proc, initializer, initargs) if num_proc > 1 else None
+    if pool is None:
         if initializer is not None:
             initializer(*initargs)
         yield from map(fn, batches)
@@ -121,6 +113,17 @@ def ordered_map(
         else:  # stopped early, or failed: the queued work is not wanted
             pool.terminate()
         pool.join()
+
+
+def _start_pool(num_proc: int, initializer: Callable[..., None] | None, initargs: tuple[Any, ...]) -> Any:
+    """A pool of `num_proc` forked workers; None, with a warning, where the system cannot start them (no writable
+    /dev/shm for the pool's semaphores, a process limit, a fork refused)."""
+    try:
+        with _quiet_tokenizers():
+            return multiprocessing.get_context("fork").Pool(num_proc, _start_worker, (initializer, initargs))
+    except OSError as exc:
+        print(f"warning: cannot start {num_proc} worker processes ({exc}); working in this process", file=sys.stderr)
+        return None
 
 
 def _start_worker(initializer: Callable[..., None] | None, initargs: tuple[Any, ...]) -> None:
