@@ -107,6 +107,8 @@ class Case:
     reshard_after_forward: bool | None = None  # FSDP2: None keeps the stage's setting
     pure_bf16: bool = False  # full fine-tuning: bf16 weights and optimizer state instead of float32 master weights
     lora_experts: bool = False  # LoRA on the experts too (lora.target_experts), not only attention and dense MLPs
+    lora_dropout: float | None = None  # None: the spec's default (lora.dropout)
+    peft_input_casts: bool = False  # keep PEFT's cast of each LoRA input to float32 (before adapter_inputs_uncast)
     warmup: int = 4
     steps: int = 20
     max_seq_length: int = 2048
@@ -432,6 +434,37 @@ CASES: list[Case] = [
     ),
     replace(
         B2_4K,
+        name="b2_stage_4k_nockpt_casts",
+        gradient_checkpointing=False,
+        peft_input_casts=True,
+        note="as b2_stage_4k_nockpt with PEFT's cast of every LoRA input to the adapter's float32 (the stage before "
+        "adapter_inputs_uncast)",
+    ),
+    replace(
+        B2_4K,
+        name="b2_stage_4k_nockpt_nodrop",
+        gradient_checkpointing=False,
+        lora_dropout=0.0,
+        note="as b2_stage_4k_nockpt with lora.dropout 0",
+    ),
+    replace(
+        B2_4K,
+        name="b2_stage_4k_nodrop",
+        lora_dropout=0.0,
+        note="as b2_stage_4k (gradient checkpointing) with lora.dropout 0",
+    ),
+    replace(
+        B2_4K,
+        name="b2_plain_peft_4k",
+        kind="plain_peft",
+        attn="sdpa",
+        gradient_checkpointing=False,
+        per_device_batch_size=1,
+        note="transformers Trainer + PEFT (LoRA r16/alpha32 all-linear, dropout 0.05): the same packed rows of 4096 "
+        "without position ids, sdpa, 1 row (2 run out of memory without the fused loss), no checkpointing",
+    ),
+    replace(
+        B2_4K,
         name="b2_stage_4k_nockpt_b1",
         gradient_checkpointing=False,
         per_device_batch_size=1,
@@ -665,6 +698,8 @@ def stage_context(case: Case, tmp: Path, tiny: bool) -> SimpleNamespace:
         enabled=False, method=case.method, training=training, distributed=DistributedSpec(strategy=case.strategy)
     )
     section.lora.target_experts = case.lora_experts
+    if case.lora_dropout is not None:
+        section.lora.dropout = case.lora_dropout
     model = ModelSpec(
         name_or_path=f"Qwen/{case.shape}",
         attn_implementation=case.attn,
@@ -685,6 +720,7 @@ def build_model(ctx: SimpleNamespace, tokenizer: Any, case: Case, tmp: Path) -> 
 
     from stages.modeling import (
         _quantization_config,
+        adapter_inputs_uncast,
         build_from_config,
         float32_masters,
         load_pretrained,
@@ -714,6 +750,8 @@ def build_model(ctx: SimpleNamespace, tokenizer: Any, case: Case, tmp: Path) -> 
         model.set_attn_implementation(switch)
     if case.method != "full":
         model = get_peft_model(model, lora_config(ctx.section, model))
+        if case.kind == "stage_sft" and not case.peft_input_casts:
+            adapter_inputs_uncast(model, ctx.stage)
     else:
         float32_masters(model, ctx.section)
     model.config.use_cache = False

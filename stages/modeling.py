@@ -337,6 +337,24 @@ def float32_masters(model: Any, section: TrainingStage) -> torch.dtype | None:
     return loaded
 
 
+def adapter_inputs_uncast(model: Any, stage: str) -> int:
+    """cpt and sft on a GPU: LoRA layers take their input in the compute dtype instead of PEFT's cast to the
+    adapter weights' float32. Under the Trainer's autocast (every forward of a model the Trainer prepared, on a GPU
+    always bf16 or fp16: `precision_arguments`) the adapter's matmuls cast that float32 copy straight back, so the
+    cast is a round trip of every LoRA layer's activations: 16% of a LoRA step's GPU time on an 8B model at rows
+    of 4096 (docs/performance.md, B2 on an H100). The adapter weights stay float32 masters; only LoRA dropout
+    then runs in bf16. Not in rlhf, whose trainers also run forwards outside the Trainer's autocast (generation,
+    reference passes), where a bf16 input would meet float32 weights. Returns the number of layers changed."""
+    from peft.tuners.lora import LoraLayer
+
+    if not on_gpu() or stage not in ("cpt", "sft"):
+        return 0
+    layers = [module for module in model.modules() if isinstance(module, LoraLayer)]
+    for layer in layers:
+        layer.cast_input_dtype_enabled = False  # peft.helpers.disable_input_dtype_casting, for good
+    return len(layers)
+
+
 def check_method(stage: str, section: TrainingStage) -> None:
     """Refuse what this machine cannot do, naming the spec field to change."""
     if section.method != "qlora":
@@ -749,6 +767,7 @@ def load_starting_model(
             model = load_adapter(model, adapter_dir, is_trainable=True)
         else:
             model = get_peft_model(model, lora_config(section, model, template_token_ids(spec, tokenizer)))
+        adapter_inputs_uncast(model, stage)
         start = StartingModel(
             model=model,
             kind="adapter",

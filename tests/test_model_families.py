@@ -152,7 +152,7 @@ def adapted(section: SftStage) -> Any:
 
 
 def test_lora_on_a_moe_model_targets_the_experts() -> None:
-    model = adapted(moe_section())
+    model = adapted(moe_section(dropout=0.05))  # dropped: one adapter, one dropout
     config = model.peft_config["default"]
     assert set(config.target_modules) == {"q_proj", "k_proj", "v_proj", "o_proj"}
     assert set(config.target_parameters) == {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}
@@ -166,14 +166,14 @@ def test_lora_on_a_moe_model_targets_the_experts() -> None:
 
 
 def test_target_experts_off_leaves_the_experts_without_adapters() -> None:
-    model = adapted(moe_section(target_experts=False))
+    model = adapted(moe_section(target_experts=False, dropout=0.05))
     config = model.peft_config["default"]
     assert not config.target_parameters and config.lora_dropout == 0.05
     assert set(config.target_modules) == {"q_proj", "k_proj", "v_proj", "o_proj"}
     trainable = [name for name, p in model.named_parameters() if p.requires_grad]
     assert trainable and not any("mlp." in name for name in trainable)
 
-    dense = lora_config(moe_section(), tiny("llama"))  # a dense model: as the spec says, nothing added
+    dense = lora_config(moe_section(dropout=0.05), tiny("llama"))  # a dense model: as the spec says, nothing added
     assert dense.target_modules == "all-linear" and not dense.target_parameters and dense.lora_dropout == 0.05
 
 
@@ -290,6 +290,33 @@ def test_liger_leaves_a_mixture_of_experts_its_grouped_experts_on_a_gpu(monkeypa
     assert training.kernel_arguments(adapted) == expected  # the experts found under PEFT's wrapper too
 
 
+@pytest.mark.parametrize("architecture", ["llama", "qwen3_moe"])
+def test_adapter_inputs_skip_peft_float32_cast_only_where_autocast_runs(
+    architecture: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """cpt/sft on a GPU: LoRA layers take bf16 inputs (PEFT's cast to the float32 adapter is a round trip under
+    autocast); the logits are bit for bit those of PEFT's casting path under autocast. Not on CPU, not in rlhf."""
+    model = tiny(architecture).to(torch.bfloat16)
+    adapter = get_peft_model(model, lora_config(moe_section(dropout=0.0), model))
+    for name, param in adapter.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.5)  # B starts at 0: make the adapter count
+    assert modeling.adapter_inputs_uncast(adapter, "sft") == 0  # CPU: nothing changes
+    batch = {"input_ids": torch.randint(3, 300, (2, 12)), "position_ids": torch.arange(12).repeat(2, 1)}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cast = logits(adapter, batch)
+
+    monkeypatch.setattr(modeling, "on_gpu", lambda: True)
+    assert modeling.adapter_inputs_uncast(adapter, "rlhf") == 0
+    layers = modeling.adapter_inputs_uncast(adapter, "sft")
+    assert layers >= 4 * 2  # q, k, v, o of both layers (and the dense MLP's)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        uncast = logits(adapter, batch)
+    assert torch.equal(cast, uncast)
+    with pytest.raises(RuntimeError):  # outside autocast a bf16 input meets the float32 adapter: why rlhf keeps it
+        logits(adapter, batch)
+
+
 def test_qlora_preparation_keeps_the_experts_in_bf16() -> None:
     model = tiny("qwen3_moe").to(torch.bfloat16)
     note = unquantized_experts(model)
@@ -321,6 +348,7 @@ def test_sft_stage_trains_and_merges_lora_on_a_moe_model(tmp_path: Path) -> None
         "stages.sft.training.logging_steps=1",
         "stages.sft.training.router_aux_loss_coef=0.01",
         "stages.sft.lora.merge_after=true",
+        "stages.sft.lora.dropout=0.05",
     ]
     run_dir = make_run_dir(tmp_path / "run", overrides=overrides, n_text=20, n_chat=60)
     done = run_stage(run_dir, "sft")
