@@ -449,6 +449,15 @@ CASES: list[Case] = [
     ),
     replace(
         B2_4K,
+        name="b2_stage_4k_nockpt_b3",
+        gradient_checkpointing=False,
+        lora_dropout=0.0,
+        per_device_batch_size=3,
+        steps=8,
+        note="as b2_stage_4k_nockpt_nodrop with 3 rows per step",
+    ),
+    replace(
+        B2_4K,
         name="b2_stage_4k_nodrop",
         lora_dropout=0.0,
         note="as b2_stage_4k (gradient checkpointing) with lora.dropout 0",

@@ -10,7 +10,8 @@ Reads top to bottom:
    adapter applies to) is fingerprinted by content as it loads and must be what its stage recorded; stage.json
    records the fingerprints as the inputs `candidate` (and `candidate_base`), which deploy holds the model it
    registers to.
-2. Each model (the candidate, then the base model; one in memory at a time) is measured the same way:
+2. Each model (the candidate, then the base model; one in memory at a time, loaded straight onto the pod's GPUs
+   and spread over them when one is too small: `placement`) is measured the same way:
    - held-out perplexity over `prepare/data/evaluate/eval.jsonl` (text rows: every token, ending with eos, as
      cpt trains; chat rows: rendered with the chat template, the assistant's tokens scored, as sft trains);
      without evaluate data, the candidate stage's own held-out split;
@@ -18,12 +19,17 @@ Reads top to bottom:
      wrapping the loaded model, with `lm_eval_include_path` as extra task YAMLs (tasks over local data files
      work on an offline cluster; `builtin:korean-lm-eval` is the folder prepare generated from the builtin
      corpus); metrics are named `<task>/<metric>` (e.g. `kobest_boolq/acc`);
-   - greedy generations for `stages.evaluate.prompts` (through the chat template when sft or rlhf ran).
+   - greedy generations for `stages.evaluate.prompts` (through the chat template when sft or rlhf ran), in one
+     batch.
+   The base model's numbers come from the score cache (`stages/scores.py`, `cache_scores`) where an earlier run
+   measured the same model (by content) the same way; then the base model is not even loaded. The candidate is
+   always measured.
 3. The champion: the `champion` alias of the registered model (deploy.registered_model, else the pipeline name)
    in the MLflow Model Registry. Its numbers come from the version's `posttrain.metric.<name>` tags, then from
    the metrics of the run that registered it. They are measured again, on the model downloaded from the
    registry: the held-out numbers whenever the held-out rows they were measured on differ from this run's, or
-   are not recorded (`heldout_change`), and any gated metric found nowhere. stage.json says which numbers were
+   are not recorded (`heldout_change`), and any gated metric found nowhere, each from the score cache first (by
+   the version's content fingerprint: the model is then not downloaded). stage.json says which numbers were
    measured again and why (`champion_remeasured`). No champion yet: the gate compares with the base model.
 4. The gate: every rule of `stages.evaluate.gate` must hold against the reference (the champion, else the base
    model); a metric that was not measured fails its rule, saying so. The registry cannot be read: fail. A gate
@@ -41,12 +47,14 @@ import html
 import json
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from stages.contract import EXIT_OK, RunDir, StageContext, StageRefused, mask_secrets_in
 from stages.data import BUILTIN_TASKS_DIR, DataError, confine, resolve_path, within
+from stages.scores import ScoreCache, base_identity, champion_identity
 from workflows.spec import TRAINING_STAGES, GateRule, PipelineSpec
 
 CHAMPION = "champion"
@@ -262,32 +270,49 @@ def lm_eval_metrics(
 
 
 def generate(model: Any, tokenizer: Any, prompts: list[str], max_new_tokens: int, chat: bool) -> list[str]:
-    """Greedy completions of the prompts (through the chat template when `chat`), one at a time."""
+    """Greedy completions of the prompts (through the chat template when `chat`), in one batch: the prompts are
+    padded on the left, so each row's new tokens start at the same column. One batch rather than one prompt at a
+    time: a decoding step of an 8B model costs about the same for one row as for a few (measured, docs/
+    performance.md, evaluate on a GPU). A row's answer ends at its first stop token (eos, or the end of an
+    assistant turn: Gemma's <end_of_turn> is not its eos)."""
     import torch
 
     from stages.chat import stop_token_ids
 
+    if not prompts:
+        return []
     device = next(model.parameters()).device
-    stops = stop_token_ids(tokenizer) if chat else tokenizer.eos_token_id
-    outputs = []
-    for prompt in prompts:
-        if chat:
-            text = tokenizer.apply_chat_template(
+    stops = stop_token_ids(tokenizer) if chat else [tokenizer.eos_token_id]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if chat:
+        texts = [
+            tokenizer.apply_chat_template(
                 [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True, enable_thinking=False
             )
-        else:
-            text = prompt
-        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"].to(device)
-        with torch.no_grad():
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
-                eos_token_id=stops,  # the end of an assistant turn too (Gemma's <end_of_turn> is not its eos)
-            )
-        text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+            for prompt in prompts
+        ]
+    else:
+        texts = list(prompts)
+    encoded = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+    width = max(len(ids) for ids in encoded)
+    ids = torch.full((len(encoded), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(encoded), width), dtype=torch.long)
+    for row, tokens in enumerate(encoded):
+        ids[row, width - len(tokens) :] = torch.tensor(tokens)
+        mask[row, width - len(tokens) :] = 1
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=pad,
+            eos_token_id=[s for s in stops if s is not None],
+        )
+    outputs = []
+    for row in out[:, width:].tolist():
+        ends = [i for i, token in enumerate(row) if token in stops]
+        text = tokenizer.decode(row[: ends[0]] if ends else row, skip_special_tokens=True)
         outputs.append("".join(c for c in text if c.isprintable() or c in "\n\t").strip())
     return outputs
 
@@ -302,6 +327,8 @@ class Measured:
     metrics: dict[str, float] = field(default_factory=dict)
     generations: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    failed: set[str] = field(default_factory=set)  # the parts ('heldout', 'lm_eval') whose measurement failed
+    cached: dict[str, str] = field(default_factory=dict)  # part -> the run that measured it (the score cache)
 
 
 def include_dir(spec: PipelineSpec, run_root: Path) -> str | None:
@@ -348,13 +375,14 @@ def measure(
     section = ctx.section
     spec = ctx.spec
     stage = candidate_stage(spec)
-    if torch.cuda.is_available():
-        model.to("cuda")
+    if torch.cuda.is_available() and getattr(model, "hf_device_map", None) is None:
+        model.to("cuda")  # built from config; a loaded model is already placed over the GPUs (`placement`)
     out = Measured()
     if rows:
         try:
             out.metrics.update(perplexity(model, tokenizer, rows, max_length(spec, stage), thinking(spec)))
         except Exception as exc:
+            out.failed.add("heldout")
             out.errors.append(f"{who}: perplexity failed: {type(exc).__name__}: {exc}")
     if section.lm_eval_tasks and lm_eval:
         try:
@@ -369,6 +397,7 @@ def measure(
                 )
             )
         except Exception as exc:
+            out.failed.add("lm_eval")
             out.errors.append(f"{who}: lm-eval failed: {type(exc).__name__}: {exc}")
     if section.prompts and generations:
         out.generations = generate(model, tokenizer, section.prompts, section.max_new_tokens, chat_model(spec))
@@ -397,6 +426,127 @@ def release(model: Any) -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def placement() -> dict[str, Any]:
+    """How evaluate loads a model: on a GPU, `device_map='auto'`, which loads the weights straight onto the pod's
+    GPUs and spreads the layers over them when the model does not fit one (a 72B model in bf16 is 144 GB; accelerate
+    moves the activations between GPUs); on CPU, as the stages load it."""
+    import torch
+
+    return {"device_map": "auto"} if torch.cuda.is_available() else {}
+
+
+# --------------------------------------------------------------------------- the score cache
+
+
+SCORES_VERSION = 1
+"""Part of every score cache key: raise it when a change here changes what a number means."""
+
+
+def score_keys(ctx: StageContext, heldout_fingerprint: str) -> dict[str, dict[str, Any]] | None:
+    """What each part of a model's numbers depends on besides the model: the score cache's keys ('heldout',
+    'lm_eval', 'generations'). None (nothing is cached) when `cache_scores` is off."""
+    import importlib.metadata
+
+    import torch
+
+    from stages.modeling import file_digests, fingerprint_of
+    from stages.tokenizer import tokenizer_hash
+
+    spec, section = ctx.spec, ctx.section
+    if not section.cache_scores:
+        return None
+    stage = candidate_stage(spec)
+    include = include_dir(spec, ctx.run_dir.root)
+    common = {
+        "scores": SCORES_VERSION,
+        "tokenizer": tokenizer_hash(ctx.run_dir.root / "prepare" / "tokenizer"),
+        "max_length": max_length(spec, stage),
+        "dtype": spec.model.dtype,
+        "attention": spec.model.attn_implementation,
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "transformers": importlib.metadata.version("transformers"),
+    }
+    lm_eval = {
+        "tasks": list(section.lm_eval_tasks),
+        "include": fingerprint_of(file_digests(Path(include))) if include else None,
+        "limit": section.limit,
+        "lm_eval": importlib.metadata.version("lm_eval") if section.lm_eval_tasks else None,
+    }
+    return {
+        "heldout": {**common, "rows": heldout_fingerprint, "thinking": thinking(spec)},
+        "lm_eval": {**common, **lm_eval},
+        "generations": {
+            **common,
+            "prompts": list(section.prompts),
+            "max_new_tokens": section.max_new_tokens,
+            "chat": chat_model(spec),
+        },
+    }
+
+
+def part_value(part: str, measured: Measured) -> Any:
+    """What the score cache files for one part of a measurement."""
+    if part == "generations":
+        return measured.generations
+    heldout = part == "heldout"
+    return {k: v for k, v in measured.metrics.items() if (k in HELDOUT_METRICS) == heldout}
+
+
+def measure_cached(
+    ctx: StageContext,
+    who: str,
+    parts: list[str],
+    load: Callable[[], tuple[Any, Any]],
+    rows: list[dict[str, Any]],
+    cache: ScoreCache | None,
+    keys: dict[str, dict[str, Any]] | None,
+    identity: Callable[[], str | None],
+) -> Measured:
+    """The `parts` of a model's numbers: from the score cache where it holds them for this model (`identity`,
+    asked before loading) and these keys; the rest measured on the model `load` returns (model, tokenizer), which
+    is loaded only then, and filed in the cache (a model known only once loaded, a hub model downloaded by it, is
+    filed under the identity asked for again). A part whose measurement failed is not filed."""
+    out = Measured()
+    model_id = identity() if cache is not None and keys is not None else None
+    todo = []
+    for part in parts:
+        entry = cache.lookup(model_id, part, keys[part]) if cache is not None and keys and model_id else None
+        if entry is None:
+            todo.append(part)
+            continue
+        out.cached[part] = entry.run
+        if part == "generations":
+            out.generations = [str(g) for g in entry.value]
+        else:
+            out.metrics.update({k: float(v) for k, v in entry.value.items()})
+    if out.cached:
+        runs = ", ".join(f"{part} from run {run}" for part, run in out.cached.items())
+        print(f"[evaluate] {who}: numbers from the score cache ({runs})", flush=True)
+    if not todo:
+        return out
+    model, tokenizer = load()
+    fresh = measure(
+        ctx,
+        model,
+        tokenizer,
+        rows if "heldout" in todo else [],
+        who,
+        lm_eval="lm_eval" in todo,
+        generations="generations" in todo,
+    )
+    release(model)
+    out.metrics.update(fresh.metrics)
+    out.errors += fresh.errors
+    out.failed |= fresh.failed
+    if "generations" in todo:
+        out.generations = fresh.generations
+    if cache is not None and keys is not None and (model_id := model_id or identity()):
+        for part in todo:
+            if part not in fresh.failed:
+                cache.store(model_id, part, keys[part], part_value(part, fresh), ctx.run_dir.root.name)
+    return out
 
 
 # --------------------------------------------------------------------------- the champion
@@ -490,11 +640,15 @@ def remeasure_champion(
     champion: Champion,
     rows: list[dict[str, Any]],
     changed: str | None,
+    cache: ScoreCache | None = None,
+    keys: dict[str, dict[str, Any]] | None = None,
 ) -> list[str]:
     """Measure the champion again where its recorded numbers do not compare with the candidate's: the held-out
     numbers when `changed` says why they are stale (they are dropped first, so a failed measurement fails the
-    gate instead of comparing stale numbers), and the gated metrics it has no number for. Records what was
-    measured again, and why, in `champion.remeasured`; returns the errors of the measurement."""
+    gate instead of comparing stale numbers), and the gated metrics it has no number for. The score cache
+    answers first (by the version's content fingerprint): the model is downloaded only for what it lacks.
+    Records what was measured again, and why, in `champion.remeasured` (source 'cache' or 're-evaluated');
+    returns the errors of the measurement."""
     from transformers import AutoTokenizer
 
     from stages.modeling import load_pretrained
@@ -512,15 +666,21 @@ def remeasure_champion(
         return []
     why = [f"held-out numbers {changed}" if stale else "", f"no recorded {missing}" if missing else ""]
     print(f"[evaluate] measuring champion v{champion.version} again: {'; '.join(w for w in why if w)}", flush=True)
-    path = download_champion(client, champion, ctx.dir / "champion-model", tracking_uri)
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=spec.model.trust_remote_code)
-    model = load_pretrained(path, spec.model)
-    again = measure(ctx, model, tokenizer, rows if heldout else [], "champion", lm_eval=lm_eval, generations=False)
-    release(model)
+
+    def load() -> tuple[Any, Any]:
+        path = download_champion(client, champion, ctx.dir / "champion-model", tracking_uri)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=spec.model.trust_remote_code)
+        return load_pretrained(path, spec.model, **placement()), tokenizer
+
+    parts = [part for part, needed in (("heldout", heldout), ("lm_eval", lm_eval)) if needed]
+    again = measure_cached(
+        ctx, "champion", parts, load, rows, cache, keys, identity=lambda: champion_identity(champion.tags)
+    )
     for key, value in again.metrics.items():
         if key in champion.metrics:
             continue
-        champion.metrics[key], champion.source[key] = value, "re-evaluated"
+        part = "heldout" if key in HELDOUT_METRICS else "lm_eval"
+        champion.metrics[key], champion.source[key] = value, "cache" if part in again.cached else "re-evaluated"
         champion.remeasured[key] = f"held-out numbers {changed}" if stale and key in HELDOUT_METRICS else "not recorded"
     return again.errors
 
@@ -700,6 +860,11 @@ def write_report(out_dir: Path, facts: dict[str, Any]) -> list[Path]:
     summary = [
         f"candidate: output of the {facts['candidate_stage']} stage",
         f"base model: {facts['base_model']}",
+        *(
+            [f"base model numbers from the score cache: {', '.join(f'{p} (run {r})' for p, r in cached.items())}"]
+            if (cached := facts.get("base_cached"))
+            else []
+        ),
         f"champion: {facts['registered_model']} version {champion}" if champion else "champion: none yet",
         *[
             f"champion measured again ({', '.join(m for m, w in facts['champion_remeasured'].items() if w == why)}): "
@@ -833,16 +998,30 @@ def evaluate(ctx: StageContext) -> int:
             }
         )
 
-        # 2. The candidate, then the base model, measured the same way (one in memory at a time).
+        # 2. The candidate, then the base model, measured the same way (one in memory at a time); the base
+        #    model's numbers come from the score cache when an earlier run measured the same model the same way.
         tokenizer = load_tokenizer(run_dir, spec.model)
         # Fingerprinted as it loads, held to its stage's record, recorded as the input `candidate` (and
         # `candidate_base`): deploy registers only a model with these fingerprints.
-        model = load_stage_model(run_dir, spec, stage, tokenizer, ModelInputs(ctx), name="candidate")
+        model = load_stage_model(
+            run_dir, spec, stage, tokenizer, ModelInputs(ctx), name="candidate", placement=placement()
+        )
         candidate = measure(ctx, model, tokenizer, rows, "candidate")
         release(model)
-        model = load_base(run_dir, spec, spec_base(spec), tokenizer)
-        base = measure(ctx, model, tokenizer, rows, "base")
-        release(model)
+        keys = score_keys(ctx, heldout_fingerprint)
+        cache = ScoreCache(run_dir.root.parent) if keys is not None else None
+        wanted = {"heldout": rows, "lm_eval": section.lm_eval_tasks, "generations": section.prompts}
+        parts = [part for part, asked in wanted.items() if asked]
+        base = measure_cached(
+            ctx,
+            "base",
+            parts,
+            lambda: (load_base(run_dir, spec, spec_base(spec), tokenizer, placement=placement()), tokenizer),
+            rows,
+            cache,
+            keys,
+            identity=lambda: base_identity(spec.model, cache),
+        )
         errors = candidate.errors + base.errors
 
         # 3. The champion: its recorded numbers, measured again on this run's held-out rows when they were
@@ -856,7 +1035,7 @@ def evaluate(ctx: StageContext) -> int:
                 changed = heldout_change(
                     champion.tags, heldout_fingerprint, evaluate_data_fingerprint(run_dir, data_path)
                 )
-                errors += remeasure_champion(ctx, client, tracking_uri, champion, rows, changed)
+                errors += remeasure_champion(ctx, client, tracking_uri, champion, rows, changed, cache, keys)
         except Exception as exc:
             registry_error = f"the champion could not be read from the model registry: {type(exc).__name__}: {exc}"
             print(f"[evaluate] {registry_error}", flush=True)
@@ -884,6 +1063,7 @@ def evaluate(ctx: StageContext) -> int:
             "candidate_stage": stage,
             "candidate": candidate.metrics,
             "base": base.metrics,
+            "base_cached": base.cached,
             "champion": champion.metrics if champion else {},
             "champion_version": champion.version if champion else "",
             "champion_source": champion.source if champion else {},

@@ -508,9 +508,16 @@ def load_adapter(model: Any, adapter_dir: Path, is_trainable: bool = False) -> A
     return PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=is_trainable)
 
 
-def load_base(run_dir: RunDir, spec: PipelineSpec, base: BaseRef, tokenizer: Any, quantization: Any = None) -> Any:
-    """The weights `base` names, built or loaded."""
-    extra: dict[str, Any] = {}
+def load_base(
+    run_dir: RunDir,
+    spec: PipelineSpec,
+    base: BaseRef,
+    tokenizer: Any,
+    quantization: Any = None,
+    placement: dict[str, Any] | None = None,
+) -> Any:
+    """The weights `base` names, built or loaded; `placement` (e.g. a device_map) applies to loaded weights."""
+    extra: dict[str, Any] = dict(placement or {})
     if quantization is not None:
         extra = {"quantization_config": quantization, "device_map": {"": torch.cuda.current_device()}}
     if base.kind == "from_config":
@@ -788,20 +795,21 @@ def load_stage_model(
     tokenizer: Any,
     inputs: ModelInputs | None = None,
     name: str = "model",
+    placement: dict[str, Any] | None = None,
 ) -> Any:
     """A finished stage's model for inference: a full model, or an adapter merged into its base. With `inputs`,
     each stage model folder is fingerprinted and checked before it loads (input `name`, and `<name>_base` for
-    the stage model an adapter applies to)."""
+    the stage model an adapter applies to). `placement` (e.g. a device_map) applies to loaded weights."""
     output = stage_output(run_dir, stage)
     if output.kind == "full":
         if inputs is not None:
             inputs.check(name, output.path)
-        return load_pretrained(output.path, spec.model)
+        return load_pretrained(output.path, spec.model, **(placement or {}))
     if inputs is not None:
         if output.base.kind == "stage":
             inputs.check(f"{name}_base", run_dir.root / output.base.name, adapter_of=stage)
         inputs.check(name, output.path)
-    base = load_base(run_dir, spec, output.base, tokenizer)
+    base = load_base(run_dir, spec, output.base, tokenizer, placement=placement)
     return load_adapter(base, output.path).merge_and_unload()
 
 

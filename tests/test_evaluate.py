@@ -342,6 +342,112 @@ def test_a_champion_measured_on_other_heldout_rows_is_measured_again(trained: Ru
     assert "champion measured again (eval_loss, perplexity" in markdown
 
 
+def test_prompts_generated_in_one_batch_get_the_answers_they_get_alone(trained: RunDir) -> None:
+    """Left padding: each prompt's greedy answer in the batch is the one it gets alone (text and chat)."""
+    spec = trained.load_spec()
+    tokenizer = load_tokenizer(trained, spec.model)
+    model = load_stage_model(trained, spec, "cpt", tokenizer).eval()
+    prompts = ["대한민국의 수도는", "헌법 제1조를 설명해 주세요. 국회는 법률을", "국민"]
+    for chat in (False, True):
+        together = evaluate.generate(model, tokenizer, prompts, 12, chat=chat)
+        alone = [evaluate.generate(model, tokenizer, [prompt], 12, chat=chat)[0] for prompt in prompts]
+        assert together == alone and all(together)
+    assert evaluate.generate(model, tokenizer, [], 12, chat=True) == []
+
+
+# --------------------------------------------------------------------------- the score cache
+
+
+def later_run(run_dir: RunDir, name: str) -> RunDir:
+    """Another run of the pipeline beside `run_dir`, with its data, tokenizer and trained candidate."""
+    other = run_dir.root.parent / name
+    shutil.rmtree(other, ignore_errors=True)
+    shutil.copytree(run_dir.root, other)
+    shutil.rmtree(other / "evaluate", ignore_errors=True)
+    return RunDir(other)
+
+
+def counted_base_loads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every load_base call from here on (the candidate of an adapter stage loads its base too)."""
+    from stages import modeling
+
+    calls: list[str] = []
+    load_base = modeling.load_base
+
+    def counting(*args: object, **kwargs: object) -> object:
+        calls.append("load")
+        return load_base(*args, **kwargs)
+
+    monkeypatch.setattr(modeling, "load_base", counting)
+    return calls
+
+
+def test_a_later_run_takes_the_base_model_numbers_from_the_score_cache(
+    trained: RunDir, task_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    scores = trained.root.parent / ".scores"
+    shutil.rmtree(scores, ignore_errors=True)
+    spec = spec_of(trained)
+    section = spec.stages.evaluate
+    section.lm_eval_tasks, section.lm_eval_include_path, section.limit = ["tiny_ko"], str(task_dir), 4
+    loads = counted_base_loads(monkeypatch)
+
+    # A run whose lm-eval fails files the parts that were measured, not the failed one.
+    with monkeypatch.context() as broken:
+        broken.setattr(evaluate, "lm_eval_metrics", lambda *a, **k: (_ for _ in ()).throw(OSError("no GPU left")))
+        first = run_evaluate(trained, spec, tmp_path / "outputs").extra
+    assert first["base_cached"] == {} and any("lm-eval failed" in e for e in first["errors"])
+    assert len(list(scores.glob("*.json"))) == 2  # held-out numbers and generations
+    second = run_evaluate(trained, spec, tmp_path / "outputs").extra
+    assert second["base_cached"] == {"heldout": "run", "generations": "run"}  # lm-eval measured, then filed
+    assert len(list(scores.glob("*.json"))) == 3
+    loaded = len(loads)
+
+    # The next run of the pipeline measures only the candidate.
+    later = later_run(trained, "run-later")
+    third = run_evaluate(later, spec, tmp_path / "outputs").extra
+    assert third["base_cached"] == {"heldout": "run", "lm_eval": "run", "generations": "run"}
+    assert len(loads) == loaded  # the base model was not even loaded
+    assert third["base"] == second["base"] and "tiny_ko/acc" in third["base"]
+    assert third["base_generations"] == second["base_generations"] and third["gate"] == second["gate"]
+    markdown = (later.stage_dir("evaluate") / "report" / "report.md").read_text(encoding="utf-8")
+    assert "base model numbers from the score cache: heldout (run run), lm_eval (run run)" in markdown
+
+    # What a number was measured on is part of its key: another limit measures lm-eval again, and only it.
+    section.limit = 3
+    fourth = run_evaluate(later, spec, tmp_path / "outputs").extra
+    assert set(fourth["base_cached"]) == {"heldout", "generations"}
+    assert fourth["base"]["perplexity"] == third["base"]["perplexity"]
+    # Changed held-out rows: the perplexity is measured again.
+    write_jsonl(later.root / "prepare/data/evaluate/eval.jsonl", text_rows(10, seed=11))
+    fifth = run_evaluate(later, spec, tmp_path / "outputs").extra
+    assert set(fifth["base_cached"]) == {"lm_eval", "generations"} and fifth["base"]["eval_rows"] == 10
+    section.cache_scores = False
+    assert run_evaluate(later, spec, tmp_path / "outputs").extra["base_cached"] == {}
+
+
+def test_the_champion_numbers_come_from_the_score_cache_by_its_content(
+    trained: RunDir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spec = spec_of(trained)
+    spec.stages.deploy.registered_model = "tiny-champion-cached"
+    fingerprint = model_fingerprint(trained.stage_dir("cpt") / "model")
+    tags = {"posttrain.model_fingerprint": fingerprint}  # as deploy tags the files it registers
+    register_champion(trained, spec, "tiny-champion-cached", tmp_path / "art", tags)
+    first = run_evaluate(trained, spec, tmp_path / "outputs").extra
+    assert first["champion_source"]["perplexity"] == "re-evaluated"
+
+    def no_download(*args: object) -> Path:
+        raise AssertionError("the champion was downloaded")
+
+    monkeypatch.setattr(evaluate, "download_champion", no_download)
+    second = run_evaluate(later_run(trained, "run-champion"), spec, tmp_path / "outputs").extra
+    assert second["champion_source"]["perplexity"] == "cache"
+    assert second["champion"] == first["champion"]
+    assert second["champion_remeasured"] == first["champion_remeasured"]  # why they were needed again still holds
+    assert second["gate"] == "pass" and second["reference"] == "champion v1"
+
+
 def test_which_recorded_heldout_numbers_compare() -> None:
     same, other = "sha256:" + "a" * 64, "sha256:" + "b" * 64
     assert evaluate.heldout_change({evaluate.HELDOUT_TAG: same}, same, None) is None

@@ -887,6 +887,13 @@ class EvaluateStage(StageBase):
     limit: int | None = Field(None, gt=0, description="Examples per lm-eval task (None: all).")
     prompts: list[str] = Field(default_factory=list, description="Prompts for the sampled-generation table.")
     max_new_tokens: int = Field(128, gt=0, description="Tokens generated per prompt.")
+    cache_scores: bool = Field(
+        True,
+        description="Reuse the base model's and the champion's numbers that an earlier run of the pipeline measured "
+        "on the same model (by content: files, config or hub commit) with the same held-out rows, tokenizer, "
+        "lm-eval tasks, prompts, lengths, dtype and library versions; they are kept beside the run directories, "
+        "in .scores/. A scheduled run then measures only the candidate. Off: every model is measured every run.",
+    )
     gate: list[GateRule] = Field(
         default_factory=lambda: [GateRule(metric="perplexity", higher_is_better=False, max_regression=0.0)],
         description="Rules the candidate must pass to become champion; all must hold. Set in the pipeline file: "
