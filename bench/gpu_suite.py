@@ -654,22 +654,6 @@ def step_profiler(warmup: int, steps: int = 2) -> Any:
     return StepProfiler()
 
 
-def matmul_parameters(model: Any) -> int:
-    """Parameters of the Linear layers (the output head included, LoRA's small matrices too), plus a mixture of
-    experts' active share of its expert weights (top-k of the experts: the matmuls a token goes through)."""
-    import torch
-
-    from stages.modeling import expert_parameters
-
-    dense = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    experts = expert_parameters(model)
-    if not experts:
-        return dense
-    config = model.config
-    share = config.num_experts_per_tok / config.num_experts
-    return dense + int(sum(p.numel() for p in experts.values()) * share)
-
-
 def gpu_peak() -> float:
     import torch
 
@@ -1048,6 +1032,8 @@ def run_case(case: Case, tiny: bool, tmp: Path) -> dict[str, Any]:
     squares = sum(s for _, s in timed)
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
     config = unwrapped.config
+    from stages.progress import matmul_parameters
+
     n_mm = matmul_parameters(unwrapped)
     if world > 1:  # FSDP shards the Linear weights: count the full model's from its config
         c = config

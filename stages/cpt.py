@@ -24,6 +24,7 @@ from stages.modeling import (
     save_stage_model,
 )
 from stages.packing import PackedCollator, batch_width_multiple, load_token_cache
+from stages.progress import ProgressLog
 from stages.tracking import StageTracker
 from stages.training import (
     loss_curve,
@@ -97,7 +98,7 @@ def train(ctx: StageContext, sigterm: SigtermCheckpoint) -> int:
             train_dataset=cache.train,
             eval_dataset=cache.eval,
             processing_class=tokenizer,
-            callbacks=[tracker.hf_callback(), CheckpointMarker(), sigterm],
+            callbacks=[tracker.hf_callback(), ProgressLog(ctx.stage, start.model), CheckpointMarker(), sigterm],
         )
 
         # 4. Train, up to the planned end and never past it (none left when the checkpoint is at it).

@@ -46,6 +46,7 @@ from stages.modeling import (
     save_stage_model,
     stage_output,
 )
+from stages.progress import ProgressLog
 from stages.rewards import RewardError, build_reward_functions
 from stages.tracking import StageTracker
 from stages.training import (
@@ -131,7 +132,7 @@ def train(ctx: StageContext, sigterm: SigtermCheckpoint) -> int:
                 "eval_rows": len(eval_rows) if eval_rows is not None else 0,
             }
         )
-        callbacks = [tracker.hf_callback(), CheckpointMarker(), sigterm]
+        callbacks = [tracker.hf_callback(), ProgressLog(ctx.stage, start.model), CheckpointMarker(), sigterm]
         trainer = make_trainer(ctx, start, config, tokenizer, train_rows, eval_rows, callbacks)
 
         # 4. Train, up to the planned end and never past it (none left when the checkpoint is at it).

@@ -4,6 +4,7 @@ GPU, and QLoRA leaving the experts in bf16."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -354,6 +355,9 @@ def test_sft_stage_trains_and_merges_lora_on_a_moe_model(tmp_path: Path) -> None
     done = run_stage(run_dir, "sft")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "router load-balancing loss: 0.01 × aux loss" in done.stdout
+    # The progress line at each logging interval (every step here), the last with nothing left to go.
+    assert re.search(r"^\[sft\] step 1/4 · loss [\d.]+ · [\d.]+k? tok/s · ETA \d+s$", done.stdout, re.M)
+    assert re.search(r"^\[sft\] step 4/4 · loss [\d.]+ · [\d.]+k? tok/s · ETA 0s$", done.stdout, re.M)
     assert "lora.dropout 0.05 → 0" in done.stdout
     result = run_dir.read_result("sft")
     assert result is not None and result.extra["model_kind"] == "full"

@@ -16,6 +16,7 @@ from workflows.spec import (
     MAX_PIPELINE_NAME_LENGTH,
     TRAINING_STAGES,
     PipelineSpec,
+    RdmaSpec,
     RunPolicy,
     SecretRef,
     Toleration,
@@ -286,6 +287,54 @@ def test_a_bad_affinity_is_caught_by_the_spec_and_by_the_crd(case: tuple[Pipelin
 
 def _env(container: dict[str, Any]) -> dict[str, str]:
     return {var["name"]: var["value"] for var in container["env"] if "value" in var}
+
+
+def test_rdma_devices_the_capability_they_need_and_nccl_settings_only_when_asked(
+    case: tuple[PipelineSpec, str], schemas_dir: Any
+) -> None:
+    spec, stage = case
+    section = spec.stage(stage)
+    asked = {k: v for k, v in {**spec.cluster.env, **section.env}.items() if k.startswith("NCCL_")}
+    for container in _containers(pytorchjob_manifest(spec, stage)):  # by default: no device, no capability
+        assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+        assert {k: v for k, v in _env(container).items() if k.startswith("NCCL_")} == asked
+        assert set(container["resources"].get("limits", {})) <= {"cpu", "memory", "ephemeral-storage", "nvidia.com/gpu"}
+
+    spec.cluster.env = {k: v for k, v in spec.cluster.env.items() if k != "NCCL_IB_HCA"}
+    section.resources.rdma = RdmaSpec(resource="rdma/rdma_shared_device_a", count=2, nccl_ib_hca="=mlx5_0,mlx5_1")
+    section.env = {"NCCL_SOCKET_IFNAME": "eth1"}  # set in the env, not in rdma: as the env says
+    manifest = pytorchjob_manifest(spec, stage)
+    validate_pytorchjob(manifest)
+    for rtype, replica in _replicas(manifest).items():
+        validate_core(pod_template_object(replica["template"], name=rtype.lower()))
+    for container in _containers(manifest):
+        assert container["resources"]["limits"]["rdma/rdma_shared_device_a"] == "2"
+        assert "rdma/rdma_shared_device_a" not in container["resources"].get("requests", {})
+        assert container["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+        assert container["securityContext"]["allowPrivilegeEscalation"] is False
+        env = _env(container)
+        assert env["NCCL_IB_DISABLE"] == "0" and env["NCCL_IB_HCA"] == "=mlx5_0,mlx5_1"
+        assert env["NCCL_SOCKET_IFNAME"] == "eth1"
+        names = [var["name"] for var in container["env"]]
+        assert len(names) == len(set(names)), "an environment variable is set twice"
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("stages.evaluate.resources.rdma={resource: rdma/hca}", "stages.evaluate.resources.rdma: RDMA devices are"),
+        ("stages.cpt.resources.rdma={resource: nvidia.com/gpu}", "(GPUs are gpus_per_node)"),
+        ("stages.cpt.resources.rdma={resource: memory}", "is not a device plugin's resource"),
+        ("stages.cpt.resources.rdma={resource: rdma/hca, count: 0}", "stages.cpt.resources.rdma.count"),
+        (
+            "stages.cpt.resources.rdma={resource: rdma/hca, nccl_ib_hca: mlx4}",  # the pipeline's cluster.env: mlx5
+            "stages.cpt.resources.rdma.nccl_ib_hca: cluster.env sets NCCL_IB_HCA=mlx5 and resources.rdma.nccl_ib_hca",
+        ),
+    ],
+)
+def test_rdma_refuses_what_is_not_a_training_stage_device(override: str, message: str) -> None:
+    with pytest.raises(SpecError, match=re.escape(message)):
+        load_pipeline("korean-llm", None, [override])
 
 
 def test_pods_know_their_image(case: tuple[PipelineSpec, str]) -> None:

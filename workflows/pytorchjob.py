@@ -21,7 +21,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from workflows.spec import PipelineSpec, StageBase, TrainingStage
+from workflows.spec import PipelineSpec, RdmaSpec, StageBase, TrainingStage
 
 API_VERSION = "kubeflow.org/v1"
 KIND = "PyTorchJob"
@@ -148,9 +148,13 @@ def pod_env(spec: PipelineSpec, stage: StageBase) -> list[dict[str, Any]]:
 
 
 def resource_requirements(
-    cpu: str | None, memory: str | None, gpus: int, ephemeral: str | None = None
+    cpu: str | None,
+    memory: str | None,
+    gpus: int,
+    ephemeral: str | None = None,
+    devices: dict[str, int] | None = None,
 ) -> dict[str, Any]:
-    """Requests equal to limits (Guaranteed QoS for training pods); GPUs as limits."""
+    """Requests equal to limits (Guaranteed QoS for training pods); GPUs and other devices as limits."""
     amounts: dict[str, Any] = {}
     if cpu:
         amounts["cpu"] = cpu
@@ -161,6 +165,7 @@ def resource_requirements(
     limits = dict(amounts)
     if gpus:
         limits["nvidia.com/gpu"] = str(gpus)
+    limits.update({name: str(count) for name, count in (devices or {}).items()})
     out: dict[str, Any] = {}
     if amounts:
         out["requests"] = amounts
@@ -176,15 +181,18 @@ def pod_template(spec: PipelineSpec, stage_name: str, stage: TrainingStage, comm
     vols, mounts = volumes(spec, res.shm_size)
     env = pod_env(spec, stage)
     env.append({"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": str(shutdown_timeout(stage))})
+    named = {e["name"] for e in env}
+    env += [{"name": k, "value": v} for k, v in rdma_env(res.rdma).items() if k not in named]  # the spec's env wins
+    devices = {res.rdma.resource: res.rdma.count} if res.rdma is not None else None
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": stage_image(spec, stage),
         "imagePullPolicy": cluster.image_pull_policy,
         "command": command,
         "env": env,
-        "resources": resource_requirements(res.cpu, res.memory, res.gpus_per_node, res.ephemeral_storage),
+        "resources": resource_requirements(res.cpu, res.memory, res.gpus_per_node, res.ephemeral_storage, devices),
         "volumeMounts": mounts,
-        "securityContext": container_security_context(),
+        "securityContext": container_security_context(ipc_lock=res.rdma is not None),
     }
     pod: dict[str, Any] = {
         # Training code needs no Kubernetes API: the pods run as an account without a Role, and without its token.
@@ -213,10 +221,27 @@ def pod_template(spec: PipelineSpec, stage_name: str, stage: TrainingStage, comm
     return {"metadata": metadata, "spec": pod}
 
 
-def container_security_context() -> dict[str, Any]:
+def container_security_context(ipc_lock: bool = False) -> dict[str, Any]:
     """Every container that runs stage code: no privilege escalation, no capabilities, a read-only root filesystem
-    (the volumes of `volumes` are its writable places)."""
-    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}, "readOnlyRootFilesystem": True}
+    (the volumes of `volumes` are its writable places). With `ipc_lock` (a training stage with `resources.rdma`)
+    the one capability RDMA needs to pin its buffers, IPC_LOCK, is added back: Pod Security `privileged` only."""
+    capabilities: dict[str, Any] = {"drop": ["ALL"]}
+    if ipc_lock:
+        capabilities["add"] = ["IPC_LOCK"]
+    return {"allowPrivilegeEscalation": False, "capabilities": capabilities, "readOnlyRootFilesystem": True}
+
+
+def rdma_env(rdma: RdmaSpec | None) -> dict[str, str]:
+    """NCCL's settings for RDMA: InfiniBand/RoCE on (NCCL_IB_DISABLE=0), and the adapters and bootstrap interface
+    when the spec names them. Nothing without RDMA (NCCL then finds no IB device and uses TCP sockets)."""
+    if rdma is None:
+        return {}
+    env = {"NCCL_IB_DISABLE": "0"}
+    if rdma.nccl_ib_hca:
+        env["NCCL_IB_HCA"] = rdma.nccl_ib_hca
+    if rdma.nccl_socket_ifname:
+        env["NCCL_SOCKET_IFNAME"] = rdma.nccl_socket_ifname
+    return env
 
 
 def pod_security_context(spec: PipelineSpec) -> dict[str, Any]:

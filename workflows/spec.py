@@ -552,11 +552,49 @@ MAX_NODES = 512
 """The most pods one training stage may have."""
 
 
+class RdmaSpec(StrictModel):
+    """RDMA network devices (InfiniBand or RoCE) for NCCL between a training stage's nodes; without them NCCL
+    runs over TCP sockets. Needs the cluster's RDMA device plugin, and a namespace whose Pod Security admits the
+    IPC_LOCK capability that RDMA needs to pin memory (`privileged`: neither `restricted` nor `baseline` allows
+    it; README, "Fast networking")."""
+
+    resource: str = Field(
+        description="The device plugin's extended resource, e.g. 'rdma/rdma_shared_device_a' (the RDMA shared "
+        "device plugin) or 'nvidia.com/hostdev' (the NVIDIA Network Operator's SR-IOV devices)."
+    )
+    count: int = Field(1, ge=1, le=16, description="Devices per pod (a limit of that resource).")
+    nccl_ib_hca: str | None = Field(
+        None,
+        description="NCCL_IB_HCA: the adapters NCCL uses, e.g. 'mlx5' or '=mlx5_0,mlx5_1'; None lets NCCL choose.",
+    )
+    nccl_socket_ifname: str | None = Field(
+        None,
+        description="NCCL_SOCKET_IFNAME: the interface of NCCL's bootstrap, e.g. 'eth0'; None lets NCCL choose.",
+    )
+
+    @field_validator("resource")
+    @classmethod
+    def _extended_resource(cls, name: str) -> str:
+        _check(validation.qualified_name(name), "rdma.resource: ")
+        prefix = name.rpartition("/")[0]
+        if not prefix or prefix == "kubernetes.io" or prefix.endswith(".kubernetes.io") or name == "nvidia.com/gpu":
+            raise ValueError(
+                f"rdma.resource {name!r} is not a device plugin's resource: it is 'domain/name', e.g. "
+                "'rdma/rdma_shared_device_a' or 'nvidia.com/hostdev' (GPUs are gpus_per_node)"
+            )
+        return name
+
+
 class Resources(StrictModel):
     """What one stage's pods ask the cluster for."""
 
     nodes: int = Field(1, ge=1, le=MAX_NODES, description="Nodes (pods) in the job: one Master plus nodes-1 Workers.")
     gpus_per_node: int = Field(0, ge=0, le=16, description="GPUs per pod (nvidia.com/gpu); also torchrun's nproc.")
+    rdma: RdmaSpec | None = Field(
+        None,
+        description="Training stages: RDMA devices per pod for NCCL between nodes (InfiniBand or RoCE), the "
+        "IPC_LOCK capability they need, and NCCL's IB settings. None: NCCL over TCP.",
+    )
     cpu: Quantity | None = Field(None, description="CPU request and limit per pod.")
     memory: Quantity | None = Field(None, description="Memory request and limit per pod.")
     shm_size: Quantity | None = Field(
@@ -1270,8 +1308,31 @@ class PipelineSpec(StrictModel):
         trained = [s for s in TRAINING_STAGES if getattr(self.stages, s).enabled]
         if self.stages.evaluate.enabled and not trained:
             raise ValueError("stages.evaluate needs at least one training stage (cpt, sft or rlhf) to evaluate")
+        for stage in ("prepare", "evaluate", "deploy"):
+            if self.stage(stage).resources.rdma is not None:
+                raise FieldError(
+                    ("stages", stage, "resources", "rdma"),
+                    f"RDMA devices are for the training stages' NCCL between nodes; {stage} runs in one pod",
+                )
+        for stage in TRAINING_STAGES:
+            self._rdma_env_agrees(stage)
         self._serving_fits_model()
         return self
+
+    def _rdma_env_agrees(self, stage: str) -> None:
+        """An NCCL setting named both in resources.rdma and in an env section must say the same in both."""
+        section = self.stage(stage)
+        rdma = section.resources.rdma
+        if rdma is None:
+            return
+        for field, var in (("nccl_ib_hca", "NCCL_IB_HCA"), ("nccl_socket_ifname", "NCCL_SOCKET_IFNAME")):
+            value = getattr(rdma, field)
+            for where, env in ((f"stages.{stage}.env", section.env), ("cluster.env", self.cluster.env)):
+                if value is not None and var in env and env[var] != value:
+                    raise FieldError(
+                        ("stages", stage, "resources", "rdma", field),
+                        f"{where} sets {var}={env[var]} and resources.rdma.{field} says {value}: set it in one place",
+                    )
 
     def _serving_fits_model(self) -> None:
         """vLLM splits the model over serving.gpus GPUs (tensor parallelism): they must divide its heads."""
