@@ -43,6 +43,7 @@ Reads top to bottom:
 from __future__ import annotations
 
 import base64
+import hashlib
 import html
 import json
 import math
@@ -451,7 +452,6 @@ def score_keys(ctx: StageContext, heldout_fingerprint: str) -> dict[str, dict[st
 
     import torch
 
-    from stages.modeling import file_digests, fingerprint_of
     from stages.tokenizer import tokenizer_hash
 
     spec, section = ctx.spec, ctx.section
@@ -470,7 +470,7 @@ def score_keys(ctx: StageContext, heldout_fingerprint: str) -> dict[str, dict[st
     }
     lm_eval = {
         "tasks": list(section.lm_eval_tasks),
-        "include": fingerprint_of(file_digests(Path(include))) if include else None,
+        "include": task_folder_fingerprint(Path(include)) if include else None,
         "limit": section.limit,
         "lm_eval": importlib.metadata.version("lm_eval") if section.lm_eval_tasks else None,
     }
@@ -484,6 +484,20 @@ def score_keys(ctx: StageContext, heldout_fingerprint: str) -> dict[str, dict[st
             "chat": chat_model(spec),
         },
     }
+
+
+def task_folder_fingerprint(folder: Path) -> str:
+    """The content of an lm-eval task folder, wherever it lies: its YAMLs may name their data files by absolute
+    path (prepare's builtin tasks name them inside the run directory, another folder every run), so the folder's
+    own path is taken out of them before they are hashed."""
+    digest = hashlib.sha256()
+    for file in sorted(p for p in folder.rglob("*") if p.is_file()):
+        data = file.read_bytes()
+        if file.suffix in (".yaml", ".yml"):
+            data = data.replace(str(folder).encode(), b"<task folder>")
+        digest.update(file.relative_to(folder).as_posix().encode() + b"\0")
+        digest.update(hashlib.sha256(data).digest())
+    return f"sha256:{digest.hexdigest()}"
 
 
 def part_value(part: str, measured: Measured) -> Any:

@@ -364,6 +364,8 @@ def later_run(run_dir: RunDir, name: str) -> RunDir:
     shutil.rmtree(other, ignore_errors=True)
     shutil.copytree(run_dir.root, other)
     shutil.rmtree(other / "evaluate", ignore_errors=True)
+    for task in (other / BUILTIN_TASKS_DIR).glob("*.yaml"):  # as its prepare writes them: data in its own folder
+        task.write_text(task.read_text(encoding="utf-8").replace(str(run_dir.root), str(other)), encoding="utf-8")
     return RunDir(other)
 
 

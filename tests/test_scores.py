@@ -107,3 +107,20 @@ def test_an_entry_is_read_back_only_for_its_model_part_and_key(tmp_path: Path) -
     assert cache.lookup("sha256:model", "heldout", key) is None
     path.write_text("{torn", encoding="utf-8")
     assert cache.lookup("sha256:model", "heldout", key) is None
+
+
+def test_a_task_folder_is_known_by_its_content_wherever_it_lies(tmp_path: Path) -> None:
+    """prepare's builtin task YAMLs name their data file by absolute path, inside each run's directory."""
+    from stages.evaluate import task_folder_fingerprint
+
+    def tasks(folder: Path, answer: str) -> Path:
+        folder.mkdir(parents=True)
+        (folder / "ko.jsonl").write_text(f'{{"answer": {answer}}}\n', encoding="utf-8")
+        (folder / "ko.yaml").write_text(f"dataset_kwargs:\n  data_files:\n    test: {folder}/ko.jsonl\n")
+        return folder
+
+    one = task_folder_fingerprint(tasks(tmp_path / "run-1" / "lm_eval", "0"))
+    assert task_folder_fingerprint(tasks(tmp_path / "run-2" / "lm_eval", "0")) == one
+    assert task_folder_fingerprint(tasks(tmp_path / "run-3" / "lm_eval", "1")) != one  # other data
+    (tmp_path / "run-2" / "lm_eval" / "ko.yaml").write_text("dataset_kwargs: {}\n")
+    assert task_folder_fingerprint(tmp_path / "run-2" / "lm_eval") != one  # another task definition
