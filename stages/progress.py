@@ -22,6 +22,8 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from workflows.durations import format_duration
+
 PEAK_BF16_FLOPS = {"B200": 2250e12, "H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "L40S": 362e12}
 """Dense bf16 tensor-core peaks from the datasheets, by the name in the device's name (e.g. 'NVIDIA H100 80GB')."""
 
@@ -58,18 +60,6 @@ def short_count(value: float) -> str:
         if value >= size:
             return f"{value / size:.1f}{suffix}"
     return f"{value:.0f}"
-
-
-def short_duration(seconds: float) -> str:
-    """8000 -> '2h13m', 245 -> '4m05s', 12.4 -> '12s'."""
-    whole = max(0, round(seconds))
-    hours, rest = divmod(whole, 3600)
-    minutes, secs = divmod(rest, 60)
-    if hours:
-        return f"{hours}h{minutes:02d}m"
-    if minutes:
-        return f"{minutes}m{secs:02d}s"
-    return f"{secs}s"
 
 
 class ProgressLog(TrainerCallback):
@@ -114,7 +104,7 @@ class ProgressLog(TrainerCallback):
         if done > 0 and state.max_steps > 0:
             eta = (now - self.begin) / done * max(0, state.max_steps - state.global_step)
             figures["eta_seconds"] = eta
-            parts.append(f"ETA {short_duration(eta)}")
+            parts.append(f"ETA {format_duration(eta, to_the_minute_past_an_hour=True)}")
         self.last_time, self.last_tokens = now, state.num_input_tokens_seen
         self.latest = figures
         print(f"[{self.stage}] " + " · ".join(parts), flush=True)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from stages import progress
-from stages.progress import ProgressLog, short_count, short_duration
+from stages.progress import ProgressLog, short_count
+from workflows.durations import format_duration
 
 
 class Clock:
@@ -70,4 +71,9 @@ def test_mfu_is_shown_on_a_gpu_of_known_peak(
 
 def test_short_numbers() -> None:
     assert [short_count(v) for v in (812, 41_234.5, 2.1e6, 3.2e9)] == ["812", "41.2k", "2.1M", "3.2G"]
-    assert [short_duration(v) for v in (12.4, 245, 8000, -3)] == ["12s", "4m05s", "2h13m", "0s"]
+    assert [format_duration(v, to_the_minute_past_an_hour=True) for v in (12.4, 245, 8000, -3)] == [
+        "12s",
+        "4m05s",
+        "2h13m",
+        "0s",
+    ]

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from hera.workflows.models import NodeStatus, Workflow
 
 from workflows.argo import ArgoClient, ArgoError
+from workflows.durations import format_duration
 
 if TYPE_CHECKING:
     from rich.console import Console, RenderableType
@@ -60,18 +61,6 @@ def _time(value: Any) -> datetime | None:
         return None
     moment = getattr(value, "root", value)
     return moment if isinstance(moment, datetime) else None
-
-
-def format_duration(seconds: float) -> str:
-    """12 → '12s', 754 → '12m34s', 7384 → '2h03m04s'."""
-    total = max(0, int(seconds))
-    hours, rest = divmod(total, 3600)
-    minutes, secs = divmod(rest, 60)
-    if hours:
-        return f"{hours}h{minutes:02d}m{secs:02d}s"
-    if minutes:
-        return f"{minutes}m{secs:02d}s"
-    return f"{secs}s"
 
 
 def _duration(started: datetime | None, finished: datetime | None, now: datetime) -> str:
