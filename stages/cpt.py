@@ -15,6 +15,7 @@ from transformers import Trainer, TrainingArguments
 
 from stages.checkpoints import CheckpointMarker, SigtermCheckpoint
 from stages.contract import EXIT_OK, StageContext, StageRefused
+from stages.metrics import StageMetrics
 from stages.modeling import (
     ModelInputs,
     NotSupportedHere,
@@ -88,6 +89,9 @@ def train(ctx: StageContext, sigterm: SigtermCheckpoint) -> int:
                 "train_tokens": cache.meta["train"]["tokens"],
             }
         )
+        progress = ProgressLog(ctx.stage, start.model)
+        gauges = StageMetrics.for_stage(ctx, progress)  # served by rank 0 on POSTTRAIN_METRICS_PORT, if set
+        callbacks = [tracker.hf_callback(), progress, gauges, CheckpointMarker(), sigterm]
         trainer = Trainer(
             model=start.model,
             args=args,
@@ -98,7 +102,7 @@ def train(ctx: StageContext, sigterm: SigtermCheckpoint) -> int:
             train_dataset=cache.train,
             eval_dataset=cache.eval,
             processing_class=tokenizer,
-            callbacks=[tracker.hf_callback(), ProgressLog(ctx.stage, start.model), CheckpointMarker(), sigterm],
+            callbacks=callbacks,
         )
 
         # 4. Train, up to the planned end and never past it (none left when the checkpoint is at it).

@@ -20,7 +20,8 @@ Reads top to bottom:
 4. The MLflow Model Registry: the model files are logged as the `model` artifacts of deploy's run (with the
    candidate's metrics), a new version of the registered model (deploy.registered_model, else the pipeline
    name) is created from them with lineage tags, alias `challenger` points at it, and `champion` moves to it
-   only when the gate passed.
+   only when the gate passed. In the cluster with serving on, `champion` moves later, in the serve step, once
+   the served model answered its smoke check (workflows/rollout.py); here it moves only where nothing is served.
 5. `deploy/inferenceservice.yaml`: the KServe InferenceService for the vLLM runtime at the model's storage.
 6. Outside the cluster (no ARGO_WORKFLOW_NAME): the model is loaded back from the registry by alias
    (`models:/<name>@champion`, or `@challenger` when not promoted) and generates once; recorded in stage.json.
@@ -449,6 +450,9 @@ def deploy(ctx: StageContext) -> int:
         print(f"[deploy] {message}", flush=True)
         return ctx.finish(status="skipped", message=message, extra={"promoted": "false"})
     promote = evaluated.get("gate") == GATE_PASS
+    # In the cluster the serve step moves champion after its smoke check; it moves here only when nothing is served.
+    served = bool(os.environ.get("ARGO_WORKFLOW_NAME")) and spec.stages.deploy.serving.enabled
+    promote_here = promote and not served
     stage = evaluated["candidate_stage"]
     evaluate_result = run_dir.read_result("evaluate")
     ctx.add_input("evaluation", "evaluate/stage.json", evaluate_result.config_hash if evaluate_result else "")
@@ -474,8 +478,8 @@ def deploy(ctx: StageContext) -> int:
         client, tracking_uri = registry_client(spec, run_dir.root)
         client.log_artifacts(run_id, str(model_dir), "model")
         tags = lineage_tags(ctx, evaluated, model_kind, storage_uri, fingerprint)
-        version = register(client, name, run_id, tags, promote)
-        aliases = [CHALLENGER, CHAMPION] if promote else [CHALLENGER]
+        version = register(client, name, run_id, tags, promote_here)
+        aliases = [CHALLENGER, CHAMPION] if promote_here else [CHALLENGER]
         print(f"[deploy] {name} version {version.version}: aliases {', '.join(aliases)}", flush=True)
 
         # 5. The InferenceService.
@@ -490,12 +494,17 @@ def deploy(ctx: StageContext) -> int:
         # 6. Locally: the model, loaded back from the registry by alias, generates.
         smoke: dict[str, str] = {}
         if not os.environ.get("ARGO_WORKFLOW_NAME"):
-            alias = CHAMPION if promote else CHALLENGER
+            alias = CHAMPION if promote_here else CHALLENGER
             smoke = smoke_generation(client, tracking_uri, name, alias, ctx.dir / "smoke", spec)
             print(f"[deploy] {smoke['uri']} generates: {smoke['output']!r}", flush=True)
 
-        if promote:
+        if promote_here:
             message = f"registered {name} v{version.version} as {CHAMPION} (gate passed)"
+        elif promote:
+            message = (
+                f"registered {name} v{version.version} as {CHALLENGER} (gate passed): {CHAMPION} moves to it once "
+                "the serve step's smoke check passes"
+            )
         else:
             message = (
                 f"registered {name} v{version.version} as {CHALLENGER} only: the gate did not pass, "
@@ -509,8 +518,9 @@ def deploy(ctx: StageContext) -> int:
                 "registered_model": name,
                 "model_version": str(version.version),
                 "aliases": aliases,
-                "promoted": "true" if promote else "false",
+                "promoted": "true" if promote_here else "false",
                 "gate": str(evaluated.get("gate")),
+                "champion_before": str(evaluated.get("champion_version") or "none"),
                 "storage_uri": storage_uri,
                 "model_uri": f"models:/{name}/{version.version}",
                 "model_kind": model_kind,

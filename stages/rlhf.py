@@ -36,6 +36,7 @@ from transformers import TrainingArguments
 
 from stages.checkpoints import CheckpointMarker, SigtermCheckpoint
 from stages.contract import EXIT_OK, StageContext, StageRefused, is_main_process
+from stages.metrics import StageMetrics
 from stages.modeling import (
     ModelInputs,
     NotSupportedHere,
@@ -132,7 +133,9 @@ def train(ctx: StageContext, sigterm: SigtermCheckpoint) -> int:
                 "eval_rows": len(eval_rows) if eval_rows is not None else 0,
             }
         )
-        callbacks = [tracker.hf_callback(), ProgressLog(ctx.stage, start.model), CheckpointMarker(), sigterm]
+        progress = ProgressLog(ctx.stage, start.model)
+        gauges = StageMetrics.for_stage(ctx, progress)  # served by rank 0 on POSTTRAIN_METRICS_PORT, if set
+        callbacks = [tracker.hf_callback(), progress, gauges, CheckpointMarker(), sigterm]
         trainer = make_trainer(ctx, start, config, tokenizer, train_rows, eval_rows, callbacks)
 
         # 4. Train, up to the planned end and never past it (none left when the checkpoint is at it).

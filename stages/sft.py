@@ -16,6 +16,7 @@ from trl import SFTConfig, SFTTrainer
 
 from stages.checkpoints import CheckpointMarker, SigtermCheckpoint
 from stages.contract import EXIT_OK, StageContext, StageRefused
+from stages.metrics import StageMetrics
 from stages.modeling import (
     ModelInputs,
     NotSupportedHere,
@@ -95,6 +96,9 @@ def train(ctx: StageContext, sigterm: SigtermCheckpoint) -> int:
                 "train_label_tokens": cache.meta["train"]["label_tokens"],
             }
         )
+        progress = ProgressLog(ctx.stage, start.model)
+        gauges = StageMetrics.for_stage(ctx, progress)  # served by rank 0 on POSTTRAIN_METRICS_PORT, if set
+        callbacks = [tracker.hf_callback(), progress, gauges, CheckpointMarker(), sigterm]
         trainer = SFTTrainer(
             model=start.model,
             args=args,
@@ -105,7 +109,7 @@ def train(ctx: StageContext, sigterm: SigtermCheckpoint) -> int:
             train_dataset=cache.train,
             eval_dataset=cache.eval,
             processing_class=tokenizer,
-            callbacks=[tracker.hf_callback(), ProgressLog(ctx.stage, start.model), CheckpointMarker(), sigterm],
+            callbacks=callbacks,
         )
 
         # 4. Train, up to the planned end and never past it (none left when the checkpoint is at it).

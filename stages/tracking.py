@@ -35,9 +35,9 @@ journal: the stage's own attempt, or a sender while no process runs the stage (`
 W&B (only when spec.tracking.wandb_project is set): group = run name, job_type = stage, one run per stage with
 a stable id (resumed attempts continue it); offline under `<run>/wandb/` unless WANDB_API_KEY is set. W&B gets
 WANDB_INIT_TIMEOUT_SECONDS to start a run, not its own 90 s. TensorBoard (spec.tracking.tensorboard): event
-files under `<run>/<stage>/logs/tensorboard`. Langfuse: start, end and error events of each stage in one trace
-per run, only when LANGFUSE_PUBLIC_KEY, LANGFUSE_SECRET_KEY and LANGFUSE_HOST are set (plain HTTP to its
-ingestion API). Only rank 0 tracks.
+files under `<run>/<stage>/logs/tensorboard`. Langfuse (stages/langfuse_events.py): start, checkpoint, end and
+error events of each stage in one trace per run, with the Langfuse SDK, when a server (spec.tracking.langfuse_host
+or $LANGFUSE_HOST) and both keys are known. Only rank 0 tracks.
 
 Credentials come only from the environment and never reach a backend: parameter names that look like secrets,
 and values holding a secret of the environment, are not sent; every string tracking writes or sends (params,
@@ -47,7 +47,6 @@ output and no git remote.
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
 import math
@@ -56,7 +55,6 @@ import re
 import socket
 import subprocess
 import time
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -75,11 +73,11 @@ from stages.contract import (
     is_main_process,
     mask_secrets,
     mask_secrets_in,
-    now,
     secret_values,
     try_lock,
     write_json_atomic,
 )
+from stages.langfuse_events import LangfuseEvents
 from workflows.credentials import looks_secret_name
 from workflows.spec import STAGE_ORDER, PipelineSpec
 
@@ -251,9 +249,10 @@ def stage_idle(run_dir: RunDir, stage: str) -> Iterator[bool]:
 class _Breaker:
     """Warn once per backend, then leave it alone for RETRY_SECONDS after each failure."""
 
-    def __init__(self, name: str, warn: Callable[[str], None]) -> None:
+    def __init__(self, name: str, warn: Callable[[str], None], kept: bool = True) -> None:
         self.name = mask_secrets(name)
         self.warn = warn
+        self.kept = kept  # whether what failed is journaled and sent again (MLflow), or dropped (Langfuse events)
         self.retry_at = 0.0
         self.failures = 0
         self.warned = False
@@ -267,12 +266,8 @@ class _Breaker:
         if not self.warned:
             self.warned = True
             # The error's text can hold the whole URI, password included (MLflow names the URL it called).
-            self.warn(
-                mask_secrets(
-                    f"{self.name}: {what} failed ({_first_line(exc)}); the stage goes on, data is kept and sent "
-                    "again later"
-                )
-            )
+            then = "data is kept and sent again later" if self.kept else f"events are skipped for {RETRY_SECONDS:.0f} s"
+            self.warn(mask_secrets(f"{self.name}: {what} failed ({_first_line(exc)}); the stage goes on, {then}"))
 
     def succeeded(self) -> None:
         if self.failures:
@@ -815,7 +810,7 @@ class _Mlflow:
         return self.journal.count() + len(self._pending())
 
 
-# --------------------------------------------------------------------------- W&B, TensorBoard, Langfuse
+# --------------------------------------------------------------------------- W&B, TensorBoard
 
 
 def _wandb_init_timeout() -> float:
@@ -930,54 +925,6 @@ class _TensorBoard:
             self.writer = None
 
 
-class _Langfuse:
-    """Stage lifecycle events in one Langfuse trace per pipeline run, through the public ingestion API."""
-
-    def __init__(self, ctx: StageContext, warn: Callable[[str], None], secrets: set[str]) -> None:
-        self.ctx = ctx
-        self.secrets = secrets
-        self.host = os.environ.get("LANGFUSE_HOST", "").rstrip("/")
-        self.public = os.environ.get("LANGFUSE_PUBLIC_KEY", "")
-        self.secret = os.environ.get("LANGFUSE_SECRET_KEY", "")
-        self.enabled = bool(self.host and self.public and self.secret)
-        self.trace_id = str(uuid.uuid5(uuid.NAMESPACE_URL, str(ctx.run_dir.root)))
-        self.breaker = _Breaker(f"Langfuse at {redact_uri(self.host)}", warn)
-
-    def event(
-        self, name: str, level: str = "DEFAULT", message: str = "", metadata: dict[str, Any] | None = None
-    ) -> None:
-        if not self.enabled or not self.breaker.ready():
-            return
-        root = self.ctx.run_dir.root
-        stamp = now()
-        trace = {"id": self.trace_id, "name": root.name, "metadata": {"pipeline": self.ctx.spec.name}}
-        body = {
-            "id": str(uuid.uuid4()),
-            "traceId": self.trace_id,
-            "name": f"{self.ctx.stage}.{name}",
-            "startTime": stamp,
-            "level": level,
-            "statusMessage": message[:1000],
-            "metadata": {"stage": self.ctx.stage, "config_hash": self.ctx.config_hash, **(metadata or {})},
-        }
-        batch = [
-            {"id": str(uuid.uuid4()), "timestamp": stamp, "type": "trace-create", "body": trace},
-            {"id": str(uuid.uuid4()), "timestamp": stamp, "type": "event-create", "body": body},
-        ]
-        auth = base64.b64encode(f"{self.public}:{self.secret}".encode()).decode()
-        request = urllib.request.Request(
-            f"{self.host}/api/public/ingestion",
-            data=json.dumps({"batch": mask_secrets_in(batch, self.secrets)}).encode(),
-            headers={"Content-Type": "application/json", "Authorization": f"Basic {auth}"},
-            method="POST",
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=5) as response:
-                response.read()
-        except Exception as exc:
-            self.breaker.failed(f"sending the {name} event", exc)
-
-
 # --------------------------------------------------------------------------- the tracker
 
 
@@ -992,7 +939,7 @@ class StageTracker:
         self.mlflow: _Mlflow | None = None
         self.wandb: _Wandb | None = None
         self.tensorboard: _TensorBoard | None = None
-        self.langfuse: _Langfuse | None = None
+        self.langfuse: LangfuseEvents | None = None
         self.finished = False
         self.loss_curve: Path | None = None
         self.last_step = -1
@@ -1026,7 +973,16 @@ class StageTracker:
         self.secrets = secret_values()
         self.logged = self._read_steps()
         self.mlflow = _Mlflow(ctx, self._warn, self.secrets)
-        self.langfuse = _Langfuse(ctx, self._warn, self.secrets)
+        langfuse_host = ctx.spec.tracking.langfuse_host or os.environ.get("LANGFUSE_HOST", "")
+        self.langfuse = LangfuseEvents(
+            str(ctx.run_dir.root),
+            ctx.spec.name,
+            ctx.stage,
+            {"stage": ctx.stage, "config_hash": ctx.config_hash},
+            langfuse_host,
+            lambda data: mask_secrets_in(data, self.secrets),
+            _Breaker(f"Langfuse at {redact_uri(langfuse_host)}", self._warn, kept=False),
+        )
         if ctx.spec.tracking.tensorboard:
             self.tensorboard = _TensorBoard(ctx.logs_dir / "tensorboard")
         params = clean_params(self.base_params(), self.secrets)
@@ -1204,9 +1160,14 @@ class StageTracker:
             self.wandb.image(name, path)
         return path
 
+    def checkpoint_saved(self, step: int, path: Path) -> None:
+        """Say that a checkpoint was written (a Langfuse `checkpoint` event with its step and folder)."""
+        if self.enabled and self.langfuse is not None:
+            self.langfuse.event("checkpoint", metadata={"step": step, "checkpoint": str(path)})
+
     def hf_callback(self) -> Any:
-        """A transformers TrainerCallback that forwards the Trainer's logs as metrics (at the global step)
-        and plots the loss curve when training ends."""
+        """A transformers TrainerCallback that forwards the Trainer's logs as metrics (at the global step), says
+        when a checkpoint is saved, and plots the loss curve when training ends."""
         from transformers import TrainerCallback
 
         tracker = self
@@ -1228,6 +1189,11 @@ class StageTracker:
                 if isinstance(loss, int | float) and math.isfinite(loss):
                     self.steps.append(state.global_step)
                     self.losses.append(float(loss))
+
+            def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+                if state.is_world_process_zero:
+                    step = state.global_step
+                    tracker.checkpoint_saved(step, Path(args.output_dir) / f"checkpoint-{step}")
 
             def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
                 if state.is_world_process_zero and self.steps:

@@ -28,8 +28,10 @@ from functools import cache
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+from urllib.parse import parse_qs
 
 import pytest
+from fake_kube import matches
 from jsonschema import Draft202012Validator
 from schema_validation import _argo_definitions as _strict_argo_definitions
 from schema_validation import require_schemas
@@ -42,8 +44,16 @@ _BODIES = {
     ("PUT", "cronworkflows"): ("io.argoproj.workflow.v1alpha1.UpdateCronWorkflowRequest", "cronWorkflow"),
     ("POST", "workflows"): ("io.argoproj.workflow.v1alpha1.WorkflowCreateRequest", "workflow"),
 }
+# Request body definition of each workflow action (PUT /api/v1/workflows/{ns}/{name}/{action}).
+_ACTION_BODIES = {
+    "stop": "io.argoproj.workflow.v1alpha1.WorkflowStopRequest",
+    "terminate": "io.argoproj.workflow.v1alpha1.WorkflowTerminateRequest",
+    "retry": "io.argoproj.workflow.v1alpha1.WorkflowRetryRequest",
+}
+_PHASE_LABEL = "workflows.argoproj.io/phase"
+_COMPLETED_LABEL = "workflows.argoproj.io/completed"
 _ROUTES = {"workflow-templates": "workflowtemplates", "cron-workflows": "cronworkflows", "workflows": "workflows"}
-_VERBS = {"GET": "get", "POST": "create", "PUT": "update"}
+_VERBS = {"GET": "get", "POST": "create", "PUT": "update", "DELETE": "delete"}
 _UI_PAGE = "<!doctype html><html><head><title>Argo</title></head><body></body></html>"
 _GRPC_CODES = {400: 3, 401: 16, 403: 7, 404: 5, 409: 6, 500: 13}
 _CREATOR_LABEL = "workflows.argoproj.io/creator"
@@ -57,10 +67,8 @@ def _validators() -> dict[str, Any]:
     """A strict Draft 2020-12 validator for each request body definition (the same strictness as the
     rendered-manifest tests: unknown fields are errors)."""
     definitions = _strict_argo_definitions()
-    return {
-        name: Draft202012Validator({"$ref": f"#/definitions/{name}", "definitions": definitions})
-        for name, _ in _BODIES.values()
-    }
+    names = [name for name, _ in _BODIES.values()] + list(_ACTION_BODIES.values())
+    return {name: Draft202012Validator({"$ref": f"#/definitions/{name}", "definitions": definitions}) for name in names}
 
 
 def schema_errors(definition: str, body: Any) -> list[str]:
@@ -93,6 +101,19 @@ class Recorded:
 
 
 @dataclass
+class PodLog:
+    """The log of one container of a workflow's pod, served by the log route."""
+
+    namespace: str
+    workflow: str
+    pod: str
+    lines: list[str]
+    labels: dict[str, str] = field(default_factory=dict)
+    """The pod's labels, which the route's `selector` matches."""
+    container: str = "main"
+
+
+@dataclass
 class FakeArgo:
     """The fake server. Use as a context manager, or start()/stop()."""
 
@@ -116,6 +137,8 @@ class FakeArgo:
     """Every authenticated request, in order."""
     statuses: list[dict[str, Any]] = field(default_factory=list)
     """Status progression for submitted workflows: the n-th GET of a workflow returns the n-th (the last sticks)."""
+    pod_logs: list[PodLog] = field(default_factory=list)
+    """What the log route serves."""
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
@@ -199,15 +222,22 @@ class FakeArgo:
             if self.ui_fallback:
                 return 200, _UI_PAGE
             raise _Answer(404, "")  # outside the API: a proxy's or the UI's not-found page, not JSON
-        parts = path[len(prefix) :].split("?", 1)[0].strip("/").split("/")
-        if parts[0] not in _ROUTES or len(parts) not in (2, 3):
+        route, _, raw_query = path[len(prefix) :].partition("?")
+        query = {k: v[-1] for k, v in parse_qs(raw_query).items()}
+        parts = route.strip("/").split("/")
+        action = parts[3] if len(parts) == 4 else None
+        if parts[0] not in _ROUTES or len(parts) not in (2, 3, 4):
             raise _Answer(404, f"no route for {method} {path}")
         resource = _ROUTES[parts[0]]
-        ns, name = parts[1], (parts[2] if len(parts) == 3 else None)
+        ns, name = parts[1], (parts[2] if len(parts) >= 3 else None)
+        if action is not None and (resource != "workflows" or (method, action) not in _ACTIONS):
+            raise _Answer(404, f"no route for {method} {path}")
         if auth != f"Bearer {self.token}":
             raise _Answer(401, "token not valid. More info: https://argo-workflows.readthedocs.io/en/latest/faq/")
         verb = _VERBS.get(method)
-        if verb is None or (verb == "create") != (name is None):
+        if verb == "get" and name is None:
+            verb = "list"
+        if verb is None or (verb == "create") != (name is None and method == "POST"):
             raise _Answer(405 if verb is None else 404, f"method {method} not allowed on {path}")
         body = self._parse(raw) if method in ("POST", "PUT") else None
         with self._lock:
@@ -221,8 +251,12 @@ class FakeArgo:
             )
         if ns not in self.namespaces:
             raise _Answer(404, f'namespaces "{ns}" not found')
+        if action is not None:
+            return 200, _ACTIONS[(method, action)](self, ns, name or "", body, query)
         if method == "GET":
-            return 200, self._get(resource, ns, name or "")
+            return 200, self._list(resource, ns, query) if name is None else self._get(resource, ns, name)
+        if method == "DELETE":
+            return 200, self._delete(resource, ns, name or "")
         definition, key = _BODIES[(method, resource)]
         if self.validate and (errors := schema_errors(definition, body)):
             raise _Answer(400, f"{definition}: " + "; ".join(errors[:5]))
@@ -251,6 +285,117 @@ class FakeArgo:
                 self._gets[name] = n + 1
                 obj["status"] = copy.deepcopy(self.statuses[min(n, len(self.statuses) - 1)])
             return obj
+
+    def _list(self, resource: str, ns: str, query: dict[str, str]) -> dict[str, Any]:
+        """The objects of a namespace matching `listOptions.labelSelector`; `items: null` when none, as the real
+        server answers."""
+        selector = query.get("listOptions.labelSelector")
+        with self._lock:
+            items = [
+                _as_read(resource, copy.deepcopy(o))
+                for (r, n, _), o in sorted(self.store.items())
+                if r == resource and n == ns
+            ]
+        try:
+            items = [o for o in items if matches(selector, (o.get("metadata") or {}).get("labels") or {})]
+        except ValueError as exc:
+            raise _Answer(400, str(exc)) from None
+        return {"metadata": {"resourceVersion": str(self._version)}, "items": items or None}
+
+    def _delete(self, resource: str, ns: str, name: str) -> dict[str, Any]:
+        with self._lock:
+            if self.store.pop((resource, ns, name), None) is None:
+                raise _Answer(404, f'{resource}.argoproj.io "{name}" not found')
+        return {}
+
+    def _stored_workflow(self, ns: str, name: str) -> dict[str, Any]:
+        obj = self.store.get(("workflows", ns, name))
+        if obj is None:
+            raise _Answer(404, f'workflows.argoproj.io "{name}" not found')
+        return obj
+
+    def _validated(self, action: str, body: Any, ns: str, name: str) -> dict[str, Any]:
+        definition = _ACTION_BODIES[action]
+        if self.validate and (errors := schema_errors(definition, body)):
+            raise _Answer(400, f"{definition}: " + "; ".join(errors[:5]))
+        named = (body.get("name"), body.get("namespace")) if isinstance(body, dict) else ("?", "?")
+        if named[0] not in (None, name) or named[1] not in (None, ns):
+            raise _Answer(400, f"the request body names another workflow than {ns}/{name}")
+        return body
+
+    def _shutdown(self, ns: str, name: str, body: Any, strategy: str) -> dict[str, Any]:
+        """Stop or Terminate, with what the controller does next: running nodes and the workflow end Failed."""
+        request = self._validated(strategy.lower(), body, ns, name)
+        with self._lock:
+            wf = self._stored_workflow(ns, name)
+            status = wf.setdefault("status", {})
+            if status.get("phase") in ("Succeeded", "Failed", "Error"):
+                raise _Answer(400, "cannot shutdown a completed workflow")
+            wf.setdefault("spec", {})["shutdown"] = strategy
+            message = f"Stopped with strategy '{strategy}'"
+            if request.get("message"):
+                message += f": {request['message']}"
+            for node in (status.get("nodes") or {}).values():
+                if node.get("phase") in ("Running", "Pending"):
+                    node.update(phase="Failed", message=message, finishedAt=_now())
+            status.update(phase="Failed", message=message, finishedAt=_now())
+            return _as_read("workflows", copy.deepcopy(wf))
+
+    def _stop(self, ns: str, name: str, body: Any, _query: dict[str, str]) -> dict[str, Any]:
+        return self._shutdown(ns, name, body, "Stop")
+
+    def _terminate(self, ns: str, name: str, body: Any, _query: dict[str, str]) -> dict[str, Any]:
+        return self._shutdown(ns, name, body, "Terminate")
+
+    def _retry(self, ns: str, name: str, body: Any, _query: dict[str, str]) -> dict[str, Any]:
+        """Retry: the failed nodes (and the succeeded ones the selector names, with restartSuccessful) are
+        removed, and the workflow runs again."""
+        request = self._validated("retry", body, ns, name)
+        with self._lock:
+            wf = self._stored_workflow(ns, name)
+            status = wf.setdefault("status", {})
+            if status.get("phase") not in ("Failed", "Error"):
+                raise _Answer(400, f"Workflow must be Failed/Error to retry (it is {status.get('phase') or 'Pending'})")
+            selector = request.get("nodeFieldSelector") or ""
+            restart = {
+                node_id
+                for node_id, node in (status.get("nodes") or {}).items()
+                if request.get("restartSuccessful")
+                and node.get("phase") == "Succeeded"
+                and selector
+                and f"displayName={node.get('displayName')}" in selector.split(",")
+            }
+            status["nodes"] = {
+                node_id: node
+                for node_id, node in (status.get("nodes") or {}).items()
+                if node.get("phase") not in ("Failed", "Error") and node_id not in restart
+            }
+            status["phase"] = "Running"
+            for key in ("message", "finishedAt"):
+                status.pop(key, None)
+            wf.get("spec", {}).pop("shutdown", None)
+            return _as_read("workflows", copy.deepcopy(wf))
+
+    def _log(self, ns: str, name: str, _body: Any, query: dict[str, str]) -> Iterator[dict[str, Any]]:
+        """The log route: one {"result": {"content", "podName"}} per line, of the pods the selector matches."""
+        with self._lock:
+            self._stored_workflow(ns, name)
+            logs = [copy.deepcopy(log) for log in self.pod_logs if (log.namespace, log.workflow) == (ns, name)]
+        container = query.get("logOptions.container", "main")
+        pod = query.get("podName")
+        tail = int(query["logOptions.tailLines"]) if "logOptions.tailLines" in query else None
+        entries = []
+        for log in logs:
+            if log.container != container or (pod and log.pod != pod):
+                continue
+            try:
+                if not matches(query.get("selector"), log.labels):
+                    continue
+            except ValueError as exc:
+                raise _Answer(400, str(exc)) from None
+            lines = log.lines[-tail:] if tail else ([] if tail == 0 else log.lines)
+            entries += [{"result": {"content": line, "podName": log.pod}} for line in lines]
+        return iter(entries)
 
     def _create(self, resource: str, ns: str, obj: dict[str, Any]) -> dict[str, Any]:
         meta = obj.setdefault("metadata", {})
@@ -305,6 +450,25 @@ class FakeArgo:
             return obj
 
 
+_ACTIONS = {
+    ("PUT", "stop"): FakeArgo._stop,
+    ("PUT", "terminate"): FakeArgo._terminate,
+    ("PUT", "retry"): FakeArgo._retry,
+    ("GET", "log"): FakeArgo._log,
+}
+"""The workflow actions, by (method, last path segment)."""
+
+
+def _as_read(resource: str, obj: dict[str, Any]) -> dict[str, Any]:
+    """A workflow as the controller labels it: its phase, and whether it completed (what list selectors match)."""
+    phase = (obj.get("status") or {}).get("phase")
+    if resource == "workflows" and phase:
+        labels = obj.setdefault("metadata", {}).setdefault("labels", {})
+        labels[_PHASE_LABEL] = phase
+        labels[_COMPLETED_LABEL] = str(phase in ("Succeeded", "Failed", "Error")).lower()
+    return obj
+
+
 def _as_stored(resource: str, ns: str, obj: dict[str, Any]) -> None:
     """What the real server adds to a template or schedule it stores: its creator's label, and the empty
     structs Go's encoder writes for every template."""
@@ -327,6 +491,9 @@ class _Handler(BaseHTTPRequestHandler):
         raw = self.rfile.read(length) if length else b""
         try:
             status, body = self.server_state.handle(self.command, self.path, self.headers.get("Authorization"), raw)
+            if isinstance(body, Iterator):  # a log: newline-delimited JSON, as grpc-gateway streams it
+                self._stream(status, body)
+                return
             if body is _UI_PAGE:
                 payload, ctype = body.encode(), "text/html"
             else:
@@ -343,6 +510,16 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(payload)))
         self.end_headers()
         self.wfile.write(payload)
+
+    def _stream(self, status: int, entries: Iterator[dict[str, Any]]) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        for entry in entries:
+            data = json.dumps(entry).encode() + b"\n"
+            self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+        self.wfile.write(b"0\r\n\r\n")
 
     do_GET = do_POST = do_PUT = do_DELETE = _serve
 

@@ -8,7 +8,7 @@ import re
 import pytest
 import yaml
 
-from workflows.compile import compile_pipeline, duration_seconds, template_name
+from workflows.compile import WAIT_RETRY_EXPRESSION, compile_pipeline, duration_seconds, template_name
 from workflows.loading import load_pipeline
 from workflows.pytorchjob import FAILURE_CONDITION, SUCCESS_CONDITION
 from workflows.spec import MAX_PIPELINE_NAME_LENGTH, RunPolicy
@@ -26,7 +26,7 @@ def _tasks(doc: dict) -> dict[str, dict]:
 
 def test_dag_runs_the_stages_in_order() -> None:
     tasks = _tasks(_template())
-    assert list(tasks) == ["prepare", "cpt", "sft", "rlhf", "evaluate", "deploy", "serve"]
+    assert list(tasks) == ["prepare", "cpt", "sft", "rlhf", "evaluate", "deploy", "serve", "retention"]
     assert tasks["cpt"]["depends"] == "prepare"
     assert tasks["sft"]["depends"] == "cpt"
     assert tasks["rlhf"]["depends"] == "sft"
@@ -55,7 +55,7 @@ def test_prepare_can_end_a_scheduled_run_with_the_reason_in_the_ui() -> None:
 def test_disabled_stages_drop_out_and_edges_close_up() -> None:
     doc = _template(overrides=("stages.cpt.enabled=false", "stages.rlhf.enabled=false"))
     tasks = _tasks(doc)
-    assert list(tasks) == ["prepare", "sft", "evaluate", "deploy", "serve"]
+    assert list(tasks) == ["prepare", "sft", "evaluate", "deploy", "serve", "retention"]
     assert tasks["sft"]["depends"] == "prepare"
     assert tasks["evaluate"]["depends"] == "sft"
     names = {t["name"] for t in doc["spec"]["templates"]}
@@ -75,22 +75,87 @@ def test_deploy_runs_only_after_a_passed_gate() -> None:
 def test_training_steps_create_pytorchjobs_and_wait_on_the_operator() -> None:
     templates = {t["name"]: t for t in _template()["spec"]["templates"]}
     for stage in ("cpt", "sft", "rlhf"):
-        step = templates[stage]
-        resource = step["resource"]
-        assert resource["action"] == "create"
-        assert resource["setOwnerReference"] is True
+        attempt, create, wait = templates[stage], templates[f"{stage}-create"], templates[f"{stage}-wait"]
+        # One attempt: delete what an earlier attempt left running (not on the first), create, wait.
+        assert attempt["steps"] == [
+            [{"name": "reap", "template": f"{stage}-cleanup", "when": "{{retries}} > 0"}],
+            [{"name": "create", "template": f"{stage}-create"}],
+            [
+                {
+                    "name": "wait",
+                    "template": f"{stage}-wait",
+                    "arguments": {
+                        "parameters": [{"name": "job-name", "value": "{{steps.create.outputs.parameters.job-name}}"}]
+                    },
+                }
+            ],
+        ]
+        assert attempt["outputs"]["parameters"] == [
+            {"name": "job-name", "valueFrom": {"parameter": "{{steps.create.outputs.parameters.job-name}}"}}
+        ]
+        # A genuine failure retries the whole attempt, so `create` makes a fresh job that resumes from the PVC
+        # checkpoints; create itself is never retried (its lost pod may have created the job).
+        assert attempt["retryStrategy"]["retryPolicy"] == "Always" and int(attempt["retryStrategy"]["limit"]) >= 1
+        assert "retryStrategy" not in create
+        assert create["resource"]["action"] == "create" and create["resource"]["setOwnerReference"] is True
+        assert "successCondition" not in create["resource"]  # done once the job exists
+        job = yaml.safe_load(create["resource"]["manifest"])
+        assert job["kind"] == "PyTorchJob" and job["metadata"]["generateName"] == f"{{{{workflow.name}}}}-{stage}-"
+        assert job["metadata"]["labels"]["workflows.argoproj.io/workflow"] == "{{workflow.name}}"  # cleanup's key
+        assert create["outputs"]["parameters"] == [{"name": "job-name", "valueFrom": {"jsonPath": "{.metadata.name}"}}]
+        # The wait only reads the job it is given, so it is retried on anything but a final answer.
+        resource = wait["resource"]
+        assert resource["action"] == "get" and "setOwnerReference" not in resource
         assert resource["successCondition"] == SUCCESS_CONDITION
         assert resource["failureCondition"] == FAILURE_CONDITION
-        job = yaml.safe_load(resource["manifest"])
-        assert job["kind"] == "PyTorchJob" and job["metadata"]["generateName"] == f"{{{{workflow.name}}}}-{stage}-"
-        assert step["outputs"]["parameters"][0] == {"name": "job-name", "valueFrom": {"jsonPath": "{.metadata.name}"}}
-        # A retry is a new node, so `create` makes a fresh job that resumes from the PVC checkpoints.
-        assert step["retryStrategy"]["retryPolicy"] == "Always" and int(step["retryStrategy"]["limit"]) >= 1
-    assert templates["cpt"]["timeout"] == f"{259200 + 3600}s"
-    cpt_job = yaml.safe_load(templates["cpt"]["resource"]["manifest"])
+        assert yaml.safe_load(resource["manifest"]) == {
+            "apiVersion": "kubeflow.org/v1",
+            "kind": "PyTorchJob",
+            "metadata": {"name": "{{inputs.parameters.job-name}}", "namespace": "llm-training"},
+        }
+        assert wait["retryStrategy"]["expression"] == WAIT_RETRY_EXPRESSION
+        assert int(wait["retryStrategy"]["limit"]) >= 5
+    assert templates["cpt-wait"]["timeout"] == f"{259200 + 3600}s"
+    cpt_job = yaml.safe_load(templates["cpt-create"]["resource"]["manifest"])
     assert cpt_job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 1
-    sft_job = yaml.safe_load(templates["sft"]["resource"]["manifest"])
+    sft_job = yaml.safe_load(templates["sft-create"]["resource"]["manifest"])
     assert "Worker" not in sft_job["spec"]["pytorchReplicaSpecs"]
+
+
+@pytest.mark.parametrize(
+    ("message", "retried"),
+    [
+        # A lost or evicted wait pod: the job trains on, watch it again.
+        ("pod deleted", True),
+        ("The node was low on resource: memory. Container wait was using 80Mi.", True),
+        ("main: Error (exit code 1): Get https://10.0.0.1:443/apis: dial tcp: i/o timeout", True),
+        # The operator's verdict, the step's timeout, the job gone: final.
+        ("main: Error (exit code 1): failure condition 'status.conditions.2.type == Failed' evaluated true", False),
+        ("Step exceeded its deadline", False),
+        ('main: Error (exit code 1): Error from server (NotFound): pytorchjobs.kubeflow.org "x" not found', False),
+        (
+            "main: Error (exit code 1): The resource has been deleted while its status was still being checked. "
+            "Will not be retried",
+            False,
+        ),
+    ],
+)
+def test_the_wait_is_retried_unless_the_answer_is_final(message: str, retried: bool) -> None:
+    assert _retried(WAIT_RETRY_EXPRESSION, "Failed", "1", message) is retried
+
+
+def test_a_stage_can_never_run_two_jobs_at_once() -> None:
+    """Each attempt after the first deletes the stage's unfinished jobs before it creates one; the stage's
+    cleanup runs with the job-creating account, scoped to this workflow and stage."""
+    templates = _templates(_template())
+    for stage in ("cpt", "sft", "rlhf"):
+        cleanup = templates[f"{stage}-cleanup"]
+        assert cleanup["container"]["command"] == [
+            "python", "-m", "workflows.cleanup",
+            "--namespace", "{{workflow.namespace}}", "--workflow", "{{workflow.name}}", "--stage", stage,
+        ]  # fmt: skip
+        assert cleanup["serviceAccountName"] == "posttrain-workflow"
+        assert cleanup["automountServiceAccountToken"] is True
 
 
 def test_prepare_gets_every_parameter_as_a_file_never_on_the_command_line() -> None:
@@ -117,13 +182,38 @@ def test_ui_form_has_descriptions_and_closed_sets() -> None:
 
 def test_exit_handler_posts_with_the_webhook_from_a_secret() -> None:
     doc = _template()
-    assert doc["spec"]["onExit"] == "notify"
+    assert doc["spec"]["onExit"] == "exit-handler"
     notify = next(t for t in doc["spec"]["templates"] if t["name"] == "notify")
     home, env = notify["container"]["env"]
     assert home == {"name": "HOME", "value": "/tmp"}  # the root filesystem is read-only
     assert env == {"name": "SLACK_WEBHOOK_URL", "valueFrom": {"secretKeyRef": {"name": "slack-webhook", "key": "url"}}}
     no_slack = _template("qwen3-30b-a3b")
-    assert "onExit" not in no_slack["spec"]
+    assert no_slack["spec"]["onExit"] == "exit-handler"  # cleanup, without a notification
+    assert "notify" not in _templates(no_slack)
+
+
+def test_every_pipeline_cleans_up_after_a_run_that_did_not_succeed() -> None:
+    """A stopped or failed run's PyTorchJobs keep their GPUs until the Workflow object goes: the exit handler of
+    every shipped pipeline deletes them (then notifies, also when the cleanup failed, when Slack is on)."""
+    for name in ("korean-llm", "qwen3-30b-a3b", "llama3-dolly"):
+        spec = load_pipeline(name).spec
+        templates = _templates(compile_pipeline(spec).documents()["workflowtemplate.yaml"])
+        handler = templates["exit-handler"]
+        cleanup = {
+            "name": "cleanup",
+            "template": "cleanup",
+            "when": "{{workflow.status}} != Succeeded",
+            "continueOn": {"failed": True, "error": True},
+        }
+        notify = [[{"name": "notify", "template": "notify"}]] if spec.notifications.slack else []
+        assert handler["steps"] == [[cleanup], *notify], name
+        command = templates["cleanup"]["container"]["command"]
+        assert command == [
+            "python", "-m", "workflows.cleanup", "--namespace", "{{workflow.namespace}}",
+            "--workflow", "{{workflow.name}}",
+        ], name  # fmt: skip
+        assert templates["cleanup"]["serviceAccountName"] == spec.cluster.service_account, name
+        assert templates["cleanup"]["retryStrategy"]["retryPolicy"] == "Always", name  # exit 1: the API refused
 
 
 def test_retention_keeps_finished_runs_for_resubmission() -> None:
@@ -158,17 +248,27 @@ def test_unknown_workflow_parameter_is_refused() -> None:
         raise AssertionError("an unknown parameter was accepted")
 
 
-def test_a_passing_deploy_is_served_through_an_applied_inference_service() -> None:
-    doc = _template()
-    assert _tasks(doc)["serve"] == {"name": "serve", "template": "serve", "depends": "deploy.Succeeded"}
-    serve = next(t for t in doc["spec"]["templates"] if t["name"] == "serve")["resource"]
-    assert serve["action"] == "apply"
-    service = yaml.safe_load(serve["manifest"])
-    assert service["kind"] == "InferenceService"
-    assert (
-        service["spec"]["predictor"]["model"]["storageUri"]
-        == "pvc://checkpoints-rwx/runs/{{workflow.name}}/deploy/model"
+def test_a_passing_deploy_is_served_through_the_rollout() -> None:
+    """serve rolls out the InferenceService deploy rendered in the run directory (read-only), one run per service
+    at a time, with the MLflow credentials only (it moves champion) and no other secret."""
+    doc = _template(
+        overrides=(
+            "cluster.secrets.mlflow_token.name=mlflow",
+            "cluster.secrets.mlflow_token.key=token",
+            "cluster.secrets.hf_token.name=hf",
+            "cluster.secrets.hf_token.key=token",
+        )
     )
+    assert _tasks(doc)["serve"] == {"name": "serve", "template": "serve", "depends": "deploy.Succeeded"}
+    serve = next(t for t in doc["spec"]["templates"] if t["name"] == "serve")
+    container = serve["container"]
+    assert container["command"] == [
+        "python", "-m", "workflows.rollout", "--run-dir", "/mnt/checkpoints/runs/{{workflow.name}}"
+    ]  # fmt: skip
+    assert {"name": "checkpoints", "mountPath": "/mnt/checkpoints", "readOnly": True} in container["volumeMounts"]
+    assert serve["synchronization"] == {"mutexes": [{"name": "posttrain-serve-korean-llm"}]}
+    secrets = {e["name"]: e["valueFrom"]["secretKeyRef"]["name"] for e in container["env"] if "valueFrom" in e}
+    assert secrets["MLFLOW_TRACKING_TOKEN"] == "mlflow" and all(name.startswith("MLFLOW_") for name in secrets)
     no_serving = _template(overrides=("stages.deploy.serving.enabled=false",))
     assert "serve" not in _tasks(no_serving)
 
@@ -189,8 +289,9 @@ def test_every_training_step_has_a_timeout() -> None:
     spec = load_pipeline("korean-llm").spec
     spec.stages.sft.run_policy = RunPolicy()
     templates = {t["name"]: t for t in compile_pipeline(spec).documents()["workflowtemplate.yaml"]["spec"]["templates"]}
-    assert templates["sft"]["timeout"] == f"{7 * 24 * 3600 + 3600}s"
-    assert templates["rlhf"]["timeout"] == f"{86400 + 3600}s"
+    assert templates["sft-wait"]["timeout"] == f"{7 * 24 * 3600 + 3600}s"
+    assert templates["rlhf-wait"]["timeout"] == f"{86400 + 3600}s"
+    assert templates["sft-create"]["timeout"] == "600s"
 
 
 def test_container_steps_know_their_image() -> None:
@@ -220,7 +321,7 @@ def test_the_object_store_secrets_reach_every_pod_that_reads_data() -> None:
     }
     containers = {name: templates[name]["container"] for name in ("prepare", "evaluate", "deploy")}
     for name in ("cpt", "sft", "rlhf"):
-        job = yaml.safe_load(templates[name]["resource"]["manifest"])
+        job = yaml.safe_load(templates[f"{name}-create"]["resource"]["manifest"])
         for role, replica in job["spec"]["pytorchReplicaSpecs"].items():
             containers[f"{name}/{role}"] = replica["template"]["spec"]["containers"][0]
     for name, container in containers.items():
@@ -272,7 +373,12 @@ def test_an_unscheduled_profile_fits_argos_template_name_limit() -> None:
 # --------------------------------------------------------------------------- who holds a token
 
 CONTAINER_STEPS = ("prepare", "evaluate", "deploy", "notify")
-RESOURCE_STEPS = ("cpt", "sft", "rlhf", "serve")
+TRAINING_STEPS = tuple(f"{stage}-{step}" for stage in ("cpt", "sft", "rlhf") for step in ("create", "wait"))
+RESOURCE_STEPS = TRAINING_STEPS
+ROLLOUT_STEPS = ("serve",)
+"""Container steps that hold the workflow account's token: the rollout applies the InferenceService."""
+CLEANUP_STEPS = ("cleanup", "cpt-cleanup", "sft-cleanup", "rlhf-cleanup")
+"""Container steps that call the Kubernetes API (workflows/cleanup.py): the job-creating account, with its token."""
 
 
 def _templates(doc: dict) -> dict[str, dict]:
@@ -305,7 +411,12 @@ def test_only_the_steps_that_create_jobs_hold_a_token() -> None:
         assert step["serviceAccountName"] == "creator-x", name
         assert step["automountServiceAccountToken"] is True, name
         assert "executor" not in step, name
-    job = yaml.safe_load(templates["sft"]["resource"]["manifest"])
+    for name in (*CLEANUP_STEPS, *ROLLOUT_STEPS):
+        step = templates[name]
+        assert step["serviceAccountName"] == "creator-x", name
+        assert step["automountServiceAccountToken"] is True, name
+        assert "executor" not in step, name  # the one token serves Argo's containers and cleanup alike
+    job = yaml.safe_load(templates["sft-create"]["resource"]["manifest"])
     pod = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
     assert pod["serviceAccountName"] == "runner-x" and pod["automountServiceAccountToken"] is False
 
@@ -331,7 +442,7 @@ def test_argos_init_and_wait_containers_are_held_to_restricted_settings() -> Non
     Security `restricted` without controller settings; the patch also carries the grace period."""
     restricted = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}, "readOnlyRootFilesystem": True}
     templates = _templates(_template(overrides=("stages.evaluate.run_policy.termination_grace_period_seconds=240",)))
-    for name in CONTAINER_STEPS:
+    for name in (*CONTAINER_STEPS, *CLEANUP_STEPS, *ROLLOUT_STEPS):
         patch = json.loads(templates[name]["podSpecPatch"])
         assert patch["initContainers"] == [{"name": "init", "securityContext": restricted}], name
         assert patch["containers"] == [{"name": "wait", "securityContext": restricted}], name
@@ -492,7 +603,9 @@ def test_steps_have_a_timeout_and_retries_with_a_doubling_backoff() -> None:
         assert templates[name]["retryStrategy"]["backoff"] == {"duration": "30s", "factor": "2", "cap": "1h"}, name
     assert templates["notify"]["activeDeadlineSeconds"] == 600
     serve = templates["serve"]
-    assert serve["timeout"] == "3600s" and serve["retryStrategy"]["backoff"]["duration"] == "30s"
+    # A wait for the new revision and one for a rollback (30 min each by default), and slack for the smoke checks.
+    assert serve["activeDeadlineSeconds"] == 2 * 1800 + 600 and serve["retryStrategy"]["backoff"]["duration"] == "30s"
+    assert "OOMKilled" in serve["retryStrategy"]["expression"]  # a failed smoke check (exit 1) is never retried
 
 
 def test_the_workflow_deadline_is_the_steps_worst_case_unless_set() -> None:
@@ -502,6 +615,7 @@ def test_the_workflow_deadline_is_the_steps_worst_case_unless_set() -> None:
         "stages.rlhf.enabled=false",
         "stages.deploy.serving.enabled=false",
         "notifications.slack=false",
+        "retention.keep_last=null",  # its step's share: tests/test_runs.py
         "stages.prepare.run_policy.active_deadline_seconds=600",
         "stages.prepare.run_policy.retries=1",
         "stages.prepare.run_policy.retry_backoff=90s",
@@ -515,10 +629,13 @@ def test_the_workflow_deadline_is_the_steps_worst_case_unless_set() -> None:
         "stages.deploy.run_policy.retry_backoff=20",
     )
     prepare = 2 * 600 + 90
-    sft = 3 * (3600 + 3600) + 40 * 60 + 60 * 60  # the second wait (80m) is capped at 1h
+    cleanup = 4 * 300 + 10 + 20 + 40  # workflows/cleanup.py: 3 retries, backoff 10s
+    wait = 3600 + 3600 + (30 + 60 + 120 + 240 + 480 + 960 + 1920 + 3 * 3600)  # the job's life, 10 retries' waits
+    sft = 3 * (cleanup + 600 + wait) + 40 * 60 + 60 * 60  # the attempt's second wait (80m) is capped at 1h
     evaluate = 1800
     deploy = 4 * 300 + 20 + 40 + 80
-    assert _template(overrides=overrides)["spec"]["activeDeadlineSeconds"] == 3600 + prepare + sft + evaluate + deploy
+    expected = 3600 + prepare + sft + evaluate + deploy + cleanup  # the exit handler cleans up too
+    assert _template(overrides=overrides)["spec"]["activeDeadlineSeconds"] == expected
     explicit = _template(overrides=(*overrides, "workflow.active_deadline_seconds=7200"))
     assert explicit["spec"]["activeDeadlineSeconds"] == 7200
 
@@ -536,3 +653,24 @@ def test_the_default_deadline_covers_every_shipped_pipeline() -> None:
 )
 def test_backoffs_are_read_as_argo_reads_them(value: str, seconds: float) -> None:
     assert duration_seconds(value) == seconds
+
+
+def test_langfuse_keys_reach_every_stage_pod_only_through_secret_refs() -> None:
+    doc = _template(
+        overrides=(
+            "tracking.langfuse_host=https://langfuse.example.com",
+            "cluster.secrets.langfuse_public_key={name: langfuse, key: public-key}",
+            "cluster.secrets.langfuse_secret_key={name: langfuse, key: secret-key}",
+        )
+    )
+    templates = {t["name"]: t for t in doc["spec"]["templates"]}
+    pods = [templates[n]["container"] for n in ("prepare", "evaluate", "deploy")]
+    for stage in ("cpt", "sft", "rlhf"):
+        job = yaml.safe_load(templates[f"{stage}-create"]["resource"]["manifest"])
+        pods += [r["template"]["spec"]["containers"][0] for r in job["spec"]["pytorchReplicaSpecs"].values()]
+    assert len(pods) == 7  # prepare, evaluate, deploy; cpt's master and worker; sft's and rlhf's masters
+    for container in pods:
+        env = {e["name"]: e for e in container["env"]}
+        for var, key in (("LANGFUSE_PUBLIC_KEY", "public-key"), ("LANGFUSE_SECRET_KEY", "secret-key")):
+            ref = env[var]["valueFrom"]["secretKeyRef"]
+            assert (ref["name"], ref["key"]) == ("langfuse", key) and "value" not in env[var]

@@ -43,8 +43,13 @@ def compiled_conditions() -> tuple[tuple[str, str, str], ...]:
     for name, profile in PIPELINE_VARIANTS:
         docs = compile_pipeline(fresh_spec(name, profile)).documents()
         for template in docs["workflowtemplate.yaml"]["spec"]["templates"]:
+            # The step that waits on a job (the create step only creates it: workflows/compile.py).
             if "resource" in template and "kind: PyTorchJob" in template["resource"]["manifest"]:
                 resource = template["resource"]
+                if resource["action"] == "create":
+                    assert "successCondition" not in resource and "failureCondition" not in resource
+                    continue
+                assert resource["action"] == "get", template["name"]
                 where = f"{name}@{profile or 'default'}:{template['name']}"
                 found.append((where, resource.get("successCondition", ""), resource.get("failureCondition", "")))
     return tuple(found)

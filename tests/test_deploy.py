@@ -208,6 +208,9 @@ def test_lineage_tags_and_the_inference_service(tmp_path: Path, monkeypatch: pyt
     run_dir = make_run(tmp_path, "korean-llm-x7k2p", "pass")
     result = run_deploy(run_dir)
     assert result.extra["smoke"] == {}  # in the cluster there is no smoke generation on the deploy pod
+    # In the cluster the serve step moves champion after its smoke check (workflows/rollout.py); deploy does not.
+    assert aliases(run_dir) == {"challenger": "1"} and result.extra["promoted"] == "false"
+    assert "champion moves to it once the serve step's smoke check passes" in result.message
 
     version = registry(run_dir).get_model_version("korean-llm", result.extra["model_version"])
     tags = version.tags

@@ -4,7 +4,8 @@ rely on (names, pod security, least-privilege RBAC) hold.
 The overlays are built here in Python by `build()`, a small kustomize for exactly the features the kit uses:
 `resources`, `components`, `namespace` (with the Namespace object and ServiceAccount subjects following it),
 `patches` (strategic-merge patch files, `$patch: delete` included, and inline JSON 6902 patches with a target,
-where a renamed ServiceAccount or PVC carries its references along), `replacements`, and dropping
+where a renamed ServiceAccount or PVC carries its references along), `replacements`, `configMapGenerator` (files,
+labels and annotations, without the name hash), and dropping
 `config.kubernetes.io/local-config` resources. CI has no usable kubectl (Debian's kubernetes-client ships
 kustomize v2, which predates components and replacements), so the tests do not need one; where a kubectl with
 kustomize v5 is on the PATH, `test_build_matches_kubectl_kustomize` checks that `build()` gives exactly what
@@ -38,7 +39,7 @@ K8S_VERSION = "1.32.0"
 Doc = dict[str, Any]
 
 CLUSTER_SCOPED = {"Namespace", "PriorityClass", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition"}
-CRD_KINDS = {"ServingRuntime", "LocalQueue"}
+CRD_KINDS = {"ServingRuntime", "LocalQueue", "PodMonitor", "ServiceMonitor", "PrometheusRule", "AlertmanagerConfig"}
 POD_TEMPLATE_KINDS = {"Deployment", "StatefulSet", "DaemonSet", "Job"}
 MERGE_KEYS = {
     "containers": "name",
@@ -205,14 +206,32 @@ def _set_namespace(namespace: str, docs: list[Doc]) -> None:
                     subject["namespace"] = namespace
 
 
+def _generated_config_map(directory: Path, generator: Doc) -> Doc:
+    """The ConfigMap a configMapGenerator entry makes from files (`key=path` or `path`, keyed by its file name)."""
+    options = generator.get("options", {})
+    assert set(generator) <= {"name", "files", "options"}, f"{directory}: build() supports generators of files only"
+    assert options.get("disableNameSuffixHash"), f"{directory}: build() does not add name hashes; extend it"
+    data = {}
+    for entry in generator.get("files", []):
+        key, _, path = entry.rpartition("=")
+        data[key or Path(path).name] = (directory / path).read_text(encoding="utf-8")
+    metadata: Doc = {"name": generator["name"]}
+    for field in ("labels", "annotations"):
+        if options.get(field):
+            metadata[field] = dict(options[field])
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata, "data": data}
+
+
 def _accumulate(directory: Path, docs: list[Doc]) -> list[Doc]:
     """Add a kustomization's (or component's) resources to `docs` and run its transformers over them."""
     k = _kustomization(directory)
     known = {"apiVersion", "kind", "resources", "components", "namespace", "patches", "replacements"}
+    known.add("configMapGenerator")
     assert set(k) <= known, f"{directory}: build() does not support {sorted(set(k) - known)}; extend it"
     for ref in k.get("resources", []):
         path = directory / ref
         docs = docs + (build(path, keep_local=True) if path.is_dir() else _load_docs(path))
+    docs = docs + [_generated_config_map(directory, generator) for generator in k.get("configMapGenerator", [])]
     for component in k.get("components", []):
         docs = _accumulate(directory / component, docs)
     docs = _apply_patches(directory, k.get("patches", []), docs)
@@ -544,23 +563,41 @@ VERB_REASONS: dict[tuple[str, str], dict[Grant, str]] = {
             ALL,
         ): "the resource step polls the job for its success/failure condition",
         (
+            "kubeflow.org",
+            "pytorchjobs",
+            "list",
+            ALL,
+        ): "cleanup (exit handler, a training stage's retry) finds the run's jobs by their workflow label",
+        (
+            "kubeflow.org",
+            "pytorchjobs",
+            "delete",
+            ALL,
+        ): "cleanup deletes a stopped or failed run's unfinished jobs, freeing their GPUs at once",
+        (
             "serving.kserve.io",
             "inferenceservices",
             "create",
             ALL,
-        ): "serve (a resource step, action apply) creates the InferenceService the first time",
+        ): "serve (workflows.rollout) server-side applies the InferenceService; the first apply creates it",
         (
             "serving.kserve.io",
             "inferenceservices",
             "get",
             ALL,
-        ): "serve's apply reads the existing InferenceService, and polls its rollout condition",
+        ): "serve reads the revision serving before its apply, then polls the new revision, traffic and rollback",
         (
             "serving.kserve.io",
             "inferenceservices",
             "patch",
             ALL,
-        ): "serve's apply moves an existing InferenceService to the run's model",
+        ): "serve's apply moves the InferenceService to the run's model, its canary steps and rollback set traffic",
+        (
+            "serving.knative.dev",
+            "revisions",
+            "get",
+            ALL,
+        ): "retention reads the storageUri of each revision the service still names, never pruning a served model",
     },
     ("Role", "posttrain-executor"): {
         (
@@ -662,10 +699,10 @@ def _role(roles: list[Doc], kind: str, name: str) -> Doc:
 
 def test_an_extra_verb_fails_the_rbac_check(builds: dict[str, list[Doc]]) -> None:
     roles = copy.deepcopy(_all_roles(builds))
-    _role(roles, "Role", "posttrain-workflow")["rules"][1]["verbs"].append("delete")
+    _role(roles, "Role", "posttrain-workflow")["rules"][1]["verbs"].append("update")
     _role(roles, "Role", "posttrain-submitter")["rules"][1]["verbs"].append("update")
     assert rbac_differences(roles) == [
-        "('Role', 'posttrain-workflow'): ('kubeflow.org', 'pytorchjobs', 'delete', ()) is granted without a reason",
+        "('Role', 'posttrain-workflow'): ('kubeflow.org', 'pytorchjobs', 'update', ()) is granted without a reason",
         "('Role', 'posttrain-submitter'): ('argoproj.io', 'workflowtemplates', 'update', ()) is granted without a "
         "reason",
     ]

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from workflows.notify import format_run_duration, notify, parse_failures
+from workflows.notify import format_run_duration, notify, parse_failures, read_outcome, slack_message
 
 REPO = Path(__file__).resolve().parent.parent
 SECRET_PATH = "/services/T0000/B0000/xoxSECRETxox"
@@ -102,7 +102,7 @@ def test_a_failed_run_posts_status_failed_steps_duration_and_link(
     assert len(webhook.posts) == 1
     assert webhook.posts[0]["path"] == SECRET_PATH
     payload = webhook.posts[0]["body"]
-    assert payload["text"].startswith(":x: korean-llm: Failed (2h42m34s)")
+    assert payload["text"].startswith(":x: korean-llm: Failed at sft (2h42m34s)")  # the failed node's template
     text = _all_text(payload)
     assert "OOMKilled (exit code 137)" in text and "gate failed: perplexity" in text
     assert text.count("OOMKilled") == 1  # the retry that failed the same way is listed once
@@ -193,3 +193,142 @@ def test_the_module_runs_as_the_exit_handler_step(tmp_path: Path, webhook: Webho
     assert proc.returncode == 0, proc.stderr
     assert webhook.posts[0]["body"]["text"].startswith(":rotating_light: korean-llm: Error")
     assert "xoxSECRETxox" not in proc.stdout + proc.stderr
+
+
+# --------------------------------------------------------------------------- what the run did
+
+
+def _stage(run: Path, stage: str, status: str, message: str = "", **extra: Any) -> None:
+    """A stage.json as stages/contract.py writes it (the fields notify reads, and the others it must ignore)."""
+    record = {
+        "stage": stage,
+        "status": status,
+        "config_hash": "c0ffee",
+        "started_at": "2026-11-02T03:00:00+00:00",
+        "ended_at": "2026-11-02T05:00:00+00:00",
+        "attempts": 1,
+        "message": message,
+        "host": "korean-llm-x7k2p-evaluate-1",
+        "extra": extra,
+    }
+    (run / stage).mkdir(parents=True, exist_ok=True)
+    (run / stage / "stage.json").write_text(json.dumps(record), encoding="utf-8")
+
+
+def _run(tmp_path: Path) -> Path:
+    run = tmp_path / "runs" / "korean-llm-x7k2p"
+    _stage(run, "prepare", "succeeded", proceed="true")
+    _stage(run, "sft", "succeeded")
+    (run / "tracking.json").write_text(
+        json.dumps({"mlflow": {"experiment_id": "12", "parent_run_id": "a1b2c3"}}), encoding="utf-8"
+    )
+    return run
+
+
+GATE_CHECKS = [
+    {
+        "metric": "heldout_perplexity",
+        "passed": True,
+        "reason": "heldout_perplexity: candidate 8.1 vs champion 8.3 "
+        "(lower is better; regression 0, allowed 0.2): holds",
+    },
+    {
+        "metric": "kmmlu",
+        "passed": False,
+        "reason": "kmmlu: candidate 0.41 vs champion 0.45 (higher is better; regression 0.04, allowed 0.01): fails",
+    },
+]
+
+
+def _outcome(tmp_path: Path, run: Path, **values: str) -> dict[str, Any]:
+    values = {"status": "Succeeded", "failures": "null", **values}
+    return slack_message(read_outcome(_params(tmp_path, **values), run))
+
+
+def test_a_promoted_model_is_named_with_its_version(tmp_path: Path) -> None:
+    run = _run(tmp_path)
+    _stage(run, "evaluate", "succeeded", gate="pass", gate_checks=GATE_CHECKS[:1], gate_reasons=["..."])
+    _stage(
+        run, "deploy", "succeeded", "registered korean-llm v7 as champion (gate passed)",
+        registered_model="korean-llm", model_version="7", aliases=["challenger", "champion"], promoted="true",
+    )  # fmt: skip
+    payload = _outcome(tmp_path, run)
+    assert payload["text"].startswith(":white_check_mark: korean-llm: Succeeded, promoted korean-llm v7 (champion)")
+    assert "the champion alias moved to it" in _all_text(payload)
+    assert "Gate failed" not in _all_text(payload)
+
+
+def test_a_failed_gate_is_not_a_plain_success(tmp_path: Path) -> None:
+    run = _run(tmp_path)
+    _stage(run, "evaluate", "succeeded", gate="fail", gate_checks=GATE_CHECKS, gate_reasons=["a", "b"])
+    payload = _outcome(tmp_path, run)
+    assert payload["text"].startswith(":warning: korean-llm: Succeeded, gate failed: nothing promoted")
+    text = _all_text(payload)
+    assert "kmmlu: candidate 0.41 vs champion 0.45" in text  # the failed rule
+    assert "heldout_perplexity: candidate" not in text  # a rule that held is not a reason
+    assert "Promoted" not in text
+
+
+def test_a_gate_failed_by_the_registry_gives_its_reason(tmp_path: Path) -> None:
+    run = _run(tmp_path)
+    reasons = ["the model registry could not be read: 503 Service Unavailable", GATE_CHECKS[0]["reason"]]
+    _stage(run, "evaluate", "succeeded", gate="fail", gate_checks=GATE_CHECKS[:1], gate_reasons=reasons)
+    assert "503 Service Unavailable" in _all_text(_outcome(tmp_path, run))
+
+
+def test_a_skipped_run_says_why(tmp_path: Path) -> None:
+    run = _run(tmp_path)
+    reason = "the data is unchanged since korean-llm-abcde (fingerprint 9f86d0)"
+    _stage(run, "prepare", "succeeded", proceed="false", **{"skip-reason": reason})
+    payload = _outcome(tmp_path, run)
+    assert payload["text"].startswith(":fast_forward: korean-llm: Succeeded, skipped")
+    assert reason in _all_text(payload)
+
+
+def test_an_evaluate_skip_is_reported_too(tmp_path: Path) -> None:
+    run = _run(tmp_path)
+    _stage(run, "evaluate", "skipped", "nothing was trained: every training stage is off", gate="skipped")
+    payload = _outcome(tmp_path, run)
+    assert payload["text"].startswith(":fast_forward: korean-llm: Succeeded, skipped")
+    assert "nothing was trained" in _all_text(payload)
+
+
+def test_a_failed_stage_gives_its_error_line(tmp_path: Path) -> None:
+    run = _run(tmp_path)
+    _stage(run, "sft", "failed", "CUDA out of memory: lower train.micro_batch_size\nTraceback (most recent...")
+    failures = json.dumps(
+        [
+            {"displayName": "wait(0)", "message": "main: Error (exit code 1): failure condition 'status.conditions."
+             "2.type == Failed' evaluated true", "templateName": "sft-wait", "phase": "Failed"},
+            {"displayName": "sft", "message": "No more retries left", "templateName": "sft", "phase": "Failed"},
+            {"displayName": "pipeline", "message": "child 'korean-llm-x7k2p-123' failed", "templateName": "pipeline"},
+        ]
+    )  # fmt: skip
+    payload = _outcome(tmp_path, run, status="Failed", failures=failures)
+    assert payload["text"].startswith(
+        ":x: korean-llm: Failed at sft (2h42m34s) — sft: CUDA out of memory: lower train.micro_batch_size"
+    )
+    text = _all_text(payload)
+    assert "Traceback" not in text  # one line
+    assert "failure condition" in text  # Argo's own word on the step
+    assert "No more retries left" not in text and "child '" not in text  # roll-ups of the same failure
+
+
+def test_links_to_argo_mlflow_and_grafana_without_credentials(tmp_path: Path) -> None:
+    run = _run(tmp_path)
+    payload = _outcome(
+        tmp_path,
+        run,
+        mlflow_uri="https://bot:hunter2@mlflow.example.com/",
+        grafana_url="https://grafana.example.com",
+    )
+    text = _all_text(payload)
+    assert "<https://argo.example.internal/workflows/llm-training/korean-llm-x7k2p|Argo>" in text
+    assert "<https://mlflow.example.com/#/experiments/12/runs/a1b2c3|MLflow>" in text
+    assert "<https://grafana.example.com/d/posttrain-run?var-run=korean-llm-x7k2p|Grafana>" in text
+    assert "hunter2" not in text and "bot" not in text
+
+
+@pytest.mark.parametrize("uri", ["", "sqlite:////mnt/checkpoints/runs/x/mlflow.db", "file:///tmp/mlruns"])
+def test_no_mlflow_link_without_an_http_server(tmp_path: Path, uri: str) -> None:
+    assert "MLflow>" not in _all_text(_outcome(tmp_path, _run(tmp_path), mlflow_uri=uri))

@@ -30,11 +30,14 @@ EXPECTED_KINDS = {
 }
 
 
-def _resource_templates(documents: dict[str, dict[str, Any]]) -> Iterator[dict[str, Any]]:
-    """The training steps: resource templates that create a PyTorchJob (serve applies an InferenceService)."""
+def _resource_templates(documents: dict[str, dict[str, Any]], action: str = "create") -> Iterator[dict[str, Any]]:
+    """The training steps: resource templates that create a PyTorchJob (`action` get: that wait on one)."""
     for doc in documents.values():
         for template in doc.get("spec", {}).get("templates", []) or []:
-            if "resource" in template and yaml.safe_load(template["resource"]["manifest"])["kind"] == "PyTorchJob":
+            resource = template.get("resource")
+            if not resource or resource["action"] != action:
+                continue
+            if yaml.safe_load(resource["manifest"])["kind"] == "PyTorchJob":
                 yield template
 
 
@@ -60,11 +63,11 @@ def test_embedded_pytorchjobs_validate_against_the_crd(
 ) -> None:
     templates = list(_resource_templates(compile_pipeline(spec).documents()))
     enabled = [s for s in TRAINING_STAGES if spec.stage(s).enabled]
-    assert sorted(t["name"] for t in templates) == sorted(enabled)
+    assert sorted(t["name"] for t in templates) == sorted(f"{s}-create" for s in enabled)
     for template in templates:
         manifest = yaml.safe_load(template["resource"]["manifest"])
         validate_pytorchjob(manifest)
-        assert manifest == pytorchjob_manifest(spec, template["name"]), template["name"]
+        assert manifest == pytorchjob_manifest(spec, template["name"].removesuffix("-create")), template["name"]
 
 
 def test_embedded_manifests_are_plain_yaml(spec: PipelineSpec, compile_pipeline: Callable[..., Any]) -> None:
@@ -78,12 +81,19 @@ def test_embedded_manifests_are_plain_yaml(spec: PipelineSpec, compile_pipeline:
 
 
 def test_resource_templates_create_and_watch(spec: PipelineSpec, compile_pipeline: Callable[..., Any]) -> None:
-    for template in _resource_templates(compile_pipeline(spec).documents()):
+    documents = compile_pipeline(spec).documents()
+    created = list(_resource_templates(documents))
+    watched = list(_resource_templates(documents, action="get"))
+    assert [t["name"].removesuffix("-create") for t in created] == [t["name"].removesuffix("-wait") for t in watched]
+    for template in created:
+        assert template["resource"].get("setOwnerReference") is True  # the job goes when the workflow goes
+    for template in watched:
         resource = template["resource"]
-        assert resource["action"] == "create"
-        assert resource.get("setOwnerReference") is True  # the job goes when the workflow goes
         assert parse_selector(resource["successCondition"]), template["name"]
         assert parse_selector(resource["failureCondition"]), template["name"]
+        # The object read: the job the create step named, in the namespace it was created in.
+        metadata = yaml.safe_load(resource["manifest"])["metadata"]
+        assert metadata == {"name": "{{inputs.parameters.job-name}}", "namespace": spec.cluster.namespace}
 
 
 def test_workflow_and_cron_reference_the_template(spec: PipelineSpec, compile_pipeline: Callable[..., Any]) -> None:

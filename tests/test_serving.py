@@ -18,12 +18,11 @@ from conftest import fresh_spec
 from schema_validation import SchemaViolation, validate_custom_resource
 
 from workflows.serving import (
-    ARGO_RUN_NAME,
-    argo_manifest,
     default_storage_uri,
     inference_service,
     model_storage_uri,
     to_yaml,
+    with_canary_traffic,
 )
 from workflows.spec import PipelineSpec
 
@@ -37,10 +36,10 @@ _LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$")
 
 
-def _embedded_inference_services(documents: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """The InferenceService each compiled document's `serve` resource step applies."""
+def _serve_steps(documents: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The `serve` step of each compiled document: it rolls out the file deploy rendered."""
     return [
-        yaml.safe_load(template["resource"]["manifest"])
+        template
         for doc in documents.values()
         for template in doc.get("spec", {}).get("templates", []) or []
         if template["name"] == "serve"
@@ -57,8 +56,8 @@ def spec_with(**deploy: Any) -> PipelineSpec:
 def test_the_rendered_inference_service_validates_against_kserve(
     spec: PipelineSpec, compile_pipeline: Callable[..., Any]
 ) -> None:
-    """The deploy stage's document, the DAG's, and the one the compiled serve step applies, for every shipped
-    pipeline and profile, against KServe's v1beta1 schema, strictly."""
+    """The deploy stage's document, which the compiled serve step applies, for every shipped pipeline and profile,
+    against KServe's v1beta1 schema, strictly, with each traffic setting the rollout gives it."""
     manifest = inference_service(spec, model_storage_uri(spec, "run-1"), "run-1", model_version="7")
     validate_custom_resource(manifest)
     assert yaml.safe_load(to_yaml(manifest)) == manifest
@@ -68,13 +67,13 @@ def test_the_rendered_inference_service_validates_against_kserve(
     # A scheme KServe's storage initializer fetches, and a path below the bucket or claim.
     assert re.match(r"^(gs|s3|pvc)://[^/]+/.+", manifest["spec"]["predictor"]["model"]["storageUri"])
 
-    validate_custom_resource(yaml.safe_load(argo_manifest(spec)))
-    embedded = _embedded_inference_services(compile_pipeline(spec).documents())
+    for percent in (None, 0, 10):
+        validate_custom_resource(with_canary_traffic(manifest, percent))
+    steps = _serve_steps(compile_pipeline(spec).documents())
     serving = spec.stages.deploy.enabled and spec.stages.deploy.serving.enabled
-    assert len(embedded) == (1 if serving else 0)
-    for service in embedded:
-        validate_custom_resource(service)
-        assert service == yaml.safe_load(argo_manifest(spec))
+    assert len(steps) == (1 if serving else 0)
+    for step in steps:
+        assert step["container"]["command"][:3] == ["python", "-m", "workflows.rollout"]
 
 
 def test_the_kserve_validator_is_strict() -> None:
@@ -121,7 +120,12 @@ def test_serving_settings_reach_the_predictor() -> None:
     meta = manifest["metadata"]
     assert meta["name"] == "korean-llm" and meta["namespace"] == "llm-training"
     assert meta["labels"]["posttrain.dev/pipeline"] == "korean-llm" and meta["labels"]["posttrain.dev/run"] == "run-1"
-    assert meta["annotations"] == {"posttrain.dev/registered-model": "korean-llm", "posttrain.dev/model-version": "4"}
+    assert meta["annotations"] == {
+        "posttrain.dev/registered-model": "korean-llm",
+        "serving.kserve.io/deploymentMode": "Knative",  # revisions and traffic splitting (KServe >= 0.20 names)
+        "posttrain.dev/model-version": "4",
+    }
+    assert "scaleMetric" not in predictor and "canaryTrafficPercent" not in predictor
 
     serving.gpus, serving.max_model_len = 0, None
     model = inference_service(spec, "gs://bucket/m", "run-1")["spec"]["predictor"]["model"]
@@ -130,7 +134,7 @@ def test_serving_settings_reach_the_predictor() -> None:
 
 def test_every_inference_service_loads_safetensors_only(spec: PipelineSpec) -> None:
     """In the deploy stage's file and in the DAG's resource step alike; no other load format can follow it."""
-    for manifest in (inference_service(spec, "s3://b/m", "run-1"), yaml.safe_load(argo_manifest(spec))):
+    for manifest in (inference_service(spec, "s3://b/m", "run-1"),):
         args = manifest["spec"]["predictor"]["model"]["args"]
         assert [a for a in args if a.startswith("--load-format")] == ["--load-format=safetensors"]
 
@@ -160,17 +164,6 @@ def test_storage_uris(storage_uri: str | None, expected: str) -> None:
     assert manifest["spec"]["predictor"]["model"]["storageUri"] == expected
 
 
-def test_the_argo_manifest_names_the_run_through_the_workflow() -> None:
-    spec = spec_with(storage_uri="s3://models/korean-llm")
-    manifest = yaml.safe_load(argo_manifest(spec))
-    assert manifest["spec"]["predictor"]["model"]["storageUri"] == f"s3://models/korean-llm/{ARGO_RUN_NAME}"
-    assert manifest["metadata"]["labels"]["posttrain.dev/run"] == ARGO_RUN_NAME
-    local = fresh_spec("korean-llm")
-    assert yaml.safe_load(argo_manifest(local))["spec"]["predictor"]["model"]["storageUri"] == (
-        f"pvc://checkpoints-rwx/runs/{ARGO_RUN_NAME}/deploy/model"
-    )
-
-
 def test_the_inference_service_carries_no_secret(monkeypatch: pytest.MonkeyPatch) -> None:
     secrets = {
         "AWS_SECRET_ACCESS_KEY": "s3cr3t-aws-value",
@@ -183,7 +176,7 @@ def test_the_inference_service_carries_no_secret(monkeypatch: pytest.MonkeyPatch
     spec.cluster.secrets.aws_access_key_id = {"name": "s3-credentials", "key": "access-key"}  # type: ignore[assignment]
     spec.cluster.secrets.aws_secret_access_key = {"name": "s3-credentials", "key": "secret-key"}  # type: ignore[assignment]
     manifest = inference_service(spec, model_storage_uri(spec, "run-1"), "run-1")
-    text = json.dumps(manifest) + argo_manifest(spec)
+    text = json.dumps(manifest)
     for value in secrets.values():
         assert value not in text
     assert "s3-credentials" not in text and "secret" not in text.lower() and "token" not in text.lower()

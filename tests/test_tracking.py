@@ -16,20 +16,20 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
-from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
+from fake_langfuse import FakeLangfuse
 from training_fixtures import wandb_offline_runs
 
 from stages.contract import RunDir, StageContext, StageInterrupted
 from stages.tracking import TRACKING_FILE, StageTracker
 from workflows.loading import load_pipeline
+from workflows.spec import PipelineSpec
 
 mlflow = pytest.importorskip("mlflow")
 
@@ -229,40 +229,78 @@ def test_wandb_offline_writes_a_run_directory_under_the_run(tmp_path: Path):
     assert run["dir"] == ctx.result.wandb_run_path
 
 
-class _Collector(BaseHTTPRequestHandler):
-    received: ClassVar[list[tuple[str, dict[str, Any]]]] = []
-
-    def do_POST(self) -> None:
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        type(self).received.append((self.headers["Authorization"], body))
-        self.send_response(207)
-        self.end_headers()
-        self.wfile.write(b"{}")
-
-    def log_message(self, *args: Any) -> None:
-        pass
+LANGFUSE_SECRETS = (
+    "cluster.secrets.langfuse_public_key={name: langfuse, key: public-key}",
+    "cluster.secrets.langfuse_secret_key={name: langfuse, key: secret-key}",
+)
 
 
-def test_langfuse_gets_start_and_end_events_only_when_configured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+def test_langfuse_gets_start_checkpoint_error_and_end_events_only_when_configured(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
     ctx = make_ctx(tmp_path / "quiet")
-    with StageTracker(ctx) as tracker:
+    with FakeLangfuse() as server, StageTracker(ctx) as tracker:
         ctx.finish()
-    assert tracker.langfuse is not None and not tracker.langfuse.enabled
+    assert tracker.langfuse is not None and not tracker.langfuse.enabled and not server.spans
 
-    server = HTTPServer(("127.0.0.1", 0), _Collector)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    monkeypatch.setenv("LANGFUSE_HOST", f"http://127.0.0.1:{server.server_port}")
-    monkeypatch.setenv("LANGFUSE_PUBLIC_KEY", "pk-lf-test")
-    monkeypatch.setenv("LANGFUSE_SECRET_KEY", "sk-lf-test")
-    ctx = make_ctx(tmp_path / "traced")
-    with pytest.raises(RuntimeError), StageTracker(ctx):
-        raise RuntimeError("boom")
-    server.shutdown()
-    names = [event["body"]["name"] for _, body in _Collector.received for event in body["batch"]]
-    assert [n for n in names if n.startswith("cpt.")] == ["cpt.start", "cpt.error", "cpt.end"]
-    auth = _Collector.received[0][0]
-    assert auth == "Basic " + base64.b64encode(b"pk-lf-test:sk-lf-test").decode()
+    # Keys from the environment (a Secret in the cluster), the server from the spec.
+    monkeypatch.setenv("LANGFUSE_PUBLIC_KEY", "pk-lf-events")
+    monkeypatch.setenv("LANGFUSE_SECRET_KEY", "sk-lf-events")
+    with FakeLangfuse() as server:
+        ctx = make_ctx(tmp_path / "traced", "cpt", f"tracking.langfuse_host={server.url}", *LANGFUSE_SECRETS)
+        with pytest.raises(RuntimeError), StageTracker(ctx) as tracker:
+            tracker.checkpoint_saved(20, ctx.dir / "checkpoints" / "checkpoint-20")
+            raise RuntimeError("boom")
+        cpt_spans = list(server.spans)
+        # A later stage of the same run lands in the same trace.
+        later = StageContext(ctx.run_dir, "evaluate", ctx.spec)
+        assert later.begin()
+        with StageTracker(later):
+            later.finish()
+    assert not server.problems
+    assert [span.name for span in cpt_spans] == ["cpt.start", "cpt.checkpoint", "cpt.error", "cpt.end"]
+    assert server.names()[len(cpt_spans) :] == ["evaluate.start", "evaluate.end"]
+    assert {span.trace_id for span in server.spans} == {tracker.langfuse.trace_id}
+    start, checkpoint, error, end = cpt_spans
+    assert start.auth == "Basic " + base64.b64encode(b"pk-lf-events:sk-lf-events").decode()
+    assert start.metadata()["stage"] == "cpt" and start.metadata()["attempt"] == 1
+    assert start.attributes["langfuse.trace.name"] == "traced"
+    assert checkpoint.metadata()["step"] == 20 and checkpoint.metadata()["checkpoint"].endswith("checkpoint-20")
+    assert error.attributes["langfuse.observation.level"] == "ERROR"
+    assert error.attributes["langfuse.observation.status_message"] == "RuntimeError: boom"
+    assert end.metadata()["status"] == "failed"
     assert client_for().get_run(ctx.result.mlflow_run_id).info.status == "FAILED"
+
+
+def test_a_langfuse_outage_is_one_warning_and_the_stage_goes_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("LANGFUSE_PUBLIC_KEY", "pk-lf-outage")
+    monkeypatch.setenv("LANGFUSE_SECRET_KEY", "sk-lf-outage")
+    with FakeLangfuse(status=503) as server:
+        monkeypatch.setenv("LANGFUSE_HOST", server.url)
+        ctx = make_ctx(tmp_path / "run")
+        with StageTracker(ctx) as tracker:
+            tracker.checkpoint_saved(5, ctx.dir / "checkpoint-5")  # skipped: the breaker waits after the failure
+            ctx.finish()
+    assert not server.spans and ctx.result.status == "succeeded"
+    (warning,) = [w for w in tracker.warnings if "Langfuse" in w]
+    assert "Langfuse at http://127.0.0.1" in warning and "Service Unavailable" in warning
+    assert "events are skipped" in warning
+
+
+def test_a_langfuse_host_needs_both_keys_from_secrets():
+    spec = load_pipeline("korean-llm", "local").spec.model_dump(mode="json")
+    spec["tracking"]["langfuse_host"] = "https://langfuse.example.com"
+    with pytest.raises(ValueError, match=r"needs cluster\.secrets\.langfuse_public_key"):
+        PipelineSpec.model_validate(spec)
+    spec["cluster"]["secrets"]["langfuse_public_key"] = {"name": "langfuse", "key": "public-key"}
+    spec["cluster"]["secrets"]["langfuse_secret_key"] = {"name": "langfuse", "key": "secret-key"}
+    assert PipelineSpec.model_validate(spec).cluster.secrets.env()["LANGFUSE_SECRET_KEY"].key == "secret-key"
+    spec["tracking"]["langfuse_host"] = "https://pk:sk@langfuse.example.com"
+    with pytest.raises(ValueError, match="without credentials"):
+        PipelineSpec.model_validate(spec)
+    spec["tracking"]["langfuse_host"] = None
+    with pytest.raises(ValueError, match=r"tracking\.langfuse_host is not"):
+        PipelineSpec.model_validate(spec)
 
 
 def test_hf_callback_forwards_trainer_logs_and_plots_the_loss(tmp_path: Path):
@@ -618,22 +656,20 @@ def test_a_password_in_the_tracking_uri_reaches_no_file_param_tag_warning_or_eve
     down = closed_uri()
     monkeypatch.setenv("MLFLOW_TRACKING_URI", down)
     other = "https://reader:An0ther-Pa55word@mirror.example.com/data"  # a credential not from the environment
-    collector = HTTPServer(("127.0.0.1", 0), _Collector)
-    threading.Thread(target=collector.serve_forever, daemon=True).start()
-    monkeypatch.setenv("LANGFUSE_HOST", f"http://127.0.0.1:{collector.server_port}")
-    monkeypatch.setenv("LANGFUSE_PUBLIC_KEY", "pk-lf-test")
-    monkeypatch.setenv("LANGFUSE_SECRET_KEY", "sk-lf-test")
-    _Collector.received.clear()
+    collector = FakeLangfuse().__enter__()
+    monkeypatch.setenv("LANGFUSE_HOST", collector.url)
+    monkeypatch.setenv("LANGFUSE_PUBLIC_KEY", "pk-lf-masking")
+    monkeypatch.setenv("LANGFUSE_SECRET_KEY", "sk-lf-masking")
     ctx = make_ctx(tmp_path / "run", "cpt")
     with pytest.raises(RuntimeError), StageTracker(ctx) as tracker:
         tracker.log_params({"tracking_uri": down, "mirror": other, "lr": 0.1})
         tracker.log_metrics({"loss": 1.0}, step=1)
         raise RuntimeError(f"could not reach {down}")
-    collector.shutdown()
+    collector.__exit__()
 
     warning = next(w for w in tracker.warnings if "logging failed" in w)
     assert "API request to http://***@127.0.0.1" in warning  # MLflow's error names the whole URL
-    events = json.dumps([body for _, body in _Collector.received])
+    events = json.dumps([span.attributes for span in collector.spans])
     assert "could not reach http://***@127.0.0.1" in events
     journal = (ctx.logs_dir / "tracking-unsent.jsonl").read_text(encoding="utf-8")
     assert "reader:***@mirror.example.com" not in journal and "https://***@mirror.example.com/data" in journal

@@ -34,8 +34,11 @@ from hera.workflows.models import (
     UpdateCronWorkflowRequest,
     Workflow,
     WorkflowCreateRequest,
+    WorkflowRetryRequest,
+    WorkflowStopRequest,
     WorkflowTemplateCreateRequest,
     WorkflowTemplateUpdateRequest,
+    WorkflowTerminateRequest,
 )
 from hera.workflows.models import CronWorkflow as CronWorkflowModel
 from hera.workflows.models import WorkflowTemplate as WorkflowTemplateModel
@@ -216,14 +219,18 @@ class _Service(WorkflowsService):
         self.timeout = timeout
 
     def _request(self, method: str, **kwargs: Any) -> requests.Response:
-        resp = self.session.request(method, timeout=self.timeout, **kwargs)
+        kwargs.setdefault("timeout", self.timeout)
+        resp = self.session.request(method, **kwargs)
         if not resp.ok:
             message, is_json = _answer_message(resp)
             raise _ServerAnswer(resp.status_code, message, is_json)
         return resp
 
 
-Verb = Literal["create", "get", "update"]
+Verb = Literal["create", "get", "list", "update", "delete"]
+
+_GRPC_HTTP = {3: 400, 5: 404, 7: 403, 16: 401, 9: 400, 13: 500, 14: 503}
+"""HTTP status of a grpc code, for an error inside a streamed answer."""
 
 
 @dataclass(frozen=True)
@@ -231,10 +238,13 @@ class _Call:
     """What a request was doing, for the error message."""
 
     verb: Verb
+    """The RBAC verb the request needs."""
     resource: str
     """Plural Kubernetes resource: workflowtemplates, cronworkflows, workflows."""
     namespace: str
     name: str | None = None
+    action: str | None = None
+    """What the user asked for when it is not the verb itself ('stop', 'retry', 'read the logs of')."""
 
     @property
     def kind(self) -> str:
@@ -244,7 +254,9 @@ class _Call:
     @property
     def what(self) -> str:
         target = f"{self.namespace}/{self.name}" if self.name else f"in namespace {self.namespace}"
-        return f"{self.verb} {self.kind} {target}"
+        if self.verb == "list" and not self.name:
+            return f"list {self.kind}s {target}"
+        return f"{self.action or self.verb} {self.kind} {target}"
 
 
 # --------------------------------------------------------------------------- client
@@ -426,6 +438,108 @@ class ArgoClient:
             _Call("get", "workflows", self.namespace, name),
             lambda: self._service.get_workflow(name, namespace=self.namespace),
         )
+
+    def list_workflows(self, label_selector: str | None = None) -> list[Workflow]:
+        """The workflows of the namespace matching `label_selector`, newest first (by creation time)."""
+        listed = self._run(
+            _Call("list", "workflows", self.namespace),
+            lambda: self._service.list_workflows(namespace=self.namespace, label_selector=label_selector),
+        )
+        items = list(listed.items or [])  # the server answers `items: null` for none
+
+        def created(wf: Workflow) -> str:
+            stamp = wf.metadata.creation_timestamp
+            return str(getattr(stamp, "root", stamp) or "")
+
+        return sorted(items, key=lambda wf: (created(wf), wf.metadata.name or ""), reverse=True)
+
+    def stop_workflow(self, name: str, message: str | None = None) -> Workflow:
+        """Stop: running steps get SIGTERM, no new step starts, the exit handler runs."""
+        ns = self.namespace
+        return self._run(
+            _Call("update", "workflows", ns, name, "stop"),
+            lambda: self._service.stop_workflow(
+                name, WorkflowStopRequest(name=name, namespace=ns, message=message), namespace=ns
+            ),
+        )
+
+    def terminate_workflow(self, name: str) -> Workflow:
+        """Terminate: like stop, but Argo runs no exit handler."""
+        ns = self.namespace
+        return self._run(
+            _Call("update", "workflows", ns, name, "terminate"),
+            lambda: self._service.terminate_workflow(
+                name, WorkflowTerminateRequest(name=name, namespace=ns), namespace=ns
+            ),
+        )
+
+    def retry_workflow(
+        self, name: str, restart_successful: bool = False, node_field_selector: str | None = None
+    ) -> Workflow:
+        """Retry a Failed or Errored workflow from its failed nodes (and, with `restart_successful`, the succeeded
+        nodes `node_field_selector` matches)."""
+        ns = self.namespace
+        request = WorkflowRetryRequest(
+            name=name,
+            namespace=ns,
+            restart_successful=restart_successful or None,
+            node_field_selector=node_field_selector,
+        )
+        return self._run(
+            _Call("update", "workflows", ns, name, "retry"),
+            lambda: self._service.retry_workflow(name, request, namespace=ns),
+        )
+
+    def delete_workflow(self, name: str) -> None:
+        """Delete the workflow (its pods, and the jobs it owns, go with it)."""
+        self._run(
+            _Call("delete", "workflows", self.namespace, name),
+            lambda: self._service.delete_workflow(name, namespace=self.namespace),
+        )
+
+    def workflow_logs(
+        self,
+        name: str,
+        *,
+        selector: str | None = None,
+        container: str = "main",
+        follow: bool = False,
+        tail_lines: int | None = None,
+    ) -> Iterator[tuple[str, str]]:
+        """(pod name, line) of the logs of the workflow's pods that match the label `selector`, through the
+        server's log route (newline-delimited JSON, streamed). Hera's `workflow_logs` reads one entry only."""
+        ns = self.namespace
+        call = _Call("get", "workflows", ns, name, "read the logs of")
+        params: dict[str, str] = {"logOptions.container": container}
+        if selector:
+            params["selector"] = selector
+        if follow:
+            params["logOptions.follow"] = "true"
+        if tail_lines is not None:
+            params["logOptions.tailLines"] = str(tail_lines)
+        svc = self._service
+        url = f"{self.config.api_root}api/v1/workflows/{quote(ns)}/{quote(name)}/log"
+        with self._translating(call):
+            resp = svc._request(
+                "get",
+                url=url,
+                params=params,
+                headers={"Authorization": svc.token} if svc.token else {},
+                verify=svc.verify_ssl,
+                stream=True,
+                timeout=(svc.timeout, None) if follow else svc.timeout,  # a followed log may be quiet
+            )
+        with resp, self._translating(call):
+            for raw in resp.iter_lines():
+                if not raw:
+                    continue
+                entry = json.loads(raw)
+                if "error" in entry:  # grpc-gateway ends a failed stream with its error
+                    error = entry["error"] or {}
+                    status = _GRPC_HTTP.get(error.get("code"), 500)
+                    raise _ServerAnswer(status, str(error.get("message", "")), True)
+                result = entry.get("result") or {}
+                yield str(result.get("podName", "")), str(result.get("content", ""))
 
     # ----------------------------------------------------------------- error mapping
 

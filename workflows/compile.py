@@ -25,6 +25,8 @@ from hera.workflows import (
     Parameter,
     RawArtifact,
     Resource,
+    Step,
+    Steps,
     Task,
     Workflow,
     WorkflowTemplate,
@@ -50,7 +52,14 @@ from workflows.pytorchjob import (
     stage_image,
     volumes,
 )
-from workflows.spec import MAX_PIPELINE_NAME_LENGTH, TRAINING_STAGES, PipelineSpec, StageBase, StepPolicy
+from workflows.spec import (
+    MAX_PIPELINE_NAME_LENGTH,
+    TRAINING_STAGES,
+    PipelineSpec,
+    Resources,
+    StageBase,
+    StepPolicy,
+)
 from workflows.validation import go_duration_seconds
 
 MAX_TEMPLATE_NAME_LENGTH = 63
@@ -66,6 +75,9 @@ PARAMS_DIR = "/params"
 OUTPUTS_DIR = "/tmp/outputs"
 RUN_DIR = "{{workflow.name}}"
 NOTIFY = "notify"
+EXIT_HANDLER = "exit-handler"
+RETENTION = "retention"
+CLEANUP = "cleanup"
 
 # Slack of the template-level deadline over the job's own deadline: the operator is the detector.
 DEADLINE_BACKSTOP_SECONDS = 3600
@@ -91,12 +103,36 @@ RETRYABLE_EXIT_CODES and never when the kernel's OOM killer ended it (the same l
 way). A failed stage (exit 1: its record says why) and bad input (exit 2) are never retried: the same input fails
 the same way."""
 
-SERVE_POLICY = StepPolicy(active_deadline_seconds=3600, retries=2, retry_backoff="30s")
-"""The serve step (apply the InferenceService, wait for the rollout): its timeout and retries."""
+SERVE_POLICY = StepPolicy(
+    active_deadline_seconds=3600, retries=2, retry_backoff="30s", termination_grace_period_seconds=30
+)
+"""The serve step's retries (only what a retry can fix, as for the stages: a failed check is final); its timeout is
+serve_deadline_seconds."""
+SERVE_SLACK_SECONDS = 600
+"""Time for the smoke checks and the API calls of the serve step, beyond its waits."""
 NOTIFY_POLICY = StepPolicy(
     active_deadline_seconds=600, retries=2, retry_backoff="10s", termination_grace_period_seconds=30
 )
 """The exit handler's timeout and retries (a notification is a courtesy: the step itself always exits 0)."""
+RETENTION_POLICY = StepPolicy(
+    active_deadline_seconds=1800, retries=2, retry_backoff="30s", termination_grace_period_seconds=30
+)
+"""The retention step (deleting old run directories of many GB takes a while on network storage)."""
+CLEANUP_POLICY = StepPolicy(
+    active_deadline_seconds=300, retries=3, retry_backoff="10s", termination_grace_period_seconds=30
+)
+"""Deleting unfinished jobs (workflows/cleanup.py, in the exit handler and before a training stage's retry): its
+timeout and retries, after any failure (the API unreachable exits 1)."""
+
+CREATE_TIMEOUT_SECONDS = 600
+"""The step that creates a training stage's PyTorchJob: scheduling its pod and one API call."""
+WAIT_RETRIES = 10
+WAIT_RETRY_BACKOFF = "30s"
+WAIT_FINAL_MESSAGES = ("failure condition", "deadline", "not found", "has been deleted")
+"""What ends the wait on a job for good (Argo's node message): the operator's verdict (the failure condition
+matched), the step's timeout, the job gone. Anything else (the wait pod deleted, evicted or lost with its node) is
+retried: the wait only reads the job, so a retry watches the same job on."""
+WAIT_RETRY_EXPRESSION = " && ".join(f'!(lastRetry.message contains "{m}")' for m in WAIT_FINAL_MESSAGES)
 
 EXECUTOR_CONTAINERS = {"initContainers": "init", "containers": "wait"}
 """Argo's own containers in a container step's pod (emissary executor, the default pod layout)."""
@@ -258,30 +294,70 @@ def prepare_template(spec: PipelineSpec, rundir: str) -> Container:
     return _container_template(spec, "prepare", spec.stages.prepare, command, inputs=inputs, outputs=outputs)
 
 
-def training_template(spec: PipelineSpec, stage_name: str) -> Resource:
-    """A training stage: create a PyTorchJob, wait on the operator's verdict, retry with a fresh job."""
+def training_templates(spec: PipelineSpec, stage_name: str) -> list[Any]:
+    """A training stage: the steps template `<stage>` (one attempt: delete what an earlier attempt left running,
+    create a PyTorchJob, wait on the operator's verdict), retried with a fresh job, and the templates it runs.
+
+    One job per stage at a time. Argo cannot tell a job that failed from a wait pod that was lost: an evicted pod
+    is Failed too, and a single create-and-wait step retried after losing its pod would create a second job that
+    trains into the same run directory while the first still runs. So creating and waiting are separate steps:
+    `create` is never retried by itself (a retry cannot know whether the lost attempt's job exists), `wait` only
+    reads the job and is retried freely on anything but a final answer (WAIT_RETRY_EXPRESSION), and the whole
+    attempt is retried on a failure, its first step deleting the stage's unfinished jobs (a job whose create or
+    wait pod was lost) before a new one is created."""
     stage = spec.stage(stage_name)
-    manifest = yaml.safe_dump(pytorchjob_manifest(spec, stage_name), sort_keys=False, allow_unicode=True)
     rp = stage.run_policy
-    # activeDeadlineSeconds does not apply to resource templates; `timeout` bounds any leaf node, including a job
-    # the operator never starts (stuck at Created, where its own deadline may never fire).
-    timeout = f"{rp.active_deadline_seconds + DEADLINE_BACKSTOP_SECONDS}s"
-    return Resource(
-        name=stage_name,
+    job = pytorchjob_manifest(spec, stage_name)
+    create = Resource(
+        name=f"{stage_name}-create",
         action="create",
         set_owner_reference=True,
-        manifest=manifest,
+        manifest=yaml.safe_dump(job, sort_keys=False, allow_unicode=True),
+        outputs=[Parameter(name="job-name", value_from=m.ValueFrom(json_path="{.metadata.name}"))],
+        timeout=f"{CREATE_TIMEOUT_SECONDS}s",
+        **_job_creator_identity(spec),
+    )
+    watched = {
+        "apiVersion": job["apiVersion"],
+        "kind": job["kind"],
+        "metadata": {"name": "{{inputs.parameters.job-name}}", "namespace": job["metadata"]["namespace"]},
+    }
+    # activeDeadlineSeconds does not apply to resource templates; `timeout` bounds any leaf node, including a job
+    # the operator never starts (stuck at Created, where its own deadline may never fire).
+    wait = Resource(
+        name=f"{stage_name}-wait",
+        action="get",
+        manifest=yaml.safe_dump(watched, sort_keys=False),
         success_condition=SUCCESS_CONDITION,
         failure_condition=FAILURE_CONDITION,
+        inputs=[Parameter(name="job-name")],
         outputs=[Parameter(name="job-name", value_from=m.ValueFrom(json_path="{.metadata.name}"))],
+        retry_strategy=m.RetryStrategy(
+            limit=str(WAIT_RETRIES),
+            retry_policy="Always",
+            expression=WAIT_RETRY_EXPRESSION,
+            backoff=m.Backoff(duration=WAIT_RETRY_BACKOFF, factor="2", cap=RETRY_BACKOFF_CAP),
+        ),
+        timeout=f"{rp.active_deadline_seconds + DEADLINE_BACKSTOP_SECONDS}s",
+        **_job_creator_identity(spec),
+    )
+    created = "{{steps.create.outputs.parameters.job-name}}"
+    attempt = Steps(
+        name=stage_name,
+        sub_steps=[
+            # `retries` is this template's own attempt number: the first attempt has nothing to clean up.
+            Step(name="reap", template=f"{stage_name}-{CLEANUP}", when="{{retries}} > 0"),
+            Step(name="create", template=create.name),
+            Step(name="wait", template=wait.name, arguments=[Parameter(name="job-name", value=created)]),
+        ],
+        outputs=[Parameter(name="job-name", value_from=m.ValueFrom(parameter=created))],
         retry_strategy=m.RetryStrategy(
             limit=str(rp.retries),
             retry_policy="Always",
             backoff=m.Backoff(duration=rp.retry_backoff, factor="2", cap=RETRY_BACKOFF_CAP),
         ),
-        timeout=timeout,
-        **_job_creator_identity(spec),
     )
+    return [attempt, cleanup_template(spec, stage_name), create, wait]
 
 
 def evaluate_template(spec: PipelineSpec, rundir: str) -> Container:
@@ -297,24 +373,120 @@ def deploy_template(spec: PipelineSpec, rundir: str) -> Container:
     return _container_template(spec, "deploy", spec.stages.deploy, command)
 
 
-def serve_template(spec: PipelineSpec) -> Resource:
-    """serve: apply the InferenceService pointing at the model deploy published, and wait for KServe to roll it
-    out (the service keeps the pipeline's name, so each passing run moves it to the new model)."""
-    return Resource(
-        name="serve",
-        action="apply",
-        manifest=serving.argo_manifest(spec),
-        success_condition=serving.SUCCESS_CONDITION,
-        failure_condition=serving.FAILURE_CONDITION,
-        outputs=[Parameter(name="service", value_from=m.ValueFrom(json_path="{.metadata.name}"))],
-        retry_strategy=m.RetryStrategy(
-            limit=str(SERVE_POLICY.retries),
-            retry_policy="Always",
-            backoff=m.Backoff(duration=SERVE_POLICY.retry_backoff, factor="2", cap=RETRY_BACKOFF_CAP),
+def serve_deadline_seconds(spec: PipelineSpec) -> int:
+    """The serve step's timeout: a wait for the new revision, one per canary step (each held for the interval) and
+    the full switch, one for a rollback, and slack for the smoke checks."""
+    serving = spec.stages.deploy.serving
+    waits = 2 + (len(serving.canary_traffic_percent) + 1 if serving.rollout == "canary" else 0)
+    holds = serving.canary_interval_seconds * len(serving.canary_traffic_percent) if serving.rollout == "canary" else 0
+    return waits * serving.smoke_check.ready_timeout_seconds + holds + SERVE_SLACK_SECONDS
+
+
+def serve_template(spec: PipelineSpec, rundir: str) -> Container:
+    """serve: roll the model deploy published out to its InferenceService (workflows/rollout.py): apply, wait for
+    the new revision, smoke-check it, step canary traffic, then move `champion`, or roll back.
+
+    A container step, not a resource template: Argo's success condition is evaluated as soon as the object is
+    applied, when KServe still reports the previous revision as ready, and a label selector cannot say "the revision
+    created after the one that served before". It runs as the account that may apply InferenceServices (with its
+    token), with only the MLflow credentials, and holds a mutex per service, so two runs never roll one out at
+    once."""
+    cluster = spec.cluster
+    checkpoints = cluster.checkpoints
+    secrets = {
+        name: ref for name, ref in cluster.secrets.env().items() if name.startswith("MLFLOW_")
+    }  # the alias move only
+    env = [
+        m.EnvVar(name="ARGO_WORKFLOW_NAME", value="{{workflow.name}}"),
+        m.EnvVar(name="PYTHONUNBUFFERED", value="1"),
+        m.EnvVar(name="HOME", value=WRITABLE_ENV["HOME"]),
+        *(m.EnvVar(name=k, value=v) for k, v in cluster.env.items() if k != "HOME"),
+        *(
+            m.EnvVar(
+                name=name,
+                value_from=m.EnvVarSource(
+                    secret_key_ref=m.SecretKeySelector(name=ref.name, key=ref.key, optional=True)
+                ),
+            )
+            for name, ref in secrets.items()
         ),
-        timeout=f"{SERVE_POLICY.active_deadline_seconds}s",
+    ]
+    deadline = serve_deadline_seconds(spec)
+    return Container(
+        name="serve",
+        image=cluster.image,
+        image_pull_policy=cluster.image_pull_policy,
+        command=["python", "-m", "workflows.rollout", "--run-dir", rundir],
+        env=env,
+        volumes=[
+            m.Volume(
+                name="checkpoints",
+                persistent_volume_claim=m.PersistentVolumeClaimVolumeSource(
+                    claim_name=checkpoints.claim_name, read_only=True
+                ),
+            ),
+            m.Volume(name=SCRATCH_VOLUME, empty_dir=m.EmptyDirVolumeSource()),
+        ],
+        volume_mounts=[
+            m.VolumeMount(name="checkpoints", mount_path=checkpoints.mount_path, read_only=True),
+            m.VolumeMount(name=SCRATCH_VOLUME, mount_path=SCRATCH_DIR),
+        ],
+        resources=m.ResourceRequirements.model_validate(resource_requirements("250m", "512Mi", 0)),
+        security_context=m.SecurityContext.model_validate(container_security_context()),
+        labels={PIPELINE_LABEL: spec.name, STAGE_LABEL: "serve"},
+        synchronization=m.Synchronization(
+            mutexes=[m.Mutex(name=f"posttrain-serve-{serving.inference_service_name(spec)}")]
+        ),
+        active_deadline_seconds=deadline,
+        retry_strategy=step_retry_strategy(SERVE_POLICY),
+        pod_spec_patch=step_pod_spec_patch(spec, SERVE_POLICY),
         **_job_creator_identity(spec),
     )
+
+
+def cleanup_template(spec: PipelineSpec, stage: str | None = None) -> Container:
+    """Delete the run's unfinished PyTorchJobs (of one `stage`, named `<stage>-cleanup`, or all, named `cleanup`):
+    workflows/cleanup.py, with the job-creating account's token (its Role allows listing and deleting them)."""
+    # The names are Argo's own values for this workflow, never the form's: argv is safe.
+    command = ["python", "-m", "workflows.cleanup", "--namespace", "{{workflow.namespace}}"]
+    command += ["--workflow", "{{workflow.name}}"] + (["--stage", stage] if stage else [])
+    return Container(
+        name=f"{stage}-{CLEANUP}" if stage else CLEANUP,
+        image=spec.cluster.image,
+        image_pull_policy=spec.cluster.image_pull_policy,
+        command=command,
+        env=[m.EnvVar(name="HOME", value=WRITABLE_ENV["HOME"])],
+        volumes=[m.Volume(name=SCRATCH_VOLUME, empty_dir=m.EmptyDirVolumeSource())],
+        volume_mounts=[m.VolumeMount(name=SCRATCH_VOLUME, mount_path=SCRATCH_DIR)],
+        resources=m.ResourceRequirements.model_validate(resource_requirements("100m", "256Mi", 0)),
+        security_context=m.SecurityContext.model_validate(container_security_context()),
+        active_deadline_seconds=CLEANUP_POLICY.active_deadline_seconds,
+        retry_strategy=m.RetryStrategy(
+            limit=str(CLEANUP_POLICY.retries),
+            retry_policy="Always",
+            backoff=m.Backoff(duration=CLEANUP_POLICY.retry_backoff, factor="2", cap=RETRY_BACKOFF_CAP),
+        ),
+        pod_spec_patch=step_pod_spec_patch(spec, CLEANUP_POLICY),
+        **_job_creator_identity(spec),
+    )
+
+
+def exit_handler_template(spec: PipelineSpec) -> Steps:
+    """The exit handler: when the run did not succeed (stopped, failed, past its deadline), delete its unfinished
+    training jobs, so their GPUs are freed now rather than when the Workflow object is deleted; then, when
+    notifications.slack is on, post the outcome (also when the cleanup failed). Argo runs no exit handler for a
+    terminated workflow: `python -m workflows.runs stop --terminate` deletes the jobs itself."""
+    steps = [
+        Step(
+            name=CLEANUP,
+            template=CLEANUP,
+            when="{{workflow.status}} != Succeeded",
+            continue_on=m.ContinueOn(failed=True, error=True),
+        )
+    ]
+    if spec.notifications.slack:
+        steps.append(Step(name=NOTIFY, template=NOTIFY))
+    return Steps(name=EXIT_HANDLER, sub_steps=steps)
 
 
 def notify_template(spec: PipelineSpec, rundir: str) -> Container:
@@ -329,6 +501,9 @@ def notify_template(spec: PipelineSpec, rundir: str) -> Container:
         "failures": "{{workflow.failures}}",
         "duration": "{{workflow.duration}}",
         "ui-url": spec.cluster.argo_ui_url or "",
+        "grafana-url": spec.cluster.grafana_url or "",
+        # The link is built only from an http(s) URI, with any credential in it masked (workflows/notify.py).
+        "mlflow-uri": spec.tracking.mlflow_tracking_uri or spec.cluster.env.get("MLFLOW_TRACKING_URI", ""),
         "notify-on": ",".join(spec.notifications.on),
         "note": spec.notifications.channel_note or "",
     }
@@ -403,7 +578,37 @@ def pipeline_dag(spec: PipelineSpec) -> DAG:
             continue
         tasks.append(Task(name=stage, template=stage, depends=previous, when=_when_enabled(stage)))
         previous = stage
+    if spec.retention.enabled:
+        tasks.append(Task(name=RETENTION, template=RETENTION, depends=retention_depends([t.name for t in tasks])))
     return DAG(name=ENTRYPOINT, tasks=tasks)
+
+
+def retention_depends(task_names: list[str]) -> str:
+    """When the retention step runs: after the last task, also when the gate kept deploy from running (deploy
+    Skipped, the tasks after it Omitted), never after a failure. A task that runs after a failed one makes Argo
+    count the failure as handled and the DAG Succeeded, so it must not depend on any `.Failed`."""
+    last = task_names[-1]
+    if "deploy" not in task_names or last == "deploy":
+        return last
+    return f"{last}.Succeeded || {last}.Skipped || deploy.Skipped"
+
+
+def retention_template(spec: PipelineSpec) -> Container:
+    """retention: `python -m workflows.runs prune` over the pipeline's run directories, with the checkpoints volume
+    mounted read-write. It runs as the job-creating ServiceAccount, whose token reads the InferenceService (what a
+    serving revision uses is never deleted); the Argo server is not asked, the stage records say which runs ended."""
+    retention = spec.retention
+    command = ["python", "-m", "workflows.runs", "prune", "--pipeline", spec.name]
+    command += ["--checkpoints", spec.cluster.checkpoints.mount_path]
+    if retention.keep_last is not None:
+        command += ["--keep-last", str(retention.keep_last)]
+    if retention.keep_days is not None:
+        command += ["--keep-days", f"{retention.keep_days:g}"]
+    step = StageBase(resources=Resources(cpu="500m", memory="1Gi"), run_policy=RETENTION_POLICY)
+    container = _container_template(spec, RETENTION, step, command)
+    container.service_account_name = spec.cluster.service_account
+    container.automount_service_account_token = True
+    return container
 
 
 # --------------------------------------------------------------------------- the deadline
@@ -425,6 +630,16 @@ def worst_case_seconds(policy: StepPolicy, timeout_seconds: float) -> float:
     return (policy.retries + 1) * timeout_seconds + waits
 
 
+def training_attempt_seconds(policy: StepPolicy) -> float:
+    """The longest one attempt of a training stage can take (training_templates): the cleanup before a retry, the
+    create step, and the wait, whose retries all watch the same job (bounded by its deadline plus an hour) with
+    Argo's waits between them."""
+    base, cap = duration_seconds(WAIT_RETRY_BACKOFF), duration_seconds(RETRY_BACKOFF_CAP)
+    wait_pauses = sum(min(base * 2**i, cap) for i in range(WAIT_RETRIES))
+    wait = policy.active_deadline_seconds + DEADLINE_BACKSTOP_SECONDS + wait_pauses
+    return worst_case_seconds(CLEANUP_POLICY, CLEANUP_POLICY.active_deadline_seconds) + CREATE_TIMEOUT_SECONDS + wait
+
+
 def workflow_deadline(spec: PipelineSpec) -> int:
     """workflow.active_deadline_seconds, or when unset the worst case of the steps the template holds, in DAG order
     (each may run, whatever the form switches off), plus an hour for scheduling and the exit handler."""
@@ -435,10 +650,13 @@ def workflow_deadline(spec: PipelineSpec) -> int:
         policy = spec.stage(name).run_policy
         timeout = policy.active_deadline_seconds
         if name in TRAINING_STAGES:
-            timeout += DEADLINE_BACKSTOP_SECONDS  # the resource step's timeout (training_template)
+            timeout = training_attempt_seconds(policy)
         total += worst_case_seconds(policy, timeout)
     if spec.stages.deploy.enabled and spec.stages.deploy.serving.enabled:
-        total += worst_case_seconds(SERVE_POLICY, SERVE_POLICY.active_deadline_seconds)
+        total += worst_case_seconds(SERVE_POLICY, serve_deadline_seconds(spec))
+    total += worst_case_seconds(CLEANUP_POLICY, CLEANUP_POLICY.active_deadline_seconds)  # the exit handler's
+    if spec.retention.enabled:
+        total += worst_case_seconds(RETENTION_POLICY, RETENTION_POLICY.active_deadline_seconds)
     if spec.notifications.slack:
         total += worst_case_seconds(NOTIFY_POLICY, NOTIFY_POLICY.active_deadline_seconds)
     return math.ceil(total)
@@ -455,17 +673,18 @@ def workflow_template(spec: PipelineSpec, name: str | None = None) -> WorkflowTe
     templates: list[Any] = [pipeline_dag(spec), prepare_template(spec, rundir)]
     for stage in spec.stages.enabled():
         if stage in TRAINING_STAGES:
-            templates.append(training_template(spec, stage))
+            templates += training_templates(spec, stage)
     if spec.stages.evaluate.enabled:
         templates.append(evaluate_template(spec, rundir))
     if spec.stages.deploy.enabled:
         templates.append(deploy_template(spec, rundir))
         if spec.stages.deploy.serving.enabled:
-            templates.append(serve_template(spec))
-    on_exit = None
+            templates.append(serve_template(spec, rundir))
+    if spec.retention.enabled:
+        templates.append(retention_template(spec))
+    templates += [exit_handler_template(spec), cleanup_template(spec)]
     if spec.notifications.slack:
         templates.append(notify_template(spec, rundir))
-        on_exit = NOTIFY
     wf = spec.workflow
     annotations = {"workflows.argoproj.io/description": spec.description} if spec.description else None
     return WorkflowTemplate(
@@ -482,7 +701,7 @@ def workflow_template(spec: PipelineSpec, name: str | None = None) -> WorkflowTe
             for p in params.ui_parameters(spec)
         ],
         templates=templates,
-        on_exit=on_exit,
+        on_exit=EXIT_HANDLER,
         pod_gc=m.PodGC(strategy=wf.pod_gc),
         ttl_strategy=m.TTLStrategy(
             seconds_after_success=wf.ttl_seconds_after_success,

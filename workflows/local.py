@@ -70,6 +70,7 @@ from stages.contract import (
 )
 from stages.evaluate import GATE_PASS
 from workflows.loading import LoadedPipeline
+from workflows.pytorchjob import RUN_ROOT
 from workflows.spec import TRAINING_STAGES, PipelineSpec
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -508,6 +509,8 @@ def _run_locked(loaded: LoadedPipeline, run_root: Path, force: bool, console: Co
                 console.print(f"{run.name}: {run.status} ({run.elapsed})", markup=False)
 
     console.print(render(spec, run_root, runs, live=False))
+    if failed is None and spec.retention.enabled:
+        exit_code = run_retention(spec, run_root, console)
     if failed is not None:
         if failed.tail:
             log_path = run_root / failed.name / "logs" / "stage.log"
@@ -524,6 +527,27 @@ def _run_locked(loaded: LoadedPipeline, run_root: Path, force: bool, console: Co
     else:
         console.print(f"MLflow: {mask_secrets(uri)}", markup=False, soft_wrap=True)
     return exit_code
+
+
+def run_retention(spec: PipelineSpec, run_root: Path, console: Console) -> int:
+    """The cluster's retention step on this machine: `python -m workflows.runs prune` over the runs folder this run
+    lies in (this run itself is never deleted); its exit code."""
+    if run_root.parent.name != RUN_ROOT:
+        console.print(f"retention: {run_root} is not in a {RUN_ROOT}/ folder; nothing pruned", markup=False)
+        return 0
+    retention = spec.retention
+    command = [sys.executable, "-m", "workflows.runs", "prune", "--pipeline", spec.name]
+    command += ["--checkpoints", str(run_root.parent.parent), "--current", run_root.name]
+    if retention.keep_last is not None:
+        command += ["--keep-last", str(retention.keep_last)]
+    if retention.keep_days is not None:
+        command += ["--keep-days", f"{retention.keep_days:g}"]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    for line in (done.stdout + done.stderr).splitlines():
+        console.print(f"retention: {line}", markup=False, soft_wrap=True)
+    return done.returncode
 
 
 class _Quiet:

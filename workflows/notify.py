@@ -1,9 +1,13 @@
-"""The exit handler: post a run's outcome (status, failed steps, duration, link) to a Slack incoming webhook.
+"""The exit handler's notification: post a run's outcome to a Slack incoming webhook.
 
-`python -m workflows.notify --params-dir DIR` reads one file per value in DIR (Argo writes them from
-`{{workflow.*}}`): workflow-name, workflow-namespace, status, failures, duration, ui-url, notify-on, note, and
-optionally pipeline. The webhook URL comes from the environment (SLACK_WEBHOOK_URL, from a Secret) and is never
-printed. A notification is a courtesy: a failed post is a warning and exits 0, never failing the workflow.
+`python -m workflows.notify --params-dir DIR --run-dir RUN` reads one file per value in DIR (Argo writes them from
+`{{workflow.*}}` and the spec): workflow-name, workflow-namespace, status, failures, duration, ui-url, grafana-url,
+mlflow-uri, notify-on, note, and optionally pipeline. The run directory (read-only) says what the run did: the model
+version deploy promoted (champion moved), the gate rules evaluate found failing (nothing promoted), why prepare or
+evaluate skipped the rest, the failed stage's error line, and the run's MLflow run. Links: the Argo UI, MLflow (only
+an http(s) tracking URI, without its credentials) and Grafana's run dashboard. The webhook URL comes from the
+environment (SLACK_WEBHOOK_URL, from a Secret) and is never printed. A notification is a courtesy: a failed post is
+a warning and exits 0, never failing the workflow.
 """
 
 from __future__ import annotations
@@ -18,6 +22,10 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
+
+from workflows.credentials import scrub
+from workflows.spec import STAGE_ORDER
 
 WEBHOOK_ENV = "SLACK_WEBHOOK_URL"
 POST_TIMEOUT_S = 15.0
@@ -25,6 +33,11 @@ MAX_FAILURES_LISTED = 8
 MAX_MESSAGE_CHARS = 300
 
 _EMOJI = {"Succeeded": ":white_check_mark:", "Failed": ":x:", "Error": ":rotating_light:"}
+_ROLLUP = re.compile(r"^(child '[^']*' failed|No more retries left)$")
+_STEP_TEMPLATE = re.compile(r"-(create|wait|cleanup)$")
+"""The templates of one training stage's attempt (workflows/compile.py training_templates) end so."""
+GRAFANA_DASHBOARD = "posttrain-run"
+"""The uid of the run dashboard (manifests/components/monitoring); its variable `run` is the workflow's name."""
 
 
 @dataclass(frozen=True)
@@ -50,7 +63,30 @@ class RunOutcome:
     notify_on: tuple[str, ...] = ()
     note: str = ""
     skipped: str = ""
-    """Why the run ended after prepare (unchanged data on a scheduled run); empty when it did not."""
+    """Why the run ended early (prepare found the data unchanged, evaluate had nothing to evaluate); or empty."""
+    record: RunRecord = field(default_factory=lambda: RunRecord())
+    """What the run directory says the run did."""
+    mlflow_url: str = ""
+    """The pipeline's MLflow run; empty without an http(s) tracking server or a run."""
+    grafana_url: str = ""
+    """The run's Grafana dashboard; empty when cluster.grafana_url is not set."""
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """What the stages recorded in the run directory: promotion, gate, failure, MLflow run."""
+
+    promoted: str = ""
+    """'<registered model> v<version>' when deploy moved the champion alias to it."""
+    registered: str = ""
+    """deploy's own line when it registered a version without promoting it (a challenger only)."""
+    gate_failed: tuple[str, ...] = ()
+    """The gate rules that failed (evaluate's gate_checks), when the gate said fail."""
+    failed_stage: str = ""
+    error: str = ""
+    """The failed stage's message from its stage.json (its error line)."""
+    mlflow_run: str = ""
+    """The pipeline's MLflow run as '<experiment id>/<run id>' (tracking.json), or empty."""
 
 
 def _read(params_dir: Path, name: str) -> str:
@@ -75,6 +111,8 @@ def parse_failures(raw: str) -> list[Failure]:
             continue
         step = str(item.get("displayName") or item.get("templateName") or item.get("podName") or "?")
         message = " ".join(str(item.get("message") or "").split())
+        if _ROLLUP.match(message):  # a DAG, steps or retry node repeating its child's failure
+            continue
         if (step, message) in seen:  # retries of a step often fail the same way
             continue
         seen.add((step, message))
@@ -100,16 +138,100 @@ def _pipeline_of(workflow: str) -> str:
     return re.sub(r"-[a-z0-9]{5}$", "", workflow)
 
 
-def skip_reason(run_dir: Path | None) -> str:
-    """Why prepare ended the run, from its stage.json in the run directory ('' when it did not, or is unknown)."""
+def _stage_record(run_dir: Path | None, stage: str) -> dict[str, Any]:
+    """A stage's stage.json as a dict ({} when missing or unreadable)."""
     if run_dir is None:
-        return ""
+        return {}
     try:
-        record = json.loads((run_dir / "prepare" / "stage.json").read_text(encoding="utf-8"))
+        record = json.loads((run_dir / stage / "stage.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def _extra(record: dict[str, Any]) -> dict[str, Any]:
+    extra = record.get("extra")
+    return extra if isinstance(extra, dict) else {}
+
+
+def skip_reason(run_dir: Path | None) -> str:
+    """Why the run ended early: prepare's reason (unchanged data), else evaluate's when it skipped ('' when
+    neither did, or it is unknown)."""
+    extra = _extra(_stage_record(run_dir, "prepare"))
+    if extra.get("proceed") == "false":
+        return str(extra.get("skip-reason", ""))
+    evaluate = _stage_record(run_dir, "evaluate")
+    if evaluate.get("status") == "skipped" or _extra(evaluate).get("gate") == "skipped":
+        return str(evaluate.get("message") or "evaluate had nothing to evaluate")
+    return ""
+
+
+def _one_line(text: str) -> str:
+    """The first non-empty line of a message, credential-shaped spans masked."""
+    line = next((ln.strip() for ln in str(text).splitlines() if ln.strip()), "")
+    return scrub(line, ())
+
+
+def read_run_record(run_dir: Path | None) -> RunRecord:
+    """What the stages of `run_dir` recorded (an empty record without a run directory)."""
+    deploy = _stage_record(run_dir, "deploy")
+    promoted = registered = ""
+    if deploy.get("status") == "succeeded":
+        extra = _extra(deploy)
+        if extra.get("promoted") == "true":
+            promoted = f"{extra.get('registered_model', '?')} v{extra.get('model_version', '?')}"
+        elif extra.get("model_version"):
+            registered = _one_line(deploy.get("message", ""))
+    gate_failed: tuple[str, ...] = ()
+    evaluate = _extra(_stage_record(run_dir, "evaluate"))
+    if evaluate.get("gate") == "fail":
+        checks = [c for c in evaluate.get("gate_checks") or [] if isinstance(c, dict) and not c.get("passed")]
+        reasons = [str(c.get("reason", c.get("metric", "?"))) for c in checks]
+        # A registry error fails the gate without a failing rule: the reasons then say why.
+        gate_failed = tuple(reasons or [str(r) for r in evaluate.get("gate_reasons") or []])
+    failed_stage = error = ""
+    for stage in STAGE_ORDER:
+        record = _stage_record(run_dir, stage)
+        if record.get("status") == "failed":
+            failed_stage, error = stage, _one_line(record.get("message", ""))
+            break
+    mlflow: dict[str, Any] = {}
+    if run_dir is not None:
+        try:
+            mlflow = json.loads((run_dir / "tracking.json").read_text(encoding="utf-8")).get("mlflow") or {}
+        except (OSError, ValueError, AttributeError):
+            mlflow = {}
+    experiment, run = mlflow.get("experiment_id"), mlflow.get("parent_run_id")
+    return RunRecord(
+        promoted=promoted,
+        registered=registered,
+        gate_failed=gate_failed,
+        failed_stage=failed_stage,
+        error=error,
+        mlflow_run=f"{experiment}/{run}" if experiment and run else "",
+    )
+
+
+def mlflow_url(tracking_uri: str, run: str) -> str:
+    """The MLflow UI's page of `run` ('<experiment>/<run id>') on an http(s) tracking server, without any
+    credential the URI holds; '' for any other URI (SQLite, a file path) or no run."""
+    if not run or not re.match(r"^https?://", tracking_uri):
         return ""
-    extra = record.get("extra", {}) if isinstance(record, dict) else {}
-    return str(extra.get("skip-reason", "")) if extra.get("proceed") == "false" else ""
+    parts = urlsplit(tracking_uri)
+    host = parts.hostname or ""
+    if not host:
+        return ""
+    netloc = host + (f":{parts.port}" if parts.port else "")
+    base = scrub(f"{parts.scheme}://{netloc}{parts.path}".rstrip("/"), ())
+    experiment, run_id = run.split("/", 1)
+    return f"{base}/#/experiments/{experiment}/runs/{run_id}"
+
+
+def grafana_dashboard_url(grafana_url: str, workflow: str) -> str:
+    """The run's Grafana dashboard (uid GRAFANA_DASHBOARD, variable `run`); '' without a Grafana URL."""
+    if not grafana_url or not workflow:
+        return ""
+    return f"{grafana_url.rstrip('/')}/d/{GRAFANA_DASHBOARD}?var-run={workflow}"
 
 
 def read_outcome(params_dir: Path, run_dir: Path | None = None) -> RunOutcome:
@@ -119,6 +241,8 @@ def read_outcome(params_dir: Path, run_dir: Path | None = None) -> RunOutcome:
     namespace = _read(params_dir, "workflow-namespace")
     if ui_url and workflow and "/workflows/" not in ui_url:
         ui_url = f"{ui_url.rstrip('/')}/workflows/{namespace}/{workflow}"
+    record = read_run_record(run_dir)
+    mlflow = mlflow_url(_read(params_dir, "mlflow-uri"), record.mlflow_run)
     return RunOutcome(
         workflow=workflow,
         namespace=namespace,
@@ -130,6 +254,9 @@ def read_outcome(params_dir: Path, run_dir: Path | None = None) -> RunOutcome:
         notify_on=tuple(s.strip() for s in _read(params_dir, "notify-on").split(",") if s.strip()),
         note=_read(params_dir, "note"),
         skipped=skip_reason(run_dir),
+        record=record,
+        mlflow_url=mlflow,
+        grafana_url=grafana_dashboard_url(_read(params_dir, "grafana-url"), workflow),
     )
 
 
@@ -137,10 +264,55 @@ def _clip(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+def failed_step(failures: list[Failure]) -> str:
+    """The pipeline step a failure belongs to (a stage, or serve), from the failed nodes' templates."""
+    for failure in failures:
+        step = _STEP_TEMPLATE.sub("", failure.template)
+        if step in (*STAGE_ORDER, "serve"):
+            return step
+    return ""
+
+
+def outcome_line(outcome: RunOutcome) -> tuple[str, str]:
+    """(emoji, status text) that state what the run did: promoted, gate failed, skipped, or where it failed."""
+    record, status = outcome.record, outcome.status
+    if status == "Succeeded":
+        if outcome.skipped:
+            return ":fast_forward:", "Succeeded, skipped"
+        if record.promoted:
+            return _EMOJI[status], f"Succeeded, promoted {record.promoted} (champion)"
+        if record.gate_failed:
+            return ":warning:", "Succeeded, gate failed: nothing promoted"
+        return _EMOJI[status], status
+    emoji = _EMOJI.get(status, ":grey_question:")
+    stage = record.failed_stage or failed_step(outcome.failures)
+    return emoji, f"{status} at {stage}" if stage and status in ("Failed", "Error") else status
+
+
+def _details(outcome: RunOutcome) -> list[str]:
+    """The outcome's sections (mrkdwn): what was promoted, the failed rules, the failed stage's error."""
+    record = outcome.record
+    sections = []
+    if record.promoted:
+        sections.append(f"*Promoted*\n`{record.promoted}`: the champion alias moved to it")
+    elif record.registered:
+        sections.append(f"*Registered*\n{_clip(record.registered)}")
+    if record.gate_failed:
+        rules = [f"• {_clip(r)}" for r in record.gate_failed[:MAX_FAILURES_LISTED]]
+        sections.append("*Gate failed* (the champion stays)\n" + "\n".join(rules))
+    if record.failed_stage and outcome.status != "Succeeded":
+        sections.append(f"*{record.failed_stage} failed*\n{_clip(record.error) if record.error else '(no message)'}")
+    return sections
+
+
+def _links(outcome: RunOutcome) -> list[str]:
+    links = [(outcome.ui_url, "Argo"), (outcome.mlflow_url, "MLflow"), (outcome.grafana_url, "Grafana")]
+    return [f"<{url}|{name}>" for url, name in links if url]
+
+
 def slack_message(outcome: RunOutcome) -> dict[str, Any]:
-    """The Slack payload: a plain-text fallback and blocks (header, fields, failed steps, note, link)."""
-    status = f"{outcome.status}, skipped" if outcome.skipped and outcome.status == "Succeeded" else outcome.status
-    emoji = ":fast_forward:" if outcome.skipped else _EMOJI.get(outcome.status, ":grey_question:")
+    """The Slack payload: a plain-text fallback and blocks (header, fields, outcome, failed steps, note, links)."""
+    emoji, status = outcome_line(outcome)
     headline = f"{emoji} {outcome.pipeline or outcome.workflow}: {status}"
     fields = [
         f"*Workflow*\n`{outcome.workflow}`" + (f" in `{outcome.namespace}`" if outcome.namespace else ""),
@@ -152,6 +324,7 @@ def slack_message(outcome: RunOutcome) -> dict[str, Any]:
         {"type": "header", "text": {"type": "plain_text", "text": _clip(headline, 150), "emoji": True}},
         {"type": "section", "fields": [{"type": "mrkdwn", "text": f} for f in fields]},
     ]
+    blocks += [{"type": "section", "text": {"type": "mrkdwn", "text": d}} for d in _details(outcome)]
     if outcome.failures:
         lines = [
             f"• *{f.step}*: {_clip(f.message) if f.message else '(no message)'}"
@@ -164,12 +337,13 @@ def slack_message(outcome: RunOutcome) -> dict[str, Any]:
         blocks.append({"type": "section", "text": {"type": "mrkdwn", "text": f"*Skipped*\n{_clip(outcome.skipped)}"}})
     if outcome.note:
         blocks.append({"type": "context", "elements": [{"type": "mrkdwn", "text": _clip(outcome.note)}]})
-    if outcome.ui_url:
-        blocks.append(
-            {"type": "section", "text": {"type": "mrkdwn", "text": f"<{outcome.ui_url}|Open the run in Argo>"}}
-        )
+    links = _links(outcome)
+    if links:
+        blocks.append({"type": "section", "text": {"type": "mrkdwn", "text": "Open the run in " + " · ".join(links)}})
     text = headline + (f" ({outcome.duration})" if outcome.duration else "")
-    if outcome.failures:
+    if outcome.record.failed_stage and outcome.record.error and outcome.status != "Succeeded":
+        text += f" — {outcome.record.failed_stage}: {_clip(outcome.record.error, 150)}"
+    elif outcome.failures:
         text += " — failed: " + ", ".join(f.step for f in outcome.failures[:MAX_FAILURES_LISTED])
     if outcome.ui_url:
         text += f" {outcome.ui_url}"

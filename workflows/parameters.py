@@ -24,7 +24,7 @@ SPEC_FILE = "pipeline.json.b64"
 OVERRIDES = "overrides"
 
 # Sections compiled into the template (pods, volumes, schedule...): changing them needs a new template.
-COMPILED_SECTIONS = ("name", "cluster", "schedule", "workflow", "notifications", "profiles")
+COMPILED_SECTIONS = ("name", "cluster", "schedule", "workflow", "notifications", "retention", "profiles")
 COMPILED_STAGE_FIELDS = ("enabled", "resources", "run_policy", "env")
 COMPILED_FIELDS = (("stages", "deploy", "serving"),)  # the serve step's InferenceService manifest
 PIPELINE_FILE_ONLY: dict[tuple[str, ...], str] = {

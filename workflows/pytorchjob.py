@@ -38,6 +38,8 @@ PART_OF = "posttrain"
 STAGE_LABEL = "posttrain.dev/stage"
 PIPELINE_LABEL = "posttrain.dev/pipeline"
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+METRICS_PORT_NAME = "metrics"  # the container port manifests/components/monitoring's PodMonitor scrapes
+METRICS_PORT_ENV = "POSTTRAIN_METRICS_PORT"  # where stages/metrics.py serves, when set
 
 # Seconds of the grace period kept back from torchrun's own shutdown, for the agent to exit after its workers.
 SHUTDOWN_MARGIN_SECONDS = 15
@@ -221,6 +223,16 @@ def pod_template(spec: PipelineSpec, stage_name: str, stage: TrainingStage, comm
     return {"metadata": metadata, "spec": pod}
 
 
+def serve_metrics(template: dict[str, Any], port: int) -> None:
+    """Give the Master's container the metrics port (named, for the PodMonitor) and tell the stage to serve on it.
+    Rank 0, the Master's first process, serves; the Workers declare no port, so the PodMonitor finds no target in
+    them that would be down."""
+    (container,) = template["spec"]["containers"]
+    container["ports"] = [{"name": METRICS_PORT_NAME, "containerPort": port, "protocol": "TCP"}]
+    env = [e for e in container["env"] if e["name"] != METRICS_PORT_ENV]  # the port served is the one declared
+    container["env"] = [*env, {"name": METRICS_PORT_ENV, "value": str(port)}]
+
+
 def container_security_context(ipc_lock: bool = False) -> dict[str, Any]:
     """Every container that runs stage code: no privilege escalation, no capabilities, a read-only root filesystem
     (the volumes of `volumes` are its writable places). With `ipc_lock` (a training stage with `resources.rdma`)
@@ -289,6 +301,8 @@ def pytorchjob_manifest(spec: PipelineSpec, stage_name: str, run_name: str = "{{
     if res.nodes > 1:
         # A copy, so the YAML manifest spells the Worker template out instead of aliasing the Master's.
         replicas["Worker"] = {"replicas": res.nodes - 1, "restartPolicy": "Never", "template": copy.deepcopy(template)}
+    if spec.cluster.metrics_port is not None:
+        serve_metrics(template, spec.cluster.metrics_port)
     labels = {
         "app.kubernetes.io/part-of": PART_OF,
         PIPELINE_LABEL: spec.name,

@@ -1,6 +1,20 @@
-"""The runs CLI: commands on run directories.
+"""The runs CLI: commands on runs, through the Argo server, the Kubernetes API and the run directories.
 
+    python -m workflows.runs list [--pipeline P] [--phase Running|Succeeded|Failed|Error] [--limit N]
+    python -m workflows.runs get NAME
+    python -m workflows.runs logs NAME [--stage S] [--rank R] [--follow] [--tail N]
+    python -m workflows.runs stop NAME [--terminate] [--message M]
+    python -m workflows.runs retry NAME [--restart-successful] [--node-field-selector S]
+    python -m workflows.runs delete NAME
+    python -m workflows.runs prune --keep-last N [--keep-days D] [--pipeline P] [--dry-run] [--checkpoints DIR]
     python -m workflows.runs sync-tracking runs/korean-llm-20260101-000000
+
+The Argo server is configured as for `workflows.submit` (ARGO_SERVER, ARGO_TOKEN, ARGO_NAMESPACE or --namespace);
+the Kubernetes API (the training jobs, their pods' logs, the InferenceService) from the kubeconfig, or the pod's
+service account in the cluster. `stop` lets Argo run the exit handler, which deletes the run's unfinished training
+jobs; `stop --terminate` skips exit handlers, so this command deletes them itself (`workflows.cleanup`), as
+`delete` does before it deletes the workflow. `prune` deletes old run directories (workflows/retention.py says
+which it never deletes).
 
 `sync-tracking DIR` sends to MLflow what the stages of a run directory could not send during an outage (each
 stage's `<stage>/logs/tracking-unsent.jsonl`) and ends the MLflow runs of stage attempts that died without
@@ -8,13 +22,30 @@ ending them (KILLED), so that no run of a finished stage stays RUNNING. It is sa
 also while a stage runs (that stage's journal is left to it). Exit status: 0 when everything got through, 1 when
 something is still pending (the server is unreachable, or a process runs that stage), 2 when DIR is not a
 run directory.
+
+Every failure is one `error:` line: exit 2 for bad input, 1 when a server refused or could not be reached.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from workflows.pytorchjob import PIPELINE_LABEL, RUN_ROOT, STAGE_LABEL
+
+if TYPE_CHECKING:
+    from hera.workflows.models import NodeStatus, Workflow
+
+    from workflows.argo import ArgoClient
+    from workflows.retention import Run
 
 EXAMPLE = """example:
   python -m workflows.runs sync-tracking runs/korean-llm-20260101-000000
@@ -24,15 +55,119 @@ The tracking server is the run's own: spec.tracking.mlflow_tracking_uri, else $M
 run directory's mlflow.db."""
 
 
+EXIT_FAILED = 1
+"""A server refused or could not be reached."""
+EXIT_USAGE = 2
+"""Bad input: an unknown workflow or stage, a bad option."""
+DEFAULT_NAMESPACE = "posttrain"
+"""The namespace when neither --namespace nor ARGO_NAMESPACE names one (cluster.namespace's default)."""
+PHASES = ("Pending", "Running", "Succeeded", "Failed", "Error")
+PHASE_LABEL = "workflows.argoproj.io/phase"
+"""The label the workflow controller keeps at the workflow's phase (what --phase selects on)."""
+JOB_NAME_LABEL = "training.kubeflow.org/job-name"
+REPLICA_TYPE_LABEL = "training.kubeflow.org/replica-type"
+REPLICA_INDEX_LABEL = "training.kubeflow.org/replica-index"
+STEP_CONTAINER = "main"
+"""The container of a container step's pod that runs the stage (Argo's name for it)."""
+
+
+class RunsError(Exception):
+    """An expected failure: printed as one `error:` line, exit with `code`."""
+
+    def __init__(self, message: str, code: int = EXIT_FAILED) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 def parser() -> argparse.ArgumentParser:
     """The command line."""
     p = argparse.ArgumentParser(
         prog="python -m workflows.runs",
-        description="Commands on run directories.",
+        description="Commands on runs: list, inspect, follow, stop, retry and delete workflows; prune run "
+        "directories; send unsent tracking records.",
         epilog=EXAMPLE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     commands = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=help, description=help)
+        sub.add_argument(
+            "-n", "--namespace", help="Namespace of the workflows (default: $ARGO_NAMESPACE, else posttrain)."
+        )
+        return sub
+
+    listing = command("list", "List runs, newest first: phase, timing, progress and the stage each is in.")
+    listing.add_argument("--pipeline", metavar="P", help="Only runs of pipeline P.")
+    listing.add_argument("--phase", choices=PHASES, help="Only runs in this phase.")
+    listing.add_argument("--limit", type=int, default=20, metavar="N", help="Show at most N runs (default 20).")
+
+    get = command("get", "A run's phase, message, stages, training jobs and Argo UI link.")
+    get.add_argument("name", metavar="NAME", help="The workflow's name.")
+
+    logs = command(
+        "logs",
+        "Print a run's pod logs: a training stage's from its job's pod (rank 0 unless --rank), any other stage's "
+        "through the Argo server; without --stage every step pod's.",
+    )
+    logs.add_argument("name", metavar="NAME", help="The workflow's name.")
+    logs.add_argument("--stage", metavar="S", help="The stage (prepare, cpt, sft, rlhf, evaluate, deploy, ...).")
+    logs.add_argument("--rank", type=int, default=0, metavar="R", help="Training stages: the node rank (0: Master).")
+    logs.add_argument("-f", "--follow", action="store_true", help="Keep printing as the pod writes.")
+    logs.add_argument("--tail", type=int, metavar="N", help="Only the last N lines (of each pod).")
+
+    stop = command(
+        "stop",
+        "Stop a run: steps get SIGTERM and the exit handler deletes its unfinished training jobs. --terminate "
+        "skips exit handlers; this command then deletes the jobs itself.",
+    )
+    stop.add_argument("name", metavar="NAME", help="The workflow's name.")
+    stop.add_argument("--terminate", action="store_true", help="Terminate: no exit handler runs.")
+    stop.add_argument("--message", metavar="M", help="Why it was stopped (shown on the workflow).")
+
+    retry = command("retry", "Retry a Failed or Errored run from its failed steps.")
+    retry.add_argument("name", metavar="NAME", help="The workflow's name.")
+    retry.add_argument(
+        "--restart-successful", action="store_true", help="Also run again the succeeded steps the selector matches."
+    )
+    retry.add_argument(
+        "--node-field-selector",
+        metavar="SELECTOR",
+        help="The steps to run again with --restart-successful, e.g. displayName=evaluate.",
+    )
+
+    delete = command("delete", "Delete a run's unfinished training jobs, then the workflow.")
+    delete.add_argument("name", metavar="NAME", help="The workflow's name.")
+
+    prune = command(
+        "prune",
+        "Delete old run directories under <checkpoints>/runs/, keeping the newest N per pipeline and never a run "
+        "without a final state, the run whose model is champion or challenger, or one a serving revision uses.",
+    )
+    prune.add_argument("--keep-last", type=int, metavar="N", help="Keep the newest N runs of each pipeline.")
+    prune.add_argument("--keep-days", type=float, metavar="D", help="Keep every run younger than D days.")
+    prune.add_argument("--pipeline", metavar="P", help="Only runs of pipeline P.")
+    prune.add_argument("--dry-run", action="store_true", help="Say what would be deleted; delete nothing.")
+    prune.add_argument(
+        "--checkpoints",
+        type=Path,
+        default=Path("."),
+        metavar="DIR",
+        help="The checkpoints volume (its runs/ folder is pruned); default: this directory (local runs/).",
+    )
+    prune.add_argument(
+        "--current",
+        metavar="RUN",
+        help="The run doing the pruning, never deleted (default: $ARGO_WORKFLOW_NAME).",
+    )
+    prune.add_argument(
+        "--served-uri",
+        action="append",
+        default=[],
+        metavar="URI",
+        help="A storage URI a server uses besides the InferenceServices read from the cluster (repeatable).",
+    )
+
     sync = commands.add_parser(
         "sync-tracking",
         help="Send what the stages could not send to MLflow during an outage; end runs left RUNNING.",
@@ -110,11 +245,510 @@ def _sync_and_report(run_dir: Path) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- clients
+
+
+def argo_client(args: argparse.Namespace) -> ArgoClient:
+    """An ArgoClient from ARGO_* variables; --namespace wins over ARGO_NAMESPACE."""
+    from workflows.argo import ArgoClient, ArgoConfig, ArgoError
+
+    env = dict(os.environ)
+    if args.namespace:
+        env["ARGO_NAMESPACE"] = args.namespace
+    try:
+        return ArgoClient(ArgoConfig.from_env(DEFAULT_NAMESPACE, env))
+    except ArgoError as exc:
+        raise RunsError(str(exc), EXIT_USAGE) from None
+
+
+@contextmanager
+def argo(args: argparse.Namespace) -> Iterator[ArgoClient]:
+    """An open ArgoClient; its errors become RunsError (404: bad input, anything else: the server's fault)."""
+    from workflows.argo import ArgoError
+
+    client = argo_client(args)
+    try:
+        with client:
+            yield client
+    except ArgoError as exc:
+        raise RunsError(str(exc), EXIT_USAGE if exc.status == 404 else EXIT_FAILED) from None
+
+
+def kube_api_client() -> Any:
+    """A kubernetes ApiClient from the kubeconfig ($KUBECONFIG, read now), else the pod's service account;
+    RunsError when neither."""
+    from kubernetes import client, config
+    from kubernetes.config.config_exception import ConfigException
+
+    path = (os.environ.get("KUBECONFIG") or "~/.kube/config").split(os.pathsep)[0]
+    try:
+        return config.new_client_from_config(config_file=os.path.expanduser(path))
+    except (ConfigException, OSError, TypeError) as kube_exc:
+        configuration = client.Configuration()
+        try:
+            config.load_incluster_config(client_configuration=configuration)
+        except ConfigException:
+            raise RunsError(
+                f"cannot reach the Kubernetes API: no kubeconfig ({kube_exc}) and not running in a pod; set KUBECONFIG"
+            ) from None
+        return client.ApiClient(configuration)
+
+
+def _kube_error(exc: Exception, what: str) -> RunsError:
+    status, reason = getattr(exc, "status", None), getattr(exc, "reason", None)
+    if status:
+        hint = " (the identity lacks the RBAC verb for it)" if status == 403 else ""
+        return RunsError(f"cannot {what}: the Kubernetes API answered {status} {reason}{hint}")
+    return RunsError(f"cannot {what}: the Kubernetes API could not be reached ({type(exc).__name__})")
+
+
+# --------------------------------------------------------------------------- reading a workflow
+
+
+@dataclass(frozen=True)
+class StageRow:
+    """One top-level task of the pipeline's DAG."""
+
+    name: str
+    phase: str
+    started: str
+    duration: str
+    message: str
+
+
+def _phase(wf: Workflow) -> str:
+    return (wf.status.phase if wf.status is not None else None) or "Pending"
+
+
+def _nodes(wf: Workflow) -> dict[str, NodeStatus]:
+    return (wf.status.nodes if wf.status is not None else None) or {}
+
+
+def stage_nodes(wf: Workflow) -> list[NodeStatus]:
+    """The DAG's own tasks (prepare, the stages, serve...), by start time: the nodes whose boundary is the
+    workflow's root DAG node."""
+    from workflows.watch import _time
+
+    nodes = _nodes(wf)
+    root = next((n.id for n in nodes.values() if n.name == wf.metadata.name), wf.metadata.name)
+    tasks = [n for n in nodes.values() if n.boundary_id == root and n.id != root]
+    far = datetime.max.replace(tzinfo=timezone.utc)
+    return sorted(tasks, key=lambda n: (_time(n.started_at) or far, n.display_name or ""))
+
+
+def stage_rows(wf: Workflow, now: datetime) -> list[StageRow]:
+    """The table of `get`: one row per DAG task."""
+    from workflows.watch import _duration, _started, _time
+
+    return [
+        StageRow(
+            name=n.display_name or n.name or "",
+            phase=n.phase or "Pending",
+            started=_started(_time(n.started_at)),
+            duration=_duration(_time(n.started_at), _time(n.finished_at), now),
+            message=" ".join((n.message or "").split()),
+        )
+        for n in stage_nodes(wf)
+    ]
+
+
+def where(wf: Workflow) -> str:
+    """The stage a run is in, or failed at: 'sft', 'failed at sft', '' when neither."""
+    tasks = stage_nodes(wf)
+    failed = [n.display_name for n in tasks if n.phase in ("Failed", "Error")]
+    if failed:
+        return f"failed at {failed[0]}"
+    running = [n.display_name or "" for n in tasks if n.phase in ("Running", "Pending")]
+    return ", ".join(running)
+
+
+def job_names(wf: Workflow) -> list[str]:
+    """The training jobs the run created, from the nodes' `job-name` outputs, in order of appearance."""
+    names: list[str] = []
+    for node in sorted(_nodes(wf).values(), key=lambda n: str(getattr(n.started_at, "root", n.started_at) or "")):
+        for param in (node.outputs.parameters if node.outputs is not None else None) or []:
+            if param.name == "job-name" and param.value and param.value not in names:
+                names.append(str(param.value))
+    return names
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def list_command(args: argparse.Namespace) -> int:
+    """`list`: a table of runs, newest first."""
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    from workflows.watch import _PHASE_STYLE, _duration, _started, _time
+
+    if args.limit < 1:
+        raise RunsError("--limit must be 1 or more", EXIT_USAGE)
+    selector = [f"{PIPELINE_LABEL}={args.pipeline}"] if args.pipeline else [f"{PIPELINE_LABEL}"]
+    if args.phase:
+        selector.append(f"{PHASE_LABEL}={args.phase}")
+    with argo(args) as client:
+        workflows = client.list_workflows(",".join(selector))
+        namespace = client.namespace
+    now = datetime.now(timezone.utc)
+    table = Table(title=f"runs in {namespace}", title_justify="left")
+    shown = workflows[: args.limit]
+    # Names are what the other commands take: never shortened.
+    table.add_column("name", no_wrap=True, min_width=max((len(wf.metadata.name or "") for wf in shown), default=4))
+    for column in ("pipeline", "phase", "started (UTC)", "duration", "progress"):
+        table.add_column(column, no_wrap=True)
+    table.add_column("stage", overflow="fold")
+    for wf in shown:
+        status = wf.status
+        started = _time(status.started_at) if status is not None else None
+        finished = _time(status.finished_at) if status is not None else None
+        phase = _phase(wf)
+        table.add_row(
+            wf.metadata.name or "",
+            (wf.metadata.labels or {}).get(PIPELINE_LABEL, ""),
+            Text(phase, style=_PHASE_STYLE.get(phase, "")),
+            _started(started),
+            _duration(started, finished, now),
+            (status.progress if status is not None else None) or "",
+            where(wf),
+        )
+    console = Console()
+    if not workflows:
+        console.print(f"no runs in {namespace}" + (f" of pipeline {args.pipeline}" if args.pipeline else ""))
+        return 0
+    console.print(table)
+    if len(workflows) > args.limit:
+        console.print(f"{len(workflows) - args.limit} older runs not shown (--limit)")
+    return 0
+
+
+def get_command(args: argparse.Namespace) -> int:
+    """`get`: a run's phase, message, stages, jobs and UI link."""
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    from workflows.watch import _PHASE_STYLE, _duration, _time
+
+    with argo(args) as client:
+        wf = client.get_workflow(args.name)
+        url = client.ui_url(args.name)
+    now = datetime.now(timezone.utc)
+    status = wf.status
+    phase = _phase(wf)
+    started = _time(status.started_at) if status is not None else None
+    finished = _time(status.finished_at) if status is not None else None
+    console = Console()
+    console.print(f"{wf.metadata.name}  {phase}  {_duration(started, finished, now)}".rstrip(), soft_wrap=True)
+    pipeline = (wf.metadata.labels or {}).get(PIPELINE_LABEL)
+    if pipeline:
+        console.print(f"pipeline: {pipeline}", soft_wrap=True)
+    if status is not None and status.message:
+        console.print(f"message: {' '.join(status.message.split())}", soft_wrap=True)
+    table = Table(title_justify="left")
+    for column in ("stage", "phase", "started (UTC)", "duration"):
+        table.add_column(column, no_wrap=True)
+    table.add_column("message", overflow="fold")
+    for row in stage_rows(wf, now):
+        table.add_row(
+            row.name, Text(row.phase, style=_PHASE_STYLE.get(row.phase, "")), row.started, row.duration, row.message
+        )
+    console.print(table)
+    jobs = job_names(wf)
+    if jobs:
+        console.print("training jobs: " + ", ".join(jobs), soft_wrap=True)
+    console.print(url, soft_wrap=True)
+    return 0
+
+
+def _training_job(api_client: Any, namespace: str, workflow: str, stage: str) -> str | None:
+    """The newest PyTorchJob of a run's stage (a retried stage has one per attempt)."""
+    from kubernetes import client
+
+    from workflows.cleanup import JOB_KINDS, WORKFLOW_LABEL
+
+    group, version, plural = JOB_KINDS[0]
+    try:
+        listed = client.CustomObjectsApi(api_client).list_namespaced_custom_object(
+            group, version, namespace, plural, label_selector=f"{WORKFLOW_LABEL}={workflow},{STAGE_LABEL}={stage}"
+        )
+    except Exception as exc:
+        raise _kube_error(exc, f"list the {stage} jobs of {workflow}") from None
+    jobs = sorted(
+        listed.get("items") or [],
+        key=lambda j: (j["metadata"].get("creationTimestamp") or "", j["metadata"]["name"]),
+    )
+    return jobs[-1]["metadata"]["name"] if jobs else None
+
+
+def _training_logs(args: argparse.Namespace, namespace: str, job: str) -> None:
+    """Print the log of one replica's pod of a PyTorchJob (rank 0: the Master)."""
+    from kubernetes import client
+
+    from workflows.pytorchjob import CONTAINER_NAME
+
+    api_client = kube_api_client()
+    core = client.CoreV1Api(api_client)
+    replica = (
+        [f"{REPLICA_TYPE_LABEL}=master"]
+        if args.rank == 0
+        else [
+            f"{REPLICA_TYPE_LABEL}=worker",
+            f"{REPLICA_INDEX_LABEL}={args.rank - 1}",
+        ]
+    )
+    selector = ",".join([f"{JOB_NAME_LABEL}={job}", *replica])
+    try:
+        pods = core.list_namespaced_pod(namespace, label_selector=selector).items
+    except Exception as exc:
+        raise _kube_error(exc, f"list the pods of job {job}") from None
+    if not pods:
+        raise RunsError(
+            f"job {job} has no pod of rank {args.rank} (yet, or any more: cleanPodPolicy removes them once the job "
+            "ends); `python -m workflows.runs get` shows the run's state",
+            EXIT_USAGE,
+        )
+    pod = pods[0].metadata.name
+    kwargs: dict[str, Any] = {"container": CONTAINER_NAME, "follow": args.follow, "_preload_content": False}
+    if args.tail is not None:
+        kwargs["tail_lines"] = args.tail
+    try:
+        response = core.read_namespaced_pod_log(pod, namespace, **kwargs)
+        for chunk in response.stream():
+            sys.stdout.write(chunk.decode("utf-8", errors="replace"))
+            sys.stdout.flush()
+    except RunsError:
+        raise
+    except Exception as exc:
+        raise _kube_error(exc, f"read the log of pod {pod}") from None
+
+
+def logs_command(args: argparse.Namespace) -> int:
+    """`logs`: a stage's pod logs (training stages: from the job's pod through the Kubernetes API)."""
+    from workflows.spec import TRAINING_STAGES
+
+    if args.tail is not None and args.tail < 0:
+        raise RunsError("--tail must be 0 or more", EXIT_USAGE)
+    if args.rank < 0:
+        raise RunsError("--rank must be 0 or more", EXIT_USAGE)
+    with argo(args) as client:
+        wf = client.get_workflow(args.name)  # an unknown run is reported before anything else
+        if args.stage in TRAINING_STAGES:
+            job = _training_job(kube_api_client(), client.namespace, args.name, args.stage)
+            if job is None:
+                raise RunsError(f"{args.name} has no {args.stage} job (yet): stage {args.stage} has not started", 2)
+            print(f"==> {job} rank {args.rank} <==", file=sys.stderr)
+            _training_logs(args, client.namespace, job)
+            return 0
+        if args.stage is not None:
+            known = {n.display_name for n in stage_nodes(wf)}
+            if args.stage not in known:
+                shown = ", ".join(sorted(k for k in known if k)) or "none has started"
+                raise RunsError(f"{args.name} has no stage {args.stage!r} (its stages: {shown})", EXIT_USAGE)
+        selector = f"{STAGE_LABEL}={args.stage}" if args.stage else None
+        pod = None
+        for pod_name, line in client.workflow_logs(
+            args.name, selector=selector, container=STEP_CONTAINER, follow=args.follow, tail_lines=args.tail
+        ):
+            if pod_name != pod:
+                print(f"==> {pod_name} <==", file=sys.stderr, flush=True)
+                pod = pod_name
+            print(line, flush=True)
+    return 0
+
+
+def _delete_jobs(namespace: str, workflow: str) -> list[str]:
+    """Delete the run's unfinished training jobs (workflows.cleanup prints each)."""
+    from workflows.cleanup import delete_running_jobs
+
+    api_client = kube_api_client()
+    try:
+        return delete_running_jobs(namespace, workflow, api_client)
+    except Exception as exc:
+        raise _kube_error(exc, f"delete the unfinished training jobs of {workflow}") from None
+
+
+def stop_command(args: argparse.Namespace) -> int:
+    """`stop`: Argo's stop (the exit handler cleans up) or terminate (this command cleans up)."""
+    from workflows.watch import FINAL_PHASES
+
+    with argo(args) as client:
+        phase = _phase(client.get_workflow(args.name))
+        ns = client.namespace
+        if phase in FINAL_PHASES:
+            print(f"{args.name} already ended ({phase}); nothing to stop")
+        elif args.terminate:
+            if args.message:
+                raise RunsError("--message goes with stop; Argo's terminate takes none", EXIT_USAGE)
+            client.terminate_workflow(args.name)
+            print(f"terminated {ns}/{args.name} (Argo runs no exit handler on terminate)")
+        else:
+            client.stop_workflow(args.name, args.message)
+            print(f"stopping {ns}/{args.name}: its exit handler deletes its unfinished training jobs")
+            return 0
+    if args.terminate:
+        deleted = _delete_jobs(ns, args.name)
+        if not deleted:
+            print(f"no unfinished training job of {args.name}")
+    return 0
+
+
+def retry_command(args: argparse.Namespace) -> int:
+    """`retry`: Argo's retry of a Failed or Errored run."""
+    if args.node_field_selector and not args.restart_successful:
+        raise RunsError("--node-field-selector names succeeded steps to run again: add --restart-successful", 2)
+    with argo(args) as client:
+        phase = _phase(client.get_workflow(args.name))
+        if phase not in ("Failed", "Error"):
+            raise RunsError(f"{args.name} is {phase}: only a Failed or Errored run can be retried", EXIT_USAGE)
+        client.retry_workflow(args.name, args.restart_successful, args.node_field_selector)
+        print(f"retrying {client.namespace}/{args.name}")
+        print(client.ui_url(args.name))
+    return 0
+
+
+def delete_command(args: argparse.Namespace) -> int:
+    """`delete`: the run's unfinished jobs, then the workflow."""
+    with argo(args) as client:
+        client.get_workflow(args.name)  # an unknown run deletes nothing
+        _delete_jobs(client.namespace, args.name)
+        client.delete_workflow(args.name)
+        print(f"deleted Workflow {client.namespace}/{args.name}")
+    return 0
+
+
+# --------------------------------------------------------------------------- prune
+
+
+def _phases(pipeline: str | None) -> dict[str, str] | None:
+    """Workflow name → phase from the Argo server when ARGO_SERVER is set and it answers; else None (the stage
+    records decide)."""
+    from workflows.argo import ArgoClient, ArgoConfig, ArgoError
+
+    if not os.environ.get("ARGO_SERVER"):
+        return None
+    selector = f"{PIPELINE_LABEL}={pipeline}" if pipeline else PIPELINE_LABEL
+    try:
+        with ArgoClient(ArgoConfig.from_env(DEFAULT_NAMESPACE)) as client:
+            return {wf.metadata.name or "": _phase(wf) for wf in client.list_workflows(selector)}
+    except ArgoError as exc:
+        print(f"note: the Argo server did not answer ({exc}); the stage records decide which runs ended")
+        return None
+
+
+def _protections(runs: list[Run], served_extra: list[str]) -> tuple[dict[str, str], set[str]]:
+    """The runs whose model is champion or challenger, and the storage URIs serving revisions use; per pipeline,
+    from its newest run's spec (registered model, tracking server, namespace, service)."""
+    from workflows.retention import alias_runs, served_uris
+
+    aliased: dict[str, str] = {}
+    served = set(served_extra)
+    newest: dict[str, Run] = {}
+    for run in runs:
+        if run.pipeline not in newest or run.written > newest[run.pipeline].written:
+            newest[run.pipeline] = run
+    api_client: Any = None
+    for pipeline, run in sorted(newest.items()):
+        spec = run.spec
+        deploy = (spec.get("stages") or {}).get("deploy") or {}
+        uri = ((spec.get("tracking") or {}).get("mlflow_tracking_uri")) or os.environ.get("MLFLOW_TRACKING_URI")
+        if deploy.get("enabled", True) and uri:
+            aliased.update(alias_runs(deploy.get("registered_model") or pipeline, uri))
+        elif deploy.get("enabled", True):
+            print(
+                f"note: {pipeline}: no shared MLflow server (each run tracks into its own mlflow.db): aliases not read"
+            )
+        if deploy.get("enabled", True) and (deploy.get("serving") or {}).get("enabled", True):
+            if api_client is None:
+                try:
+                    api_client = kube_api_client()
+                except RunsError:
+                    print(f"note: {pipeline}: no kubeconfig and not in a pod: the InferenceService was not read")
+                    continue
+            namespace = (spec.get("cluster") or {}).get("namespace") or DEFAULT_NAMESPACE
+            served |= served_uris(namespace, pipeline, api_client)
+    return aliased, served
+
+
+def prune_command(args: argparse.Namespace) -> int:
+    """`prune`: delete old run directories, saying for each run why it is kept or deleted."""
+    from workflows import retention
+
+    if args.keep_last is None and args.keep_days is None:
+        raise RunsError("prune needs --keep-last N and/or --keep-days D", EXIT_USAGE)
+    if args.keep_last is not None and args.keep_last < 1:
+        raise RunsError("--keep-last must be 1 or more (the newest run is always kept)", EXIT_USAGE)
+    if args.keep_days is not None and args.keep_days <= 0:
+        raise RunsError("--keep-days must be more than 0", EXIT_USAGE)
+    runs_root = args.checkpoints / RUN_ROOT
+    if not runs_root.is_dir():
+        raise RunsError(f"--checkpoints {args.checkpoints}: {runs_root} is not a directory of runs", EXIT_USAGE)
+    for leftover in retention.leftovers(runs_root):
+        if not args.dry_run:
+            shutil.rmtree(leftover, ignore_errors=True)
+            print(f"removed {leftover} (left by an interrupted prune)")
+    runs = retention.find_runs(runs_root, args.pipeline)
+    if not runs:
+        print(f"no runs in {runs_root}" + (f" of pipeline {args.pipeline}" if args.pipeline else ""))
+        return 0
+    try:
+        aliased, served = _protections(runs, args.served_uri)
+    except retention.RetentionError as exc:
+        raise RunsError(f"{exc}; nothing was deleted") from None
+    decisions = retention.plan(
+        runs,
+        args.keep_last,
+        args.keep_days,
+        phases=_phases(args.pipeline),
+        aliased=aliased,
+        served=served,
+        current=args.current or os.environ.get("ARGO_WORKFLOW_NAME"),
+    )
+    deleted = 0
+    for decision in decisions:
+        name = decision.run.name
+        if decision.keep:
+            print(f"keep {name}: {decision.reason}")
+        elif args.dry_run:
+            print(f"would delete {name}: {decision.reason}")
+        else:
+            try:
+                retention.delete_run(decision.run)
+            except OSError as exc:
+                raise RunsError(f"cannot delete {decision.run.path}: {exc.strerror or exc}") from None
+            deleted += 1
+            print(f"deleted {name}: {decision.reason}")
+    kept = sum(d.keep for d in decisions)
+    verb = "would delete" if args.dry_run else "deleted"
+    print(f"{verb} {len(decisions) - kept if args.dry_run else deleted} of {len(decisions)} runs in {runs_root}")
+    return 0
+
+
+COMMANDS = {
+    "list": list_command,
+    "get": get_command,
+    "logs": logs_command,
+    "stop": stop_command,
+    "retry": retry_command,
+    "delete": delete_command,
+    "prune": prune_command,
+}
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    """Parse the command line and do what it asks; returns the exit status."""
+    p = parser()
+    args = p.parse_args(argv)
     if args.command == "sync-tracking":
         return sync_tracking_command(args.run_dir)
-    return 2  # argparse already refused anything else
+    try:
+        return COMMANDS[args.command](args)
+    except RunsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.code
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

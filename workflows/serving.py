@@ -1,12 +1,13 @@
 """The KServe InferenceService (serving.kserve.io/v1beta1) that serves a pipeline's model with vLLM.
 
-The deploy stage renders it for its run into `<run>/deploy/inferenceservice.yaml`; the cluster DAG applies the
-same document from an Argo resource step (`action: apply`) after deploy, rendered with the run name
-`{{workflow.name}}` (see `argo_manifest`). Its predictor selects the `kserve-vllm` ServingRuntime
-(manifests/components/kserve-vllm) by modelFormat vllm; its args, which KServe appends to the runtime's, always
-hold `--load-format=safetensors`. KServe's storage initializer fetches `storageUri` (gs://, s3://, pvc://) into
-/mnt/models with the predictor's ServiceAccount (Workload Identity, IRSA, or the PVC mount). No credential or
-Secret reference appears in the document.
+The deploy stage renders it for its run into `<run>/deploy/inferenceservice.yaml`; the cluster DAG's serve step
+applies that file and rolls it out (workflows/rollout.py). It runs in KServe's Knative mode (annotated, since
+KServe >= 0.20 defaults to Standard mode), where each model is a new revision and traffic can be split between the
+new revision and the previous one (canaryTrafficPercent, set by the rollout). Its predictor selects the
+`kserve-vllm` ServingRuntime (manifests/components/kserve-vllm) by modelFormat vllm; its args, which KServe
+appends to the runtime's, always hold `--load-format=safetensors`. KServe's storage initializer fetches
+`storageUri` (gs://, s3://, pvc://) into /mnt/models with the predictor's ServiceAccount (Workload Identity, IRSA,
+or the PVC mount). No credential or Secret reference appears in the document.
 
 Where a run's model is published:
 - `stages.deploy.storage_uri` unset: on the checkpoints volume, where deploy wrote it:
@@ -35,13 +36,12 @@ LOAD_FORMAT_ARG = "--load-format=safetensors"
 RUN_LABEL = "posttrain.dev/run"
 REGISTERED_MODEL_ANNOTATION = "posttrain.dev/registered-model"
 MODEL_VERSION_ANNOTATION = "posttrain.dev/model-version"
-ARGO_RUN_NAME = "{{workflow.name}}"
-"""The run name inside the cluster DAG: the run directory is named after the workflow."""
-
-# Argo resource-step conditions (label-selector syntax over gjson paths, no array queries; see
-# workflows/pytorchjob.py). KServe (>= 0.11) keeps the rollout state of the predictor's model in scalar fields.
-SUCCESS_CONDITION = "status.modelStatus.transitionStatus == UpToDate"
-FAILURE_CONDITION = "status.modelStatus.transitionStatus in (BlockedByFailedLoad,InvalidSpec)"
+DEPLOYMENT_MODE_ANNOTATION = "serving.kserve.io/deploymentMode"
+DEPLOYMENT_MODE = "Knative"
+"""Revisions and traffic splitting need Knative mode (named Serverless before KServe 0.20, which still accepts it)."""
+TAG_ROUTING_ANNOTATION = "serving.kserve.io/enable-tag-routing"
+"""With it KServe tags the newest revision's traffic target `latest` (and the previous one `prev`), so Knative gives
+the canary an address of its own, where the smoke check reaches it alone."""
 
 
 def inference_service_name(spec: PipelineSpec) -> str:
@@ -96,7 +96,12 @@ def inference_service(
     if serving.gpus > 0:
         gpus = str(serving.gpus)
         model["resources"] = {"requests": {"nvidia.com/gpu": gpus}, "limits": {"nvidia.com/gpu": gpus}}
-    annotations = {REGISTERED_MODEL_ANNOTATION: deploy.registered_model or spec.name}
+    annotations = {
+        REGISTERED_MODEL_ANNOTATION: deploy.registered_model or spec.name,
+        DEPLOYMENT_MODE_ANNOTATION: DEPLOYMENT_MODE,
+    }
+    if serving.rollout == "canary":
+        annotations[TAG_ROUTING_ANNOTATION] = "true"
     if model_version is not None:
         annotations[MODEL_VERSION_ANNOTATION] = str(model_version)
     manifest: dict[str, Any] = {
@@ -123,15 +128,23 @@ def inference_service(
     }
     if serving.service_account:
         manifest["spec"]["predictor"]["serviceAccountName"] = serving.service_account
+    if serving.autoscaling is not None:
+        # KServe turns these into Knative's autoscaling.knative.dev/metric and /target on the revision.
+        manifest["spec"]["predictor"]["scaleMetric"] = serving.autoscaling.metric
+        manifest["spec"]["predictor"]["scaleTarget"] = serving.autoscaling.target
     return manifest
+
+
+def with_canary_traffic(manifest: dict[str, Any], percent: int | None) -> dict[str, Any]:
+    """A copy of the InferenceService whose newest revision gets `percent` of the traffic and the previous rolled-out
+    revision the rest (0 pins all traffic to the previous one: a rollback); None gives the newest revision all of
+    it, once ready."""
+    copy = yaml.safe_load(to_yaml(manifest))
+    if percent is not None:
+        copy["spec"]["predictor"]["canaryTrafficPercent"] = percent
+    return copy
 
 
 def to_yaml(manifest: dict[str, Any]) -> str:
     """The manifest as a YAML document."""
     return yaml.safe_dump(manifest, sort_keys=False, allow_unicode=True)
-
-
-def argo_manifest(spec: PipelineSpec) -> str:
-    """The InferenceService for an Argo resource step (`action: apply`, with SUCCESS_CONDITION and
-    FAILURE_CONDITION) that runs after deploy: the run's model, named through `{{workflow.name}}`."""
-    return to_yaml(inference_service(spec, model_storage_uri(spec, ARGO_RUN_NAME), ARGO_RUN_NAME))

@@ -940,8 +940,57 @@ class EvaluateStage(StageBase):
     )
 
 
+class SmokeCheckSpec(StrictModel):
+    """Real chat requests to the new model's vLLM server before it keeps traffic or becomes champion."""
+
+    prompts: int = Field(
+        3,
+        ge=1,
+        le=20,
+        description="How many of stages.evaluate.prompts are sent, first ones first (a built-in Korean greeting "
+        "when evaluate has none), each as one user message to the OpenAI-compatible /v1/chat/completions.",
+    )
+    max_tokens: int = Field(64, gt=0, le=4096, description="Tokens the server may generate per answer.")
+    max_latency_seconds: float = Field(
+        60.0, gt=0, description="Longest wait for one complete answer; a slower answer fails the check."
+    )
+    expected_substrings: list[str] = Field(
+        default_factory=list,
+        description="When set, every answer must contain at least one of these (case-insensitive), e.g. a few "
+        "Hangul particles for a Korean model. Answers are always checked to be non-empty and not the prompt echoed.",
+    )
+    ready_timeout_seconds: int = Field(
+        1800,
+        gt=0,
+        description="Longest wait for the new revision to be ready (model download and load included), and for "
+        "each traffic change to take effect.",
+    )
+
+    @field_validator("expected_substrings")
+    @classmethod
+    def _non_blank(cls, values: list[str]) -> list[str]:
+        if any(not v.strip() for v in values):
+            raise ValueError("expected_substrings must not hold empty strings: every answer would contain one")
+        return values
+
+
+class AutoscalingSpec(StrictModel):
+    """Knative's request-based autoscaler for the predictor (KServe scaleMetric/scaleTarget), instead of scaling on
+    CPU, which says nothing about a GPU server's load."""
+
+    metric: Literal["concurrency", "rps"] = Field(
+        "concurrency",
+        description="concurrency: requests in flight per replica; rps: requests per second per replica.",
+    )
+    target: int = Field(
+        gt=0,
+        description="The value per replica the autoscaler aims at (e.g. 8 concurrent requests per vLLM replica); "
+        "replicas stay within min_replicas..max_replicas.",
+    )
+
+
 class ServingSpec(StrictModel):
-    """The KServe InferenceService rendered for the model."""
+    """The KServe InferenceService rendered for the model, and how a new model rolls out in the cluster."""
 
     enabled: bool = Field(True, description="Render (and in-cluster apply) an InferenceService.")
     runtime: KubernetesName = Field("kserve-vllm", description="ServingRuntime name.")
@@ -955,6 +1004,39 @@ class ServingSpec(StrictModel):
         "gs:// or s3:// storage. None uses the namespace's default account, never the workflow's (which may "
         "create jobs).",
     )
+    rollout: Literal["replace", "canary"] = Field(
+        "replace",
+        description="How the cluster's serve step moves traffic to a new model (KServe's Knative mode, revisions). "
+        "replace: the new revision takes all traffic once ready, then the smoke check decides whether it stays. "
+        "canary: it gets canary_traffic_percent[0] of the traffic beside the previous model and is smoke-checked "
+        "on its own address, then each further step, then all of it. Any failed check rolls traffic back to the "
+        "previous revision and leaves the champion alias where it was.",
+    )
+    canary_traffic_percent: list[int] = Field(
+        default_factory=lambda: [10, 50],
+        min_length=1,
+        description="Canary traffic steps in percent (each 1-99, increasing); 100 follows the last one.",
+    )
+    canary_interval_seconds: int = Field(
+        60, ge=0, description="How long each canary step serves its share before it is checked again."
+    )
+    smoke_check: SmokeCheckSpec = Field(
+        default_factory=SmokeCheckSpec, description="The requests that decide whether a new model keeps its traffic."
+    )
+    autoscaling: AutoscalingSpec | None = Field(
+        None,
+        description="Request-based autoscaling (Knative); None keeps KServe's default for the mode (concurrency "
+        "100 per replica).",
+    )
+
+    @field_validator("canary_traffic_percent")
+    @classmethod
+    def _steps(cls, steps: list[int]) -> list[int]:
+        if any(not 0 < s < 100 for s in steps):
+            raise ValueError(f"canary_traffic_percent steps must each lie between 1 and 99, got {steps}")
+        if steps != sorted(set(steps)):
+            raise ValueError(f"canary_traffic_percent steps must increase, got {steps}")
+        return steps
 
     @model_validator(mode="after")
     def _replicas(self) -> ServingSpec:
@@ -1044,6 +1126,8 @@ class Secrets(StrictModel):
     mlflow_password: SecretRef | None = Field(None, description="MLflow basic-auth password.")
     mlflow_token: SecretRef | None = Field(None, description="MLflow bearer token (MLFLOW_TRACKING_TOKEN).")
     slack_webhook: SecretRef | None = Field(None, description="Slack incoming-webhook URL for notifications.")
+    langfuse_public_key: SecretRef | None = Field(None, description="Langfuse public key (LANGFUSE_PUBLIC_KEY).")
+    langfuse_secret_key: SecretRef | None = Field(None, description="Langfuse secret key (LANGFUSE_SECRET_KEY).")
     aws_access_key_id: SecretRef | None = Field(None, description="S3 access key id (AWS_ACCESS_KEY_ID).")
     aws_secret_access_key: SecretRef | None = Field(None, description="S3 secret key (AWS_SECRET_ACCESS_KEY).")
     aws_endpoint_url: SecretRef | None = Field(
@@ -1060,6 +1144,8 @@ class Secrets(StrictModel):
             "mlflow_username": "MLFLOW_TRACKING_USERNAME",
             "mlflow_password": "MLFLOW_TRACKING_PASSWORD",
             "mlflow_token": "MLFLOW_TRACKING_TOKEN",
+            "langfuse_public_key": "LANGFUSE_PUBLIC_KEY",
+            "langfuse_secret_key": "LANGFUSE_SECRET_KEY",
             "aws_access_key_id": "AWS_ACCESS_KEY_ID",
             "aws_secret_access_key": "AWS_SECRET_ACCESS_KEY",
             "aws_endpoint_url": "AWS_ENDPOINT_URL",
@@ -1133,7 +1219,22 @@ class ClusterSpec(StrictModel):
         None,
         description="Base URL of the Argo UI, for links in notifications (e.g. https://argo.example.com).",
     )
+    grafana_url: str | None = Field(
+        None,
+        description="Base URL of Grafana, for a link in notifications to the run's dashboard "
+        "(`<grafana_url>/d/posttrain-run?var-run=<workflow>`, the dashboard of manifests/components/monitoring), "
+        "e.g. https://grafana.example.com. None: no link.",
+    )
     run_as_user: int | None = Field(1000, ge=0, description="UID the pods run as (None: the image's user).")
+    metrics_port: int | None = Field(
+        9200,
+        ge=1024,
+        le=65535,
+        description="Port on which a training stage serves its Prometheus metrics (step, loss, tokens/s, MFU, ETA, "
+        "GPU memory, deadline) from rank 0: the Master pod's container port named `metrics`, which "
+        "manifests/components/monitoring's PodMonitor scrapes. None: no metrics server. Not 9400 (the DCGM "
+        "exporter's) nor 9090 (Prometheus'); a port already taken only costs the metrics, never the stage.",
+    )
 
     @field_validator("namespace", "service_account", "pod_service_account", "executor_service_account")
     @classmethod
@@ -1152,6 +1253,17 @@ class ClusterSpec(StrictModel):
     def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
         return StageBase._env_names(env)
 
+    @field_validator("grafana_url")
+    @classmethod
+    def _grafana_url(cls, url: str | None) -> str | None:
+        if url is None:
+            return None
+        if not re.match(r"^https?://[^/@\s]+(/\S*)?$", url):
+            raise ValueError(
+                f"grafana_url {url!r} must be an http(s) URL without credentials, e.g. https://grafana.example.com"
+            )
+        return url.rstrip("/")
+
 
 # --------------------------------------------------------------------------- tracking, schedule, notifications
 
@@ -1166,6 +1278,24 @@ class TrackingSpec(StrictModel):
     wandb_project: str | None = Field(None, description="W&B project; None turns W&B off.")
     wandb_entity: str | None = Field(None, description="W&B entity (team or user).")
     tensorboard: bool = Field(True, description="Write TensorBoard event files into the run directory.")
+    langfuse_host: str | None = Field(
+        None,
+        description="Langfuse server (e.g. https://langfuse.example.com): every stage's start, checkpoints, end and "
+        "error become events of one trace per run, sent with the Langfuse SDK. Its keys come from "
+        "cluster.secrets.langfuse_public_key and langfuse_secret_key (locally from LANGFUSE_PUBLIC_KEY and "
+        "LANGFUSE_SECRET_KEY). None: $LANGFUSE_HOST when set, else no Langfuse.",
+    )
+
+    @field_validator("langfuse_host")
+    @classmethod
+    def _langfuse_host(cls, host: str | None) -> str | None:
+        if host is None:
+            return None
+        if not re.match(r"^https?://[^/@\s]+(/\S*)?$", host):
+            raise ValueError(
+                f"langfuse_host {host!r} must be an http(s) URL without credentials, e.g. https://langfuse.example.com"
+            )
+        return host.rstrip("/")
 
 
 class ScheduleSpec(StrictModel):
@@ -1220,10 +1350,29 @@ class WorkflowSpec(StrictModel):
         gt=0,
         description="Backstop for the whole workflow (Argo stops it, and retries no step, past this); the steps' "
         "timeouts are the detectors. None: the enabled steps' worst case, each step (retries + 1) times its timeout "
-        "plus the waits between its retries (training steps: run_policy.active_deadline_seconds plus an hour; serve: "
-        "an hour), summed in DAG order, plus an hour for scheduling and the exit handler.",
+        "plus the waits between its retries (training steps: run_policy.active_deadline_seconds plus an hour, plus "
+        "the cleanup before a retry, the create step and the waits between the wait step's retries; serve: an hour), "
+        "summed in DAG order, plus the exit handler's steps and an hour for scheduling.",
     )
     labels: Labels = Field(default_factory=dict, description="Labels on every workflow of the pipeline.")
+
+
+class RetentionSpec(StrictModel):
+    """Which run directories (`<checkpoints>/runs/<run>`) a run deletes when it ends: a last step runs
+    `python -m workflows.runs prune` for the pipeline. It never deletes a run without a final state, the run whose
+    model is the registered champion or challenger, or one a serving revision uses."""
+
+    keep_last: int | None = Field(
+        None, ge=1, description="Keep the newest this many runs of the pipeline; None (and no keep_days): never prune."
+    )
+    keep_days: float | None = Field(
+        None, gt=0, description="Also keep every run younger than this many days; None: age keeps nothing."
+    )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the pipeline prunes at all."""
+        return self.keep_last is not None or self.keep_days is not None
 
 
 # --------------------------------------------------------------------------- pipeline
@@ -1265,6 +1414,9 @@ class PipelineSpec(StrictModel):
     schedule: ScheduleSpec = Field(default_factory=ScheduleSpec, description="Cron schedule.")
     notifications: NotificationSpec = Field(default_factory=NotificationSpec, description="Slack notifications.")
     workflow: WorkflowSpec = Field(default_factory=WorkflowSpec, description="Workflow retention and deadline.")
+    retention: RetentionSpec = Field(
+        default_factory=RetentionSpec, description="Which old run directories each run deletes at its end."
+    )
     profiles: dict[str, dict[str, Any]] = Field(
         default_factory=dict,
         description="Named overlays merged onto this spec by --profile (the 'local' profile is used by --local). "
@@ -1303,6 +1455,7 @@ class PipelineSpec(StrictModel):
     def _coherent(self) -> PipelineSpec:
         if self.notifications.slack and self.cluster.secrets.slack_webhook is None:
             raise ValueError("notifications.slack needs cluster.secrets.slack_webhook")
+        self._langfuse_keys()
         if self.stages.deploy.enabled and not self.stages.evaluate.enabled:
             raise ValueError("stages.deploy needs stages.evaluate: only a model that passed the gate is deployed")
         trained = [s for s in TRAINING_STAGES if getattr(self.stages, s).enabled]
@@ -1318,6 +1471,25 @@ class PipelineSpec(StrictModel):
             self._rdma_env_agrees(stage)
         self._serving_fits_model()
         return self
+
+    def _langfuse_keys(self) -> None:
+        """Langfuse needs both keys in the cluster, and keys are only given to a named server."""
+        secrets = self.cluster.secrets
+        keys = {"langfuse_public_key": secrets.langfuse_public_key, "langfuse_secret_key": secrets.langfuse_secret_key}
+        missing = [name for name, ref in keys.items() if ref is None]
+        if self.tracking.langfuse_host is not None and missing:
+            raise FieldError(
+                ("cluster", "secrets", missing[0]),
+                f"tracking.langfuse_host needs cluster.secrets.{missing[0]} (a Secret key): the pods get the Langfuse "
+                "keys only from a Secret",
+            )
+        if self.tracking.langfuse_host is None and len(missing) < len(keys):
+            given = next(name for name, ref in keys.items() if ref is not None)
+            raise FieldError(
+                ("tracking", "langfuse_host"),
+                f"cluster.secrets.{given} is set but tracking.langfuse_host is not: name the Langfuse server the keys "
+                "are for",
+            )
 
     def _rdma_env_agrees(self, stage: str) -> None:
         """An NCCL setting named both in resources.rdma and in an env section must say the same in both."""

@@ -1,0 +1,127 @@
+"""Deleting a run's unfinished training jobs, so that a stopped or failed workflow frees its GPUs at once.
+
+Stopping a workflow ends only the Argo pod that waits on a PyTorchJob; the job itself keeps its GPUs until the
+Workflow object is deleted (its owner reference) or the job's own deadline. This module lists the jobs a workflow
+created (every rendered job carries the label `workflows.argoproj.io/workflow: <workflow>`), and deletes those that
+have not finished (no Succeeded or Failed condition True), with their pods (propagation Background).
+
+    python -m workflows.cleanup --namespace NS --workflow NAME [--stage STAGE]
+
+The exit handler runs it when a workflow did not succeed, and each retry of a training stage runs it for that stage
+before it creates a new job (one job per stage at a time). Argo runs no exit handler when a workflow is terminated
+(`argo terminate`): `python -m workflows.runs stop --terminate NAME` calls `delete_running_jobs` itself.
+Exit status 0 (also when there was nothing to delete); 1 with one `error:` line when the API refused or could not
+be reached (the exit handler retries); 2 on bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from workflows.pytorchjob import API_VERSION, STAGE_LABEL
+
+WORKFLOW_LABEL = "workflows.argoproj.io/workflow"
+"""The label every rendered job carries: the name of the workflow that created it."""
+
+JOB_KINDS = ((*API_VERSION.split("/"), "pytorchjobs"),)
+"""(group, version, plural) of every job kind a workflow creates: the PyTorchJobs of workflows/pytorchjob.py."""
+
+FINISHED_CONDITIONS = ("Succeeded", "Failed")
+REQUEST_TIMEOUT_S = 30
+
+
+def is_finished(job: dict[str, Any]) -> bool:
+    """Whether the operator has given its verdict: a Succeeded or Failed condition with status True."""
+    conditions = (job.get("status") or {}).get("conditions") or []
+    return any(c.get("type") in FINISHED_CONDITIONS and c.get("status") == "True" for c in conditions)
+
+
+def _default_api_client() -> Any:
+    """An ApiClient from the in-cluster service account, else from the kubeconfig."""
+    from kubernetes import client, config
+    from kubernetes.config.config_exception import ConfigException
+
+    configuration = client.Configuration()
+    try:
+        config.load_incluster_config(client_configuration=configuration)
+    except ConfigException:
+        try:
+            return config.new_client_from_config()
+        except (ConfigException, OSError, TypeError) as exc:
+            raise RuntimeError(f"not running in a pod and no usable kubeconfig ({exc})") from None
+    return client.ApiClient(configuration)
+
+
+def delete_running_jobs(namespace: str, workflow: str, api_client: Any = None, stage: str | None = None) -> list[str]:
+    """Delete the unfinished jobs of `workflow` in `namespace` (of one `stage` only, when given); return their
+    names. Finished jobs stay (their status and logs are the run's record until their TTL or the workflow's).
+    A job deleted meanwhile by someone else is not an error."""
+    from kubernetes import client
+    from kubernetes.client.exceptions import ApiException
+
+    api = client.CustomObjectsApi(api_client or _default_api_client())
+    selector = f"{WORKFLOW_LABEL}={workflow}" + (f",{STAGE_LABEL}={stage}" if stage else "")
+    deleted: list[str] = []
+    for group, version, plural in JOB_KINDS:
+        listed = api.list_namespaced_custom_object(
+            group, version, namespace, plural, label_selector=selector, _request_timeout=REQUEST_TIMEOUT_S
+        )
+        for job in listed.get("items", []):
+            name = job["metadata"]["name"]
+            if is_finished(job):
+                continue
+            try:
+                api.delete_namespaced_custom_object(
+                    group,
+                    version,
+                    namespace,
+                    plural,
+                    name,
+                    body=client.V1DeleteOptions(propagation_policy="Background"),
+                    _request_timeout=REQUEST_TIMEOUT_S,
+                )
+            except ApiException as exc:
+                if exc.status == 404:
+                    continue
+                raise
+            print(f"deleted {job.get('kind', plural)} {namespace}/{name} (workflow {workflow})", flush=True)
+            deleted.append(name)
+    return deleted
+
+
+def _api_error(exc: Exception) -> str:
+    """One line about a failed API call, without the response body's noise."""
+    if isinstance(exc, RuntimeError):
+        return str(exc)
+    status, reason = getattr(exc, "status", None), getattr(exc, "reason", None)
+    if status:
+        hint = " (the identity lacks the RBAC verbs list and delete on pytorchjobs)" if status == 403 else ""
+        return f"the Kubernetes API answered {status} {reason}{hint}"
+    return f"the Kubernetes API could not be reached ({type(exc).__name__}: {exc})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point."""
+    parser = argparse.ArgumentParser(prog="python -m workflows.cleanup", description=__doc__.splitlines()[0])
+    parser.add_argument("--namespace", required=True, help="The workflow's namespace.")
+    parser.add_argument("--workflow", required=True, help="The workflow's name (the jobs' label value).")
+    parser.add_argument("--stage", help="Only this training stage's jobs.")
+    args = parser.parse_args(argv)
+    from kubernetes.client.exceptions import ApiException
+    from urllib3.exceptions import HTTPError
+
+    try:
+        deleted = delete_running_jobs(args.namespace, args.workflow, stage=args.stage)
+    except (ApiException, HTTPError, OSError, RuntimeError) as exc:
+        what = f"the jobs of workflow {args.workflow}" + (f", stage {args.stage}" if args.stage else "")
+        print(f"error: could not delete {what} in namespace {args.namespace}: {_api_error(exc)}", file=sys.stderr)
+        return 1
+    if not deleted:
+        print(f"no unfinished job of workflow {args.workflow}" + (f", stage {args.stage}" if args.stage else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
