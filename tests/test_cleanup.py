@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fake_kube import FakeKube, pytorchjob, running
@@ -111,3 +112,73 @@ def test_the_command_line_outside_a_cluster_says_so(tmp_path: Path) -> None:
     assert proc.returncode == 1, proc.stderr
     assert proc.stderr.startswith("error: could not delete the jobs of workflow w in namespace llm-training: ")
     assert len(proc.stderr.splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+def _trainjob(name: str, workflow: str, stage: str, conditions: list[dict[str, str]] | None) -> dict[str, Any]:
+    """A TrainJob as Trainer v2.1 shows it: labels of workflows/trainjob.py; conditions as its controller writes."""
+    job: dict[str, Any] = {
+        "apiVersion": "trainer.kubeflow.org/v1alpha1",
+        "kind": "TrainJob",
+        "metadata": {
+            "name": name,
+            "namespace": NS,
+            "labels": {
+                "app.kubernetes.io/part-of": "posttrain",
+                "posttrain.dev/pipeline": "korean-llm",
+                "posttrain.dev/stage": stage,
+                "workflows.argoproj.io/workflow": workflow,
+            },
+        },
+        "spec": {"runtimeRef": {"name": "posttrain-torch"}},
+    }
+    if conditions is not None:
+        job["status"] = {"conditions": conditions}
+    return job
+
+
+def test_trainjobs_of_the_workflow_are_deleted_when_the_kind_is_trainjob(capsys: pytest.CaptureFixture[str]) -> None:
+    """job_kind trainjob: the TrainJobs are listed by the same label; Complete or Failed True means finished."""
+    group, version, plural = "trainer.kubeflow.org", "v1alpha1", "trainjobs"
+    suspended = {"type": "Suspended", "status": "True", "reason": "Suspended"}
+    resumed = {"type": "Suspended", "status": "False", "reason": "Resumed"}
+    complete = {"type": "Complete", "status": "True", "reason": "AllJobsCompleted"}
+    failed = {"type": "Failed", "status": "True", "reason": "FailedJobs"}
+    with running() as fake:
+        _jobs(fake)  # PyTorchJobs of the same workflow: another kind, left alone
+        for name, conditions in [
+            ("korean-llm-x7k2p-cpt-aaaaa", [complete]),
+            ("korean-llm-x7k2p-cpt-bbbbb", [resumed, complete]),
+            ("korean-llm-x7k2p-sft-ccccc", [resumed, failed]),
+            ("korean-llm-x7k2p-sft-ddddd", None),
+            ("korean-llm-x7k2p-sft-eeeee", [suspended]),
+            ("korean-llm-x7k2p-sft-fffff", [resumed]),
+        ]:
+            fake.put(group, version, plural, _trainjob(name, "korean-llm-x7k2p", name.split("-")[3], conditions))
+        deleted = delete_running_jobs(NS, "korean-llm-x7k2p", api_client=fake.api_client(), kind="trainjob")
+        left = set(fake.custom(group, plural))
+        pytorchjobs = len(fake.custom(GROUP, PLURAL))
+        listing = fake.requests[0]
+    assert deleted == ["korean-llm-x7k2p-sft-ddddd", "korean-llm-x7k2p-sft-eeeee", "korean-llm-x7k2p-sft-fffff"]
+    assert left == {
+        (NS, "korean-llm-x7k2p-cpt-aaaaa"),
+        (NS, "korean-llm-x7k2p-cpt-bbbbb"),
+        (NS, "korean-llm-x7k2p-sft-ccccc"),
+    }
+    assert pytorchjobs == 5
+    assert listing.path == f"/apis/{group}/{version}/namespaces/{NS}/{plural}"
+    assert capsys.readouterr().out.splitlines()[0] == (
+        f"deleted TrainJob {NS}/korean-llm-x7k2p-sft-ddddd (workflow korean-llm-x7k2p)"
+    )
+
+
+def test_the_trainjob_kind_on_the_command_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with running(forbidden={("list", "trainjobs")}) as fake:
+        monkeypatch.setattr("workflows.cleanup._default_api_client", fake.api_client)
+        assert main(["--namespace", NS, "--workflow", "w", "--kind", "trainjob"]) == 1
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith("answered 403 Forbidden (the identity lacks the RBAC verbs list and delete on trainjobs)")
+    )

@@ -674,3 +674,38 @@ def test_langfuse_keys_reach_every_stage_pod_only_through_secret_refs() -> None:
         for var, key in (("LANGFUSE_PUBLIC_KEY", "public-key"), ("LANGFUSE_SECRET_KEY", "secret-key")):
             ref = env[var]["valueFrom"]["secretKeyRef"]
             assert (ref["name"], ref["key"]) == ("langfuse", key) and "value" not in env[var]
+
+
+def test_job_kind_trainjob_changes_only_the_training_job_templates() -> None:
+    """cluster.job_kind trainjob swaps each training stage's created object and wait conditions, and tells cleanup
+    the kind; every other template, and the attempt/retry structure, is the PyTorchJob pipeline's."""
+    from workflows import trainjob
+
+    default = load_pipeline("korean-llm").spec
+    switched = default.model_copy(deep=True)
+    switched.cluster.job_kind = "trainjob"
+
+    def templates(spec) -> dict:
+        doc = compile_pipeline(spec).documents()["workflowtemplate.yaml"]
+        return {t["name"]: t for t in doc["spec"]["templates"]}
+
+    before, after = templates(default), templates(switched)
+    assert before.keys() == after.keys()
+    changed = {name for name in before if before[name] != after[name]}
+    stages = [s for s in ("cpt", "sft", "rlhf") if default.stage(s).enabled]
+    cleanups = {"cleanup", *(f"{s}-cleanup" for s in stages)}
+    expected = {*(f"{s}-create" for s in stages), *(f"{s}-wait" for s in stages), *cleanups}
+    assert changed == expected | {"prepare"}  # prepare carries the resolved spec, job_kind included
+    for stage in stages:
+        created = yaml.safe_load(after[f"{stage}-create"]["resource"]["manifest"])
+        assert (created["apiVersion"], created["kind"]) == (trainjob.API_VERSION, "TrainJob")
+        assert created["metadata"]["generateName"] == f"{{{{workflow.name}}}}-{stage}-"  # a retry: a new TrainJob
+        assert created["metadata"]["labels"]["workflows.argoproj.io/workflow"] == "{{workflow.name}}"
+        wait = after[f"{stage}-wait"]["resource"]
+        assert yaml.safe_load(wait["manifest"])["kind"] == "TrainJob"
+        assert (wait["successCondition"], wait["failureCondition"]) == (
+            trainjob.SUCCESS_CONDITION,
+            trainjob.FAILURE_CONDITION,
+        )
+    for name in cleanups:
+        assert after[name]["container"]["command"] == [*before[name]["container"]["command"], "--kind", "trainjob"]

@@ -11,6 +11,7 @@ from functools import cache
 from typing import Any
 
 import pytest
+import trainjob_status
 from argo_model import evaluate, parse_selector
 from conftest import PIPELINE_VARIANTS, fresh_spec
 from hypothesis import given, settings
@@ -27,8 +28,9 @@ from pytorchjob_status import (
     minimal_manifest,
     scenario,
 )
-from schema_validation import validate_pytorchjob
+from schema_validation import validate_custom_resource, validate_pytorchjob
 
+from workflows import trainjob
 from workflows.compile import compile_pipeline
 from workflows.pytorchjob import FAILURE_CONDITION, SUCCESS_CONDITION
 
@@ -192,3 +194,121 @@ def test_any_event_history_reaches_the_operator_verdict(
     for event in events:
         _apply(sim, event)
         assert evaluate(sim.document(), SUCCESS_CONDITION, FAILURE_CONDITION) == sim.verdict(), events
+
+
+# --------------------------------------------------------------------------- TrainJob (cluster.job_kind trainjob)
+
+TRAINJOB_NODE_FIRST = [s for s in trainjob_status.SCENARIOS if not s.name.startswith("initializers-")]
+
+
+@cache
+def compiled_trainjob_conditions() -> tuple[tuple[str, str, str], ...]:
+    """(where, successCondition, failureCondition) of every TrainJob wait step of every compiled pipeline, each
+    compiled with job_kind trainjob."""
+    found = []
+    for name, profile in PIPELINE_VARIANTS:
+        spec = fresh_spec(name, profile)
+        spec.cluster.job_kind = "trainjob"
+        for template in compile_pipeline(spec).documents()["workflowtemplate.yaml"]["spec"]["templates"]:
+            resource = template.get("resource")
+            if resource and "kind: TrainJob" in resource["manifest"] and resource["action"] == "get":
+                where = f"{name}@{profile or 'default'}:{template['name']}"
+                found.append((where, resource.get("successCondition", ""), resource.get("failureCondition", "")))
+    return tuple(found)
+
+
+def test_trainjob_scenarios_cover_every_condition_shape() -> None:
+    """The shapes the Trainer writes: none, Suspended True/False, Complete and Failed alone or after Suspended,
+    Failed before Suspended."""
+    shapes = {
+        tuple((c["type"], c["status"]) for c in s.doc.get("status", {}).get("conditions", []))
+        for s in trainjob_status.SCENARIOS
+    }
+    assert shapes >= {
+        (),
+        (("Suspended", "True"),),
+        (("Suspended", "False"),),
+        (("Complete", "True"),),
+        (("Failed", "True"),),
+        (("Suspended", "False"), ("Complete", "True")),
+        (("Suspended", "False"), ("Failed", "True")),
+        (("Suspended", "True"), ("Failed", "True")),
+        (("Failed", "True"), ("Suspended", "True")),
+    }
+    assert "status" not in trainjob_status.scenario("created-no-status").doc
+
+
+@pytest.mark.parametrize("case", TRAINJOB_NODE_FIRST, ids=lambda s: s.name)
+def test_trainjob_conditions_reach_the_trainer_verdict(case: trainjob_status.Scenario) -> None:
+    assert evaluate(case.doc, trainjob.SUCCESS_CONDITION, trainjob.FAILURE_CONDITION) == case.expected
+
+
+@pytest.mark.parametrize("case", TRAINJOB_NODE_FIRST, ids=lambda s: s.name)
+def test_compiled_trainjob_conditions_reach_the_trainer_verdict(case: trainjob_status.Scenario) -> None:
+    conditions = compiled_trainjob_conditions()
+    assert conditions, "no TrainJob wait step in any pipeline compiled with job_kind trainjob"
+    for where, success, failure in conditions:
+        assert (success, failure) == (trainjob.SUCCESS_CONDITION, trainjob.FAILURE_CONDITION), where
+        assert evaluate(case.doc, success, failure) == case.expected, where
+
+
+def test_trainjob_conditions_parse_as_argo_parses_them() -> None:
+    assert [r.key for r in parse_selector(trainjob.SUCCESS_CONDITION)] == [
+        "status.jobsStatus.0.name",
+        "status.jobsStatus.0.succeeded",
+    ]
+    failure = parse_selector(trainjob.FAILURE_CONDITION)
+    assert {r.key for r in failure} == {f"status.conditions.{i}.type" for i in range(3)}
+
+
+def test_trainjob_failed_always_within_the_watched_indices() -> None:
+    watched = {int(r.key.split(".")[2]) for r in parse_selector(trainjob.FAILURE_CONDITION)}
+    seen = set()
+    for case in trainjob_status.SCENARIOS:
+        conditions = case.doc.get("status", {}).get("conditions", [])
+        positions = {i for i, c in enumerate(conditions) if c["type"] == "Failed"}
+        assert positions <= watched, (case.name, positions)
+        seen |= positions
+    assert seen == {0, 1}  # Failed alone or first, and after Suspended
+
+
+@pytest.mark.parametrize("name", ["complete", "kueue-complete"])
+def test_complete_moves_with_kueue_so_no_single_index_decides_success(name: str) -> None:
+    """Why success reads the node job's counter: `Complete` is conditions[0] without Kueue and [1] with it."""
+    doc = trainjob_status.scenario(name).doc
+    by_index = [f"status.conditions.{i}.type == Complete" for i in (0, 1)]
+    outcomes = {evaluate(doc, success, trainjob.FAILURE_CONDITION) for success in by_index}
+    assert outcomes == {"succeeded", "running"}
+    assert evaluate(doc, trainjob.SUCCESS_CONDITION, trainjob.FAILURE_CONDITION) == "succeeded"
+
+
+def test_a_restarting_node_is_not_a_failure() -> None:
+    """The JobSet restarts a failed node (failurePolicy): failed > 0 without a Failed condition keeps waiting."""
+    doc = trainjob_status.scenario("node-failed-restarting").doc
+    assert doc["status"]["jobsStatus"][0]["failed"] == 1
+    assert evaluate(doc, trainjob.SUCCESS_CONDITION, trainjob.FAILURE_CONDITION) == "running"
+
+
+@pytest.mark.parametrize("name", ["initializers-running", "initializers-complete"])
+def test_a_runtime_without_node_first_never_succeeds_by_mistake(name: str) -> None:
+    """An initializer's succeeded counter sits at index 0: the name pin keeps it from passing for the node's
+    (preflight refuses such a runtime; Argo's timeout ends the wait)."""
+    doc = trainjob_status.scenario(name).doc
+    assert doc["status"]["jobsStatus"][0]["succeeded"] == 1
+    assert evaluate(doc, trainjob.SUCCESS_CONDITION, trainjob.FAILURE_CONDITION) == "running"
+    unpinned = "status.jobsStatus.0.succeeded > 0"
+    assert evaluate(doc, unpinned, trainjob.FAILURE_CONDITION) == "succeeded"
+
+
+@pytest.mark.parametrize("case", trainjob_status.SCENARIOS, ids=lambda s: s.name)
+def test_trainjob_status_documents_fit_the_crd(case: trainjob_status.Scenario) -> None:
+    validate_custom_resource(case.doc)
+
+
+@settings(max_examples=300)
+@given(st.lists(st.sampled_from(trainjob_status.EVENTS), max_size=12), st.booleans())
+def test_any_trainjob_history_reaches_the_trainer_verdict(events: list[str], kueue: bool) -> None:
+    sim = trainjob_status.TrainerSim()
+    sim.run(*(["kueue-suspend"] if kueue else []), *events)
+    doc = sim.document()
+    assert evaluate(doc, trainjob.SUCCESS_CONDITION, trainjob.FAILURE_CONDITION) == sim.verdict(), doc.get("status")

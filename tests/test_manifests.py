@@ -38,8 +38,23 @@ K8S_VERSION = "1.32.0"
 
 Doc = dict[str, Any]
 
-CLUSTER_SCOPED = {"Namespace", "PriorityClass", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition"}
-CRD_KINDS = {"ServingRuntime", "LocalQueue", "PodMonitor", "ServiceMonitor", "PrometheusRule", "AlertmanagerConfig"}
+CLUSTER_SCOPED = {
+    "Namespace",
+    "PriorityClass",
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "CustomResourceDefinition",
+    "ClusterTrainingRuntime",
+}
+CRD_KINDS = {
+    "ServingRuntime",
+    "LocalQueue",
+    "PodMonitor",
+    "ServiceMonitor",
+    "PrometheusRule",
+    "AlertmanagerConfig",
+    "ClusterTrainingRuntime",
+}
 POD_TEMPLATE_KINDS = {"Deployment", "StatefulSet", "DaemonSet", "Job"}
 MERGE_KEYS = {
     "containers": "name",
@@ -73,6 +88,10 @@ def _pod_specs(doc: Doc) -> list[Doc]:
         return [doc["spec"]["template"]["spec"]]
     if doc["kind"] == "ServingRuntime":
         return [doc["spec"]]
+    if doc["kind"] == "ClusterTrainingRuntime":
+        return [
+            job["template"]["spec"]["template"]["spec"] for job in doc["spec"]["template"]["spec"]["replicatedJobs"]
+        ]
     return []
 
 
@@ -356,6 +375,10 @@ def test_every_object_validates(builds: dict[str, list[Doc]]) -> None:
         if doc["kind"] == "ServingRuntime":
             # KServe's schema embeds a newer Kubernetes' Pod fields; the oldest one the kit supports must know them.
             assert (error := _kubernetes_error(_runtime_pod(doc))) is None, f"{what}: {error}"
+        for pod in _pod_specs(doc) if doc["kind"] == "ClusterTrainingRuntime" else []:
+            # The Trainer's CRD embeds its Kubernetes' Pod fields too.
+            pod_doc = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": doc["metadata"]["name"]}, "spec": pod}
+            assert (error := _kubernetes_error(pod_doc)) is None, f"{what}: {error}"
     assert all(checked.values()), checked
 
 
@@ -542,6 +565,7 @@ PREFLIGHT_CRDS = (
     "inferenceservices.serving.kserve.io",
     "localqueues.kueue.x-k8s.io",
     "pytorchjobs.kubeflow.org",
+    "trainjobs.trainer.kubeflow.org",
     "workflows.argoproj.io",
     "workflowtemplates.argoproj.io",
 )
@@ -574,6 +598,20 @@ VERB_REASONS: dict[tuple[str, str], dict[Grant, str]] = {
             "delete",
             ALL,
         ): "cleanup deletes a stopped or failed run's unfinished jobs, freeing their GPUs at once",
+        ("trainer.kubeflow.org", "trainjobs", "create", ALL): "with job_kind trainjob, training steps create TrainJobs",
+        ("trainer.kubeflow.org", "trainjobs", "get", ALL): "the resource step polls the TrainJob for its conditions",
+        (
+            "trainer.kubeflow.org",
+            "trainjobs",
+            "list",
+            ALL,
+        ): "cleanup --kind trainjob finds the run's TrainJobs by their workflow label",
+        (
+            "trainer.kubeflow.org",
+            "trainjobs",
+            "delete",
+            ALL,
+        ): "cleanup deletes a stopped or failed run's unfinished TrainJobs (their JobSet and pods go with them)",
         (
             "serving.kserve.io",
             "inferenceservices",
@@ -632,6 +670,12 @@ VERB_REASONS: dict[tuple[str, str], dict[Grant, str]] = {
         ("", "nodes", "list", ALL): "preflight: GPU nodes with the stages' labels, taints and GPUs",
         ("scheduling.k8s.io", "priorityclasses", "get", ALL): "preflight: the stages' PriorityClasses exist",
         ("serving.kserve.io", "clusterservingruntimes", "get", ALL): "preflight: the serving runtime, cluster-wide",
+        (
+            "trainer.kubeflow.org",
+            "clustertrainingruntimes",
+            "get",
+            ALL,
+        ): "preflight: with job_kind trainjob, the TrainJobs' runtime exists and fits",
     },
     ("Role", "posttrain-preflight"): {
         ("", "serviceaccounts", "get", ALL): "preflight: the pipeline's three ServiceAccounts exist",
@@ -962,3 +1006,75 @@ def test_secrets_template_names_every_key_and_holds_no_value(builds: dict[str, l
         secrets = load_pipeline(pipeline).spec.cluster.secrets
         named = {(ref.name, ref.key) for ref in (getattr(secrets, f) for f in type(secrets).model_fields) if ref}
         assert named <= keys, f"{pipeline}: {named - keys} missing from secrets.example.yaml"
+
+
+# --------------------------------------------------------------------------- Kubeflow Trainer v2 runtime
+
+
+def test_trainer_v2_component_builds_onto_an_overlay(builds: dict[str, list[Doc]], tmp_path: Path) -> None:
+    """components/trainer-v2 adds the ClusterTrainingRuntime, cluster-scoped (no namespace), and changes nothing
+    else; `kubectl kustomize` agrees where one with kustomize v4+ is on the PATH."""
+    overlay = tmp_path / "trainer-v2"
+    overlay.mkdir()
+    kustomization = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "resources": [os.path.relpath(OVERLAYS["onprem"], overlay)],
+        "components": [os.path.relpath(MANIFESTS / "components" / "trainer-v2", overlay)],
+    }
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump(kustomization), encoding="utf-8")
+    built = build(overlay)
+    runtime = _find(built, "ClusterTrainingRuntime", "posttrain-torch")
+    assert "namespace" not in runtime["metadata"]
+    assert _by_id([d for d in built if d is not runtime]) == _by_id(builds["onprem"])
+    validate_custom_resource(runtime)
+    if (kubectl := _kubectl_kustomize()) is not None:
+        out = subprocess.run([kubectl, "kustomize", str(overlay)], capture_output=True, text=True, check=True)
+        assert _by_id(built) == _by_id(_load_docs_text(out.stdout))
+
+
+def test_trainer_v2_runtime_fits_the_trainjobs_the_pipelines_render() -> None:
+    """What workflows/trainjob.py relies on: `node` first with a torch policy, the container named `node`, the
+    volumes the TrainJob's override replaces by name, the kit's claims and accounts, and the settings the spec's
+    defaults give a PyTorchJob pod (user, grace period, metrics port)."""
+    from workflows.pytorchjob import volumes
+    from workflows.trainjob import NODE, trainjob_manifest
+
+    (runtime,) = _load_docs(MANIFESTS / "components" / "trainer-v2" / "clustertrainingruntime.yaml")
+    spec = load_pipeline("korean-llm", "trainjob").spec
+    assert runtime["metadata"]["name"] == spec.cluster.training_runtime
+    assert "torch" in runtime["spec"]["mlPolicy"]
+    jobset = runtime["spec"]["template"]["spec"]
+    assert jobset["failurePolicy"]["maxRestarts"] > 0
+    first = jobset["replicatedJobs"][0]
+    assert first["name"] == NODE
+    assert first["template"]["metadata"]["labels"]["trainer.kubeflow.org/trainjob-ancestor-step"] == "trainer"
+    assert first["template"]["spec"]["backoffLimit"] == 0  # a failed node fails the Job: the JobSet restarts all
+    (pod,) = _pod_specs(runtime)
+    (container,) = pod["containers"]
+    assert container["name"] == NODE
+    assert pod["serviceAccountName"] == spec.cluster.pod_service_account
+    assert pod["securityContext"]["runAsUser"] == spec.cluster.run_as_user
+    stage = spec.stages.cpt
+    assert pod["terminationGracePeriodSeconds"] == stage.run_policy.termination_grace_period_seconds
+    assert container["ports"] == [{"name": "metrics", "containerPort": spec.cluster.metrics_port, "protocol": "TCP"}]
+    assert any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
+    vols, mounts = volumes(spec, "64Gi")
+    assert {v["name"] for v in pod["volumes"]} == {v["name"] for v in vols}
+    assert {m["name"]: m["mountPath"] for m in container["volumeMounts"]} == {m["name"]: m["mountPath"] for m in mounts}
+    dshm = next(v for v in pod["volumes"] if v["name"] == "dshm")
+    assert dshm["emptyDir"]["medium"] == "Memory"
+    kit_claims = {d["metadata"]["name"] for d in _load_docs(MANIFESTS / "base" / "volumes.yaml")}
+    claims = {v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v}
+    assert claims <= kit_claims
+    # The override a TrainJob sends names only volumes and a container the runtime has.
+    (override,) = trainjob_manifest(spec, "cpt")["spec"]["podTemplateOverrides"]
+    assert override["targetJobs"] == [{"name": NODE}]
+    assert [c["name"] for c in override["spec"]["containers"]] == [NODE]
+    assert {v["name"] for v in override["spec"]["volumes"]} <= {v["name"] for v in pod["volumes"]}
+
+
+def test_preflight_access_reads_every_crd_preflight_checks() -> None:
+    from workflows.preflight import CRDS
+
+    assert tuple(sorted(CRDS)) == PREFLIGHT_CRDS

@@ -10,10 +10,12 @@ import json
 import threading
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
+import yaml
 from kubernetes import client
 
 from workflows import preflight
@@ -98,6 +100,8 @@ def _node(name: str, labels: dict[str, str], gpus: int, taints: list[dict[str, s
 
 
 GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
+TRAINER_RUNTIME = Path(__file__).resolve().parent.parent / "manifests/components/trainer-v2/clustertrainingruntime.yaml"
+"""The kit's ClusterTrainingRuntime, served as the API server would return it."""
 
 
 def ready_cluster(spec: PipelineSpec, nodes: list[dict] | None = None, argo: str = "v3.6.5") -> Routes:
@@ -131,6 +135,11 @@ def ready_cluster(spec: PipelineSpec, nodes: list[dict] | None = None, argo: str
             routes[f"/apis/kueue.x-k8s.io/v1beta1/namespaces/{ns}/localqueues/{res.queue}"] = (200, {"spec": {}})
     runtime = spec.stages.deploy.serving.runtime
     routes[f"/apis/serving.kserve.io/v1alpha1/namespaces/{ns}/servingruntimes/{runtime}"] = (200, {"spec": {}})
+    if spec.cluster.job_kind == "trainjob":
+        routes[f"/apis/trainer.kubeflow.org/v1alpha1/clustertrainingruntimes/{spec.cluster.training_runtime}"] = (
+            200,
+            yaml.safe_load(TRAINER_RUNTIME.read_text(encoding="utf-8")),
+        )
     if nodes is None:
         gpu_labels = {"nvidia.com/gpu.product": H100}
         nodes = [_node(f"h100-{i}", gpu_labels, 8, [GPU_TAINT]) for i in range(2)]
@@ -493,3 +502,71 @@ def test_the_executor_token_is_not_readable_through_preflight_access(server: _Se
     assert check.status == "warn" and "kubectl -n llm-training get secret" in check.fix
     assert "preflight-access" not in check.fix
     assert report.ok
+
+
+# --------------------------------------------------------------------------- cluster.job_kind trainjob
+
+RUNTIME_PATH = "/apis/trainer.kubeflow.org/v1alpha1/clustertrainingruntimes/posttrain-torch"
+
+
+@pytest.fixture(scope="module")
+def korean_trainjob() -> PipelineSpec:
+    return load_pipeline("korean-llm", "trainjob").spec
+
+
+def test_a_trainer_v2_cluster_passes(server: _Server, korean_trainjob: PipelineSpec) -> None:
+    """job_kind trainjob needs the TrainJob CRD and the runtime (the kit's, as served), not the PyTorchJob CRD."""
+    routes = ready_cluster(korean_trainjob)
+    routes.pop("/apis/apiextensions.k8s.io/v1/customresourcedefinitions/pytorchjobs.kubeflow.org")
+    report = _run(server, korean_trainjob, routes)
+    assert report.ok, report.render_text()
+    names = {c.name for c in report.checks}
+    assert {"CRD trainjobs.trainer.kubeflow.org", "clustertrainingruntime posttrain-torch"} <= names
+    assert "CRD pytorchjobs.kubeflow.org" not in names
+    assert _check(report, "clustertrainingruntime posttrain-torch").detail == "torch runtime, replicated jobs: node"
+
+
+def _initializer_first(runtime: dict) -> None:
+    jobs = runtime["spec"]["template"]["spec"]["replicatedJobs"]
+    jobs.insert(0, {"name": "dataset-initializer", "template": {}})
+
+
+TRAINJOB_CASES: dict[str, tuple[Callable[[Routes], None], str, str, str]] = {
+    "crd": (
+        _drop("/apis/apiextensions.k8s.io/v1/customresourcedefinitions/trainjobs.trainer.kubeflow.org"),
+        "CRD trainjobs.trainer.kubeflow.org",
+        "not installed",
+        "install Kubeflow Trainer (v2.1+)",
+    ),
+    "runtime": (
+        _drop(RUNTIME_PATH),
+        "clustertrainingruntime posttrain-torch",
+        "no ClusterTrainingRuntime",
+        "trainer-v2",
+    ),
+    "runtime-order": (
+        _set(RUNTIME_PATH, _initializer_first),
+        "clustertrainingruntime posttrain-torch",
+        "first replicated job must be `node` (found: dataset-initializer, node)",
+        "cluster.training_runtime",
+    ),
+    "runtime-policy": (
+        _set(RUNTIME_PATH, lambda runtime: runtime["spec"]["mlPolicy"].pop("torch")),
+        "clustertrainingruntime posttrain-torch",
+        "no torch ML policy",
+        "trainer-v2",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TRAINJOB_CASES))
+def test_each_missing_trainer_piece_fails_with_its_fix(
+    server: _Server, korean_trainjob: PipelineSpec, case: str
+) -> None:
+    breaks, name, detail, fix = TRAINJOB_CASES[case]
+    routes = copy.deepcopy(ready_cluster(korean_trainjob))
+    breaks(routes)
+    report = _run(server, korean_trainjob, routes)
+    check = _check(report, name)
+    assert (check.status, not report.ok) == ("fail", True)
+    assert detail in check.detail and fix in check.fix, check

@@ -1,5 +1,5 @@
 """Every rendered document of every shipped pipeline validates strictly: Argo resources against the Argo schema,
-embedded PyTorchJobs against the CRD, and each watch condition parses the way Argo parses it."""
+embedded PyTorchJobs and TrainJobs against their CRDs, and each watch condition parses the way Argo parses it."""
 
 from __future__ import annotations
 
@@ -17,11 +17,13 @@ from schema_validation import (
     require_schemas,
     validate_argo,
     validate_core,
+    validate_custom_resource,
     validate_pytorchjob,
 )
 
 from workflows.pytorchjob import pytorchjob_manifest
 from workflows.spec import TRAINING_STAGES, PipelineSpec
+from workflows.trainjob import trainjob_manifest
 
 EXPECTED_KINDS = {
     "workflowtemplate.yaml": "WorkflowTemplate",
@@ -30,14 +32,16 @@ EXPECTED_KINDS = {
 }
 
 
-def _resource_templates(documents: dict[str, dict[str, Any]], action: str = "create") -> Iterator[dict[str, Any]]:
-    """The training steps: resource templates that create a PyTorchJob (`action` get: that wait on one)."""
+def _resource_templates(
+    documents: dict[str, dict[str, Any]], action: str = "create", kind: str = "PyTorchJob"
+) -> Iterator[dict[str, Any]]:
+    """The training steps: resource templates that create a job of `kind` (`action` get: that wait on one)."""
     for doc in documents.values():
         for template in doc.get("spec", {}).get("templates", []) or []:
             resource = template.get("resource")
             if not resource or resource["action"] != action:
                 continue
-            if yaml.safe_load(resource["manifest"])["kind"] == "PyTorchJob":
+            if yaml.safe_load(resource["manifest"])["kind"] == kind:
                 yield template
 
 
@@ -63,11 +67,48 @@ def test_embedded_pytorchjobs_validate_against_the_crd(
 ) -> None:
     templates = list(_resource_templates(compile_pipeline(spec).documents()))
     enabled = [s for s in TRAINING_STAGES if spec.stage(s).enabled]
+    if spec.cluster.job_kind != "pytorchjob":
+        assert templates == []
+        return
     assert sorted(t["name"] for t in templates) == sorted(f"{s}-create" for s in enabled)
     for template in templates:
         manifest = yaml.safe_load(template["resource"]["manifest"])
         validate_pytorchjob(manifest)
         assert manifest == pytorchjob_manifest(spec, template["name"].removesuffix("-create")), template["name"]
+
+
+def test_embedded_trainjobs_validate_against_the_crd(spec: PipelineSpec, compile_pipeline: Callable[..., Any]) -> None:
+    """Every pipeline compiled with job_kind trainjob (the shipped trainjob profile, and every other variant
+    switched to it): one TrainJob per enabled training stage, valid against Trainer v2.1's CRD, strictly."""
+    spec.cluster.job_kind = "trainjob"
+    documents = compile_pipeline(spec).documents()
+    templates = list(_resource_templates(documents, kind="TrainJob"))
+    enabled = [s for s in TRAINING_STAGES if spec.stage(s).enabled]
+    assert sorted(t["name"] for t in templates) == sorted(f"{s}-create" for s in enabled)
+    assert list(_resource_templates(documents)) == []  # no PyTorchJob left
+    for template in templates:
+        manifest = yaml.safe_load(template["resource"]["manifest"])
+        validate_custom_resource(manifest)
+        assert manifest == trainjob_manifest(spec, template["name"].removesuffix("-create")), template["name"]
+        stage = template["name"].removesuffix("-create")
+        assert manifest["spec"]["trainer"]["command"][:4] == ["torchrun", "--module", "stages", stage]
+    watched = list(_resource_templates(documents, action="get", kind="TrainJob"))
+    assert [t["name"].removesuffix("-wait") for t in watched] == [t["name"].removesuffix("-create") for t in templates]
+
+
+def test_the_trainjob_validator_is_strict(spec: PipelineSpec) -> None:
+    """Guard: a field a TrainJob does not have (a PyTorchJob's, or a pod field the override cannot set) fails."""
+    stage = next(s for s in TRAINING_STAGES if spec.stage(s).enabled)
+    manifest = trainjob_manifest(spec, stage)
+    validate_custom_resource(manifest)
+    misplaced = copy.deepcopy(manifest)
+    misplaced["spec"]["podTemplateOverrides"][0]["spec"]["securityContext"] = {"runAsNonRoot": True}
+    with pytest.raises(SchemaViolation, match="securityContext"):
+        validate_custom_resource(misplaced)
+    misplaced = copy.deepcopy(manifest)
+    misplaced["spec"]["runPolicy"] = {"backoffLimit": 0}
+    with pytest.raises(SchemaViolation, match="runPolicy"):
+        validate_custom_resource(misplaced)
 
 
 def test_embedded_manifests_are_plain_yaml(spec: PipelineSpec, compile_pipeline: Callable[..., Any]) -> None:

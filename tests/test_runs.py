@@ -279,19 +279,9 @@ def test_stopping_a_run_frees_its_gpus_through_the_rendered_exit_handler(
     assert templates[step["template"]]["serviceAccountName"] == "posttrain-workflow"
     argv = [resolve(arg) for arg in container["command"]]
     assert argv[:3] == ["python", "-m", "workflows.cleanup"]
-    monkeypatch.setattr(cleanup, "_default_api_client", lambda: cleanup_client())
     assert cleanup.main(argv[3:]) == 0
     assert _jobs(kube) == {f"{RUN}-cpt-q1w2e", f"{OTHER}-sft-u7i8o"}  # the running sft job is gone
     assert f"deleted PyTorchJob {NS}/{RUN}-sft-r4t5y" in capsys.readouterr().out
-
-
-def cleanup_client() -> Any:
-    """An API client from the kubeconfig the `kube` fixture wrote (as the pod's in-cluster config would be)."""
-    from kubernetes import client, config
-
-    configuration = client.Configuration()
-    config.load_kube_config(client_configuration=configuration)
-    return client.ApiClient(configuration)
 
 
 def test_stop_terminate_deletes_the_runs_running_jobs_only(

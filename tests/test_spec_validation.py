@@ -113,6 +113,8 @@ LATE = [
     ("stages.evaluate.gate.0.max_regression=.inf", "stages.evaluate.gate[0].max_regression", "finite number"),
     ("stages.sft.training.eval_steps=10", "stages.sft.training.eval_steps", "data.eval_fraction is 0"),
     ("stages.deploy.serving.runtime=Kserve_vLLM", "stages.deploy.serving.runtime", "not a valid"),
+    ("cluster.training_runtime=Posttrain_Torch", "cluster.training_runtime", "must be a DNS-1123 label"),
+    ("cluster.job_kind=mpijob", "cluster.job_kind", "'pytorchjob' or 'trainjob'"),
 ]
 
 
@@ -332,3 +334,17 @@ def test_a_template_too_large_for_kubernetes_is_refused_at_compile() -> None:
     spec.stages.evaluate.prompts = prompts
     with pytest.raises(ValueError, match=rf"over the {MAX_OBJECT_BYTES} a Kubernetes object may have"):
         compile_pipeline(spec)
+
+
+def test_a_trainjob_refuses_what_only_its_runtime_can_say() -> None:
+    message = _set_refused("cluster.job_kind=trainjob")  # korean-llm's cpt has one
+    assert ": stages.cpt.resources.priority_class: " in message and "a TrainJob cannot set a PriorityClass" in message
+    message = _set_refused(
+        "cluster.job_kind=trainjob",
+        "stages.cpt.resources.priority_class=null",
+        "stages.cpt.resources.rdma={resource: rdma/ib, count: 1}",
+    )
+    assert ": stages.cpt.resources.rdma: " in message and "IPC_LOCK" in message
+    # The same settings are a PyTorchJob's to carry.
+    spec = load_pipeline("korean-llm", overrides=["stages.sft.resources.priority_class=training-high"]).spec
+    assert spec.stages.sft.resources.priority_class == "training-high"

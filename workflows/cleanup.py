@@ -1,11 +1,12 @@
 """Deleting a run's unfinished training jobs, so that a stopped or failed workflow frees its GPUs at once.
 
-Stopping a workflow ends only the Argo pod that waits on a PyTorchJob; the job itself keeps its GPUs until the
-Workflow object is deleted (its owner reference) or the job's own deadline. This module lists the jobs a workflow
-created (every rendered job carries the label `workflows.argoproj.io/workflow: <workflow>`), and deletes those that
-have not finished (no Succeeded or Failed condition True), with their pods (propagation Background).
+Stopping a workflow ends only the Argo pod that waits on a PyTorchJob or TrainJob; the job itself keeps its GPUs
+until the Workflow object is deleted (its owner reference) or the job's own deadline. This module lists the jobs a
+workflow created (every rendered job carries the label `workflows.argoproj.io/workflow: <workflow>`), and deletes
+those that have not finished (no Succeeded, Complete or Failed condition True), with their pods (propagation
+Background).
 
-    python -m workflows.cleanup --namespace NS --workflow NAME [--stage STAGE]
+    python -m workflows.cleanup --namespace NS --workflow NAME [--stage STAGE] [--kind pytorchjob|trainjob]
 
 The exit handler runs it when a workflow did not succeed, and each retry of a training stage runs it for that stage
 before it creates a new job (one job per stage at a time). Argo runs no exit handler when a workflow is terminated
@@ -17,23 +18,32 @@ be reached (the exit handler retries); 2 on bad arguments.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
+from workflows import trainjob
 from workflows.pytorchjob import API_VERSION, STAGE_LABEL
 
 WORKFLOW_LABEL = "workflows.argoproj.io/workflow"
 """The label every rendered job carries: the name of the workflow that created it."""
 
-JOB_KINDS = ((*API_VERSION.split("/"), "pytorchjobs"),)
-"""(group, version, plural) of every job kind a workflow creates: the PyTorchJobs of workflows/pytorchjob.py."""
+JOB_RESOURCES: dict[str, tuple[str, str, str]] = {
+    "pytorchjob": (*API_VERSION.split("/"), "pytorchjobs"),
+    "trainjob": (*trainjob.API_VERSION.split("/"), trainjob.PLURAL),
+}
+"""(group, version, plural) of each `cluster.job_kind`: workflows/pytorchjob.py's and workflows/trainjob.py's."""
 
-FINISHED_CONDITIONS = ("Succeeded", "Failed")
+JOB_KINDS = (JOB_RESOURCES["pytorchjob"],)
+"""The resources a workflow of the default job kind creates."""
+
+FINISHED_CONDITIONS = ("Succeeded", "Complete", "Failed")
+"""A PyTorchJob's verdicts (Succeeded, Failed) and a TrainJob's (Complete, Failed)."""
 REQUEST_TIMEOUT_S = 30
 
 
 def is_finished(job: dict[str, Any]) -> bool:
-    """Whether the operator has given its verdict: a Succeeded or Failed condition with status True."""
+    """Whether the operator has given its verdict: a Succeeded, Complete or Failed condition with status True."""
     conditions = (job.get("status") or {}).get("conditions") or []
     return any(c.get("type") in FINISHED_CONDITIONS and c.get("status") == "True" for c in conditions)
 
@@ -47,24 +57,28 @@ def _default_api_client() -> Any:
     try:
         config.load_incluster_config(client_configuration=configuration)
     except ConfigException:
+        # $KUBECONFIG read now: the client library reads its default location once, when it is imported.
+        path = (os.environ.get("KUBECONFIG") or "~/.kube/config").split(os.pathsep)[0]
         try:
-            return config.new_client_from_config()
+            return config.new_client_from_config(config_file=os.path.expanduser(path))
         except (ConfigException, OSError, TypeError) as exc:
             raise RuntimeError(f"not running in a pod and no usable kubeconfig ({exc})") from None
     return client.ApiClient(configuration)
 
 
-def delete_running_jobs(namespace: str, workflow: str, api_client: Any = None, stage: str | None = None) -> list[str]:
-    """Delete the unfinished jobs of `workflow` in `namespace` (of one `stage` only, when given); return their
-    names. Finished jobs stay (their status and logs are the run's record until their TTL or the workflow's).
-    A job deleted meanwhile by someone else is not an error."""
+def delete_running_jobs(
+    namespace: str, workflow: str, api_client: Any = None, stage: str | None = None, kind: str = "pytorchjob"
+) -> list[str]:
+    """Delete the unfinished jobs of `workflow` in `namespace` (of one `stage` only, when given) of `kind` (a
+    `cluster.job_kind`); return their names. Finished jobs stay (their status and logs are the run's record until
+    their TTL or the workflow's). A job deleted meanwhile by someone else is not an error."""
     from kubernetes import client
     from kubernetes.client.exceptions import ApiException
 
     api = client.CustomObjectsApi(api_client or _default_api_client())
     selector = f"{WORKFLOW_LABEL}={workflow}" + (f",{STAGE_LABEL}={stage}" if stage else "")
     deleted: list[str] = []
-    for group, version, plural in JOB_KINDS:
+    for group, version, plural in (JOB_RESOURCES[kind],):
         listed = api.list_namespaced_custom_object(
             group, version, namespace, plural, label_selector=selector, _request_timeout=REQUEST_TIMEOUT_S
         )
@@ -91,13 +105,13 @@ def delete_running_jobs(namespace: str, workflow: str, api_client: Any = None, s
     return deleted
 
 
-def _api_error(exc: Exception) -> str:
+def _api_error(exc: Exception, plural: str = "pytorchjobs") -> str:
     """One line about a failed API call, without the response body's noise."""
     if isinstance(exc, RuntimeError):
         return str(exc)
     status, reason = getattr(exc, "status", None), getattr(exc, "reason", None)
     if status:
-        hint = " (the identity lacks the RBAC verbs list and delete on pytorchjobs)" if status == 403 else ""
+        hint = f" (the identity lacks the RBAC verbs list and delete on {plural})" if status == 403 else ""
         return f"the Kubernetes API answered {status} {reason}{hint}"
     return f"the Kubernetes API could not be reached ({type(exc).__name__}: {exc})"
 
@@ -108,15 +122,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--namespace", required=True, help="The workflow's namespace.")
     parser.add_argument("--workflow", required=True, help="The workflow's name (the jobs' label value).")
     parser.add_argument("--stage", help="Only this training stage's jobs.")
+    parser.add_argument(
+        "--kind", choices=sorted(JOB_RESOURCES), default="pytorchjob", help="The jobs' kind (cluster.job_kind)."
+    )
     args = parser.parse_args(argv)
     from kubernetes.client.exceptions import ApiException
     from urllib3.exceptions import HTTPError
 
     try:
-        deleted = delete_running_jobs(args.namespace, args.workflow, stage=args.stage)
+        deleted = delete_running_jobs(args.namespace, args.workflow, stage=args.stage, kind=args.kind)
     except (ApiException, HTTPError, OSError, RuntimeError) as exc:
+        plural = JOB_RESOURCES[args.kind][2]
         what = f"the jobs of workflow {args.workflow}" + (f", stage {args.stage}" if args.stage else "")
-        print(f"error: could not delete {what} in namespace {args.namespace}: {_api_error(exc)}", file=sys.stderr)
+        reason = _api_error(exc, plural)
+        print(f"error: could not delete {what} in namespace {args.namespace}: {reason}", file=sys.stderr)
         return 1
     if not deleted:
         print(f"no unfinished job of workflow {args.workflow}" + (f", stage {args.stage}" if args.stage else ""))

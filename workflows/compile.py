@@ -34,7 +34,7 @@ from hera.workflows import (
 from hera.workflows import models as m
 
 from workflows import parameters as params
-from workflows import serving
+from workflows import serving, trainjob
 from workflows.pytorchjob import (
     FAILURE_CONDITION,
     PIPELINE_LABEL,
@@ -307,7 +307,12 @@ def training_templates(spec: PipelineSpec, stage_name: str) -> list[Any]:
     wait pod was lost) before a new one is created."""
     stage = spec.stage(stage_name)
     rp = stage.run_policy
-    job = pytorchjob_manifest(spec, stage_name)
+    if spec.cluster.job_kind == "trainjob":
+        job = trainjob.trainjob_manifest(spec, stage_name)
+        success, failure = trainjob.SUCCESS_CONDITION, trainjob.FAILURE_CONDITION
+    else:
+        job = pytorchjob_manifest(spec, stage_name)
+        success, failure = SUCCESS_CONDITION, FAILURE_CONDITION
     create = Resource(
         name=f"{stage_name}-create",
         action="create",
@@ -328,8 +333,8 @@ def training_templates(spec: PipelineSpec, stage_name: str) -> list[Any]:
         name=f"{stage_name}-wait",
         action="get",
         manifest=yaml.safe_dump(watched, sort_keys=False),
-        success_condition=SUCCESS_CONDITION,
-        failure_condition=FAILURE_CONDITION,
+        success_condition=success,
+        failure_condition=failure,
         inputs=[Parameter(name="job-name")],
         outputs=[Parameter(name="job-name", value_from=m.ValueFrom(json_path="{.metadata.name}"))],
         retry_strategy=m.RetryStrategy(
@@ -450,6 +455,8 @@ def cleanup_template(spec: PipelineSpec, stage: str | None = None) -> Container:
     # The names are Argo's own values for this workflow, never the form's: argv is safe.
     command = ["python", "-m", "workflows.cleanup", "--namespace", "{{workflow.namespace}}"]
     command += ["--workflow", "{{workflow.name}}"] + (["--stage", stage] if stage else [])
+    if spec.cluster.job_kind != "pytorchjob":
+        command += ["--kind", spec.cluster.job_kind]
     return Container(
         name=f"{stage}-{CLEANUP}" if stage else CLEANUP,
         image=spec.cluster.image,

@@ -5,8 +5,10 @@
 
 Checks, against the cluster of the current kubeconfig context (or the in-cluster config):
 
-- the CRDs the pipeline needs (PyTorchJob, Argo's Workflow/WorkflowTemplate, CronWorkflow when scheduled,
-  InferenceService when deploying, Kueue's LocalQueue when a stage names a queue) and the ServingRuntime;
+- the CRDs the pipeline needs (PyTorchJob, or TrainJob with cluster.job_kind trainjob, Argo's
+  Workflow/WorkflowTemplate, CronWorkflow when scheduled, InferenceService when deploying, Kueue's LocalQueue when
+  a stage names a queue), the ServingRuntime, and with job_kind trainjob the ClusterTrainingRuntime (a torch
+  runtime whose first replicated job is `node`);
 - the namespace; the three ServiceAccounts (the resource steps' account, which must not switch its token off; the
   stage pods' account; Argo's executor account and the token Secret Argo mounts from it); the two volumes (exist,
   Bound, ReadWriteMany);
@@ -32,6 +34,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from workflows import trainjob
 from workflows.spec import TRAINING_STAGES, PipelineSpec, Resources
 
 Status = Literal["ok", "warn", "fail"]
@@ -55,6 +58,11 @@ CRDS: dict[str, tuple[str, str]] = {
         "v1",
         "install the Kubeflow Training Operator (v1.9): kubectl apply -k "
         "'github.com/kubeflow/training-operator.git/manifests/overlays/standalone?ref=v1.9.4'",
+    ),
+    "trainjobs.trainer.kubeflow.org": (
+        "v1alpha1",
+        "install Kubeflow Trainer (v2.1+): kubectl apply --server-side -k "
+        "'github.com/kubeflow/trainer.git/manifests/overlays/manager?ref=v2.1.0', or set cluster.job_kind=pytorchjob",
     ),
     "workflows.argoproj.io": ("v1alpha1", "install Argo Workflows (v3.6+): see https://argo-workflows.readthedocs.io"),
     "workflowtemplates.argoproj.io": ("v1alpha1", "install Argo Workflows (v3.6+)"),
@@ -223,7 +231,9 @@ def _guarded(report: PreflightReport, name: str, fn: Callable[[], None]) -> None
 def _needed_crds(spec: PipelineSpec) -> list[str]:
     crds = ["workflows.argoproj.io", "workflowtemplates.argoproj.io"]
     if any(spec.stage(s).enabled for s in TRAINING_STAGES):
-        crds.insert(0, "pytorchjobs.kubeflow.org")
+        crds.insert(
+            0, "trainjobs.trainer.kubeflow.org" if spec.cluster.job_kind == "trainjob" else "pytorchjobs.kubeflow.org"
+        )
     if spec.schedule.cron:
         crds.append("cronworkflows.argoproj.io")
     if spec.stages.deploy.enabled and spec.stages.deploy.serving.enabled:
@@ -249,6 +259,40 @@ def _check_crds(kube: _Kube, spec: PipelineSpec, report: PreflightReport) -> Non
                 report.add(f"CRD {name}", "ok", f"{version} served")
 
         _guarded(report, f"CRD {name}", check)
+
+
+def _check_training_runtime(kube: _Kube, spec: PipelineSpec, report: PreflightReport) -> None:
+    """With job_kind trainjob: the ClusterTrainingRuntime the TrainJobs name exists, has a torch ML policy, and
+    lists `node` first (the success condition reads that job's status at index 0: workflows/trainjob.py)."""
+    if spec.cluster.job_kind != "trainjob" or not any(spec.stage(s).enabled for s in TRAINING_STAGES):
+        return
+    runtime = spec.cluster.training_runtime
+    name = f"clustertrainingruntime {runtime}"
+    fix = f"{KIT_HINT} with components/trainer-v2, or set cluster.training_runtime"
+
+    def check() -> None:
+        body = kube.get(f"/apis/{trainjob.API_GROUP}/v1alpha1/{trainjob.RUNTIME_PLURAL}/{runtime}")
+        if body is None:
+            report.add(name, "fail", "no ClusterTrainingRuntime of that name", fix)
+            return
+        spec_ = body.get("spec") or {}
+        jobs = [j.get("name") for j in ((spec_.get("template") or {}).get("spec") or {}).get("replicatedJobs") or []]
+        if "torch" not in (spec_.get("mlPolicy") or {}):
+            report.add(
+                name, "fail", "has no torch ML policy (mlPolicy.torch): nothing sets torchrun's PET_* variables", fix
+            )
+        elif not jobs or jobs[0] != trainjob.NODE:
+            found = ", ".join(str(j) for j in jobs) or "none"
+            report.add(
+                name,
+                "fail",
+                f"its first replicated job must be `{trainjob.NODE}` (found: {found}): the stages' wait reads it there",
+                fix,
+            )
+        else:
+            report.add(name, "ok", f"torch runtime, replicated jobs: {', '.join(jobs)}")
+
+    _guarded(report, name, check)
 
 
 def _check_namespace(kube: _Kube, spec: PipelineSpec, report: PreflightReport) -> bool:
@@ -680,6 +724,7 @@ def run_preflight(spec: PipelineSpec, kube_api_client: Any = None, argo_server: 
     kube = _Kube(kube_api_client)
     try:
         _check_crds(kube, spec, report)
+        _check_training_runtime(kube, spec, report)
         if _check_namespace(kube, spec, report):
             _check_service_accounts(kube, spec, report)
             _check_volumes(kube, spec, report)

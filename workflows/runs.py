@@ -559,12 +559,21 @@ def logs_command(args: argparse.Namespace) -> int:
 
 
 def _delete_jobs(namespace: str, workflow: str) -> list[str]:
-    """Delete the run's unfinished training jobs (workflows.cleanup prints each)."""
+    """Delete the run's unfinished training jobs, PyTorchJobs and TrainJobs (whichever cluster.job_kind the run
+    was compiled with; workflows.cleanup prints each). A cluster without the TrainJob CRD answers 404: none."""
+    from kubernetes.client.exceptions import ApiException
+
     from workflows.cleanup import delete_running_jobs
 
     api_client = kube_api_client()
     try:
-        return delete_running_jobs(namespace, workflow, api_client)
+        deleted = delete_running_jobs(namespace, workflow, api_client)
+        try:
+            deleted += delete_running_jobs(namespace, workflow, api_client, kind="trainjob")
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+        return deleted
     except Exception as exc:
         raise _kube_error(exc, f"delete the unfinished training jobs of {workflow}") from None
 

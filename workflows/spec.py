@@ -1235,8 +1235,22 @@ class ClusterSpec(StrictModel):
         "manifests/components/monitoring's PodMonitor scrapes. None: no metrics server. Not 9400 (the DCGM "
         "exporter's) nor 9090 (Prometheus'); a port already taken only costs the metrics, never the stage.",
     )
+    job_kind: Literal["pytorchjob", "trainjob"] = Field(
+        "pytorchjob",
+        description="What a training stage creates: `pytorchjob`, a Kubeflow Training Operator v1 PyTorchJob "
+        "(kubeflow.org/v1); or `trainjob`, a Kubeflow Trainer v2 TrainJob (trainer.kubeflow.org/v1alpha1, on "
+        "JobSet) that runs on the ClusterTrainingRuntime `training_runtime` (manifests/components/trainer-v2).",
+    )
+    training_runtime: str = Field(
+        "posttrain-torch",
+        description="With job_kind `trainjob`: the ClusterTrainingRuntime the TrainJobs run on. It holds what a "
+        "TrainJob cannot set (security contexts, /dev/shm, the grace period, the JobSet's restart policy); its "
+        "first replicated job must be `node` with a torch ML policy (preflight checks).",
+    )
 
-    @field_validator("namespace", "service_account", "pod_service_account", "executor_service_account")
+    @field_validator(
+        "namespace", "service_account", "pod_service_account", "executor_service_account", "training_runtime"
+    )
     @classmethod
     def _names(cls, value: str) -> str:
         return _dns_label(value, "name")
@@ -1469,6 +1483,7 @@ class PipelineSpec(StrictModel):
                 )
         for stage in TRAINING_STAGES:
             self._rdma_env_agrees(stage)
+            self._trainjob_can_say(stage)
         self._serving_fits_model()
         return self
 
@@ -1489,6 +1504,25 @@ class PipelineSpec(StrictModel):
                 ("tracking", "langfuse_host"),
                 f"cluster.secrets.{given} is set but tracking.langfuse_host is not: name the Langfuse server the keys "
                 "are for",
+            )
+
+    def _trainjob_can_say(self, stage: str) -> None:
+        """What a Trainer v2.1 TrainJob cannot set per job is refused, not dropped: it belongs in the runtime."""
+        section = self.stage(stage)
+        if self.cluster.job_kind != "trainjob" or not section.enabled:
+            return
+        runtime = f"the ClusterTrainingRuntime {self.cluster.training_runtime}"
+        if section.resources.rdma is not None:
+            raise FieldError(
+                ("stages", stage, "resources", "rdma"),
+                f"a TrainJob cannot add the IPC_LOCK capability RDMA needs: give {runtime} the RDMA devices and "
+                "IPC_LOCK, or use cluster.job_kind pytorchjob",
+            )
+        if section.resources.priority_class is not None:
+            raise FieldError(
+                ("stages", stage, "resources", "priority_class"),
+                f"a TrainJob cannot set a PriorityClass: set priorityClassName in {runtime}, or use cluster.job_kind "
+                "pytorchjob",
             )
 
     def _rdma_env_agrees(self, stage: str) -> None:
