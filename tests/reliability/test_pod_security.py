@@ -87,7 +87,9 @@ def compiled_pods(documents: dict[str, Doc]) -> Iterator[tuple[str, Doc, Doc]]:
                 yield f"{template['name']}/{container['name']}", pod, container
         if "resource" in template:
             job = yaml.safe_load(template["resource"]["manifest"])
-            if job["kind"] != "PyTorchJob":  # serve applies an InferenceService: KServe owns its pods
+            # Only a created PyTorchJob has pods of ours: a wait step gets the job by name, and a TrainJob's pod
+            # template is its ClusterTrainingRuntime's (tests/test_manifests.py checks the kit's).
+            if job["kind"] != "PyTorchJob" or template["resource"]["action"] != "create":
                 continue
             for role, replica in job["spec"]["pytorchReplicaSpecs"].items():
                 pod = replica["template"]["spec"]
@@ -95,30 +97,58 @@ def compiled_pods(documents: dict[str, Doc]) -> Iterator[tuple[str, Doc, Doc]]:
                     yield f"{template['name']}/{role}", pod, container
 
 
+CONTROL_MODULES = {"workflows.cleanup", "workflows.rollout", "workflows.runs"}
+"""The project's control-plane commands that run with the job-creating account's token: they load no model, data
+or user module (README, "Security")."""
+
+
+def control_steps(documents: dict[str, Doc]) -> set[str]:
+    """The container templates that run a control-plane command (and so may hold a token)."""
+    templates = documents["workflowtemplate.yaml"]["spec"]["templates"]
+    return {
+        t["name"]
+        for t in templates
+        if "container" in t
+        and t["container"]["command"][:2] == ["python", "-m"]
+        and t["container"]["command"][2] in CONTROL_MODULES
+    }
+
+
 @pytest.mark.parametrize("variant", PIPELINE_VARIANTS, ids=[variant_id(v) for v in PIPELINE_VARIANTS])
 def test_every_compiled_pod_runs_restricted_read_only_and_without_a_token(variant: tuple[str, str | None]) -> None:
-    documents = compile_pipeline(fresh_spec(*variant)).documents()
+    spec = fresh_spec(*variant)
+    documents = compile_pipeline(spec).documents()
     pods = list(compiled_pods(documents))
     wheres = {where for where, _, _ in pods}
-    assert {"prepare/init", "prepare/wait", "prepare/main"} <= wheres and any("/Master" in w for w in wheres)
+    assert {"prepare/init", "prepare/wait", "prepare/main"} <= wheres
+    # A TrainJob's pods are its runtime's, checked with the kit (tests/test_manifests.py).
+    assert any("/Master" in w for w in wheres) or spec.cluster.job_kind == "trainjob"
+    controls = control_steps(documents)
     for where, pod, container in pods:
-        assert _container_issues(pod, container) == [], where
+        assert _container_issues(pod, container, token=where.split("/")[0] in controls) == [], where
         assert "image" in container, f"{where}: the podSpecPatch names a container the pod does not have"
 
 
 @pytest.mark.parametrize("variant", PIPELINE_VARIANTS, ids=[variant_id(v) for v in PIPELINE_VARIANTS])
-def test_only_resource_steps_hold_a_token(variant: tuple[str, str | None]) -> None:
+def test_only_resource_and_control_steps_hold_a_token(variant: tuple[str, str | None]) -> None:
     spec = fresh_spec(*variant)
     documents = compile_pipeline(spec).documents()
     workflow = documents["workflowtemplate.yaml"]["spec"]
+    holders = control_steps(documents)
     for template in workflow["templates"]:
         if "container" in template:
             pod = argo_container_pod(workflow, template)
+            if template["name"] in holders:
+                assert pod["serviceAccountName"] == spec.cluster.service_account, template["name"]
+                continue
             assert pod["serviceAccountName"] == spec.cluster.pod_service_account, template["name"]
             assert pod.get("automountServiceAccountToken") is False, template["name"]
         elif "resource" in template:
             assert template["serviceAccountName"] == spec.cluster.service_account, template["name"]
             assert template["automountServiceAccountToken"] is True, template["name"]
+    # The exit handler's cleanup, each training stage's reap, serve and retention: nothing else.
+    assert "cleanup" in holders
+    assert holders <= {"cleanup", "serve", "retention"} | {f"{stage}-cleanup" for stage in ("cpt", "sft", "rlhf")}
 
 
 def test_the_pod_model_catches_a_patch_for_a_missing_container() -> None:
@@ -133,7 +163,11 @@ def test_without_the_executor_patch_argos_containers_are_not_restricted() -> Non
     spec = fresh_spec("korean-llm")
     spec.cluster.executor_security_context = False
     documents = compile_pipeline(spec).documents()
-    issues = {where: _container_issues(pod, container) for where, pod, container in compiled_pods(documents)}
+    controls = control_steps(documents)
+    issues = {
+        where: _container_issues(pod, container, token=where.split("/")[0] in controls)
+        for where, pod, container in compiled_pods(documents)
+    }
     assert issues["prepare/wait"] == [
         "allowPrivilegeEscalation is not false",
         "capabilities do not drop ALL (or add some)",
@@ -145,9 +179,14 @@ def test_without_the_executor_patch_argos_containers_are_not_restricted() -> Non
 def test_without_a_uid_the_pods_still_refuse_root() -> None:
     spec = fresh_spec("korean-llm")
     spec.cluster.run_as_user = None  # the image's user: the kubelet then refuses to start it as root
-    for where, pod, container in compiled_pods(compile_pipeline(spec).documents()):
+    documents = compile_pipeline(spec).documents()
+    controls = control_steps(documents)
+    for where, pod, container in compiled_pods(documents):
         assert pod["securityContext"]["runAsNonRoot"] is True, where
-        assert _container_issues(pod, container) == ["no non-zero runAsUser (the images' USER is not trusted)"]
+        token = where.split("/")[0] in controls
+        assert _container_issues(pod, container, token=token) == [
+            "no non-zero runAsUser (the images' USER is not trusted)"
+        ]
 
 
 def test_root_is_not_a_uid_the_spec_accepts() -> None:

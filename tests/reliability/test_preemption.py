@@ -39,12 +39,15 @@ def test_the_compiled_retry_reruns_the_same_entry_point() -> None:
     `python -m stages sft --run-dir <the same run directory>` (through torchrun)."""
     loaded = load_pipeline("korean-llm")
     template = compile_pipeline(loaded.spec).documents()["workflowtemplate.yaml"]
-    (sft,) = [t for t in template["spec"]["templates"] if t["name"] == "sft"]
+    templates = {t["name"]: t for t in template["spec"]["templates"]}
+    sft = templates["sft"]  # an attempt: reap the stage's unfinished jobs (on a retry), create a job, wait on it
     assert sft["retryStrategy"]["retryPolicy"] == "Always" and int(sft["retryStrategy"]["limit"]) >= 1
-    assert sft["resource"]["action"] == "create"  # every retry creates a fresh job
+    assert [step["template"] for group in sft["steps"] for step in group] == ["sft-cleanup", "sft-create", "sft-wait"]
+    create = templates["sft-create"]
+    assert create["resource"]["action"] == "create"  # every retry creates a fresh job
     command = stage_command("sft", "/mnt/checkpoints/runs/{{workflow.name}}")
     assert command[1:] == ["--module", "stages", "sft", "--run-dir", "/mnt/checkpoints/runs/{{workflow.name}}"]
-    pod = yaml.safe_load(sft["resource"]["manifest"])["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    pod = yaml.safe_load(create["resource"]["manifest"])["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
     assert pod["containers"][0]["command"] == command
     grace = loaded.spec.stages.sft.run_policy.termination_grace_period_seconds
     assert pod["terminationGracePeriodSeconds"] == grace >= GRACE_SECONDS
