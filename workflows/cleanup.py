@@ -23,10 +23,7 @@ import sys
 from typing import Any
 
 from workflows import trainjob
-from workflows.pytorchjob import API_VERSION, STAGE_LABEL
-
-WORKFLOW_LABEL = "workflows.argoproj.io/workflow"
-"""The label every rendered job carries: the name of the workflow that created it."""
+from workflows.pytorchjob import API_VERSION, STAGE_LABEL, WORKFLOW_LABEL
 
 JOB_RESOURCES: dict[str, tuple[str, str, str]] = {
     "pytorchjob": (*API_VERSION.split("/"), "pytorchjobs"),

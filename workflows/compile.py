@@ -387,6 +387,26 @@ def serve_deadline_seconds(spec: PipelineSpec) -> int:
     return waits * serving.smoke_check.ready_timeout_seconds + holds + SERVE_SLACK_SECONDS
 
 
+def _read_only_run_dirs(spec: PipelineSpec) -> dict[str, Any]:
+    """The volumes of a control step that reads run directories: the checkpoints volume read-only, and /tmp."""
+    checkpoints = spec.cluster.checkpoints
+    return {
+        "volumes": [
+            m.Volume(
+                name="checkpoints",
+                persistent_volume_claim=m.PersistentVolumeClaimVolumeSource(
+                    claim_name=checkpoints.claim_name, read_only=True
+                ),
+            ),
+            m.Volume(name=SCRATCH_VOLUME, empty_dir=m.EmptyDirVolumeSource()),
+        ],
+        "volume_mounts": [
+            m.VolumeMount(name="checkpoints", mount_path=checkpoints.mount_path, read_only=True),
+            m.VolumeMount(name=SCRATCH_VOLUME, mount_path=SCRATCH_DIR),
+        ],
+    }
+
+
 def serve_template(spec: PipelineSpec, rundir: str) -> Container:
     """serve: roll the model deploy published out to its InferenceService (workflows/rollout.py): apply, wait for
     the new revision, smoke-check it, step canary traffic, then move `champion`, or roll back.
@@ -397,7 +417,6 @@ def serve_template(spec: PipelineSpec, rundir: str) -> Container:
     token), with only the MLflow credentials, and holds a mutex per service, so two runs never roll one out at
     once."""
     cluster = spec.cluster
-    checkpoints = cluster.checkpoints
     secrets = {
         name: ref for name, ref in cluster.secrets.env().items() if name.startswith("MLFLOW_")
     }  # the alias move only
@@ -423,19 +442,7 @@ def serve_template(spec: PipelineSpec, rundir: str) -> Container:
         image_pull_policy=cluster.image_pull_policy,
         command=["python", "-m", "workflows.rollout", "--run-dir", rundir],
         env=env,
-        volumes=[
-            m.Volume(
-                name="checkpoints",
-                persistent_volume_claim=m.PersistentVolumeClaimVolumeSource(
-                    claim_name=checkpoints.claim_name, read_only=True
-                ),
-            ),
-            m.Volume(name=SCRATCH_VOLUME, empty_dir=m.EmptyDirVolumeSource()),
-        ],
-        volume_mounts=[
-            m.VolumeMount(name="checkpoints", mount_path=checkpoints.mount_path, read_only=True),
-            m.VolumeMount(name=SCRATCH_VOLUME, mount_path=SCRATCH_DIR),
-        ],
+        **_read_only_run_dirs(spec),
         resources=m.ResourceRequirements.model_validate(resource_requirements("250m", "512Mi", 0)),
         security_context=m.SecurityContext.model_validate(container_security_context()),
         labels={PIPELINE_LABEL: spec.name, STAGE_LABEL: "serve"},
@@ -515,7 +522,6 @@ def notify_template(spec: PipelineSpec, rundir: str) -> Container:
         "note": spec.notifications.channel_note or "",
     }
     inputs = [RawArtifact(name=k, path=f"{PARAMS_DIR}/{k}", data=v) for k, v in values.items()]
-    checkpoints = spec.cluster.checkpoints
     # Only HOME: the exit handler imports no library that caches anything.
     env = [m.EnvVar(name="HOME", value=WRITABLE_ENV["HOME"])]
     return Container(
@@ -524,19 +530,7 @@ def notify_template(spec: PipelineSpec, rundir: str) -> Container:
         image_pull_policy=spec.cluster.image_pull_policy,
         # The run directory (read-only) tells it why a scheduled run ended after prepare.
         command=["python", "-m", "workflows.notify", "--params-dir", PARAMS_DIR, "--run-dir", rundir],
-        volumes=[
-            m.Volume(
-                name="checkpoints",
-                persistent_volume_claim=m.PersistentVolumeClaimVolumeSource(
-                    claim_name=checkpoints.claim_name, read_only=True
-                ),
-            ),
-            m.Volume(name=SCRATCH_VOLUME, empty_dir=m.EmptyDirVolumeSource()),
-        ],
-        volume_mounts=[
-            m.VolumeMount(name="checkpoints", mount_path=checkpoints.mount_path, read_only=True),
-            m.VolumeMount(name=SCRATCH_VOLUME, mount_path=SCRATCH_DIR),
-        ],
+        **_read_only_run_dirs(spec),
         env=[
             *env,
             m.EnvVar(

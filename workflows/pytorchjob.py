@@ -36,6 +36,8 @@ FAILURE_CONDITION = ",".join(f"status.conditions.{i}.type == Failed" for i in ra
 RUN_ROOT = "runs"
 PART_OF = "posttrain"
 STAGE_LABEL = "posttrain.dev/stage"
+WORKFLOW_LABEL = "workflows.argoproj.io/workflow"
+"""Argo's label for the workflow a resource step created an object in: cleanup finds a run's jobs by it."""
 PIPELINE_LABEL = "posttrain.dev/pipeline"
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 METRICS_PORT_NAME = "metrics"  # the container port manifests/components/monitoring's PodMonitor scrapes
@@ -291,6 +293,21 @@ def run_policy(spec: PipelineSpec, stage: TrainingStage) -> dict[str, Any]:
     return policy
 
 
+def job_metadata(spec: PipelineSpec, stage_name: str, run_name: str) -> dict[str, Any]:
+    """A training job's metadata, whatever its kind: a fresh name per attempt, and the labels that cleanup
+    (the workflow's), dashboards (pipeline, stage) and Kueue (the stage's queue) select it by."""
+    labels = {
+        "app.kubernetes.io/part-of": PART_OF,
+        PIPELINE_LABEL: spec.name,
+        STAGE_LABEL: stage_name,
+        WORKFLOW_LABEL: run_name,
+    }
+    queue = spec.stage(stage_name).resources.queue
+    if queue:
+        labels[KUEUE_QUEUE_LABEL] = queue  # Kueue admits the whole job from this LocalQueue
+    return {"generateName": f"{run_name}-{stage_name}-", "namespace": spec.cluster.namespace, "labels": labels}
+
+
 def pytorchjob_manifest(spec: PipelineSpec, stage_name: str, run_name: str = "{{workflow.name}}") -> dict[str, Any]:
     """The PyTorchJob for one training stage of a run: Master (1) + Workers (nodes-1)."""
     stage: TrainingStage = getattr(spec.stages, stage_name)
@@ -303,22 +320,10 @@ def pytorchjob_manifest(spec: PipelineSpec, stage_name: str, run_name: str = "{{
         replicas["Worker"] = {"replicas": res.nodes - 1, "restartPolicy": "Never", "template": copy.deepcopy(template)}
     if spec.cluster.metrics_port is not None:
         serve_metrics(template, spec.cluster.metrics_port)
-    labels = {
-        "app.kubernetes.io/part-of": PART_OF,
-        PIPELINE_LABEL: spec.name,
-        STAGE_LABEL: stage_name,
-        "workflows.argoproj.io/workflow": run_name,
-    }
-    if res.queue:
-        labels[KUEUE_QUEUE_LABEL] = res.queue  # Kueue admits the whole job from this LocalQueue
     return {
         "apiVersion": API_VERSION,
         "kind": KIND,
-        "metadata": {
-            "generateName": f"{run_name}-{stage_name}-",
-            "namespace": spec.cluster.namespace,
-            "labels": labels,
-        },
+        "metadata": job_metadata(spec, stage_name, run_name),
         "spec": {
             "nprocPerNode": str(res.gpus_per_node or 1),
             "runPolicy": run_policy(spec, stage),

@@ -35,11 +35,10 @@ from __future__ import annotations
 from typing import Any
 
 from workflows.pytorchjob import (
-    KUEUE_QUEUE_LABEL,
     METRICS_PORT_ENV,
-    PART_OF,
     PIPELINE_LABEL,
     STAGE_LABEL,
+    job_metadata,
     pod_env,
     rdma_env,
     resource_requirements,
@@ -116,14 +115,6 @@ def trainjob_manifest(spec: PipelineSpec, stage_name: str, run_name: str = "{{wo
     stage: TrainingStage = getattr(spec.stages, stage_name)
     res = stage.resources
     devices = {res.rdma.resource: res.rdma.count} if res.rdma is not None else None
-    labels = {
-        "app.kubernetes.io/part-of": PART_OF,
-        PIPELINE_LABEL: spec.name,
-        STAGE_LABEL: stage_name,
-        "workflows.argoproj.io/workflow": run_name,
-    }
-    if res.queue:
-        labels[KUEUE_QUEUE_LABEL] = res.queue  # Kueue admits the whole job from this LocalQueue
     trainer: dict[str, Any] = {
         "image": stage_image(spec, stage),
         "command": stage_command(stage_name, run_dir(spec, run_name)),
@@ -137,11 +128,7 @@ def trainjob_manifest(spec: PipelineSpec, stage_name: str, run_name: str = "{{wo
     return {
         "apiVersion": API_VERSION,
         "kind": KIND,
-        "metadata": {
-            "generateName": f"{run_name}-{stage_name}-",
-            "namespace": spec.cluster.namespace,
-            "labels": labels,
-        },
+        "metadata": job_metadata(spec, stage_name, run_name),
         "spec": {
             "runtimeRef": runtime_ref(spec),
             "trainer": trainer,
