@@ -1,5 +1,8 @@
 """`python -m stages <stage> --run-dir DIR`: the one entry point of every stage, in a pod and locally.
 
+A training stage also runs the trials of its hyperparameter search (`--trial NAME --trial-set path=value ...`,
+stages/trials.py), and `python -m stages hpo-select ...` selects the search's best trial (stages/hpo.py).
+
 Expected failures end with one `error:` line that says what to fix, never a bare traceback: a missing or invalid
 spec, a stage whose inputs are not there yet (exit 2), a full disk (exit 1), a stage another process is running
 (exit 75, nothing written). Everything the stage prints goes through `MaskingStream`, so neither the value of a
@@ -43,6 +46,8 @@ from stages.contract import (
     mask_secrets,
     secret_values,
 )
+from stages.hpo import apply_selections
+from stages.trials import prepare_trial, report_metrics
 from workflows.loading import SpecError
 from workflows.spec import STAGE_ORDER
 
@@ -133,6 +138,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="prepare only: a folder of Argo parameter files (one file per UI parameter) to resolve the spec from.",
     )
     parser.add_argument("--outputs-dir", type=Path, help="Where to write Argo output parameters (one file each).")
+    parser.add_argument(
+        "--trial",
+        metavar="NAME",
+        help="Training stages: run a trial of the stage's hyperparameter search (stages.<stage>.hpo) in "
+        "<run-dir>/hpo/<stage>/trials/NAME/, for hpo.trial_max_steps steps (see stages/trials.py).",
+    )
+    parser.add_argument(
+        "--trial-set",
+        action="append",
+        default=[],
+        metavar="PATH=VALUE",
+        help="With --trial: the trial's value of a searched parameter (its path inside the stage), once for each.",
+    )
     return parser.parse_args(argv)
 
 
@@ -152,7 +170,8 @@ def run(args: argparse.Namespace) -> int:
             raise StageRefused("--params-dir is only for the prepare stage")
         from workflows.parameters import resolve_params_dir, stage_switches
 
-        resolved = resolve_params_dir(args.params_dir)
+        # A search that already selected in this run directory keeps its values (prepare run again).
+        resolved = apply_selections(resolve_params_dir(args.params_dir), run_dir.root)
         hold_stage_lock(run_dir, "prepare")  # before spec.json: a second prepare pod must not rewrite it
         run_dir.write_spec(resolved)
         if args.outputs_dir is not None:
@@ -161,13 +180,24 @@ def run(args: argparse.Namespace) -> int:
             for name, value in stage_switches(resolved).items():
                 (args.outputs_dir / name).write_text(value, encoding="utf-8")
     spec = run_dir.load_spec()
+    trial, objective = None, ""
+    if args.trial is not None:
+        if args.params_dir is not None:
+            raise StageRefused("--trial runs a trial of a stage of a prepared run; --params-dir is for prepare")
+        run_dir, spec, trial = prepare_trial(run_dir, spec, args.stage, args.trial, args.trial_set)
+        objective = trial.objective
+    elif args.trial_set:
+        raise StageRefused("--trial-set is for a trial: give --trial NAME too")
     result = run_dir.read_result(args.stage) if run_dir.result_path(args.stage).is_file() else None
     if result is None or result.status != "succeeded":
         check_ready(run_dir, spec, args.stage)
     module = importlib.import_module(f"stages.{args.stage}")
-    ctx = StageContext(run_dir, args.stage, spec, force=args.force, outputs_dir=args.outputs_dir)
+    ctx = StageContext(run_dir, args.stage, spec, force=args.force, outputs_dir=args.outputs_dir, trial=trial)
     try:
-        return int(module.run(ctx))
+        code = int(module.run(ctx))
+        if trial is not None and code == 0:
+            code = report_metrics(run_dir, args.stage, objective)
+        return code
     except (StageInterrupted, KeyboardInterrupt) as exc:
         ignore_interrupts()
         return ctx.interrupted(exc)
@@ -184,6 +214,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["hpo-select"]:
+        from stages.hpo import main as select_main
+
+        return select_main(argv[1:])
     args = parse_args(argv)
     secrets = secret_values()
     streams = sys.stdout, sys.stderr

@@ -62,6 +62,7 @@ class TemplateTokens:
 
 KNOWN_TEMPLATES: dict[str, TemplateTokens] = {
     "chatml": TemplateTokens(None, "<|im_end|>", "<|endoftext|>", ("<|im_start|>",)),
+    "qwen2_5": TemplateTokens(None, "<|im_end|>", "<|endoftext|>", ("<|im_start|>",)),
     "qwen3": TemplateTokens(None, "<|im_end|>", "<|endoftext|>", ("<|im_start|>",), ("<think>", "</think>")),
     "llama3": TemplateTokens(
         "<|begin_of_text|>", "<|eot_id|>", None, ("<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>")
@@ -76,10 +77,11 @@ KNOWN_TEMPLATES: dict[str, TemplateTokens] = {
     ),
     "mistral": TemplateTokens("<s>", "</s>", None, ("<unk>", "[INST]", "[/INST]")),
 }
-"""Template names `model.chat_template` accepts. qwen3, llama3 and gemma3 are the models' own templates as TRL
+"""Template names `model.chat_template` accepts. qwen2_5, qwen3, llama3 and gemma3 are the models' own templates as TRL
 ships them (trl/chat_templates/); chatml, exaone4 and mistral are in stages/chat_templates/."""
 
 FAMILY_TEMPLATE: dict[str, str] = {
+    "qwen2": "qwen2_5",
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3",
     "llama": "llama3",
@@ -89,7 +91,12 @@ FAMILY_TEMPLATE: dict[str, str] = {
 }
 """The template of each `model.from_config.architecture`: a tiny model speaks its family's real template."""
 
-_TRL_TEMPLATES = {"qwen3": "qwen3.jinja", "llama3": "llama3.jinja", "gemma3": "gemma3.jinja"}
+_TRL_TEMPLATES = {
+    "qwen2_5": "qwen2_5.jinja",
+    "qwen3": "qwen3.jinja",
+    "llama3": "llama3.jinja",
+    "gemma3": "gemma3.jinja",
+}
 
 
 def template_text(name_or_path: str) -> str:

@@ -45,6 +45,7 @@ import time
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from types import FrameType
@@ -453,6 +454,17 @@ def _memory_hint(stage: str, section: Any) -> str:
     return "To fit: " + ", ".join(steps) + "."
 
 
+@dataclass(frozen=True)
+class Trial:
+    """A trial of a hyperparameter search: the stage trained briefly with some values, in a run directory of its own
+    (`<run>/hpo/<stage>/trials/<name>/`, see `stages.trials`) that belongs to the pipeline run `run`."""
+
+    name: str
+    run: RunDir
+    values: dict[str, Any]
+    objective: str
+
+
 class StageContext:
     """What a stage gets: the run directory, the spec, its own folder, and the bookkeeping calls.
 
@@ -472,12 +484,14 @@ class StageContext:
         spec: PipelineSpec,
         force: bool = False,
         outputs_dir: Path | None = None,
+        trial: Trial | None = None,
     ) -> None:
         self.run_dir = run_dir
         self.stage = stage
         self.spec = spec
         self.force = force
         self.outputs_dir = outputs_dir
+        self.trial = trial
         self.config_hash = config_hash(spec, stage)
         self.result: StageResult | None = None
         self.resumed = False
@@ -485,6 +499,12 @@ class StageContext:
     @property
     def dir(self) -> Path:
         return self.run_dir.stage_dir(self.stage)
+
+    @property
+    def pipeline_root(self) -> Path:
+        """The pipeline run's directory: the run directory, or for a trial the run it is a trial of (tracking goes
+        there)."""
+        return self.trial.run.root if self.trial is not None else self.run_dir.root
 
     @property
     def checkpoints_dir(self) -> Path:

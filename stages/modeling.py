@@ -2,7 +2,7 @@
 
 Where a stage starts:
 - the first enabled training stage starts from the base model: `model.from_config` builds a seeded, randomly
-  initialised model of the family it names (qwen3, qwen3_moe, llama, gemma3, exaone4, mistral) with the
+  initialised model of the family it names (qwen2, qwen3, qwen3_moe, llama, gemma3, exaone4, mistral) with the
   tokenizer's vocabulary; otherwise the weights load with `from_pretrained` (revision, dtype, safetensors only,
   remote code only when `model.trust_remote_code`);
 - a later stage (cpt → sft → rlhf) starts from the output of the enabled training stage before it: a full model
@@ -468,6 +468,7 @@ def tiny_config(tiny: TinyModelConfig, tokenizer: Any) -> Any:
             mlp_only_layers=[],
         )
     config_class = {
+        "qwen2": "Qwen2Config",
         "qwen3": "Qwen3Config",
         "qwen3_moe": "Qwen3MoeConfig",
         "llama": "LlamaConfig",

@@ -83,6 +83,9 @@ from workflows.spec import STAGE_ORDER, PipelineSpec
 
 log = logging.getLogger("posttrain.tracking")
 
+TRIAL_TAG = "posttrain.trial"
+"""Tag of a search trial's MLflow run: the trial's name (its stage is in posttrain.stage)."""
+
 TRACKING_FILE = "tracking.json"
 """`<run>/tracking.json`: the MLflow experiment and parent run ids shared by the stages of a run."""
 
@@ -187,6 +190,8 @@ def run_tags(spec: PipelineSpec, run_root: Path) -> dict[str, str]:
         "posttrain.data_version": spec.data_version,
         "posttrain.model": spec.model.name_or_path,
     }
+    if spec.variant is not None:  # the variants of a pipeline share its experiment
+        tags["posttrain.variant"] = spec.variant
     env = {
         "argo.workflow.name": "ARGO_WORKFLOW_NAME",
         "argo.workflow.uid": "ARGO_WORKFLOW_UID",
@@ -435,8 +440,9 @@ class _Server:
             if reopen:
                 client.update_run(parent, status="RUNNING")
             return parent
+        pipeline_tags = {key: value for key, value in tags.items() if key != TRIAL_TAG}  # opened by a trial
         parent = client.create_run(
-            self.experiment_id, run_name=self.root.name, tags={**tags, "posttrain.kind": "pipeline"}
+            self.experiment_id, run_name=self.root.name, tags={**pipeline_tags, "posttrain.kind": "pipeline"}
         ).info.run_id
         write_json_atomic(
             self.root / TRACKING_FILE,
@@ -451,7 +457,8 @@ class _Server:
             "posttrain.stage": stage,
             "posttrain.config_hash": config_hash,
         }
-        return self.connect().create_run(self.experiment_id, run_name=stage, tags=stage_tags).info.run_id
+        name = f"{stage} trial {tags[TRIAL_TAG]}" if TRIAL_TAG in tags else stage
+        return self.connect().create_run(self.experiment_id, run_name=name, tags=stage_tags).info.run_id
 
     def end_parent(self, parent: str, status: str, tags: dict[str, str], end_time: int | None = None) -> None:
         """Close the pipeline's parent run, tagged with why it ended."""
@@ -601,11 +608,14 @@ class _Mlflow:
     def __init__(self, ctx: StageContext, warn: Callable[[str], None], secrets: set[str]) -> None:
         self.ctx = ctx
         self.warn = warn
-        self.server = _Server(ctx.spec, ctx.run_dir.root)
+        # A trial's run goes to the pipeline run's server, under its parent (same tracking.json, same database).
+        self.server = _Server(ctx.spec, ctx.pipeline_root)
         self.uri = self.server.uri
         self.breaker = _Breaker(f"MLflow at {redact_uri(self.uri)}", warn)
         self.journal = Journal(ctx.logs_dir, secrets)
-        self.tags = run_tags(ctx.spec, ctx.run_dir.root)
+        self.tags = run_tags(ctx.spec, ctx.pipeline_root)
+        if ctx.trial is not None:
+            self.tags[TRIAL_TAG] = ctx.trial.name
         self.parent_run_id: str | None = None
         self.run_id: str | None = ctx.result.mlflow_run_id if ctx.result is not None else None
         self.connected = False
@@ -742,8 +752,11 @@ class _Mlflow:
                 self.server.client.update_run(self.parent_run_id, status="RUNNING")
 
     def _replay_others(self) -> None:
-        """Send the journals other stages of the run directory left, while no process runs them."""
+        """Send the journals other stages of the run directory left, while no process runs them (not from a trial:
+        its run directory's other stages are the pipeline run's, whose own stages send them)."""
         run_dir = self.ctx.run_dir
+        if self.ctx.trial is not None:
+            return
         for stage in STAGE_ORDER:
             if stage == self.ctx.stage:
                 continue
@@ -974,7 +987,7 @@ class StageTracker:
         self.logged = self._read_steps()
         self.mlflow = _Mlflow(ctx, self._warn, self.secrets)
         langfuse_host = ctx.spec.tracking.langfuse_host or os.environ.get("LANGFUSE_HOST", "")
-        self.langfuse = LangfuseEvents(
+        langfuse = LangfuseEvents(
             str(ctx.run_dir.root),
             ctx.spec.name,
             ctx.stage,
@@ -983,18 +996,21 @@ class StageTracker:
             lambda data: mask_secrets_in(data, self.secrets),
             _Breaker(f"Langfuse at {redact_uri(langfuse_host)}", self._warn, kept=False),
         )
+        # A trial is tracked in MLflow only: W&B and Langfuse follow the pipeline run's stages, not its search.
+        self.langfuse = langfuse if ctx.trial is None else None
         if ctx.spec.tracking.tensorboard:
             self.tensorboard = _TensorBoard(ctx.logs_dir / "tensorboard")
         params = clean_params(self.base_params(), self.secrets)
         self.mlflow.add_params(params)
         self.mlflow.flush(force=True)
-        if ctx.spec.tracking.wandb_project:
+        if ctx.spec.tracking.wandb_project and ctx.trial is None:
             self.wandb = _Wandb(ctx, self._warn)
             sha = git_sha()
             path = self.wandb.start({**params, **({"git_commit": sha} if sha else {})})
             if path:
                 ctx.set_tracking(wandb_run_path=path)
-        self.langfuse.event("start", metadata={"attempt": ctx.result.attempts if ctx.result else 1})
+        if self.langfuse is not None:
+            self.langfuse.event("start", metadata={"attempt": ctx.result.attempts if ctx.result else 1})
 
     def base_params(self) -> dict[str, Any]:
         """What every stage run records: the model, the data version and the stage's own settings."""
@@ -1014,7 +1030,7 @@ class StageTracker:
         """The MLflow run of the whole pipeline run (None while the server could not be reached)."""
         if self.mlflow is not None and self.mlflow.parent_run_id:
             return self.mlflow.parent_run_id
-        return read_tracking_file(self.ctx.run_dir.root).get("mlflow", {}).get("parent_run_id")
+        return read_tracking_file(self.ctx.pipeline_root).get("mlflow", {}).get("parent_run_id")
 
     @property
     def run_id(self) -> str | None:
@@ -1043,7 +1059,9 @@ class StageTracker:
             self.tensorboard.close()
         last = ctx.spec.stages.enabled()[-1] == ctx.stage
         parent_tags: dict[str, str] | None = None
-        if mlflow_status != "FINISHED":
+        if ctx.trial is not None:
+            pass  # a trial never ends the pipeline run: a failed trial is one failure of the search
+        elif mlflow_status != "FINISHED":
             parent_tags = {"posttrain.end_reason": status, "posttrain.end_message": f"{ctx.stage} {status}"}
         elif self.run_ended is not None:
             reason, message = self.run_ended
@@ -1286,6 +1304,30 @@ class SyncReport:
     @property
     def ok(self) -> bool:
         return self.unreachable is None and self.pending == 0
+
+
+def log_to_pipeline_run(
+    spec: PipelineSpec, run_root: Path, params: dict[str, Any], metrics: dict[str, float], tags: dict[str, str]
+) -> str:
+    """Log params, metrics (at step 0) and tags on the pipeline run's MLflow parent (opened when there is none yet);
+    returns its id. Params the parent already has with the same value are not sent again; raises what MLflow
+    raises (the caller decides whether tracking may fail it)."""
+    from mlflow.entities import Metric, Param, RunTag
+
+    server = _Server(spec, run_root)
+    client = server.connect()
+    secrets = secret_values()
+    parent = server.parent(run_tags(spec, run_root), reopen=False)
+    have = client.get_run(parent).data.params
+    fresh = {k: v for k, v in clean_params(params, secrets).items() if have.get(k) != v}
+    stamp = _now_ms()
+    client.log_batch(
+        parent,
+        params=[Param(k, v) for k, v in fresh.items()],
+        metrics=[Metric(k, float(v), stamp, 0) for k, v in metrics.items()],
+        tags=[RunTag(k, mask_secrets(v, secrets)[:MAX_PARAM_VALUE]) for k, v in tags.items()],
+    )
+    return parent
 
 
 def sync_tracking(run_dir: RunDir) -> SyncReport:

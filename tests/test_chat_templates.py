@@ -89,6 +89,14 @@ EXPECTED: dict[str, list[tuple[str, bool]]] = {
         (f"{A2}<|im_end|>", True),
         ("\n", False),
     ],
+    # Qwen2.5 writes the conversation as ChatML (its default system prompt only when none is given).
+    "qwen2_5": [
+        (f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{Q1}<|im_end|>\n<|im_start|>assistant\n", False),
+        (f"{A1}<|im_end|>", True),
+        (f"\n<|im_start|>user\n{Q2}<|im_end|>\n<|im_start|>assistant\n", False),
+        (f"{A2}<|im_end|>", True),
+        ("\n", False),
+    ],
     "chatml": [
         (f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{Q1}<|im_end|>\n<|im_start|>assistant\n", False),
         (f"{A1}<|im_end|>", True),

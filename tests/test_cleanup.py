@@ -182,3 +182,16 @@ def test_the_trainjob_kind_on_the_command_line(
         .err.strip()
         .endswith("answered 403 Forbidden (the identity lacks the RBAC verbs list and delete on trainjobs)")
     )
+
+
+def test_a_variants_retry_deletes_its_own_stage_jobs_only() -> None:
+    """Two variants of one workflow both train sft: the retry of one variant's sft reaps that variant's job only."""
+    with running() as fake:
+        for name, pipeline in [("wf-qwen-7b-sft-ab12c", "multi-qwen-7b"), ("wf-qwen-72b-sft-cd34e", "multi-qwen-72b")]:
+            fake.put(GROUP, "v1", PLURAL, pytorchjob(NS, name, "wf", pipeline, "sft", None))
+        deleted = delete_running_jobs(NS, "wf", api_client=fake.api_client(), stage="sft", pipeline="multi-qwen-72b")
+        left = set(fake.custom(GROUP, PLURAL))
+        selector = fake.requests[0].query["labelSelector"]
+    assert deleted == ["wf-qwen-72b-sft-cd34e"]
+    assert left == {(NS, "wf-qwen-7b-sft-ab12c")}
+    assert selector == "workflows.argoproj.io/workflow=wf,posttrain.dev/stage=sft,posttrain.dev/pipeline=multi-qwen-72b"

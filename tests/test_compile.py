@@ -208,9 +208,10 @@ def test_every_pipeline_cleans_up_after_a_run_that_did_not_succeed() -> None:
         notify = [[{"name": "notify", "template": "notify"}]] if spec.notifications.slack else []
         assert handler["steps"] == [[cleanup], *notify], name
         command = templates["cleanup"]["container"]["command"]
+        searches = any(getattr(spec.stage(s), "hpo", None) for s in spec.stages.enabled())
         assert command == [
             "python", "-m", "workflows.cleanup", "--namespace", "{{workflow.namespace}}",
-            "--workflow", "{{workflow.name}}",
+            "--workflow", "{{workflow.name}}", *(["--experiments"] if searches else []),
         ], name  # fmt: skip
         assert templates["cleanup"]["serviceAccountName"] == spec.cluster.service_account, name
         assert templates["cleanup"]["retryStrategy"]["retryPolicy"] == "Always", name  # exit 1: the API refused

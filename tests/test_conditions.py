@@ -10,6 +10,7 @@ from __future__ import annotations
 from functools import cache
 from typing import Any
 
+import katib_status
 import pytest
 import trainjob_status
 from argo_model import evaluate, parse_selector
@@ -30,7 +31,7 @@ from pytorchjob_status import (
 )
 from schema_validation import validate_custom_resource, validate_pytorchjob
 
-from workflows import trainjob
+from workflows import katib, trainjob
 from workflows.compile import compile_pipeline
 from workflows.pytorchjob import FAILURE_CONDITION, SUCCESS_CONDITION
 
@@ -312,3 +313,110 @@ def test_any_trainjob_history_reaches_the_trainer_verdict(events: list[str], kue
     sim.run(*(["kueue-suspend"] if kueue else []), *events)
     doc = sim.document()
     assert evaluate(doc, trainjob.SUCCESS_CONDITION, trainjob.FAILURE_CONDITION) == sim.verdict(), doc.get("status")
+
+
+# --------------------------------------------------------------------------- Katib Experiment (a stage's hpo)
+
+
+@pytest.mark.parametrize("case", katib_status.SCENARIOS, ids=lambda s: s.name)
+def test_katib_conditions_reach_the_pipelines_verdict(case: katib_status.Scenario) -> None:
+    assert case.sim.argo_verdict() == case.expected, case.why
+    assert evaluate(case.doc, katib.SUCCESS_CONDITION, katib.FAILURE_CONDITION) == case.expected, case.why
+
+
+@pytest.mark.parametrize("case", katib_status.SCENARIOS, ids=lambda s: s.name)
+def test_katib_status_documents_fit_the_schema(case: katib_status.Scenario) -> None:
+    validate_custom_resource(case.doc)
+
+
+def test_katib_scenarios_cover_every_condition_shape() -> None:
+    """Succeeded and Failed right after Created (no Running yet) and after Running; a restart's shapes."""
+    shapes = {
+        tuple((c["type"], c["status"]) for c in s.doc.get("status", {}).get("conditions", []))
+        for s in katib_status.SCENARIOS
+    }
+    created, running = ("Created", "True"), ("Running", "True")
+    stopped = ("Running", "False")
+    assert shapes >= {
+        (),
+        (created,),
+        (created, running),
+        (created, ("Succeeded", "True")),
+        (created, ("Failed", "True")),
+        (created, stopped, ("Succeeded", "True")),
+        (created, stopped, ("Failed", "True")),
+        (created, ("Restarting", "True"), running),
+        (created, ("Restarting", "True"), stopped, ("Succeeded", "True")),
+    }
+    assert "status" not in katib_status.scenario("created-no-status").doc
+    assert katib_status.scenario("created").doc["status"]["completionTime"] is None
+
+
+def test_katib_conditions_parse_as_argo_parses_them() -> None:
+    assert [str(r) for r in parse_selector(katib.SUCCESS_CONDITION)] == [
+        "status.completionTime",
+        "status.completionTime!=",
+    ]
+    failure = parse_selector(katib.FAILURE_CONDITION)
+    assert {r.key for r in failure} == {f"status.conditions.{i}.type" for i in (1, 2, 3)}
+
+
+def test_katib_compiled_wait_uses_the_designed_conditions() -> None:
+    from test_katib import with_hpo
+
+    beta = {"path": "beta", "type": "uniform", "min": 0.05, "max": 0.5}
+    spec = with_hpo(fresh_spec("korean-llm"), "rlhf", parameters=[beta])
+    templates = compile_pipeline(spec).documents()["workflowtemplate.yaml"]["spec"]["templates"]
+    (wait,) = [t for t in templates if t["name"] == "rlhf-hpo-wait"]
+    assert (wait["resource"]["successCondition"], wait["resource"]["failureCondition"]) == (
+        katib.SUCCESS_CONDITION,
+        katib.FAILURE_CONDITION,
+    )
+
+
+def test_katib_null_completion_time_is_not_a_verdict() -> None:
+    """Why success reads completionTime and not a condition index: Succeeded is at index 1, 2 or 3, and Katib writes
+    completionTime as null from creation on, which exists for gjson: existence alone would pass a new search."""
+    created = katib_status.scenario("created").doc
+    assert evaluate(created, "status.completionTime", "") == "succeeded"
+    assert evaluate(created, katib.SUCCESS_CONDITION, katib.FAILURE_CONDITION) == "running"
+    by_index = [f"status.conditions.{i}.type == Succeeded" for i in (1, 2, 3)]
+    for name in ("goal-reached-at-first-look", "max-trials-reached"):
+        doc = katib_status.scenario(name).doc
+        assert {evaluate(doc, success, katib.FAILURE_CONDITION) for success in by_index} == {"succeeded", "running"}
+
+
+def test_katib_failed_always_within_the_watched_indices() -> None:
+    watched = {int(r.key.split(".")[2]) for r in parse_selector(katib.FAILURE_CONDITION) if "Failed" in str(r)}
+    seen = set()
+    for case in katib_status.SCENARIOS:
+        conditions = case.doc.get("status", {}).get("conditions", [])
+        positions = {i for i, c in enumerate(conditions) if c["type"] in ("Failed", "Restarting")}
+        assert positions <= watched, (case.name, positions)
+        seen |= positions
+    assert seen >= {1, 2}
+
+
+def test_a_search_that_never_resumes_cannot_be_restarted() -> None:
+    """The compiler renders resumePolicy Never: Katib's webhook refuses raising maxTrialCount once it is done."""
+    sim = katib_status.KatibSim(resume_policy="Never").run(
+        "reconcile", "reconcile", *["trial-running", "trial-succeeded"] * 4
+    )
+    assert sim.verdict() == "succeeded"
+    assert not sim.raise_max_trials(8)
+
+
+@settings(max_examples=300)
+@given(
+    st.lists(st.sampled_from(katib_status.EVENTS), max_size=16),
+    st.sampled_from(["Never", "LongRunning"]),
+    st.sampled_from([None, 1.0]),
+    st.integers(min_value=0, max_value=3),
+)
+def test_any_katib_history_reaches_the_pipelines_verdict(
+    events: list[str], resume_policy: str, goal: float | None, max_failed: int
+) -> None:
+    sim = katib_status.KatibSim(resume_policy=resume_policy, goal=goal, max_failed=max_failed)  # type: ignore[arg-type]
+    sim.run("reconcile", *events)
+    doc = sim.document()
+    assert evaluate(doc, katib.SUCCESS_CONDITION, katib.FAILURE_CONDITION) == sim.argo_verdict(), doc.get("status")

@@ -21,6 +21,7 @@ from stages.tokenizer import render_for_training, train_bpe_tokenizer
 FAMILIES = {
     # architecture → (transformers config class, its chat template, extra config)
     "llama": ("LlamaConfig", "llama3", {}),
+    "qwen2": ("Qwen2Config", "qwen2_5", {}),
     "exaone4": ("Exaone4Config", "exaone4", {"sliding_window": 64, "sliding_window_pattern": 2}),
     "gemma3": ("Gemma3TextConfig", "gemma3", {"sliding_window": 64, "query_pre_attn_scalar": 16}),
     "mistral": ("MistralConfig", "mistral", {"sliding_window": None}),

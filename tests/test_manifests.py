@@ -562,6 +562,7 @@ ALL: tuple[str, ...] = ()
 """resourceNames of a rule that names none: every object of the resource."""
 PREFLIGHT_CRDS = (
     "cronworkflows.argoproj.io",
+    "experiments.kubeflow.org",
     "inferenceservices.serving.kserve.io",
     "localqueues.kueue.x-k8s.io",
     "pytorchjobs.kubeflow.org",
@@ -598,6 +599,20 @@ VERB_REASONS: dict[tuple[str, str], dict[Grant, str]] = {
             "delete",
             ALL,
         ): "cleanup deletes a stopped or failed run's unfinished jobs, freeing their GPUs at once",
+        ("kubeflow.org", "experiments", "create", ALL): "a stage's hpo step creates its Katib Experiment",
+        ("kubeflow.org", "experiments", "get", ALL): "the hpo wait step polls the Experiment for Katib's verdict",
+        (
+            "kubeflow.org",
+            "experiments",
+            "list",
+            ALL,
+        ): "the exit handler's cleanup finds the run's Experiments by their workflow label",
+        (
+            "kubeflow.org",
+            "experiments",
+            "delete",
+            ALL,
+        ): "cleanup deletes a stopped run's unfinished search (Katib deletes its trials and their jobs)",
         ("trainer.kubeflow.org", "trainjobs", "create", ALL): "with job_kind trainjob, training steps create TrainJobs",
         ("trainer.kubeflow.org", "trainjobs", "get", ALL): "the resource step polls the TrainJob for its conditions",
         (
@@ -1078,3 +1093,30 @@ def test_preflight_access_reads_every_crd_preflight_checks() -> None:
     from workflows.preflight import CRDS
 
     assert tuple(sorted(CRDS)) == PREFLIGHT_CRDS
+
+
+# --------------------------------------------------------------------------- Katib
+
+
+def test_katib_component_labels_the_namespace_for_metrics_collection(
+    builds: dict[str, list[Doc]], tmp_path: Path
+) -> None:
+    """components/katib adds the label Katib's pod webhook selects namespaces by (its namespaceSelector), and
+    changes nothing else; `kubectl kustomize` agrees where one with kustomize v4+ is on the PATH."""
+    overlay = tmp_path / "katib"
+    overlay.mkdir()
+    kustomization = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "resources": [os.path.relpath(OVERLAYS["onprem"], overlay)],
+        "components": [os.path.relpath(MANIFESTS / "components" / "katib", overlay)],
+    }
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump(kustomization), encoding="utf-8")
+    built = build(overlay)
+    expected = copy.deepcopy(builds["onprem"])
+    (namespace,) = [d for d in expected if d["kind"] == "Namespace"]
+    namespace["metadata"]["labels"]["katib.kubeflow.org/metrics-collector-injection"] = "enabled"
+    assert _by_id(built) == _by_id(expected)
+    if (kubectl := _kubectl_kustomize()) is not None:
+        out = subprocess.run([kubectl, "kustomize", str(overlay)], capture_output=True, text=True, check=True)
+        assert _by_id(_load_docs_text(out.stdout)) == _by_id(expected)

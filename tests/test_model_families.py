@@ -29,7 +29,7 @@ from stages.training import read_log_history
 from workflows.loading import SpecError, load_pipeline
 from workflows.spec import ModelSpec, SftStage
 
-ARCHITECTURES = ["qwen3", "qwen3_moe", "llama", "gemma3", "exaone4", "mistral"]
+ARCHITECTURES = ["qwen2", "qwen3", "qwen3_moe", "llama", "gemma3", "exaone4", "mistral"]
 MODEL_TYPES = {"gemma3": "gemma3_text"}  # the text-only Gemma3ForCausalLM's config
 
 

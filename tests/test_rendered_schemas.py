@@ -21,9 +21,10 @@ from schema_validation import (
     validate_pytorchjob,
 )
 
-from workflows.pytorchjob import pytorchjob_manifest
+from workflows.pytorchjob import STAGE_LABEL, WORKFLOW_LABEL, pytorchjob_manifest
 from workflows.spec import TRAINING_STAGES, PipelineSpec
 from workflows.trainjob import trainjob_manifest
+from workflows.variants import variant_specs
 
 EXPECTED_KINDS = {
     "workflowtemplate.yaml": "WorkflowTemplate",
@@ -43,6 +44,20 @@ def _resource_templates(
                 continue
             if yaml.safe_load(resource["manifest"])["kind"] == kind:
                 yield template
+
+
+def _expected_jobs(spec: PipelineSpec, manifest: Callable[..., dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Create template name → the job it creates: one per enabled training stage, or with variants one per variant
+    and stage (`<variant>-<stage>-create`), in the variant's run, labelled with the workflow that cleanup selects."""
+    if not spec.variants:
+        return {f"{s}-create": manifest(spec, s) for s in TRAINING_STAGES if spec.stage(s).enabled}
+    jobs = {}
+    for variant, vspec in variant_specs(spec).items():
+        for stage in (s for s in TRAINING_STAGES if vspec.stage(s).enabled):
+            job = manifest(vspec, stage, f"{{{{workflow.name}}}}-{variant}")
+            job["metadata"]["labels"][WORKFLOW_LABEL] = "{{workflow.name}}"
+            jobs[f"{variant}-{stage}-create"] = job
+    return jobs
 
 
 def test_documents_validate_against_the_argo_schema(
@@ -66,15 +81,15 @@ def test_embedded_pytorchjobs_validate_against_the_crd(
     spec: PipelineSpec, compile_pipeline: Callable[..., Any], schemas_dir: Any
 ) -> None:
     templates = list(_resource_templates(compile_pipeline(spec).documents()))
-    enabled = [s for s in TRAINING_STAGES if spec.stage(s).enabled]
     if spec.cluster.job_kind != "pytorchjob":
         assert templates == []
         return
-    assert sorted(t["name"] for t in templates) == sorted(f"{s}-create" for s in enabled)
+    expected = _expected_jobs(spec, pytorchjob_manifest)
+    assert sorted(t["name"] for t in templates) == sorted(expected)
     for template in templates:
         manifest = yaml.safe_load(template["resource"]["manifest"])
         validate_pytorchjob(manifest)
-        assert manifest == pytorchjob_manifest(spec, template["name"].removesuffix("-create")), template["name"]
+        assert manifest == expected[template["name"]], template["name"]
 
 
 def test_embedded_trainjobs_validate_against_the_crd(spec: PipelineSpec, compile_pipeline: Callable[..., Any]) -> None:
@@ -83,14 +98,14 @@ def test_embedded_trainjobs_validate_against_the_crd(spec: PipelineSpec, compile
     spec.cluster.job_kind = "trainjob"
     documents = compile_pipeline(spec).documents()
     templates = list(_resource_templates(documents, kind="TrainJob"))
-    enabled = [s for s in TRAINING_STAGES if spec.stage(s).enabled]
-    assert sorted(t["name"] for t in templates) == sorted(f"{s}-create" for s in enabled)
+    expected = _expected_jobs(spec, trainjob_manifest)
+    assert sorted(t["name"] for t in templates) == sorted(expected)
     assert list(_resource_templates(documents)) == []  # no PyTorchJob left
     for template in templates:
         manifest = yaml.safe_load(template["resource"]["manifest"])
         validate_custom_resource(manifest)
-        assert manifest == trainjob_manifest(spec, template["name"].removesuffix("-create")), template["name"]
-        stage = template["name"].removesuffix("-create")
+        assert manifest == expected[template["name"]], template["name"]
+        stage = manifest["metadata"]["labels"][STAGE_LABEL]
         assert manifest["spec"]["trainer"]["command"][:4] == ["torchrun", "--module", "stages", stage]
     watched = list(_resource_templates(documents, action="get", kind="TrainJob"))
     assert [t["name"].removesuffix("-wait") for t in watched] == [t["name"].removesuffix("-create") for t in templates]
@@ -184,10 +199,49 @@ def test_pod_spec_patches_are_strict_pod_specs(spec: PipelineSpec, compile_pipel
     pod. Each one is a valid PodSpec (unknown fields fail), and a misspelt field would be caught."""
     templates = compile_pipeline(spec).documents()["workflowtemplate.yaml"]["spec"]["templates"]
     patches = {t["name"]: json.loads(t["podSpecPatch"]) for t in templates if "podSpecPatch" in t}
-    assert "prepare" in patches
+    prepare = f"{spec.variants[0].name}-prepare" if spec.variants else "prepare"
+    assert prepare in patches
     for name, patch in patches.items():
         validate_core(pod_template_object({"spec": patch}, name=name))
-    broken = copy.deepcopy(patches["prepare"])
+    broken = copy.deepcopy(patches[prepare])
     broken["containers"][0]["securityContext"]["readOnlyRootFileSystem"] = True
     with pytest.raises(SchemaViolation, match="readOnlyRootFileSystem"):
         validate_core(pod_template_object({"spec": broken}, name="prepare"))
+
+
+def test_embedded_experiments_validate_against_katibs_schema(
+    spec: PipelineSpec, compile_pipeline: Callable[..., Any], schemas_dir: Any
+) -> None:
+    """Every pipeline with a search on each enabled training stage: the compiled documents still validate, and
+    each stage's Katib Experiment validates strictly, its trial template as a PyTorchJob against the CRD."""
+    from workflows.katib import experiment_manifest
+
+    if spec.variants:  # refused by the spec (tests/test_variants.py)
+        return
+    document = spec.model_dump(mode="json", by_alias=True)
+    document["cluster"]["job_kind"] = "pytorchjob"  # Katib runs the trials as PyTorchJobs
+    enabled = [s for s in TRAINING_STAGES if spec.stage(s).enabled]
+    for stage in enabled:
+        document["stages"][stage]["hpo"] = {
+            "objective": {"metric": "train_loss_last"},
+            "parameters": [{"path": "training.learning_rate", "type": "log_uniform", "min": 1e-6, "max": 1e-4}],
+            "max_trials": 4,
+        }
+    searched = PipelineSpec.model_validate(document)
+    documents = compile_pipeline(searched).documents()
+    for doc in documents.values():
+        validate_argo(doc)
+    created = list(_resource_templates(documents, kind="Experiment"))
+    if not searched.variants:
+        assert sorted(t["name"] for t in created) == sorted(f"{s}-hpo-create" for s in enabled)
+    # With variants, each variant's chain has its own (`<variant>-<stage>-hpo-create`).
+    assert {s for t in created for s in enabled if t["name"].endswith(f"{s}-hpo-create")} == set(enabled)
+    for template in created:
+        manifest = yaml.safe_load(template["resource"]["manifest"])
+        validate_custom_resource(manifest)
+        validate_pytorchjob(manifest["spec"]["trialTemplate"]["trialSpec"])
+        assert manifest["metadata"]["labels"]["workflows.argoproj.io/workflow"] == "{{workflow.name}}"
+        if not searched.variants:
+            assert manifest == experiment_manifest(searched, template["name"].removesuffix("-hpo-create"))
+    watched = list(_resource_templates(documents, action="get", kind="Experiment"))
+    assert [t["name"].removesuffix("-wait") for t in watched] == [t["name"].removesuffix("-create") for t in created]

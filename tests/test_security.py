@@ -180,9 +180,38 @@ def _executable_text(documents: dict[str, Any]) -> Iterator[tuple[str, tuple[Any
 CREATED_JOB_NAME = "{{steps.create.outputs.parameters.job-name}}"
 
 
+SEARCH_INPUTS = {
+    # the Katib Experiment a search's wait step reads: the name its create step got from the API server
+    "experiment-name": (
+        ("resource", "manifest", "metadata", "name"),
+        "{{steps.create.outputs.parameters.experiment-name}}",
+    ),
+    # the search's best trial, as Katib wrote it, handed to the select step as a file
+    "optimal-trial": (("inputs", "artifacts", 0, "raw", "data"), "{{steps.wait.outputs.parameters.optimal-trial}}"),
+}
+
+
+def _is_search_input(doc: dict, path: tuple, node: str) -> bool:
+    """An input parameter of a stage's search (hpo) steps, which every caller binds to the previous step's output
+    (what the API server or Katib wrote), never to a form value."""
+    match = re.fullmatch(r"\{\{inputs\.parameters\.([-a-z]+)\}\}", node)
+    if match is None or match.group(1) not in SEARCH_INPUTS or path[:2] != ("spec", "templates") or len(path) < 4:
+        return False
+    where, source = SEARCH_INPUTS[match.group(1)]
+    template = doc["spec"]["templates"][path[2]]
+    if path[3:] != where:
+        return False
+    calls = [step for t in doc["spec"]["templates"] for group in t.get("steps") or [] for step in group]
+    calls = [step for step in calls if step["template"] == template["name"]]
+    bound = [p for step in calls for p in step.get("arguments", {}).get("parameters", [])]
+    return bool(calls) and bound == [{"name": match.group(1), "value": source}] * len(calls)
+
+
 def _is_created_job_name(doc: dict, path: tuple, node: str) -> bool:
     """The one input parameter in a manifest: the name of the job a training stage's wait step reads, which every
     caller binds to the create step's output (the name the API server generated), never to a form value."""
+    if _is_search_input(doc, path, node):
+        return True
     if node != "{{inputs.parameters.job-name}}" or path[:2] != ("spec", "templates") or len(path) < 4:
         return False
     template = doc["spec"]["templates"][path[2]]

@@ -42,7 +42,7 @@ def _serve_steps(documents: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         template
         for doc in documents.values()
         for template in doc.get("spec", {}).get("templates", []) or []
-        if template["name"] == "serve"
+        if template["name"] == "serve" or template["name"].endswith("-serve")  # a variant's: <variant>-serve
     ]
 
 
@@ -57,7 +57,21 @@ def test_the_rendered_inference_service_validates_against_kserve(
     spec: PipelineSpec, compile_pipeline: Callable[..., Any]
 ) -> None:
     """The deploy stage's document, which the compiled serve step applies, for every shipped pipeline and profile,
-    against KServe's v1beta1 schema, strictly, with each traffic setting the rollout gives it."""
+    against KServe's v1beta1 schema, strictly, with each traffic setting the rollout gives it (with variants: each
+    variant's own, from its own serve step)."""
+    from workflows.variants import variant_specs
+
+    served = list(variant_specs(spec).values()) or [spec]
+    for one in served:
+        _validate_inference_service(one)
+    steps = _serve_steps(compile_pipeline(spec).documents())
+    serving = spec.stages.deploy.enabled and spec.stages.deploy.serving.enabled
+    assert len(steps) == (len(served) if serving else 0)
+    for step in steps:
+        assert step["container"]["command"][:3] == ["python", "-m", "workflows.rollout"]
+
+
+def _validate_inference_service(spec: PipelineSpec) -> None:
     manifest = inference_service(spec, model_storage_uri(spec, "run-1"), "run-1", model_version="7")
     validate_custom_resource(manifest)
     assert yaml.safe_load(to_yaml(manifest)) == manifest
@@ -69,11 +83,6 @@ def test_the_rendered_inference_service_validates_against_kserve(
 
     for percent in (None, 0, 10):
         validate_custom_resource(with_canary_traffic(manifest, percent))
-    steps = _serve_steps(compile_pipeline(spec).documents())
-    serving = spec.stages.deploy.enabled and spec.stages.deploy.serving.enabled
-    assert len(steps) == (1 if serving else 0)
-    for step in steps:
-        assert step["container"]["command"][:3] == ["python", "-m", "workflows.rollout"]
 
 
 def test_the_kserve_validator_is_strict() -> None:

@@ -55,5 +55,10 @@ def test_a_shipped_pipeline_runs_locally_as_itself(
     if pipeline == "llama3-dolly":
         assert manifest["uri"] == "builtin:korean-dolly" and manifest["quarantined"] == 0
         assert spec["stages"]["sft"]["data"]["columns"] == {"input": "context", "output": "response"}
+        # its sft searches first (the local profile: 4 trials), then trains with the best trial's values
+        search = json.loads((run_root / "hpo" / "sft" / "search.json").read_text())
+        assert [t["status"] for t in search["trials"]] == ["succeeded"] * 4
+        assert spec["stages"]["sft"]["lora"]["r"] == search["best_values"]["lora.r"]
+        assert spec["stages"]["sft"]["training"]["learning_rate"] == search["best_values"]["training.learning_rate"]
     else:
         assert manifest["format"] == "sharegpt" and config["num_local_experts"] == 4  # transformers 5 name

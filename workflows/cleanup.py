@@ -7,6 +7,10 @@ those that have not finished (no Succeeded, Complete or Failed condition True), 
 Background).
 
     python -m workflows.cleanup --namespace NS --workflow NAME [--stage STAGE] [--kind pytorchjob|trainjob]
+                                [--experiments]
+
+With `--experiments` (a pipeline with a hyperparameter search) it first deletes the workflow's unfinished Katib
+Experiments too, by the same label: Katib then deletes their trials, and the trials' jobs with them.
 
 The exit handler runs it when a workflow did not succeed, and each retry of a training stage runs it for that stage
 before it creates a new job (one job per stage at a time). Argo runs no exit handler when a workflow is terminated
@@ -22,8 +26,8 @@ import os
 import sys
 from typing import Any
 
-from workflows import trainjob
-from workflows.pytorchjob import API_VERSION, STAGE_LABEL, WORKFLOW_LABEL
+from workflows import katib, trainjob
+from workflows.pytorchjob import API_VERSION, PIPELINE_LABEL, STAGE_LABEL, WORKFLOW_LABEL
 
 JOB_RESOURCES: dict[str, tuple[str, str, str]] = {
     "pytorchjob": (*API_VERSION.split("/"), "pytorchjobs"),
@@ -64,16 +68,23 @@ def _default_api_client() -> Any:
 
 
 def delete_running_jobs(
-    namespace: str, workflow: str, api_client: Any = None, stage: str | None = None, kind: str = "pytorchjob"
+    namespace: str,
+    workflow: str,
+    api_client: Any = None,
+    stage: str | None = None,
+    kind: str = "pytorchjob",
+    pipeline: str | None = None,
 ) -> list[str]:
-    """Delete the unfinished jobs of `workflow` in `namespace` (of one `stage` only, when given) of `kind` (a
-    `cluster.job_kind`); return their names. Finished jobs stay (their status and logs are the run's record until
-    their TTL or the workflow's). A job deleted meanwhile by someone else is not an error."""
+    """Delete the unfinished jobs of `workflow` in `namespace` (of one `stage` only, when given, and of one
+    `pipeline`: a variant's, whose stages share their names with the other variants' in the same workflow) of
+    `kind` (a `cluster.job_kind`); return their names. Finished jobs stay (their status and logs are the run's
+    record until their TTL or the workflow's). A job deleted meanwhile by someone else is not an error."""
     from kubernetes import client
     from kubernetes.client.exceptions import ApiException
 
     api = client.CustomObjectsApi(api_client or _default_api_client())
     selector = f"{WORKFLOW_LABEL}={workflow}" + (f",{STAGE_LABEL}={stage}" if stage else "")
+    selector += f",{PIPELINE_LABEL}={pipeline}" if pipeline else ""
     deleted: list[str] = []
     for group, version, plural in (JOB_RESOURCES[kind],):
         listed = api.list_namespaced_custom_object(
@@ -102,6 +113,50 @@ def delete_running_jobs(
     return deleted
 
 
+EXPERIMENT_RESOURCE = (*katib.API_VERSION.split("/"), katib.PLURAL)
+"""(group, version, plural) of Katib's Experiment (workflows/katib.py)."""
+
+
+def delete_running_experiments(namespace: str, workflow: str, api_client: Any = None) -> list[str]:
+    """Delete the unfinished Katib Experiments of `workflow` in `namespace` (no Succeeded or Failed condition
+    True); return their names. A finished search stays: its trials are the run's record."""
+    from kubernetes import client
+    from kubernetes.client.exceptions import ApiException
+
+    api = client.CustomObjectsApi(api_client or _default_api_client())
+    group, version, plural = EXPERIMENT_RESOURCE
+    listed = api.list_namespaced_custom_object(
+        group,
+        version,
+        namespace,
+        plural,
+        label_selector=f"{WORKFLOW_LABEL}={workflow}",
+        _request_timeout=REQUEST_TIMEOUT_S,
+    )
+    deleted: list[str] = []
+    for experiment in listed.get("items", []):
+        name = experiment["metadata"]["name"]
+        if is_finished(experiment):
+            continue
+        try:
+            api.delete_namespaced_custom_object(
+                group,
+                version,
+                namespace,
+                plural,
+                name,
+                body=client.V1DeleteOptions(propagation_policy="Background"),
+                _request_timeout=REQUEST_TIMEOUT_S,
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                continue
+            raise
+        print(f"deleted Experiment {namespace}/{name} (workflow {workflow})", flush=True)
+        deleted.append(name)
+    return deleted
+
+
 def _api_error(exc: Exception, plural: str = "pytorchjobs") -> str:
     """One line about a failed API call, without the response body's noise."""
     if isinstance(exc, RuntimeError):
@@ -119,15 +174,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--namespace", required=True, help="The workflow's namespace.")
     parser.add_argument("--workflow", required=True, help="The workflow's name (the jobs' label value).")
     parser.add_argument("--stage", help="Only this training stage's jobs.")
+    parser.add_argument("--pipeline", help="Only this pipeline's jobs (a variant's: '<pipeline>-<variant>').")
     parser.add_argument(
         "--kind", choices=sorted(JOB_RESOURCES), default="pytorchjob", help="The jobs' kind (cluster.job_kind)."
+    )
+    parser.add_argument(
+        "--experiments",
+        action="store_true",
+        help="Also delete the workflow's unfinished Katib Experiments (a pipeline with a hyperparameter search).",
     )
     args = parser.parse_args(argv)
     from kubernetes.client.exceptions import ApiException
     from urllib3.exceptions import HTTPError
 
+    if args.experiments:
+        try:
+            delete_running_experiments(args.namespace, args.workflow)
+        except (ApiException, HTTPError, OSError, RuntimeError) as exc:
+            reason = _api_error(exc, EXPERIMENT_RESOURCE[2])
+            print(
+                f"error: could not delete the Katib Experiments of workflow {args.workflow} in namespace "
+                f"{args.namespace}: {reason}",
+                file=sys.stderr,
+            )
+            return 1
     try:
-        deleted = delete_running_jobs(args.namespace, args.workflow, stage=args.stage, kind=args.kind)
+        deleted = delete_running_jobs(
+            args.namespace, args.workflow, stage=args.stage, kind=args.kind, pipeline=args.pipeline
+        )
     except (ApiException, HTTPError, OSError, RuntimeError) as exc:
         plural = JOB_RESOURCES[args.kind][2]
         what = f"the jobs of workflow {args.workflow}" + (f", stage {args.stage}" if args.stage else "")

@@ -33,8 +33,8 @@ from hera.workflows import (
 )
 from hera.workflows import models as m
 
+from workflows import katib, serving, trainjob
 from workflows import parameters as params
-from workflows import serving, trainjob
 from workflows.pytorchjob import (
     FAILURE_CONDITION,
     PIPELINE_LABEL,
@@ -42,6 +42,7 @@ from workflows.pytorchjob import (
     SCRATCH_VOLUME,
     STAGE_LABEL,
     SUCCESS_CONDITION,
+    WORKFLOW_LABEL,
     WRITABLE_ENV,
     container_security_context,
     pod_env,
@@ -78,6 +79,7 @@ NOTIFY = "notify"
 EXIT_HANDLER = "exit-handler"
 RETENTION = "retention"
 CLEANUP = "cleanup"
+SWITCHES = "switches"
 
 # Slack of the template-level deadline over the job's own deadline: the operator is the detector.
 DEADLINE_BACKSTOP_SECONDS = 3600
@@ -123,6 +125,11 @@ CLEANUP_POLICY = StepPolicy(
 )
 """Deleting unfinished jobs (workflows/cleanup.py, in the exit handler and before a training stage's retry): its
 timeout and retries, after any failure (the API unreachable exits 1)."""
+
+SWITCHES_POLICY = StepPolicy(
+    active_deadline_seconds=300, retries=2, retry_backoff="10s", termination_grace_period_seconds=30
+)
+"""The first step of a pipeline with variants (workflows/switches.py): it only reads a few files."""
 
 CREATE_TIMEOUT_SECONDS = 600
 """The step that creates a training stage's PyTorchJob: scheduling its pod and one API call."""
@@ -294,7 +301,7 @@ def prepare_template(spec: PipelineSpec, rundir: str) -> Container:
     return _container_template(spec, "prepare", spec.stages.prepare, command, inputs=inputs, outputs=outputs)
 
 
-def training_templates(spec: PipelineSpec, stage_name: str) -> list[Any]:
+def training_templates(spec: PipelineSpec, stage_name: str, run_name: str = RUN_DIR) -> list[Any]:
     """A training stage: the steps template `<stage>` (one attempt: delete what an earlier attempt left running,
     create a PyTorchJob, wait on the operator's verdict), retried with a fresh job, and the templates it runs.
 
@@ -308,11 +315,12 @@ def training_templates(spec: PipelineSpec, stage_name: str) -> list[Any]:
     stage = spec.stage(stage_name)
     rp = stage.run_policy
     if spec.cluster.job_kind == "trainjob":
-        job = trainjob.trainjob_manifest(spec, stage_name)
+        job = trainjob.trainjob_manifest(spec, stage_name, run_name)
         success, failure = trainjob.SUCCESS_CONDITION, trainjob.FAILURE_CONDITION
     else:
-        job = pytorchjob_manifest(spec, stage_name)
+        job = pytorchjob_manifest(spec, stage_name, run_name)
         success, failure = SUCCESS_CONDITION, FAILURE_CONDITION
+    job["metadata"]["labels"][WORKFLOW_LABEL] = RUN_DIR  # a variant's run too: cleanup finds the workflow's jobs
     create = Resource(
         name=f"{stage_name}-create",
         action="create",
@@ -363,6 +371,106 @@ def training_templates(spec: PipelineSpec, stage_name: str) -> list[Any]:
         ),
     )
     return [attempt, cleanup_template(spec, stage_name), create, wait]
+
+
+HPO_SELECT_POLICY = StepPolicy(
+    active_deadline_seconds=1800, retries=2, retry_backoff="30s", termination_grace_period_seconds=30
+)
+"""The step after a search that records its best trial and writes the values into the run's spec."""
+OPTIMAL_TRIAL_FILE = "optimal-trial.json"
+
+
+def search_wait_seconds(stage: StageBase) -> float:
+    """The wait on a stage's Experiment: every round of parallel trials running to the trial job's deadline (the
+    stage's), plus the backstop for scheduling and Katib's own bookkeeping."""
+    rounds = katib.search_waves(stage)  # type: ignore[arg-type]
+    return rounds * stage.run_policy.active_deadline_seconds + DEADLINE_BACKSTOP_SECONDS
+
+
+def hpo_attempt_seconds(stage: StageBase) -> float:
+    """The longest a stage's search can take (hpo_templates): create, wait (retried on a lost pod, as a training
+    stage's wait is) and select."""
+    base, cap = duration_seconds(WAIT_RETRY_BACKOFF), duration_seconds(RETRY_BACKOFF_CAP)
+    wait = search_wait_seconds(stage) + sum(min(base * 2**i, cap) for i in range(WAIT_RETRIES))
+    select = worst_case_seconds(HPO_SELECT_POLICY, HPO_SELECT_POLICY.active_deadline_seconds)
+    return CREATE_TIMEOUT_SECONDS + wait + select
+
+
+def hpo_templates(spec: PipelineSpec, stage_name: str, run_name: str = RUN_DIR) -> list[Any]:
+    """A stage's hyperparameter search for the run `run_name`: the steps template `<stage>-hpo` (create the Katib
+    Experiment, wait on its verdict, then `select`: record the search and write the best values into the run's
+    spec.json, which the stage reads next), and the templates it runs. Not retried as a whole: a search that failed
+    has used up its trials, and one whose wait pod was lost is watched on by the wait's own retries."""
+    stage = spec.stage(stage_name)
+    name = f"{stage_name}-hpo"
+    rundir = run_dir(spec, run_name)
+    experiment = katib.experiment_manifest(spec, stage_name, run_name)
+    # A variant's search too: cleanup finds the workflow's Experiments and trial jobs by the workflow's name.
+    experiment["metadata"]["labels"][WORKFLOW_LABEL] = RUN_DIR
+    experiment["spec"]["trialTemplate"]["trialSpec"]["metadata"]["labels"][WORKFLOW_LABEL] = RUN_DIR
+    create = Resource(
+        name=f"{name}-create",
+        action="create",
+        set_owner_reference=True,  # the Workflow's deletion deletes the Experiment, and Katib its trials
+        manifest=yaml.safe_dump(experiment, sort_keys=False, allow_unicode=True),
+        outputs=[Parameter(name="experiment-name", value_from=m.ValueFrom(json_path="{.metadata.name}"))],
+        timeout=f"{CREATE_TIMEOUT_SECONDS}s",
+        **_job_creator_identity(spec),
+    )
+    watched = {
+        "apiVersion": katib.API_VERSION,
+        "kind": katib.KIND,
+        "metadata": {"name": "{{inputs.parameters.experiment-name}}", "namespace": spec.cluster.namespace},
+    }
+    wait = Resource(
+        name=f"{name}-wait",
+        action="get",
+        manifest=yaml.safe_dump(watched, sort_keys=False),
+        success_condition=katib.SUCCESS_CONDITION,
+        failure_condition=katib.FAILURE_CONDITION,
+        inputs=[Parameter(name="experiment-name")],
+        outputs=[Parameter(name="optimal-trial", value_from=m.ValueFrom(json_path="{.status.currentOptimalTrial}"))],
+        retry_strategy=m.RetryStrategy(
+            limit=str(WAIT_RETRIES),
+            retry_policy="Always",
+            expression=WAIT_RETRY_EXPRESSION,
+            backoff=m.Backoff(duration=WAIT_RETRY_BACKOFF, factor="2", cap=RETRY_BACKOFF_CAP),
+        ),
+        timeout=f"{math.ceil(search_wait_seconds(stage))}s",
+        **_job_creator_identity(spec),
+    )
+    # The best trial reaches the select step as a file (never on a command line), like the form's values.
+    inputs: list[Any] = [
+        Parameter(name="optimal-trial"),
+        RawArtifact(
+            name="optimal-trial-file",
+            path=f"{PARAMS_DIR}/{OPTIMAL_TRIAL_FILE}",
+            data="{{inputs.parameters.optimal-trial}}",
+        ),
+    ]
+    command = ["python", "-m", "stages", "hpo-select", "--run-dir", rundir, "--stage", stage_name]
+    command += ["--optimal-trial", f"{PARAMS_DIR}/{OPTIMAL_TRIAL_FILE}"]
+    step = StageBase(
+        resources=Resources(cpu="500m", memory="1Gi", shm_size=None, image=stage.resources.image),
+        env=dict(stage.env),
+        run_policy=HPO_SELECT_POLICY,
+    )
+    select = _container_template(spec, f"{name}-select", step, command, inputs=inputs)
+    created = "{{steps.create.outputs.parameters.experiment-name}}"
+    search = Steps(
+        name=name,
+        sub_steps=[
+            Step(name="create", template=create.name),
+            Step(name="wait", template=wait.name, arguments=[Parameter(name="experiment-name", value=created)]),
+            Step(
+                name="select",
+                template=select.name,
+                arguments=[Parameter(name="optimal-trial", value="{{steps.wait.outputs.parameters.optimal-trial}}")],
+            ),
+        ],
+        outputs=[Parameter(name="experiment-name", value_from=m.ValueFrom(parameter=created))],
+    )
+    return [search, create, wait, select]
 
 
 def evaluate_template(spec: PipelineSpec, rundir: str) -> Container:
@@ -464,6 +572,8 @@ def cleanup_template(spec: PipelineSpec, stage: str | None = None) -> Container:
     command += ["--workflow", "{{workflow.name}}"] + (["--stage", stage] if stage else [])
     if spec.cluster.job_kind != "pytorchjob":
         command += ["--kind", spec.cluster.job_kind]
+    if stage is None and any(getattr(spec.stage(s), "hpo", None) for s in spec.stages.enabled()):
+        command.append("--experiments")  # the exit handler's: a stopped run's search must not go on
     return Container(
         name=f"{stage}-{CLEANUP}" if stage else CLEANUP,
         image=spec.cluster.image,
@@ -577,6 +687,10 @@ def pipeline_dag(spec: PipelineSpec) -> DAG:
             if spec.stages.deploy.serving.enabled:
                 tasks.append(Task(name="serve", template="serve", depends="deploy.Succeeded"))
             continue
+        if getattr(spec.stage(stage), "hpo", None) is not None:
+            search = f"{stage}-hpo"
+            tasks.append(Task(name=search, template=search, depends=previous, when=_when_enabled(stage)))
+            previous = search
         tasks.append(Task(name=stage, template=stage, depends=previous, when=_when_enabled(stage)))
         previous = stage
     if spec.retention.enabled:
@@ -646,12 +760,16 @@ def workflow_deadline(spec: PipelineSpec) -> int:
     (each may run, whatever the form switches off), plus an hour for scheduling and the exit handler."""
     if spec.workflow.active_deadline_seconds is not None:
         return spec.workflow.active_deadline_seconds
+    if spec.variants:
+        return variants_deadline(spec)
     total = float(DEADLINE_BACKSTOP_SECONDS)
     for name in spec.stages.enabled():
         policy = spec.stage(name).run_policy
         timeout = policy.active_deadline_seconds
         if name in TRAINING_STAGES:
             timeout = training_attempt_seconds(policy)
+            if getattr(spec.stage(name), "hpo", None) is not None:
+                total += hpo_attempt_seconds(spec.stage(name))
         total += worst_case_seconds(policy, timeout)
     if spec.stages.deploy.enabled and spec.stages.deploy.serving.enabled:
         total += worst_case_seconds(SERVE_POLICY, serve_deadline_seconds(spec))
@@ -663,18 +781,33 @@ def workflow_deadline(spec: PipelineSpec) -> int:
     return math.ceil(total)
 
 
+def variants_deadline(spec: PipelineSpec) -> int:
+    """The deadline of a pipeline with variants: each chain's own worst case (workflow_deadline of the variant,
+    its hour of slack and exit handler included), the longest when all chains run at once, else their sum. Argo's
+    `parallelism` admits pods, not chains, so fewer slots than chains may interleave them: only the sum bounds
+    that."""
+    from workflows.variants import variant_specs
+
+    chains = [workflow_deadline(vspec) for vspec in variant_specs(spec).values()]
+    parallelism = spec.workflow.parallelism
+    switches = worst_case_seconds(SWITCHES_POLICY, SWITCHES_POLICY.active_deadline_seconds)
+    return math.ceil(switches) + (max(chains) if parallelism is None or parallelism >= len(chains) else sum(chains))
+
+
 def _labels(spec: PipelineSpec) -> dict[str, str]:
     return {"app.kubernetes.io/part-of": "posttrain", PIPELINE_LABEL: spec.name, **spec.workflow.labels}
 
 
-def workflow_template(spec: PipelineSpec, name: str | None = None) -> WorkflowTemplate:
-    """The WorkflowTemplate (named `name`, default the pipeline's): DAG, templates, UI form, retention and the
-    exit handler."""
-    rundir = run_dir(spec, RUN_DIR)
+def chain_templates(spec: PipelineSpec, run_name: str) -> list[Any]:
+    """The DAG `pipeline` of one model's stages and the templates it runs, for the run `run_name` (its run
+    directory and its jobs' names)."""
+    rundir = run_dir(spec, run_name)
     templates: list[Any] = [pipeline_dag(spec), prepare_template(spec, rundir)]
     for stage in spec.stages.enabled():
         if stage in TRAINING_STAGES:
-            templates += training_templates(spec, stage)
+            if getattr(spec.stage(stage), "hpo", None) is not None:
+                templates += hpo_templates(spec, stage, run_name)
+            templates += training_templates(spec, stage, run_name)
     if spec.stages.evaluate.enabled:
         templates.append(evaluate_template(spec, rundir))
     if spec.stages.deploy.enabled:
@@ -683,6 +816,100 @@ def workflow_template(spec: PipelineSpec, name: str | None = None) -> WorkflowTe
             templates.append(serve_template(spec, rundir))
     if spec.retention.enabled:
         templates.append(retention_template(spec))
+    return templates
+
+
+# --------------------------------------------------------------------------- variants
+
+
+def variant_run_name(variant: str) -> str:
+    """A variant's run in the cluster, `<workflow>-<variant>`: its run directory, and the start of its jobs'
+    names (a flat name, so the runs and retention commands find it as any run)."""
+    return f"{RUN_DIR}-{variant}"
+
+
+def _prefixed(template: Any, prefix: str) -> Any:
+    """`template` renamed `<prefix><name>`, and the templates its DAG tasks or steps call likewise."""
+    template.name = f"{prefix}{template.name}"
+    if isinstance(template, DAG):
+        for task in template.tasks:
+            task.template = f"{prefix}{task.template}"
+    elif isinstance(template, Steps):
+        for step in template.sub_steps:
+            step.template = f"{prefix}{step.template}"
+    return template
+
+
+def variant_chain(spec: PipelineSpec, variant: str, form_names: dict[str, str]) -> list[Any]:
+    """One variant's templates, named `<variant>-<template>`, its chain the DAG `<variant>`: its prepare reads the
+    form's values for it (`form_names`: plain name → the form's) under the plain names, the cleanup before a
+    training retry deletes its own jobs only, and retention spares its current run."""
+    run_name = variant_run_name(variant)
+    templates = chain_templates(spec, run_name)
+    for template in templates:
+        if template.name == "prepare":
+            for artifact in template.inputs:
+                if artifact.name in form_names:
+                    artifact.data = f"{{{{workflow.parameters.{form_names[artifact.name]}}}}}"
+            for output in template.outputs:
+                if output.global_name:  # one per variant: Argo's global outputs are the workflow's
+                    output.global_name = f"{variant}-{output.global_name}"
+        elif template.name.endswith(f"-{CLEANUP}"):  # the stages share names across variants; the jobs do not
+            template.command += ["--pipeline", spec.name]
+        elif template.name == RETENTION:
+            template.command += ["--current", run_name]
+    chain = templates[0]
+    _prefixed(chain, f"{variant}-")
+    chain.name = variant
+    return [chain, *(_prefixed(t, f"{variant}-") for t in templates[1:])]
+
+
+def switches_template(spec: PipelineSpec) -> Container:
+    """switches: the form's run-<variant> values, as files, checked and turned into outputs the DAG's conditions
+    read (workflows/switches.py), so a value never reaches an expression. No token, a read-only root filesystem."""
+    names = [v.name for v in spec.variants]
+    command = ["python", "-m", "workflows.switches", "--params-dir", PARAMS_DIR, "--outputs-dir", OUTPUTS_DIR]
+    return Container(
+        name=SWITCHES,
+        image=spec.cluster.image,
+        image_pull_policy=spec.cluster.image_pull_policy,
+        command=[*command, *names],
+        env=[m.EnvVar(name="HOME", value=WRITABLE_ENV["HOME"])],
+        volumes=[m.Volume(name=SCRATCH_VOLUME, empty_dir=m.EmptyDirVolumeSource())],
+        volume_mounts=[m.VolumeMount(name=SCRATCH_VOLUME, mount_path=SCRATCH_DIR)],
+        resources=m.ResourceRequirements.model_validate(resource_requirements("100m", "256Mi", 0)),
+        security_context=m.SecurityContext.model_validate(container_security_context()),
+        inputs=[
+            RawArtifact(name=f"run-{n}", path=f"{PARAMS_DIR}/run-{n}", data=f"{{{{workflow.parameters.run-{n}}}}}")
+            for n in names
+        ],
+        outputs=[Parameter(name=f"run-{n}", value_from=m.ValueFrom(path=f"{OUTPUTS_DIR}/run-{n}")) for n in names],
+        active_deadline_seconds=SWITCHES_POLICY.active_deadline_seconds,
+        retry_strategy=step_retry_strategy(SWITCHES_POLICY),
+        pod_spec_patch=step_pod_spec_patch(spec, SWITCHES_POLICY),
+        **_step_identity(spec),
+    )
+
+
+def variant_templates(spec: PipelineSpec) -> list[Any]:
+    """The entry DAG `pipeline` of a pipeline with variants: `switches`, then one task per variant (run when its
+    switch is on, at most workflow.parallelism at once); the switches' template and each variant's chain."""
+    from workflows.variants import variant_specs
+
+    form_names = params.variant_form(spec)[1]
+    tasks, templates = [Task(name=SWITCHES, template=SWITCHES)], [switches_template(spec)]
+    for variant, vspec in variant_specs(spec).items():
+        when = f"{{{{tasks.{SWITCHES}.outputs.parameters.run-{variant}}}}} == true"
+        tasks.append(Task(name=variant, template=variant, depends=SWITCHES, when=when))
+        templates += variant_chain(vspec, variant, form_names[variant])
+    return [DAG(name=ENTRYPOINT, tasks=tasks, parallelism=spec.workflow.parallelism), *templates]
+
+
+def workflow_template(spec: PipelineSpec, name: str | None = None) -> WorkflowTemplate:
+    """The WorkflowTemplate (named `name`, default the pipeline's): DAG, templates, UI form, retention and the
+    exit handler."""
+    rundir = run_dir(spec, RUN_DIR)  # with variants, the exit handler's notification finds no run of its own
+    templates = variant_templates(spec) if spec.variants else chain_templates(spec, RUN_DIR)
     templates += [exit_handler_template(spec), cleanup_template(spec)]
     if spec.notifications.slack:
         templates.append(notify_template(spec, rundir))

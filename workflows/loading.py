@@ -347,6 +347,8 @@ class LoadedPipeline:
     document: dict[str, Any]
     profile: str | None = None
     """The profile merged into the spec, which names its template (workflows.compile.template_name)."""
+    origins: Origins = field(default_factory=Origins)
+    """Where each value of `document` came from (variants are validated against it: workflows.variants)."""
 
 
 def _strings(node: Any, path: Path_ = ()) -> typing.Iterator[tuple[Path_, str]]:
@@ -470,8 +472,14 @@ def load_pipeline(
         raise SpecError(f"{path}: not UTF-8 text (byte {exc.start})") from None
     doc, origins = _compose_with_lines(text, str(path))
     doc = resolve_document(doc, origins, str(path), profile, overrides)
+    from workflows import variants  # it resolves variants with this module's tools
+
+    if profile is not None:
+        variants.fold_profile(doc, origins, profile)
     spec = validate_document(doc, origins, str(path))
-    return LoadedPipeline(spec=spec, source=str(path), document=doc, profile=profile)
+    loaded = LoadedPipeline(spec=spec, source=str(path), document=doc, profile=profile, origins=origins)
+    variants.variant_pipelines(loaded)  # each variant validated here, its errors at their lines
+    return loaded
 
 
 def spec_from_json(text: str, source: str) -> PipelineSpec:

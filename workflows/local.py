@@ -13,7 +13,8 @@ It shows a live table (status, elapsed time, last log line), keeps each stage's 
 (completed stages are no-ops by the stage contract), and ends with a summary table and how to open MLflow.
 A stage whose module does not exist is reported as missing and fails the run; it is never skipped. As in the
 cluster DAG, the stages after prepare are skipped when prepare ends the run (`proceed=false`), and deploy is
-skipped, with the gate's reasons, when evaluate's gate is not `pass`.
+skipped, with the gate's reasons, when evaluate's gate is not `pass`. A stage with `hpo` is preceded by its search
+(workflows/search.py): Optuna's trials, one row each in the table (`sft trial 2/4`), then the best trial's values.
 
 Two runners never share a run directory: each holds a lock on `<run>/.runner.lock` while it runs, and a run
 directory whose completed stages (or checkpoints) were made with another config keeps its spec.json (the runner
@@ -69,8 +70,10 @@ from stages.contract import (
     try_lock,
 )
 from stages.evaluate import GATE_PASS
+from stages.hpo import apply_selections
 from workflows.loading import LoadedPipeline
 from workflows.pytorchjob import RUN_ROOT
+from workflows.search import search_in_runner, search_needed
 from workflows.spec import TRAINING_STAGES, PipelineSpec
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -390,9 +393,13 @@ def render(spec: PipelineSpec, run_root: Path, runs: list[StageRun], live: bool 
 
 
 def rerun_hint(loaded: LoadedPipeline, run_root: Path, stage: str) -> str:
+    spec = loaded.spec
+    pipeline = spec.name
+    if spec.variant is not None:  # a variant's spec is named '<pipeline>-<variant>'
+        pipeline = f"{spec.name.removesuffix('-' + spec.variant)} --variant {spec.variant}"
     return (
         "Resume (completed stages are no-ops):\n"
-        f"  python -m workflows.submit {loaded.spec.name} --local --run-dir {run_root}   "
+        f"  python -m workflows.submit {pipeline} --local --run-dir {run_root}   "
         "(with the same --profile/--set options)\n"
         f"  or this stage alone: python -m stages {stage} --run-dir {run_root}"
     )
@@ -422,6 +429,8 @@ def run_local(loaded: LoadedPipeline, run_dir: Path | None = None, force: bool =
 def _run_locked(loaded: LoadedPipeline, run_root: Path, force: bool, console: Console) -> int:
     """run_local's work, with the run directory locked."""
     spec = loaded.spec
+    if not force:  # the values a finished search selected are the run's, not a changed config
+        spec = apply_selections(spec, run_root)
     conflicts = [] if force else conflicting_stages(RunDir(run_root), spec)
     if conflicts:
         console.print(
@@ -451,7 +460,7 @@ def _run_locked(loaded: LoadedPipeline, run_root: Path, force: bool, console: Co
     gate_reason = ""
     live = Live(render(spec, run_root, runs), console=console, refresh_per_second=4, transient=True)
     with live if console.is_terminal else _Quiet():
-        for run in runs:
+        for run in list(runs):  # a search adds a row per trial to `runs`
             if failed is not None:
                 run.status = "not run"
                 continue
@@ -475,6 +484,13 @@ def _run_locked(loaded: LoadedPipeline, run_root: Path, force: bool, console: Co
                     live.update(render(spec, run_root, runs))
 
             try:
+                if search_needed(spec, run_root, run.name, force):
+                    say = None if console.is_terminal else lambda line: console.print(line, markup=False)
+                    why = search_in_runner(spec, run_root, run, runs, env, force, gpus, refresh, say)
+                    if why:
+                        run.ended, run.status, run.message = time.monotonic(), "failed", why
+                        failed, exit_code = run, 1
+                        continue
                 command = stage_command(run.name, run_root, force, gpus)
                 run.returncode = run_stage(run, command, env, run_root / run.name / "logs" / "stage.log", refresh)
             except (StageInterrupted, KeyboardInterrupt) as exc:
@@ -558,3 +574,31 @@ class _Quiet:
 
     def __exit__(self, *exc: object) -> None:
         return None
+
+
+def run_local_variants(variants: dict[str, LoadedPipeline], run_dir: Path | None = None, force: bool = False) -> int:
+    """Run each variant's stages (run_local), one variant after the other, each in its own run directory
+    (`runs/<pipeline>-<variant>-<time>`, or `run_dir` for a single one), then a summary of all; returns the first
+    failure's exit code (0: all done). A failed variant does not stop the next (they are separate models, as in
+    the cluster); an interrupt does."""
+    console = Console()
+    outcomes: list[tuple[str, str, int | None]] = []
+    for name, loaded in variants.items():
+        root = run_dir if run_dir is not None else default_run_dir(loaded.spec)
+        console.print(f"variant {name}", style="bold", markup=False)
+        code = run_local(loaded, root, force)
+        outcomes.append((name, str(Path(root).absolute()), code))
+        if code >= 128:  # interrupted: the variants left are not started
+            break
+    table = Table(title="variants", title_justify="left", expand=False)
+    for column in ("variant", "run directory", "outcome"):
+        table.add_column(column, no_wrap=column != "run directory")
+    ran = {name for name, _, _ in outcomes}
+    for name, root, code in outcomes:
+        outcome = "done" if code == 0 else f"failed (exit {code})"
+        table.add_row(name, root, Text(outcome, style=_STYLE.get("succeeded" if code == 0 else "failed", "")))
+    for name in variants:
+        if name not in ran:
+            table.add_row(name, "", "not run")
+    console.print(table)
+    return next((code for _, _, code in outcomes if code), 0)

@@ -21,6 +21,14 @@ class AttentionShape:
 
 
 KNOWN_MODELS: dict[str, AttentionShape] = {
+    # Qwen2.5 (the -Instruct and -Coder repos share the shape)
+    "qwen2.5-0.5b": AttentionShape(14, 2),
+    "qwen2.5-1.5b": AttentionShape(12, 2),
+    "qwen2.5-3b": AttentionShape(16, 2),
+    "qwen2.5-7b": AttentionShape(28, 4),
+    "qwen2.5-14b": AttentionShape(40, 8),
+    "qwen2.5-32b": AttentionShape(40, 8),
+    "qwen2.5-72b": AttentionShape(64, 8),
     # Qwen3 (dense and mixture-of-experts); the -Base and -FP8 repos share the shape.
     "qwen3-0.6b": AttentionShape(16, 8),
     "qwen3-1.7b": AttentionShape(16, 8),

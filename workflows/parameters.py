@@ -61,7 +61,9 @@ def _switchable_stages(spec: PipelineSpec) -> list[str]:
 
 
 def ui_parameters(spec: PipelineSpec) -> list[UIParameter]:
-    """The form: defaults come from the spec the template was compiled from."""
+    """The form: defaults come from the spec the template was compiled from (with variants: variant_form)."""
+    if spec.variants:
+        return variant_form(spec)[0]
     params = [
         UIParameter("base-model", spec.model.name_or_path, "Base model: Hugging Face hub id or a path on a volume."),
         UIParameter(
@@ -88,6 +90,54 @@ def ui_parameters(spec: PipelineSpec) -> list[UIParameter]:
         )
     )
     return params
+
+
+def variant_form(spec: PipelineSpec) -> tuple[list[UIParameter], dict[str, dict[str, str]]]:
+    """The form of a pipeline with variants, and per variant its parameters' names in it (plain → form).
+
+    A switch `run-<variant>` per variant, then each variant's parameters: shared (its plain name) when every
+    variant that has it agrees on the default, else one per variant, `<variant>-<name>`. Each variant's prepare
+    reads its values under the plain names, so resolving them is the same as for a pipeline of one model."""
+    from workflows.variants import variant_specs
+
+    forms = {name: ui_parameters(vspec) for name, vspec in variant_specs(spec).items()}
+    defaults: dict[str, set[str]] = {}
+    for form in forms.values():
+        for p in form:
+            defaults.setdefault(p.name, set()).add(p.default)
+    params = [
+        UIParameter(
+            f"run-{v.name}",
+            "true",
+            f"Train the variant {v.name}" + (f": {v.description}" if v.description else "."),
+            ("true", "false"),
+        )
+        for v in spec.variants
+    ]
+    names: dict[str, dict[str, str]] = {name: {} for name in forms}
+    shared_done: set[str] = set()
+    order = list(dict.fromkeys(p.name for form in forms.values() for p in form))
+    for plain in order:
+        holders = [(variant, p) for variant, form in forms.items() for p in form if p.name == plain]
+        if len(defaults[plain]) == 1:
+            for variant, _ in holders:
+                names[variant][plain] = plain
+            if plain not in shared_done:
+                shared_done.add(plain)
+                variant, p = holders[0]
+                where = "" if len(holders) == len(forms) else f" (variants {', '.join(v for v, _ in holders)})"
+                params.append(UIParameter(plain, p.default, p.description + where, p.enum))
+            continue
+        for variant, p in holders:
+            names[variant][plain] = f"{variant}-{plain}"
+            params.append(UIParameter(f"{variant}-{plain}", p.default, f"{variant}: {p.description}", p.enum))
+    return params, names
+
+
+def variant_values(spec: PipelineSpec, variant: str, values: dict[str, str]) -> dict[str, str]:
+    """The form's values (by form name) that reach `variant`'s prepare, by their plain names."""
+    names = variant_form(spec)[1][variant]
+    return {plain: values[form] for plain, form in names.items() if form in values}
 
 
 def ui_parameter_names(spec: PipelineSpec) -> list[str]:

@@ -7,8 +7,8 @@ Checks, against the cluster of the current kubeconfig context (or the in-cluster
 
 - the CRDs the pipeline needs (PyTorchJob, or TrainJob with cluster.job_kind trainjob, Argo's
   Workflow/WorkflowTemplate, CronWorkflow when scheduled, InferenceService when deploying, Kueue's LocalQueue when
-  a stage names a queue), the ServingRuntime, and with job_kind trainjob the ClusterTrainingRuntime (a torch
-  runtime whose first replicated job is `node`);
+  a stage names a queue, Katib's Experiment when a stage searches hyperparameters), the ServingRuntime, and with
+  job_kind trainjob the ClusterTrainingRuntime (a torch runtime whose first replicated job is `node`);
 - the namespace; the three ServiceAccounts (the resource steps' account, which must not switch its token off; the
   stage pods' account; Argo's executor account and the token Secret Argo mounts from it); the two volumes (exist,
   Bound, ReadWriteMany);
@@ -63,6 +63,11 @@ CRDS: dict[str, tuple[str, str]] = {
         "v1alpha1",
         "install Kubeflow Trainer (v2.1+): kubectl apply --server-side -k "
         "'github.com/kubeflow/trainer.git/manifests/overlays/manager?ref=v2.1.0', or set cluster.job_kind=pytorchjob",
+    ),
+    "experiments.kubeflow.org": (
+        "v1beta1",
+        "install Katib (v0.19) with PyTorchJob among its trial resources (see manifests/README.md), or drop the "
+        "stage's hpo",
     ),
     "workflows.argoproj.io": ("v1alpha1", "install Argo Workflows (v3.6+): see https://argo-workflows.readthedocs.io"),
     "workflowtemplates.argoproj.io": ("v1alpha1", "install Argo Workflows (v3.6+)"),
@@ -234,6 +239,8 @@ def _needed_crds(spec: PipelineSpec) -> list[str]:
         crds.insert(
             0, "trainjobs.trainer.kubeflow.org" if spec.cluster.job_kind == "trainjob" else "pytorchjobs.kubeflow.org"
         )
+    if any(getattr(spec.stage(s), "hpo", None) is not None for s in spec.stages.enabled()):
+        crds.append("experiments.kubeflow.org")
     if spec.schedule.cron:
         crds.append("cronworkflows.argoproj.io")
     if spec.stages.deploy.enabled and spec.stages.deploy.serving.enabled:
@@ -770,11 +777,15 @@ def main(argv: list[str] | None = None) -> int:
     except SpecError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    report = run_preflight(spec)
-    console = Console()
-    console.print(report.render())
-    console.print(report.verdict())
-    return 0 if report.ok else 1
+    from workflows.variants import variant_specs
+
+    console, ok = Console(), True
+    for run_spec in list(variant_specs(spec).values()) or [spec]:  # each variant's own GPUs, volumes, model
+        report = run_preflight(run_spec)
+        console.print(report.render())
+        console.print(report.verdict())
+        ok = ok and report.ok
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -559,14 +559,20 @@ def logs_command(args: argparse.Namespace) -> int:
 
 
 def _delete_jobs(namespace: str, workflow: str) -> list[str]:
-    """Delete the run's unfinished training jobs, PyTorchJobs and TrainJobs (whichever cluster.job_kind the run
-    was compiled with; workflows.cleanup prints each). A cluster without the TrainJob CRD answers 404: none."""
+    """Delete the run's unfinished Katib Experiments (a search's trials go with them) and training jobs, PyTorchJobs
+    and TrainJobs (whichever cluster.job_kind the run was compiled with; workflows.cleanup prints each). A cluster
+    without the Katib or TrainJob CRD answers 404: none."""
     from kubernetes.client.exceptions import ApiException
 
-    from workflows.cleanup import delete_running_jobs
+    from workflows.cleanup import delete_running_experiments, delete_running_jobs
 
     api_client = kube_api_client()
     try:
+        try:
+            delete_running_experiments(namespace, workflow, api_client)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
         deleted = delete_running_jobs(namespace, workflow, api_client)
         try:
             deleted += delete_running_jobs(namespace, workflow, api_client, kind="trainjob")

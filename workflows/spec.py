@@ -94,7 +94,7 @@ CronExpression = Annotated[
 # --------------------------------------------------------------------------- model
 
 
-KNOWN_CHAT_TEMPLATES = ("chatml", "qwen3", "llama3", "gemma3", "exaone4", "mistral")
+KNOWN_CHAT_TEMPLATES = ("chatml", "qwen2_5", "qwen3", "llama3", "gemma3", "exaone4", "mistral")
 """Template names model.chat_template accepts (stages/chat.py holds them)."""
 
 
@@ -107,12 +107,12 @@ _MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
 class TinyModelConfig(StrictModel):
     """A randomly initialised model built from a config, for runs that cannot download weights."""
 
-    architecture: Literal["qwen3", "qwen3_moe", "llama", "gemma3", "exaone4", "mistral"] = Field(
+    architecture: Literal["qwen2", "qwen3", "qwen3_moe", "llama", "gemma3", "exaone4", "mistral"] = Field(
         "qwen3",
-        description="Model family whose transformers config class is used: qwen3, qwen3_moe (mixture of experts), "
-        "llama, gemma3 (text-only, Gemma3ForCausalLM), exaone4, mistral. The family's own settings come with it "
-        "(gemma3 and exaone4 interleave sliding-window layers with full-attention ones, the last layer full; their "
-        "window is a quarter of max_position_embeddings).",
+        description="Model family whose transformers config class is used: qwen2 (Qwen2.5), qwen3, qwen3_moe "
+        "(mixture of experts), llama, gemma3 (text-only, Gemma3ForCausalLM), exaone4, mistral. The family's own "
+        "settings come with it (gemma3 and exaone4 interleave sliding-window layers with full-attention ones, the "
+        "last layer full; their window is a quarter of max_position_embeddings).",
     )
     hidden_size: int = Field(64, gt=0, description="Hidden size.")
     intermediate_size: int = Field(128, gt=0, description="MLP intermediate size.")
@@ -921,6 +921,15 @@ class HpoSpec(StrictModel):
                     )
                 if parameter.type == "uniform" and parameter.step is None:
                     raise FieldError(("parameters", index, "step"), "grid search needs a step for a uniform parameter")
+        if self.algorithm == "bayesianoptimization":
+            for index, parameter in enumerate(self.parameters):
+                if parameter.type == "uniform":
+                    # Katib's scikit-optimize service samples every real-valued parameter on a log scale.
+                    raise FieldError(
+                        ("parameters", index, "type"),
+                        "Katib's bayesianoptimization samples every real-valued parameter log-uniformly: use "
+                        "log_uniform (min > 0), int or categorical, or another algorithm",
+                    )
         return self
 
 
@@ -1559,6 +1568,13 @@ class WorkflowSpec(StrictModel):
         "the cleanup before a retry, the create step and the waits between the wait step's retries; serve: an hour), "
         "summed in DAG order, plus the exit handler's steps and an hour for scheduling.",
     )
+    parallelism: int | None = Field(
+        None,
+        ge=1,
+        description="With variants: how many variants' stage chains run at once (Argo's `parallelism` of the entry "
+        "DAG, which counts the pods it runs at a time; a chain runs one pod at a time, each training stage one job). "
+        "None: all at once. The deadline then allows for the chains running in ceil(variants / parallelism) waves.",
+    )
     labels: Labels = Field(default_factory=dict, description="Labels on every workflow of the pipeline.")
 
 
@@ -1578,6 +1594,74 @@ class RetentionSpec(StrictModel):
     def enabled(self) -> bool:
         """Whether the pipeline prunes at all."""
         return self.keep_last is not None or self.keep_days is not None
+
+
+# --------------------------------------------------------------------------- variants
+
+VARIANT_FIXED_SECTIONS = (
+    "name",
+    "cluster",
+    "schedule",
+    "workflow",
+    "notifications",
+    "retention",
+    "profiles",
+    "variants",
+    "variant",
+)
+"""Top-level fields a variant may not override: one WorkflowTemplate holds every variant, so its pods' cluster,
+schedule, workflow settings, notifications and retention are the pipeline's."""
+RESERVED_VARIANT_NAMES = ("pipeline", "switches", "cleanup", "notify", "retention", "exit-handler")
+"""Steps of the workflow that a variant's chain (a template named after the variant) would clash with."""
+VARIANT_FIXED_FIELDS = (
+    ("tracking", "mlflow_tracking_uri"),
+    ("tracking", "mlflow_experiment"),
+    ("tracking", "wandb_project"),
+    ("tracking", "wandb_entity"),
+    ("tracking", "langfuse_host"),
+)
+"""Tracking settings shared by the variants, so their runs sit side by side in one experiment (tagged with the
+variant); a variant may turn its own TensorBoard files on or off (`tracking.tensorboard`)."""
+
+
+class Variant(StrictModel):
+    """One model of a pipeline that trains several: the pipeline's spec with its own overrides."""
+
+    name: str = Field(
+        description="A DNS label: the variant's runs, training jobs and InferenceService are named "
+        "'<pipeline>-<variant>', which must fit the pipeline name's limit."
+    )
+    description: str = Field("", description="What this variant is, shown in the form's run-<variant> switch.")
+    overrides: dict[str, Any] = Field(
+        default_factory=dict,
+        description="A partial spec merged onto the pipeline's (after its profile): base model, resources, stage "
+        "settings. Not the sections one template shares (name, cluster, schedule, workflow, notifications, "
+        "retention) nor the tracking server and experiment.",
+    )
+    profiles: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="The variant's own overlay per profile, merged last when that profile is applied (e.g. its "
+        "tiny stand-in model under 'local').",
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, name: str) -> str:
+        _dns_label(name, "variant name")
+        return name
+
+
+def variant_fixed_problem(keys: tuple[str, ...]) -> str | None:
+    """Why a variant may not override the field at `keys`, or None when it may."""
+    if keys[:1] and keys[0] in VARIANT_FIXED_SECTIONS:
+        return f"{keys[0]} is the pipeline's, shared by all its variants (one template holds them): set it at the top"
+    for fixed in VARIANT_FIXED_FIELDS:
+        if keys[: len(fixed)] == fixed or fixed[: len(keys)] == keys:
+            return (
+                f"{'.'.join(fixed)} is shared by all variants (their runs go to one experiment, tagged with the "
+                "variant): set it at the top"
+            )
+    return None
 
 
 # --------------------------------------------------------------------------- pipeline
@@ -1628,6 +1712,18 @@ class PipelineSpec(StrictModel):
         "A profile's WorkflowTemplate and CronWorkflow are named '<name>-<profile>', so a profile name that is "
         "registered or submitted holds lowercase letters, digits and '-'.",
     )
+    variants: list[Variant] = Field(
+        default_factory=list,
+        description="Several models from one submission: each variant is this spec with its own overrides, run as "
+        "its own stage chain (run directory, MLflow parent run, gate against its own champion, registered model "
+        "'<registered_model>-<variant>' unless it sets one, InferenceService), in parallel in the cluster "
+        "(workflow.parallelism) and one after the other with --local. Empty: one model.",
+    )
+    variant: str | None = Field(
+        None,
+        description="Set by the compiler in a variant's resolved spec: the variant it is (tagged on its MLflow "
+        "runs). Not written in pipeline files.",
+    )
 
     @field_validator("name")
     @classmethod
@@ -1677,7 +1773,51 @@ class PipelineSpec(StrictModel):
             self._trainjob_can_say(stage)
             self._search_space(stage)
         self._serving_fits_model()
+        self._variants_fit()
         return self
+
+    def _variants_fit(self) -> None:
+        """Variant names are distinct and short enough, and their overrides leave the shared sections alone."""
+        if self.variants and self.variant is not None:
+            raise FieldError(("variant",), "a variant's resolved spec has no variants of its own")
+        searched = [s for s in TRAINING_STAGES if self.variants and getattr(self.stage(s), "hpo", None) is not None]
+        if searched:  # a search's Experiment and trials are one run's: not yet one per variant
+            raise FieldError(("stages", searched[0], "hpo"), "a hyperparameter search cannot be combined with variants")
+        seen: set[str] = set()
+        for index, variant in enumerate(self.variants):
+            at = ("variants", index)
+            if variant.name in seen:
+                raise FieldError((*at, "name"), f"variant {variant.name!r} is named twice; each name is unique")
+            if variant.name in STAGE_ORDER:  # the form's run-<variant> would be the stages' run-<stage>
+                raise FieldError((*at, "name"), f"a variant cannot be named after the stage {variant.name!r}")
+            if variant.name in RESERVED_VARIANT_NAMES:
+                raise FieldError((*at, "name"), f"{variant.name!r} names a step of the workflow; pick another name")
+            seen.add(variant.name)
+            combined = f"{self.name}-{variant.name}"
+            if len(combined) > MAX_PIPELINE_NAME_LENGTH:
+                raise FieldError(
+                    (*at, "name"),
+                    f"the variant's runs, jobs and InferenceService are named {combined!r} ({len(combined)} "
+                    f"characters), over the {MAX_PIPELINE_NAME_LENGTH} a pipeline name may have: shorten the "
+                    "variant or pipeline name",
+                )
+            for stage, section in (variant.overrides.get("stages") or {}).items():
+                if isinstance(section, dict) and "hpo" in section:
+                    raise FieldError(
+                        (*at, "overrides", "stages", stage, "hpo"),
+                        "a hyperparameter search cannot be combined with variants",
+                    )
+            overlays = [((*at, "overrides"), variant.overrides)]
+            overlays += [((*at, "profiles", name), overlay) for name, overlay in variant.profiles.items()]
+            for where, overlay in overlays:
+                for key, value in overlay.items():
+                    # A mapping merges key by key (its keys are what it sets); anything else replaces the field.
+                    paths = [(key, sub) for sub in value] if isinstance(value, dict) else [(key,)]
+                    if key in VARIANT_FIXED_SECTIONS:
+                        paths = [(key,)]
+                    for path in paths:
+                        if (problem := variant_fixed_problem(path)) is not None:
+                            raise FieldError((*where, *path), problem)
 
     def _langfuse_keys(self) -> None:
         """Langfuse needs both keys in the cluster, and keys are only given to a named server."""

@@ -5,6 +5,7 @@
     python -m workflows.submit korean-llm --watch            # ensure the template, submit, follow the run
     python -m workflows.submit korean-llm --set stages.sft.training.learning_rate=1e-4   # one run, one change
     python -m workflows.submit korean-llm --local            # the same DAG on this machine (profile 'local')
+    python -m workflows.submit qwen-multi --variant qwen-7b  # a pipeline with variants: train only this one
 
 Submitting ensures the shared WorkflowTemplate, compiled from the pipeline file and --profile only (the schedule
 and every later run use it), then creates a Workflow that references it. The --set values are that run's alone:
@@ -115,12 +116,13 @@ def check_lm_eval_tasks(spec: PipelineSpec, source: str) -> None:
         raise usage_error(SpecError("\n".join(f"{source}: {problem}" for problem in problems)))
 
 
-def compile_loaded(loaded: LoadedPipeline) -> CompiledPipeline:
-    """The CompiledPipeline of a loaded spec, its template named after the pipeline and profile."""
+def compile_loaded(loaded: LoadedPipeline, parameters: dict[str, str] | None = None) -> CompiledPipeline:
+    """The CompiledPipeline of a loaded spec, its template named after the pipeline and profile (`parameters`:
+    the Workflow's argument values, default the form's)."""
     from workflows.compile import compile_pipeline
 
     try:
-        return compile_pipeline(loaded.spec, profile=loaded.profile)
+        return compile_pipeline(loaded.spec, parameters, profile=loaded.profile)
     except (SpecError, ValueError) as exc:
         raise CliError(f"cannot compile {loaded.source}: {exc}", EXIT_USAGE) from None
 
@@ -231,6 +233,15 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="Submit without first checking the cluster (CRDs, volumes, secrets, GPU nodes, Argo version).",
     )
+    p.add_argument(
+        "--variant",
+        dest="variants",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="A pipeline with variants: run this one (repeatable; default all). Submitted or rendered, the others' "
+        "run-<variant> switches are off; with --local, the others are not run.",
+    )
     p.add_argument("--run-dir", type=Path, metavar="DIR", help="Run directory for --local.")
     p.add_argument("--force", action="store_true", help="With --local: start over in an existing run directory.")
     return p
@@ -292,9 +303,9 @@ def _template_field_error(args: argparse.Namespace, template: str, keys: list[st
 
 def run_arguments(
     args: argparse.Namespace, loaded: LoadedPipeline, template: str
-) -> tuple[dict[str, str], PipelineSpec]:
+) -> tuple[dict[str, str], list[PipelineSpec]]:
     """The Workflow's argument values that carry the --set overrides of `args` to a run of `template` (compiled
-    from `loaded`), and the spec prepare will resolve from them.
+    from `loaded`), and the specs prepare will resolve from them (one per variant it runs; one without variants).
 
     Each --set is a line of the `overrides` argument, after its default; `stages.<stage>.enabled` is the stage's
     run-<stage> switch instead, as in the form. A field of the shared template is refused. The values are then
@@ -326,11 +337,49 @@ def run_arguments(
         index = number - len(default_lines) - 1
         return f"--set {lines[index]}" if index >= 0 else params.form_line(number)
 
+    values.update(variant_switches(args, loaded))
+    if loaded.spec.variants:
+        return values, _variant_run_specs(loaded, values, origin)
     try:
         spec = params.resolve_parameters(params.embedded_document(loaded.spec), values, origin)
     except SpecError as exc:
         raise usage_error(exc) from None
-    return values, spec
+    return values, [spec]
+
+
+def selected_variants(args: argparse.Namespace, loaded: LoadedPipeline) -> dict[str, LoadedPipeline]:
+    """The variants --variant picks (all when none is named); a usage error for one the pipeline lacks, or for
+    --variant given to a pipeline without variants."""
+    from workflows.variants import select
+
+    if args.variants and not loaded.spec.variants:
+        raise CliError(f"--variant: {loaded.source} has no variants", EXIT_USAGE)
+    try:
+        return select(loaded, args.variants)
+    except SpecError as exc:
+        raise usage_error(exc) from None
+
+
+def variant_switches(args: argparse.Namespace, loaded: LoadedPipeline) -> dict[str, str]:
+    """The form's run-<variant> values for the variants --variant leaves out (none when it names none)."""
+    chosen = selected_variants(args, loaded)
+    return {f"run-{v.name}": "false" for v in loaded.spec.variants if v.name not in chosen}
+
+
+def _variant_run_specs(loaded: LoadedPipeline, values: dict[str, str], origin: Callable[[int], str]) -> list[Any]:
+    """The spec each switched-on variant's prepare will resolve from the form's `values`."""
+    from workflows import parameters as params
+    from workflows.variants import variant_specs
+
+    specs = []
+    for name, vspec in variant_specs(loaded.spec).items():
+        if values.get(f"run-{name}", "true") != "false":
+            own = params.variant_values(loaded.spec, name, values)
+            try:
+                specs.append(params.resolve_parameters(params.embedded_document(vspec), own, origin))
+            except SpecError as exc:
+                raise usage_error(SpecError(f"variant {name}: {exc}")) from None
+    return specs
 
 
 def _submit(args: argparse.Namespace) -> int:
@@ -340,13 +389,15 @@ def _submit(args: argparse.Namespace) -> int:
     # The shared template comes from the pipeline file and profile alone; the --set values are this run's.
     loaded = load(args.pipeline, args.profile, [])
     template = compile_loaded(loaded).template
-    values, run_spec = run_arguments(args, loaded, template.name)
-    check_lm_eval_tasks(run_spec, loaded.source)
+    values, run_specs = run_arguments(args, loaded, template.name)
+    for run_spec in run_specs:
+        check_lm_eval_tasks(run_spec, loaded.source)
     workflow = submitted_workflow(loaded.spec, values, template.name)
 
     client = argo_client(loaded)  # a missing ARGO_SERVER is reported before any cluster check
     if not args.skip_preflight:
-        preflight(run_spec)
+        for run_spec in run_specs:
+            preflight(run_spec)
     with client:
         try:
             applied = client.ensure_workflow_template(template)
@@ -382,16 +433,24 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.local:
         loaded = _load_for_local(args)
-        from workflows.local import run_local
+        if not loaded.spec.variants and not args.variants:
+            from workflows.local import run_local
 
-        return run_local(loaded, args.run_dir, args.force)
+            return run_local(loaded, args.run_dir, args.force)
+        chosen = selected_variants(args, loaded)
+        if args.run_dir is not None and len(chosen) > 1:
+            p.error(f"--run-dir holds one run: pick one variant with --variant ({', '.join(chosen)})")
+        from workflows.local import run_local_variants
+
+        return run_local_variants(chosen, args.run_dir, args.force)
 
     if args.render is None and not args.dry_run:
         return _submit(args)
     # Standalone documents: every --set is compiled in (see the module docstring).
     loaded = load(args.pipeline, args.profile, args.overrides)
-    check_lm_eval_tasks(loaded.spec, loaded.source)
-    compiled = compile_loaded(loaded)
+    for run_spec in [*selected_variants(args, loaded).values()] or [loaded]:
+        check_lm_eval_tasks(run_spec.spec, loaded.source)
+    compiled = compile_loaded(loaded, variant_switches(args, loaded) or None)
     if args.render is not None:
         written = render(compiled.documents(), args.render)
         for path in written:

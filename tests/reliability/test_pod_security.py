@@ -120,7 +120,8 @@ def test_every_compiled_pod_runs_restricted_read_only_and_without_a_token(varian
     documents = compile_pipeline(spec).documents()
     pods = list(compiled_pods(documents))
     wheres = {where for where, _, _ in pods}
-    assert {"prepare/init", "prepare/wait", "prepare/main"} <= wheres
+    for prefix in [f"{v.name}-" for v in spec.variants] or [""]:  # a variant's templates carry its name
+        assert {f"{prefix}prepare/init", f"{prefix}prepare/wait", f"{prefix}prepare/main"} <= wheres
     # A TrainJob's pods are its runtime's, checked with the kit (tests/test_manifests.py).
     assert any("/Master" in w for w in wheres) or spec.cluster.job_kind == "trainjob"
     controls = control_steps(documents)
@@ -146,9 +147,12 @@ def test_only_resource_and_control_steps_hold_a_token(variant: tuple[str, str | 
         elif "resource" in template:
             assert template["serviceAccountName"] == spec.cluster.service_account, template["name"]
             assert template["automountServiceAccountToken"] is True, template["name"]
-    # The exit handler's cleanup, each training stage's reap, serve and retention: nothing else.
+    # The exit handler's cleanup, each training stage's reap, serve and retention (a variant's named after it):
+    # nothing else.
     assert "cleanup" in holders
-    assert holders <= {"cleanup", "serve", "retention"} | {f"{stage}-cleanup" for stage in ("cpt", "sft", "rlhf")}
+    own = {"serve", "retention"} | {f"{stage}-cleanup" for stage in ("cpt", "sft", "rlhf")}
+    prefixes = [f"{v.name}-" for v in spec.variants] or [""]
+    assert holders <= {"cleanup"} | {prefix + name for prefix in prefixes for name in own}
 
 
 def test_the_pod_model_catches_a_patch_for_a_missing_container() -> None:
