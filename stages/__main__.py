@@ -162,6 +162,20 @@ def ignore_interrupts() -> None:
         signal.signal(signum, signal.SIG_IGN)
 
 
+def missing_spec(run_dir: RunDir, stage: str) -> str:
+    """What to say when the run directory has no spec.json: who writes it, and how to make one."""
+    start = f"python -m workflows.submit <pipeline> --local --run-dir {run_dir.root}"
+    if stage == "prepare":
+        return (
+            f"{run_dir.spec_path} is missing: prepare reads the run's spec from it. `{start}` writes it and runs "
+            "prepare (in the cluster, prepare gets --params-dir and writes it)"
+        )
+    return (
+        f"{run_dir.spec_path} is missing: {run_dir.root} is not a prepared run; run the prepare stage first "
+        f"(`{start}` writes spec.json and runs prepare, then {stage})"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     """Resolve the spec (from --params-dir for prepare in the cluster), check the stage can start, run it."""
     run_dir = RunDir(args.run_dir)
@@ -179,11 +193,14 @@ def run(args: argparse.Namespace) -> int:
             args.outputs_dir.mkdir(parents=True, exist_ok=True)
             for name, value in stage_switches(resolved).items():
                 (args.outputs_dir / name).write_text(value, encoding="utf-8")
+    if not run_dir.spec_path.is_file():
+        raise StageRefused(missing_spec(run_dir, args.stage))
     spec = run_dir.load_spec()
     trial, objective = None, ""
     if args.trial is not None:
         if args.params_dir is not None:
             raise StageRefused("--trial runs a trial of a stage of a prepared run; --params-dir is for prepare")
+        check_ready(run_dir, spec, args.stage)  # the run's inputs, before the trial's folder is made
         run_dir, spec, trial = prepare_trial(run_dir, spec, args.stage, args.trial, args.trial_set)
         objective = trial.objective
     elif args.trial_set:

@@ -21,7 +21,8 @@ Rules every stage follows (the same in a PyTorchJob pod and under --local):
 - SIGTERM and SIGINT (Ctrl-C) record the stage as interrupted and exit with EXIT_RETRYABLE (`StageContext.
   interrupted`); anything else unexpected records it as failed (`StageContext.crash`); a record is written only
   while it says running, so a stage that already recorded its outcome keeps it;
-- a training stage starts only when prepare's outputs and the enabled stages before it are there (`check_ready`);
+- a stage starts only when its inputs are there (`check_ready`): otherwise one `error:` line names what is missing
+  and the stage that makes it, exit EXIT_USAGE, and nothing is written (no lock, no record);
 - a full disk (ENOSPC) fails the stage with a message that says so; `stage.json` and the checkpoints written
   before stay as they were (every record is written to a temporary file and renamed);
 - values of secret-looking environment variables never reach the stage's output (`mask_secrets`);
@@ -251,7 +252,10 @@ class RunDir:
     def load_spec(self) -> PipelineSpec:
         """The resolved spec; StageRefused when missing (run prepare first)."""
         if not self.spec_path.is_file():
-            raise StageRefused(f"{self.spec_path} is missing: run the prepare stage first")
+            raise StageRefused(
+                f"{self.spec_path} is missing: run the prepare stage first (`python -m workflows.submit <pipeline> "
+                f"--local --run-dir {self.root}` writes spec.json and runs it)"
+            )
         return spec_from_json(self.spec_path.read_text(encoding="utf-8"), str(self.spec_path))
 
     def stage_dir(self, stage: str) -> Path:
@@ -348,29 +352,55 @@ def _stale_outputs(stage_dir: Path, previous: StageResult | None, wanted: str) -
     return _has_outputs(stage_dir) and _outputs_config(stage_dir, previous) != wanted
 
 
+def missing_input(stage: str, what: str, maker: str, run_root: Path) -> StageRefused:
+    """The refusal of a stage whose input is not there yet: what is missing, and the stage that makes it with the
+    command that runs it (main() prints it as one `error:` line, exit 2, before anything is written)."""
+    command = f"python -m stages {maker} --run-dir {run_root}"
+    return StageRefused(f"[{stage}] {what} in {run_root}: run {maker} first ({command})")
+
+
+def _not_done(result: StageResult | None, allowed: tuple[str, ...] = ("succeeded",)) -> str | None:
+    """How a stage's record falls short ('has not run', 'is failed', ...), or None when its status is allowed."""
+    if result is None:
+        return "has not run"
+    return None if result.status in allowed else f"is {result.status}"
+
+
 def check_ready(run_dir: RunDir, spec: PipelineSpec, stage: str) -> None:
-    """StageRefused, naming what to run first, when a training stage's inputs are not there: prepare's tokenizer
-    and data for the stage, and the output of the enabled training stage before it."""
-    if stage not in TRAINING_STAGES or not spec.stage(stage).enabled:
+    """StageRefused, naming what is missing and the stage that makes it, when a stage's inputs are not there:
+    a training stage needs prepare's tokenizer and data for it, and the output of the enabled training stage before
+    it; evaluate needs prepare's tokenizer and the candidate (the last enabled training stage's output) unless prepare
+    ended the run early; deploy needs evaluate's gate decision. prepare needs only spec.json."""
+    if not spec.stage(stage).enabled:
         return
     prepare = run_dir.stage_dir("prepare")
-    needed = [prepare / "tokenizer", prepare / "data" / stage / "train.jsonl"]
-    missing = [run_dir.relative(p) for p in needed if not p.exists()]
-    if missing:
-        raise StageRefused(
-            f"[{stage}] {', '.join(missing)} missing in {run_dir.root}: run the prepare stage first "
-            f"(python -m stages prepare --run-dir {run_dir.root})"
-        )
-    before = [s for s in TRAINING_STAGES[: TRAINING_STAGES.index(stage)] if spec.stage(s).enabled]
-    if before:
-        upstream = before[-1]
-        result = run_dir.read_result(upstream)
-        if result is None or result.status != "succeeded":
-            state = "has not run" if result is None else f"is {result.status}"
+    if stage in TRAINING_STAGES:
+        needed = [prepare / "tokenizer", prepare / "data" / stage / "train.jsonl"]
+        missing = [run_dir.relative(p) for p in needed if not p.exists()]
+        if missing:
+            raise StageRefused(
+                f"[{stage}] {', '.join(missing)} missing in {run_dir.root}: run the prepare stage first "
+                f"(python -m stages prepare --run-dir {run_dir.root})"
+            )
+        before = [s for s in TRAINING_STAGES[: TRAINING_STAGES.index(stage)] if spec.stage(s).enabled]
+        if before and (state := _not_done(run_dir.read_result(before[-1]))):
+            upstream = before[-1]
             raise StageRefused(
                 f"[{stage}] starts from the output of {upstream}, which {state} in {run_dir.root}: "
                 f"run {upstream} first (python -m stages {upstream} --run-dir {run_dir.root})"
             )
+    elif stage == "evaluate":
+        extra = (prepared.extra if (prepared := run_dir.read_result("prepare")) is not None else {}) or {}
+        if extra.get("unchanged") == "true":  # prepare ended the run: evaluate records itself skipped
+            return
+        if not (prepare / "tokenizer").exists():
+            raise missing_input(stage, "prepare/tokenizer is missing", "prepare", run_dir.root)
+        trained = [s for s in TRAINING_STAGES if spec.stage(s).enabled]
+        if trained and (state := _not_done(run_dir.read_result(trained[-1]), ("succeeded", "skipped"))):
+            what = f"measures the output of {trained[-1]}, which {state}"
+            raise missing_input(stage, what, trained[-1], run_dir.root)
+    elif stage == "deploy" and (state := _not_done(run_dir.read_result("evaluate"), ("succeeded", "skipped"))):
+        raise missing_input(stage, f"needs evaluate's gate decision, and evaluate {state}", "evaluate", run_dir.root)
 
 
 LOCK_FILE = ".lock"

@@ -28,6 +28,7 @@ from stages.packing import PackedCollator, batch_width_multiple, load_token_cach
 from stages.progress import ProgressLog
 from stages.tracking import StageTracker
 from stages.training import (
+    build_config,
     loss_curve,
     output_fingerprint,
     record_inputs,
@@ -66,7 +67,7 @@ def train(ctx: StageContext, sigterm: SigtermCheckpoint) -> int:
     # 1. The tokenizer and the model this stage starts from.
     tokenizer = load_tokenizer(run_dir, spec.model)
     start = load_starting_model(run_dir, spec, ctx.stage, tokenizer, ModelInputs(ctx))
-    args = TrainingArguments(**trainer_arguments(ctx, start.model))
+    args = build_config(ctx, TrainingArguments, trainer_arguments(ctx, start.model))
 
     # 2. The packed token rows (built by prepare; built here when missing). Rank 0 builds, the others wait.
     with args.main_process_first(desc="token cache"):

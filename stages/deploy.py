@@ -6,7 +6,8 @@ Reads top to bottom:
 
 1. evaluate's stage.json: the candidate stage, the gate decision and the numbers behind it. A run that evaluate
    skipped (data unchanged) is skipped here too. deploy only runs after gate=pass, in the cluster and under
-   --local; run by hand after a failed gate, it registers the model as `challenger` only and says so.
+   --local; run by hand after a failed gate, it registers the model as `challenger` only, says so and tags the
+   version `posttrain.gate_overridden=true`.
 2. The model as it is served: full weights in safetensors with the tokenizer, in `deploy/model/` (an adapter is
    merged into its base first). The candidate's folders must be exactly what evaluate measured: their content
    fingerprints (read as the files are copied or loaded) are held to evaluate's recorded inputs `candidate` and
@@ -17,14 +18,18 @@ Reads top to bottom:
    GCS emulator), a refusal (no such bucket, access denied) being one error that names the field; pvc:// on the
    checkpoints claim by a copy, into a folder strictly inside the volume and outside `runs/` (never over a run
    directory); by default the run directory on the checkpoints volume itself.
-4. The MLflow Model Registry: the model files are logged as the `model` artifacts of deploy's run (with the
-   candidate's metrics), a new version of the registered model (deploy.registered_model, else the pipeline
-   name) is created from them with lineage tags, alias `challenger` points at it, and `champion` moves to it
-   only when the gate passed. In the cluster with serving on, `champion` moves later, in the serve step, once
-   the served model answered its smoke check (workflows/rollout.py); here it moves only where nothing is served.
+4. The MLflow Model Registry: the model is logged on deploy's run (with the candidate's metrics) by
+   `mlflow.transformers.log_model` as a chat model (task `llm/v1/chat`; its MLmodel names the base model, and for
+   an adapter, merged first, what it was trained on; the adapter's own files go to the run's `adapter/`), so that
+   `mlflow.pyfunc.load_model("models:/<name>@champion")` and `mlflow.transformers.load_model` load it. A new
+   version of the registered model (deploy.registered_model, else the pipeline name) is created from it with
+   lineage tags, alias `challenger` points at it, and `champion` moves to it only when the gate passed. In the
+   cluster with serving on, `champion` moves later, in the serve step, once the served model answered its smoke
+   check (workflows/rollout.py); here it moves only where nothing is served.
 5. `deploy/inferenceservice.yaml`: the KServe InferenceService for the vLLM runtime at the model's storage.
-6. Outside the cluster (no ARGO_WORKFLOW_NAME): the model is loaded back from the registry by alias
-   (`models:/<name>@champion`, or `@challenger` when not promoted) and generates once; recorded in stage.json.
+6. Outside the cluster (no ARGO_WORKFLOW_NAME): the model is loaded back from the registry by alias with
+   `mlflow.pyfunc.load_model` (`models:/<name>@champion`, or `@challenger` when not promoted) and answers one chat
+   message; recorded in stage.json.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ import hashlib
 import os
 import shutil
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -59,6 +66,8 @@ if TYPE_CHECKING:
 MAX_TAG_VALUE = 5000  # MLflow's limit for a model version tag value
 MODEL_FILES = (".safetensors", ".json", ".txt", ".model", ".jinja", ".tiktoken")
 """What is published of a model directory: weights in safetensors, configs and tokenizer files; never pickles."""
+CHAT_TASK = "llm/v1/chat"
+"""The MLflow task the model is registered with: chat messages in, an OpenAI-style chat completion out."""
 SMOKE_PROMPT = "안녕하세요"
 SMOKE_TOKENS = 16
 
@@ -334,6 +343,8 @@ def lineage_tags(
             "posttrain.model_kind": "merged adapter" if model_kind == "adapter" else model_kind,
             "posttrain.storage_uri": storage_uri,
             "posttrain.gate": evaluated["gate"],
+            # deploy runs after gate=pass in the DAG; after a failed gate only by hand (register it anyway)
+            "posttrain.gate_overridden": "false" if evaluated["gate"] == GATE_PASS else "true",
             "posttrain.gate_reference": str(evaluated.get("reference", "")),
             "posttrain.gate_reasons": " | ".join(evaluated.get("gate_reasons") or []),
             "posttrain.champion_before": str(evaluated.get("champion_version") or "none"),
@@ -347,6 +358,21 @@ def lineage_tags(
     return {k[:250]: _tag(v) for k, v in tags.items()}
 
 
+def model_metadata(spec: PipelineSpec, stage: str, model_kind: str, adapter_base: str) -> dict[str, str]:
+    """What the registered model's MLmodel says of it: the pipeline's base model, the stage that made it, and for
+    an adapter (merged before it is registered) what it was trained on: the base model or an earlier stage's."""
+    metadata = {
+        "posttrain.pipeline": spec.name,
+        "posttrain.base_model": spec.model.name_or_path,
+        "posttrain.candidate_stage": stage,
+        "posttrain.model_kind": "merged adapter" if model_kind == "adapter" else model_kind,
+    }
+    if model_kind == "adapter":
+        metadata["posttrain.adapter"] = "adapter/ (artifacts of the run)"
+        metadata["posttrain.adapter_base"] = adapter_base
+    return metadata
+
+
 def existing_version(client: Any, name: str, run_id: str) -> Any:
     """The version an earlier attempt of this deploy run registered, or None."""
     quoted = name.replace("'", "\\'")
@@ -356,9 +382,83 @@ def existing_version(client: Any, name: str, run_id: str) -> Any:
     return None
 
 
-def register(client: Any, name: str, run_id: str, tags: dict[str, str], promote: bool) -> Any:
-    """A new version from the run's `model` artifacts (the earlier attempt's, when this run registered one),
-    its tags, alias challenger, and champion when `promote`."""
+@contextmanager
+def fluent_uri(uri: str) -> Iterator[None]:
+    """mlflow's process-wide tracking and registry URI set to `uri` for the block, then put back: the fluent calls
+    (`mlflow.transformers.log_model`, `models:/` resolution) read them, and a stage must not leave them changed."""
+    import mlflow
+    from mlflow.tracking._model_registry import utils as registry_utils
+    from mlflow.tracking._tracking_service import utils as tracking_utils
+
+    before = tracking_utils._tracking_uri, registry_utils._registry_uri
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
+    try:
+        yield
+    finally:
+        mlflow.set_tracking_uri(before[0])
+        mlflow.set_registry_uri(before[1])
+
+
+def log_chat_model(
+    client: Any, tracking_uri: str, run_id: str, model_dir: Path, spec: PipelineSpec, metadata: dict[str, str]
+) -> Any:
+    """Log `model_dir` (full safetensors weights and tokenizer) on deploy's run as an MLflow transformers model for
+    chat (task CHAT_TASK: OpenAI-style messages in, a chat completion out), so that `mlflow.pyfunc.load_model` and
+    `mlflow.transformers.load_model` load it. `metadata` goes into its MLmodel. Returns mlflow's ModelInfo."""
+    import mlflow
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # MLflow 3.17 cannot log a checkpoint folder under transformers 5 (it reads the task's pipeline class by a
+    # name that is now a string): the model is loaded and logged as components instead, in the dtype it was saved
+    # in (not upcast on a CPU pod), safetensors in and out.
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype="auto", use_safetensors=True, trust_remote_code=spec.model.trust_remote_code
+    )
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=spec.model.trust_remote_code)
+    experiment_id = client.get_run(run_id).info.experiment_id
+    logged = client.create_logged_model(experiment_id, name="model", source_run_id=run_id)
+    requirements = [f"transformers=={transformers.__version__}", f"torch=={torch.__version__.split('+')[0]}"]
+    with fluent_uri(tracking_uri):
+        return mlflow.transformers.log_model(
+            {"model": model, "tokenizer": tokenizer},
+            name="model",
+            task=CHAT_TASK,
+            run_id=run_id,
+            model_id=logged.model_id,
+            metadata=metadata,
+            pip_requirements=requirements,  # mlflow's defaults name torchvision, which nothing here uses
+        )
+
+
+def registered_files(downloaded: Path) -> Path:
+    """The model folder (config, safetensors weights, tokenizer) of a registered version downloaded to
+    `downloaded`: an MLflow transformers model keeps its weights in `model/` and its tokenizer in
+    `components/tokenizer/` (copied beside the weights here); a version registered as plain files is the folder."""
+    weights = downloaded / "model"
+    if not (downloaded / "MLmodel").is_file() or not weights.is_dir():
+        return downloaded
+    tokenizer = downloaded / "components" / "tokenizer"
+    if tokenizer.is_dir():
+        for path in tokenizer.iterdir():
+            if path.is_file() and not (weights / path.name).exists():
+                shutil.copy2(path, weights / path.name)
+    return weights
+
+
+def register(
+    client: Any,
+    name: str,
+    run_id: str,
+    tags: dict[str, str],
+    promote: bool,
+    log_model: Callable[[], Any] | None = None,
+) -> Any:
+    """A new version of `name` (the version an earlier attempt of this run registered, when there is one): the
+    model `log_model` logs (mlflow's ModelInfo), else the run's `model` artifacts; its tags, alias challenger, and
+    champion when `promote`."""
     from mlflow.exceptions import MlflowException
 
     try:
@@ -368,7 +468,10 @@ def register(client: Any, name: str, run_id: str, tags: dict[str, str], promote:
             raise
     version = existing_version(client, name, run_id)
     if version is None:
-        version = client.create_model_version(name, source=f"runs:/{run_id}/model", run_id=run_id, tags=tags)
+        info = log_model() if log_model is not None else None
+        source = info.model_uri if info is not None else f"runs:/{run_id}/model"
+        model_id = info.model_id if info is not None else None
+        version = client.create_model_version(name, source=source, run_id=run_id, tags=tags, model_id=model_id)
     else:
         for key, value in tags.items():
             client.set_model_version_tag(name, version.version, key, value)
@@ -378,41 +481,23 @@ def register(client: Any, name: str, run_id: str, tags: dict[str, str], promote:
     return version
 
 
-def smoke_generation(
-    client: Any, tracking_uri: str, name: str, alias: str, dst: Path, spec: PipelineSpec
-) -> dict[str, str]:
-    """Load `models:/<name>@<alias>` back from the registry (safetensors) and generate a few tokens. The alias
-    is resolved through `client` (mlflow's own `models:/` resolution reads the process-wide registry URI)."""
+def smoke_generation(client: Any, tracking_uri: str, name: str, alias: str) -> dict[str, str]:
+    """Load `models:/<name>@<alias>` back from the registry as its users do (`mlflow.pyfunc.load_model`) and ask
+    it one chat message (SMOKE_TOKENS new tokens at most, with the generation config it was saved with)."""
     import mlflow
-    import torch
-    from transformers import AutoTokenizer
-
-    from stages.modeling import load_pretrained
 
     version = client.get_model_version_by_alias(name, alias)
-    source = client.get_model_version_download_uri(name, version.version)
-    if dst.exists():
-        shutil.rmtree(dst)
-    path = mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=str(dst), tracking_uri=tracking_uri)
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=spec.model.trust_remote_code)
-    model = load_pretrained(path, spec.model)
-    ids = tokenizer(SMOKE_PROMPT, add_special_tokens=False, return_tensors="pt")["input_ids"]
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=SMOKE_TOKENS,
-            do_sample=False,
-            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
-        )
-    text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
-    shutil.rmtree(dst, ignore_errors=True)
+    uri = f"models:/{name}@{alias}"
+    with fluent_uri(tracking_uri):
+        model = mlflow.pyfunc.load_model(uri)
+    messages = [{"role": "user", "content": SMOKE_PROMPT}]
+    (answer,) = model.predict({"messages": messages, "max_tokens": SMOKE_TOKENS})
     return {
-        "uri": f"models:/{name}@{alias}",
+        "uri": uri,
         "version": str(version.version),
         "prompt": SMOKE_PROMPT,
-        "output": text,
-        "new_tokens": str(int(out.shape[1] - ids.shape[1])),
+        "output": answer["choices"][0]["message"]["content"],
+        "new_tokens": str(answer["usage"]["completion_tokens"]),
     }
 
 
@@ -436,7 +521,7 @@ def run(ctx: StageContext) -> int:
 
 
 def deploy(ctx: StageContext) -> int:
-    from stages.modeling import FINGERPRINT, ModelInputs
+    from stages.modeling import FINGERPRINT, ModelInputs, stage_output
     from stages.tracking import StageTracker
 
     run_dir, spec = ctx.run_dir, ctx.spec
@@ -474,11 +559,22 @@ def deploy(ctx: StageContext) -> int:
         if run_id is None:
             raise RuntimeError("the MLflow tracking server could not be reached: the model cannot be registered")
 
-        # 4. The registry: model files, version, lineage, aliases.
+        # 4. The registry: the model for chat, version, lineage, aliases.
         client, tracking_uri = registry_client(spec, run_dir.root)
-        client.log_artifacts(run_id, str(model_dir), "model")
         tags = lineage_tags(ctx, evaluated, model_kind, storage_uri, fingerprint)
-        version = register(client, name, run_id, tags, promote_here)
+        output = stage_output(run_dir, stage)
+        if output.kind == "adapter":  # kept with the run; its adapter_config.json names the base too
+            client.log_artifacts(run_id, str(output.path), "adapter")
+        metadata = model_metadata(spec, stage, model_kind, output.base.name if output.kind == "adapter" else "")
+        with fluent_uri(tracking_uri):  # the registry resolves the version's `models:/m-...` source through it
+            version = register(
+                client,
+                name,
+                run_id,
+                tags,
+                promote_here,
+                lambda: log_chat_model(client, tracking_uri, run_id, model_dir, spec, metadata),
+            )
         aliases = [CHALLENGER, CHAMPION] if promote_here else [CHALLENGER]
         print(f"[deploy] {name} version {version.version}: aliases {', '.join(aliases)}", flush=True)
 
@@ -495,7 +591,7 @@ def deploy(ctx: StageContext) -> int:
         smoke: dict[str, str] = {}
         if not os.environ.get("ARGO_WORKFLOW_NAME"):
             alias = CHAMPION if promote_here else CHALLENGER
-            smoke = smoke_generation(client, tracking_uri, name, alias, ctx.dir / "smoke", spec)
+            smoke = smoke_generation(client, tracking_uri, name, alias)
             print(f"[deploy] {smoke['uri']} generates: {smoke['output']!r}", flush=True)
 
         if promote_here:

@@ -5,7 +5,7 @@ rendezvous); `stages.<stage>.distributed.strategy` picks the engine:
 - ddp: plain data parallel; NCCL on GPUs, gloo on CPU;
 - fsdp: FSDP2, parameters, gradients and optimizer state sharded per decoder layer;
 - deepspeed_zero2 / deepspeed_zero3: DeepSpeed ZeRO stage 2 (optimizer state and gradients sharded) or 3 (and
-  parameters), configured by a dict built here.
+  parameters), configured by a dict built here, or by the user's own (`distributed.deepspeed_config`).
 FSDP and DeepSpeed need GPUs: on CPU the stage stops with an error that names the spec field.
 """
 
@@ -97,6 +97,37 @@ def deepspeed_config(distributed: DistributedSpec) -> dict[str, Any]:
     }
 
 
+def accelerate_overrides(distributed: DistributedSpec, args: dict[str, Any]) -> dict[str, Any]:
+    """`args` with the user's accelerate config applied (`distributed.accelerate_config`, whose distributed_type
+    the spec already matched with the strategy): its DeepSpeed plugin settings onto the DeepSpeed config, its
+    fsdp_* settings onto the FSDP config."""
+    config = distributed.accelerate_config or {}
+    plugin = config.get("deepspeed_config") or {}
+    if "deepspeed" in args and plugin:
+        deepspeed = {**args["deepspeed"], "zero_optimization": dict(args["deepspeed"]["zero_optimization"])}
+        zero = deepspeed["zero_optimization"]
+        for key, target in (
+            ("offload_optimizer_device", "offload_optimizer"),
+            ("offload_param_device", "offload_param"),
+        ):
+            device = plugin.get(key)
+            if device in ("cpu", "nvme"):
+                zero[target] = {"device": device, "pin_memory": True}
+            elif device == "none":
+                zero.pop(target, None)
+        if "zero3_save_16bit_model" in plugin and zero["stage"] == 3:
+            zero["stage3_gather_16bit_weights_on_model_save"] = bool(plugin["zero3_save_16bit_model"])
+        if "gradient_clipping" in plugin:
+            deepspeed["gradient_clipping"] = plugin["gradient_clipping"]
+        args = {**args, "deepspeed": deepspeed}
+    fsdp = config.get("fsdp_config") or {}
+    if args.get("fsdp") and fsdp:
+        # accelerate writes fsdp_-prefixed keys; the Trainer's fsdp_config takes them without the prefix.
+        user = {key.removeprefix("fsdp_"): value for key, value in fsdp.items()}
+        args = {**args, "fsdp_config": {**args["fsdp_config"], **user}}
+    return args
+
+
 def strategy_arguments(stage: str, section: TrainingStage, model: Any) -> dict[str, Any]:
     """Trainer arguments for the stage's distributed strategy (also right for a single process)."""
     distributed = section.distributed
@@ -110,8 +141,9 @@ def strategy_arguments(stage: str, section: TrainingStage, model: Any) -> dict[s
         recompute = section.training.gradient_checkpointing and gpu
         args.update(fsdp_settings(distributed, list(base._no_split_modules or []), recompute))
     elif distributed.strategy.startswith("deepspeed"):
-        args["deepspeed"] = deepspeed_config(distributed)
-    return args
+        # The user's own config (embedded into the spec when the pipeline was loaded), else the generated one.
+        args["deepspeed"] = distributed.deepspeed_config or deepspeed_config(distributed)
+    return accelerate_overrides(distributed, args) if distributed.accelerate_config else args
 
 
 def precision_arguments(model_dtype: torch.dtype | str) -> dict[str, Any]:

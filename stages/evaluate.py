@@ -18,7 +18,8 @@ Reads top to bottom:
    - the lm-eval-harness tasks of `stages.evaluate.lm_eval_tasks` through `lm_eval.simple_evaluate` on an HFLM
      wrapping the loaded model, with `lm_eval_include_path` as extra task YAMLs (tasks over local data files
      work on an offline cluster; `builtin:korean-lm-eval` is the folder prepare generated from the builtin
-     corpus); metrics are named `<task>/<metric>` (e.g. `kobest_boolq/acc`);
+     corpus); metrics are named `<task>/<metric>` (e.g. `kobest_boolq/acc`), each with lm-eval's standard error
+     `<task>/<metric>_stderr` where it has one, and `<task>/n_samples`, the examples the task was measured on;
    - greedy generations for `stages.evaluate.prompts` (through the chat template when sft or rlhf ran), in one
      batch.
    The base model's numbers come from the score cache (`stages/scores.py`, `cache_scores`) where an earlier run
@@ -32,19 +33,20 @@ Reads top to bottom:
    the version's content fingerprint: the model is then not downloaded). stage.json says which numbers were
    measured again and why (`champion_remeasured`). No champion yet: the gate compares with the base model.
 4. The gate: every rule of `stages.evaluate.gate` must hold against the reference (the champion, else the base
-   model); a metric that was not measured fails its rule, saying so. The registry cannot be read: fail. A gate
-   that does not pass ends the pipeline run here (deploy does not run): the MLflow parent run is closed.
-5. The report (`evaluate/report/report.md` and `report.html`, with metric bars and the loss curves of the
-   training stages) is logged to MLflow with the metrics (`candidate/...`, `base/...`, `champion/...`), and
-   stage.json records the decision and the numbers: extra {gate, gate_reasons, gate_checks, candidate, base,
-   champion, ...}. `gate` ('pass', 'fail' or 'skipped') is the Argo output deploy's `when` reads.
+   model): within an absolute or relative allowance and, with `min_significance`, better by more than that many
+   standard errors (`check_rule`); a metric that was not measured fails its rule, saying so. The registry cannot
+   be read: fail. A gate that does not pass ends the pipeline run here (deploy does not run): the MLflow parent
+   run is closed.
+5. The report (`stages/report.py`: `evaluate/report/report.md` and `report.html`, numbers ± standard error with
+   their n, metric panels with the gate's thresholds, one loss panel per training stage) is logged to MLflow
+   with the metrics (`candidate/...`, `base/...`, `champion/...`), and stage.json records the decision and the
+   numbers: extra {gate, gate_reasons, gate_checks, candidate, base, champion, ...}. `gate` ('pass', 'fail' or
+   'skipped') is the Argo output deploy's `when` reads.
 """
 
 from __future__ import annotations
 
-import base64
 import hashlib
-import html
 import json
 import math
 import sys
@@ -53,8 +55,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stages.contract import EXIT_OK, RunDir, StageContext, StageRefused, mask_secrets_in
+from stages.contract import EXIT_OK, RunDir, StageContext, StageRefused
 from stages.data import BUILTIN_TASKS_DIR, DataError, confine, resolve_path, within
+from stages.report import SAMPLES_METRIC, loss_curves, plus_minus, stderr_name, write_report
 from stages.scores import ScoreCache, base_identity, champion_identity
 from workflows.spec import TRAINING_STAGES, GateRule, PipelineSpec
 
@@ -206,17 +209,28 @@ def perplexity(
 # --------------------------------------------------------------------------- lm-eval-harness
 
 
+BOOTSTRAP_ITERS = 1000
+"""lm-eval's bootstrap draws for the standard errors of metrics without a closed form (f1, mcc, bleu; lm-eval caps
+bleu, chrf and ter at 100); `acc`-like means use the closed form, sample stddev / sqrt(n), and cost nothing."""
+
+
 def flatten_lm_eval(results: dict[str, Any]) -> dict[str, float]:
-    """lm-eval's results ({task: {'acc,none': 0.61, 'acc_stderr,none': ...}}) as `<task>/<metric>` (a filter
-    other than 'none' is kept: `<task>/<metric>/<filter>`); standard errors and non-numbers are left out."""
+    """lm-eval's results ({task: {'acc,none': 0.61, 'acc_stderr,none': 0.02}}, 'n-samples': {task: {'effective':
+    60}}) as `<task>/<metric>`, `<task>/<metric>_stderr` and `<task>/n_samples` (a filter other than 'none' is
+    kept: `<task>/<metric>/<filter>`); a standard error lm-eval could not compute ('N/A') and non-numbers are
+    left out."""
     metrics: dict[str, float] = {}
     for task, values in results.get("results", {}).items():
         for key, value in values.items():
-            if "," not in key or "_stderr" in key or isinstance(value, bool) or not isinstance(value, int | float):
+            if "," not in key or isinstance(value, bool) or not isinstance(value, int | float):
                 continue
             metric, filt = key.split(",", 1)
             name = f"{task}/{metric}" if filt == "none" else f"{task}/{metric}/{filt}"
             metrics[name] = float(value)
+    for task, counts in (results.get("n-samples") or {}).items():
+        effective = counts.get("effective") if isinstance(counts, dict) else None
+        if isinstance(effective, int) and not isinstance(effective, bool):
+            metrics[f"{task}/{SAMPLES_METRIC}"] = float(effective)
     return metrics
 
 
@@ -259,7 +273,7 @@ def lm_eval_metrics(
         limit=limit,
         task_manager=task_manager(tasks, include_path),
         log_samples=False,
-        bootstrap_iters=0,
+        bootstrap_iters=BOOTSTRAP_ITERS,
         verbosity="WARNING",
     )
     if results is None:  # only on ranks other than 0
@@ -441,7 +455,7 @@ def placement() -> dict[str, Any]:
 # --------------------------------------------------------------------------- the score cache
 
 
-SCORES_VERSION = 1
+SCORES_VERSION = 2
 """Part of every score cache key: raise it when a change here changes what a number means."""
 
 
@@ -673,7 +687,9 @@ def remeasure_champion(
         for key in HELDOUT_METRICS:
             champion.metrics.pop(key, None)
             champion.source.pop(key, None)
-    missing = [rule.metric for rule in section.gate if rule.metric not in champion.metrics]
+    gated = [rule.metric for rule in section.gate]
+    gated += [stderr_name(rule.metric) for rule in section.gate if rule.min_significance is not None]
+    missing = [metric for metric in gated if metric not in champion.metrics]
     heldout = bool(rows) and (stale or any(m in HELDOUT_METRICS for m in missing))
     lm_eval = bool(section.lm_eval_tasks) and any(m not in HELDOUT_METRICS for m in missing)
     if not (heldout or lm_eval):
@@ -703,9 +719,12 @@ def download_champion(client: Any, champion: Champion, dst: Path, tracking_uri: 
     """The champion's model files (safetensors, config, tokenizer), downloaded from the registry into `dst`."""
     import mlflow
 
+    from stages.deploy import registered_files
+
     uri = client.get_model_version_download_uri(champion.name, champion.version)
     dst.mkdir(parents=True, exist_ok=True)
-    return Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(dst), tracking_uri=tracking_uri))
+    path = mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(dst), tracking_uri=tracking_uri)
+    return registered_files(Path(path))  # an MLflow transformers model keeps its weights in model/
 
 
 # --------------------------------------------------------------------------- the gate
@@ -713,7 +732,8 @@ def download_champion(client: Any, champion: Champion, dst: Path, tracking_uri: 
 
 @dataclass
 class GateCheck:
-    """One gate rule, evaluated."""
+    """One gate rule, evaluated: `threshold` is the line the candidate had to stay above (higher is better) or
+    below, where it could be drawn; the standard errors are lm-eval's, where known."""
 
     metric: str
     higher_is_better: bool
@@ -723,31 +743,87 @@ class GateCheck:
     reference_name: str
     passed: bool
     reason: str
+    max_regression_relative: float | None = None
+    min_significance: float | None = None
+    allowed: float | None = None  # the regression allowed: max(max_regression, relative x |reference|)
+    threshold: float | None = None
+    candidate_stderr: float | None = None
+    reference_stderr: float | None = None
+
+
+def _finite(values: dict[str, float], key: str) -> float | None:
+    value = values.get(key)
+    return value if value is not None and math.isfinite(value) else None
 
 
 def check_rule(rule: GateRule, candidate: dict[str, float], reference: dict[str, float], ref_name: str) -> GateCheck:
-    """Whether the candidate holds up against the reference on one metric (within max_regression)."""
-    value, ref = candidate.get(rule.metric), reference.get(rule.metric)
+    """Whether the candidate holds up against the reference on one metric. It may fall behind by the larger of
+    max_regression and max_regression_relative x |reference|; with min_significance k it must also be better by
+    more than k standard errors of the difference, sqrt(se_candidate^2 + se_reference^2) (the two measurements
+    are independent), a rule that fails, saying so, when either standard error is unknown."""
+    value, ref = _finite(candidate, rule.metric), _finite(reference, rule.metric)
+    se_c, se_r = _finite(candidate, stderr_name(rule.metric)), _finite(reference, stderr_name(rule.metric))
+    sign = 1.0 if rule.higher_is_better else -1.0
     direction = "higher" if rule.higher_is_better else "lower"
+    allowed = rule.max_regression
+    if rule.max_regression_relative is not None and ref is not None:
+        allowed = max(allowed, rule.max_regression_relative * abs(ref))
+    threshold = ref - sign * allowed if ref is not None else None
 
     def result(passed: bool, reason: str) -> GateCheck:
-        return GateCheck(rule.metric, rule.higher_is_better, rule.max_regression, value, ref, ref_name, passed, reason)
+        return GateCheck(
+            rule.metric,
+            rule.higher_is_better,
+            rule.max_regression,
+            candidate.get(rule.metric),
+            reference.get(rule.metric),
+            ref_name,
+            passed,
+            reason,
+            rule.max_regression_relative,
+            rule.min_significance,
+            allowed if ref is not None else None,
+            threshold,
+            se_c,
+            se_r,
+        )
 
-    if value is None or not math.isfinite(value):
+    if value is None:
         measured = ", ".join(sorted(candidate)) or "nothing"
         return result(False, f"{rule.metric}: not measured for the candidate (measured: {measured})")
-    if ref is None or not math.isfinite(ref):
+    if ref is None:
         return result(False, f"{rule.metric}: no value for the {ref_name} to compare with")
-    if rule.higher_is_better:
-        passed, regression = value >= ref - rule.max_regression, ref - value
-    else:
-        passed, regression = value <= ref + rule.max_regression, value - ref
-    verdict = "holds" if passed else "fails"
-    return result(
-        passed,
-        f"{rule.metric}: candidate {value:.6g} vs {ref_name} {ref:.6g} ({direction} is better; regression "
-        f"{max(regression, 0.0):.6g}, allowed {rule.max_regression:g}): {verdict}",
+    # Compared as the threshold itself (not as a difference), so a value on the line rounds the same way.
+    passed = value >= ref - allowed if rule.higher_is_better else value <= ref + allowed
+    regression = sign * (ref - value)
+    how = f"{allowed:.6g}"
+    if rule.max_regression_relative is not None:
+        how += f" = max({rule.max_regression:g}, {rule.max_regression_relative:g} x {abs(ref):.6g})"
+    reason = (
+        f"{rule.metric}: candidate {plus_minus(value, se_c)} vs {ref_name} {plus_minus(ref, se_r)} "
+        f"({direction} is better; regression {max(regression, 0.0):.6g}, allowed {how}"
     )
+    if rule.min_significance is not None:
+        k = rule.min_significance
+        if se_c is None or se_r is None:
+            unknown = [who for who, se in (("candidate", se_c), (ref_name, se_r)) if se is None]
+            passed = False
+            reason += (
+                f"; min_significance {k:g} needs standard errors, unknown for the {' and the '.join(unknown)} "
+                f"(no {stderr_name(rule.metric)})"
+            )
+        else:
+            se = math.hypot(se_c, se_r)
+            gain = sign * (value - ref)
+            significant = gain > k * se
+            passed = passed and significant
+            threshold = max(threshold, ref + k * se) if rule.higher_is_better else min(threshold, ref - k * se)
+            reason += (
+                f"; improvement {gain:.6g}, needed more than {k:g} x {se:.3g} = {k * se:.3g}, where {se:.3g} = "
+                f"sqrt({se_c:.3g}^2 + {se_r:.3g}^2) is the standard error of the difference: "
+                f"{'significant' if significant else 'not significant'}"
+            )
+    return result(passed, f"{reason}): {'holds' if passed else 'fails'}")
 
 
 def apply_gate(
@@ -760,209 +836,6 @@ def apply_gate(
     if not rules:
         reasons = ["no gate rules: the candidate passes"]
     return decision, reasons, checks
-
-
-# --------------------------------------------------------------------------- the report
-
-
-def loss_curves(run_dir: RunDir, spec: PipelineSpec) -> dict[str, tuple[list[int], list[float]]]:
-    """(steps, training losses) of each enabled training stage, from its logged history (the trainer's
-    `logs/log_history.json`), else the first and last losses in its stage.json."""
-    curves: dict[str, tuple[list[int], list[float]]] = {}
-    for stage in TRAINING_STAGES:
-        if not spec.stage(stage).enabled:
-            continue
-        history = run_dir.stage_dir(stage) / "logs" / "log_history.json"
-        points: list[tuple[int, float]] = []
-        if history.is_file():
-            try:
-                entries = json.loads(history.read_text(encoding="utf-8"))
-                points = [(int(e["step"]), float(e["loss"])) for e in entries if "loss" in e and "step" in e]
-            except (OSError, ValueError, TypeError):
-                points = []
-        result = run_dir.read_result(stage)
-        if not points and result is not None and "train_loss_first" in result.metrics:
-            steps = int(result.metrics.get("steps", 1))
-            points = [(0, result.metrics["train_loss_first"]), (steps, result.metrics["train_loss_last"])]
-        if points:
-            curves[stage] = ([s for s, _ in points], [loss for _, loss in points])
-    return curves
-
-
-def plot_metrics(path: Path, columns: dict[str, dict[str, float]], metrics: list[str]) -> Path | None:
-    """Bars of each metric for base, champion and candidate (one panel per metric: scales differ)."""
-    if not metrics:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    colors = {"base": "#9e9e9e", "champion": "#f0a020", "candidate": "#2070c0"}
-    fig, axes = plt.subplots(1, len(metrics), figsize=(3.2 * len(metrics), 3.2), dpi=100, squeeze=False)
-    for ax, metric in zip(axes[0], metrics, strict=True):
-        names = [n for n in columns if metric in columns[n]]
-        values = [columns[n][metric] for n in names]
-        bars = ax.bar(names, values, color=[colors.get(n, "#606060") for n in names])
-        ax.bar_label(bars, labels=[f"{v:.4g}" for v in values], fontsize=8)
-        ax.set_title(metric, fontsize=9)
-        ax.tick_params(axis="x", labelsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
-
-
-def plot_loss_curves(path: Path, curves: dict[str, tuple[list[int], list[float]]]) -> Path | None:
-    """The training loss of the stages laid end to end (each stage's steps after the previous stage's)."""
-    if not curves:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 3.5), dpi=100)
-    offset = 0
-    for stage, (steps, losses) in curves.items():
-        ax.plot([offset + s for s in steps], losses, marker="o", markersize=2, label=stage)
-        offset += max(steps) if steps else 0
-    ax.set_xlabel("step (stages in order)")
-    ax.set_ylabel("training loss")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
-
-
-def _cell(value: Any) -> str:
-    if value is None:
-        return "—"
-    if isinstance(value, float):
-        return f"{value:.6g}"
-    return str(value)
-
-
-def _md(text: str) -> str:
-    """Text fit for a Markdown table cell."""
-    return html.escape(text).replace("|", "\\|").replace("\n", "<br>") or " "
-
-
-def write_report(out_dir: Path, facts: dict[str, Any]) -> list[Path]:
-    """report.md and report.html (images embedded) with the decision, the gate, the metrics, the generations,
-    and the plots; returns the files written. Secret values and credential shapes in any text (an error message
-    holding a tracking URI, a generation repeating a token) are masked."""
-    facts = mask_secrets_in(facts)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    columns = {"base": facts["base"], "champion": facts["champion"], "candidate": facts["candidate"]}
-    if not facts["champion"]:
-        columns.pop("champion")
-    metrics = sorted({m for values in columns.values() for m in values})
-    shown = [m for m in metrics if not m.startswith("eval_rows") and m != "eval_tokens"]
-    plots = [
-        p
-        for p in (
-            plot_metrics(out_dir / "metrics.png", columns, shown),
-            plot_loss_curves(out_dir / "loss_curves.png", facts["loss_curves"]),
-        )
-        if p is not None
-    ]
-    champion = facts["champion_version"]
-    title = f"Evaluation of {facts['run']} ({facts['pipeline']})"
-    summary = [
-        f"candidate: output of the {facts['candidate_stage']} stage",
-        f"base model: {facts['base_model']}",
-        *(
-            [f"base model numbers from the score cache: {', '.join(f'{p} (run {r})' for p, r in cached.items())}"]
-            if (cached := facts.get("base_cached"))
-            else []
-        ),
-        f"champion: {facts['registered_model']} version {champion}" if champion else "champion: none yet",
-        *[
-            f"champion measured again ({', '.join(m for m, w in facts['champion_remeasured'].items() if w == why)}): "
-            + why
-            for why in dict.fromkeys(facts["champion_remeasured"].values())
-        ],
-        f"held-out data: {facts['perplexity_data'] or 'none'}",
-        f"lm-eval tasks: {', '.join(facts['lm_eval_tasks']) or 'none'}"
-        + (f" (limit {facts['limit']})" if facts["limit"] else ""),
-    ]
-    md = [f"# {title}", "", f"**Gate: {facts['gate'].upper()}** against the {facts['reference']}.", ""]
-    md += [f"- {_md(line)}" for line in summary]
-    md += [
-        "",
-        "## Gate",
-        "",
-        "| metric | better | max regression | candidate | reference | result |",
-        "|---|---|---|---|---|---|",
-    ]
-    for c in facts["gate_checks"]:
-        md.append(
-            f"| {c['metric']} | {'higher' if c['higher_is_better'] else 'lower'} | {c['max_regression']:g} | "
-            f"{_cell(c['candidate'])} | {_cell(c['reference'])} ({c['reference_name']}) | "
-            f"{'pass' if c['passed'] else 'FAIL'} |"
-        )
-    md += ["", *[f"- {_md(r)}" for r in facts["gate_reasons"]], ""]
-    md += ["## Metrics", "", "| metric | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
-    md += [f"| {m} | " + " | ".join(_cell(columns[n].get(m)) for n in columns) + " |" for m in metrics]
-    if facts["errors"]:
-        md += ["", "Errors while measuring:", "", *[f"- {_md(e)}" for e in facts["errors"]]]
-    if facts["prompts"]:
-        md += ["", "## Generations", "", "| prompt | base | candidate |", "|---|---|---|"]
-        for prompt, base, cand in zip(
-            facts["prompts"], facts["base_generations"], facts["candidate_generations"], strict=True
-        ):
-            md.append(f"| {_md(prompt)} | {_md(base)} | {_md(cand)} |")
-    md += ["", "## Plots", "", *[f"![{p.stem}]({p.name})" for p in plots], ""]
-    md_path = out_dir / "report.md"
-    md_path.write_text("\n".join(md), encoding="utf-8")
-
-    def table(header: list[str], rows: list[list[str]]) -> str:
-        head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-        body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows)
-        return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
-
-    images = "".join(
-        f'<figure><img alt="{p.stem}" src="data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}">'
-        f"<figcaption>{p.stem}</figcaption></figure>"
-        for p in plots
-    )
-    gate_rows = [
-        [
-            c["metric"],
-            "higher" if c["higher_is_better"] else "lower",
-            f"{c['max_regression']:g}",
-            _cell(c["candidate"]),
-            f"{_cell(c['reference'])} ({c['reference_name']})",
-            "pass" if c["passed"] else "FAIL",
-        ]
-        for c in facts["gate_checks"]
-    ]
-    metric_rows = [[m, *[_cell(columns[n].get(m)) for n in columns]] for m in metrics]
-    gen_rows = [
-        list(r) for r in zip(facts["prompts"], facts["base_generations"], facts["candidate_generations"], strict=True)
-    ]
-    page = f"""<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
-<style>body{{font-family:sans-serif;max-width:1100px;margin:2em auto}}table{{border-collapse:collapse;margin:1em 0}}
-td,th{{border:1px solid #ccc;padding:4px 8px;text-align:left;vertical-align:top;white-space:pre-wrap}}
-.pass{{color:#080}}.fail{{color:#c00}}img{{max-width:100%}}</style></head><body>
-<h1>{html.escape(title)}</h1>
-<p class="{facts["gate"]}"><b>Gate: {facts["gate"].upper()}</b> against the {html.escape(facts["reference"])}.</p>
-<ul>{"".join(f"<li>{html.escape(line)}</li>" for line in summary)}</ul>
-<h2>Gate</h2>{table(["metric", "better", "max regression", "candidate", "reference", "result"], gate_rows)}
-<ul>{"".join(f"<li>{html.escape(r)}</li>" for r in facts["gate_reasons"])}</ul>
-<h2>Metrics</h2>{table(["metric", *columns], metric_rows)}
-{"".join(f"<p class='fail'>{html.escape(e)}</p>" for e in facts["errors"])}
-<h2>Generations</h2>{table(["prompt", "base", "candidate"], gen_rows) if gen_rows else "<p>No prompts.</p>"}
-<h2>Plots</h2>{images}
-</body></html>
-"""
-    html_path = out_dir / "report.html"
-    html_path.write_text(page, encoding="utf-8")
-    return [md_path, html_path, *plots]
 
 
 # --------------------------------------------------------------------------- the stage

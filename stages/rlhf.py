@@ -51,6 +51,7 @@ from stages.progress import ProgressLog
 from stages.rewards import RewardError, build_reward_functions
 from stages.tracking import StageTracker
 from stages.training import (
+    build_config,
     loss_curve,
     output_fingerprint,
     resume_checkpoint,
@@ -185,13 +186,15 @@ def trainer_config(ctx: StageContext, start: StartingModel) -> TrainingArguments
     if section.algorithm == "dpo":
         from trl import DPOConfig
 
-        return DPOConfig(
-            **common, max_length=t.max_seq_length, precompute_ref_log_probs=section.precompute_ref_log_probs
+        return build_config(
+            ctx,
+            DPOConfig,
+            {**common, "max_length": t.max_seq_length, "precompute_ref_log_probs": section.precompute_ref_log_probs},
         )
     if section.algorithm == "orpo":
         from trl.experimental.orpo import ORPOConfig
 
-        return ORPOConfig(**common, max_length=t.max_seq_length)
+        return build_config(ctx, ORPOConfig, {**common, "max_length": t.max_seq_length})
     if section.algorithm == "kto":
         from trl import KTOConfig
 
@@ -200,8 +203,10 @@ def trainer_config(ctx: StageContext, start: StartingModel) -> TrainingArguments
                 "stages.rlhf.algorithm 'kto' estimates its KL term from the other rows of a batch: "
                 f"stages.rlhf.training.per_device_batch_size must be at least 2 (it is {t.per_device_batch_size})"
             )
-        return KTOConfig(
-            **common, max_length=t.max_seq_length, precompute_ref_log_probs=section.precompute_ref_log_probs
+        return build_config(
+            ctx,
+            KTOConfig,
+            {**common, "max_length": t.max_seq_length, "precompute_ref_log_probs": section.precompute_ref_log_probs},
         )
     from trl import GRPOConfig
 
@@ -213,13 +218,14 @@ def trainer_config(ctx: StageContext, start: StartingModel) -> TrainingArguments
         )
     # Fails early on a bad reward function; imports only the modules the pipeline file allows.
     _, weights = build_reward_functions(section.reward_functions, modules=section.reward_modules)
-    return GRPOConfig(
+    grpo = {
         **common,
-        num_generations=section.num_generations,
-        max_completion_length=t.max_seq_length // 2,  # prompt and completion share max_seq_length
-        reward_weights=weights,
-        generation_kwargs={"use_cache": True},  # training turns the model's cache off; generation wants it
-    )
+        "num_generations": section.num_generations,
+        "max_completion_length": t.max_seq_length // 2,  # prompt and completion share max_seq_length
+        "reward_weights": weights,
+        "generation_kwargs": {"use_cache": True},  # training turns the model's cache off; generation wants it
+    }
+    return build_config(ctx, GRPOConfig, grpo)
 
 
 # --------------------------------------------------------------------------- data

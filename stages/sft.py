@@ -29,6 +29,7 @@ from stages.packing import PackedCollator, batch_width_multiple, load_token_cach
 from stages.progress import ProgressLog
 from stages.tracking import StageTracker
 from stages.training import (
+    build_config,
     loss_curve,
     output_fingerprint,
     record_inputs,
@@ -67,11 +68,12 @@ def train(ctx: StageContext, sigterm: SigtermCheckpoint) -> int:
     # 1. The tokenizer and the model this stage starts from (cpt's output, when cpt ran).
     tokenizer = load_tokenizer(run_dir, spec.model)
     start = load_starting_model(run_dir, spec, ctx.stage, tokenizer, ModelInputs(ctx))
-    args = SFTConfig(
+    arguments = {
         **trainer_arguments(ctx, start.model),
-        max_length=ctx.section.training.max_seq_length,
-        dataset_kwargs={"skip_prepare_dataset": True},  # the token cache is already templated, masked, packed
-    )
+        "max_length": ctx.section.training.max_seq_length,
+        "dataset_kwargs": {"skip_prepare_dataset": True},  # the token cache is already templated, masked, packed
+    }
+    args = build_config(ctx, SFTConfig, arguments)
 
     # 2. The packed, assistant-masked token rows. Rank 0 builds them when missing, the others wait.
     with args.main_process_first(desc="token cache"):

@@ -14,8 +14,9 @@ with the tag `posttrain.end_reason`: the last enabled stage (`completed`, or the
 when it ends the run early (`skipped`, skip_if_unchanged) and evaluate when the gate does not pass (`gate-fail`:
 deploy does not run); `posttrain.end_message` says why. The parent's id lives in `<run>/tracking.json`; the stage
 run's id is stored in stage.json through `ctx.set_tracking`, so a resumed attempt continues the SAME run.
-The tracking URI is spec.tracking.mlflow_tracking_uri, else $MLFLOW_TRACKING_URI, else
-`sqlite:///<run>/mlflow.db` (artifacts then go next to the database, in `mlartifacts/`).
+The tracking URI is spec.tracking.mlflow_tracking_uri, else $MLFLOW_TRACKING_URI, else the local store: SQLite in
+`mlflow.db` beside the run directory (`runs/mlflow.db`, shared by the runs there; artifacts next to the database,
+in `mlartifacts/`), see `local_store_uri`. tracking.json records the store a run used (`mlflow.tracking_uri`).
 
 One value per step: every backend gets at most one value per (metric, step), also across resumed attempts
 (`<stage>/logs/tracking-steps.json` remembers the last step logged per metric; the MLflow run's history counts
@@ -32,12 +33,17 @@ sent again), and the journal is removed once the server took all of it, so a sen
 Only a process holding the stage's lock (`<stage>/.lock`, `stages.contract.hold_stage_lock`) touches a stage's
 journal: the stage's own attempt, or a sender while no process runs the stage (`stage_idle`).
 
-W&B (only when spec.tracking.wandb_project is set): group = run name, job_type = stage, one run per stage with
-a stable id (resumed attempts continue it); offline under `<run>/wandb/` unless WANDB_API_KEY is set. W&B gets
-WANDB_INIT_TIMEOUT_SECONDS to start a run, not its own 90 s. TensorBoard (spec.tracking.tensorboard): event
-files under `<run>/<stage>/logs/tensorboard`. Langfuse (stages/langfuse_events.py): start, checkpoint, end and
-error events of each stage in one trace per run, with the Langfuse SDK, when a server (spec.tracking.langfuse_host
-or $LANGFUSE_HOST) and both keys are known. Only rank 0 tracks.
+W&B (when a project is named: $WANDB_PROJECT, else spec.tracking.wandb_project; $WANDB_ENTITY likewise beats
+spec.tracking.wandb_entity): group = run name, job_type = stage, one run per stage with a stable id (resumed
+attempts continue it). $WANDB_MODE decides as in W&B (`disabled`: no W&B; `offline`: under `<run>/wandb/`, for
+`wandb sync`; `online`); unset, online when an API key is known (WANDB_API_KEY, or `wandb login`'s ~/.netrc),
+else offline. W&B gets WANDB_INIT_TIMEOUT_SECONDS to start a run, not its own 90 s. MLflow's system metrics
+(`system/cpu_utilization_percentage`, ...) are logged on the runs of the training stages. TensorBoard
+(spec.tracking.tensorboard): event files under `<run>/<stage>/logs/tensorboard`, tagged as the Trainer's own
+TensorBoard callback tags them (`train/loss`, `eval/loss`: `tensorboard_tags`). Langfuse
+(stages/langfuse_events.py): start, checkpoint, end and error events of each stage in one trace per run, with the
+Langfuse SDK, when a server (spec.tracking.langfuse_host or $LANGFUSE_HOST) and both keys are known. Only rank 0
+tracks.
 
 Credentials come only from the environment and never reach a backend: parameter names that look like secrets,
 and values holding a secret of the environment, are not sent; every string tracking writes or sends (params,
@@ -79,7 +85,7 @@ from stages.contract import (
 )
 from stages.langfuse_events import LangfuseEvents
 from workflows.credentials import looks_secret_name
-from workflows.spec import STAGE_ORDER, PipelineSpec
+from workflows.spec import STAGE_ORDER, TRAINING_STAGES, PipelineSpec
 
 log = logging.getLogger("posttrain.tracking")
 
@@ -122,13 +128,28 @@ _STATUS = {"succeeded": "FINISHED", "skipped": "FINISHED", "failed": "FAILED", "
 # --------------------------------------------------------------------------- helpers
 
 
+LOCAL_STORE = "mlflow.db"
+"""The local tracking store's database, beside the run directories (`runs/mlflow.db`, artifacts in
+`runs/mlartifacts/`), shared by the local runs there so that the gate compares with the last local champion."""
+
+
+def local_store_uri(run_root: Path) -> str:
+    """The SQLite store a run without a tracking server uses: the one its tracking.json names (a run keeps its
+    store when resumed), else `<run>/mlflow.db` when the run has one (made before the store was shared), else the
+    shared `mlflow.db` in the folder that holds the run directory."""
+    root = Path(run_root).absolute()
+    recorded = str(read_tracking_file(root).get("mlflow", {}).get("tracking_uri") or "")
+    if recorded.startswith("sqlite:///"):
+        return recorded
+    if (root / LOCAL_STORE).is_file():
+        return f"sqlite:///{root / LOCAL_STORE}"
+    return f"sqlite:///{root.parent / LOCAL_STORE}"
+
+
 def resolve_tracking_uri(spec: PipelineSpec, run_root: Path) -> str:
-    """spec.tracking.mlflow_tracking_uri, else $MLFLOW_TRACKING_URI, else SQLite in the run directory."""
-    return (
-        spec.tracking.mlflow_tracking_uri
-        or os.environ.get("MLFLOW_TRACKING_URI")
-        or f"sqlite:///{Path(run_root).absolute() / 'mlflow.db'}"
-    )
+    """spec.tracking.mlflow_tracking_uri, else $MLFLOW_TRACKING_URI, else the local SQLite store
+    (`local_store_uri`)."""
+    return spec.tracking.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or local_store_uri(run_root)
 
 
 def redact_uri(uri: str) -> str:
@@ -444,10 +465,8 @@ class _Server:
         parent = client.create_run(
             self.experiment_id, run_name=self.root.name, tags={**pipeline_tags, "posttrain.kind": "pipeline"}
         ).info.run_id
-        write_json_atomic(
-            self.root / TRACKING_FILE,
-            {**read_tracking_file(self.root), "mlflow": {"experiment_id": self.experiment_id, "parent_run_id": parent}},
-        )
+        shared = {"experiment_id": self.experiment_id, "parent_run_id": parent, "tracking_uri": redact_uri(self.uri)}
+        write_json_atomic(self.root / TRACKING_FILE, {**read_tracking_file(self.root), "mlflow": shared})
         return parent
 
     def create_stage_run(self, stage: str, config_hash: str, parent: str, tags: dict[str, str]) -> str:
@@ -835,28 +854,63 @@ def _wandb_init_timeout() -> float:
     return value if value > 0 else WANDB_INIT_TIMEOUT_SECONDS
 
 
+def wandb_logged_in() -> bool:
+    """Whether W&B has an API key: $WANDB_API_KEY, or the entry `wandb login` wrote in ~/.netrc ($NETRC) for the
+    server ($WANDB_BASE_URL, else api.wandb.ai)."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        from wandb.sdk.lib.wbauth import read_netrc_auth
+
+        return bool(read_netrc_auth(host=os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai"))
+    except Exception:  # no readable netrc, or a W&B without this reader: no key known
+        return False
+
+
+def wandb_mode() -> str:
+    """W&B's mode as its users set it: $WANDB_MODE (`disabled`, `offline`, `online`; W&B's old `dryrun` is offline,
+    `run` online), else online when logged in (`wandb_logged_in`), else offline."""
+    mode = os.environ.get("WANDB_MODE", "").strip().lower()
+    mode = {"dryrun": "offline", "run": "online"}.get(mode, mode)
+    if mode in ("disabled", "offline", "online"):
+        return mode
+    return "online" if wandb_logged_in() else "offline"
+
+
+def wandb_target(spec: PipelineSpec) -> tuple[str | None, str | None]:
+    """(project, entity): $WANDB_PROJECT and $WANDB_ENTITY override spec.tracking.wandb_project and wandb_entity, as
+    environment variables override settings everywhere in W&B. No project: W&B is off."""
+    tracking = spec.tracking
+    return (
+        os.environ.get("WANDB_PROJECT") or tracking.wandb_project,
+        os.environ.get("WANDB_ENTITY") or tracking.wandb_entity,
+    )
+
+
 class _Wandb:
-    """A W&B run per stage, grouped by pipeline run; offline unless WANDB_API_KEY is set."""
+    """A W&B run per stage, grouped by pipeline run, in `wandb_mode()`."""
 
     def __init__(self, ctx: StageContext, warn: Callable[[str], None]) -> None:
         self.ctx = ctx
+        self.warn = warn
         self.breaker = _Breaker("W&B", warn)
         self.run: Any = None
 
     def start(self, config: dict[str, Any]) -> str | None:
-        tracking = self.ctx.spec.tracking
+        project, entity = wandb_target(self.ctx.spec)
         root = self.ctx.run_dir.root
         os.environ.setdefault("WANDB_SILENT", "true")
-        mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
-        if mode == "online" and not os.environ.get("WANDB_API_KEY"):
+        mode = wandb_mode()
+        if mode == "online" and not wandb_logged_in():
+            self.warn("W&B: WANDB_MODE=online but no API key (WANDB_API_KEY or `wandb login`): logging offline")
             mode = "offline"
         run_id = uuid.uuid5(uuid.NAMESPACE_URL, f"{root}#{self.ctx.stage}").hex[:16]
         try:
             import wandb
 
             self.run = wandb.init(
-                project=tracking.wandb_project,
-                entity=tracking.wandb_entity,
+                project=project,
+                entity=entity,
                 group=root.name,
                 job_type=self.ctx.stage,
                 name=f"{root.name}/{self.ctx.stage}",
@@ -914,6 +968,16 @@ class _Wandb:
         self.run = None
 
 
+def tensorboard_tags(metrics: dict[str, float]) -> dict[str, float]:
+    """Metrics under the tags the Trainer's own TensorBoard callback writes (`eval_loss` → `eval/loss`, `loss` →
+    `train/loss`: transformers' `rewrite_logs`); a name that already has a section (`candidate/perplexity`) keeps
+    it."""
+    from transformers.integrations.integration_utils import rewrite_logs
+
+    plain = {k: v for k, v in metrics.items() if "/" not in k}
+    return {**rewrite_logs(plain), **{k: v for k, v in metrics.items() if "/" in k}}
+
+
 class _TensorBoard:
     """Scalar event files under `<stage>/logs/tensorboard`, written with tensorboard's own writer (no torch)."""
 
@@ -929,7 +993,7 @@ class _TensorBoard:
         if self.writer is None:
             self.logdir.mkdir(parents=True, exist_ok=True)
             self.writer = EventFileWriter(str(self.logdir))
-        values = [Summary.Value(tag=k, simple_value=v) for k, v in metrics.items()]
+        values = [Summary.Value(tag=k, simple_value=v) for k, v in tensorboard_tags(metrics).items()]
         self.writer.add_event(Event(wall_time=time.time(), step=step, summary=Summary(value=values)))
 
     def close(self) -> None:
@@ -953,6 +1017,7 @@ class StageTracker:
         self.wandb: _Wandb | None = None
         self.tensorboard: _TensorBoard | None = None
         self.langfuse: LangfuseEvents | None = None
+        self.system_metrics: Any = None  # mlflow's SystemMetricsMonitor, for a training stage
         self.finished = False
         self.loss_curve: Path | None = None
         self.last_step = -1
@@ -1003,7 +1068,9 @@ class StageTracker:
         params = clean_params(self.base_params(), self.secrets)
         self.mlflow.add_params(params)
         self.mlflow.flush(force=True)
-        if ctx.spec.tracking.wandb_project and ctx.trial is None:
+        if ctx.stage in TRAINING_STAGES and self.mlflow.connected:
+            self._start_system_metrics()
+        if wandb_target(ctx.spec)[0] and ctx.trial is None and wandb_mode() != "disabled":
             self.wandb = _Wandb(ctx, self._warn)
             sha = git_sha()
             path = self.wandb.start({**params, **({"git_commit": sha} if sha else {})})
@@ -1011,6 +1078,23 @@ class StageTracker:
                 ctx.set_tracking(wandb_run_path=path)
         if self.langfuse is not None:
             self.langfuse.event("start", metadata={"attempt": ctx.result.attempts if ctx.result else 1})
+
+    def _start_system_metrics(self) -> None:
+        """MLflow's system metrics (CPU, memory, disk, network, GPU: `system/...`) on the stage's run, sampled
+        every 10 s ($MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL) by mlflow's own monitor; a resumed attempt goes on
+        from the steps the run has."""
+        assert self.mlflow is not None
+        try:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            monitor = SystemMetricsMonitor(
+                self.mlflow.run_id, resume_logging=self.ctx.resumed, tracking_uri=self.mlflow.uri
+            )
+            monitor.start()
+        except Exception as exc:
+            self._warn(f"MLflow: system metrics are not logged ({_first_line(exc)})")
+            return
+        self.system_metrics = monitor
 
     def base_params(self) -> dict[str, Any]:
         """What every stage run records: the model, the data version and the stage's own settings."""
@@ -1057,6 +1141,12 @@ class StageTracker:
         mlflow_status = _STATUS.get(status, status)
         if self.tensorboard is not None:
             self.tensorboard.close()
+        if self.system_metrics is not None:
+            try:
+                self.system_metrics.finish()  # logs what it sampled last
+            except Exception as exc:
+                self._warn(f"MLflow: stopping the system metrics failed ({_first_line(exc)})")
+            self.system_metrics = None
         last = ctx.spec.stages.enabled()[-1] == ctx.stage
         parent_tags: dict[str, str] | None = None
         if ctx.trial is not None:

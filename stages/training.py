@@ -6,7 +6,9 @@ Each stage module reads as the recipe; the pieces here keep it short:
     start = load_starting_model(..., ModelInputs(ctx))  stages/modeling.py (upstream models checked by content)
     cache = load_token_cache(...)                    stages/packing.py
     record_inputs(ctx, cache)                         lineage in stage.json
-    args = trainer_arguments(ctx, start.model)        hyperparameters + distributed strategy + precision
+    args = build_config(ctx, SFTConfig, {**trainer_arguments(ctx, start.model), ...})
+                                                      hyperparameters + distributed strategy + precision,
+                                                      and the spec's training.extra_args
     write_distributed_config(ctx, args)               what the Trainer (and accelerate) got, in logs/
     resume = resume_checkpoint(ctx)                   newest valid checkpoint (torn ones set aside)
     trained = train_to_plan(trainer, resume, stage)   never a step past the plan (0 when resume ends it)
@@ -16,6 +18,8 @@ Each stage module reads as the recipe; the pieces here keep it short:
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import importlib.util
 import json
 import math
@@ -25,7 +29,7 @@ from typing import Any
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from stages.checkpoints import checkpoint_step, newest_valid_checkpoint, set_aside_torn
-from stages.contract import StageContext, canonical_hash, is_main_process, write_json_atomic
+from stages.contract import StageContext, StageRefused, canonical_hash, is_main_process, write_json_atomic
 from stages.distributed import precision_arguments, strategy_arguments
 from stages.modeling import FINGERPRINT, expert_parameters, model_fingerprint, on_gpu, weights_dtype
 from workflows.spec import TrainingStage
@@ -69,6 +73,27 @@ def trainer_arguments(ctx: StageContext, model: Any) -> dict[str, Any]:
         **kernel_arguments(model),
         **strategy_arguments(ctx.stage, section, model),  # last: FSDP replaces the checkpointing settings
     }
+
+
+def build_config(ctx: StageContext, config_class: type[TrainingArguments], arguments: dict[str, Any]) -> Any:
+    """`config_class(**arguments)` with the spec's `training.extra_args` added. A name the class does not have, or
+    one the stage already sets, is refused (StageRefused: one error line naming the field path, exit 2)."""
+    extra = ctx.section.training.extra_args
+    where = f"stages.{ctx.stage}.training.extra_args"
+    known = {f.name for f in dataclasses.fields(config_class) if f.init}
+    for key in extra:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise StageRefused(f"{where}.{key}: {config_class.__name__} has no field {key!r}{hint}")
+        if key in arguments:
+            raise StageRefused(f"{where}.{key}: the {ctx.stage} stage sets {key} itself; remove it from extra_args")
+    try:
+        return config_class(**arguments, **extra)
+    except (ValueError, TypeError) as exc:
+        if not extra:
+            raise
+        raise StageRefused(f"{where}: {config_class.__name__} refused these settings: {exc}") from None
 
 
 def kernel_arguments(model: Any) -> dict[str, Any]:

@@ -169,7 +169,8 @@ def test_the_model_loads_back_from_the_registry_by_alias_and_generates(
     assert smoke["uri"] == "models:/korean-llm@champion" and smoke["version"] == "1" and int(smoke["new_tokens"]) > 0
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", run_dir.load_spec().tracking.mlflow_tracking_uri)
-    path = Path(mlflow.artifacts.download_artifacts("models:/korean-llm@challenger", dst_path=str(tmp_path / "dl")))
+    downloaded = mlflow.artifacts.download_artifacts("models:/korean-llm@challenger", dst_path=str(tmp_path / "dl"))
+    path = deploy.registered_files(Path(downloaded))  # an MLflow transformers model: weights in model/
     files = {p.name for p in path.iterdir()}
     assert "model.safetensors" in files and "tokenizer.json" in files
     assert not {f for f in files if f.endswith((".bin", ".pt", ".pth", ".pkl"))}  # safetensors only

@@ -165,8 +165,13 @@ def test_lm_eval_runs_a_task_defined_over_local_files(trained: RunDir, task_dir:
     tokenizer = load_tokenizer(trained, spec.model)
     model = load_stage_model(trained, spec, "cpt", tokenizer)
     metrics = evaluate.lm_eval_metrics(model, tokenizer, ["tiny_ko"], str(task_dir), limit=4, max_len=256)
-    assert set(metrics) == {"tiny_ko/acc"}
+    assert set(metrics) == {"tiny_ko/acc", "tiny_ko/acc_stderr", "tiny_ko/n_samples"}
     assert (metrics["tiny_ko/acc"] * 4).is_integer() and 0.0 <= metrics["tiny_ko/acc"] <= 1.0  # 4 of 6 questions
+    # lm-eval's standard error of a mean over the 4 questions: the sample standard deviation / sqrt(n).
+    p = metrics["tiny_ko/acc"]
+    assert metrics["tiny_ko/n_samples"] == 4 and metrics["tiny_ko/acc_stderr"] == pytest.approx(
+        math.sqrt(p * (1 - p) / 3)
+    )
 
 
 def test_the_builtin_task_is_measured_for_the_candidate_and_the_base(trained: RunDir, tmp_path: Path) -> None:
@@ -186,7 +191,8 @@ def test_the_builtin_task_is_measured_for_the_candidate_and_the_base(trained: Ru
     assert check["reference"] == extra["base"]["ko_constitution_mc/acc"] and check["reference_name"] == "base model"
     markdown = (trained.stage_dir("evaluate") / "report" / "report.md").read_text(encoding="utf-8")
     assert "lm-eval tasks: ko_constitution_mc (limit 8)" in markdown
-    assert f"| ko_constitution_mc/acc | {extra['base']['ko_constitution_mc/acc']:.6g} |" in markdown
+    base_acc = f"{extra['base']['ko_constitution_mc/acc']:.6g} ± {extra['base']['ko_constitution_mc/acc_stderr']:.2g}"
+    assert f"| ko_constitution_mc/acc | 8 | {base_acc} |" in markdown  # n: the 8 questions of the limit
 
 
 def test_a_builtin_task_folder_that_prepare_did_not_write_is_named(tmp_path: Path) -> None:
@@ -250,8 +256,9 @@ def test_gate_passes_against_the_base_model_with_the_report(trained: RunDir, tas
     report = trained.stage_dir("evaluate") / "report"
     markdown = (report / "report.md").read_text(encoding="utf-8")
     assert "**Gate: PASS** against the base model." in markdown
-    assert "| metric | better | max regression | candidate | reference | result |" in markdown
-    assert f"| perplexity | {base['perplexity']:.6g} | {candidate['perplexity']:.6g} |" in markdown
+    assert "| metric | better | allowed regression | threshold | candidate | reference | result |" in markdown
+    n = f"16 rows, {candidate['eval_tokens']:.0f} tokens"
+    assert f"| perplexity | {n} | {base['perplexity']:.6g} | {candidate['perplexity']:.6g} |" in markdown
     assert "| prompt | base | candidate |" in markdown and f"| {section.prompts[0]} |" in markdown
     page = (report / "report.html").read_text(encoding="utf-8")
     assert "<th>candidate</th>" in page and section.prompts[0] in page and "data:image/png;base64," in page
@@ -263,6 +270,11 @@ def test_gate_passes_against_the_base_model_with_the_report(trained: RunDir, tas
     run = client.get_run(result.mlflow_run_id)
     assert run.data.metrics["candidate/perplexity"] == pytest.approx(candidate["perplexity"])
     assert run.data.metrics["gate_passed"] == 1.0
+    # lm-eval's standard errors and sample counts are kept: in stage.json and in MLflow.
+    assert result.metrics["tiny_ko/acc_stderr"] == candidate["tiny_ko/acc_stderr"]
+    assert result.metrics["tiny_ko/n_samples"] == 4
+    assert run.data.metrics["candidate/tiny_ko/acc_stderr"] == pytest.approx(candidate["tiny_ko/acc_stderr"])
+    assert run.data.metrics["base/tiny_ko/n_samples"] == 4
     assert {"report/report.md", "report/report.html"} <= {
         a.path for a in client.list_artifacts(run.info.run_id, "report")
     }
@@ -292,7 +304,8 @@ def test_gate_fails_against_a_champion_with_better_metrics(trained: RunDir, tmp_
     assert "vs champion v1 1.5" in extra["gate_reasons"][0] and extra["gate_reasons"][0].endswith("fails")
     markdown = (trained.stage_dir("evaluate") / "report" / "report.md").read_text(encoding="utf-8")
     assert (
-        "**Gate: FAIL** against the champion v1." in markdown and "| metric | base | champion | candidate |" in markdown
+        "**Gate: FAIL** against the champion v1." in markdown
+        and "| metric | n | base | champion | candidate |" in markdown
     )
 
 

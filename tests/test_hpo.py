@@ -16,6 +16,7 @@ import workflows.local as local
 from stages.__main__ import main as stages_main
 from stages.contract import RunDir, config_hash
 from stages.hpo import search_fingerprint, search_path
+from stages.tracking import local_store_uri
 from stages.trials import METRICS_FILE_ENV, trials_dir
 from workflows.katib import katib_parameter_name
 from workflows.loading import load_pipeline
@@ -78,7 +79,7 @@ def trial_record(run_root: Path, name: str) -> dict[str, Any]:
 
 
 def mlflow_runs(run_root: Path) -> list[Any]:
-    client = MlflowClient(tracking_uri=f"sqlite:///{run_root / 'mlflow.db'}")
+    client = MlflowClient(tracking_uri=local_store_uri(run_root))
     experiments = client.search_experiments()
     # get_run: search_runs leaves out the mlflow.parentRunId tag
     return [client.get_run(r.info.run_id) for r in client.search_runs([e.experiment_id for e in experiments])]
@@ -123,7 +124,7 @@ def test_each_trial_is_an_mlflow_run_nested_under_the_pipeline_run(searched_run:
     assert trials["t-2"].data.params["learning_rate"] == "0.005"
     assert trials["t-2"].data.metrics["eval_loss"] == trial_record(root, "t-2")["metrics"]["eval_loss"]
     # a trial never ends the pipeline run, even as the last enabled stage, nor names it (t-1 opened it here)
-    pipeline = MlflowClient(f"sqlite:///{root / 'mlflow.db'}").get_run(parent)
+    pipeline = MlflowClient(local_store_uri(root)).get_run(parent)
     assert pipeline.info.status == "RUNNING" and "posttrain.trial" not in pipeline.data.tags
 
 
@@ -211,7 +212,7 @@ def test_hpo_select_sets_the_best_values_in_the_runs_spec(copied_run: RunDir, tm
     assert trials["t-2"]["objective"] == trial_record(copied_run.root, "t-2")["metrics"]["eval_loss"]
 
     parent_id = json.loads((copied_run.root / "tracking.json").read_text(encoding="utf-8"))["mlflow"]["parent_run_id"]
-    parent = MlflowClient(f"sqlite:///{copied_run.root / 'mlflow.db'}").get_run(parent_id)
+    parent = MlflowClient(local_store_uri(copied_run.root)).get_run(parent_id)
     assert parent.data.params["hpo.sft.training.learning_rate"] == "0.005"
     assert parent.data.params["hpo.sft.lora.r"] == "4"
     assert parent.data.metrics["hpo.sft.eval_loss"] == 1.25
@@ -342,7 +343,7 @@ def test_local_runs_a_four_trial_search_then_the_stage_with_the_best_values(tmp_
     assert sft.status == "succeeded" and sft.config_hash == config_hash(spec, "sft") and sft.metrics["steps"] == 3
     assert f"best trial {best['name']}" in out
 
-    client = MlflowClient(f"sqlite:///{run_root / 'mlflow.db'}")
+    client = MlflowClient(local_store_uri(run_root))
     parent = json.loads((run_root / "tracking.json").read_text(encoding="utf-8"))["mlflow"]["parent_run_id"]
     runs = mlflow_runs(run_root)
     trial_runs = [r for r in runs if "posttrain.trial" in r.data.tags]

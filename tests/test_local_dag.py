@@ -17,6 +17,7 @@ import pytest
 from training_fixtures import wandb_offline_runs
 
 from stages.contract import RunDir
+from stages.tracking import local_store_uri
 from workflows.spec import STAGE_ORDER, TRAINING_STAGES
 
 pytestmark = pytest.mark.slow
@@ -68,7 +69,7 @@ def test_training_losses_go_down(dag: RunDir) -> None:
 def test_mlflow_holds_one_pipeline_run_with_a_nested_run_per_stage(dag: RunDir) -> None:
     from mlflow import MlflowClient
 
-    client = MlflowClient(f"sqlite:///{dag.root / 'mlflow.db'}")
+    client = MlflowClient(local_store_uri(dag.root))
     experiment = client.get_experiment_by_name(dag.load_spec().tracking.mlflow_experiment)
     runs = client.search_runs([experiment.experiment_id])
     (parent,) = [r for r in runs if r.data.tags.get("posttrain.kind") == "pipeline"]
@@ -85,7 +86,7 @@ def test_mlflow_holds_one_pipeline_run_with_a_nested_run_per_stage(dag: RunDir) 
 def test_the_model_is_registered_and_loads_back_by_alias(dag: RunDir) -> None:
     from mlflow import MlflowClient
 
-    uri = f"sqlite:///{dag.root / 'mlflow.db'}"
+    uri = local_store_uri(dag.root)
     client = MlflowClient(uri, registry_uri=uri)
     evaluate, deploy = dag.read_result("evaluate"), dag.read_result("deploy")
     assert evaluate.extra["gate"] == "pass"  # the first run of a registry: against the base model

@@ -53,13 +53,17 @@ def test_gpu_count_and_commands(monkeypatch: pytest.MonkeyPatch, tmp_path: Path)
 
 
 def test_stage_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
-    env = local.stage_env(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    run_root = tmp_path / "run"
+    env = local.stage_env(run_root)
+    # one store beside the run directories, shared by the local runs there
     assert env["MLFLOW_TRACKING_URI"] == f"sqlite:///{tmp_path / 'mlflow.db'}"
-    assert env["WANDB_MODE"] == "offline" and env["PYTHONUNBUFFERED"] == "1"
+    assert env["WANDB_MODE"] == "disabled" and env["PYTHONUNBUFFERED"] == "1"  # W&B's own switch is honoured
     assert env["PYTHONPATH"].split(os.pathsep)[0] == str(REPO)
-    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    monkeypatch.delenv("WANDB_MODE")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow:5000")
-    env = local.stage_env(tmp_path)
+    env = local.stage_env(run_root)
     assert "WANDB_MODE" not in env and env["MLFLOW_TRACKING_URI"] == "http://mlflow:5000"
 
 
@@ -99,7 +103,7 @@ def test_prepare_runs_through_the_runner_and_a_rerun_is_a_no_op(monkeypatch, tmp
     assert metrics["cpt_dropped_contaminated"] > 0
     assert "prepare: succeeded" in out and f"cpt {int(metrics['cpt_rows'])}" in out
     assert "stages/cpt.py does not exist yet" in out
-    assert f"mlflow ui --backend-store-uri sqlite:///{run_root / 'mlflow.db'}" in out
+    assert f"mlflow ui --backend-store-uri sqlite:///{tmp_path / 'mlflow.db'}" in out
     assert "[prepare] tokenizer:" in (run_root / "prepare" / "logs" / "stage.log").read_text(encoding="utf-8")
     assert RunDir(run_root).read_result("prepare").status == "succeeded"
 
@@ -189,7 +193,8 @@ def test_the_runner_says_what_a_profile_swapped_before_it_starts() -> None:
     from workflows.local import effective_plan
 
     profiled = effective_plan(load_pipeline("llama3-dolly", profile="local"))
-    assert profiled[0].startswith("model: tiny-llama3 (built from config: llama") and "[profile local]" in profiled[0]
+    assert profiled[0].startswith("profile local: sets model, stages.sft.data, stages.sft.training")
+    assert profiled[1].startswith("model: tiny-llama3 (built from config: llama") and "[profile local]" in profiled[1]
     sft = next(line for line in profiled if line.startswith("sft:"))
     assert "builtin:korean-dolly (alpaca; input←context, output←response) [profile local]" in sft
     assert "30 steps [profile local] (the pipeline file says 3 epochs)" in sft

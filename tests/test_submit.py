@@ -380,7 +380,7 @@ def test_argo_namespace_agreeing_with_the_spec_is_used(
 def local_runner(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
     calls: list[tuple[Any, ...]] = []
 
-    def run_local(loaded: LoadedPipeline, run_dir: Path | None, force: bool = False) -> int:
+    def run_local(loaded: LoadedPipeline, run_dir: Path | None, force: bool = False, **options: Any) -> int:
         calls.append((loaded, run_dir, force))
         return 3
 

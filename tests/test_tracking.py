@@ -27,7 +27,7 @@ from fake_langfuse import FakeLangfuse
 from training_fixtures import wandb_offline_runs
 
 from stages.contract import RunDir, StageContext, StageInterrupted
-from stages.tracking import TRACKING_FILE, StageTracker
+from stages.tracking import TRACKING_FILE, StageTracker, local_store_uri
 from workflows.loading import load_pipeline
 from workflows.spec import PipelineSpec
 
@@ -59,16 +59,14 @@ def make_ctx(root: Path, stage: str = "cpt", *overrides: str) -> StageContext:
 
 
 def client_for(root: Path | None = None) -> Any:
-    """A client on the run directory's own database, or (None) on the module's shared store."""
-    return mlflow.tracking.MlflowClient(
-        f"sqlite:///{root / 'mlflow.db'}" if root else os.environ["MLFLOW_TRACKING_URI"]
-    )
+    """A client on the run directory's local store, or (None) on the module's shared store."""
+    return mlflow.tracking.MlflowClient(local_store_uri(root) if root else os.environ["MLFLOW_TRACKING_URI"])
 
 
 def test_stages_are_nested_runs_of_one_parent_with_params_metrics_and_artifacts(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
-    monkeypatch.delenv("MLFLOW_TRACKING_URI")  # the default: SQLite in the run directory
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")  # the default: the local store beside the run directory
     root = tmp_path / "korean-llm-20260101-000000"
     prepare = make_ctx(root, "prepare")
     with StageTracker(prepare) as tracker:
@@ -643,7 +641,8 @@ def test_every_backend_gets_one_value_per_metric_and_step_across_attempts_and_th
     for name, points in (("TensorBoard", tensorboard_points(again.logs_dir)), ("W&B", wandb_points(ctx.run_dir.root))):
         repeated = sorted({p for p in points if points.count(p) > 1})
         assert not repeated, f"{name} has several values for {repeated[:5]}"
-        assert {s for k, s in points if k == "loss"} == set(range(1, 9)), name
+        loss = "train/loss" if name == "TensorBoard" else "loss"  # TensorBoard's tags are the Trainer's own
+        assert {s for k, s in points if k == loss} == set(range(1, 9)), name
 
 
 # --------------------------------------------------------------------------- credentials

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
+from stages.tracking import local_store_uri
 from workflows import parameters as params
 from workflows.compile import compile_pipeline, workflow_deadline
 from workflows.loading import PIPELINES_DIR, SpecError, load_pipeline
@@ -326,7 +327,7 @@ def test_local_runs_both_variants_one_after_the_other(tmp_path: Path) -> None:
 
     done = _submit("qwen-multi", "--local", cwd=tmp_path, timeout=900)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    runs = sorted(r for r in (tmp_path / "runs").iterdir() if not r.name.startswith("."))
+    runs = sorted(r for r in (tmp_path / "runs").iterdir() if (r / "spec.json").is_file())
     assert [r.name.rsplit("-", 2)[0] for r in runs] == ["qwen-multi-qwen-72b", "qwen-multi-qwen-7b"]
     for run in runs:
         spec = json.loads((run / "spec.json").read_text())
@@ -338,10 +339,13 @@ def test_local_runs_both_variants_one_after_the_other(tmp_path: Path) -> None:
         assert config["num_hidden_layers"] == spec["model"]["from_config"]["num_hidden_layers"]
         deploy = json.loads((run / "deploy" / "stage.json").read_text())
         assert deploy["extra"]["registered_model"] == f"qwen2.5-{spec['variant']}", deploy["extra"]
-        tracking = MlflowClient(tracking_uri=f"sqlite:///{run / 'mlflow.db'}")
-        experiment = tracking.get_experiment_by_name("qwen-multi")  # shared by the variants, tagged per run
-        (parent,) = tracking.search_runs([experiment.experiment_id], "tags.`posttrain.kind` = 'pipeline'")
-        assert parent.data.tags["posttrain.variant"] == spec["variant"]
+        # One local store for both variants (runs/mlflow.db).
+        assert local_store_uri(run) == f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}"
+    # One experiment, a parent run per variant, tagged with it.
+    tracking = MlflowClient(tracking_uri=local_store_uri(runs[0]))
+    experiment = tracking.get_experiment_by_name("qwen-multi")
+    parents = tracking.search_runs([experiment.experiment_id], "tags.`posttrain.kind` = 'pipeline'")
+    assert sorted(p.data.tags["posttrain.variant"] for p in parents) == ["qwen-72b", "qwen-7b"]
     summary = done.stdout[done.stdout.rindex("variants") :]
     assert "qwen-7b" in summary and "qwen-72b" in summary and summary.count("done") == 2
 

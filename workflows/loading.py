@@ -14,6 +14,7 @@ submit, and in logs; credentials come from Kubernetes Secrets (`cluster.secrets`
 from __future__ import annotations
 
 import copy
+import difflib
 import json
 import types
 import typing
@@ -26,6 +27,10 @@ from pydantic import BaseModel, ValidationError
 
 from workflows.credentials import find_credentials, uri_userinfo
 from workflows.spec import FieldError, PipelineSpec
+
+REPLACES_DATA = "replaces_data"
+"""A profile's key that lets its `stages.<stage>.data` replace the data the pipeline file sets (see
+resolve_document); without it a profile never swaps a user's data."""
 
 MAX_EXPANDED_NODES = 20_000
 """The most YAML values a document may hold once its aliases are expanded (a shipped pipeline has a few hundred)."""
@@ -54,6 +59,9 @@ class Origins:
     by_path: dict[Path_, str] = field(default_factory=dict)
     applied: list[str] = field(default_factory=list)
     """Overrides applied on top of the file (profile, --set, form parameters), for whole-spec errors."""
+    data_kept: dict[str, str] = field(default_factory=dict)
+    """Stage → the data URI the pipeline file set, which the profile's data for that stage left alone (the profile
+    has no `replaces_data: true`)."""
 
     def find(self, loc: Path_) -> str | None:
         """The origin of the deepest known path that is a prefix of `loc` (None for the document as a whole)."""
@@ -316,6 +324,21 @@ def _loc_str(loc: Path_) -> str:
     return out or "(top level)"
 
 
+def _closest_field(loc: Path_) -> str | None:
+    """The known field name closest to the unknown one at the end of `loc`, among the fields of the model(s)
+    that hold it (None when nothing is close)."""
+    if not loc or not isinstance(loc[-1], str):
+        return None
+    annotation = _field_annotation([str(part) for part in loc[:-1]])
+    members = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else ()
+    names: set[str] = set()
+    for model in members or (annotation,):
+        if isinstance(model, type) and issubclass(model, BaseModel):
+            names.update(f.alias or name for name, f in model.model_fields.items())
+    matches = difflib.get_close_matches(loc[-1], sorted(names), n=1, cutoff=0.6)
+    return matches[0] if matches else None
+
+
 def format_validation_error(exc: ValidationError, origins: Origins, source: str) -> str:
     """One line per error: 'file:line: field.path: message'."""
     lines = []
@@ -331,6 +354,8 @@ def format_validation_error(exc: ValidationError, origins: Origins, source: str)
         message = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             message = "unknown field (check the spelling; see the spec reference in docs/spec.md)"
+            if suggestion := _closest_field(loc):
+                message = f"unknown field; did you mean {suggestion!r}? (see the spec reference in docs/spec.md)"
         lines.append(f"{where}: {_loc_str(loc)}: {message}")
     return "\n".join(lines)
 
@@ -421,17 +446,50 @@ def resolve_document(
         overlay = profiles[profile] or {}
         if not isinstance(overlay, dict):
             raise SpecError(f"{source}: profiles.{profile} must be a mapping")
+        overlay, dropped = _profile_overlay(doc, overlay, origins, source, profile)
         doc = deep_merge(doc, overlay)
         origins.applied.append(f"--profile {profile}")
         # A field set by the profile is reported at the profile's line.
         prefix = ("profiles", profile)
         for path, where in list(origins.by_path.items()):
-            if path[:2] == prefix and len(path) > 2:
+            if path[:2] == prefix and len(path) > 2 and not any(path[2 : 2 + len(d)] == d for d in dropped):
                 origins.by_path[path[2:]] = where
     for expr in overrides:
         keys, value = parse_override(expr)
         override(doc, origins, keys, value, "--set")
     return doc
+
+
+def _profile_overlay(
+    doc: dict[str, Any], overlay: dict[str, Any], origins: Origins, source: str, profile: str
+) -> tuple[dict[str, Any], list[Path_]]:
+    """The part of a profile that is merged onto the pipeline file, and the paths left out of it.
+
+    A profile's `stages.<stage>.data` describes the profile's own data (URI, format, columns, split), so where the
+    file sets that stage's `data.uri` the whole section stays out, unless the profile says `replaces_data: true`
+    (the shipped `local` profiles do: they exist to run offline on built-in data). A profile's data section without
+    a URI (e.g. only `max_bad_row_fraction`) is merged as any other field. `--set` is applied after the profile, so
+    a URI given there is always kept."""
+    overlay = dict(overlay)
+    replaces = overlay.pop(REPLACES_DATA, False)
+    if not isinstance(replaces, bool):
+        where = origins.by_path.get(("profiles", profile, REPLACES_DATA), source)
+        raise SpecError(f"{where}: profiles.{profile}.{REPLACES_DATA}: expected true or false, got {replaces!r}")
+    dropped: list[Path_] = [(REPLACES_DATA,)]
+    own_stages, profile_stages = doc.get("stages"), overlay.get("stages")
+    if replaces or not isinstance(own_stages, dict) or not isinstance(profile_stages, dict):
+        return overlay, dropped
+    profile_stages = dict(profile_stages)
+    for stage, section in profile_stages.items():
+        own = own_stages.get(stage)
+        own_data = own.get("data") if isinstance(own, dict) else None
+        data = section.get("data") if isinstance(section, dict) else None
+        if isinstance(data, dict) and "uri" in data and isinstance(own_data, dict) and own_data.get("uri"):
+            profile_stages[stage] = {k: v for k, v in section.items() if k != "data"}
+            dropped.append(("stages", stage, "data"))
+            origins.data_kept[stage] = str(own_data["uri"])
+    overlay["stages"] = profile_stages
+    return overlay, dropped
 
 
 def override(doc: dict[str, Any], origins: Origins, keys: list[str], value: Any, where: str) -> None:
@@ -473,6 +531,9 @@ def load_pipeline(
     doc, origins = _compose_with_lines(text, str(path))
     doc = resolve_document(doc, origins, str(path), profile, overrides)
     from workflows import variants  # it resolves variants with this module's tools
+    from workflows.config_files import embed_config_files
+
+    embed_config_files(doc, origins, path)  # distributed.deepspeed_config/accelerate_config files, by content
 
     if profile is not None:
         variants.fold_profile(doc, origins, profile)

@@ -10,10 +10,15 @@ in DAG order, exactly as the cluster runs it:
 
 It shows a live table (status, elapsed time, last log line), keeps each stage's full output in
 `<run>/<stage>/logs/stage.log`, stops at the first failure with the log tail and the command that resumes
-(completed stages are no-ops by the stage contract), and ends with a summary table and how to open MLflow.
+(completed stages are no-ops by the stage contract), and ends with a summary table, the evaluation report and the
+commands that open MLflow, TensorBoard and `wandb sync`. Without $MLFLOW_TRACKING_URI (or tracking.mlflow_tracking_uri)
+the runs in one folder share one MLflow store beside them (`runs/mlflow.db`, `runs/mlartifacts/`), so the gate of a
+local run compares with the last local champion; each run's tracking.json names the store it used.
 A stage whose module does not exist is reported as missing and fails the run; it is never skipped. As in the
 cluster DAG, the stages after prepare are skipped when prepare ends the run (`proceed=false`), and deploy is
-skipped, with the gate's reasons, when evaluate's gate is not `pass`. A stage with `hpo` is preceded by its search
+skipped, with the gate's reasons, when evaluate's gate is not `pass`; the run then ends with the command that
+registers the candidate anyway (exit 0, or EXIT_GATE_FAILED with --fail-on-gate). Before it starts, the runner
+prints its plan (effective_plan) and the warnings of workflows/plan.py. A stage with `hpo` is preceded by its search
 (workflows/search.py): Optuna's trials, one row each in the table (`sft trial 2/4`), then the best trial's values.
 
 Two runners never share a run directory: each holds a lock on `<run>/.runner.lock` while it runs, and a run
@@ -24,11 +29,13 @@ logs. Each stage also holds its own lock (`stages.contract.hold_stage_lock`), so
 runner is refused too.
 
 The runner never leaves a stage running without it. SIGTERM (`timeout`, a CI cancel) or Ctrl-C to the runner is
-passed on to the stage, which saves a checkpoint (training stages) and exits with 75; the runner waits for that,
-shows the stage as interrupted and exits (128 + the signal's number). A second Ctrl-C is passed on too (the stage
-stops at once), a third kills it. The stage runs in its own session, so a terminal's Ctrl-C reaches it only through
-the runner, once; and on Linux it gets SIGTERM when the runner itself dies (SIGKILL included), so it saves and
-stops rather than training on unsupervised.
+passed on to the stage's process group, which saves a checkpoint (training stages) and exits with 75; the runner
+reads its output meanwhile (the stage never meets a broken pipe), waits for that at most the stage's
+`run_policy.termination_grace_period_seconds` (then kills it, and records it interrupted when it could not), shows
+the stage as interrupted, prints the resume command as the user typed it, and exits (128 + the signal's number). A
+second Ctrl-C is passed on too (the stage stops at once), a third kills it. The stage runs in its own session, so
+a terminal's Ctrl-C reaches it only through the runner, once; and on Linux it gets SIGTERM when the runner itself
+dies (SIGKILL included), so it saves and stops rather than training on unsupervised.
 
 This module never imports torch or transformers: GPUs are counted from CUDA_VISIBLE_DEVICES or `nvidia-smi -L`.
 """
@@ -39,6 +46,7 @@ import ctypes
 import importlib.util
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -60,21 +68,26 @@ from rich.text import Text
 from stages.contract import (
     EXIT_RETRYABLE,
     EXIT_USAGE,
+    LOCK_FILE,
     RunDir,
     StageInterrupted,
     conflicting_stages,
     interrupt_signal,
     interrupts_raise,
     mask_secrets,
+    now,
     secret_values,
     try_lock,
 )
 from stages.evaluate import GATE_PASS
 from stages.hpo import apply_selections
-from workflows.loading import LoadedPipeline
+from stages.tracking import local_store_uri
+from workflows.loading import PIPELINES_DIR, REPLACES_DATA, LoadedPipeline
+from workflows.plan import plan_warnings, prepared_warnings
 from workflows.pytorchjob import RUN_ROOT
 from workflows.search import search_in_runner, search_needed
 from workflows.spec import TRAINING_STAGES, PipelineSpec
+from workflows.submit import EXIT_GATE_FAILED
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RUNS_DIR = Path("runs")
@@ -167,15 +180,16 @@ def lock_run_dir(run_root: Path) -> Any:
 
 
 def local_tracking_uri(run_root: Path) -> str:
-    return f"sqlite:///{run_root / 'mlflow.db'}"
+    """The local MLflow store: one SQLite database beside the run directories (`runs/mlflow.db`), shared by the
+    local runs, so the gate compares with the last local champion (stages.tracking.local_store_uri)."""
+    return local_store_uri(run_root)
 
 
 def stage_env(run_root: Path) -> dict[str, str]:
-    """The stages' environment: this one, plus local tracking defaults and the checkout on PYTHONPATH."""
+    """The stages' environment: this one, plus the local MLflow store ($MLFLOW_TRACKING_URI wins) and the checkout
+    on PYTHONPATH. W&B's own variables (WANDB_MODE, WANDB_PROJECT, ...) pass through as they are."""
     env = dict(os.environ)
     env.setdefault("MLFLOW_TRACKING_URI", local_tracking_uri(run_root))
-    if not env.get("WANDB_API_KEY"):
-        env["WANDB_MODE"] = "offline"
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     return env
@@ -237,6 +251,16 @@ def key_metric(stage: str, result: dict[str, Any] | None) -> str:
     return ""
 
 
+def register_anyway_hint(run_root: Path) -> str:
+    """How to register a candidate whose gate failed: deploy by hand, which registers it as challenger only
+    (champion stays) with the gate's decision in the version's tags (stages/deploy.py)."""
+    return (
+        "To register this candidate anyway (as challenger only; champion stays, and the registry records "
+        "posttrain.gate and posttrain.gate_overridden=true):\n"
+        f"  python -m stages deploy --run-dir {run_root}"
+    )
+
+
 def deploy_skip_reason(evaluate_result: dict[str, Any]) -> str:
     """Why deploy does not run after this evaluate record ('' when the gate passed): the cluster DAG runs deploy
     only when evaluate's `gate` output is `pass`."""
@@ -293,26 +317,70 @@ def die_with_runner() -> Callable[[], None] | None:
     return preexec
 
 
-def stop_stage(process: subprocess.Popen[bytes], signum: int) -> int:
-    """Pass `signum` on to the stage and wait until it has exited (a training stage saves a checkpoint first).
-    Signals that come while it stops are passed on too; the KILL_AFTER_SIGNALS-th kills it."""
+STOP_GRACE_S = 120.0
+"""How long an interrupted stage may take to save and exit before the runner kills it, where the spec does not say
+(the runner uses the stage's `run_policy.termination_grace_period_seconds`, as the pod's grace period)."""
+
+
+def signal_stage(process: subprocess.Popen[bytes], signum: int) -> None:
+    """Send `signum` to the stage's process group (the stage leads its own session: torchrun's workers and anything
+    else it started get it too); to the process alone where the group is gone."""
+    try:
+        os.killpg(process.pid, signum)
+    except (ProcessLookupError, PermissionError):
+        process.send_signal(signum)  # a no-op once it has exited
+
+
+def stop_stage(process: subprocess.Popen[bytes], signum: int, grace: float = STOP_GRACE_S) -> int:
+    """Pass `signum` on to the stage and wait until it has exited (a training stage saves a checkpoint first), at
+    most `grace` seconds: then it is killed (SIGKILL to its group). Signals that come while it stops are passed on
+    too; the KILL_AFTER_SIGNALS-th kills it. Returns its exit code (negative: killed by that signal)."""
     signals = 1
-    process.send_signal(signum)
+    signal_stage(process, signum)
+    deadline = time.monotonic() + grace
     while True:
         try:
-            return process.wait()
+            return process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            print(f"the stage did not exit within {grace:g} s of {signal.Signals(signum).name}: killing it", flush=True)
+            signal_stage(process, signal.SIGKILL)
+            deadline = float("inf")
         except (StageInterrupted, KeyboardInterrupt) as again:
             signals += 1
             if signals >= KILL_AFTER_SIGNALS:
-                process.kill()
+                signal_stage(process, signal.SIGKILL)
             else:
-                process.send_signal(interrupt_signal(again))
+                signal_stage(process, interrupt_signal(again))
 
 
-def run_stage(run: StageRun, command: list[str], env: dict[str, str], log_path: Path, refresh: Any) -> int:
+def record_interrupted(run_root: Path, stage: str, message: str) -> None:
+    """After the stage's process has exited: a record it left `running` (it was killed before it could record how
+    it ended) is set to interrupted with `message`, under the stage's lock, so that stage.json tells the truth. A
+    record the stage wrote itself is left as it is."""
+    handle, _ = try_lock(run_root / stage / LOCK_FILE, f"pid {os.getpid()} (the local runner, recording the stage)")
+    if handle is None:  # a process still holds the stage (a worker left behind): it records, not the runner
+        return
+    try:
+        run_dir = RunDir(run_root)
+        try:
+            result = run_dir.read_result(stage)
+        except ValueError:
+            return
+        if result is None or result.status != "running":
+            return
+        result.status, result.message, result.ended_at = "interrupted", message, now()
+        run_dir.write_result(result)
+    finally:
+        handle.close()
+
+
+def run_stage(
+    run: StageRun, command: list[str], env: dict[str, str], log_path: Path, refresh: Any, grace: float = STOP_GRACE_S
+) -> int:
     """Run one stage to completion, its output appended to `log_path`; returns its exit code. Interrupted (SIGTERM
-    or Ctrl-C to the runner), it passes the signal on, waits for the stage to exit, records its exit code in `run`
-    and raises the interruption again."""
+    or Ctrl-C to the runner), it passes the signal on, waits for the stage to exit (at most `grace` seconds, then
+    kills it), records its exit code in `run` and raises the interruption again. The stage's output is read until
+    it exits, so the stage never dies of a broken pipe while it saves."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log_file:
         started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -333,7 +401,7 @@ def run_stage(run: StageRun, command: list[str], env: dict[str, str], log_path: 
                 refresh()
                 time.sleep(0.25)
         except (StageInterrupted, KeyboardInterrupt) as exc:
-            run.returncode = stop_stage(process, interrupt_signal(exc))  # checkpoint, then EXIT_RETRYABLE
+            run.returncode = stop_stage(process, interrupt_signal(exc), grace)  # checkpoint, then EXIT_RETRYABLE
             if pump.ident is not None:
                 pump.join(timeout=30)
             raise
@@ -342,14 +410,20 @@ def run_stage(run: StageRun, command: list[str], env: dict[str, str], log_path: 
 
 
 def effective_plan(loaded: LoadedPipeline) -> list[str]:
-    """What the run will train on, said before it starts: the model, and per stage the data (URI, format, column
-    mapping) and the step budget, each marked where a profile set it instead of the pipeline file. A profile that
-    swaps data or caps steps is never silent about it."""
+    """What the run will train on, said before it starts: the profile and what it sets, the model, and per stage
+    the data (URI, format, column mapping) and the step budget, each marked where a profile or --set set it
+    instead of the pipeline file. A profile that swaps data or caps steps is never silent about it, nor is one
+    whose data was left out because the pipeline file names its own (workflows/loading.py, replaces_data)."""
     spec = loaded.spec
     overlay = (loaded.document.get("profiles") or {}).get(loaded.profile) or {} if loaded.profile else {}
+    kept = loaded.origins.data_kept
     by_profile = f" [profile {loaded.profile}]"
 
     def mark(*keys: str) -> str:
+        if loaded.origins.by_path.get(keys) == "--set":
+            return " [--set]"
+        if keys[:1] == ("stages",) and keys[2:3] == ("data",) and keys[1] in kept:
+            return ""
         node: Any = overlay
         for key in keys:
             if not isinstance(node, dict) or key not in node:
@@ -357,9 +431,21 @@ def effective_plan(loaded: LoadedPipeline) -> list[str]:
             node = node[key]
         return by_profile
 
+    lines = []
+    if loaded.profile is not None:
+        sets = [
+            f"{top}.{stage}.{key}" if top == "stages" else top
+            for top, value in overlay.items()
+            if top != REPLACES_DATA
+            for stage, section in (value.items() if top == "stages" and isinstance(value, dict) else [("", None)])
+            for key in (section if isinstance(section, dict) else [""])
+            if not (top == "stages" and key == "data" and stage in kept)
+        ]
+        data_note = "; replaces the pipeline file's data (replaces_data: true)" if overlay.get(REPLACES_DATA) else ""
+        lines.append(f"profile {loaded.profile}: sets {', '.join(sets) or 'nothing'}{data_note}")
     tiny = spec.model.from_config
     built = f" (built from config: {tiny.architecture}, {tiny.num_hidden_layers} layers, random init)" if tiny else ""
-    lines = [f"model: {spec.model.name_or_path}{built}{mark('model')}"]
+    lines.append(f"model: {spec.model.name_or_path}{built}{mark('model')}")
     for name in spec.stages.enabled():
         section = spec.stage(name)
         data = getattr(section, "data", None)
@@ -367,12 +453,14 @@ def effective_plan(loaded: LoadedPipeline) -> list[str]:
             continue
         mapping = ", ".join(f"{key}←{column}" for key, column in data.columns.items())
         described = f"{spec.data_uri(data)} ({data.format}{'; ' + mapping if mapping else ''})"
-        line = f"{name}: data {described}{mark('stages', name, 'data')}"
+        line = f"{name}: data {described}{mark('stages', name, 'data', 'uri') or mark('stages', name, 'data')}"
+        if name in kept:
+            line += f" [the pipeline file's; profile {loaded.profile}'s data left out: it has no replaces_data: true]"
         training = getattr(section, "training", None)
         if training is not None:
             capped = mark("stages", name, "training", "max_steps")
             budget = f"{training.max_steps} steps" if training.max_steps else f"{training.epochs:g} epochs"
-            instead = f" (the pipeline file says {training.epochs:g} epochs)" if capped else ""
+            instead = f" (the pipeline file says {training.epochs:g} epochs)" if capped == by_profile else ""
             line += f", {budget}{capped or mark('stages', name, 'training', 'epochs')}{instead}"
         lines.append(line)
     return lines
@@ -392,21 +480,47 @@ def render(spec: PipelineSpec, run_root: Path, runs: list[StageRun], live: bool 
     return table
 
 
-def rerun_hint(loaded: LoadedPipeline, run_root: Path, stage: str) -> str:
+def invocation(loaded: LoadedPipeline) -> list[str]:
+    """The command that runs `loaded` again, for a caller that did not say how it was started: the pipeline by name
+    when it is a shipped one, else by its path, with its --profile (unless the default `local`) and --variant. Its
+    --set options cannot be recovered from the spec: the hint says to repeat them."""
+    source = Path(loaded.source)
+    shipped = PIPELINES_DIR / f"{source.stem}.yaml"
+    pipeline = source.stem if shipped.is_file() and shipped.resolve() == source.resolve() else loaded.source
+    argv = ["python", "-m", "workflows.submit", pipeline, "--local"]
+    if loaded.profile is not None and loaded.profile != "local":
+        argv += ["--profile", loaded.profile]
+    return argv
+
+
+def rerun_hint(loaded: LoadedPipeline, run_root: Path, stage: str, resume: list[str] | None = None) -> str:
+    """How to resume: `resume` (the runner's command line as the user gave it, without --variant, --run-dir and
+    --force; default `invocation(loaded)`) on this run directory, with this variant; or the stage alone."""
     spec = loaded.spec
-    pipeline = spec.name
-    if spec.variant is not None:  # a variant's spec is named '<pipeline>-<variant>'
-        pipeline = f"{spec.name.removesuffix('-' + spec.variant)} --variant {spec.variant}"
+    argv = list(resume) if resume is not None else invocation(loaded)
+    if spec.variant is not None:  # each variant has its own run directory
+        argv += ["--variant", spec.variant]
+    argv += ["--run-dir", str(run_root)]
+    repeat = ""
+    if resume is None and any(applied.startswith("--set") for applied in loaded.origins.applied):
+        repeat = "   (with the same --set options)"
     return (
         "Resume (completed stages are no-ops):\n"
-        f"  python -m workflows.submit {pipeline} --local --run-dir {run_root}   "
-        "(with the same --profile/--set options)\n"
-        f"  or this stage alone: python -m stages {stage} --run-dir {run_root}"
+        f"  {shlex.join(argv)}{repeat}\n"
+        f"  or this stage alone: {shlex.join(['python', '-m', 'stages', stage, '--run-dir', str(run_root)])}"
     )
 
 
-def run_local(loaded: LoadedPipeline, run_dir: Path | None = None, force: bool = False) -> int:
-    """Run the pipeline's enabled stages in DAG order on this machine; returns the exit code (0: all done)."""
+def run_local(
+    loaded: LoadedPipeline,
+    run_dir: Path | None = None,
+    force: bool = False,
+    resume: list[str] | None = None,
+    *,
+    fail_on_gate: bool = False,
+) -> int:
+    """Run the pipeline's enabled stages in DAG order on this machine; returns the exit code (0: all done).
+    `resume` is how the user started it (without --variant, --run-dir and --force), for the hint (rerun_hint)."""
     spec = loaded.spec
     console = Console()
     run_root = Path(run_dir or default_run_dir(spec)).absolute()
@@ -417,7 +531,7 @@ def run_local(loaded: LoadedPipeline, run_dir: Path | None = None, force: bool =
         return EXIT_USAGE
     try:
         with interrupts_raise():
-            return _run_locked(loaded, run_root, force, console)
+            return _run_locked(loaded, run_root, force, console, resume, fail_on_gate=fail_on_gate)
     except (StageInterrupted, KeyboardInterrupt) as exc:  # between stages: no stage to stop
         name = signal.Signals(interrupt_signal(exc)).name
         console.print(Text(f"{name}: the run stopped between stages", style="bold red"), soft_wrap=True)
@@ -426,7 +540,15 @@ def run_local(loaded: LoadedPipeline, run_dir: Path | None = None, force: bool =
         lock.close()
 
 
-def _run_locked(loaded: LoadedPipeline, run_root: Path, force: bool, console: Console) -> int:
+def _run_locked(
+    loaded: LoadedPipeline,
+    run_root: Path,
+    force: bool,
+    console: Console,
+    resume: list[str] | None = None,
+    *,
+    fail_on_gate: bool = False,
+) -> int:
     """run_local's work, with the run directory locked."""
     spec = loaded.spec
     if not force:  # the values a finished search selected are the run's, not a changed config
@@ -453,6 +575,9 @@ def _run_locked(loaded: LoadedPipeline, run_root: Path, force: bool, console: Co
     console.print(header, markup=False, soft_wrap=True)
     for line in effective_plan(loaded):
         console.print(f"  {line}", markup=False, soft_wrap=True)
+    warned = plan_warnings(loaded)
+    for line in warned:
+        console.print(Text(f"  warning: {line}", style="yellow"), soft_wrap=True)
 
     exit_code = 0
     failed: StageRun | None = None
@@ -492,10 +617,16 @@ def _run_locked(loaded: LoadedPipeline, run_root: Path, force: bool, console: Co
                         failed, exit_code = run, 1
                         continue
                 command = stage_command(run.name, run_root, force, gpus)
-                run.returncode = run_stage(run, command, env, run_root / run.name / "logs" / "stage.log", refresh)
+                log = run_root / run.name / "logs" / "stage.log"
+                grace = spec.stage(run.name).run_policy.termination_grace_period_seconds
+                run.returncode = run_stage(run, command, env, log, refresh, grace)
             except (StageInterrupted, KeyboardInterrupt) as exc:
-                # The stage got the signal and has exited (run_stage waited): its record says how it ended.
+                # The stage got the signal and has exited (run_stage waited): its record says how it ended, or,
+                # killed before it could say so, the runner does.
                 name = signal.Signals(interrupt_signal(exc)).name
+                if run.returncode is not None and run.returncode < 0:
+                    killed = f"killed by the runner after {name} (it did not stop in time); running it again resumes"
+                    record_interrupted(run_root, run.name, killed)
                 run.ended, run.status = time.monotonic(), "interrupted"
                 recorded = (read_stage_json(run_root, run.name) or {}).get("message", "")
                 run.message = f"{name} to the runner; the stage exited with {run.returncode}" + (
@@ -515,6 +646,10 @@ def _run_locked(loaded: LoadedPipeline, run_root: Path, force: bool, console: Co
                 if run.name == "prepare" and (result or {}).get("extra", {}).get("proceed") == "false":
                     skip_reason = result["extra"].get("skip-reason", "") or "prepare ended the run"
                     console.print(f"ending the run: {skip_reason}", markup=False, soft_wrap=True)
+                if run.name == "prepare":  # the eval splits' real sizes, for the stages not warned about before
+                    estimated = {line.split(":", 1)[0] for line in warned}
+                    for line in prepared_warnings((result or {}).get("extra") or {}, estimated):
+                        console.print(Text(f"warning: {line}", style="yellow"), soft_wrap=True)
                 if run.name == "evaluate" and (gate_reason := deploy_skip_reason(result or {})):
                     console.print(f"skipping deploy: {gate_reason}", markup=False, soft_wrap=True)
             else:
@@ -536,13 +671,35 @@ def _run_locked(loaded: LoadedPipeline, run_root: Path, force: bool, console: Co
             console.print(Text("\n".join(failed.tail)), soft_wrap=True)
         else:
             console.print(Text(f"{failed.name}: {failed.message}", style="bold red"), soft_wrap=True)
-        console.print(rerun_hint(loaded, run_root, failed.name), markup=False, soft_wrap=True)
+        console.print(rerun_hint(loaded, run_root, failed.name, resume), markup=False, soft_wrap=True)
+    elif gate_reason and spec.stages.deploy.enabled:
+        gate_note = Text(f"The gate did not pass ({gate_reason}); deploy was skipped.", style="bold yellow")
+        console.print(gate_note, soft_wrap=True)
+        console.print(register_anyway_hint(run_root), markup=False, soft_wrap=True)
+        if fail_on_gate and exit_code == 0:
+            exit_code = EXIT_GATE_FAILED
     uri = spec.tracking.mlflow_tracking_uri or env["MLFLOW_TRACKING_URI"]
-    if uri.startswith("sqlite:///"):
-        console.print(f"MLflow UI: mlflow ui --backend-store-uri {uri}", markup=False, soft_wrap=True)
-    else:
-        console.print(f"MLflow: {mask_secrets(uri)}", markup=False, soft_wrap=True)
+    for line in where_to_look(spec, run_root, uri):
+        console.print(line, markup=False, soft_wrap=True)
     return exit_code
+
+
+def where_to_look(spec: PipelineSpec, run_root: Path, uri: str) -> list[str]:
+    """The summary's last lines: the evaluation report, and the commands that open what the run tracked (the
+    MLflow UI on its store, TensorBoard on its event files, `wandb sync` for its offline W&B runs)."""
+    lines = []
+    report = ((read_stage_json(run_root, "evaluate") or {}).get("extra") or {}).get("report")
+    if report and (run_root / report).is_file():
+        lines.append(f"Report: {run_root / report}")
+    if uri.startswith("sqlite:///"):
+        lines.append(f"MLflow UI: mlflow ui --backend-store-uri {uri}")
+    else:
+        lines.append(f"MLflow: {mask_secrets(uri)}")
+    if spec.tracking.tensorboard and any(run_root.glob("*/logs/tensorboard")):
+        lines.append(f"TensorBoard: tensorboard --logdir {run_root}")
+    if any((run_root / "wandb").glob("offline-run-*")):
+        lines.append(f"W&B (offline runs): wandb sync {run_root / 'wandb'}/offline-run-*")
+    return lines
 
 
 def run_retention(spec: PipelineSpec, run_root: Path, console: Console) -> int:
@@ -576,17 +733,24 @@ class _Quiet:
         return None
 
 
-def run_local_variants(variants: dict[str, LoadedPipeline], run_dir: Path | None = None, force: bool = False) -> int:
+def run_local_variants(
+    variants: dict[str, LoadedPipeline],
+    run_dir: Path | None = None,
+    force: bool = False,
+    resume: list[str] | None = None,
+    *,
+    fail_on_gate: bool = False,
+) -> int:
     """Run each variant's stages (run_local), one variant after the other, each in its own run directory
     (`runs/<pipeline>-<variant>-<time>`, or `run_dir` for a single one), then a summary of all; returns the first
     failure's exit code (0: all done). A failed variant does not stop the next (they are separate models, as in
-    the cluster); an interrupt does."""
+    the cluster); an interrupt does. `resume`: as for run_local."""
     console = Console()
     outcomes: list[tuple[str, str, int | None]] = []
     for name, loaded in variants.items():
         root = run_dir if run_dir is not None else default_run_dir(loaded.spec)
         console.print(f"variant {name}", style="bold", markup=False)
-        code = run_local(loaded, root, force)
+        code = run_local(loaded, root, force, resume, fail_on_gate=fail_on_gate)
         outcomes.append((name, str(Path(root).absolute()), code))
         if code >= 128:  # interrupted: the variants left are not started
             break

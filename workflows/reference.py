@@ -1,10 +1,18 @@
-"""The spec reference: docs/spec.md generated from the pydantic models, so the docs never drift from the code.
+"""The spec reference: docs/spec.md and docs/pipeline.schema.json generated from the pydantic models, so the docs
+and editors never drift from the code.
 
 python -m workflows.reference > docs/spec.md
+python -m workflows.reference --json-schema > docs/pipeline.schema.json
+
+The JSON Schema lets an editor complete and check pipeline files: with VS Code's YAML extension (redhat.vscode-yaml)
+a pipeline file's first line `# yaml-language-server: $schema=<path or URL of docs/pipeline.schema.json>` is enough.
+It checks each field's type and the unknown fields; the rules across fields are checked by loading the file.
 """
 
 from __future__ import annotations
 
+import json
+import sys
 import types
 import typing
 from typing import Any, get_args, get_origin
@@ -79,5 +87,26 @@ def render() -> str:
     return "\n".join(out)
 
 
+def json_schema() -> dict[str, Any]:
+    """The JSON Schema (draft 2020-12) of a pipeline file, from PipelineSpec."""
+    schema = PipelineSpec.model_json_schema(mode="validation")
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": "posttrain pipeline",
+        **{key: value for key, value in schema.items() if key != "title"},
+    }
+
+
+def render_json_schema() -> str:
+    """docs/pipeline.schema.json's text."""
+    return json.dumps(json_schema(), indent=2, ensure_ascii=False) + "\n"
+
+
 if __name__ == "__main__":
-    print(render())
+    if sys.argv[1:] == ["--json-schema"]:
+        sys.stdout.write(render_json_schema())
+    elif sys.argv[1:]:
+        print("usage: python -m workflows.reference [--json-schema]", file=sys.stderr)
+        sys.exit(2)
+    else:
+        print(render())

@@ -52,7 +52,7 @@ EXAMPLE = """example:
   MLFLOW_TRACKING_URI=https://mlflow.example.com python -m workflows.runs sync-tracking /mnt/checkpoints/runs/NAME
 
 The tracking server is the run's own: spec.tracking.mlflow_tracking_uri, else $MLFLOW_TRACKING_URI, else the
-run directory's mlflow.db."""
+local store its tracking.json names (mlflow.db beside the run directories)."""
 
 
 EXIT_FAILED = 1
@@ -668,6 +668,11 @@ def _protections(runs: list[Run], served_extra: list[str]) -> tuple[dict[str, st
         spec = run.spec
         deploy = (spec.get("stages") or {}).get("deploy") or {}
         uri = ((spec.get("tracking") or {}).get("mlflow_tracking_uri")) or os.environ.get("MLFLOW_TRACKING_URI")
+        if not uri:  # local runs share a store beside them (stages.tracking.local_store_uri), when there is one
+            from stages.tracking import local_store_uri
+
+            local = local_store_uri(run.path)
+            uri = local if Path(local.removeprefix("sqlite:///")).is_file() else None
         if deploy.get("enabled", True) and uri:
             aliased.update(alias_runs(deploy.get("registered_model") or pipeline, uri))
         elif deploy.get("enabled", True):

@@ -462,6 +462,52 @@ class LoraSpec(StrictModel):
     )
 
 
+TRAINER_ARGS_OWNED: dict[str, str] = {
+    "output_dir": "the run directory (the stage's checkpoints folder)",
+    "per_device_train_batch_size": "training.per_device_batch_size",
+    "per_device_eval_batch_size": "training.per_device_batch_size",
+    "gradient_accumulation_steps": "training.gradient_accumulation_steps",
+    "learning_rate": "training.learning_rate",
+    "num_train_epochs": "training.epochs",
+    "max_steps": "training.max_steps",
+    "warmup_steps": "training.warmup_ratio",
+    "warmup_ratio": "training.warmup_ratio",
+    "lr_scheduler_type": "training.lr_scheduler",
+    "weight_decay": "training.weight_decay",
+    "max_grad_norm": "training.max_grad_norm",
+    "seed": "training.seed",
+    "data_seed": "training.seed",
+    "logging_steps": "training.logging_steps",
+    "save_strategy": "training.save_steps",
+    "save_steps": "training.save_steps",
+    "save_total_limit": "training.save_total_limit",
+    "eval_strategy": "training.eval_steps",
+    "eval_steps": "training.eval_steps",
+    "gradient_checkpointing": "training.gradient_checkpointing",
+    "activation_checkpointing": "training.gradient_checkpointing or distributed.activation_checkpointing",
+    "max_length": "training.max_seq_length",
+    "max_seq_length": "training.max_seq_length",
+    "max_completion_length": "training.max_seq_length",
+    "packing": "training.packing",
+    "bf16": "model.dtype (mixed precision follows the weights' dtype)",
+    "fp16": "model.dtype (mixed precision follows the weights' dtype)",
+    "use_cpu": "the stage's resources (it trains on CPU only where there is no GPU)",
+    "fsdp": "distributed.strategy",
+    "fsdp_config": "distributed.strategy",
+    "deepspeed": "distributed.strategy or distributed.deepspeed_config",
+    "ddp_backend": "distributed.strategy",
+    "report_to": "tracking (the stage's tracker reports to MLflow, W&B and TensorBoard)",
+    "resume_from_checkpoint": "nothing: the stage resumes from its newest valid checkpoint itself",
+    "trust_remote_code": "model.trust_remote_code",
+    "beta": "stages.rlhf.beta",
+    "num_generations": "stages.rlhf.num_generations",
+    "precompute_ref_log_probs": "stages.rlhf.precompute_ref_log_probs",
+    "reward_weights": "stages.rlhf.reward_functions",
+    "assistant_only_loss": "stages.sft.assistant_only_loss",
+}
+"""Trainer config fields that a spec field sets (training.extra_args may not): the field → the spec field to use."""
+
+
 class TrainingSpec(StrictModel):
     """Hyperparameters of a training stage."""
 
@@ -498,6 +544,22 @@ class TrainingSpec(StrictModel):
     save_steps: int = Field(200, gt=0, description="Write a checkpoint every this many steps.")
     save_total_limit: int = Field(3, ge=2, description="Checkpoints kept; at least 2 so a torn one has a fallback.")
     eval_steps: int | None = Field(None, gt=0, description="Evaluate held-out loss every this many steps.")
+    extra_args: dict[str, str | int | float | bool | None] = Field(
+        default_factory=dict,
+        description="More settings for the trainer's config, passed through as they are: fields of transformers' "
+        "TrainingArguments, or of TRL's SFTConfig / DPOConfig / GRPOConfig... for the stage's trainer, e.g. "
+        "{optim: adamw_torch_fused, adam_beta2: 0.95, neftune_noise_alpha: 5}. Scalars only; the stage refuses a "
+        "name its config class does not have. Settings the spec owns (learning_rate, bf16, deepspeed...) are "
+        "refused here: set their spec field.",
+    )
+
+    @field_validator("extra_args")
+    @classmethod
+    def _not_owned(cls, value: dict[str, Any]) -> dict[str, Any]:
+        for key in value:
+            if key in TRAINER_ARGS_OWNED:
+                raise ValueError(f"extra_args.{key} is set by the spec: use {TRAINER_ARGS_OWNED[key]} instead")
+        return value
 
 
 class DistributedSpec(StrictModel):
@@ -510,6 +572,84 @@ class DistributedSpec(StrictModel):
     activation_checkpointing: bool = Field(
         False, description="FSDP activation checkpointing (in addition to gradient_checkpointing)."
     )
+    deepspeed_config: dict[str, Any] | str | None = Field(
+        None,
+        description="Your own DeepSpeed config instead of the generated one (strategy deepspeed_zero2/3, the same "
+        "ZeRO stage): a path to its JSON file, relative to the pipeline file (to the current directory in --set), "
+        "read when the pipeline is loaded and embedded into the spec, so the pods get it with the spec. 'auto' "
+        "values are filled in from the trainer's arguments as usual.",
+    )
+
+    accelerate_config: dict[str, Any] | str | None = Field(
+        None,
+        description="Your own accelerate config (the YAML `accelerate config` writes): a path, read and embedded "
+        "as deepspeed_config is. Its distributed_type must agree with strategy (DEEPSPEED: deepspeed_zero<zero_stage>, "
+        "FSDP: fsdp, MULTI_GPU or NO: ddp); its deepspeed_config (zero_stage, offload_*_device, gradient_clipping, "
+        "zero3_save_16bit_model) or fsdp_config (fsdp_* keys) settings are passed to the trainer. The process "
+        "counts (num_processes, num_machines, ...) come from the stage's resources and are ignored.",
+    )
+
+    @field_validator("deepspeed_config", "accelerate_config")
+    @classmethod
+    def _embedded(cls, value: dict[str, Any] | str | None) -> dict[str, Any] | None:
+        if isinstance(value, str):
+            raise ValueError(
+                "a config file is read when the pipeline file is loaded (python -m workflows.submit); "
+                "here it must be the config itself, a mapping"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _accelerate_matches(self) -> DistributedSpec:
+        if self.accelerate_config is None:
+            return self
+        if self.deepspeed_config is not None:
+            raise FieldError(("accelerate_config",), "give deepspeed_config or accelerate_config, not both")
+        kind = str(self.accelerate_config.get("distributed_type", "NO"))
+        deepspeed = self.accelerate_config.get("deepspeed_config") or {}
+        expected = {
+            "DEEPSPEED": f"deepspeed_zero{deepspeed.get('zero_stage', 2) if isinstance(deepspeed, dict) else 2}",
+            "FSDP": "fsdp",
+            "MULTI_GPU": "ddp",
+            "NO": "ddp",
+        }.get(kind)
+        if expected is None:
+            raise FieldError(
+                ("accelerate_config",),
+                f"distributed_type {kind!r} is not supported here (DEEPSPEED, FSDP, MULTI_GPU or NO)",
+            )
+        if isinstance(deepspeed, dict) and deepspeed.get("deepspeed_config_file"):
+            raise FieldError(
+                ("accelerate_config",),
+                "its deepspeed_config.deepspeed_config_file is not read from here: give that file as "
+                "distributed.deepspeed_config instead",
+            )
+        if self.strategy != expected:
+            raise FieldError(
+                ("strategy",),
+                f"the accelerate config's distributed_type {kind} needs strategy {expected!r}, not {self.strategy!r}",
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _deepspeed_matches(self) -> DistributedSpec:
+        if self.deepspeed_config is None:
+            return self
+        if not self.strategy.startswith("deepspeed"):
+            raise FieldError(
+                ("deepspeed_config",),
+                f"a DeepSpeed config goes with strategy deepspeed_zero2 or deepspeed_zero3, not {self.strategy!r}",
+            )
+        zero = self.deepspeed_config.get("zero_optimization") or {}
+        stage = zero.get("stage") if isinstance(zero, dict) else None
+        expected = 3 if self.strategy == "deepspeed_zero3" else 2
+        if stage is not None and stage != expected:
+            raise FieldError(
+                ("deepspeed_config",),
+                f"the DeepSpeed config's zero_optimization.stage is {stage!r} but strategy is {self.strategy!r}: "
+                f"make them agree (strategy deepspeed_zero{stage} or stage {expected})",
+            )
+        return self
 
 
 # --------------------------------------------------------------------------- kubernetes
@@ -1106,6 +1246,33 @@ class GateRule(StrictModel):
     max_regression: float = Field(
         0.0, ge=0, description="How far the candidate may fall behind the champion (absolute) and still pass."
     )
+    max_regression_relative: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="How far the candidate may fall behind, as a fraction of the reference's value (0.05: 5% worse, "
+        "e.g. a perplexity of 10.5 against 10.0). The allowance is the larger of this and max_regression. None: "
+        "max_regression alone.",
+    )
+    min_significance: float | None = Field(
+        None,
+        gt=0,
+        description="Require a significant improvement: the candidate must beat the reference by more than this "
+        "many standard errors, candidate - reference > k * sqrt(se_candidate^2 + se_reference^2), with the "
+        "standard errors lm-eval reports (`<task>/<metric>_stderr`); a side whose standard error is unknown fails "
+        "the rule, saying so. Only for lm-eval metrics (`<task>/<metric>`). None: no significance required.",
+    )
+
+    @model_validator(mode="after")
+    def _significance_needs_a_stderr(self) -> GateRule:
+        if self.min_significance is not None and "/" not in self.metric:
+            raise FieldError(
+                ("min_significance",),
+                f"metric {self.metric!r} has no standard error: min_significance applies to lm-eval metrics "
+                "('<task>/<metric>', e.g. 'arc_easy/acc'), whose standard errors lm-eval reports; remove "
+                "min_significance or use max_regression_relative",
+            )
+        return self
 
 
 class EvaluateStage(StageBase):
@@ -1135,8 +1302,8 @@ class EvaluateStage(StageBase):
     gate: list[GateRule] = Field(
         default_factory=lambda: [GateRule(metric="perplexity", higher_is_better=False, max_regression=0.0)],
         description="Rules the candidate must pass to become champion; all must hold. Set in the pipeline file: "
-        "the form may add rules or lower a rule's max_regression (tighten the gate), never remove, relax or "
-        "reverse one.",
+        "the form may add rules, lower a rule's max_regression or max_regression_relative, or raise its "
+        "min_significance (tighten the gate), never remove, relax or reverse one.",
     )
 
 
@@ -1486,12 +1653,18 @@ class TrackingSpec(StrictModel):
     """Experiment tracking. Credentials come from cluster.secrets (or the environment locally)."""
 
     mlflow_tracking_uri: str | None = Field(
-        None, description="MLflow server URI; None: MLFLOW_TRACKING_URI, else SQLite in the run directory."
+        None,
+        description="MLflow server URI; None: MLFLOW_TRACKING_URI, else a SQLite store beside the run directories "
+        "(runs/mlflow.db), shared by the runs there.",
     )
     mlflow_experiment: str | None = Field(None, description="MLflow experiment; None uses the pipeline name.")
-    wandb_project: str | None = Field(None, description="W&B project; None turns W&B off.")
-    wandb_entity: str | None = Field(None, description="W&B entity (team or user).")
-    tensorboard: bool = Field(True, description="Write TensorBoard event files into the run directory.")
+    wandb_project: str | None = Field(
+        None, description="W&B project ($WANDB_PROJECT overrides it); None, and no $WANDB_PROJECT, turns W&B off."
+    )
+    wandb_entity: str | None = Field(None, description="W&B entity, team or user ($WANDB_ENTITY overrides it).")
+    tensorboard: bool = Field(
+        True, description="Write TensorBoard event files into the run directory (tags train/..., eval/...)."
+    )
     langfuse_host: str | None = Field(
         None,
         description="Langfuse server (e.g. https://langfuse.example.com): every stage's start, checkpoints, end and "
@@ -1710,7 +1883,11 @@ class PipelineSpec(StrictModel):
         default_factory=dict,
         description="Named overlays merged onto this spec by --profile (the 'local' profile is used by --local). "
         "A profile's WorkflowTemplate and CronWorkflow are named '<name>-<profile>', so a profile name that is "
-        "registered or submitted holds lowercase letters, digits and '-'.",
+        "registered or submitted holds lowercase letters, digits and '-'. A profile never replaces a data URI that "
+        "the pipeline file (outside profiles) sets: its stages.<stage>.data section is left out for that stage, "
+        "unless the profile says `replaces_data: true` (the shipped 'local' profiles do, to run offline on "
+        "builtin: data); a --set URI always wins. A profile's max_steps, like any max_steps, overrides epochs "
+        "(the local runner warns).",
     )
     variants: list[Variant] = Field(
         default_factory=list,

@@ -52,6 +52,8 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 """The pipeline, its spec, a --set or an option is wrong."""
 EXIT_INTERRUPTED = 130
+EXIT_GATE_FAILED = 3
+"""--local --fail-on-gate: every stage ran, but the gate failed and deploy was skipped (workflows.local's)."""
 
 LOCAL_PROFILE = "local"
 """The profile --local uses when no --profile is given and the pipeline has one."""
@@ -210,9 +212,13 @@ def render(documents: dict[str, dict[str, Any]], out_dir: Path) -> list[Path]:
 
 def parser() -> argparse.ArgumentParser:
     """The command line."""
+    from workflows.cli import epilog
+
     p = argparse.ArgumentParser(
         prog="python -m workflows.submit",
         description="Compile a post-training pipeline to Argo Workflows and render, submit or run it.",
+        epilog=epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_pipeline_arguments(
         p,
@@ -244,6 +250,12 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--run-dir", type=Path, metavar="DIR", help="Run directory for --local.")
     p.add_argument("--force", action="store_true", help="With --local: start over in an existing run directory.")
+    p.add_argument(
+        "--fail-on-gate",
+        action="store_true",
+        help=f"With --local: exit with {EXIT_GATE_FAILED} when every stage ran but the gate failed (deploy skipped); "
+        "without it that run exits 0, as the cluster's workflow succeeds.",
+    )
     return p
 
 
@@ -255,6 +267,15 @@ def _load_for_local(args: argparse.Namespace) -> LoadedPipeline:
     if LOCAL_PROFILE in plain.spec.profiles:
         return load(args.pipeline, LOCAL_PROFILE, args.overrides)
     return plain
+
+
+def local_command(args: argparse.Namespace) -> list[str]:
+    """The --local command line as the user gave it (the pipeline as typed, name or path, with its --profile and
+    --set options), without --variant, --run-dir and --force: the runner adds those to its resume hint."""
+    argv = ["python", "-m", "workflows.submit", args.pipeline, "--local"]
+    if args.profile is not None:
+        argv += ["--profile", args.profile]
+    return argv + [f"--set={override}" for override in args.overrides]
 
 
 def preflight(spec: PipelineSpec) -> None:
@@ -426,8 +447,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--watch follows a submitted run; it cannot be combined with --render, --dry-run or --local")
     if args.skip_preflight and (args.render or args.dry_run or args.local):
         p.error("--skip-preflight goes with a submission to the Argo server")
-    if (args.run_dir is not None or args.force) and not args.local:
-        p.error("--run-dir and --force go with --local")
+    if (args.run_dir is not None or args.force or args.fail_on_gate) and not args.local:
+        p.error("--run-dir, --force and --fail-on-gate go with --local")
     if args.watch_interval < 0:
         p.error("--watch-interval must be zero or more seconds")
 
@@ -436,13 +457,17 @@ def main(argv: list[str] | None = None) -> int:
         if not loaded.spec.variants and not args.variants:
             from workflows.local import run_local
 
-            return run_local(loaded, args.run_dir, args.force)
+            return run_local(
+                loaded, args.run_dir, args.force, resume=local_command(args), fail_on_gate=args.fail_on_gate
+            )
         chosen = selected_variants(args, loaded)
         if args.run_dir is not None and len(chosen) > 1:
             p.error(f"--run-dir holds one run: pick one variant with --variant ({', '.join(chosen)})")
         from workflows.local import run_local_variants
 
-        return run_local_variants(chosen, args.run_dir, args.force)
+        return run_local_variants(
+            chosen, args.run_dir, args.force, resume=local_command(args), fail_on_gate=args.fail_on_gate
+        )
 
     if args.render is None and not args.dry_run:
         return _submit(args)

@@ -27,6 +27,7 @@ from training_fixtures import child_env, stage_command, wait_for_file
 
 from stages.checkpoints import MARKER, check_safetensors, list_checkpoints, why_invalid
 from stages.contract import RunDir
+from stages.tracking import local_store_uri
 
 _HOOKS = """
 import errno, os, time
@@ -191,7 +192,7 @@ def mlflow_runs(run_dir: RunDir, stage: str) -> list[str]:
     """Ids of the MLflow runs of a stage in the run's own store."""
     import mlflow
 
-    client = mlflow.tracking.MlflowClient(f"sqlite:///{run_dir.root / 'mlflow.db'}")
+    client = mlflow.tracking.MlflowClient(local_store_uri(run_dir.root))
     experiments = [e.experiment_id for e in client.search_experiments()]
     found = client.search_runs(experiments, filter_string=f"tags.`posttrain.stage` = '{stage}'")
     return [r.info.run_id for r in found if r.data.tags.get("posttrain.run_dir") == str(run_dir.root)]
@@ -200,5 +201,5 @@ def mlflow_runs(run_dir: RunDir, stage: str) -> list[str]:
 def metric_steps(run_dir: RunDir, run_id: str, key: str = "loss") -> list[int]:
     import mlflow
 
-    client = mlflow.tracking.MlflowClient(f"sqlite:///{run_dir.root / 'mlflow.db'}")
+    client = mlflow.tracking.MlflowClient(local_store_uri(run_dir.root))
     return sorted(m.step for m in client.get_metric_history(run_id, key))

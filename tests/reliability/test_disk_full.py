@@ -13,6 +13,7 @@ import pytest
 from training_fixtures import make_run_dir
 
 from stages.contract import write_json_atomic
+from stages.tracking import local_store_uri
 
 OVERRIDES = ["stages.cpt.training.max_steps=6", "stages.cpt.training.save_steps=3"]
 
@@ -75,5 +76,5 @@ def test_a_stage_that_cannot_record_success_is_not_finished_in_mlflow(tmp_path: 
     run_dir = make_run_dir(tmp_path / "run", overrides=["stages.cpt.training.max_steps=2"], n_text=20, n_chat=10)
     assert faults.run(run_dir, "cpt", ENOSPC_STAGE_JSON="succeeded,failed").returncode == 1
     run_id = run_dir.read_result("cpt").mlflow_run_id
-    client = mlflow.tracking.MlflowClient(f"sqlite:///{run_dir.root / 'mlflow.db'}")
+    client = mlflow.tracking.MlflowClient(local_store_uri(run_dir.root))
     assert client.get_run(run_id).info.status != "FINISHED"

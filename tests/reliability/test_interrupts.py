@@ -28,6 +28,7 @@ from stages.contract import (
     now,
 )
 from stages.data import BUILTIN_TASKS_DIR
+from stages.tracking import local_store_uri
 from workflows.loading import load_pipeline
 
 STEPS = 9
@@ -149,7 +150,7 @@ def test_a_signal_during_evaluate_records_it_interrupted_and_exits_75(run_dir: R
     result = run_dir.read_result("evaluate")
     assert result.status == "interrupted" and result.message.startswith(f"interrupted by {name}")
     assert result.ended_at is not None and result.attempts == attempt.attempts
-    client = mlflow.tracking.MlflowClient(f"sqlite:///{run_dir.root / 'mlflow.db'}")
+    client = mlflow.tracking.MlflowClient(local_store_uri(run_dir.root))
     assert client.get_run(result.mlflow_run_id).info.status == "KILLED"  # not left RUNNING
 
 

@@ -1,0 +1,204 @@
+"""Ecosystem conventions: the `posttrain` command, --help, the pipeline JSON Schema, "did you mean" on unknown
+fields, training.extra_args and the user's own DeepSpeed / accelerate configs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import jsonschema
+import pytest
+
+from workflows.loading import SpecError, known_pipelines, load_pipeline, load_yaml
+from workflows.reference import render_json_schema
+
+REPO = Path(__file__).resolve().parent.parent
+SCHEMA = REPO / "docs" / "pipeline.schema.json"
+SFT = """\
+name: my-sft
+model: {name_or_path: Qwen/Qwen3-0.6B}
+stages:
+  sft:
+    method: lora
+    data: {uri: /data/train.jsonl, format: messages}
+    training:
+      learning_rate: 1.0e-4
+"""
+
+
+def _posttrain(*args: str) -> subprocess.CompletedProcess[str]:
+    script = Path(sys.executable).parent / "posttrain"
+    command = [str(script)] if script.is_file() else [sys.executable, "-m", "workflows.cli"]
+    proc = subprocess.run([*command, *args], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    return proc
+
+
+def test_posttrain_help_lists_commands_pipelines_environment_and_exit_codes() -> None:
+    proc = _posttrain("--help")
+    assert proc.returncode == 0
+    for text in ("submit", "register", "runs", "preflight", "local", "import", "ARGO_SERVER", "ARGO_TOKEN", "130/143"):
+        assert text in proc.stdout
+    for name in known_pipelines():
+        assert name in proc.stdout
+
+
+def test_posttrain_subcommand_delegates(tmp_path: Path) -> None:
+    pipeline = tmp_path / "p.yaml"
+    pipeline.write_text(SFT, encoding="utf-8")
+    proc = _posttrain("submit", str(pipeline), "--render", str(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "out" / "workflowtemplate.yaml").is_file()
+    bad = _posttrain("submit", str(pipeline), "--set", "stages.sft.training.learnig_rate=1e-4", "--dry-run")
+    assert bad.returncode == 2
+    assert "did you mean 'learning_rate'?" in bad.stderr
+    assert _posttrain("nonsense").returncode == 2
+
+
+def test_submit_help_has_examples_and_exit_codes() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "workflows.submit", "--help"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0
+    assert "examples:" in proc.stdout and "exit codes:" in proc.stdout and "korean-llm" in proc.stdout
+
+
+# --------------------------------------------------------------------------- JSON Schema
+
+
+def test_json_schema_is_current() -> None:
+    assert SCHEMA.read_text(encoding="utf-8") == render_json_schema(), (
+        "regenerate: python -m workflows.reference --json-schema > docs/pipeline.schema.json"
+    )
+
+
+@pytest.mark.parametrize("name", known_pipelines())
+def test_shipped_pipelines_validate_against_the_schema(name: str) -> None:
+    path = REPO / "workflows" / "pipelines" / f"{name}.yaml"
+    text = path.read_text(encoding="utf-8")
+    assert text.startswith("# yaml-language-server: $schema=../../docs/pipeline.schema.json")
+    jsonschema.validate(load_yaml(text, str(path)), json.loads(SCHEMA.read_text(encoding="utf-8")))
+
+
+def test_schema_refuses_a_typo() -> None:
+    doc = load_yaml(SFT.replace("learning_rate", "learnig_rate"), "p.yaml")
+    with pytest.raises(jsonschema.ValidationError, match="learnig_rate"):
+        jsonschema.validate(doc, json.loads(SCHEMA.read_text(encoding="utf-8")))
+
+
+# --------------------------------------------------------------------------- did you mean
+
+
+def test_unknown_field_in_a_file_suggests_the_closest(tmp_path: Path) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text(SFT.replace("    method: lora", "    metod: lora"), encoding="utf-8")
+    with pytest.raises(SpecError) as exc:
+        load_pipeline(str(path))
+    assert f"{path}:5: stages.sft.metod: unknown field; did you mean 'method'?" in str(exc.value)
+
+
+def test_unknown_field_far_from_any_gets_no_suggestion(tmp_path: Path) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text(SFT, encoding="utf-8")
+    with pytest.raises(SpecError) as exc:
+        load_pipeline(str(path), overrides=["stages.sft.lora.zzzz=1"])
+    assert "did you mean" not in str(exc.value) and "unknown field" in str(exc.value)
+
+
+# --------------------------------------------------------------------------- training.extra_args
+
+
+def test_extra_args_refuses_a_setting_the_spec_owns(tmp_path: Path) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text(SFT, encoding="utf-8")
+    with pytest.raises(SpecError, match=r"extra_args.learning_rate is set by the spec: use training.learning_rate"):
+        load_pipeline(str(path), overrides=["stages.sft.training.extra_args={learning_rate: 0.1}"])
+    with pytest.raises(SpecError, match="extra_args"):
+        load_pipeline(str(path), overrides=["stages.sft.training.extra_args={optim: [a, b]}"])  # scalars only
+
+
+def test_extra_args_reach_the_trainer_config_and_unknown_names_are_refused(tmp_path: Path) -> None:
+    from transformers import TrainingArguments
+
+    from stages.contract import StageRefused
+    from stages.training import build_config
+
+    path = tmp_path / "p.yaml"
+    path.write_text(SFT, encoding="utf-8")
+    spec = load_pipeline(str(path), overrides=["stages.sft.training.extra_args={adam_beta2: 0.95}"]).spec
+    ctx = SimpleNamespace(stage="sft", section=spec.stages.sft)
+    args = build_config(ctx, TrainingArguments, {"output_dir": str(tmp_path / "out"), "use_cpu": True})
+    assert args.adam_beta2 == 0.95
+
+    spec = load_pipeline(str(path), overrides=["stages.sft.training.extra_args={adam_beta3: 0.9}"]).spec
+    ctx = SimpleNamespace(stage="sft", section=spec.stages.sft)
+    with pytest.raises(StageRefused, match=r"stages.sft.training.extra_args.adam_beta3: .*did you mean 'adam_beta2'"):
+        build_config(ctx, TrainingArguments, {"output_dir": str(tmp_path / "out"), "use_cpu": True})
+
+
+# --------------------------------------------------------------------------- DeepSpeed / accelerate configs
+
+DEEPSPEED = {"zero_optimization": {"stage": 3, "overlap_comm": False}, "bf16": {"enabled": "auto"}}
+
+
+def _ds_pipeline(tmp_path: Path, config: str, strategy: str = "deepspeed_zero3") -> Path:
+    path = tmp_path / "p.yaml"
+    path.write_text(SFT + f"    distributed: {{strategy: {strategy}, deepspeed_config: {config}}}\n", encoding="utf-8")
+    return path
+
+
+def test_deepspeed_config_file_is_embedded_and_used(tmp_path: Path) -> None:
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "ds.json").write_text(json.dumps(DEEPSPEED), encoding="utf-8")
+    spec = load_pipeline(str(_ds_pipeline(tmp_path, "configs/ds.json"))).spec
+    assert spec.stages.sft.distributed.deepspeed_config == DEEPSPEED
+
+    from stages import distributed
+
+    section = spec.stages.sft
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(distributed, "check_strategy", lambda *_: None)  # no GPU here
+        assert distributed.strategy_arguments("sft", section, None)["deepspeed"] == DEEPSPEED
+
+
+def test_deepspeed_config_errors_name_the_file(tmp_path: Path) -> None:
+    (tmp_path / "bad.json").write_text('{"zero_optimization": {"stage": 3,}}', encoding="utf-8")
+    with pytest.raises(SpecError, match=r"p.yaml:9: stages.sft.distributed.deepspeed_config: .*bad.json:1: not valid"):
+        load_pipeline(str(_ds_pipeline(tmp_path, "bad.json")))
+    with pytest.raises(SpecError, match=r"missing.json does not exist"):
+        load_pipeline(str(_ds_pipeline(tmp_path, "missing.json")))
+    (tmp_path / "ds.json").write_text(json.dumps(DEEPSPEED), encoding="utf-8")
+    with pytest.raises(SpecError, match=r"zero_optimization.stage is 3 but strategy is 'deepspeed_zero2'"):
+        load_pipeline(str(_ds_pipeline(tmp_path, "ds.json", "deepspeed_zero2")))
+
+
+def test_accelerate_config_is_applied(tmp_path: Path) -> None:
+    (tmp_path / "accelerate.yaml").write_text(
+        "compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\nnum_processes: 8\n"
+        "deepspeed_config:\n  zero_stage: 2\n  offload_optimizer_device: cpu\n  gradient_clipping: 0.5\n",
+        encoding="utf-8",
+    )
+    path = tmp_path / "p.yaml"
+    path.write_text(
+        SFT + "    distributed: {strategy: deepspeed_zero2, accelerate_config: accelerate.yaml}\n", encoding="utf-8"
+    )
+    spec = load_pipeline(str(path)).spec
+    from stages import distributed
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(distributed, "check_strategy", lambda *_: None)
+        deepspeed = distributed.strategy_arguments("sft", spec.stages.sft, None)["deepspeed"]
+    assert deepspeed["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert deepspeed["gradient_clipping"] == 0.5
+    with pytest.raises(SpecError, match="distributed_type DEEPSPEED needs strategy 'deepspeed_zero2', not 'fsdp'"):
+        load_pipeline(str(path), overrides=["stages.sft.distributed.strategy=fsdp"])
+
+
+def test_import_subcommand_is_wired(tmp_path: Path) -> None:
+    assert shutil.which("true")  # the subcommand's own tests are in test_import_recipes.py
+    proc = _posttrain("import", "--help")
+    assert proc.returncode == 0 and "llamafactory" in proc.stdout

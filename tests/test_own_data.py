@@ -1,0 +1,230 @@
+"""Own data first: a profile keeps the data the user names, the runner says what it will train on and warns, a
+failed gate ends with the command that registers anyway, and the README's walkthrough works as written."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.training_fixtures import chat_rows, write_jsonl
+from workflows.loading import SpecError, load_pipeline
+from workflows.local import effective_plan
+from workflows.plan import MIN_EVAL_ROWS, plan_warnings, prepared_warnings
+from workflows.submit import EXIT_GATE_FAILED, EXIT_USAGE
+from workflows.submit import main as submit_main
+
+REPO = Path(__file__).resolve().parents[1]
+
+PIPELINE = """\
+name: my-chat
+model: {{ name_or_path: Qwen/Qwen3-8B-Base }}
+stages:
+  sft:
+    enabled: true
+    data: {{ uri: {uri}, format: messages }}
+    training: {{ epochs: 2 }}
+profiles:
+  local:
+{marker}    model:
+      name_or_path: tiny-qwen3-ko
+      revision: null
+      from_config: {{ hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, vocab_size: 2048 }}
+    stages:
+      sft:
+        data: {{ uri: "builtin:korean-instructions", format: sharegpt, eval_fraction: 0.1 }}
+        training: {{ max_steps: 30 }}
+      evaluate:
+        data: {{ uri: "builtin:korean-heldout", format: text }}
+"""
+
+
+def _pipeline(tmp_path: Path, marker: str = "", rows: int = 30) -> tuple[Path, Path]:
+    data = tmp_path / "chat.jsonl"
+    write_jsonl(data, chat_rows(rows))
+    path = tmp_path / "my-chat.yaml"
+    path.write_text(PIPELINE.format(uri=data, marker=marker), encoding="utf-8")
+    return path, data
+
+
+# --------------------------------------------------------------------------- the profile merge
+
+
+def test_a_profile_keeps_the_data_uri_the_pipeline_file_sets(tmp_path: Path) -> None:
+    path, data = _pipeline(tmp_path)
+    loaded = load_pipeline(str(path), profile="local")
+    sft = loaded.spec.stages.sft
+    # The profile's whole data section stays out (its format and split describe its own data) ...
+    assert (sft.data.uri, sft.data.format, sft.data.eval_fraction) == (str(data), "messages", 0.02)
+    assert loaded.origins.data_kept == {"sft": str(data)}
+    assert loaded.origins.by_path[("stages", "sft", "data", "uri")].endswith("my-chat.yaml:6")
+    # ... while the rest of it applies: the model, the step cap, and data for a stage the file gives none.
+    assert loaded.spec.model.name_or_path == "tiny-qwen3-ko" and sft.training.max_steps == 30
+    assert loaded.spec.stages.evaluate.data.uri == "builtin:korean-heldout"
+
+
+def test_a_set_uri_is_kept_even_over_a_profile_that_replaces_data(tmp_path: Path) -> None:
+    own = tmp_path / "mine.jsonl"
+    loaded = load_pipeline("korean-llm", profile="local", overrides=[f"stages.sft.data.uri={own}"])
+    assert loaded.spec.stages.sft.data.uri == str(own)
+    assert loaded.spec.stages.cpt.data.uri == "builtin:korean-corpus"  # the stages not --set keep the profile's
+    sft = next(line for line in effective_plan(loaded) if line.startswith("sft:"))
+    assert f"data {own} (messages) [--set]" in sft
+
+
+def test_a_profile_that_says_replaces_data_swaps_it(tmp_path: Path) -> None:
+    path, _ = _pipeline(tmp_path, marker="    replaces_data: true\n")
+    loaded = load_pipeline(str(path), profile="local")
+    assert (loaded.spec.stages.sft.data.uri, loaded.spec.stages.sft.data.format) == (
+        "builtin:korean-instructions",
+        "sharegpt",
+    )
+    assert loaded.origins.data_kept == {}
+    # The shipped pipelines' local profiles run offline on built-in data: they say so.
+    for name in ("korean-llm", "llama3-dolly", "qwen-multi", "qwen3-30b-a3b"):
+        shipped = load_pipeline(name, profile="local")
+        assert shipped.spec.profiles["local"]["replaces_data"] is True
+        assert shipped.spec.stages.sft.data.uri.startswith("builtin:")
+
+
+def test_replaces_data_takes_true_or_false_only(tmp_path: Path) -> None:
+    path, _ = _pipeline(tmp_path, marker="    replaces_data: yes please\n")
+    with pytest.raises(SpecError, match=r"my-chat\.yaml:10: profiles\.local\.replaces_data: expected true or false"):
+        load_pipeline(str(path), profile="local")
+
+
+# --------------------------------------------------------------------------- the plan and its warnings
+
+
+def test_the_plan_shows_the_profile_the_effective_data_and_steps(tmp_path: Path) -> None:
+    path, data = _pipeline(tmp_path)
+    plan = effective_plan(load_pipeline(str(path), profile="local"))
+    assert plan[0] == "profile local: sets model, stages.sft.training, stages.evaluate.data"
+    assert plan[1].startswith("model: tiny-qwen3-ko (built from config: qwen3, 2 layers")
+    sft = next(line for line in plan if line.startswith("sft:"))
+    assert sft == (
+        f"sft: data {data} (messages) [the pipeline file's; profile local's data left out: it has no "
+        "replaces_data: true], 30 steps [profile local] (the pipeline file says 2 epochs)"
+    )
+    assert "evaluate: data builtin:korean-heldout (text) [profile local]" in plan
+    replacing = effective_plan(load_pipeline("korean-llm", profile="local"))
+    assert replacing[0].endswith("; replaces the pipeline file's data (replaces_data: true)")
+
+
+def test_warnings_max_steps_over_epochs_small_eval_split_and_unrelated_evaluation(tmp_path: Path) -> None:
+    path, data = _pipeline(tmp_path, rows=30)
+    warnings = plan_warnings(load_pipeline(str(path), profile="local"))
+    assert len(warnings) == 3, warnings
+    steps, small, unrelated = warnings
+    assert steps.startswith("sft: max_steps 30 (") and "overrides epochs 2 (" in steps
+    assert "--set stages.sft.training.max_steps=null" in steps
+    # 30 rows × eval_fraction 0.02: about one held-out row
+    assert small.startswith(
+        f"sft: about 1 of the 30 rows are held out for eval (eval_fraction 0.02), under {MIN_EVAL_ROWS}"
+    )
+    assert unrelated.startswith("evaluate: measures builtin:korean-heldout (text), built-in data unrelated")
+    assert f"sft on {data} (messages)" in unrelated
+
+    # Enough held-out rows, epochs kept, evaluate on the user's own held-out file: nothing to say.
+    write_jsonl(data, chat_rows(60))  # 0.4 of them held out: 24
+    heldout = tmp_path / "heldout.jsonl"
+    write_jsonl(heldout, chat_rows(MIN_EVAL_ROWS, seed=1))
+    quiet = load_pipeline(
+        str(path),
+        profile="local",
+        overrides=[
+            "stages.sft.training.max_steps=null",
+            "stages.sft.data.eval_fraction=0.4",
+            f"stages.evaluate.data.uri={heldout}",
+            "stages.evaluate.data.format=messages",
+        ],
+    )
+    assert plan_warnings(quiet) == []
+
+
+def test_prepare_counts_warn_of_a_small_eval_split_of_own_data_not_already_warned() -> None:
+    extra = {
+        "data": {
+            "sft": {"uri": "/data/chat.jsonl", "rows": 30, "eval_rows": 1},
+            "evaluate": {"uri": "/data/heldout.jsonl", "rows": 5, "eval_rows": 5},
+            "rlhf": {"uri": "builtin:korean-preferences", "rows": 120, "eval_rows": 12},  # the project's own
+        }
+    }
+    warnings = prepared_warnings(extra)
+    assert [w.split(":", 1)[0] for w in warnings] == ["sft", "evaluate"]
+    assert warnings[0].startswith("sft: 1 of the 30 rows are held out for eval") and "has 5 rows" in warnings[1]
+    assert prepared_warnings(extra, {"sft"}) == warnings[1:]
+    assert prepared_warnings({"data": {"sft": {"uri": "a.jsonl", "rows": 99, "eval_rows": MIN_EVAL_ROWS}}}) == []
+
+
+def test_the_shipped_local_profiles_plan_without_warnings() -> None:
+    # Their step caps go with the built-in data they swap in (the plan shows them against the file's epochs).
+    for name in ("korean-llm", "llama3-dolly", "qwen3-30b-a3b"):
+        assert plan_warnings(load_pipeline(name, profile="local")) == [], name
+
+
+def test_fail_on_gate_goes_with_local(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        submit_main(["korean-llm", "--render", "out", "--fail-on-gate"])
+    assert exited.value.code == EXIT_USAGE and "--fail-on-gate go with --local" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- the README walkthrough, run
+
+
+def readme_walkthrough() -> str:
+    """The shell lines of the README's 'Your own data' walkthrough, from `mkdir` on (the venv is this one)."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    section = readme.split("\n## Your own data\n", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"```bash\n(.*?)```", section, re.S)
+    assert block is not None, "README: the 'Your own data' section has no bash block"
+    lines = block.group(1).splitlines()
+    assert lines[0].startswith("make .venv/.installed"), lines[0]
+    return "\n".join(lines[1:]) + "\n"
+
+
+def _shell(script: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    return subprocess.run(
+        ["bash", "-e", "-c", script], cwd=cwd, env=env, capture_output=True, text=True, timeout=600, check=False
+    )
+
+
+def test_the_readme_walkthrough_trains_on_own_rows_and_registers_the_model(tmp_path: Path) -> None:
+    done = _shell(readme_walkthrough(), tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    folder = tmp_path / "my-chat"
+    assert "sft: data chat.jsonl (messages), 3 epochs" in done.stdout
+    assert "deploy: succeeded" in done.stdout
+    assert done.stdout.rstrip().endswith("registered my-chat version 1 gate pass")
+    assert (folder / "runs" / "my-chat-1" / "prepare" / "data" / "sft" / "train.jsonl").is_file()
+
+
+def test_a_failed_gate_ends_with_the_command_that_registers_anyway(tmp_path: Path) -> None:
+    # The README's files, then a gate the trained model cannot pass: perplexity falls, scored higher-is-better.
+    script = readme_walkthrough().split("\npython -m workflows.submit", 1)[0]
+    gate = "stages.evaluate.gate=[{metric: perplexity, higher_is_better: true}]"
+    script += f"\npython -m workflows.submit my-chat.yaml --local --run-dir runs/gated --set '{gate}' --fail-on-gate\n"
+    done = _shell(script, tmp_path)
+    assert done.returncode == EXIT_GATE_FAILED, done.stdout[-3000:] + done.stderr[-3000:]
+    run_dir = (tmp_path / "my-chat" / "runs" / "gated").absolute()
+    assert "skipping deploy: gate fail" in done.stdout
+    command = f"python -m stages deploy --run-dir {run_dir}"
+    lines = [line.strip() for line in done.stdout.splitlines()]
+    hint = next(i for i, line in enumerate(lines) if line.startswith("To register this candidate anyway"))
+    assert lines[hint + 1] == command, done.stdout[-2000:]
+    assert not (run_dir / "deploy" / "stage.json").exists()
+
+    forced = _shell(command + "\n", tmp_path / "my-chat")
+    assert forced.returncode == 0, forced.stdout[-3000:] + forced.stderr[-3000:]
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{run_dir.parent / 'mlflow.db'}")
+    version = client.get_model_version_by_alias("my-chat", "challenger")
+    assert version.tags["posttrain.gate"] == "fail" and version.tags["posttrain.gate_overridden"] == "true"
+    assert "champion" not in client.get_registered_model("my-chat").aliases
