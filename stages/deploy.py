@@ -391,6 +391,9 @@ def fluent_uri(uri: str) -> Iterator[None]:
     from mlflow.tracking._tracking_service import utils as tracking_utils
 
     before = tracking_utils._tracking_uri, registry_utils._registry_uri
+    # The setters also export MLFLOW_TRACKING_URI / MLFLOW_REGISTRY_URI for subprocesses, and setting None back
+    # does not remove them: the environment is put back by hand.
+    environment = {name: os.environ.get(name) for name in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
     mlflow.set_tracking_uri(uri)
     mlflow.set_registry_uri(uri)
     try:
@@ -398,6 +401,11 @@ def fluent_uri(uri: str) -> Iterator[None]:
     finally:
         mlflow.set_tracking_uri(before[0])
         mlflow.set_registry_uri(before[1])
+        for name, value in environment.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def log_chat_model(

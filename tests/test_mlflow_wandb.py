@@ -10,6 +10,7 @@ deploys it: no training here."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -194,8 +195,26 @@ def test_wandb_project_and_entity_from_the_environment_beat_the_spec(
     ctx = make_ctx(tmp_path / "run", "prepare")
     with StageTracker(ctx):
         pass
-    (run,) = wandb_offline_runs(ctx.run_dir.root)
+    (run,) = wandb_offline_runs(ctx.run_dir.root, wait_seconds=60)
     assert run["project"] == "from-env" and run["job_type"] == "prepare"
+
+
+def test_deploy_puts_back_the_process_wide_mlflow_uris_and_their_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """mlflow's setters export MLFLOW_TRACKING_URI / MLFLOW_REGISTRY_URI to subprocesses: left behind, a later
+    stage or runner started from this process would register its model in another store."""
+    from stages.deploy import fluent_uri
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_REGISTRY_URI", raising=False)
+    with fluent_uri(f"sqlite:///{tmp_path / 'a.db'}"):
+        assert mlflow.get_registry_uri() == f"sqlite:///{tmp_path / 'a.db'}"
+    assert "MLFLOW_TRACKING_URI" not in os.environ and "MLFLOW_REGISTRY_URI" not in os.environ
+    monkeypatch.setenv("MLFLOW_REGISTRY_URI", "sqlite:///kept.db")
+    with fluent_uri(f"sqlite:///{tmp_path / 'b.db'}"):
+        pass
+    assert os.environ["MLFLOW_REGISTRY_URI"] == "sqlite:///kept.db" and "MLFLOW_TRACKING_URI" not in os.environ
 
 
 # --------------------------------------------------------------------------- TensorBoard and the summary

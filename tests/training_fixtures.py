@@ -222,11 +222,23 @@ def wandb_records(path: Path) -> Iterator[Any]:
             yield record
 
 
-def wandb_offline_runs(root: Path) -> list[dict[str, str]]:
-    """Each offline W&B run under `<root>/wandb/`: its id, project, group, job type and name, as recorded."""
+def wandb_offline_runs(root: Path, wait_seconds: float = 0) -> list[dict[str, str]]:
+    """Each offline W&B run under `<root>/wandb/`: its id, project, group, job type and name, as recorded. W&B's
+    service writes the file in the background: with `wait_seconds`, wait up to that long for each run record."""
     runs = []
     for path in sorted(root.glob("wandb/offline-run-*/run-*.wandb")):
-        run = next(r.run for r in wandb_records(path) if r.WhichOneof("record_type") == "run")
+        deadline = time.monotonic() + wait_seconds
+        while True:
+            try:
+                run = next((r.run for r in wandb_records(path) if r.WhichOneof("record_type") == "run"), None)
+            except AssertionError:  # not even the header written yet
+                if time.monotonic() > deadline:
+                    raise
+                run = None
+            if run is not None or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert run is not None, f"{path}: no run record"
         runs.append(
             {
                 "id": run.run_id,

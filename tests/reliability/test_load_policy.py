@@ -21,6 +21,22 @@ REPO = Path(__file__).resolve().parents[2]
 SOURCES = sorted([*REPO.glob("stages/*.py"), *REPO.glob("workflows/*.py")])
 MODEL_LOADERS = ("AutoModel", "ForCausalLM", "PreTrainedModel", "AutoModelFor")
 """A `<name>.from_pretrained` call loads model weights when <name> contains one of these."""
+OWNERSHIP_TABLES = {"TRAINER_ARGS_OWNED"}
+"""Module-level tables that name trainer arguments (key) and the spec field that owns each (a text value): they are
+never passed to a loader, so their `trust_remote_code` entry is documentation, not a setting."""
+
+
+def _table_dicts(tree: ast.AST) -> set[int]:
+    """ids of the dict literals assigned to an OWNERSHIP_TABLES name whose values are all text."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign | ast.AnnAssign) and isinstance(node.value, ast.Dict):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            named = any(isinstance(t, ast.Name) and t.id in OWNERSHIP_TABLES for t in targets)
+            texts = all(isinstance(v, ast.Constant) and isinstance(v.value, str) for v in node.value.values)
+            if named and texts:
+                found.add(id(node.value))
+    return found
 
 
 def _calls(path: Path) -> list[ast.Call]:
@@ -53,11 +69,13 @@ def load_policy_violations(paths: list[Path]) -> list[str]:
                 value = _keyword(call, "weights_only")
                 if not (isinstance(value, ast.Constant) and value.value is True):
                     problems.append(f"{_where(path, call)}: torch.load without weights_only=True")
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        tables = _table_dicts(tree)
+        for node in ast.walk(tree):
             value = None
             if isinstance(node, ast.keyword) and node.arg == "trust_remote_code":
                 value = node.value
-            elif isinstance(node, ast.Dict):
+            elif isinstance(node, ast.Dict) and id(node) not in tables:
                 keys = [k.value if isinstance(k, ast.Constant) else None for k in node.keys]
                 value = node.values[keys.index("trust_remote_code")] if "trust_remote_code" in keys else None
             if value is not None:
@@ -80,11 +98,16 @@ def test_the_scan_catches_each_kind_of_violation(tmp_path: Path) -> None:
         "config = {'trust_remote_code': flag}\n"
         "torch.load(f)\n"
         "AutoModelForCausalLM.from_pretrained(p, use_safetensors=True, trust_remote_code=m.trust_remote_code)\n"
+        "TRAINER_ARGS_OWNED = {'trust_remote_code': 'model.trust_remote_code'}\n"  # a table of owners: allowed
+        "OTHER = {'trust_remote_code': 'yes'}\n"
+        "TRAINER_ARGS_OWNED = {'trust_remote_code': True}\n"
     )
     problems = load_policy_violations([bad])
     assert sorted(p.split(": ", 1)[1] for p in problems) == [
         "AutoModelForCausalLM.from_pretrained without use_safetensors=True",
         "torch.load without weights_only=True",
+        "trust_remote_code='yes', not from the spec",
+        "trust_remote_code=True, not from the spec",
         "trust_remote_code=True, not from the spec",
         "trust_remote_code=flag, not from the spec",
     ]

@@ -3,11 +3,14 @@ offline files, TensorBoard events. A secret that a stage prints anyway is masked
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from resubmitted_dag import CANARY, FAKE_SECRETS, Resubmitted
 from resubmitted_dag import resubmitted_dag as run_resubmitted_dag
 
 from stages.contract import MASK, mask_secrets
+from stages.tracking import local_store_uri
 
 pytestmark = pytest.mark.slow
 
@@ -19,7 +22,10 @@ def resubmitted_dag(tmp_path_factory: pytest.TempPathFactory) -> Resubmitted:
 
 def test_no_secret_value_in_any_file_of_the_run(resubmitted_dag: Resubmitted) -> None:
     root = resubmitted_dag.root
-    files = [p for p in root.rglob("*") if p.is_file()]
+    # The run's folder, and the local MLflow store the runs there share (runs/mlflow.db, runs/mlartifacts/).
+    store = Path(local_store_uri(root).removeprefix("sqlite:///"))
+    assert store.is_file(), store
+    files = [p for p in [*root.rglob("*"), store, *(store.parent / "mlartifacts").rglob("*")] if p.is_file()]
     kinds = {p.suffix for p in files} | {p.name.split(".")[0] for p in files}
     assert {".log", ".db", ".wandb", "events", "stage"} <= kinds, sorted(kinds)  # every kind of output is there
     for path in files:

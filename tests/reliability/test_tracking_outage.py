@@ -276,14 +276,15 @@ def test_the_real_trainer_logs_one_value_per_metric_and_step_in_every_backend(jo
     # Both attempts' files. W&B writes its offline file in the background: the killed attempt's holds what W&B
     # wrote before the kill (often nothing); the resumed attempt's has steps 5 and 6.
     stage_logs = journaled.run_dir.stage_dir("cpt") / "logs"
-    for name, points, at_least in (
-        ("TensorBoard", tensorboard_points(stage_logs), set(range(1, 7))),
-        ("W&B", wandb_points(journaled.run_dir.root), {5, 6}),
+    # TensorBoard's tags carry the Trainer's sections (train/loss, eval/loss); W&B's keys are MLflow's.
+    for name, points, at_least, loss, eval_loss in (
+        ("TensorBoard", tensorboard_points(stage_logs), set(range(1, 7)), "train/loss", "eval/loss"),
+        ("W&B", wandb_points(journaled.run_dir.root), {5, 6}, "loss", "eval_loss"),
     ):
         repeated = sorted({p for p in points if points.count(p) > 1})
         assert not repeated, f"{name} has several values for {repeated[:5]}"
-        assert at_least <= {s for k, s in points if k == "loss"} <= set(range(1, 7)), (name, points)
-        assert at_least & {3, 6} <= {s for k, s in points if k == "eval_loss"} <= {3, 6}, (name, points)
+        assert at_least <= {s for k, s in points if k == loss} <= set(range(1, 7)), (name, points)
+        assert at_least & {3, 6} <= {s for k, s in points if k == eval_loss} <= {3, 6}, (name, points)
 
 
 @pytest.mark.slow
