@@ -79,64 +79,29 @@ def delete_running_jobs(
     `pipeline`: a variant's, whose stages share their names with the other variants' in the same workflow) of
     `kind` (a `cluster.job_kind`); return their names. Finished jobs stay (their status and logs are the run's
     record until their TTL or the workflow's). A job deleted meanwhile by someone else is not an error."""
-    from kubernetes import client
-    from kubernetes.client.exceptions import ApiException
-
-    api = client.CustomObjectsApi(api_client or _default_api_client())
     selector = f"{WORKFLOW_LABEL}={workflow}" + (f",{STAGE_LABEL}={stage}" if stage else "")
     selector += f",{PIPELINE_LABEL}={pipeline}" if pipeline else ""
-    deleted: list[str] = []
-    for group, version, plural in (JOB_RESOURCES[kind],):
-        listed = api.list_namespaced_custom_object(
-            group, version, namespace, plural, label_selector=selector, _request_timeout=REQUEST_TIMEOUT_S
-        )
-        for job in listed.get("items", []):
-            name = job["metadata"]["name"]
-            if is_finished(job):
-                continue
-            try:
-                api.delete_namespaced_custom_object(
-                    group,
-                    version,
-                    namespace,
-                    plural,
-                    name,
-                    body=client.V1DeleteOptions(propagation_policy="Background"),
-                    _request_timeout=REQUEST_TIMEOUT_S,
-                )
-            except ApiException as exc:
-                if exc.status == 404:
-                    continue
-                raise
-            print(f"deleted {job.get('kind', plural)} {namespace}/{name} (workflow {workflow})", flush=True)
-            deleted.append(name)
-    return deleted
+    return _delete_unfinished(api_client, JOB_RESOURCES[kind], namespace, selector, workflow)
 
 
-EXPERIMENT_RESOURCE = (*katib.API_VERSION.split("/"), katib.PLURAL)
-"""(group, version, plural) of Katib's Experiment (workflows/katib.py)."""
-
-
-def delete_running_experiments(namespace: str, workflow: str, api_client: Any = None) -> list[str]:
-    """Delete the unfinished Katib Experiments of `workflow` in `namespace` (no Succeeded or Failed condition
-    True); return their names. A finished search stays: its trials are the run's record."""
+def _delete_unfinished(
+    api_client: Any, resource: tuple[str, str, str], namespace: str, selector: str, workflow: str, kind: str = ""
+) -> list[str]:
+    """Delete the unfinished objects of `resource` (group, version, plural) that `selector` finds in `namespace`
+    (named `kind`, default each object's own kind, in the lines it prints); return their names. One deleted
+    meanwhile by someone else is not an error."""
     from kubernetes import client
     from kubernetes.client.exceptions import ApiException
 
     api = client.CustomObjectsApi(api_client or _default_api_client())
-    group, version, plural = EXPERIMENT_RESOURCE
+    group, version, plural = resource
     listed = api.list_namespaced_custom_object(
-        group,
-        version,
-        namespace,
-        plural,
-        label_selector=f"{WORKFLOW_LABEL}={workflow}",
-        _request_timeout=REQUEST_TIMEOUT_S,
+        group, version, namespace, plural, label_selector=selector, _request_timeout=REQUEST_TIMEOUT_S
     )
     deleted: list[str] = []
-    for experiment in listed.get("items", []):
-        name = experiment["metadata"]["name"]
-        if is_finished(experiment):
+    for item in listed.get("items", []):
+        name = item["metadata"]["name"]
+        if is_finished(item):
             continue
         try:
             api.delete_namespaced_custom_object(
@@ -152,9 +117,20 @@ def delete_running_experiments(namespace: str, workflow: str, api_client: Any = 
             if exc.status == 404:
                 continue
             raise
-        print(f"deleted Experiment {namespace}/{name} (workflow {workflow})", flush=True)
+        print(f"deleted {kind or item.get('kind', plural)} {namespace}/{name} (workflow {workflow})", flush=True)
         deleted.append(name)
     return deleted
+
+
+EXPERIMENT_RESOURCE = (*katib.API_VERSION.split("/"), katib.PLURAL)
+"""(group, version, plural) of Katib's Experiment (workflows/katib.py)."""
+
+
+def delete_running_experiments(namespace: str, workflow: str, api_client: Any = None) -> list[str]:
+    """Delete the unfinished Katib Experiments of `workflow` in `namespace` (no Succeeded or Failed condition
+    True); return their names. A finished search stays: its trials are the run's record."""
+    selector = f"{WORKFLOW_LABEL}={workflow}"
+    return _delete_unfinished(api_client, EXPERIMENT_RESOURCE, namespace, selector, workflow, "Experiment")
 
 
 def _api_error(exc: Exception, plural: str = "pytorchjobs") -> str:

@@ -200,16 +200,11 @@ def _skeleton(name: str, model: str) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- LLaMA-Factory
 
-LLAMAFACTORY_STAGES = {"sft": ("sft", None), "dpo": ("rlhf", "dpo"), "orpo": ("rlhf", "orpo"), "kto": ("rlhf", "kto")}
-LLAMAFACTORY_HYPERPARAMETERS = {
+SHARED_HYPERPARAMETERS = {
     "learning_rate": "training.learning_rate",
-    "num_train_epochs": "training.epochs",
     "max_steps": "training.max_steps",
-    "per_device_train_batch_size": "training.per_device_batch_size",
     "gradient_accumulation_steps": "training.gradient_accumulation_steps",
-    "cutoff_len": "training.max_seq_length",
     "warmup_ratio": "training.warmup_ratio",
-    "lr_scheduler_type": "training.lr_scheduler",
     "weight_decay": "training.weight_decay",
     "max_grad_norm": "training.max_grad_norm",
     "seed": "training.seed",
@@ -217,6 +212,16 @@ LLAMAFACTORY_HYPERPARAMETERS = {
     "save_steps": "training.save_steps",
     "save_total_limit": "training.save_total_limit",
     "eval_steps": "training.eval_steps",
+}
+"""Recipe keys that LLaMA-Factory and axolotl name alike → the spec field each sets."""
+
+LLAMAFACTORY_STAGES = {"sft": ("sft", None), "dpo": ("rlhf", "dpo"), "orpo": ("rlhf", "orpo"), "kto": ("rlhf", "kto")}
+LLAMAFACTORY_HYPERPARAMETERS = {
+    **SHARED_HYPERPARAMETERS,
+    "num_train_epochs": "training.epochs",
+    "per_device_train_batch_size": "training.per_device_batch_size",
+    "cutoff_len": "training.max_seq_length",
+    "lr_scheduler_type": "training.lr_scheduler",
     "packing": "training.packing",
     "lora_rank": "lora.r",
     "lora_alpha": "lora.alpha",
@@ -354,21 +359,11 @@ def from_llamafactory(recipe: dict[str, Any], recipe_path: Path, out_dir: Path, 
 # --------------------------------------------------------------------------- axolotl
 
 AXOLOTL_HYPERPARAMETERS = {
-    "learning_rate": "training.learning_rate",
+    **SHARED_HYPERPARAMETERS,
     "num_epochs": "training.epochs",
-    "max_steps": "training.max_steps",
     "micro_batch_size": "training.per_device_batch_size",
-    "gradient_accumulation_steps": "training.gradient_accumulation_steps",
     "sequence_len": "training.max_seq_length",
-    "warmup_ratio": "training.warmup_ratio",
     "lr_scheduler": "training.lr_scheduler",
-    "weight_decay": "training.weight_decay",
-    "max_grad_norm": "training.max_grad_norm",
-    "seed": "training.seed",
-    "logging_steps": "training.logging_steps",
-    "save_steps": "training.save_steps",
-    "save_total_limit": "training.save_total_limit",
-    "eval_steps": "training.eval_steps",
     "gradient_checkpointing": "training.gradient_checkpointing",
     "sample_packing": "training.packing",
     "lora_r": "lora.r",

@@ -189,9 +189,9 @@ def experiment_manifest(spec: PipelineSpec, stage_name: str, run_name: str = "{{
             "maxFailedTrialCount": min(hpo.max_failed_trials, hpo.max_trials),
             # Never: the search ends with its verdict, and Katib's webhook then refuses any restart.
             "resumePolicy": "Never",
-            # File, not StdOut: the StdOut collector rewrites the container's command into `sh -c "... | tee"`,
-            # which needs a shell in the image and puts sh between the kubelet's SIGTERM and torchrun (a preempted
-            # trial would be killed without its checkpoint-and-exit path).
+            # File, not StdOut: the StdOut collector wraps the container's command in a shell pipeline into tee,
+            # which needs a shell in the image and puts the shell between the kubelet's SIGTERM and torchrun (a
+            # preempted trial would be killed without its checkpoint-and-exit path).
             "metricsCollectorSpec": {
                 "collector": {"kind": "File"},
                 "source": {"fileSystemPath": {"path": METRICS_FILE, "kind": "File", "format": "TEXT"}},
