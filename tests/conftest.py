@@ -6,6 +6,7 @@ pytorchjob_status.py, schema_validation.py); this file only wires them into pyte
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from functools import cache
@@ -15,6 +16,12 @@ from typing import Any
 import pytest
 import yaml
 from hypothesis import settings
+
+# One compute thread per process: the suite runs a worker per core (pytest-xdist, `-n auto` in pyproject.toml), and
+# the tiny models train no faster on two threads; two workers of two threads each took twice as long. Set before
+# torch is imported here or in any stage the tests start (children inherit the environment).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # the tests run against the checkout, installed or not
@@ -131,3 +138,14 @@ def s3(s3_server: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
 def gcs(gcs_server: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
     """The GCS emulator, emptied, with the environment that points a pod's client at it."""
     return _pointed_at(gcs_server, monkeypatch)
+
+
+# --------------------------------------------------------------------------- order of the run
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Modules with a `slow` test (end-to-end trainings) first, the rest in collection order: the workers get the
+    long modules while there is plenty left to balance them, instead of one worker ending the run alone on one.
+    A module stays together (`--dist loadscope`), so its module-scoped fixtures are built once."""
+    slow_modules = {item.module for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.module not in slow_modules)  # stable: collection order within each group

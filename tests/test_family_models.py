@@ -113,6 +113,7 @@ def pipeline_file(root: Path, model_dir: Path, architecture: str) -> Path:
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("architecture", sorted(FAMILIES))
 def test_a_users_model_directory_trains_through_sft_dpo_and_evaluate(tmp_path: Path, architecture: str) -> None:
     model_dir = make_model_dir(tmp_path, architecture)
@@ -137,6 +138,7 @@ def test_a_users_model_directory_trains_through_sft_dpo_and_evaluate(tmp_path: P
     )
 
 
+@pytest.mark.slow
 def test_a_base_model_without_a_chat_template_is_given_one_and_learns_its_new_tokens(tmp_path: Path) -> None:
     """A *-Base model ships no chat template: prepare says to set model.chat_template; with `chatml`, its tokens are
     added, the embeddings grow, LoRA trains the new rows, and the later stages load the grown model."""

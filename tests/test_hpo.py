@@ -323,6 +323,7 @@ def test_trials_that_fail_fail_the_search_at_max_failed_trials(tmp_path: Path) -
 # --------------------------------------------------------------------------- --local end to end
 
 
+@pytest.mark.slow
 def test_local_runs_a_four_trial_search_then_the_stage_with_the_best_values(tmp_path: Path, capsys) -> None:
     loaded = load_pipeline("korean-llm", "local", SEARCHED)
     run_root = tmp_path / "run"

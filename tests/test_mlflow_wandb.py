@@ -195,7 +195,7 @@ def test_wandb_project_and_entity_from_the_environment_beat_the_spec(
     ctx = make_ctx(tmp_path / "run", "prepare")
     with StageTracker(ctx):
         pass
-    (run,) = wandb_offline_runs(ctx.run_dir.root, wait_seconds=60)
+    (run,) = wandb_offline_runs(ctx.run_dir.root)
     assert run["project"] == "from-env" and run["job_type"] == "prepare"
 
 

@@ -195,6 +195,7 @@ def _shell(script: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_the_readme_walkthrough_trains_on_own_rows_and_registers_the_model(tmp_path: Path) -> None:
     done = _shell(readme_walkthrough(), tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -205,6 +206,7 @@ def test_the_readme_walkthrough_trains_on_own_rows_and_registers_the_model(tmp_p
     assert (folder / "runs" / "my-chat-1" / "prepare" / "data" / "sft" / "train.jsonl").is_file()
 
 
+@pytest.mark.slow
 def test_a_failed_gate_ends_with_the_command_that_registers_anyway(tmp_path: Path) -> None:
     # The README's files, then a gate the trained model cannot pass: perplexity falls, scored higher-is-better.
     script = readme_walkthrough().split("\npython -m workflows.submit", 1)[0]

@@ -18,6 +18,7 @@ MOE_ADAPTER = ("--set", "stages.sft.method=lora", "--set", "stages.rlhf.method=l
 into its base), and merged into full weights by deploy, the folder serving loads."""
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("pipeline", "architecture", "stages", "extra"),
     [

@@ -135,6 +135,15 @@ def test_submit_ensures_the_template_and_prints_name_and_url(
     assert f"{fake.url}/workflows/{NS}/{name}" in out
 
 
+def test_submit_and_dry_run_warn_of_the_plan_as_local_does(fake: FakeArgo, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _run(capsys, "korean-llm", "--skip-preflight", "--set", "stages.sft.training.max_steps=100")
+    assert code == 0 and "warning: sft: max_steps 100 (--set) overrides epochs 2" in err
+    code, out, err = _run(capsys, "korean-llm", "--dry-run", "--set", "stages.sft.training.max_steps=100")
+    assert code == 0 and "warning: sft: max_steps 100" in err and "warning" not in out
+    code, _, err = _run(capsys, "korean-llm", "--skip-preflight")
+    assert code == 0 and "warning" not in err
+
+
 def _arguments(workflow: dict[str, Any]) -> dict[str, str]:
     return {p["name"]: p["value"] for p in workflow["spec"]["arguments"]["parameters"]}
 

@@ -320,6 +320,7 @@ def test_an_unknown_variant_and_a_shared_run_dir_are_usage_errors(tmp_path: Path
     assert plain.returncode == 2 and "has no variants" in plain.stderr
 
 
+@pytest.mark.slow
 def test_local_runs_both_variants_one_after_the_other(tmp_path: Path) -> None:
     """The shipped pipeline's --local: each variant's tiny Qwen2 trains CPT → SFT → DPO, is evaluated and
     registered as its own model, each in its own run directory, with a summary of both at the end."""

@@ -222,9 +222,10 @@ def wandb_records(path: Path) -> Iterator[Any]:
             yield record
 
 
-def wandb_offline_runs(root: Path, wait_seconds: float = 0) -> list[dict[str, str]]:
+def wandb_offline_runs(root: Path, wait_seconds: float = 60) -> list[dict[str, str]]:
     """Each offline W&B run under `<root>/wandb/`: its id, project, group, job type and name, as recorded. W&B's
-    service writes the file in the background: with `wait_seconds`, wait up to that long for each run record."""
+    service writes the file in the background, even after `wandb.finish()` returns: wait up to `wait_seconds` for
+    each run record."""
     runs = []
     for path in sorted(root.glob("wandb/offline-run-*/run-*.wandb")):
         deadline = time.monotonic() + wait_seconds

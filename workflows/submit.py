@@ -403,6 +403,15 @@ def _variant_run_specs(loaded: LoadedPipeline, values: dict[str, str], origin: C
     return specs
 
 
+def warn_about_plan(loaded: LoadedPipeline) -> None:
+    """The plan's warnings (workflows/plan.py), on stderr: what --local prints before it runs, said before a cluster
+    run too (stdout may be the YAML of --dry-run)."""
+    from workflows.plan import plan_warnings
+
+    for line in plan_warnings(loaded):
+        print(f"warning: {line}", file=sys.stderr)
+
+
 def _submit(args: argparse.Namespace) -> int:
     from workflows.argo import StaleObject
     from workflows.compile import submitted_workflow
@@ -413,6 +422,7 @@ def _submit(args: argparse.Namespace) -> int:
     values, run_specs = run_arguments(args, loaded, template.name)
     for run_spec in run_specs:
         check_lm_eval_tasks(run_spec, loaded.source)
+    warn_about_plan(load(args.pipeline, args.profile, args.overrides))
     workflow = submitted_workflow(loaded.spec, values, template.name)
 
     client = argo_client(loaded)  # a missing ARGO_SERVER is reported before any cluster check
@@ -475,6 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load(args.pipeline, args.profile, args.overrides)
     for run_spec in [*selected_variants(args, loaded).values()] or [loaded]:
         check_lm_eval_tasks(run_spec.spec, loaded.source)
+    warn_about_plan(loaded)
     compiled = compile_loaded(loaded, variant_switches(args, loaded) or None)
     if args.render is not None:
         written = render(compiled.documents(), args.render)
