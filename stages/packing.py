@@ -512,8 +512,6 @@ def write_split(path: Path, out: Path, tokenizer_path: Path, settings: dict[str,
     conversations."""
     chat = settings["kind"] == "chat"
     max_len, packing = settings["max_seq_length"], settings["packing"]
-    if chat:  # imported once here and inherited by the forked workers (each would spend seconds of CPU on it)
-        import trl.chat_template_utils  # noqa: F401
     writer = SplitWriter(out, chat)
     packer = StreamPacker(max_len)
     stats = {"documents": 0, "truncated": 0, "dropped": 0, "label_tokens": 0}

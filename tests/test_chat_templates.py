@@ -14,6 +14,7 @@ from stages.chat import (
     KNOWN_TEMPLATES,
     ConversationError,
     TemplateError,
+    has_generation_tags,
     stop_token_ids,
     template_text,
     tokenize_conversation,
@@ -168,6 +169,24 @@ def test_the_same_labels_as_trls_generation_tagged_training_template(name: str) 
     )
     for messages in (CONVERSATION, CONVERSATION[1:3]):
         assert tokenize_conversation(tagged, messages) == tokenize_conversation(ours, messages)
+
+
+def test_generation_tags_are_found_as_trl_finds_them() -> None:
+    from trl.chat_template_utils import has_generation_markers
+
+    texts = [template_text(name) for name in KNOWN_TEMPLATES]
+    texts += [
+        "{% generation %}{{ m }}{% endgeneration %}",
+        "{%- generation -%}x{%- endgeneration -%}",
+        "{%-generation%}",
+        "{% endgeneration %}",
+        "{{ generation }}",
+        "{% if generation %}",
+        "",
+    ]
+    answers = [has_generation_tags(text) for text in texts]
+    assert answers == [has_generation_markers(text) for text in texts]
+    assert answers[-7:] == [True, True, True, False, False, False, False]
 
 
 def test_a_reasoning_turn_trains_its_thinking_block() -> None:

@@ -238,6 +238,16 @@ def test_tensorboard_tags_are_the_trainers_own(tmp_path: Path) -> None:
     assert tensorboard_tags(ctx.logs_dir) == {"train/loss", "train/learning_rate", "eval/loss", "candidate/perplexity"}
 
 
+def test_tensorboard_tags_follow_transformers_rewrite_logs() -> None:
+    from transformers.integrations.integration_utils import rewrite_logs
+
+    from stages.tracking import tensorboard_tags as tags
+
+    plain = {"loss": 1.0, "eval_loss": 2.0, "test_accuracy": 3.0, "evaluation": 4.0, "eval_": 5.0, "tests": 6.0}
+    assert tags(plain) == rewrite_logs(plain)
+    assert tags({**plain, "candidate/perplexity": 7.0}) == {**rewrite_logs(plain), "candidate/perplexity": 7.0}
+
+
 def test_the_summary_says_where_the_report_mlflow_tensorboard_and_offline_wandb_runs_are(tmp_path: Path) -> None:
     spec = load_pipeline("korean-llm", "local").spec
     run_root = tmp_path / "runs" / "korean-llm-a"
