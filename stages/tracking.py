@@ -980,7 +980,8 @@ def tensorboard_tags(metrics: dict[str, float]) -> dict[str, float]:
         if "/" in name:
             tags[name] = value
         elif name.startswith(("eval_", "test_")):
-            tags[f"{name[:4]}/{name[5:]}"] = value
+            section, _, rest = name.partition("_")
+            tags[f"{section}/{rest}"] = value
         else:
             tags[f"train/{name}"] = value
     return tags

@@ -222,6 +222,14 @@ def wandb_records(path: Path) -> Iterator[Any]:
             yield record
 
 
+def _run_record(path: Path) -> Any:
+    """The run record of an offline W&B file; None while W&B has not written it (or not even the header)."""
+    try:
+        return next((r.run for r in wandb_records(path) if r.WhichOneof("record_type") == "run"), None)
+    except AssertionError:  # the header is not written yet
+        return None
+
+
 def wandb_offline_runs(root: Path, wait_seconds: float = 60) -> list[dict[str, str]]:
     """Each offline W&B run under `<root>/wandb/`: its id, project, group, job type and name, as recorded. W&B's
     service writes the file in the background, even after `wandb.finish()` returns: wait up to `wait_seconds` for
@@ -229,15 +237,7 @@ def wandb_offline_runs(root: Path, wait_seconds: float = 60) -> list[dict[str, s
     runs = []
     for path in sorted(root.glob("wandb/offline-run-*/run-*.wandb")):
         deadline = time.monotonic() + wait_seconds
-        while True:
-            try:
-                run = next((r.run for r in wandb_records(path) if r.WhichOneof("record_type") == "run"), None)
-            except AssertionError:  # not even the header written yet
-                if time.monotonic() > deadline:
-                    raise
-                run = None
-            if run is not None or time.monotonic() > deadline:
-                break
+        while (run := _run_record(path)) is None and time.monotonic() < deadline:
             time.sleep(0.5)
         assert run is not None, f"{path}: no run record"
         runs.append(
