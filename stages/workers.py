@@ -14,6 +14,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -119,11 +120,27 @@ def _start_pool(num_proc: int, initializer: Callable[..., None] | None, initargs
     """A pool of `num_proc` forked workers; None, with a warning, where the system cannot start them (no writable
     /dev/shm for the pool's semaphores, a process limit, a fork refused)."""
     try:
-        with _quiet_tokenizers():
+        with _quiet_tokenizers(), _killable_children():
             return multiprocessing.get_context("fork").Pool(num_proc, _start_worker, (initializer, initargs))
     except OSError as exc:
         print(f"warning: cannot start {num_proc} worker processes ({exc}); working in this process", file=sys.stderr)
         return None
+
+
+@contextmanager
+def _killable_children() -> Iterator[None]:
+    """SIGTERM at its default disposition while the workers are forked, so that each is born killable by
+    `Pool.terminate`. A child forked while another thread of this process held a lock (a stream's, say) can hang
+    before `_start_worker` resets the stage's SIGTERM handler; with that handler it would outlive terminate and
+    `Pool.join` would wait forever. Only the main thread may set handlers; elsewhere the workers reset it alone."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def _start_worker(initializer: Callable[..., None] | None, initargs: tuple[Any, ...]) -> None:
