@@ -22,6 +22,7 @@ from training_fixtures import make_run_dir
 import workflows.local as local
 from stages.contract import EXIT_RETRYABLE, EXIT_USAGE, LOCK_FILE, RunDir, StageResult, StageStatus, now, try_lock
 from workflows.loading import load_pipeline
+from workflows.warm_starts import SWITCH
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -230,12 +231,13 @@ def _runner_env(cwd: Path) -> dict[str, str]:
     return env
 
 
-def _runner(cwd: Path, log: Path) -> subprocess.Popen[str]:
+def _runner(cwd: Path, log: Path, **extra_env: str) -> subprocess.Popen[str]:
     """`python -m workflows.submit ./my-pipeline.yaml --local --run-dir run` in `cwd`: the user's own pipeline file,
     by a relative path, prepare then a 30-step sft."""
     command = [sys.executable, "-m", "workflows.submit", "./my-pipeline.yaml", "--local", "--run-dir", "run", *OPTIONS]
+    env = {**_runner_env(cwd), **extra_env}
     with log.open("w") as out:
-        return subprocess.Popen(command, cwd=cwd, env=_runner_env(cwd), stdout=out, stderr=subprocess.STDOUT, text=True)
+        return subprocess.Popen(command, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
 
 
 def _alive(pid: int) -> bool:
@@ -252,7 +254,8 @@ def test_sigterm_to_a_local_run_stops_the_stage_truthfully_and_the_printed_comma
         (REPO / "workflows/pipelines/korean-llm.yaml").read_text(encoding="utf-8"), encoding="utf-8"
     )
     run_dir = RunDir(tmp_path / "run")
-    first = _runner(tmp_path, tmp_path / "first.log")
+    # sft as a fresh process (warm starts off): tests/reliability/test_runner_interrupts.py stops a forked one
+    first = _runner(tmp_path, tmp_path / "first.log", **{SWITCH: "0"})
     marker = run_dir.stage_dir("sft") / "checkpoints" / "checkpoint-5" / "COMPLETE"
     deadline = time.monotonic() + 400
     while not marker.is_file():
@@ -272,6 +275,7 @@ def test_sigterm_to_a_local_run_stops_the_stage_truthfully_and_the_printed_comma
     assert saved and 5 <= saved[-1] < STEPS  # saved where the signal came, not at the end
     log = (run_dir.stage_dir("sft") / "logs" / "stage.log").read_text()
     assert "BrokenPipeError" not in log and "SIGTERM received: saving a checkpoint" in log
+    assert "(warm start)" not in log.splitlines()[0]
     hint = next(line.strip() for line in output.splitlines() if "python -m workflows.submit" in line)
     command = shlex.split(hint)
     assert command[3:5] == ["./my-pipeline.yaml", "--local"] and command[-2:] == ["--run-dir", str(run_dir.root)]

@@ -54,7 +54,9 @@ def test_every_stage_succeeded(dag: RunDir) -> None:
     for stage in STAGE_ORDER:
         result = dag.read_result(stage)
         assert result is not None and result.status == "succeeded", (stage, result and result.message)
-        assert (dag.stage_dir(stage) / "logs" / "stage.log").is_file()
+        header = (dag.stage_dir(stage) / "logs" / "stage.log").read_text(encoding="utf-8").splitlines()[0]
+        # prepare starts as a fresh process while the run's warm-start server imports; the rest are forked from it
+        assert header.endswith("(warm start)") == (stage != "prepare"), header
 
 
 def test_training_losses_go_down(dag: RunDir) -> None:

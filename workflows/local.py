@@ -37,6 +37,12 @@ second Ctrl-C is passed on too (the stage stops at once), a third kills it. The 
 a terminal's Ctrl-C reaches it only through the runner, once; and on Linux it gets SIGTERM when the runner itself
 dies (SIGKILL included), so it saves and stops rather than training on unsupervised.
 
+Without GPUs (the tiny local models, where a stage's imports take longer than its training), the stages after
+prepare are forked from a warm-start server that imported torch, transformers, TRL, MLflow and W&B once for the run
+(workflows/warm_starts.py, stages/warm.py): each is still its own process with its own session, output, exit code
+and signals, as above; its log's first line ends with `(warm start)`. `POSTTRAIN_WARM_STARTS=0` starts every stage
+as a fresh process.
+
 This module never imports torch or transformers: GPUs are counted from CUDA_VISIBLE_DEVICES or `nvidia-smi -L`.
 """
 
@@ -88,6 +94,7 @@ from workflows.pytorchjob import RUN_ROOT
 from workflows.search import search_in_runner, search_needed
 from workflows.spec import TRAINING_STAGES, PipelineSpec
 from workflows.submit import EXIT_GATE_FAILED
+from workflows.warm_starts import WarmProcess, WarmStarts, warm_starts
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RUNS_DIR = Path("runs")
@@ -322,7 +329,7 @@ STOP_GRACE_S = 120.0
 (the runner uses the stage's `run_policy.termination_grace_period_seconds`, as the pod's grace period)."""
 
 
-def signal_stage(process: subprocess.Popen[bytes], signum: int) -> None:
+def signal_stage(process: subprocess.Popen[bytes] | WarmProcess, signum: int) -> None:
     """Send `signum` to the stage's process group (the stage leads its own session: torchrun's workers and anything
     else it started get it too); to the process alone where the group is gone."""
     try:
@@ -331,7 +338,7 @@ def signal_stage(process: subprocess.Popen[bytes], signum: int) -> None:
         process.send_signal(signum)  # a no-op once it has exited
 
 
-def stop_stage(process: subprocess.Popen[bytes], signum: int, grace: float = STOP_GRACE_S) -> int:
+def stop_stage(process: subprocess.Popen[bytes] | WarmProcess, signum: int, grace: float = STOP_GRACE_S) -> int:
     """Pass `signum` on to the stage and wait until it has exited (a training stage saves a checkpoint first), at
     most `grace` seconds: then it is killed (SIGKILL to its group). Signals that come while it stops are passed on
     too; the KILL_AFTER_SIGNALS-th kills it. Returns its exit code (negative: killed by that signal)."""
@@ -375,25 +382,37 @@ def record_interrupted(run_root: Path, stage: str, message: str) -> None:
 
 
 def run_stage(
-    run: StageRun, command: list[str], env: dict[str, str], log_path: Path, refresh: Any, grace: float = STOP_GRACE_S
+    run: StageRun,
+    command: list[str],
+    env: dict[str, str],
+    log_path: Path,
+    refresh: Any,
+    grace: float = STOP_GRACE_S,
+    warm: WarmStarts | None = None,
 ) -> int:
     """Run one stage to completion, its output appended to `log_path`; returns its exit code. Interrupted (SIGTERM
     or Ctrl-C to the runner), it passes the signal on, waits for the stage to exit (at most `grace` seconds, then
     kills it), records its exit code in `run` and raises the interruption again. The stage's output is read until
-    it exits, so the stage never dies of a broken pipe while it saves."""
+    it exits, so the stage never dies of a broken pipe while it saves. With `warm`, the stage is forked from the
+    run's warm-start server where it can be (workflows/warm_starts.py), else started as a fresh process."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log_file:
         started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
-        log_file.write(f"===== {started_at} {' '.join(command)}\n".encode())
+        # prepare does not wait for the server's imports: it imports less, and runs while the server imports
+        wait = run.name != "prepare"
+        process: subprocess.Popen[bytes] | WarmProcess | None = warm.start(command, env, wait) if warm else None
+        how = " (warm start)" if process is not None else ""
+        log_file.write(f"===== {started_at} {' '.join(command)}{how}\n".encode())
         log_file.flush()
-        process = subprocess.Popen(
-            command,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,  # a terminal's Ctrl-C reaches the stage through the runner only, once
-            preexec_fn=die_with_runner(),  # only a prctl call runs between fork and exec
-        )
+        if process is None:
+            process = subprocess.Popen(
+                command,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,  # a terminal's Ctrl-C reaches the stage through the runner only, once
+                preexec_fn=die_with_runner(),  # only a prctl call runs between fork and exec
+            )
         pump = threading.Thread(target=_pump, args=(process.stdout, log_file, run), daemon=True)
         try:
             pump.start()
@@ -584,7 +603,7 @@ def _run_locked(
     skip_reason = ""
     gate_reason = ""
     live = Live(render(spec, run_root, runs), console=console, refresh_per_second=4, transient=True)
-    with live if console.is_terminal else _Quiet():
+    with live if console.is_terminal else _Quiet(), warm_starts(env, gpus) as warm:
         for run in list(runs):  # a search adds a row per trial to `runs`
             if failed is not None:
                 run.status = "not run"
@@ -611,7 +630,7 @@ def _run_locked(
             try:
                 if search_needed(spec, run_root, run.name, force):
                     say = None if console.is_terminal else lambda line: console.print(line, markup=False)
-                    why = search_in_runner(spec, run_root, run, runs, env, force, gpus, refresh, say)
+                    why = search_in_runner(spec, run_root, run, runs, env, force, gpus, refresh, say, warm)
                     if why:
                         run.ended, run.status, run.message = time.monotonic(), "failed", why
                         failed, exit_code = run, 1
@@ -619,7 +638,7 @@ def _run_locked(
                 command = stage_command(run.name, run_root, force, gpus)
                 log = run_root / run.name / "logs" / "stage.log"
                 grace = spec.stage(run.name).run_policy.termination_grace_period_seconds
-                run.returncode = run_stage(run, command, env, log, refresh, grace)
+                run.returncode = run_stage(run, command, env, log, refresh, grace, warm)
             except (StageInterrupted, KeyboardInterrupt) as exc:
                 # The stage got the signal and has exited (run_stage waited): its record says how it ended, or,
                 # killed before it could say so, the runner does.

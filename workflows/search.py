@@ -253,10 +253,12 @@ def search_in_runner(
     gpus: int,
     refresh: Callable[[], None],
     say: Callable[[str], None] | None = None,
+    warm: Any = None,
 ) -> str:
     """Run the search before the stage of `stage_row`, each trial a row of the runner's table (inserted before the
     stage's row, named like `sft trial 2/4`); returns '' once the best values are selected, else why not. `say`
-    prints a line per trial where the output is not a terminal (CI logs)."""
+    prints a line per trial where the output is not a terminal (CI logs); `warm` is the run's warm-start server
+    (workflows/warm_starts.py), where it has one."""
     from workflows.local import StageRun, run_stage, stage_command
 
     stage = stage_row.name
@@ -280,7 +282,7 @@ def search_in_runner(
         command = [*stage_command(stage, run_root, force, gpus), *args]
         log = trials_dir(run_root, stage) / name / stage / "logs" / "stage.log"
         try:
-            row.returncode = run_stage(row, command, env, log, refresh)
+            row.returncode = run_stage(row, command, env, log, refresh, warm=warm)
         except (StageInterrupted, KeyboardInterrupt):
             row.ended, row.status = time.monotonic(), "interrupted"
             raise

@@ -101,5 +101,9 @@ def test_sigterm_or_sigkill_of_the_runner_never_leaves_its_stage_training(tmp_pa
     assert result.status == "succeeded" and result.attempts == 3
     assert faults.mlflow_runs(run_dir, "cpt") == [result.mlflow_run_id] == [interrupted.mlflow_run_id]
     assert faults.metric_steps(run_dir, result.mlflow_run_id) == list(range(1, STEPS + 1))
+    # each runner forked cpt from its warm-start server: killing the runner ended the server, and the stage with it
+    log = (run_dir.stage_dir("cpt") / "logs" / "stage.log").read_text(encoding="utf-8")
+    headers = [line for line in log.splitlines() if line.startswith("===== ")]
+    assert len(headers) == 3 and all(line.endswith("(warm start)") for line in headers), headers
     history = json.loads((run_dir.stage_dir("cpt") / "logs" / "log_history.json").read_text())
     assert [e["step"] for e in history if "loss" in e] == list(range(1, STEPS + 1))

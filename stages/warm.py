@@ -1,0 +1,226 @@
+"""Warm starts: one process imports the stages' libraries once, then forks each stage of a local run from itself.
+
+    python -m stages.warm --socket-fd FD        started by the local runner (workflows/warm_starts.py), never by hand
+
+A stage process spends most of its start importing torch, transformers, TRL, PEFT, MLflow and W&B (5 to 8 s on a
+laptop core, against a second or two of work for a tiny local model); the local runner runs six of them and more
+with a search. This server imports them once and forks a child per stage request: the child is what
+`python -m stages <stage> ...` would be (the same `stages.__main__.main`, its own session, process id, stdout and
+exit code), only without the imports. In a pod, and for torchrun, stages start the usual way.
+
+multiprocessing's forkserver does the forking part, but one per parent process and for its whole life: its
+environment is the first caller's, while a local run's stages need the run's own (libraries read some variables,
+HF_HUB_OFFLINE for one, when they are imported). A server here belongs to one run, started with that run's stage
+environment, and the runner forks from it only for stages with exactly that environment.
+
+The protocol, over a SOCK_SEQPACKET socket pair (one JSON message a packet):
+- server → runner: `{"ready": true}` once the imports are done (or `{"ready": false, "error": ...}`);
+- runner → server: `{"argv": [...]}` with one file descriptor attached (the stage's stdout and stderr);
+- server → runner: `{"pid": N}` for that request, and `{"exited": N, "returncode": R}` when the child ends (R as
+  `subprocess.Popen.returncode`: negative for a signal).
+
+Children get SIGTERM when the server dies, and the server when the runner dies (Linux `PR_SET_PDEATHSIG`), so a
+killed runner still stops its stage the way it does without warm starts (the stage saves and exits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import ctypes
+import importlib
+import json
+import logging
+import os
+import select
+import signal
+import socket
+import sys
+import traceback
+
+PRELOAD = (
+    "torch",
+    "numpy",
+    "pyarrow.parquet",
+    "datasets",
+    "transformers",
+    "transformers.trainer",
+    "peft",
+    "trl",
+    "trl.trainer.sft_trainer",
+    "trl.trainer.dpo_trainer",
+    "mlflow",
+    "mlflow.store.tracking.sqlalchemy_store",
+    "mlflow.store.model_registry.sqlalchemy_store",
+    "mlflow.transformers",
+    "wandb",
+    "wandb.sdk.launch.inputs.internal",  # wandb.init imports it at every start (its Launch inputs), 1-2 s
+    "lm_eval.tasks",
+    "matplotlib.pyplot",
+    "stages.__main__",
+    "stages.prepare",
+    "stages.cpt",
+    "stages.sft",
+    "stages.rlhf",
+    "stages.evaluate",
+    "stages.deploy",
+)
+"""What the server imports before it forks anything: the libraries every stage imports, and the stages."""
+
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+MAX_MESSAGE = 1 << 16
+
+
+def die_with_parent(signum: int) -> None:
+    """This process gets `signum` when its parent dies; exits at once where the parent is already gone."""
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signum, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(75)
+
+
+def send(sock: socket.socket, message: dict) -> None:
+    sock.send(json.dumps(message).encode("utf-8"))
+
+
+def preload() -> None:
+    for name in PRELOAD:
+        importlib.import_module(name)
+
+
+class CurrentStream:
+    """Writes to whatever `sys.<name>` is when it writes: a log handler made in the server, which holds the server's
+    stream object, then goes through the stage's masking (stages/__main__.py) as it would in a fresh process."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def write(self, text: str) -> int:
+        return getattr(sys, self.name).write(text)
+
+    def flush(self) -> None:
+        getattr(sys, self.name).flush()
+
+
+def follow_current_streams() -> None:
+    """Point the log handlers the imports made at the current sys.stdout/sys.stderr."""
+    loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+    for logger in loggers:
+        for handler in getattr(logger, "handlers", []):
+            if not isinstance(handler, logging.StreamHandler) or isinstance(handler, logging.FileHandler):
+                continue
+            name = "stderr" if handler.stream is sys.stderr else "stdout" if handler.stream is sys.stdout else ""
+            if name and not isinstance(type(handler).__dict__.get("stream"), property):  # not logging's lastResort
+                handler.setStream(CurrentStream(name))
+
+
+def run_child(argv: list[str], output_fd: int, sock: socket.socket) -> None:
+    """In the forked child: become `python -m stages <argv>` writing to `output_fd`, then exit with its code."""
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)  # the server's: its fd is closed here, and the number may be reused
+        sock.close()
+        os.setsid()  # its own session, as the runner starts every stage: signals reach it only through the runner
+        die_with_parent(signal.SIGTERM)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.dup2(output_fd, 1)
+        os.dup2(output_fd, 2)
+        os.close(devnull)
+        os.close(output_fd)
+        # The signal dispositions of a fresh interpreter (the server set its own).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for signum in (signal.SIGTERM, signal.SIGCHLD):
+            signal.signal(signum, signal.SIG_DFL)
+        follow_current_streams()
+        import numpy
+
+        numpy.random.seed()  # a fresh interpreter's numpy draws its seed from the OS; a fork would share the server's
+        from stages.__main__ import main
+
+        sys.argv = [sys.modules["stages.__main__"].__file__, *argv]
+        sys.modules["__main__"] = sys.modules["stages.__main__"]  # what `python -m stages` runs as __main__
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:
+        traceback.print_exc()  # as the interpreter would (fd 2 is the stage's output from the first lines on)
+        code = 1
+    try:
+        atexit._run_exitfuncs()  # what the interpreter runs at exit (W&B and MLflow flush there)
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code if isinstance(code, int) else 1)
+
+
+def reap(sock: socket.socket, children: set[int]) -> None:
+    """Tell the runner of every child that has exited."""
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        children.discard(pid)
+        send(sock, {"exited": pid, "returncode": os.waitstatus_to_exitcode(status)})
+
+
+def serve(sock: socket.socket) -> int:
+    """Answer fork requests until the runner closes its end; then wait for the children still running."""
+    children: set[int] = set()
+    wakeup_r, wakeup_w = os.pipe()
+    os.set_blocking(wakeup_w, False)
+    signal.set_wakeup_fd(wakeup_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so SIGCHLD writes to the wakeup pipe
+    while True:
+        ready, _, _ = select.select([sock, wakeup_r], [], [])
+        if wakeup_r in ready:
+            os.read(wakeup_r, 512)
+        reap(sock, children)
+        if sock not in ready:
+            continue
+        try:
+            data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 1)
+        except ConnectionResetError:
+            data, fds = b"", []
+        if not data:  # the runner is done (or gone)
+            for fd in fds:
+                os.close(fd)
+            break
+        request = json.loads(data)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            os.close(wakeup_r)
+            os.close(wakeup_w)
+            run_child(request["argv"], fds[0], sock)
+        os.close(fds[0])
+        children.add(pid)
+        send(sock, {"pid": pid})
+    for pid in list(children):
+        os.waitpid(pid, 0)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m stages.warm", description=__doc__.splitlines()[0])
+    parser.add_argument("--socket-fd", type=int, required=True, help="The runner's end of a SOCK_SEQPACKET pair.")
+    args = parser.parse_args(argv)
+    sock = socket.socket(fileno=args.socket_fd)
+    die_with_parent(signal.SIGTERM)
+    try:
+        preload()
+    except Exception as exc:  # the runner starts its stages the usual way and says why
+        send(sock, {"ready": False, "error": f"{type(exc).__name__}: {exc}"})
+        return 1
+    send(sock, {"ready": True})
+    return serve(sock)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

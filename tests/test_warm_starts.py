@@ -1,0 +1,131 @@
+"""Warm starts (stages/warm.py, workflows/warm_starts.py): a stage forked from a local run's server says, writes and
+exits what a fresh `python -m stages` process does; whatever the server cannot take starts the usual way. The
+runner's use of it is checked end to end by tests/test_local_dag.py (every stage after prepare forked) and by the
+interrupt tests (tests/reliability/test_runner_interrupts.py: SIGTERM and SIGKILL of the runner)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from stages.warm import follow_current_streams
+from workflows.warm_starts import SWITCH, WarmStarts, wanted
+
+REPO = Path(__file__).resolve().parents[1]
+SECRET = "hf_warmstartsecret123"
+
+
+def stage_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+    env.update({"PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO), "HF_TOKEN": SECRET, **extra})
+    return env
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[WarmStarts]:
+    starts = WarmStarts(stage_env())
+    yield starts
+    starts.close()
+
+
+def warm_run(starts: WarmStarts, argv: list[str]) -> tuple[int, str]:
+    process = starts.start([sys.executable, "-m", "stages", *argv], starts.env)
+    assert process is not None, starts.error
+    output = process.stdout.read().decode("utf-8")
+    return process.wait(timeout=120), output
+
+
+def cold_run(env: dict[str, str], argv: list[str]) -> tuple[int, str]:
+    done = subprocess.run(
+        [sys.executable, "-m", "stages", *argv], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120
+    )
+    return done.returncode, done.stdout.decode("utf-8")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["sft", "--run-dir", "{tmp}/none"],  # no spec: one error line, exit 2
+        ["deploy", "--run-dir", "{tmp}/" + SECRET],  # the same, with a secret in the path it names: masked
+        ["nosuchstage", "--run-dir", "{tmp}"],  # argparse: usage, exit 2
+        ["--help"],
+    ],
+    ids=["missing-spec", "secret-masked", "bad-stage", "help"],
+)
+def test_a_forked_stage_says_and_exits_what_a_fresh_process_does(
+    server: WarmStarts, tmp_path: Path, argv: list[str]
+) -> None:
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    warm = warm_run(server, argv)
+    assert warm == cold_run(server.env, argv)
+    assert SECRET not in warm[1] and warm[1].strip()
+    if argv[0] in ("sft", "deploy"):
+        assert warm[0] == 2 and warm[1].startswith("error: ") and len(warm[1].splitlines()) == 1
+
+
+def test_stages_forked_one_after_another_are_separate_processes(server: WarmStarts, tmp_path: Path) -> None:
+    first = server.start([sys.executable, "-m", "stages", "--help"], server.env)
+    second = server.start([sys.executable, "-m", "stages", "--help"], server.env)
+    assert first is not None and second is not None and first.pid != second.pid
+    assert first.pid != server._server.pid and second.pid != os.getpid()
+    for process in (first, second):
+        process.stdout.read()
+        assert process.wait(timeout=60) == 0 and process.poll() == 0
+
+
+def test_other_commands_and_environments_start_the_usual_way(server: WarmStarts) -> None:
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--module", "stages", "sft"]
+    assert server.start(torchrun, server.env) is None
+    assert server.start([sys.executable, "-m", "stages", "--help"], {**server.env, "HF_HUB_OFFLINE": "0"}) is None
+
+
+def test_a_server_that_cannot_import_leaves_every_stage_to_start_the_usual_way(tmp_path: Path) -> None:
+    broken = tmp_path / "site" / "wandb"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise ImportError('a broken install')\n", encoding="utf-8")
+    env = stage_env(PYTHONPATH=f"{broken.parent}{os.pathsep}{REPO}")
+    starts = WarmStarts(env)
+    try:
+        assert starts.start([sys.executable, "-m", "stages", "--help"], env) is None
+        assert "a broken install" in starts.error
+    finally:
+        starts.close()
+    assert starts._server.returncode is not None
+
+
+def test_warm_starts_are_for_local_runs_without_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(SWITCH, raising=False)
+    assert wanted(0) and not wanted(1)
+    monkeypatch.setenv(SWITCH, "0")
+    assert not wanted(0)
+
+
+def test_log_handlers_the_imports_made_write_where_the_stage_writes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A library's handler, made in the server, holds the server's sys.stderr; the stage replaces sys.stderr with its
+    # masking stream (stages/__main__.py), which the handler must then write through.
+    logger = logging.getLogger("posttrain.tests.warm")
+    handler = logging.StreamHandler(sys.stderr)
+    logger.addHandler(handler)
+    try:
+        follow_current_streams()
+        written: list[str] = []
+
+        class Stream:
+            def write(self, text: str) -> int:
+                written.append(text)
+                return len(text)
+
+            def flush(self) -> None:
+                pass
+
+        monkeypatch.setattr(sys, "stderr", Stream())
+        logger.warning("through the stage's stream")
+        assert "".join(written) == "through the stage's stream\n"
+    finally:
+        logger.removeHandler(handler)
