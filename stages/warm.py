@@ -15,7 +15,7 @@ environment, and the runner forks from it only for stages with exactly that envi
 
 The protocol, over a SOCK_SEQPACKET socket pair (one JSON message a packet):
 - server → runner: `{"ready": true}` once the imports are done (or `{"ready": false, "error": ...}`);
-- runner → server: `{"argv": [...]}` with one file descriptor attached (the stage's stdout and stderr);
+- runner → server: `{"argv": [...]}` with the stage's stdout and stderr attached (one descriptor for both, or two);
 - server → runner: `{"pid": N}` for that request, and `{"exited": N, "returncode": R}` when the child ends (R as
   `subprocess.Popen.returncode`: negative for a signal).
 
@@ -114,8 +114,9 @@ def follow_current_streams() -> None:
                 handler.setStream(CurrentStream(name))
 
 
-def run_child(argv: list[str], output_fd: int, sock: socket.socket) -> None:
-    """In the forked child: become `python -m stages <argv>` writing to `output_fd`, then exit with its code."""
+def run_child(argv: list[str], output_fds: list[int], sock: socket.socket) -> None:
+    """In the forked child: become `python -m stages <argv>` writing to `output_fds` (stdout and stderr, or one for
+    both), then exit with its code."""
     code = 1
     try:
         signal.set_wakeup_fd(-1)  # the server's: its fd is closed here, and the number may be reused
@@ -124,10 +125,10 @@ def run_child(argv: list[str], output_fd: int, sock: socket.socket) -> None:
         die_with_parent(signal.SIGTERM)
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
-        os.dup2(output_fd, 1)
-        os.dup2(output_fd, 2)
-        os.close(devnull)
-        os.close(output_fd)
+        os.dup2(output_fds[0], 1)
+        os.dup2(output_fds[-1], 2)
+        for fd in (devnull, *output_fds):
+            os.close(fd)
         # The signal dispositions of a fresh interpreter (the server set its own).
         signal.signal(signal.SIGINT, signal.default_int_handler)
         for signum in (signal.SIGTERM, signal.SIGCHLD):
@@ -184,7 +185,7 @@ def serve(sock: socket.socket) -> int:
         if sock not in ready:
             continue
         try:
-            data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 1)
+            data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 2)
         except ConnectionResetError:
             data, fds = b"", []
         if not data:  # the runner is done (or gone)
@@ -198,8 +199,9 @@ def serve(sock: socket.socket) -> int:
         if pid == 0:
             os.close(wakeup_r)
             os.close(wakeup_w)
-            run_child(request["argv"], fds[0], sock)
-        os.close(fds[0])
+            run_child(request["argv"], fds, sock)
+        for fd in fds:
+            os.close(fd)
         children.add(pid)
         send(sock, {"pid": pid})
     for pid in list(children):

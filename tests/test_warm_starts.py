@@ -129,3 +129,13 @@ def test_log_handlers_the_imports_made_write_where_the_stage_writes(monkeypatch:
         assert "".join(written) == "through the stage's stream\n"
     finally:
         logger.removeHandler(handler)
+
+
+def test_a_stage_may_have_its_stderr_apart(server: WarmStarts, tmp_path: Path) -> None:
+    command = [sys.executable, "-m", "stages", "sft", "--run-dir", str(tmp_path / "none")]
+    process = server.start(command, server.env, separate_stderr=True)
+    assert process is not None and process.stderr is not None
+    out, err = process.stdout.read().decode(), process.stderr.read().decode()
+    assert process.wait(timeout=60) == 2
+    cold = subprocess.run(command, env=server.env, capture_output=True, text=True, timeout=120)
+    assert (out, err) == (cold.stdout, cold.stderr) and err.startswith("error: ") and out == ""

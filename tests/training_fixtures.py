@@ -4,12 +4,15 @@ template, built as prepare builds it)."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import random
+import signal
 import struct
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +21,7 @@ from typing import Any
 from stages.contract import RunDir
 from stages.tokenizer import build_tokenizer, render_for_training
 from workflows.loading import load_pipeline
+from workflows.warm_starts import WarmStarts
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -128,11 +132,47 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
+_warm: WarmStarts | None = None
+
+
+def _warm_starts(env: dict[str, str]) -> WarmStarts:
+    """This worker's warm-start server (workflows/warm_starts.py), started with the tests' stage environment."""
+    global _warm
+    if _warm is None:
+        _warm = WarmStarts(env)
+        atexit.register(_warm.close)
+    return _warm
+
+
+def _read_all(stream: Any, into: list[bytes]) -> threading.Thread:
+    reader = threading.Thread(target=lambda: into.append(stream.read()), daemon=True)
+    reader.start()
+    return reader
+
+
 def run_stage(run_dir: RunDir, stage: str, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    """Run a stage to completion in a child process (`args`: more options, e.g. --force)."""
-    return subprocess.run(
-        [*stage_command(run_dir, stage), *args], env=child_env(**env), capture_output=True, text=True, timeout=600
-    )
+    """Run a stage to completion in a child process (`args`: more options, e.g. --force). Without extra `env`, it is
+    forked from this worker's warm-start server, as the local runner forks its stages (a fresh process where the
+    environment differs from the server's: a test that changed os.environ)."""
+    command = [sys.executable, "-m", "stages", stage, "--run-dir", str(run_dir.root), *args]
+    stage_env = {k: v for k, v in child_env(**env).items() if k != "PYTEST_CURRENT_TEST"}
+    process = None if env else _warm_starts(stage_env).start(command, stage_env, separate_stderr=True)
+    if process is None:
+        return subprocess.run(
+            [*stage_command(run_dir, stage), *args], env=child_env(**env), capture_output=True, text=True, timeout=600
+        )
+    out: list[bytes] = []
+    err: list[bytes] = []
+    readers = [_read_all(process.stdout, out), _read_all(process.stderr, err)]
+    try:
+        returncode = process.wait(timeout=600)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGKILL)
+        raise
+    for reader in readers:
+        reader.join(timeout=60)
+    text = [b"".join(chunks).decode("utf-8", errors="replace") for chunks in (out, err)]
+    return subprocess.CompletedProcess(command, returncode, text[0], text[1])
 
 
 def start_stage(run_dir: RunDir, stage: str, **env: str) -> subprocess.Popen[str]:

@@ -37,9 +37,10 @@ class WarmProcess:
     """A stage forked by the server: `pid`, `stdout`, `returncode`, `poll()`, `wait()` and `send_signal()`, as on
     the `subprocess.Popen` the runner otherwise holds."""
 
-    def __init__(self, args: list[str], stdout: IO[bytes]) -> None:
+    def __init__(self, args: list[str], stdout: IO[bytes], stderr: IO[bytes] | None = None) -> None:
         self.args = args
         self.stdout = stdout
+        self.stderr = stderr
         self.pid = 0
         self.returncode: int | None = None
         self._forked = threading.Event()
@@ -123,31 +124,38 @@ class WarmStarts:
         for process in list(self._running.values()):
             process._ended(-signal.SIGTERM)
 
-    def start(self, command: list[str], env: dict[str, str], wait: bool = True) -> WarmProcess | None:
-        """The stage of `command` (`python -m stages ...`) forked from the server, or None where it must start the
-        usual way: another command or environment, a server that could not import, or (without `wait`) one that
-        is still importing."""
+    def start(
+        self, command: list[str], env: dict[str, str], wait: bool = True, separate_stderr: bool = False
+    ) -> WarmProcess | None:
+        """The stage of `command` (`python -m stages ...`) forked from the server, its stderr in its stdout (or in
+        `stderr` of its own), or None where it must start the usual way: another command or environment, a server
+        that could not import, or (without `wait`) one that is still importing."""
         if command[:3] != [sys.executable, "-m", "stages"] or env != self.env:
             return None
         if not self._ready.wait(READY_TIMEOUT_S if wait else 0) or not self._usable:
             return None
-        read_end, write_end = os.pipe()
-        process = WarmProcess(command, os.fdopen(read_end, "rb"))
+        pipes = [os.pipe() for _ in range(2 if separate_stderr else 1)]
+        readers = [os.fdopen(read_end, "rb") for read_end, _ in pipes]
+        process = WarmProcess(command, readers[0], readers[1] if separate_stderr else None)
         with self._lock:
             self._pending.put(process)
             try:
-                socket.send_fds(self._sock, [json.dumps({"argv": command[3:]}).encode("utf-8")], [write_end])
+                request = json.dumps({"argv": command[3:]}).encode("utf-8")
+                socket.send_fds(self._sock, [request], [write_end for _, write_end in pipes])
             except OSError:
                 self._pending.get()
-                process.stdout.close()
+                for reader in readers:
+                    reader.close()
                 return None
             finally:
-                os.close(write_end)
+                for _, write_end in pipes:
+                    os.close(write_end)
             while not process._forked.wait(1.0):  # the reader has its pid, or the server is gone
                 if not self._reader.is_alive():
                     break
         if not process.pid:
-            process.stdout.close()
+            for reader in readers:
+                reader.close()
             return None
         return process
 
