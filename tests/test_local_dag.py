@@ -55,8 +55,8 @@ def test_every_stage_succeeded(dag: RunDir) -> None:
         result = dag.read_result(stage)
         assert result is not None and result.status == "succeeded", (stage, result and result.message)
         header = (dag.stage_dir(stage) / "logs" / "stage.log").read_text(encoding="utf-8").splitlines()[0]
-        # prepare starts as a fresh process while the run's warm-start server imports; the rest are forked from it
-        assert header.endswith("(warm start)") == (stage != "prepare"), header
+        # every stage was forked from the run's warm-start server (workflows/warm_starts.py)
+        assert header.endswith("(warm start)"), header
 
 
 def test_training_losses_go_down(dag: RunDir) -> None:

@@ -1,6 +1,6 @@
 """Warm starts (stages/warm.py, workflows/warm_starts.py): a stage forked from a local run's server says, writes and
 exits what a fresh `python -m stages` process does; whatever the server cannot take starts the usual way. The
-runner's use of it is checked end to end by tests/test_local_dag.py (every stage after prepare forked) and by the
+runner's use of it is checked end to end by tests/test_local_dag.py (every stage forked) and by the
 interrupt tests (tests/reliability/test_runner_interrupts.py: SIGTERM and SIGKILL of the runner)."""
 
 from __future__ import annotations

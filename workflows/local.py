@@ -37,8 +37,8 @@ second Ctrl-C is passed on too (the stage stops at once), a third kills it. The 
 a terminal's Ctrl-C reaches it only through the runner, once; and on Linux it gets SIGTERM when the runner itself
 dies (SIGKILL included), so it saves and stops rather than training on unsupervised.
 
-Without GPUs (the tiny local models, where a stage's imports take longer than its training), the stages after
-prepare are forked from a warm-start server that imported torch, transformers, TRL, MLflow and W&B once for the run
+Without GPUs (the tiny local models, where a stage's imports take longer than its training), the stages are forked
+from a warm-start server that imported torch, transformers, TRL, MLflow and W&B once for the run
 (workflows/warm_starts.py, stages/warm.py): each is still its own process with its own session, output, exit code
 and signals, as above; its log's first line ends with `(warm start)`. `POSTTRAIN_WARM_STARTS=0` starts every stage
 as a fresh process.
@@ -398,9 +398,7 @@ def run_stage(
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log_file:
         started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
-        # prepare does not wait for the server's imports: it imports less, and runs while the server imports
-        wait = run.name != "prepare"
-        process: subprocess.Popen[bytes] | WarmProcess | None = warm.start(command, env, wait) if warm else None
+        process: subprocess.Popen[bytes] | WarmProcess | None = warm.start(command, env) if warm else None
         how = " (warm start)" if process is not None else ""
         log_file.write(f"===== {started_at} {' '.join(command)}{how}\n".encode())
         log_file.flush()

@@ -2,11 +2,12 @@
 libraries already imported.
 
 The local runner (workflows/local.py) starts one server per run, with the run's stage environment, when no GPU is
-visible (the tiny local models: a stage's imports take longer than its training). Prepare starts the usual way
-while the server imports; the stages after it are forked from the server. A stage forked so is the process
-`python -m stages <stage> ...` would be: its own session, output, exit code and signals, and the runner treats it
-through the same few calls it makes on a `subprocess.Popen` (`WarmProcess`). Anything the server cannot take (a
-torchrun command, another environment, a server that failed to import or died) starts the usual way.
+visible (the tiny local models: a stage's imports take longer than its training), and forks every stage from it,
+prepare included: prepare waits for the server's imports, which the next stage needs anyway (korean-llm `--local`
+on 2 cores: 35 s and 27 s of CPU; with a fresh prepare beside the importing server, 40 s and 39 s). A stage forked
+so is the process `python -m stages <stage> ...` would be: its own session, output, exit code and signals, and the
+runner treats it through the same few calls it makes on a `subprocess.Popen` (`WarmProcess`). Anything the server
+cannot take (a torchrun command, another environment, a server that failed to import or died) starts the usual way.
 `POSTTRAIN_WARM_STARTS=0` turns warm starts off.
 
 This module never imports torch: it only speaks the server's protocol (see stages/warm.py).
@@ -124,15 +125,13 @@ class WarmStarts:
         for process in list(self._running.values()):
             process._ended(-signal.SIGTERM)
 
-    def start(
-        self, command: list[str], env: dict[str, str], wait: bool = True, separate_stderr: bool = False
-    ) -> WarmProcess | None:
+    def start(self, command: list[str], env: dict[str, str], separate_stderr: bool = False) -> WarmProcess | None:
         """The stage of `command` (`python -m stages ...`) forked from the server, its stderr in its stdout (or in
         `stderr` of its own), or None where it must start the usual way: another command or environment, a server
-        that could not import, or (without `wait`) one that is still importing."""
+        that could not import. A stage waits for the server's imports (they are what it would import itself)."""
         if command[:3] != [sys.executable, "-m", "stages"] or env != self.env:
             return None
-        if not self._ready.wait(READY_TIMEOUT_S if wait else 0) or not self._usable:
+        if not self._ready.wait(READY_TIMEOUT_S) or not self._usable:
             return None
         pipes = [os.pipe() for _ in range(2 if separate_stderr else 1)]
         readers = [os.fdopen(read_end, "rb") for read_end, _ in pipes]
