@@ -139,3 +139,31 @@ def test_a_stage_may_have_its_stderr_apart(server: WarmStarts, tmp_path: Path) -
     assert process.wait(timeout=60) == 2
     cold = subprocess.run(command, env=server.env, capture_output=True, text=True, timeout=120)
     assert (out, err) == (cold.stdout, cold.stderr) and err.startswith("error: ") and out == ""
+
+
+def test_a_server_that_dies_under_a_stage_takes_the_stage_with_it_and_says_so(tmp_path: Path) -> None:
+    from test_hpo import SEARCHED
+
+    from stages.contract import RunDir
+    from workflows.loading import load_pipeline
+    from workflows.warm_starts import alive
+
+    run_dir = RunDir(tmp_path / "run")
+    run_dir.root.mkdir()
+    run_dir.write_spec(load_pipeline("korean-llm", "local", SEARCHED).spec)
+    fifo = tmp_path / "optimal-trial.json"
+    os.mkfifo(fifo)  # the selection blocks opening it: a stage that runs until it is stopped
+    env = stage_env()
+    starts = WarmStarts(env)
+    try:
+        argv = ["hpo-select", "--run-dir", str(run_dir.root), "--stage", "sft", "--optimal-trial", str(fifo)]
+        process = starts.start([sys.executable, "-m", "stages", *argv], env)
+        assert process is not None, starts.error
+        with pytest.raises(subprocess.TimeoutExpired):
+            process.wait(timeout=2)
+        starts._server.kill()  # e.g. the OOM killer's choice: the biggest process
+        assert process.wait(timeout=60) == -15 and not alive(process.pid)  # SIGTERM from the kernel, then gone
+        assert starts.start([sys.executable, "-m", "stages", "--help"], env) is None
+        assert "exited" in starts.error
+    finally:
+        starts.close()

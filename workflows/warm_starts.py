@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from typing import IO
@@ -116,13 +117,16 @@ class WarmStarts:
                 process = self._running.pop(message["exited"], None)
                 if process is not None:
                     process._ended(message["returncode"])
-        # The server is gone: its stages got SIGTERM (stages/warm.py), and no exit code will come for them.
+        # The server is gone: its stages got SIGTERM (stages/warm.py) and save before they exit; no exit code will
+        # come for them, so each counts as ended, killed by SIGTERM, once its process is gone.
         self._usable = False
         self.error = self.error or "the warm-start server exited"
         self._ready.set()
         while not self._pending.empty():
             self._pending.get_nowait()._forked.set()  # never forked: pid stays 0
         for process in list(self._running.values()):
+            while alive(process.pid):
+                time.sleep(0.2)
             process._ended(-signal.SIGTERM)
 
     def start(self, command: list[str], env: dict[str, str], separate_stderr: bool = False) -> WarmProcess | None:
@@ -168,6 +172,15 @@ class WarmStarts:
         self._server.wait()
         self._reader.join(timeout=10)
         self._sock.close()
+
+
+def alive(pid: int) -> bool:
+    """Whether a process runs (an orphan's zombie, which nothing may reap in a container, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
 
 
 def wanted(gpus: int) -> bool:
