@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -167,3 +168,23 @@ def test_a_server_that_dies_under_a_stage_takes_the_stage_with_it_and_says_so(tm
         assert "exited" in starts.error
     finally:
         starts.close()
+
+
+def test_sigterm_while_the_server_imports_ends_the_run_before_any_stage_began(tmp_path: Path) -> None:
+    run_root = tmp_path / "run"
+    command = [sys.executable, "-m", "workflows.submit", "korean-llm", "--local", f"--run-dir={run_root}"]
+    env = {**stage_env(), "CUDA_VISIBLE_DEVICES": ""}
+    env.pop(SWITCH, None)
+    runner = subprocess.Popen(
+        command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    lines = []
+    for line in runner.stdout:  # prepare waits for the server's imports (seconds) once the runner says it runs
+        lines.append(line)
+        if line.startswith("prepare: running"):
+            break
+    runner.send_signal(signal.SIGTERM)
+    output = "".join(lines) + runner.stdout.read()
+    assert runner.wait(timeout=60) == 128 + signal.SIGTERM, output
+    assert "SIGTERM to the runner before the stage started" in output
+    assert not (run_root / "prepare" / "stage.json").exists()  # nothing ran, nothing recorded

@@ -645,10 +645,13 @@ def _run_locked(
                     killed = f"killed by the runner after {name} (it did not stop in time); running it again resumes"
                     record_interrupted(run_root, run.name, killed)
                 run.ended, run.status = time.monotonic(), "interrupted"
-                recorded = (read_stage_json(run_root, run.name) or {}).get("message", "")
-                run.message = f"{name} to the runner; the stage exited with {run.returncode}" + (
-                    f": {recorded}" if recorded else ""
-                )
+                if run.returncode is None:  # before its process began (the warm-start server importing, a trial)
+                    run.message = f"{name} to the runner before the stage started"
+                else:
+                    recorded = (read_stage_json(run_root, run.name) or {}).get("message", "")
+                    run.message = f"{name} to the runner; the stage exited with {run.returncode}" + (
+                        f": {recorded}" if recorded else ""
+                    )
                 failed, exit_code = run, 128 + interrupt_signal(exc)
                 if not console.is_terminal:
                     console.print(f"{run.name}: interrupted ({run.elapsed}): {run.message}", markup=False)
