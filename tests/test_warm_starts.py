@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -178,13 +179,16 @@ def test_sigterm_while_the_server_imports_ends_the_run_before_any_stage_began(tm
     runner = subprocess.Popen(
         command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    lines = []
-    for line in runner.stdout:  # prepare waits for the server's imports (seconds) once the runner says it runs
-        lines.append(line)
-        if line.startswith("prepare: running"):
-            break
+    # prepare's log is opened, empty, when the runner asks the server for prepare; the server imports for seconds
+    log = run_root / "prepare" / "logs" / "stage.log"
+    deadline = time.monotonic() + 120
+    while not log.exists():
+        assert runner.poll() is None and time.monotonic() < deadline, runner.stdout.read()
+        time.sleep(0.01)
+    time.sleep(0.2)  # past the line that opens the log, into the wait for the server
+    assert log.read_text(encoding="utf-8") == ""  # no stage began: its header is written once it has
     runner.send_signal(signal.SIGTERM)
-    output = "".join(lines) + runner.stdout.read()
+    output = runner.stdout.read()
     assert runner.wait(timeout=60) == 128 + signal.SIGTERM, output
     assert "SIGTERM to the runner before the stage started" in output
     assert not (run_root / "prepare" / "stage.json").exists()  # nothing ran, nothing recorded
