@@ -22,7 +22,7 @@ from training_fixtures import make_run_dir
 import workflows.local as local
 from stages.contract import EXIT_RETRYABLE, EXIT_USAGE, LOCK_FILE, RunDir, StageResult, StageStatus, now, try_lock
 from workflows.loading import load_pipeline
-from workflows.warm_starts import SWITCH
+from workflows.warm_starts import SWITCH, alive
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -240,14 +240,6 @@ def _runner(cwd: Path, log: Path, **extra_env: str) -> subprocess.Popen[str]:
         return subprocess.Popen(command, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state not in ("Z", "X")
-
-
 @pytest.mark.slow
 def test_sigterm_to_a_local_run_stops_the_stage_truthfully_and_the_printed_command_resumes(tmp_path: Path) -> None:
     (tmp_path / "my-pipeline.yaml").write_text(
@@ -263,12 +255,12 @@ def test_sigterm_to_a_local_run_stops_the_stage_truthfully_and_the_printed_comma
         assert time.monotonic() < deadline, "sft never reached its first checkpoint"
         time.sleep(0.1)
     stage_pid = int((run_dir.stage_dir("sft") / LOCK_FILE).read_text(encoding="utf-8").split()[1])
-    assert _alive(stage_pid) and stage_pid != first.pid
+    assert alive(stage_pid) and stage_pid != first.pid
 
     first.send_signal(signal.SIGTERM)
     assert first.wait(timeout=120) == 128 + signal.SIGTERM, (tmp_path / "first.log").read_text()
     output = (tmp_path / "first.log").read_text()
-    assert not _alive(stage_pid)  # no orphan left training
+    assert not alive(stage_pid)  # no orphan left training
     result = run_dir.read_result("sft")
     assert result is not None and result.status == "interrupted" and "SIGTERM" in result.message
     saved = sorted(int(p.name.split("-")[1]) for p in run_dir.stage_dir("sft").glob("checkpoints/checkpoint-*"))

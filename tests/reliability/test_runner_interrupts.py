@@ -18,6 +18,7 @@ import faults
 import pytest
 
 from stages.contract import LOCK_FILE, RunDir
+from workflows.warm_starts import alive
 
 pytestmark = pytest.mark.slow
 
@@ -45,15 +46,6 @@ def wait_until(what: str, ready: Callable[[], bool], timeout: float = 300) -> No
     while not ready():
         assert time.monotonic() < deadline, f"timed out waiting until {what}"
         time.sleep(0.1)
-
-
-def alive(pid: int) -> bool:
-    """Whether a process runs (a zombie waiting for a parent that never reaps it does not)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state not in ("Z", "X")
 
 
 def training_stage(run_dir: RunDir, process: subprocess.Popen[str], after_checkpoint: int) -> int:
