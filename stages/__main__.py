@@ -206,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
     elif args.trial_set:
         raise StageRefused("--trial-set is for a trial: give --trial NAME too")
     result = run_dir.read_result(args.stage) if run_dir.result_path(args.stage).is_file() else None
-    if result is None or result.status != "succeeded":
+    if result is None or result.status != "succeeded" or args.force:  # a stage that will run needs its inputs
         check_ready(run_dir, spec, args.stage)
     module = importlib.import_module(f"stages.{args.stage}")
     ctx = StageContext(run_dir, args.stage, spec, force=args.force, outputs_dir=args.outputs_dir, trial=trial)

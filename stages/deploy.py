@@ -84,7 +84,10 @@ def evaluation(run_dir: RunDir) -> dict[str, Any]:
     result = run_dir.read_result("evaluate")
     if result is None or result.status not in ("succeeded", "skipped"):
         state = "has not run" if result is None else f"is {result.status}"
-        raise RuntimeError(f"evaluate {state} in {run_dir.root}: deploy needs its gate decision")
+        raise StageRefused(
+            f"evaluate {state} in {run_dir.root}: deploy needs its gate decision; "
+            f"run it first: python -m stages evaluate --run-dir {run_dir.root}"
+        )
     return {"status": result.status, "message": result.message, **result.extra}
 
 
@@ -518,7 +521,7 @@ def run(ctx: StageContext) -> int:
         return EXIT_OK
     try:
         return deploy(ctx)
-    except StageRefused as exc:  # not the model evaluate measured: nothing published or registered
+    except StageRefused as exc:  # no gate decision, or not the model evaluate measured: nothing published
         ctx.fail(str(exc))
         raise
     except PublishError as exc:

@@ -76,6 +76,12 @@ STAGE_CASES = [
         ["deploy"],
         ["evaluate is interrupted", "python -m stages evaluate"],
     ),
+    (
+        "deploy-forced-after-failed-evaluate",
+        _prepared(*ONLY_SFT, records={"sft": "succeeded", "evaluate": "failed", "deploy": "succeeded"}),
+        ["deploy", "--force"],
+        ["evaluate is failed", "python -m stages evaluate"],
+    ),
     ("trial-fresh", _spec_only(*SEARCHED), ["sft", "--trial", "t-1", *TRIAL], ["prepare/tokenizer", "stages prepare"]),
     ("trial-no-spec", None, ["sft", "--trial", "t-1", *TRIAL], ["spec.json is missing"]),
     (

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from stages.warm import follow_current_streams
-from workflows.warm_starts import SWITCH, WarmStarts, wanted
+from workflows.warm_starts import SWITCH, WarmStarts, _close_kept, wanted, warm_starts
 
 REPO = Path(__file__).resolve().parents[1]
 SECRET = "hf_warmstartsecret123"
@@ -141,6 +141,52 @@ def test_a_stage_may_have_its_stderr_apart(server: WarmStarts, tmp_path: Path) -
     assert process.wait(timeout=60) == 2
     cold = subprocess.run(command, env=server.env, capture_output=True, text=True, timeout=120)
     assert (out, err) == (cold.stdout, cold.stderr) and err.startswith("error: ") and out == ""
+
+
+def test_a_stage_may_differ_from_the_server_only_in_variables_read_when_it_runs(tmp_path: Path) -> None:
+    # The tests' fault switches are such variables (tests/stage_hooks.py); here a secret, which the stage reads when
+    # it masks its output: the child must mask the request's value, not the server's.
+    other = "hf_otherwarmsecret456"
+    env = stage_env()
+    starts = WarmStarts(env, runtime_variables={"HF_TOKEN"})
+    try:
+        command = [sys.executable, "-m", "stages", "deploy", "--run-dir", str(tmp_path / other)]
+        log = tmp_path / "deploy.log"
+        with log.open("wb") as out:
+            process = starts.start(command, {**env, "HF_TOKEN": other}, output=out.fileno())
+        assert process is not None and process.stdout is None, starts.error
+        assert process.wait(timeout=60) == 2
+        said = log.read_text(encoding="utf-8")
+        assert said.startswith("error: ") and other not in said and "***" in said
+        assert starts.start(command, {**env, "HF_HUB_OFFLINE": "0"}) is None  # read at import: not forked
+    finally:
+        starts.close()
+
+
+def test_the_next_local_run_of_a_process_forks_from_the_server_the_last_one_left_idle(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(SWITCH, raising=False)
+    env = stage_env(MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'first' / 'mlflow.db'}")
+    try:
+        with warm_starts(env, 0) as first:
+            assert first is not None
+            process = first.start([sys.executable, "-m", "stages", "--help"], env)  # once its imports are done
+            assert process is not None and process.stdout.read() and process.wait(timeout=60) == 0
+        # Another run root (its own MLflow store) in another working directory: the same server, the run's own
+        # store and directory in the stage.
+        monkeypatch.chdir(tmp_path)
+        other = {**env, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'second' / 'mlflow.db'}"}
+        with warm_starts(other, 0) as second:
+            assert second is first
+            process = second.start([sys.executable, "-m", "stages", "deploy", "--run-dir", "relative"], other)
+            assert process is not None
+            said = process.stdout.read().decode()
+            assert process.wait(timeout=60) == 2 and f"{tmp_path / 'relative' / 'spec.json'} is missing" in said
+        with warm_starts({**env, "HF_HUB_OFFLINE": "0"}, 0) as third:  # read at import: a server of its own
+            assert third is not first and first._server.poll() is not None
+    finally:
+        _close_kept()
 
 
 def test_a_server_that_dies_under_a_stage_takes_the_stage_with_it_and_says_so(tmp_path: Path) -> None:

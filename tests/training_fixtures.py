@@ -8,7 +8,6 @@ import atexit
 import json
 import os
 import random
-import signal
 import struct
 import subprocess
 import sys
@@ -18,10 +17,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import stage_hooks
+
 from stages.contract import RunDir
 from stages.tokenizer import build_tokenizer, render_for_training
 from workflows.loading import load_pipeline
-from workflows.warm_starts import WarmStarts
+from workflows.pytorchjob import METRICS_PORT_ENV
+from workflows.warm_starts import WarmProcess, WarmStarts
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -80,44 +82,10 @@ def make_run_dir(
     return run_dir
 
 
-# A stage run in a child process. With HOLD_AFTER_CHECKPOINT=<step>, the child pauses right after
-# checkpoint-<step> is complete, until it gets SIGTERM (or is killed): the tests interrupt it at a known point,
-# with no race.
-_CHILD = """
-import os, sys, time
-
-hold = int(os.environ.get("HOLD_AFTER_CHECKPOINT", "0"))
-if hold:
-    from stages import checkpoints
-
-    on_save, handle = checkpoints.CheckpointMarker.on_save, checkpoints.SigtermCheckpoint._handle
-    woken = []
-
-    def held_on_save(self, args, state, control, **kwargs):
-        control = on_save(self, args, state, control, **kwargs)
-        if state.global_step == hold:
-            print("holding after checkpoint", hold, flush=True)
-            deadline = time.monotonic() + 300
-            while not woken and time.monotonic() < deadline:
-                time.sleep(0.05)
-        return control
-
-    def waking_handle(self, signum, frame):
-        handle(self, signum, frame)
-        woken.append(signum)
-
-    checkpoints.CheckpointMarker.on_save = held_on_save
-    checkpoints.SigtermCheckpoint._handle = waking_handle
-
-from stages.__main__ import main
-sys.exit(main(sys.argv[1:]))
-"""
-
-
 def stage_script(directory: Path) -> Path:
-    """A script that runs `python -m stages`; usable by torchrun."""
+    """A script that runs `python -m stages` with the test hooks (tests/stage_hooks.py); usable by torchrun."""
     path = directory / "run_stage.py"
-    path.write_text(_CHILD, encoding="utf-8")
+    path.write_text(stage_hooks.script(), encoding="utf-8")
     return path
 
 
@@ -125,23 +93,52 @@ def stage_command(run_dir: RunDir, stage: str) -> list[str]:
     return [sys.executable, str(stage_script(run_dir.root)), stage, "--run-dir", str(run_dir.root)]
 
 
-def child_env(**extra: str) -> dict[str, str]:
+def child_env(**extra: str | None) -> dict[str, str]:
+    """The environment of a stage child: this process's, offline, W&B off; `extra` sets variables (None unsets)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("WANDB_SERVICE", None)  # an in-process W&B test's service: a child must start its own
-    env.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}, **extra)
+    env.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+    for name, value in extra.items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
     return env
 
+
+RUNTIME_VARIABLES = (
+    *stage_hooks.SWITCHES,
+    METRICS_PORT_ENV,
+    "MLFLOW_TRACKING_URI",
+    "WANDB_MODE",  # W&B reads its settings when a run starts (wandb.init), not at import
+    "WANDB_API_KEY",
+    "WANDB_BASE_URL",
+)
+"""Variables the stages (and the hooks) read when they run, never at import: a child whose environment differs
+from the warm-start server's only in these is still forked from it."""
 
 _warm: WarmStarts | None = None
 
 
 def _warm_starts(env: dict[str, str]) -> WarmStarts:
-    """This worker's warm-start server (workflows/warm_starts.py), started with the tests' stage environment."""
+    """This worker's warm-start server (workflows/warm_starts.py) with the test hooks, started with the tests' stage
+    environment."""
     global _warm
     if _warm is None:
-        _warm = WarmStarts(env)
+        _warm = WarmStarts(env, RUNTIME_VARIABLES, server=stage_hooks.server_command())
         atexit.register(_warm.close)
     return _warm
+
+
+def _warm_start(
+    run_dir: RunDir, stage: str, args: tuple[str, ...], env: dict[str, str | None], **how: Any
+) -> WarmProcess | None:
+    """The stage forked from this worker's server, as the local runner forks its stages; None where its environment
+    differs from the server's in more than RUNTIME_VARIABLES (a test that changed os.environ)."""
+    command = [sys.executable, "-m", "stages", stage, "--run-dir", str(run_dir.root), *args]
+    stage_env = {k: v for k, v in child_env(**env).items() if k != "PYTEST_CURRENT_TEST"}
+    server_env = {k: v for k, v in child_env().items() if k not in (*RUNTIME_VARIABLES, "PYTEST_CURRENT_TEST")}
+    return _warm_starts(server_env).start(command, stage_env, **how)
 
 
 def _read_all(stream: Any, into: list[bytes]) -> threading.Thread:
@@ -150,13 +147,10 @@ def _read_all(stream: Any, into: list[bytes]) -> threading.Thread:
     return reader
 
 
-def run_stage(run_dir: RunDir, stage: str, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    """Run a stage to completion in a child process (`args`: more options, e.g. --force). Without extra `env`, it is
-    forked from this worker's warm-start server, as the local runner forks its stages (a fresh process where the
-    environment differs from the server's: a test that changed os.environ)."""
-    command = [sys.executable, "-m", "stages", stage, "--run-dir", str(run_dir.root), *args]
-    stage_env = {k: v for k, v in child_env(**env).items() if k != "PYTEST_CURRENT_TEST"}
-    process = None if env else _warm_starts(stage_env).start(command, stage_env, separate_stderr=True)
+def run_stage(run_dir: RunDir, stage: str, *args: str, **env: str | None) -> subprocess.CompletedProcess[str]:
+    """Run a stage to completion in a child process (`args`: more options, e.g. --force; `env`: variables to set,
+    None to unset), forked from this worker's warm-start server where it can be, else a fresh process."""
+    process = _warm_start(run_dir, stage, args, env, separate_stderr=True)
     if process is None:
         return subprocess.run(
             [*stage_command(run_dir, stage), *args], env=child_env(**env), capture_output=True, text=True, timeout=600
@@ -167,20 +161,27 @@ def run_stage(run_dir: RunDir, stage: str, *args: str, **env: str) -> subprocess
     try:
         returncode = process.wait(timeout=600)
     except subprocess.TimeoutExpired:
-        process.send_signal(signal.SIGKILL)
+        process.kill()
         raise
     for reader in readers:
         reader.join(timeout=60)
     text = [b"".join(chunks).decode("utf-8", errors="replace") for chunks in (out, err)]
-    return subprocess.CompletedProcess(command, returncode, text[0], text[1])
+    return subprocess.CompletedProcess(process.args, returncode, text[0], text[1])
 
 
-def start_stage(run_dir: RunDir, stage: str, **env: str) -> subprocess.Popen[str]:
-    """Start a stage in a child process (output to a log file in the run directory)."""
-    log = (run_dir.root / f"{stage}.{time.time_ns()}.log").open("w")
-    return subprocess.Popen(
-        stage_command(run_dir, stage), env=child_env(**env), stdout=log, stderr=subprocess.STDOUT, text=True
-    )
+def start_stage(
+    run_dir: RunDir, stage: str, log: Path | None = None, **env: str | None
+) -> subprocess.Popen[str] | WarmProcess:
+    """Start a stage in a child process, its output to `log` (by default a new log file in the run directory), forked
+    from this worker's warm-start server where it can be."""
+    log = log or run_dir.root / f"{stage}.{time.time_ns()}.log"
+    with log.open("w") as out:
+        process = _warm_start(run_dir, stage, (), env, output=out.fileno())
+        if process is None:
+            process = subprocess.Popen(
+                stage_command(run_dir, stage), env=child_env(**env), stdout=out, stderr=subprocess.STDOUT, text=True
+            )
+    return process
 
 
 def wait_for_file(path: Path, process: subprocess.Popen[str], timeout: float = 300) -> None:

@@ -10,11 +10,16 @@ runner treats it through the same few calls it makes on a `subprocess.Popen` (`W
 cannot take (a torchrun command, another environment, a server that failed to import or died) starts the usual way.
 `POSTTRAIN_WARM_STARTS=0` turns warm starts off.
 
+A server outlives its run when it is idle: the next local run of the same process (a notebook's, a test's, a
+script's second `run_local`) forks from it if its stage environment differs at most in RUNTIME_VARIABLES; it ends
+with the process.
+
 This module never imports torch: it only speaks the server's protocol (see stages/warm.py).
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import queue
@@ -24,7 +29,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager, suppress
 from typing import IO
 
@@ -33,13 +38,16 @@ READY_TIMEOUT_S = 300.0
 MAX_MESSAGE = 1 << 16
 SWITCH = "POSTTRAIN_WARM_STARTS"
 """Set to 0 to start every stage of a local run as a fresh process."""
+RUNTIME_VARIABLES = ("MLFLOW_TRACKING_URI",)
+"""Variables of the runner's stage environment that the stages read when they run, never at import: each run root
+has its own local MLflow store, and a server kept from an earlier run still forks the next run's stages."""
 
 
 class WarmProcess:
-    """A stage forked by the server: `pid`, `stdout`, `returncode`, `poll()`, `wait()` and `send_signal()`, as on
-    the `subprocess.Popen` the runner otherwise holds."""
+    """A stage forked by the server: `pid`, `stdout`, `returncode`, `poll()`, `wait()`, `send_signal()`,
+    `terminate()` and `kill()`, as on the `subprocess.Popen` the runner otherwise holds."""
 
-    def __init__(self, args: list[str], stdout: IO[bytes], stderr: IO[bytes] | None = None) -> None:
+    def __init__(self, args: list[str], stdout: IO[bytes] | None = None, stderr: IO[bytes] | None = None) -> None:
         self.args = args
         self.stdout = stdout
         self.stderr = stderr
@@ -66,12 +74,23 @@ class WarmProcess:
             with suppress(ProcessLookupError):
                 os.kill(self.pid, signum)
 
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
 
 class WarmStarts:
-    """One server, started with `env`, and the stages forked from it."""
+    """One server, started with `env`, and the stages forked from it. A stage's environment must be `env`, or differ
+    from it only in `runtime_variables`: variables that the stages read when they run, never at import (the local
+    runner names none). `server`: the server's command, without `--socket-fd` (the tests' adds its fault hooks)."""
 
-    def __init__(self, env: dict[str, str]) -> None:
+    def __init__(
+        self, env: dict[str, str], runtime_variables: Collection[str] = (), server: list[str] | None = None
+    ) -> None:
         self.env = dict(env)
+        self.runtime_variables = frozenset(runtime_variables)
         self.error = ""
         self._ready = threading.Event()
         self._usable = False
@@ -81,7 +100,7 @@ class WarmStarts:
         self._sock, server_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self._server = subprocess.Popen(
-                [sys.executable, "-m", "stages.warm", "--socket-fd", str(server_end.fileno())],
+                [*(server or [sys.executable, "-m", "stages.warm"]), "--socket-fd", str(server_end.fileno())],
                 pass_fds=[server_end.fileno()],
                 env=self.env,
                 stdin=subprocess.DEVNULL,
@@ -129,22 +148,27 @@ class WarmStarts:
                 time.sleep(0.2)
             process._ended(-signal.SIGTERM)
 
-    def start(self, command: list[str], env: dict[str, str], separate_stderr: bool = False) -> WarmProcess | None:
+    def start(
+        self, command: list[str], env: dict[str, str], separate_stderr: bool = False, output: int | None = None
+    ) -> WarmProcess | None:
         """The stage of `command` (`python -m stages ...`) forked from the server, its stderr in its stdout (or in
-        `stderr` of its own), or None where it must start the usual way: another command or environment, a server
-        that could not import. A stage waits for the server's imports (they are what it would import itself)."""
-        if command[:3] != [sys.executable, "-m", "stages"] or env != self.env:
+        `stderr` of its own; or both written to the file descriptor `output`, with no pipe), or None where it must
+        start the usual way: another command or environment, a server that could not import. A stage waits for the
+        server's imports (they are what it would import itself)."""
+        differs = self._differs(env)
+        if command[:3] != [sys.executable, "-m", "stages"] or not differs <= self.runtime_variables:
             return None
         if not self._ready.wait(READY_TIMEOUT_S) or not self._usable:
             return None
-        pipes = [os.pipe() for _ in range(2 if separate_stderr else 1)]
+        pipes = [] if output is not None else [os.pipe() for _ in range(2 if separate_stderr else 1)]
         readers = [os.fdopen(read_end, "rb") for read_end, _ in pipes]
-        process = WarmProcess(command, readers[0], readers[1] if separate_stderr else None)
+        process = WarmProcess(command, *readers)
         with self._lock:
             self._pending.put(process)
             try:
-                request = json.dumps({"argv": command[3:]}).encode("utf-8")
-                socket.send_fds(self._sock, [request], [write_end for _, write_end in pipes])
+                request = {"argv": command[3:], "cwd": os.getcwd(), **({"env": env} if differs else {})}
+                fds = [output] if output is not None else [write_end for _, write_end in pipes]
+                socket.send_fds(self._sock, [json.dumps(request).encode("utf-8")], fds)
             except OSError:
                 self._pending.get()
                 for reader in readers:
@@ -161,6 +185,19 @@ class WarmStarts:
                 reader.close()
             return None
         return process
+
+    def takes(self, env: dict[str, str]) -> bool:
+        """Whether stages with `env` can be forked from this server now: it is ready and alive, and `env` differs
+        from its own at most in its runtime variables."""
+        return self._ready.is_set() and self._usable and self._differs(env) <= self.runtime_variables
+
+    def _differs(self, env: dict[str, str]) -> set[str]:
+        """The variables whose values in `env` are not the server's."""
+        return {name for name in env.keys() | self.env.keys() if env.get(name) != self.env.get(name)}
+
+    def idle(self) -> bool:
+        """Ready, alive, and no stage of it running: what a later run can take over."""
+        return self._ready.is_set() and self._usable and not self._running
 
     def close(self) -> None:
         """End the server: at once where no stage of it runs (it holds nothing but imports; a runner interrupted
@@ -188,14 +225,32 @@ def wanted(gpus: int) -> bool:
     return sys.platform.startswith("linux") and gpus == 0 and os.environ.get(SWITCH, "1") != "0"
 
 
+_kept: list[WarmStarts] = []
+"""The idle server of this process's last local run, for its next one."""
+
+
+def _close_kept() -> None:
+    while _kept:
+        _kept.pop().close()
+
+
+atexit.register(_close_kept)
+
+
 @contextmanager
 def warm_starts(env: dict[str, str], gpus: int) -> Iterator[WarmStarts | None]:
-    """A server for a local run's stages (None where warm starts are not wanted), closed at the end."""
+    """A server for a local run's stages (None where warm starts are not wanted): the one the process's last run
+    left idle where it takes `env`, else a new one. At the end it is kept while idle, else closed."""
     if not wanted(gpus):
         yield None
         return
-    starts = WarmStarts(env)
+    starts = _kept.pop() if _kept and _kept[-1].takes(env) else None
+    _close_kept()  # one that cannot take this run's stages
+    starts = starts or WarmStarts(env, RUNTIME_VARIABLES)
     try:
         yield starts
     finally:
-        starts.close()
+        if starts.idle():
+            _kept.append(starts)
+        else:  # still importing (the run was stopped early), or stages of it still running, or dead
+            starts.close()

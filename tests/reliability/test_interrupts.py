@@ -12,7 +12,7 @@ from pathlib import Path
 
 import faults
 import pytest
-from training_fixtures import child_env, make_run_dir, stage_command, text_rows, wait_for_file, write_jsonl
+from training_fixtures import make_run_dir, start_stage, text_rows, wait_for_file, write_jsonl
 
 import stages.prepare
 from stages.__main__ import main as stages_main
@@ -102,22 +102,6 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_75_and_twice_stops_at_once(run_dir:
 
 # --------------------------------------------------------------------------- evaluate: SIGTERM and Ctrl-C
 
-# Pauses evaluate while it measures the candidate (inside its MLflow run), until it is signalled.
-_HOLD_IN_MEASURE = """
-import os, time
-from pathlib import Path
-
-if os.environ.get("HOLD_IN_MEASURE"):
-    import stages.evaluate
-
-    def held_measure(*args, **kwargs):
-        Path(os.environ["HOLD_IN_MEASURE"]).write_text(str(os.getpid()))
-        while True:
-            time.sleep(0.05)
-
-    stages.evaluate.measure = held_measure
-"""
-
 
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
@@ -128,16 +112,9 @@ def test_a_signal_during_evaluate_records_it_interrupted_and_exits_75(run_dir: R
     if trained is None or trained.status != "succeeded":  # the Ctrl-C test above did not finish it
         done = faults.run(run_dir, "cpt")
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    command = stage_command(run_dir, "evaluate")
-    script = run_dir.root / "run_held_evaluate.py"
-    script.write_text(_HOLD_IN_MEASURE + Path(command[1]).read_text(encoding="utf-8"), encoding="utf-8")
-    command[1] = str(script)
-    held = run_dir.root.parent / f"held-{signum}"
-    env = child_env(HOLD_IN_MEASURE=str(held))
-    env.pop("MLFLOW_TRACKING_URI", None)
+    held = run_dir.root.parent / f"held-{signum}"  # evaluate pauses while it measures the candidate
     log = run_dir.root.parent / f"evaluate-{signum}.log"
-    with log.open("w") as out:
-        child = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+    child = start_stage(run_dir, "evaluate", log, HOLD_IN_MEASURE=str(held), MLFLOW_TRACKING_URI=None)
     wait_for_file(held, child)
     attempt = run_dir.read_result("evaluate")
     assert attempt.status == "running"
