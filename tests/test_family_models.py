@@ -1,7 +1,7 @@
 """A user's own model directory of each family Korean teams fine-tune (Llama-3, EXAONE 4, Gemma 3, Mistral: the real
 architecture, the real chat template, safetensors weights, a trained BPE tokenizer), given as model.name_or_path,
 with the user's own messages and preference files, runs prepare → sft (LoRA) → rlhf (DPO) → evaluate as a user
-runs it: `python -m workflows.submit FILE --local`."""
+runs it: `python -m workflows.submit FILE --local` (its main function, in the test's process)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import yaml
 from training_fixtures import REPO, chat_rows, text_rows, write_jsonl
 
 from stages.tokenizer import render_for_training, train_bpe_tokenizer
+from workflows.submit import main as submit_main
 
 FAMILIES = {
     # architecture → (transformers config class, its chat template, extra config)
@@ -113,16 +115,34 @@ def pipeline_file(root: Path, model_dir: Path, architecture: str) -> Path:
     return path
 
 
+@pytest.fixture
+def submit_local(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> Callable[..., tuple[int, str]]:
+    """`python -m workflows.submit PIPELINE --local --run-dir RUN_ROOT [...]` as its main function in this process:
+    the exit code and what it printed. Its stages are forked from the warm-start server the last local run of this
+    process left idle (the families' runs share one server's imports)."""
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.chdir(REPO)
+
+    def submit(pipeline: Path, run_root: Path, *extra: str) -> tuple[int, str]:
+        capsys.readouterr()
+        code = submit_main([str(pipeline), "--local", "--run-dir", str(run_root), *extra])
+        said = capsys.readouterr()
+        return code, said.out + said.err
+
+    return submit
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("architecture", sorted(FAMILIES))
-def test_a_users_model_directory_trains_through_sft_dpo_and_evaluate(tmp_path: Path, architecture: str) -> None:
+def test_a_users_model_directory_trains_through_sft_dpo_and_evaluate(
+    tmp_path: Path, architecture: str, submit_local: Callable[..., tuple[int, str]]
+) -> None:
     model_dir = make_model_dir(tmp_path, architecture)
     pipeline = pipeline_file(tmp_path, model_dir, architecture)
     run_root = tmp_path / "run"
-    env = {**os.environ, "WANDB_MODE": "disabled", "POSTTRAIN_NO_GPU": "1"}
-    command = [sys.executable, "-m", "workflows.submit", str(pipeline), "--local", "--run-dir", str(run_root)]
-    done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    code, said = submit_local(pipeline, run_root)
+    assert code == 0, said[-8000:]
 
     results = {s: json.loads((run_root / s / "stage.json").read_text()) for s in ("prepare", "sft", "rlhf", "evaluate")}
     assert all(r["status"] == "succeeded" for r in results.values()), results
@@ -139,7 +159,9 @@ def test_a_users_model_directory_trains_through_sft_dpo_and_evaluate(tmp_path: P
 
 
 @pytest.mark.slow
-def test_a_base_model_without_a_chat_template_is_given_one_and_learns_its_new_tokens(tmp_path: Path) -> None:
+def test_a_base_model_without_a_chat_template_is_given_one_and_learns_its_new_tokens(
+    tmp_path: Path, submit_local: Callable[..., tuple[int, str]]
+) -> None:
     """A *-Base model ships no chat template: prepare says to set model.chat_template; with `chatml`, its tokens are
     added, the embeddings grow, LoRA trains the new rows, and the later stages load the grown model."""
     from safetensors import safe_open
@@ -152,19 +174,14 @@ def test_a_base_model_without_a_chat_template_is_given_one_and_learns_its_new_to
     (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     pipeline = pipeline_file(tmp_path, model_dir, "mistral")
-    env = {**os.environ, "WANDB_MODE": "disabled"}
 
-    def submit(run_root: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-        command = [sys.executable, "-m", "workflows.submit", str(pipeline), "--local", "--run-dir", str(run_root)]
-        return subprocess.run([*command, *extra], env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
-
-    refused = submit(tmp_path / "without")
-    assert refused.returncode != 0
-    assert "has no chat template" in refused.stdout + refused.stderr and "model.chat_template" in refused.stdout
+    code, said = submit_local(pipeline, tmp_path / "without")
+    assert code != 0
+    assert "has no chat template" in said and "model.chat_template" in said
     assert not (tmp_path / "without" / "sft" / "stage.json").exists()
 
-    done = submit(tmp_path / "run", "--set", "model.chat_template=chatml")
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    code, said = submit_local(pipeline, tmp_path / "run", "--set", "model.chat_template=chatml")
+    assert code == 0, said[-8000:]
     tokenizer_config = json.loads((tmp_path / "run" / "prepare" / "tokenizer" / "tokenizer_config.json").read_text())
     assert tokenizer_config["eos_token"] == "<|im_end|>"
     with safe_open(str(tmp_path / "run" / "sft" / "model" / "adapter_model.safetensors"), "pt") as f:

@@ -38,9 +38,15 @@ READY_TIMEOUT_S = 300.0
 MAX_MESSAGE = 1 << 16
 SWITCH = "POSTTRAIN_WARM_STARTS"
 """Set to 0 to start every stage of a local run as a fresh process."""
-RUNTIME_VARIABLES = ("MLFLOW_TRACKING_URI",)
-"""Variables of the runner's stage environment that the stages read when they run, never at import: each run root
-has its own local MLflow store, and a server kept from an earlier run still forks the next run's stages."""
+RUNTIME_VARIABLES = (
+    "MLFLOW_TRACKING_URI",  # each run root has its own local store
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES",  # the runner's own tracking sets these defaults in its environment
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT",
+    "PYTEST_CURRENT_TEST",  # pytest names the running test
+)
+"""Variables of the runner's stage environment that nothing reads at import (MLflow reads its own per request): a
+server kept from an earlier run of the process still forks the next run's stages where only these differ."""
 
 
 class WarmProcess:
