@@ -17,7 +17,7 @@ import pytest
 import yaml
 from hypothesis import settings
 
-# One compute thread per process: the suite runs a worker per core (pytest-xdist, `-n auto` in pyproject.toml), and
+# One compute thread per process: the suite runs a worker or more per core (pytest-xdist, `-n auto`: see below), and
 # the tiny models train no faster on two threads; two workers of two threads each took twice as long. Set before
 # torch is imported here or in any stage the tests start (children inherit the environment).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -140,7 +140,15 @@ def gcs(gcs_server: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
     return _pointed_at(gcs_server, monkeypatch)
 
 
-# --------------------------------------------------------------------------- order of the run
+# --------------------------------------------------------------------------- workers and order of the run
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto`: one worker more than the cores. A worker spends part of its time waiting on what it started (stage
+    processes, warm-start servers, tracking servers, timeouts under test); the extra worker fills it (2 cores,
+    2026-11-26: 16:54 with 2 workers; 13:08 with 3, where the family tests' runs also began sharing a server, a
+    minute of that)."""
+    return len(os.sched_getaffinity(0)) + 1 if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1) + 1
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

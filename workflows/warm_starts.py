@@ -89,8 +89,8 @@ class WarmProcess:
 
 class WarmStarts:
     """One server, started with `env`, and the stages forked from it. A stage's environment must be `env`, or differ
-    from it only in `runtime_variables`: variables that the stages read when they run, never at import (the local
-    runner names none). `server`: the server's command, without `--socket-fd` (the tests' adds its fault hooks)."""
+    from it only in `runtime_variables`: variables that nothing reads at import (the local runner's are
+    RUNTIME_VARIABLES). `server`: the server's command, without `--socket-fd` (the tests' adds its fault hooks)."""
 
     def __init__(
         self, env: dict[str, str], runtime_variables: Collection[str] = (), server: list[str] | None = None
