@@ -21,6 +21,7 @@ import stage_hooks
 
 from stages.contract import RunDir
 from stages.tokenizer import build_tokenizer, render_for_training
+from workflows import warm_starts
 from workflows.loading import load_pipeline
 from workflows.pytorchjob import METRICS_PORT_ENV
 from workflows.warm_starts import WarmProcess, WarmStarts
@@ -107,9 +108,9 @@ def child_env(**extra: str | None) -> dict[str, str]:
 
 
 RUNTIME_VARIABLES = (
+    *warm_starts.RUNTIME_VARIABLES,  # the local runner's: MLflow's, pytest's test name
     *stage_hooks.SWITCHES,
     METRICS_PORT_ENV,
-    "MLFLOW_TRACKING_URI",
     "WANDB_MODE",  # W&B reads its settings when a run starts (wandb.init), not at import
     "WANDB_API_KEY",
     "WANDB_BASE_URL",
@@ -136,9 +137,8 @@ def _warm_start(
     """The stage forked from this worker's server, as the local runner forks its stages; None where its environment
     differs from the server's in more than RUNTIME_VARIABLES (a test that changed os.environ)."""
     command = [sys.executable, "-m", "stages", stage, "--run-dir", str(run_dir.root), *args]
-    stage_env = {k: v for k, v in child_env(**env).items() if k != "PYTEST_CURRENT_TEST"}
-    server_env = {k: v for k, v in child_env().items() if k not in (*RUNTIME_VARIABLES, "PYTEST_CURRENT_TEST")}
-    return _warm_starts(server_env).start(command, stage_env, **how)
+    server_env = {k: v for k, v in child_env().items() if k not in RUNTIME_VARIABLES}
+    return _warm_starts(server_env).start(command, child_env(**env), **how)
 
 
 def _read_all(stream: Any, into: list[bytes]) -> threading.Thread:
