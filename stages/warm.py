@@ -10,8 +10,9 @@ exit code), only without the imports. In a pod, and for torchrun, stages start t
 
 multiprocessing's forkserver does the forking part, but one per parent process and for its whole life: its
 environment is the first caller's, while a local run's stages need the run's own (libraries read some variables,
-HF_HUB_OFFLINE for one, when they are imported). A server here belongs to one run, started with that run's stage
-environment, and the runner forks from it only for stages with exactly that environment.
+HF_HUB_OFFLINE for one, when they are imported). A server here is started with a run's stage environment, and the
+runner forks from it only for stages whose environment differs from it at most in variables nothing reads at import
+(workflows/warm_starts.py: RUNTIME_VARIABLES); an idle server may serve the next run of the same runner process.
 
 The protocol, over a SOCK_SEQPACKET socket pair (one JSON message a packet):
 - server → runner: `{"ready": true}` once the imports are done (or `{"ready": false, "error": ...}`);
@@ -95,7 +96,9 @@ def preload() -> None:
     # second), when deploy logs the model with its requirements: once here, not in every deploy.
     from mlflow.utils import requirements_utils
 
-    requirements_utils._init_packages_to_modules_map()
+    fill_package_map = getattr(requirements_utils, "_init_packages_to_modules_map", None)  # private: may go away
+    if fill_package_map is not None:
+        fill_package_map()
     # The imports' objects stay for the process's life: frozen, a child's garbage collections skip them (a full
     # collection over them takes about 0.4 s, and accelerate runs one after each training) and leave their pages
     # shared with the server.

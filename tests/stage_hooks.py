@@ -115,21 +115,17 @@ def install() -> None:
     stages.evaluate.measure = held_measure
 
 
+_INSTALLED = (
+    f"import sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\nimport stage_hooks\nstage_hooks.install()\n"
+)
+"""Python source that installs the hooks in a new interpreter."""
+
+
 def script() -> str:
     """A script that runs `python -m stages <args>` with the hooks: a fresh stage process, usable by torchrun."""
-    return (
-        f"import sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
-        "import stage_hooks\nstage_hooks.install()\n"
-        "from stages.__main__ import main\nsys.exit(main(sys.argv[1:]))\n"
-    )
+    return _INSTALLED + "from stages.__main__ import main\nsys.exit(main(sys.argv[1:]))\n"
 
 
 def server_command() -> list[str]:
     """The tests' warm-start server: stages/warm.py with the hooks installed before it forks any stage."""
-    return [
-        sys.executable,
-        "-c",
-        f"import sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
-        "import stage_hooks\nstage_hooks.install()\n"
-        "from stages.warm import main\nsys.exit(main())\n",
-    ]
+    return [sys.executable, "-c", _INSTALLED + "from stages.warm import main\nsys.exit(main())\n"]

@@ -38,10 +38,10 @@ a terminal's Ctrl-C reaches it only through the runner, once; and on Linux it ge
 dies (SIGKILL included), so it saves and stops rather than training on unsupervised.
 
 Without GPUs (the tiny local models, where a stage's imports take longer than its training), the stages are forked
-from a warm-start server that imported torch, transformers, TRL, MLflow and W&B once for the run
-(workflows/warm_starts.py, stages/warm.py): each is still its own process with its own session, output, exit code
-and signals, as above; its log's first line ends with `(warm start)`. `POSTTRAIN_WARM_STARTS=0` starts every stage
-as a fresh process.
+from a warm-start server that imported torch, transformers, TRL, MLflow and W&B once, for the run and the next runs
+of the same process (workflows/warm_starts.py, stages/warm.py): each is still its own process with its own session,
+output, exit code and signals, as above; its log's first line ends with `(warm start)`. `POSTTRAIN_WARM_STARTS=0`
+starts every stage as a fresh process.
 
 This module never imports torch or transformers: GPUs are counted from CUDA_VISIBLE_DEVICES or `nvidia-smi -L`.
 """

@@ -161,8 +161,7 @@ class WarmStarts:
         `stderr` of its own; or both written to the file descriptor `output`, with no pipe), or None where it must
         start the usual way: another command or environment, a server that could not import. A stage waits for the
         server's imports (they are what it would import itself)."""
-        differs = self._differs(env)
-        if command[:3] != [sys.executable, "-m", "stages"] or not differs <= self.runtime_variables:
+        if command[:3] != [sys.executable, "-m", "stages"] or not self._fits(env):
             return None
         if not self._ready.wait(READY_TIMEOUT_S) or not self._usable:
             return None
@@ -172,7 +171,7 @@ class WarmStarts:
         with self._lock:
             self._pending.put(process)
             try:
-                request = {"argv": command[3:], "cwd": os.getcwd(), **({"env": env} if differs else {})}
+                request = {"argv": command[3:], "cwd": os.getcwd(), **({"env": env} if env != self.env else {})}
                 fds = [output] if output is not None else [write_end for _, write_end in pipes]
                 socket.send_fds(self._sock, [json.dumps(request).encode("utf-8")], fds)
             except OSError:
@@ -195,11 +194,12 @@ class WarmStarts:
     def takes(self, env: dict[str, str]) -> bool:
         """Whether stages with `env` can be forked from this server now: it is ready and alive, and `env` differs
         from its own at most in its runtime variables."""
-        return self._ready.is_set() and self._usable and self._differs(env) <= self.runtime_variables
+        return self._ready.is_set() and self._usable and self._fits(env)
 
-    def _differs(self, env: dict[str, str]) -> set[str]:
-        """The variables whose values in `env` are not the server's."""
-        return {name for name in env.keys() | self.env.keys() if env.get(name) != self.env.get(name)}
+    def _fits(self, env: dict[str, str]) -> bool:
+        """Whether `env` differs from the server's environment at most in its runtime variables."""
+        differs = {name for name in env.keys() | self.env.keys() if env.get(name) != self.env.get(name)}
+        return differs <= self.runtime_variables
 
     def idle(self) -> bool:
         """Ready, alive, and no stage of it running: what a later run can take over."""

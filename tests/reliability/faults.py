@@ -14,17 +14,12 @@ import subprocess
 import time
 from pathlib import Path
 
-from training_fixtures import child_env, run_stage, stage_script, start_stage, wait_for_file
+from training_fixtures import child_env, run_stage, start_stage, wait_for_file
 
 from stages.checkpoints import MARKER, check_safetensors, list_checkpoints, why_invalid
 from stages.contract import RunDir
 from stages.tracking import local_store_uri
 from workflows.warm_starts import WarmProcess
-
-
-def fault_script(run_dir: RunDir) -> Path:
-    """A script that runs `python -m stages` with the fault hooks (training_fixtures' stage script)."""
-    return stage_script(run_dir.root)
 
 
 def _fault_vars(run_dir: RunDir, **extra: str) -> dict[str, str | None]:

@@ -14,7 +14,7 @@ from pathlib import Path
 import faults
 import pytest
 import yaml
-from training_fixtures import child_env, make_run_dir
+from training_fixtures import child_env, make_run_dir, stage_script
 
 from stages.checkpoints import MARKER, why_invalid
 from stages.contract import EXIT_RETRYABLE
@@ -121,7 +121,7 @@ def test_sigterm_to_torchrun_checkpoints_on_every_rank_and_the_retry_resumes(tmp
     recorder.write_text(_EXIT_RECORDER, encoding="utf-8")
     codes.mkdir()
     command = torchrun(run_dir, recorder, "cpt")
-    command.insert(command.index("cpt"), str(faults.fault_script(run_dir)))
+    command.insert(command.index("cpt"), str(stage_script(run_dir.root)))
     # The pod's environment: torchrun gives its workers this long after forwarding SIGTERM before it kills them.
     env = faults.fault_env(
         run_dir, OMP_NUM_THREADS="1", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="60", HOLD_AFTER_SAVE="3", EXIT_CODES=str(codes)
@@ -149,7 +149,7 @@ def test_sigterm_to_torchrun_checkpoints_on_every_rank_and_the_retry_resumes(tmp
 
     # The retry: a fresh launcher, the same entry point and run directory.
     retry = subprocess.run(
-        torchrun(run_dir, faults.fault_script(run_dir), "cpt"),
+        torchrun(run_dir, stage_script(run_dir.root), "cpt"),
         env=child_env(OMP_NUM_THREADS="1"),
         capture_output=True,
         text=True,

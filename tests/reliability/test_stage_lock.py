@@ -15,7 +15,7 @@ from pathlib import Path
 import faults
 import pytest
 from test_parameters import _params_dir
-from training_fixtures import REPO, child_env, make_run_dir
+from training_fixtures import REPO, child_env, make_run_dir, stage_script
 
 from stages.__main__ import main as stages_main
 from stages.contract import (
@@ -171,7 +171,7 @@ def test_under_torchrun_rank_0_is_refused_and_no_rank_writes(tmp_path: Path) -> 
     overrides = [*OVERRIDES, "stages.cpt.training.per_device_batch_size=2"]
     run_dir = make_run_dir(tmp_path / "run", overrides=overrides, n_text=40, n_chat=10)
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    command = [*launcher, str(faults.fault_script(run_dir)), "cpt", "--run-dir", str(run_dir.root)]
+    command = [*launcher, str(stage_script(run_dir.root)), "cpt", "--run-dir", str(run_dir.root)]
     with held_by_another_process(run_dir, "cpt"):
         before = snapshot(run_dir.root)
         # Rank 1 waits in the process group's rendezvous (C++, where Python's signal handlers wait too) until

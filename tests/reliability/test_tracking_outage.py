@@ -23,7 +23,7 @@ import faults
 import mlflow
 import pytest
 from test_tracking import free_port, history, tensorboard_points, wandb_points
-from training_fixtures import make_run_dir, wait_for_file
+from training_fixtures import make_run_dir, stage_script, wait_for_file
 
 from stages.contract import RunDir, StageContext
 from stages.tracking import WANDB_INIT_TIMEOUT_SECONDS, StageTracker
@@ -182,7 +182,7 @@ def journaled(tmp_path_factory: pytest.TempPathFactory) -> Journaled:
     ]
     run_dir = make_run_dir(base / "run", overrides=overrides, n_text=60, n_chat=10)
     script = run_dir.root.parent / "run_tracked_stage.py"
-    script.write_text(_PRINTS_THE_URI + faults.fault_script(run_dir).read_text(encoding="utf-8"), encoding="utf-8")
+    script.write_text(_PRINTS_THE_URI + stage_script(run_dir.root).read_text(encoding="utf-8"), encoding="utf-8")
     command = [sys.executable, str(script), "cpt", "--run-dir", str(run_dir.root)]
     env = faults.fault_env(run_dir, WANDB_MODE="offline", MLFLOW_HTTP_REQUEST_MAX_RETRIES="0")
     env["MLFLOW_TRACKING_URI"] = f"http://posttrain:{PASSWORD}@127.0.0.1:{server.port}"
