@@ -99,8 +99,9 @@ def deepspeed_config(distributed: DistributedSpec) -> dict[str, Any]:
 
 def accelerate_overrides(distributed: DistributedSpec, args: dict[str, Any]) -> dict[str, Any]:
     """`args` with the user's accelerate config applied (`distributed.accelerate_config`, whose distributed_type
-    the spec already matched with the strategy): its DeepSpeed plugin settings onto the DeepSpeed config, its
-    fsdp_* settings onto the FSDP config."""
+    the spec already matched with the strategy): its DeepSpeed plugin settings onto the DeepSpeed config (its
+    gradient clipping onto the Trainer's max_grad_norm too; not zero3_save_16bit_model, see `stage_deepspeed`), its
+    fsdp_* settings onto the FSDP config, except the state dict type."""
     config = distributed.accelerate_config or {}
     plugin = config.get("deepspeed_config") or {}
     if "deepspeed" in args and plugin:
@@ -115,17 +116,49 @@ def accelerate_overrides(distributed: DistributedSpec, args: dict[str, Any]) -> 
                 zero[target] = {"device": device, "pin_memory": True}
             elif device == "none":
                 zero.pop(target, None)
-        if "zero3_save_16bit_model" in plugin and zero["stage"] == 3:
-            zero["stage3_gather_16bit_weights_on_model_save"] = bool(plugin["zero3_save_16bit_model"])
         if "gradient_clipping" in plugin:
+            # Both: transformers refuses a DeepSpeed gradient_clipping that differs from max_grad_norm ("mismatch
+            # TrainingArguments values") when the engine starts.
             deepspeed["gradient_clipping"] = plugin["gradient_clipping"]
+            args = {**args, "max_grad_norm": float(plugin["gradient_clipping"])}
         args = {**args, "deepspeed": deepspeed}
     fsdp = config.get("fsdp_config") or {}
     if args.get("fsdp") and fsdp:
-        # accelerate writes fsdp_-prefixed keys; the Trainer's fsdp_config takes them without the prefix.
+        # accelerate writes fsdp_-prefixed keys; the Trainer's fsdp_config takes them without the prefix, and
+        # reads offloading as cpu_offload (it would ignore accelerate's offload_params).
         user = {key.removeprefix("fsdp_"): value for key, value in fsdp.items()}
+        if "offload_params" in user:
+            user["cpu_offload"] = user.pop("offload_params")
+        # The stage's model folder is whole safetensors, which Trainer.save_model writes under FSDP only with full
+        # state dicts: with SHARDED_STATE_DICT (`accelerate config`'s default for FSDP2) it writes no weights.
+        user.pop("state_dict_type", None)
         args = {**args, "fsdp_config": {**args["fsdp_config"], **user}}
     return args
+
+
+OPTIMIZER_EXTRA_ARGS = ("optim", "optim_args", "adam_beta1", "adam_beta2", "adam_epsilon")
+"""training.extra_args that configure the Trainer's optimizer."""
+
+
+def stage_deepspeed(config: dict[str, Any], own_optimizer: bool) -> dict[str, Any]:
+    """The DeepSpeed config (the user's, the generated one, after the accelerate config) with what the stage needs
+    from it, whatever it says:
+    - ZeRO-3 gathers the 16-bit weights when the model is saved: without stage3_gather_16bit_weights_on_model_save
+      (false by default in DeepSpeed, and in `accelerate config`'s zero3_save_16bit_model) Trainer.save_model
+      writes a DeepSpeed checkpoint instead of safetensors, and the stage's model folder has no weights;
+    - `own_optimizer` (training.extra_args configure the optimizer) with the optimizer offloaded and no DeepSpeed
+      "optimizer" section: the Trainer's optimizer runs on the CPU as configured (zero_force_ds_cpu_optimizer
+      false, unless set). Otherwise accelerate swaps it for DeepSpeed's CPU Adam with only its learning rate and
+      weight decay, dropping the optim, betas and eps that extra_args set (seen on 2 GPUs: adam_beta2 0.95 ran
+      as 0.999); without extra_args that CPU Adam stays, the faster one."""
+    zero = dict(config.get("zero_optimization") or {})
+    config = {**config, "zero_optimization": zero}
+    if zero.get("stage") == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    offload = zero.get("offload_optimizer") or {}
+    if own_optimizer and "optimizer" not in config and offload.get("device", "none") != "none":
+        config.setdefault("zero_force_ds_cpu_optimizer", False)
+    return config
 
 
 def strategy_arguments(stage: str, section: TrainingStage, model: Any) -> dict[str, Any]:
@@ -143,7 +176,12 @@ def strategy_arguments(stage: str, section: TrainingStage, model: Any) -> dict[s
     elif distributed.strategy.startswith("deepspeed"):
         # The user's own config (embedded into the spec when the pipeline was loaded), else the generated one.
         args["deepspeed"] = distributed.deepspeed_config or deepspeed_config(distributed)
-    return accelerate_overrides(distributed, args) if distributed.accelerate_config else args
+    if distributed.accelerate_config:
+        args = accelerate_overrides(distributed, args)
+    if "deepspeed" in args:
+        own_optimizer = any(key in OPTIMIZER_EXTRA_ARGS for key in section.training.extra_args)
+        args["deepspeed"] = stage_deepspeed(args["deepspeed"], own_optimizer)
+    return args
 
 
 def precision_arguments(model_dtype: torch.dtype | str) -> dict[str, Any]:

@@ -162,7 +162,12 @@ def test_deepspeed_config_file_is_embedded_and_used(tmp_path: Path) -> None:
     section = spec.stages.sft
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(distributed, "check_strategy", lambda *_: None)  # no GPU here
-        assert distributed.strategy_arguments("sft", section, None)["deepspeed"] == DEEPSPEED
+        deepspeed = distributed.strategy_arguments("sft", section, None)["deepspeed"]
+    # the user's config, and ZeRO-3 gathers the weights on save (DeepSpeed's default would leave model/ without them)
+    assert deepspeed == {
+        **DEEPSPEED,
+        "zero_optimization": {**DEEPSPEED["zero_optimization"], "stage3_gather_16bit_weights_on_model_save": True},
+    }
 
 
 def test_deepspeed_config_errors_name_the_file(tmp_path: Path) -> None:
@@ -187,15 +192,60 @@ def test_accelerate_config_is_applied(tmp_path: Path) -> None:
         SFT + "    distributed: {strategy: deepspeed_zero2, accelerate_config: accelerate.yaml}\n", encoding="utf-8"
     )
     spec = load_pipeline(str(path)).spec
+    betas = load_pipeline(str(path), overrides=["stages.sft.training.extra_args={adam_beta2: 0.95}"]).spec
     from stages import distributed
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(distributed, "check_strategy", lambda *_: None)
-        deepspeed = distributed.strategy_arguments("sft", spec.stages.sft, None)["deepspeed"]
+        args = distributed.strategy_arguments("sft", spec.stages.sft, None)
+        own_optimizer = distributed.strategy_arguments("sft", betas.stages.sft, None)["deepspeed"]
+    deepspeed = args["deepspeed"]
+    assert args["max_grad_norm"] == 0.5  # transformers refuses a gradient_clipping that differs from it
     assert deepspeed["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert deepspeed["gradient_clipping"] == 0.5
+    # Offloaded: DeepSpeed's CPU Adam replaces the Trainer's optimizer, unless extra_args configure that optimizer
+    # (accelerate's swap would drop their betas): then it runs on the CPU as configured.
+    assert "zero_force_ds_cpu_optimizer" not in deepspeed
+    assert own_optimizer["zero_force_ds_cpu_optimizer"] is False
     with pytest.raises(SpecError, match="distributed_type DEEPSPEED needs strategy 'deepspeed_zero2', not 'fsdp'"):
         load_pipeline(str(path), overrides=["stages.sft.distributed.strategy=fsdp"])
+
+
+def test_accelerate_config_defaults_still_save_the_whole_model(tmp_path: Path) -> None:
+    """`accelerate config`'s defaults (FSDP2: SHARDED_STATE_DICT; ZeRO-3: zero3_save_16bit_model false) would leave
+    the stage's model folder without weights: the stage keeps full state dicts and gathers ZeRO-3's weights.
+    Its fsdp_offload_params reaches the Trainer as cpu_offload."""
+    (tmp_path / "fsdp.yaml").write_text(
+        "distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n  fsdp_state_dict_type: SHARDED_STATE_DICT\n"
+        "  fsdp_offload_params: true\n  fsdp_reshard_after_forward: false\n",
+        encoding="utf-8",
+    )
+    (tmp_path / "zero3.yaml").write_text(
+        "distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 3\n  zero3_save_16bit_model: false\n",
+        encoding="utf-8",
+    )
+    path = tmp_path / "p.yaml"
+    path.write_text(SFT + "    distributed: {strategy: fsdp, accelerate_config: fsdp.yaml}\n", encoding="utf-8")
+    fsdp = load_pipeline(str(path)).spec.stages.sft
+    zero3 = load_pipeline(
+        str(path),
+        overrides=[
+            "stages.sft.distributed.strategy=deepspeed_zero3",
+            f"stages.sft.distributed.accelerate_config={tmp_path / 'zero3.yaml'}",
+        ],
+    ).spec.stages.sft
+    from stages import distributed
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(distributed, "check_strategy", lambda *_: None)
+        fsdp_args = distributed.strategy_arguments(
+            "sft", fsdp, SimpleNamespace(_no_split_modules=["Qwen3DecoderLayer"])
+        )
+        deepspeed = distributed.strategy_arguments("sft", zero3, None)["deepspeed"]
+    assert fsdp_args["fsdp_config"]["state_dict_type"] == "FULL_STATE_DICT"
+    assert fsdp_args["fsdp_config"]["cpu_offload"] is True and "offload_params" not in fsdp_args["fsdp_config"]
+    assert fsdp_args["fsdp_config"]["reshard_after_forward"] is False
+    assert deepspeed["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
 
 
 def test_import_subcommand_is_wired(tmp_path: Path) -> None:

@@ -550,7 +550,10 @@ class TrainingSpec(StrictModel):
         "TrainingArguments, or of TRL's SFTConfig / DPOConfig / GRPOConfig... for the stage's trainer, e.g. "
         "{optim: adamw_torch_fused, adam_beta2: 0.95, neftune_noise_alpha: 5}. Scalars only; the stage refuses a "
         "name its config class does not have. Settings the spec owns (learning_rate, bf16, deepspeed...) are "
-        "refused here: set their spec field.",
+        "refused here: set their spec field. With DeepSpeed offloading the optimizer (and no 'optimizer' section in "
+        "its config), optimizer settings here (optim, optim_args, adam_beta1, adam_beta2, adam_epsilon) make the "
+        "trainer's own optimizer run on the CPU; without them DeepSpeed's faster CPU Adam runs, with the learning "
+        "rate and weight decay only.",
     )
 
     @field_validator("extra_args")
@@ -577,7 +580,8 @@ class DistributedSpec(StrictModel):
         description="Your own DeepSpeed config instead of the generated one (strategy deepspeed_zero2/3, the same "
         "ZeRO stage): a path to its JSON file, relative to the pipeline file (to the current directory in --set), "
         "read when the pipeline is loaded and embedded into the spec, so the pods get it with the spec. 'auto' "
-        "values are filled in from the trainer's arguments as usual.",
+        "values are filled in from the trainer's arguments as usual. The stage saves its model whole: ZeRO-3 always "
+        "gathers the 16-bit weights on save (stage3_gather_16bit_weights_on_model_save).",
     )
 
     accelerate_config: dict[str, Any] | str | None = Field(
@@ -585,7 +589,9 @@ class DistributedSpec(StrictModel):
         description="Your own accelerate config (the YAML `accelerate config` writes): a path, read and embedded "
         "as deepspeed_config is. Its distributed_type must agree with strategy (DEEPSPEED: deepspeed_zero<zero_stage>, "
         "FSDP: fsdp, MULTI_GPU or NO: ddp); its deepspeed_config (zero_stage, offload_*_device, gradient_clipping, "
-        "zero3_save_16bit_model) or fsdp_config (fsdp_* keys) settings are passed to the trainer. The process "
+        "which also sets the trainer's max_grad_norm) or fsdp_config (fsdp_* keys) settings are passed to the "
+        "trainer, except what would leave the stage's model folder without weights: fsdp_state_dict_type (the stage "
+        "saves full state dicts) and zero3_save_16bit_model (ZeRO-3 always gathers the weights on save). The process "
         "counts (num_processes, num_machines, ...) come from the stage's resources and are ignored.",
     )
 
