@@ -1,6 +1,7 @@
 """Warm starts: one process imports the stages' libraries once, then forks each stage of a local run from itself.
 
     python -m stages.warm --socket-fd FD        started by the local runner (workflows/warm_starts.py), never by hand
+    python -m stages.warm --listen PATH         a server that local runs share: POSTTRAIN_WARM_SERVER=PATH
 
 A stage process spends most of its start importing torch, transformers, TRL, PEFT, MLflow and W&B (5 to 8 s on a
 laptop core, against a second or two of work for a tiny local model); the local runner runs six of them and more
@@ -23,15 +24,27 @@ The protocol, over a SOCK_SEQPACKET socket pair (one JSON message a packet):
 - server → runner: `{"pid": N}` for that request, and `{"exited": N, "returncode": R}` when the child ends (R as
   `subprocess.Popen.returncode`: negative for a signal).
 
+  `{"close": true}` before the runner shuts its end: the server waits for the stages still running, then exits.
+  Its end closed without that, the runner is gone: the server sends its stages SIGTERM, as the kernel would.
+
 Children get SIGTERM when the server dies, and the server when the runner dies (Linux `PR_SET_PDEATHSIG`), so a
 killed runner still stops its stage the way it does without warm starts (the stage saves and exits).
+
+With `--listen PATH` the server imports once for many runs, of any process of the same user: each runner that
+connects to the Unix socket PATH (SOCK_SEQPACKET, mode 0600, the peer's user checked) gets a server of its own, forked
+from this one, that speaks the protocol above on that connection. Its ready message also carries the listening
+server's environment and `--runtime-variable` names: the runner forks from it only stages whose environment differs
+from that one at most in variables read when a stage runs. A runner that dies closes its connection, and its stages
+get SIGTERM. Stop the server with SIGTERM or Ctrl-C; its connections' servers and their stages get SIGTERM.
 """
 
 from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import ctypes
+import errno
 import gc
 import importlib
 import json
@@ -40,6 +53,7 @@ import os
 import select
 import signal
 import socket
+import struct
 import sys
 import traceback
 
@@ -194,8 +208,10 @@ def reap(sock: socket.socket, children: set[int]) -> None:
 
 
 def serve(sock: socket.socket) -> int:
-    """Answer fork requests until the runner closes its end; then wait for the children still running."""
+    """Answer fork requests until the runner closes its end; then wait for the children still running, having sent
+    them SIGTERM where the runner went without saying `close` (it died)."""
     children: set[int] = set()
+    closing = False
     wakeup_r, wakeup_w = os.pipe()
     os.set_blocking(wakeup_w, False)
     signal.set_wakeup_fd(wakeup_w)
@@ -216,6 +232,9 @@ def serve(sock: socket.socket) -> int:
                 os.close(fd)
             break
         request = json.loads(data)
+        if request.get("close"):
+            closing = True
+            continue
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
@@ -228,14 +247,121 @@ def serve(sock: socket.socket) -> int:
         children.add(pid)
         send(sock, {"pid": pid})
     for pid in list(children):
+        if not closing:  # the runner is gone: its stages save and stop, as when the runner's own server dies with it
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+    for pid in list(children):
         os.waitpid(pid, 0)
     return 0
 
 
+def bind(address: str) -> socket.socket:
+    """A listening SOCK_SEQPACKET socket at `address`, readable and writable by this user alone. A socket file left
+    by a server that is gone is replaced; one that a server still listens on is not (OSError)."""
+    if os.path.exists(address):
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            probe.connect(address)
+        except ConnectionRefusedError:
+            os.unlink(address)  # what a killed server left
+        else:
+            raise OSError(errno.EADDRINUSE, f"a warm-start server already listens at {address}")
+        finally:
+            probe.close()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    umask = os.umask(0o177)
+    try:
+        listener.bind(address)
+    finally:
+        os.umask(umask)
+    listener.listen(16)
+    return listener
+
+
+def same_user(conn: socket.socket) -> bool:
+    """Whether the process at the other end of `conn` runs as this process's user (Linux SO_PEERCRED)."""
+    credentials = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", credentials)
+    return uid == os.getuid()
+
+
+def listen(address: str, runtime_variables: list[str]) -> int:
+    """Serve the runners that connect to `address`, each with a server of its own forked from this one, until
+    SIGTERM or SIGINT."""
+    env = dict(os.environ)  # before the imports, which set variables of their own
+    listener = bind(address)  # before the imports: a runner that connects meanwhile waits for its ready message
+    stop = signal.getsignal(signal.SIGINT)
+
+    def stopped(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, stopped)
+    connections: set[int] = set()
+    try:
+        preload()
+        wakeup_r, wakeup_w = os.pipe()
+        os.set_blocking(wakeup_w, False)
+        signal.set_wakeup_fd(wakeup_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        while True:
+            ready, _, _ = select.select([listener, wakeup_r], [], [])
+            if wakeup_r in ready:
+                os.read(wakeup_r, 512)
+            while connections:  # reap the servers of connections that ended
+                pid, _status = os.waitpid(-1, os.WNOHANG)
+                if pid == 0:
+                    break
+                connections.discard(pid)
+            if listener not in ready:
+                continue
+            conn, _ = listener.accept()
+            if not same_user(conn):
+                conn.close()
+                continue
+            pid = os.fork()
+            if pid == 0:  # this connection's server
+                code = 1
+                try:
+                    signal.set_wakeup_fd(-1)
+                    for fd in (wakeup_r, wakeup_w):
+                        os.close(fd)
+                    listener.close()
+                    for signum, default in ((signal.SIGTERM, signal.SIG_DFL), (signal.SIGINT, stop)):
+                        signal.signal(signum, default)
+                    die_with_parent(signal.SIGTERM)
+                    send(conn, {"ready": True, "env": env, "runtime_variables": runtime_variables})
+                    code = serve(conn)
+                finally:
+                    os._exit(code)
+            conn.close()
+            connections.add(pid)
+    finally:
+        listener.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(address)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m stages.warm", description=__doc__.splitlines()[0])
-    parser.add_argument("--socket-fd", type=int, required=True, help="The runner's end of a SOCK_SEQPACKET pair.")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--socket-fd", type=int, help="The runner's end of a SOCK_SEQPACKET pair.")
+    where.add_argument("--listen", metavar="PATH", help="Serve the local runs that have POSTTRAIN_WARM_SERVER=PATH.")
+    parser.add_argument(
+        "--runtime-variable",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="With --listen: a variable the stages read only when they run (never at import), in which a run's "
+        "environment may differ from the server's. Repeat for more.",
+    )
     args = parser.parse_args(argv)
+    if args.listen:
+        try:
+            return listen(args.listen, args.runtime_variable)
+        except OSError as exc:
+            print(f"error: {args.listen}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
     sock = socket.socket(fileno=args.socket_fd)
     die_with_parent(signal.SIGTERM)
     try:

@@ -24,9 +24,25 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# What the stage children get anyway (training_fixtures.child_env) and a local run adds (workflows/local.py
+# stage_env), set here too: the stages of a run in the test process, of a runner in a subprocess and of
+# training_fixtures fork from one warm-start server, whose environment must be theirs (tests/environment.py).
+for _name, _value in {
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "PYTHONUNBUFFERED": "1",
+    "PYTHONPATH": str(REPO_ROOT),
+    "CUDA_VISIBLE_DEVICES": "",  # the local runs' stages are the tiny CPU ones, also where a GPU is
+}.items():
+    os.environ[_name] = _value
+_bin = str(Path(sys.executable).parent)  # `python` in a README line the tests run is this venv's
+if os.environ.get("PATH", "").split(os.pathsep)[0] != _bin:
+    os.environ["PATH"] = os.pathsep.join(p for p in (_bin, os.environ.get("PATH", "")) if p)
 if str(REPO_ROOT) not in sys.path:  # the tests run against the checkout, installed or not
     sys.path.insert(0, str(REPO_ROOT))
 
+import environment  # noqa: E402
 from fake_argo import fake  # noqa: E402, F401  (the `fake` Argo server fixture, shared by the CLI tests)
 from schema_validation import require_schemas  # noqa: E402
 
@@ -143,12 +159,51 @@ def gcs(gcs_server: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
 # --------------------------------------------------------------------------- workers and order of the run
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _warm_server() -> None:
+    """The worker's warm-start server (training_fixtures.start_warm_server), before any module's fixtures run local
+    stages; the environment tests start with is taken with it (tests/environment.py)."""
+    from training_fixtures import start_warm_server
+
+    start_warm_server()
+    environment.baseline()
+
+
+@pytest.fixture(autouse=True)
+def _same_environment_for_every_test(_warm_server: None) -> Any:
+    """Every test starts with the same environment, whatever earlier ones or imports set (tests/environment.py)."""
+    yield
+    environment.restore()
+
+
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """`-n auto`: one worker more than the cores. A worker spends part of its time waiting on what it started (stage
     processes, warm-start servers, tracking servers, timeouts under test); the extra worker fills it (2 cores,
     2026-11-26: 16:54 with 2 workers; 13:08 with 3, where the family tests' runs also began sharing a server, a
     minute of that)."""
     return len(os.sched_getaffinity(0)) + 1 if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1) + 1
+
+
+SHARED_RUNS = {
+    "tests/reliability/test_dag_resubmission.py": "resubmitted_dag",
+    "tests/reliability/test_secrets_at_rest.py": "resubmitted_dag",
+}
+"""Modules that read one run made once per worker (tests/reliability/resubmitted_dag.py): one worker takes them all."""
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`--dist loadscope`, with the modules of each SHARED_RUNS group as one scope, so that their run is made once,
+    not once on each worker that gets one of them (a local DAG run, twice, each about 28 s of CPU)."""
+    if config.getoption("dist", None) != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedRunScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return SHARED_RUNS.get(scope, scope)
+
+    return SharedRunScheduling(config, log)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -127,5 +127,9 @@ def script() -> str:
 
 
 def server_command() -> list[str]:
-    """The tests' warm-start server: stages/warm.py with the hooks installed before it forks any stage."""
-    return [sys.executable, "-c", _INSTALLED + "from stages.warm import main\nsys.exit(main())\n"]
+    """The tests' warm-start server: stages/warm.py with the hooks installed before it forks any stage. Its
+    environment is put back as it started before the server's main runs: the hooks' imports set variables
+    (torch's inductor its cache directory), and a listening server tells runners the environment it started with."""
+    started = "import os\nstarted_with = dict(os.environ)\n"
+    restored = "os.environ.clear()\nos.environ.update(started_with)\n"
+    return [sys.executable, "-c", started + _INSTALLED + restored + "from stages.warm import main\nsys.exit(main())\n"]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from test_hpo import SEARCHED, TRIAL
-from training_fixtures import make_run_dir
+from training_fixtures import make_run_dir, runner_env
 
 import workflows.local as local
 from stages.contract import EXIT_RETRYABLE, EXIT_USAGE, LOCK_FILE, RunDir, StageResult, StageStatus, now, try_lock
@@ -279,11 +279,12 @@ def test_sigterm_to_a_local_run_stops_the_stage_truthfully_and_the_printed_comma
     assert command[3:5] == ["./my-pipeline.yaml", "--local"] and command[-2:] == ["--run-dir", str(run_dir.root)]
     assert all(option in command for option in OPTIONS)
 
-    # The printed command, as printed, resumes: prepare is a no-op, sft continues from its checkpoint.
+    # The printed command, as printed, resumes: prepare is a no-op, sft continues from its checkpoint (forked from
+    # the tests' shared warm-start server this time).
     second = subprocess.run(
         [sys.executable, *command[1:]],
         cwd=tmp_path,
-        env=_runner_env(tmp_path),
+        env=runner_env(),
         capture_output=True,
         text=True,
         timeout=400,

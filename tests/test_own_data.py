@@ -3,15 +3,13 @@ failed gate ends with the command that registers anyway, and the README's walkth
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from training_fixtures import chat_rows, runner_env, write_jsonl
 
-from tests.training_fixtures import chat_rows, write_jsonl
 from workflows.loading import SpecError, load_pipeline
 from workflows.local import effective_plan
 from workflows.plan import MIN_EVAL_ROWS, plan_warnings, prepared_warnings
@@ -188,8 +186,7 @@ def readme_walkthrough() -> str:
 
 
 def _shell(script: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    env.pop("MLFLOW_TRACKING_URI", None)
+    env = runner_env()  # its PATH starts with the venv's bin (tests/conftest.py): `python` is the venv's
     return subprocess.run(
         ["bash", "-e", "-c", script], cwd=cwd, env=env, capture_output=True, text=True, timeout=600, check=False
     )
@@ -204,6 +201,9 @@ def test_the_readme_walkthrough_trains_on_own_rows_and_registers_the_model(tmp_p
     assert "deploy: succeeded" in done.stdout
     assert done.stdout.rstrip().endswith("registered my-chat version 1 gate pass")
     assert (folder / "runs" / "my-chat-1" / "prepare" / "data" / "sft" / "train.jsonl").is_file()
+    # typed in a shell of its own (its PWD, SHLVL, ...), the run still forked its stages from the tests' shared server
+    header = (folder / "runs" / "my-chat-1" / "sft" / "logs" / "stage.log").read_text(encoding="utf-8").splitlines()[0]
+    assert header.endswith("(warm start, shared server)") and "warning" not in done.stderr, (header, done.stderr)
 
 
 @pytest.mark.slow

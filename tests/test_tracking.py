@@ -150,6 +150,10 @@ def test_no_secret_reaches_the_params(tmp_path: Path, monkeypatch: pytest.Monkey
     assert not any("hf_not_a_real" in v or "pa55word" in v for v in params.values())
 
 
+SERVER_ENV = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+"""The environment of the tests' `mlflow server`: no job runner process beside it (these tests start no jobs)."""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -164,7 +168,9 @@ def mlflow_server(tmp_path: Path):
     command = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port)]
     command += ["--backend-store-uri", store, "--artifacts-destination", str(tmp_path / "artifacts"), "--workers", "1"]
     log = open(tmp_path / "server.log", "wb")  # noqa: SIM115
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True)
+    process = subprocess.Popen(
+        command, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True, env=SERVER_ENV
+    )
     uri = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while True:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
+import stat
 import subprocess
 import sys
 import time
@@ -16,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from stages.warm import follow_current_streams
-from workflows.warm_starts import SWITCH, WarmStarts, _close_kept, wanted, warm_starts
+from stages.warm import bind, follow_current_streams, same_user
+from workflows.warm_starts import SERVER, SWITCH, WarmStarts, _close_kept, alive, connect, wanted, warm_starts
 
 REPO = Path(__file__).resolve().parents[1]
 SECRET = "hf_warmstartsecret123"
@@ -31,7 +33,8 @@ def stage_env(**extra: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[WarmStarts]:
-    starts = WarmStarts(stage_env())
+    """A server of this module's own (its environment holds SECRET), whose stages may differ from it in HF_TOKEN."""
+    starts = WarmStarts(stage_env(), runtime_variables={"HF_TOKEN"})
     yield starts
     starts.close()
 
@@ -143,30 +146,29 @@ def test_a_stage_may_have_its_stderr_apart(server: WarmStarts, tmp_path: Path) -
     assert (out, err) == (cold.stdout, cold.stderr) and err.startswith("error: ") and out == ""
 
 
-def test_a_stage_may_differ_from_the_server_only_in_variables_read_when_it_runs(tmp_path: Path) -> None:
+def test_a_stage_may_differ_from_the_server_only_in_variables_read_when_it_runs(
+    server: WarmStarts, tmp_path: Path
+) -> None:
     # The tests' fault switches are such variables (tests/stage_hooks.py); here a secret, which the stage reads when
     # it masks its output: the child must mask the request's value, not the server's.
     other = "hf_otherwarmsecret456"
-    env = stage_env()
-    starts = WarmStarts(env, runtime_variables={"HF_TOKEN"})
-    try:
-        command = [sys.executable, "-m", "stages", "deploy", "--run-dir", str(tmp_path / other)]
-        log = tmp_path / "deploy.log"
-        with log.open("wb") as out:
-            process = starts.start(command, {**env, "HF_TOKEN": other}, output=out.fileno())
-        assert process is not None and process.stdout is None, starts.error
-        assert process.wait(timeout=60) == 2
-        said = log.read_text(encoding="utf-8")
-        assert said.startswith("error: ") and other not in said and "***" in said
-        assert starts.start(command, {**env, "HF_HUB_OFFLINE": "0"}) is None  # read at import: not forked
-    finally:
-        starts.close()
+    env = server.env
+    command = [sys.executable, "-m", "stages", "deploy", "--run-dir", str(tmp_path / other)]
+    log = tmp_path / "deploy.log"
+    with log.open("wb") as out:
+        process = server.start(command, {**env, "HF_TOKEN": other}, output=out.fileno())
+    assert process is not None and process.stdout is None, server.error
+    assert process.wait(timeout=60) == 2
+    said = log.read_text(encoding="utf-8")
+    assert said.startswith("error: ") and other not in said and "***" in said
+    assert server.start(command, {**env, "HF_HUB_OFFLINE": "0"}) is None  # read at import: not forked
 
 
 def test_the_next_local_run_of_a_process_forks_from_the_server_the_last_one_left_idle(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv(SWITCH, raising=False)
+    monkeypatch.delenv(SERVER, raising=False)  # no server that runs share: each runner process has its own
     env = stage_env(MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'first' / 'mlflow.db'}")
     try:
         with warm_starts(env, 0) as first:
@@ -189,27 +191,34 @@ def test_the_next_local_run_of_a_process_forks_from_the_server_the_last_one_left
         _close_kept()
 
 
-def test_a_server_that_dies_under_a_stage_takes_the_stage_with_it_and_says_so(tmp_path: Path) -> None:
+def blocking_stage(tmp_path: Path) -> list[str]:
+    """A stage command that runs until it is stopped: hpo-select waits to open a FIFO that nothing writes."""
     from test_hpo import SEARCHED
 
     from stages.contract import RunDir
     from workflows.loading import load_pipeline
-    from workflows.warm_starts import alive
 
     run_dir = RunDir(tmp_path / "run")
     run_dir.root.mkdir()
     run_dir.write_spec(load_pipeline("korean-llm", "local", SEARCHED).spec)
     fifo = tmp_path / "optimal-trial.json"
-    os.mkfifo(fifo)  # the selection blocks opening it: a stage that runs until it is stopped
-    env = stage_env()
-    starts = WarmStarts(env)
+    os.mkfifo(fifo)
+    argv = ["hpo-select", "--run-dir", str(run_dir.root), "--stage", "sft", "--optimal-trial", str(fifo)]
+    return [sys.executable, "-m", "stages", *argv]
+
+
+def test_a_server_that_dies_under_a_stage_takes_the_stage_with_it_and_says_so(tmp_path: Path) -> None:
+    # A run's connection to the worker's shared server (training_fixtures.start_warm_server): the server that forked
+    # the stage is the connection's own, which dies here as a run's own server would.
+    starts = WarmStarts({}, address=os.environ[SERVER])
     try:
-        argv = ["hpo-select", "--run-dir", str(run_dir.root), "--stage", "sft", "--optimal-trial", str(fifo)]
-        process = starts.start([sys.executable, "-m", "stages", *argv], env)
+        assert starts._ready.wait(120), starts.error
+        env = starts.env
+        process = starts.start(blocking_stage(tmp_path), env)
         assert process is not None, starts.error
         with pytest.raises(subprocess.TimeoutExpired):
             process.wait(timeout=2)
-        starts._server.kill()  # e.g. the OOM killer's choice: the biggest process
+        os.kill(parent(process.pid), signal.SIGKILL)  # e.g. the OOM killer's choice: the biggest process
         assert process.wait(timeout=60) == -15 and not alive(process.pid)  # SIGTERM from the kernel, then gone
         assert starts.start([sys.executable, "-m", "stages", "--help"], env) is None
         assert "exited" in starts.error
@@ -222,6 +231,7 @@ def test_sigterm_while_the_server_imports_ends_the_run_before_any_stage_began(tm
     command = [sys.executable, "-m", "workflows.submit", "korean-llm", "--local", f"--run-dir={run_root}"]
     env = {**stage_env(), "CUDA_VISIBLE_DEVICES": ""}
     env.pop(SWITCH, None)
+    env.pop(SERVER, None)  # the runner's own server, which imports
     runner = subprocess.Popen(
         command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -238,3 +248,107 @@ def test_sigterm_while_the_server_imports_ends_the_run_before_any_stage_began(tm
     assert runner.wait(timeout=60) == 128 + signal.SIGTERM, output
     assert "SIGTERM to the runner before the stage started" in output
     assert not (run_root / "prepare" / "stage.json").exists()  # nothing ran, nothing recorded
+
+
+# --------------------------------------------------------------------------- a server that runs of many processes share
+
+
+def parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat", encoding="utf-8") as stat:
+        return int(stat.read().rsplit(")", 1)[1].split()[1])
+
+
+def test_runner_processes_share_a_listening_server_each_through_a_server_of_its_own(tmp_path: Path) -> None:
+    # The worker's listening server (training_fixtures.start_warm_server), as `python -m stages.warm --listen` serves
+    # the runs of a shell. A runner here is a process that connects to it and starts a stage that runs until stopped.
+    script = (
+        "import sys, time\n"
+        "from workflows.warm_starts import WarmStarts\n"
+        "starts = WarmStarts({}, address=sys.argv[1])\n"
+        "starts._ready.wait(120)\n"
+        "process = starts.start(sys.argv[2:], starts.env)\n"
+        "print(process.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    stages = []
+    runners = []
+    try:
+        for name in ("first", "second"):
+            (tmp_path / name).mkdir()
+            command = [sys.executable, "-c", script, os.environ[SERVER], *blocking_stage(tmp_path / name)]
+            runner = subprocess.Popen(command, env=os.environ, stdout=subprocess.PIPE, text=True)
+            runners.append(runner)
+            stages.append(int(runner.stdout.readline()))
+        # each stage forked by a server of its runner's own, both forked from the one that imported
+        assert parent(stages[0]) != parent(stages[1])
+        assert parent(parent(stages[0])) == parent(parent(stages[1])) not in (os.getpid(), 1)
+        # a runner killed: its stage gets SIGTERM and stops; the other runner's stage runs on
+        runners[0].kill()
+        deadline = time.monotonic() + 60
+        while alive(stages[0]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(stages[0]) and alive(stages[1])
+    finally:
+        for runner in runners:
+            runner.kill()
+            runner.wait()
+    deadline = time.monotonic() + 60
+    while alive(stages[1]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(stages[1])
+
+
+def test_a_run_the_listening_server_cannot_take_says_why_and_starts_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    address = os.environ[SERVER]
+    starts = connect(address, {})
+    assert starts is None  # an environment of nothing differs in every variable
+    capsys.readouterr()
+    starts = WarmStarts({}, address=address)
+    assert starts._ready.wait(120) and starts.shared
+    env = {**starts.env, "HF_HUB_OFFLINE": "0", "HF_TOKEN": SECRET, "MLFLOW_TRACKING_URI": "sqlite:///x.db"}
+    starts.close()
+    assert connect(address, env) is None
+    said = capsys.readouterr().err
+    # the variables read at import that differ are named, never their values; MLflow's URI is read per request
+    assert f"{SERVER}={address}: this run's environment differs in HF_HUB_OFFLINE, HF_TOKEN;" in said
+    assert SECRET not in said and said.endswith("this run starts its own\n")
+    assert connect(str(tmp_path / "none.sock"), env) is None
+    assert "No such file or directory; this run starts its own" in capsys.readouterr().err
+    # the runner then starts a server of its own for the run
+    monkeypatch.delenv(SWITCH, raising=False)
+    monkeypatch.setenv(SERVER, str(tmp_path / "none.sock"))
+    with warm_starts(env, 0) as own:
+        assert own is not None and not own.shared and own._server is not None
+    _close_kept()
+
+
+def test_a_listening_socket_is_its_users_alone_and_one_left_by_a_dead_server_is_replaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = str(tmp_path / "warm.sock")
+    listener = bind(path)
+    try:
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        with pytest.raises(OSError, match="already listens"):
+            bind(path)
+        started = subprocess.run(  # the command fails before it imports anything
+            [sys.executable, "-m", "stages.warm", "--listen", path], capture_output=True, text=True, timeout=60
+        )
+        assert (
+            started.returncode == 2
+            and started.stderr == f"error: {path}: a warm-start server already listens at {path}\n"
+        )
+        client = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        client.connect(path)
+        conn, _ = listener.accept()
+        assert same_user(conn)
+        monkeypatch.setattr(os, "getuid", lambda: os.geteuid() + 1)  # another user's process at the other end
+        assert not same_user(conn)
+        conn.close()
+        client.close()
+    finally:
+        listener.close()
+    assert os.path.exists(path)  # what a killed server leaves
+    bind(path).close()

@@ -11,18 +11,21 @@ import random
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import environment
 import stage_hooks
 
 from stages.contract import RunDir
 from stages.tokenizer import build_tokenizer, render_for_training
 from workflows import warm_starts
 from workflows.loading import load_pipeline
+from workflows.local import die_with_runner
 from workflows.pytorchjob import METRICS_PORT_ENV
 from workflows.warm_starts import WarmProcess, WarmStarts
 
@@ -94,9 +97,19 @@ def stage_command(run_dir: RunDir, stage: str) -> list[str]:
     return [sys.executable, str(stage_script(run_dir.root)), stage, "--run-dir", str(run_dir.root)]
 
 
-def child_env(**extra: str | None) -> dict[str, str]:
-    """The environment of a stage child: this process's, offline, W&B off; `extra` sets variables (None unsets)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
+def runner_env(**extra: str) -> dict[str, str]:
+    """The environment of a local runner started as a subprocess (`python -m workflows.submit ... --local`): the
+    tests' own, so its stages fork from the worker's warm-start server (start_warm_server), without the test
+    process's MLflow and W&B settings; `extra` sets variables."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "WANDB_API_KEY", "WANDB_MODE")}
+    return {**env, **extra}
+
+
+def child_env(base: dict[str, str] | None = None, **extra: str | None) -> dict[str, str]:
+    """The environment of a stage child: this process's (or `base`), offline, W&B off; `extra` sets variables (None
+    unsets)."""
+    env = {**(os.environ if base is None else base), "PYTHONPATH": str(REPO), "WANDB_MODE": "disabled"}
+    env["TOKENIZERS_PARALLELISM"] = "false"
     env.pop("WANDB_SERVICE", None)  # an in-process W&B test's service: a child must start its own
     env.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
     for name, value in extra.items():
@@ -121,12 +134,45 @@ from the warm-start server's only in these is still forked from it."""
 _warm: WarmStarts | None = None
 
 
+def start_warm_server() -> None:
+    """Start this worker's warm-start server, with the test hooks, listening on a socket that every local run of the
+    tests finds in POSTTRAIN_WARM_SERVER (set here, before tests/environment.py takes the environment tests start
+    with, which is the server's): the runs of `python -m workflows.submit --local` in a test's subprocess, those of
+    `run_local` in the test process and the stages of run_stage/start_stage below fork from it instead of each
+    importing torch, transformers, TRL, MLflow and W&B again. The server ends with the worker."""
+    if not warm_starts.wanted(0) or os.environ.get(warm_starts.SERVER):
+        return
+    address = Path(tempfile.mkdtemp(prefix="posttrain-warm-")) / "server.sock"
+    os.environ[warm_starts.SERVER] = str(address)
+    own = sorted(set(RUNTIME_VARIABLES) - set(warm_starts.RUNTIME_VARIABLES))  # the hooks' switches, W&B's settings
+    command = [*stage_hooks.server_command(), "--listen", str(address), *(f"--runtime-variable={n}" for n in own)]
+    server = subprocess.Popen(
+        command,
+        env=child_env(),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        preexec_fn=die_with_runner(),  # the worker's end is the server's
+    )
+    atexit.register(server.terminate)
+    deadline = time.monotonic() + 120
+    while not address.exists():  # bound before its imports; a run that finds no socket would start its own
+        if server.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the tests' warm-start server did not listen at {address} ({server.poll()})")
+        time.sleep(0.05)
+
+
 def _warm_starts(env: dict[str, str]) -> WarmStarts:
-    """This worker's warm-start server (workflows/warm_starts.py) with the test hooks, started with the tests' stage
-    environment."""
+    """This worker's warm-start server (workflows/warm_starts.py) with the test hooks: the one every local run of
+    the tests shares (start_warm_server), else one of its own started with the tests' stage environment."""
     global _warm
     if _warm is None:
-        _warm = WarmStarts(env, RUNTIME_VARIABLES, server=stage_hooks.server_command())
+        address = os.environ.get(warm_starts.SERVER)
+        if address:
+            _warm = WarmStarts({}, RUNTIME_VARIABLES, address=address)
+        else:
+            _warm = WarmStarts(env, RUNTIME_VARIABLES, server=stage_hooks.server_command())
         atexit.register(_warm.close)
     return _warm
 
@@ -137,7 +183,8 @@ def _warm_start(
     """The stage forked from this worker's server, as the local runner forks its stages; None where its environment
     differs from the server's in more than RUNTIME_VARIABLES (a test that changed os.environ)."""
     command = [sys.executable, "-m", "stages", stage, "--run-dir", str(run_dir.root), *args]
-    server_env = {k: v for k, v in child_env().items() if k not in RUNTIME_VARIABLES}
+    # The environment tests start with (a test that started the server must not give it its own changes).
+    server_env = {k: v for k, v in child_env(environment.baseline()).items() if k not in RUNTIME_VARIABLES}
     return _warm_starts(server_env).start(command, child_env(**env), **how)
 
 

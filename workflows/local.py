@@ -39,9 +39,10 @@ dies (SIGKILL included), so it saves and stops rather than training on unsupervi
 
 Without GPUs (the tiny local models, where a stage's imports take longer than its training), the stages are forked
 from a warm-start server that imported torch, transformers, TRL, MLflow and W&B once, for the run and the next runs
-of the same process (workflows/warm_starts.py, stages/warm.py): each is still its own process with its own session,
-output, exit code and signals, as above; its log's first line ends with `(warm start)`. `POSTTRAIN_WARM_STARTS=0`
-starts every stage as a fresh process.
+of the same process, or for the runs of any process with POSTTRAIN_WARM_SERVER (workflows/warm_starts.py,
+stages/warm.py): each is still its own process with its own session, output, exit code and signals, as above; its
+log's first line ends with `(warm start)` (`(warm start, shared server)`). `POSTTRAIN_WARM_STARTS=0` starts every
+stage as a fresh process.
 
 This module never imports torch or transformers: GPUs are counted from CUDA_VISIBLE_DEVICES or `nvidia-smi -L`.
 """
@@ -198,7 +199,8 @@ def stage_env(run_root: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("MLFLOW_TRACKING_URI", local_tracking_uri(run_root))
     env["PYTHONUNBUFFERED"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    paths = [str(REPO_ROOT), *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(REPO_ROOT))]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
     return env
 
 
@@ -399,7 +401,7 @@ def run_stage(
     with open(log_path, "ab") as log_file:
         started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
         process: subprocess.Popen[bytes] | WarmProcess | None = warm.start(command, env) if warm else None
-        how = " (warm start)" if process is not None else ""
+        how = "" if process is None else " (warm start, shared server)" if warm and warm.shared else " (warm start)"
         log_file.write(f"===== {started_at} {' '.join(command)}{how}\n".encode())
         log_file.flush()
         if process is None:
@@ -736,7 +738,8 @@ def run_retention(spec: PipelineSpec, run_root: Path, console: Console) -> int:
     if retention.keep_days is not None:
         command += ["--keep-days", f"{retention.keep_days:g}"]
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    paths = [str(REPO_ROOT), *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(REPO_ROOT))]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
     done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
     for line in (done.stdout + done.stderr).splitlines():
         console.print(f"retention: {line}", markup=False, soft_wrap=True)

@@ -14,6 +14,11 @@ A server outlives its run when it is idle: the next local run of the same proces
 script's second `run_local`) forks from it if its stage environment differs at most in RUNTIME_VARIABLES; it ends
 with the process.
 
+Runs of different processes (one shell command after another) share a server started apart,
+`python -m stages.warm --listen PATH`, when they have POSTTRAIN_WARM_SERVER=PATH: each run connects and gets a
+server of its own forked from that one, which has imported everything already. A run whose environment differs from
+that server's in a variable read at import, or that cannot connect, says so and starts its own server.
+
 This module never imports torch: it only speaks the server's protocol (see stages/warm.py).
 """
 
@@ -38,12 +43,19 @@ READY_TIMEOUT_S = 300.0
 MAX_MESSAGE = 1 << 16
 SWITCH = "POSTTRAIN_WARM_STARTS"
 """Set to 0 to start every stage of a local run as a fresh process."""
+SERVER = "POSTTRAIN_WARM_SERVER"
+"""The socket of a server that local runs share (`python -m stages.warm --listen PATH`)."""
 RUNTIME_VARIABLES = (
     "MLFLOW_TRACKING_URI",  # each run root has its own local store
     "MLFLOW_HTTP_REQUEST_MAX_RETRIES",  # the runner's own tracking sets these defaults in its environment
     "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR",
     "MLFLOW_HTTP_REQUEST_TIMEOUT",
     "PYTEST_CURRENT_TEST",  # pytest names the running test
+    SERVER,  # read by the runner alone
+    "PWD",  # a shell's own: where it is, how deep, what it ran last (runs typed in other shells share a server)
+    "OLDPWD",
+    "SHLVL",
+    "_",
 )
 """Variables of the runner's stage environment that nothing reads at import (MLflow reads its own per request): a
 server kept from an earlier run of the process still forks the next run's stages where only these differ."""
@@ -90,10 +102,16 @@ class WarmProcess:
 class WarmStarts:
     """One server, started with `env`, and the stages forked from it. A stage's environment must be `env`, or differ
     from it only in `runtime_variables`: variables that nothing reads at import (the local runner's are
-    RUNTIME_VARIABLES). `server`: the server's command, without `--socket-fd` (the tests' adds its fault hooks)."""
+    RUNTIME_VARIABLES). `server`: the server's command, without `--socket-fd` (the tests' adds its fault hooks).
+    With `address`, none is started: the connection to the server listening there (`python -m stages.warm --listen`)
+    is this run's server, and its ready message brings the environment (and more runtime variables) to match."""
 
     def __init__(
-        self, env: dict[str, str], runtime_variables: Collection[str] = (), server: list[str] | None = None
+        self,
+        env: dict[str, str],
+        runtime_variables: Collection[str] = (),
+        server: list[str] | None = None,
+        address: str | None = None,
     ) -> None:
         self.env = dict(env)
         self.runtime_variables = frozenset(runtime_variables)
@@ -103,6 +121,18 @@ class WarmStarts:
         self._lock = threading.Lock()  # one request at a time: replies come in the order of the requests
         self._pending: queue.Queue[WarmProcess] = queue.Queue()
         self._running: dict[int, WarmProcess] = {}
+        self._server: subprocess.Popen[bytes] | None = None
+        self.shared = address is not None
+        """Whether the server is one that runs share (a connection to a listening server)."""
+        if address is not None:
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            try:
+                self._sock.connect(address)
+            except OSError:
+                self._sock.close()
+                raise
+            self._start_reader()
+            return
         self._sock, server_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self._server = subprocess.Popen(
@@ -116,6 +146,9 @@ class WarmStarts:
             )
         finally:
             server_end.close()
+        self._start_reader()
+
+    def _start_reader(self) -> None:
         self._reader = threading.Thread(target=self._read, name="warm-starts", daemon=True)
         self._reader.start()
 
@@ -130,6 +163,9 @@ class WarmStarts:
                 break
             message = json.loads(data)
             if "ready" in message:
+                if "env" in message:  # a listening server's
+                    self.env = message["env"]
+                    self.runtime_variables |= frozenset(message.get("runtime_variables", ()))
                 self._usable = bool(message["ready"])
                 self.error = message.get("error", "")
                 self._ready.set()
@@ -198,8 +234,12 @@ class WarmStarts:
 
     def _fits(self, env: dict[str, str]) -> bool:
         """Whether `env` differs from the server's environment at most in its runtime variables."""
+        return not self.differences(env)
+
+    def differences(self, env: dict[str, str]) -> list[str]:
+        """The variables, other than its runtime variables, in which `env` differs from the server's environment."""
         differs = {name for name in env.keys() | self.env.keys() if env.get(name) != self.env.get(name)}
-        return differs <= self.runtime_variables
+        return sorted(differs - self.runtime_variables)
 
     def idle(self) -> bool:
         """Ready, alive, and no stage of it running: what a later run can take over."""
@@ -208,12 +248,17 @@ class WarmStarts:
     def close(self) -> None:
         """End the server: at once where no stage of it runs (it holds nothing but imports; a runner interrupted
         while the server imports does not wait for it), else once those stages have exited."""
-        if not self._running:
+        if self._running:
+            with suppress(OSError):
+                self._sock.send(json.dumps({"close": True}).encode("utf-8"))
+        elif self._server is not None:
             self._server.kill()
         with suppress(OSError):
-            self._sock.shutdown(socket.SHUT_WR)
-        self._server.wait()
-        self._reader.join(timeout=10)
+            self._sock.shutdown(socket.SHUT_WR if self._running or self._server is not None else socket.SHUT_RDWR)
+        if self._server is not None:
+            self._server.wait()
+        # A listening server's connection: its server ends once its stages have (none running: at once).
+        self._reader.join(timeout=None if self._running and self._server is None else 10)
         self._sock.close()
 
 
@@ -250,6 +295,14 @@ def warm_starts(env: dict[str, str], gpus: int) -> Iterator[WarmStarts | None]:
     if not wanted(gpus):
         yield None
         return
+    address = os.environ.get(SERVER)
+    shared = connect(address, env) if address else None
+    if shared is not None:
+        try:
+            yield shared
+        finally:
+            shared.close()
+        return
     starts = _kept.pop() if _kept and _kept[-1].takes(env) else None
     _close_kept()  # one that cannot take this run's stages
     starts = starts or WarmStarts(env, RUNTIME_VARIABLES)
@@ -260,3 +313,20 @@ def warm_starts(env: dict[str, str], gpus: int) -> Iterator[WarmStarts | None]:
             _kept.append(starts)
         else:  # still importing (the run was stopped early), or stages of it still running, or dead
             starts.close()
+
+
+def connect(address: str, env: dict[str, str]) -> WarmStarts | None:
+    """The connection to the server listening at `address`, for a run with the stage environment `env`; None, said
+    on stderr, where it cannot be had or cannot fork this run's stages."""
+    try:
+        starts = WarmStarts({}, RUNTIME_VARIABLES, address=address)
+    except OSError as exc:
+        print(f"warning: {SERVER}={address}: {exc.strerror or exc}; this run starts its own", file=sys.stderr)
+        return None
+    if starts._ready.wait(READY_TIMEOUT_S) and starts.takes(env):
+        return starts
+    differs = starts.differences(env) if starts._usable else []
+    why = f"this run's environment differs in {', '.join(differs)}" if differs else starts.error or "not ready"
+    starts.close()
+    print(f"warning: {SERVER}={address}: {why}; this run starts its own", file=sys.stderr)
+    return None

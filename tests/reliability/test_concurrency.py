@@ -11,6 +11,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
+from training_fixtures import runner_env
 
 import workflows.local as local
 from workflows.loading import load_pipeline
@@ -46,10 +47,10 @@ def test_a_run_directory_is_held_by_one_runner(tmp_path: Path) -> None:
 
 
 def _runner(cwd: Path, *args: str) -> subprocess.Popen[str]:
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "HOME": str(cwd), "CUDA_VISIBLE_DEVICES": ""}
-    env["HF_HUB_OFFLINE"] = "1"
     command = [sys.executable, "-m", "workflows.submit", "korean-llm", "--local", *PREPARE_ONLY, *args]
-    return subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        command, cwd=cwd, env=runner_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
 
 
 @pytest.mark.slow

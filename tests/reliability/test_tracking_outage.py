@@ -22,7 +22,7 @@ from typing import Any
 import faults
 import mlflow
 import pytest
-from test_tracking import free_port, history, tensorboard_points, wandb_points
+from test_tracking import SERVER_ENV, free_port, history, tensorboard_points, wandb_points
 from training_fixtures import make_run_dir, stage_script, wait_for_file
 
 from stages.contract import RunDir, StageContext
@@ -46,7 +46,7 @@ class MlflowServer:
         command += ["--workers", "1"]
         log = (self.directory / "server.log").open("ab")
         self.process = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, cwd=self.directory, start_new_session=True
+            command, stdout=log, stderr=subprocess.STDOUT, cwd=self.directory, start_new_session=True, env=SERVER_ENV
         )
         deadline = time.monotonic() + 120
         while True:
