@@ -159,10 +159,12 @@ def gcs(gcs_server: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
 # --------------------------------------------------------------------------- workers and order of the run
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _warm_server() -> None:
-    """The worker's warm-start server (training_fixtures.start_warm_server), before any module's fixtures run local
-    stages; the environment tests start with is taken with it (tests/environment.py)."""
+def pytest_configure(config: pytest.Config) -> None:
+    """The session's warm-start server (training_fixtures.start_warm_server), started by the controller (or the only
+    process) before pytest-xdist starts its workers, which share it; then the environment tests start with is taken
+    (tests/environment.py), before collection imports anything."""
+    if config.option.collectonly:
+        return
     from training_fixtures import start_warm_server
 
     start_warm_server()
@@ -170,8 +172,10 @@ def _warm_server() -> None:
 
 
 @pytest.fixture(autouse=True)
-def _same_environment_for_every_test(_warm_server: None) -> Any:
-    """Every test starts with the same environment, whatever earlier ones or imports set (tests/environment.py)."""
+def _same_environment_for_every_test() -> Any:
+    """Every test starts with the same environment, whatever collection, earlier tests or imports set
+    (tests/environment.py)."""
+    environment.restore()
     yield
     environment.restore()
 

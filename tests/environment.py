@@ -1,4 +1,4 @@
-"""The environment every test starts with: taken before the first test, put back after each test.
+"""The environment every test starts with: taken before collection, put back before and after each test.
 
 Imports and libraries in the test process set variables as they go (torch's inductor its cache directory, MLflow its
 telemetry session, W&B its service, tokenizers its parallelism): left in place, each would make the stage children

@@ -19,7 +19,17 @@ from pathlib import Path
 import pytest
 
 from stages.warm import bind, follow_current_streams, same_user
-from workflows.warm_starts import SERVER, SWITCH, WarmStarts, _close_kept, alive, connect, wanted, warm_starts
+from workflows.warm_starts import (
+    RUNTIME_VARIABLES,
+    SERVER,
+    SWITCH,
+    WarmStarts,
+    _close_kept,
+    alive,
+    connect,
+    wanted,
+    warm_starts,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 SECRET = "hf_warmstartsecret123"
@@ -33,14 +43,21 @@ def stage_env(**extra: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[WarmStarts]:
-    """A server of this module's own (its environment holds SECRET), whose stages may differ from it in HF_TOKEN."""
-    starts = WarmStarts(stage_env(), runtime_variables={"HF_TOKEN"})
+    """A connection to the tests' shared server (training_fixtures.start_warm_server), as a local run makes one; its
+    stages may differ from the server in HF_TOKEN (see env_of)."""
+    starts = WarmStarts({}, {*RUNTIME_VARIABLES, "HF_TOKEN"}, address=os.environ[SERVER])
+    assert starts._ready.wait(120), starts.error
     yield starts
     starts.close()
 
 
+def env_of(starts: WarmStarts) -> dict[str, str]:
+    """The server's environment with SECRET as HF_TOKEN: what the stages below run with."""
+    return {**starts.env, "HF_TOKEN": SECRET}
+
+
 def warm_run(starts: WarmStarts, argv: list[str]) -> tuple[int, str]:
-    process = starts.start([sys.executable, "-m", "stages", *argv], starts.env)
+    process = starts.start([sys.executable, "-m", "stages", *argv], env_of(starts))
     assert process is not None, starts.error
     output = process.stdout.read().decode("utf-8")
     return process.wait(timeout=120), output
@@ -68,17 +85,17 @@ def test_a_forked_stage_says_and_exits_what_a_fresh_process_does(
 ) -> None:
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     warm = warm_run(server, argv)
-    assert warm == cold_run(server.env, argv)
+    assert warm == cold_run(env_of(server), argv)
     assert SECRET not in warm[1] and warm[1].strip()
     if argv[0] in ("sft", "deploy"):
         assert warm[0] == 2 and warm[1].startswith("error: ") and len(warm[1].splitlines()) == 1
 
 
 def test_stages_forked_one_after_another_are_separate_processes(server: WarmStarts, tmp_path: Path) -> None:
-    first = server.start([sys.executable, "-m", "stages", "--help"], server.env)
-    second = server.start([sys.executable, "-m", "stages", "--help"], server.env)
+    first = server.start([sys.executable, "-m", "stages", "--help"], env_of(server))
+    second = server.start([sys.executable, "-m", "stages", "--help"], env_of(server))
     assert first is not None and second is not None and first.pid != second.pid
-    assert first.pid != server._server.pid and second.pid != os.getpid()
+    assert os.getpid() not in (first.pid, second.pid)
     for process in (first, second):
         process.stdout.read()
         assert process.wait(timeout=60) == 0 and process.poll() == 0
@@ -86,8 +103,8 @@ def test_stages_forked_one_after_another_are_separate_processes(server: WarmStar
 
 def test_other_commands_and_environments_start_the_usual_way(server: WarmStarts) -> None:
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--module", "stages", "sft"]
-    assert server.start(torchrun, server.env) is None
-    assert server.start([sys.executable, "-m", "stages", "--help"], {**server.env, "HF_HUB_OFFLINE": "0"}) is None
+    assert server.start(torchrun, env_of(server)) is None
+    assert server.start([sys.executable, "-m", "stages", "--help"], {**env_of(server), "HF_HUB_OFFLINE": "0"}) is None
 
 
 def test_a_server_that_cannot_import_leaves_every_stage_to_start_the_usual_way(tmp_path: Path) -> None:
@@ -138,11 +155,11 @@ def test_log_handlers_the_imports_made_write_where_the_stage_writes(monkeypatch:
 
 def test_a_stage_may_have_its_stderr_apart(server: WarmStarts, tmp_path: Path) -> None:
     command = [sys.executable, "-m", "stages", "sft", "--run-dir", str(tmp_path / "none")]
-    process = server.start(command, server.env, separate_stderr=True)
+    process = server.start(command, env_of(server), separate_stderr=True)
     assert process is not None and process.stderr is not None
     out, err = process.stdout.read().decode(), process.stderr.read().decode()
     assert process.wait(timeout=60) == 2
-    cold = subprocess.run(command, env=server.env, capture_output=True, text=True, timeout=120)
+    cold = subprocess.run(command, env=env_of(server), capture_output=True, text=True, timeout=120)
     assert (out, err) == (cold.stdout, cold.stderr) and err.startswith("error: ") and out == ""
 
 
@@ -152,7 +169,7 @@ def test_a_stage_may_differ_from_the_server_only_in_variables_read_when_it_runs(
     # The tests' fault switches are such variables (tests/stage_hooks.py); here a secret, which the stage reads when
     # it masks its output: the child must mask the request's value, not the server's.
     other = "hf_otherwarmsecret456"
-    env = server.env
+    env = env_of(server)
     command = [sys.executable, "-m", "stages", "deploy", "--run-dir", str(tmp_path / other)]
     log = tmp_path / "deploy.log"
     with log.open("wb") as out:
@@ -352,3 +369,23 @@ def test_a_listening_socket_is_its_users_alone_and_one_left_by_a_dead_server_is_
         listener.close()
     assert os.path.exists(path)  # what a killed server leaves
     bind(path).close()
+
+
+def test_every_test_starts_in_the_environment_of_the_shared_server(tmp_path: Path) -> None:
+    # The tests' runs fork from the worker's server only while their environment is its own (tests/environment.py).
+    import environment
+
+    from workflows.local import stage_env
+
+    starts = WarmStarts({}, RUNTIME_VARIABLES, address=os.environ[SERVER])
+    try:
+        assert starts._ready.wait(120), starts.error
+        assert starts.differences(stage_env(tmp_path)) == []  # a local run of this test forks from it
+        os.environ["POSTTRAIN_TEST_LEAKED"] = "1"  # what an import or an earlier test might leave
+        os.environ["HF_HUB_OFFLINE"] = "0"
+        assert starts.differences(stage_env(tmp_path)) == ["HF_HUB_OFFLINE", "POSTTRAIN_TEST_LEAKED"]
+        environment.restore()  # after every test (tests/conftest.py)
+        assert starts.differences(stage_env(tmp_path)) == []
+    finally:
+        environment.restore()
+        starts.close()

@@ -5,9 +5,11 @@ template, built as prepare builds it)."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import random
+import shutil
 import struct
 import subprocess
 import sys
@@ -127,6 +129,9 @@ RUNTIME_VARIABLES = (
     "WANDB_MODE",  # W&B reads its settings when a run starts (wandb.init), not at import
     "WANDB_API_KEY",
     "WANDB_BASE_URL",
+    "PYTEST_XDIST_WORKER",  # set in each pytest-xdist worker, whose runs share the controller's server
+    "PYTEST_XDIST_WORKER_COUNT",
+    "PYTEST_XDIST_TESTRUNUID",
 )
 """Variables the stages (and the hooks) read when they run, never at import: a child whose environment differs
 from the warm-start server's only in these is still forked from it."""
@@ -134,16 +139,26 @@ from the warm-start server's only in these is still forked from it."""
 _warm: WarmStarts | None = None
 
 
+TESTS_SERVER = "POSTTRAIN_TESTS_WARM_SERVER"
+"""The socket of the server this test session started; pytest-xdist's workers inherit it from the controller."""
+
+
 def start_warm_server() -> None:
-    """Start this worker's warm-start server, with the test hooks, listening on a socket that every local run of the
+    """Start the session's warm-start server, with the test hooks, listening on a socket that every local run of the
     tests finds in POSTTRAIN_WARM_SERVER (set here, before tests/environment.py takes the environment tests start
     with, which is the server's): the runs of `python -m workflows.submit --local` in a test's subprocess, those of
     `run_local` in the test process and the stages of run_stage/start_stage below fork from it instead of each
-    importing torch, transformers, TRL, MLflow and W&B again. The server ends with the worker."""
-    if not warm_starts.wanted(0) or os.environ.get(warm_starts.SERVER):
+    importing torch, transformers, TRL, MLflow and W&B again. Called in the controller (or the only process) before
+    pytest-xdist starts its workers, which take the controller's server; it ends with the controller."""
+    started = os.environ.get(TESTS_SERVER)
+    if started:  # a worker: the controller's
+        os.environ[warm_starts.SERVER] = started
+        return
+    os.environ.pop(warm_starts.SERVER, None)  # a developer's own server has no test hooks
+    if not warm_starts.wanted(0):
         return
     address = Path(tempfile.mkdtemp(prefix="posttrain-warm-")) / "server.sock"
-    os.environ[warm_starts.SERVER] = str(address)
+    os.environ[warm_starts.SERVER] = os.environ[TESTS_SERVER] = str(address)
     own = sorted(set(RUNTIME_VARIABLES) - set(warm_starts.RUNTIME_VARIABLES))  # the hooks' switches, W&B's settings
     command = [*stage_hooks.server_command(), "--listen", str(address), *(f"--runtime-variable={n}" for n in own)]
     server = subprocess.Popen(
@@ -153,9 +168,16 @@ def start_warm_server() -> None:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
-        preexec_fn=die_with_runner(),  # the worker's end is the server's
+        preexec_fn=die_with_runner(),  # the controller's end is the server's
     )
-    atexit.register(server.terminate)
+
+    def stop() -> None:
+        server.terminate()  # it removes its socket
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            server.wait(timeout=10)
+        shutil.rmtree(address.parent, ignore_errors=True)
+
+    atexit.register(stop)
     deadline = time.monotonic() + 120
     while not address.exists():  # bound before its imports; a run that finds no socket would start its own
         if server.poll() is not None or time.monotonic() > deadline:

@@ -56,6 +56,8 @@ RUNTIME_VARIABLES = (
     "OLDPWD",
     "SHLVL",
     "_",
+    "COLUMNS",  # the terminal's size, read when something is printed
+    "LINES",
 )
 """Variables of the runner's stage environment that nothing reads at import (MLflow reads its own per request): a
 server kept from an earlier run of the process still forks the next run's stages where only these differ."""
