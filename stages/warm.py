@@ -299,7 +299,11 @@ def listen(address: str, runtime_variables: list[str]) -> int:
         signal.signal(signum, stopped)
     connections: set[int] = set()
     try:
-        preload()
+        try:
+            preload()
+        except Exception as exc:  # the runners that connected see the connection close, and start their own
+            print(f"error: the warm-start server could not import: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 1
         wakeup_r, wakeup_w = os.pipe()
         os.set_blocking(wakeup_w, False)
         signal.set_wakeup_fd(wakeup_w)

@@ -119,6 +119,20 @@ def test_a_server_that_cannot_import_leaves_every_stage_to_start_the_usual_way(t
     finally:
         starts.close()
     assert starts._server.returncode is not None
+    # the same, listening: one error line, exit 1, its socket gone (runners that connect start their own servers)
+    address = tmp_path / "warm.sock"
+    listening = subprocess.run(
+        [sys.executable, "-m", "stages.warm", "--listen", str(address)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert listening.returncode == 1 and not address.exists(), listening.stderr
+    assert listening.stderr.startswith("error: the warm-start server could not import: ") and "a broken install" in (
+        listening.stderr
+    )
+    assert len(listening.stderr.splitlines()) == 1
 
 
 def test_warm_starts_are_for_local_runs_without_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
