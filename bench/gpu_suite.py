@@ -1114,6 +1114,7 @@ def environment() -> dict[str, Any]:
         "liger-kernel",
         "bitsandbytes",
         "deepspeed",
+        "pydantic",
     )
     for pkg in packages:
         try:

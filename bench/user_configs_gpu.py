@@ -37,8 +37,6 @@ import argparse
 import json
 import math
 import os
-import platform
-import random
 import signal
 import subprocess
 import sys
@@ -402,28 +400,6 @@ REFUSED_EXTRA_ARGS = {  # extra_args the spec owns: refused when the pipeline lo
 
 # ---------------------------------------------------------------------------- the run directory
 
-_SUBJECTS = ["서울은", "부산은", "한국어는", "김치는", "한강은", "제주도는", "학생들은", "고양이는"]
-_PREDICATES = ["아름답습니다", "크고 넓습니다", "오래되었습니다", "맛있습니다", "유명합니다", "조용합니다"]
-
-
-def chat_rows(n: int, seed: int = 0) -> list[dict[str, Any]]:
-    """Korean conversations in the canonical messages format prepare writes (a grammar a tiny model learns)."""
-    rng = random.Random(seed)
-    rows = []
-    for i in range(n):
-        messages = [{"role": "system", "content": "당신은 친절한 한국어 도우미입니다."}] if i % 2 else []
-        for _ in range(1 + i % 3):
-            subject = rng.choice(_SUBJECTS)
-            messages.append({"role": "user", "content": f"{subject} 어떤가요?"})
-            messages.append({"role": "assistant", "content": f"{subject} {rng.choice(_PREDICATES)}."})
-        rows.append({"messages": messages})
-    return rows
-
-
-def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
-
 
 def pipeline_document(case: Case, tiny: bool) -> dict[str, Any]:
     """The pipeline file a user would write for the case (its config file named by a relative path)."""
@@ -467,6 +443,9 @@ def prepare_run(case: Case, case_dir: Path, tiny: bool) -> Path:
     from stages.contract import RunDir
     from stages.tokenizer import build_tokenizer, render_for_training
     from workflows.loading import load_pipeline
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from training_fixtures import chat_rows, write_jsonl  # the tests' Korean conversations, as prepare writes them
 
     case_dir.mkdir(parents=True, exist_ok=True)
     rows = chat_rows(48 if tiny else 480)
@@ -841,19 +820,10 @@ def case_result(case: Case, root: Path, probe: Path, returncode: int, seconds: f
 
 
 def environment() -> dict[str, Any]:
-    """Device and software versions, for the record."""
-    import importlib.metadata as md
+    """Device and software versions, for the record (those bench/gpu_suite.py records)."""
+    from gpu_suite import environment as suite_environment
 
-    import torch
-
-    versions = {}
-    for pkg in ("torch", "transformers", "trl", "accelerate", "deepspeed", "datasets", "pydantic"):
-        try:
-            versions[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            versions[pkg] = None
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    return {"python": platform.python_version(), "gpus": gpus, "cuda": torch.version.cuda, "versions": versions}
+    return suite_environment()
 
 
 def run_case(case: Case, out: Path, tiny: bool, processes: int, code: Path, timeout: float) -> dict[str, Any]:
