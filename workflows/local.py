@@ -193,14 +193,20 @@ def local_tracking_uri(run_root: Path) -> str:
     return local_store_uri(run_root)
 
 
+def checkout_first(pythonpath: str) -> str:
+    """`pythonpath` with this checkout first, once (a runner whose own PYTHONPATH names it gives its stages the same
+    value, which a shared warm-start server compares)."""
+    rest = [p for p in pythonpath.split(os.pathsep) if p and p != str(REPO_ROOT)]
+    return os.pathsep.join([str(REPO_ROOT), *rest])
+
+
 def stage_env(run_root: Path) -> dict[str, str]:
     """The stages' environment: this one, plus the local MLflow store ($MLFLOW_TRACKING_URI wins) and the checkout
     on PYTHONPATH. W&B's own variables (WANDB_MODE, WANDB_PROJECT, ...) pass through as they are."""
     env = dict(os.environ)
     env.setdefault("MLFLOW_TRACKING_URI", local_tracking_uri(run_root))
     env["PYTHONUNBUFFERED"] = "1"
-    paths = [str(REPO_ROOT), *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(REPO_ROOT))]
-    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env["PYTHONPATH"] = checkout_first(env.get("PYTHONPATH", ""))
     return env
 
 
@@ -738,8 +744,7 @@ def run_retention(spec: PipelineSpec, run_root: Path, console: Console) -> int:
     if retention.keep_days is not None:
         command += ["--keep-days", f"{retention.keep_days:g}"]
     env = dict(os.environ)
-    paths = [str(REPO_ROOT), *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(REPO_ROOT))]
-    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env["PYTHONPATH"] = checkout_first(env.get("PYTHONPATH", ""))
     done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
     for line in (done.stdout + done.stderr).splitlines():
         console.print(f"retention: {line}", markup=False, soft_wrap=True)
