@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.contract import canonical_hash, writable
+from workflows.quoting import quoted
 from workflows.spec import FORMAT_COLUMNS, MESSAGE_KEYS, DataSpec, PipelineSpec
 
 DEFAULT_MAX_ROW_BYTES = 4 * 1024 * 1024
@@ -108,11 +109,11 @@ class RowError:
     """The spec fields that renamed the field (e.g. 'columns.output'), when any did."""
 
     def __str__(self) -> str:
-        where = f"{self.file}:{self.line}"
+        where = f"{quoted(self.file)}:{self.line}"
         if not self.field:
             return f"{where}: {self.error}"
         mapping = f" ({self.mapping})" if self.mapping else ""
-        return f"{where}: field '{self.field}'{mapping}: {self.error}"
+        return f"{where}: field '{quoted(self.field)}'{mapping}: {self.error}"
 
     def record(self) -> dict[str, Any]:
         """The quarantine record of this row."""
@@ -245,8 +246,10 @@ def _resolved(path: Path) -> Path:
         return path.resolve()
     except (RuntimeError, OSError) as exc:
         if isinstance(exc, OSError) and exc.errno != errno.ELOOP:
-            raise DataError(f"{path}: cannot be resolved ({exc.strerror or exc})") from None
-        raise DataError(f"{path}: a symlink loop (following it leads back to it); remove the link or fix it") from None
+            raise DataError(f"{quoted(path)}: cannot be resolved ({exc.strerror or exc})") from None
+        raise DataError(
+            f"{quoted(path)}: a symlink loop (following it leads back to it); remove the link or fix it"
+        ) from None
 
 
 def in_cluster(spec: PipelineSpec | None, run_root: Path | None) -> bool:
@@ -263,7 +266,8 @@ def confine(path: Path, uri: str, spec: PipelineSpec | None, run_root: Path | No
         if not any(within(path, Path(v.mount_path)) for v in volumes):
             mounts = " or ".join(f"{v.mount_path} ({v.claim_name})" for v in volumes)
             raise DataError(
-                f"{uri}: resolves to {path.resolve()}, outside the mounted volumes; in the cluster data is read "
+                f"{quoted(uri)}: resolves to {quoted(path.resolve())}, outside the mounted volumes; "
+                "in the cluster data is read "
                 f"only from {mounts}: put the data on the datasets volume and use its path"
             )
     return path
@@ -282,16 +286,18 @@ def resolve_path(uri: str, spec: PipelineSpec | None = None) -> Path:
                 path = Path(volume.mount_path) / rest
                 if Path(rest).is_absolute() or not within(path, Path(volume.mount_path)):
                     raise DataError(
-                        f"{uri}: the path leaves the claim {claim!r} (mounted at {volume.mount_path}); "
+                        f"{quoted(uri)}: the path leaves the claim {claim!r} (mounted at {volume.mount_path}); "
                         "use a path inside it, without '..'"
                     )
                 return path
-        raise DataError(f"{uri}: claim {claim!r} is not one of the cluster volumes (cluster.datasets/checkpoints)")
+        raise DataError(
+            f"{quoted(uri)}: claim {claim!r} is not one of the cluster volumes (cluster.datasets/checkpoints)"
+        )
     return Path(uri)
 
 
 def _unreadable(path: Path | str, exc: OSError) -> DataError:
-    return DataError(f"{path}: cannot be read ({exc.strerror or exc}); check the file and its permissions")
+    return DataError(f"{quoted(path)}: cannot be read ({exc.strerror or exc}); check the file and its permissions")
 
 
 def jsonl_lines(stream: Iterable[bytes], digest: Any = None) -> Iterator[tuple[int, bytes]]:
@@ -302,6 +308,31 @@ def jsonl_lines(stream: Iterable[bytes], digest: Any = None) -> Iterator[tuple[i
             digest.update(raw)
         if raw.strip():
             yield number, raw
+
+
+class DuplicateKey(ValueError):
+    """A JSON object that gives one key twice."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _keys_once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are each given once. json.loads keeps whichever of two equal keys came last, so a
+    row {"text": a, "text": b} would train on b while every other reader of the file may see a. (This doubles
+    json's parse time, a few microseconds a row: small beside tokenizing it.)"""
+    value = dict(pairs)
+    if len(value) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise DuplicateKey(key)
+            seen.add(key)
+    return value
+
+
+_ROW_DECODER = json.JSONDecoder(object_pairs_hook=_keys_once)
 
 
 def parse_jsonl_line(raw: bytes, name: str, number: int, limit: int, encoding: str = "utf-8") -> RawRow:
@@ -317,9 +348,12 @@ def parse_jsonl_line(raw: bytes, name: str, number: int, limit: int, encoding: s
     except UnicodeDecodeError as exc:
         return RawRow(name, number, error=RowError(name, number, "", _undecodable(line, exc, encoding), excerpt))
     try:
-        value = json.loads(text)
+        value = _ROW_DECODER.decode(text)
     except json.JSONDecodeError as exc:
         error = f"not valid JSON: {exc.msg} (column {exc.colno})"
+        return RawRow(name, number, error=RowError(name, number, "", error, excerpt))
+    except DuplicateKey as exc:
+        error = f"key {exc.key!r} given twice in one object (which one is meant?)"
         return RawRow(name, number, error=RowError(name, number, "", error, excerpt))
     except RecursionError:
         error = "arrays or objects nested too deeply to read (a data row is a few levels deep)"
@@ -357,6 +391,8 @@ def read_jsonl(path: Path, limit: int, encoding: str = "utf-8") -> Iterator[RawR
 
 def parquet_rows(parquet: Any, name: str, limit: int) -> Iterator[RawRow]:
     """Rows of a pyarrow ParquetFile (numbered from 1 in file order), read a batch at a time."""
+    if (twice := _column_given_twice(parquet.schema_arrow)) is not None:  # to_pylist would keep the last one
+        raise DataError(f"{quoted(name)}: column {twice!r} is given twice (which one is meant?)")
     number = 0
     try:
         for batch in parquet.iter_batches(batch_size=1024):
@@ -369,7 +405,23 @@ def parquet_rows(parquet: Any, name: str, limit: int) -> Iterator[RawRow]:
                 else:
                     yield RawRow(name, number, value=value)
     except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
-        raise DataError(f"{name}: not a readable Parquet file ({exc})") from None
+        raise DataError(f"{quoted(name)}: not a readable Parquet file ({exc})") from None
+
+
+def _column_given_twice(schema: Any, path: str = "") -> str | None:
+    """The dotted path of the first column or struct field whose name its parent gives twice, or None."""
+    import pyarrow as pa
+
+    names = [f.name for f in schema]
+    for f in schema:
+        if names.count(f.name) > 1:
+            return path + f.name
+        inner = f.type
+        while pa.types.is_list(inner) or pa.types.is_large_list(inner):
+            inner = inner.value_type
+        if pa.types.is_struct(inner) and (found := _column_given_twice(list(inner), f"{path}{f.name}.")):
+            return found
+    return None
 
 
 def _too_long(name: str, number: int, size: int, limit: int, excerpt: str) -> RowError:
@@ -399,17 +451,17 @@ def read_hub(uri: str, split: str) -> tuple[list[SourceFile], Iterator[RawRow]]:
 
         hub = datasets.load_dataset(name, split=split)
     except ImportError:
-        raise DataError(f"{uri}: reading hub datasets needs the 'datasets' package") from None
+        raise DataError(f"{quoted(uri)}: reading hub datasets needs the 'datasets' package") from None
     except Exception as exc:  # offline, gated, missing: datasets raises many kinds
         offline = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("HF_DATASETS_OFFLINE")
         hint = " (this machine is offline: HF_HUB_OFFLINE is set)" if offline else ""
         raise DataError(
-            f"{uri}: could not load split {split!r} from the Hugging Face hub{hint}: {type(exc).__name__}: "
+            f"{quoted(uri)}: could not load split {split!r} from the Hugging Face hub{hint}: {type(exc).__name__}: "
             f"{str(exc).splitlines()[0] if str(exc) else ''}. Without network access, download the dataset to "
             "the datasets volume and use its path instead."
         ) from None
     source = SourceFile(uri, "hf:" + canonical_hash({"name": name, "split": split, "fp": hub._fingerprint}))
-    display = f"{uri}[{split}]"
+    display = f"{quoted(uri)}[{split}]"
     return [source], (RawRow(display, i, value=row) for i, row in enumerate(hub, start=1))
 
 
@@ -420,7 +472,7 @@ def read_builtin(uri: str) -> tuple[list[SourceFile], Iterator[RawRow]]:
     try:
         rows = builtin_dataset(uri.removeprefix("builtin:"))
     except BuiltinDataError as exc:
-        raise DataError(f"{uri}: {exc}") from None
+        raise DataError(f"{quoted(uri)}: {exc}") from None
     return [SourceFile(uri, sha256_rows(rows))], (RawRow(uri, i, value=r) for i, r in enumerate(rows, start=1))
 
 
@@ -468,7 +520,7 @@ def read_source(
                     raise _unreadable(obj.uri, exc) from None
                 source.fingerprint = f"sha256:{digest.hexdigest()}" if digest else f"{obj.version}:size={obj.size}"
             if count == 0:
-                raise DataError(f"{obj.uri}: empty file: no rows (an export that failed?)")
+                raise DataError(f"{quoted(obj.uri)}: empty file: no rows (an export that failed?)")
 
     return sources, rows()
 

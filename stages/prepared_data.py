@@ -55,6 +55,7 @@ from stages.data import (
     read_source,
 )
 from stages.workers import ordered_map
+from workflows.quoting import quoted
 from workflows.spec import DataSpec, PipelineSpec
 
 READ_BATCH_ROWS = 512
@@ -156,7 +157,7 @@ class DatasetReader:
         self.stage = stage
         if stage is not None:
             check_stage_format(stage, data.format)
-        self.where = f"stages.{stage}.data ({self.uri})" if stage else self.uri
+        self.where = f"stages.{stage}.data ({quoted(self.uri)})" if stage else quoted(self.uri)
         self.spec, self.run_root, self.num_proc, self.staging = spec, run_root, num_proc, staging
         self.job = RowJob(ColumnMap.of(data), max_row_bytes(), data, contamination)
         self.quarantine = quarantine
@@ -186,7 +187,7 @@ class DatasetReader:
                         self._bad(result, unmapped)
                         continue
                     unmapped.stop()
-                    origin = f"{result.file}:{result.line}"
+                    origin = f"{quoted(result.file)}:{result.line}"  # one line of the .origins file, whatever the name
                     assert result.checked is not None
                     reason = dedup.reason(result.checked, origin)
                     self.counts.record(reason)

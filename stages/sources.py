@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 from stages.contract import writable
 from stages.data import DataError, _resolved, confine, resolve_path, within
+from workflows.quoting import quoted
 
 if TYPE_CHECKING:
     import pyarrow.parquet
@@ -146,15 +147,19 @@ def glob_pattern(pattern: str) -> re.Pattern[str]:
 
 def _no_match(uri: str, noun: str, others: list[str]) -> DataError:
     """A glob that matches no data file, naming a few of what it does match."""
-    shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
-    return DataError(f"{uri}: the pattern matches no {SUFFIX_LIST} {noun}" + (f", only {shown}" if others else ""))
+    shown = ", ".join(quoted(o) for o in others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+    return DataError(
+        f"{quoted(uri)}: the pattern matches no {SUFFIX_LIST} {noun}" + (f", only {shown}" if others else "")
+    )
 
 
 def _split(uri: str) -> tuple[str, str]:
     """(bucket, key) of an s3:// or gs:// URI."""
     bucket, _, key = uri.split("://", 1)[1].partition("/")
     if not bucket:
-        raise DataError(f"{uri}: names no bucket; use {uri.split('://', 1)[0]}://<bucket>/<key, prefix or glob>")
+        raise DataError(
+            f"{quoted(uri)}: names no bucket; use {uri.split('://', 1)[0]}://<bucket>/<key, prefix or glob>"
+        )
     return bucket, key
 
 
@@ -168,7 +173,9 @@ def list_objects(uri: str, spec: PipelineSpec | None = None, run_root: Path | No
     elif uri.startswith("gs://"):
         objects = _list_gcs(uri)
     elif uri.startswith(("hf://", "builtin:")):
-        raise DataError(f"{uri}: not a store of files; hub and builtin datasets are read by stages.data.read_dataset")
+        raise DataError(
+            f"{quoted(uri)}: not a store of files; hub and builtin datasets are read by stages.data.read_dataset"
+        )
     else:
         objects = _list_local(uri, spec, run_root)
     return sorted(objects, key=lambda o: o.uri)
@@ -181,7 +188,9 @@ def _local_object(path: Path) -> SourceObject:
     try:
         size = path.stat().st_size
     except OSError as exc:
-        raise DataError(f"{path}: cannot be read ({exc.strerror or exc}); check the file and its permissions") from None
+        raise DataError(
+            f"{quoted(path)}: cannot be read ({exc.strerror or exc}); check the file and its permissions"
+        ) from None
     compression, kind = _format_of(path.name)
     return SourceObject(str(path), size, "", compression, kind, path)
 
@@ -189,7 +198,7 @@ def _local_object(path: Path) -> SourceObject:
 def _utf8_names(files: list[Path]) -> None:
     for file in files:
         if writable(str(file)) != str(file):  # undecodable bytes in a name: recorded paths must be UTF-8
-            raise DataError(f"{writable(str(file))}: the file name is not valid UTF-8; rename the file")
+            raise DataError(f"{quoted(writable(str(file)))}: the file name is not valid UTF-8; rename the file")
 
 
 def _list_local(uri: str, spec: PipelineSpec | None, run_root: Path | None) -> list[SourceObject]:
@@ -207,18 +216,21 @@ def _data_files(path: Path, uri: str) -> list[Path]:
         for link in (p for p in path.rglob("*") if p.is_symlink()):
             if not within(link, path):
                 raise DataError(
-                    f"{uri}: {link} is a symlink to {link.resolve()}, outside the data directory; copy the file into "
+                    f"{quoted(uri)}: {quoted(link)} is a symlink to {quoted(link.resolve())}, outside "
+                    "the data directory; copy the file into "
                     "the directory (or name it in the spec) instead of linking to it"
                 )
         files = [p for p in path.rglob("*") if p.is_file() and is_data_name(p.name)]
         if not files:
-            raise DataError(f"{uri}: the directory has no {SUFFIX_LIST} files")
+            raise DataError(f"{quoted(uri)}: the directory has no {SUFFIX_LIST} files")
         _utf8_names(files)
         return files
     if path.is_symlink():
         _resolved(path)  # a loop says so
-        raise DataError(f"{uri}: {path} is a symlink to {os.readlink(path)}, which does not exist")
-    raise DataError(f"{uri}: no such file or directory")
+        raise DataError(
+            f"{quoted(uri)}: {quoted(path)} is a symlink to {quoted(os.readlink(path))}, which does not exist"
+        )
+    raise DataError(f"{quoted(uri)}: no such file or directory")
 
 
 def _glob_files(pattern: Path, uri: str, spec: PipelineSpec | None, run_root: Path | None) -> list[Path]:
@@ -236,7 +248,9 @@ def _glob_files(pattern: Path, uri: str, spec: PipelineSpec | None, run_root: Pa
 
     def unreadable(exc: OSError) -> None:
         if root.is_dir():  # a missing root is said below; a folder that cannot be listed would drop its files
-            raise DataError(f"{uri}: {exc.filename} cannot be read ({exc.strerror or exc}); check its permissions")
+            raise DataError(
+                f"{quoted(uri)}: {quoted(exc.filename)} cannot be read ({exc.strerror or exc}); check its permissions"
+            )
 
     for folder, subfolders, names in os.walk(root, onerror=unreadable):
         below = Path(folder).relative_to(root)
@@ -247,14 +261,15 @@ def _glob_files(pattern: Path, uri: str, spec: PipelineSpec | None, run_root: Pa
     for match in sorted(found):
         if not within(match, root):  # a loop says so
             raise DataError(
-                f"{uri}: {match} is a symlink to {match.resolve()}, outside {root}; copy the file there (or name it "
+                f"{quoted(uri)}: {quoted(match)} is a symlink to {quoted(match.resolve())}, outside "
+                f"{quoted(root)}; copy the file there (or name it "
                 "in the spec) instead of linking to it"
             )
         if match.is_file() and is_data_name(match.name):
             files.append(confine(match, uri, spec, run_root))
     if not files:
         if not root.is_dir():
-            raise DataError(f"{uri}: the pattern matches nothing: {root} is not a directory")
+            raise DataError(f"{quoted(uri)}: the pattern matches nothing: {quoted(root)} is not a directory")
         raise _no_match(uri, "files", [f.relative_to(root).as_posix() for f in found])
     _utf8_names(files)
     return files
@@ -273,7 +288,7 @@ def s3_client(what: str) -> Any:
     try:
         import boto3
     except ImportError:
-        raise DataError(f"{what}: s3:// needs boto3, which is not installed ({STORAGE_EXTRA})") from None
+        raise DataError(f"{quoted(what)}: s3:// needs boto3, which is not installed ({STORAGE_EXTRA})") from None
     # One client per process and environment: making one takes a fifth of a second, and a dataset may have thousands
     # of files. Never one from before a fork: its connections would be shared with the parent.
     key = _client_key("AWS_")
@@ -284,7 +299,7 @@ def s3_client(what: str) -> Any:
         session = boto3.session.Session(region_name=os.environ["AWS_REGION"])  # what the other AWS SDKs read
     if session.get_credentials() is None:
         raise DataError(
-            f"{what}: no AWS credentials were found in the environment: set "
+            f"{quoted(what)}: no AWS credentials were found in the environment: set "
             "cluster.secrets.aws_access_key_id/aws_secret_access_key, or give the pod a web identity (IRSA)"
         )
     client = _CLIENTS[key] = session.client("s3")
@@ -301,7 +316,9 @@ def gcs_client(what: str) -> Any:
         import google.auth.exceptions
         from google.cloud import storage
     except ImportError:
-        raise DataError(f"{what}: gs:// needs google-cloud-storage, which is not installed ({STORAGE_EXTRA})") from None
+        raise DataError(
+            f"{quoted(what)}: gs:// needs google-cloud-storage, which is not installed ({STORAGE_EXTRA})"
+        ) from None
     # One client per process and environment, as for S3: finding the credentials asks the metadata server.
     key = _client_key("GOOGLE_", "GCE_", "CLOUDSDK_", "STORAGE_EMULATOR_HOST")
     if key in _CLIENTS:
@@ -314,7 +331,8 @@ def gcs_client(what: str) -> Any:
         credentials, project = google.auth.default()
     except google.auth.exceptions.DefaultCredentialsError as exc:
         raise DataError(
-            f"{what}: no usable Google credentials were found ({exc}): bind the pod's ServiceAccount to a Google "
+            f"{quoted(what)}: no usable Google credentials were found ({exc}): bind the pod's "
+            "ServiceAccount to a Google "
             "service account (Workload Identity), or set GOOGLE_APPLICATION_CREDENTIALS"
         ) from None
     client = _CLIENTS[key] = storage.Client(project=project, credentials=credentials)
@@ -336,29 +354,34 @@ def _s3_error(uri: str, exc: Exception, client: Any, permission: str) -> DataErr
     endpoint = client.meta.endpoint_url
     if isinstance(exc, NoCredentialsError):
         return DataError(
-            f"{uri}: no AWS credentials were found in the environment: set "
+            f"{quoted(uri)}: no AWS credentials were found in the environment: set "
             "cluster.secrets.aws_access_key_id/aws_secret_access_key, or give the pod a web identity (IRSA)"
         )
     if not isinstance(exc, ClientError):  # BotoCoreError: the endpoint could not be reached or answered badly
         said = " ".join(str(exc).split())
-        return DataError(f"{uri}: cannot reach S3 at {endpoint} ({said}); check AWS_ENDPOINT_URL and the network")
+        return DataError(
+            f"{quoted(uri)}: cannot reach S3 at {endpoint} ({said}); check AWS_ENDPOINT_URL and the network"
+        )
     error = exc.response.get("Error", {})
     code = str(error.get("Code", ""))
     said = f"{code}: {' '.join(str(error.get('Message', '')).split())}".rstrip(": ")
     if code == "NoSuchBucket":
-        return DataError(f"{uri}: no such bucket at {endpoint}; create it, or correct the bucket name")
+        return DataError(f"{quoted(uri)}: no such bucket at {endpoint}; create it, or correct the bucket name")
     if code in S3_MISSING:
-        return DataError(f"{uri}: no such object or prefix")
+        return DataError(f"{quoted(uri)}: no such object or prefix")
     if code in S3_CHANGED:
         return DataError(
-            f"{uri}: the object changed after it was listed (its ETag is no longer the one listed): it was rewritten "
+            f"{quoted(uri)}: the object changed after it was listed (its ETag is no longer the one "
+            "listed): it was rewritten "
             "while the dataset was read; run again once it is complete"
         )
     if code in S3_DENIED:
-        return DataError(f"{uri}: access denied ({said}); the pod's AWS identity needs {permission}")
+        return DataError(f"{quoted(uri)}: access denied ({said}); the pod's AWS identity needs {permission}")
     if code in S3_BAD_KEYS:
-        return DataError(f"{uri}: the AWS credentials were refused ({said}); check the keys or the pod's web identity")
-    return DataError(f"{uri}: S3 at {endpoint} refused the request ({said})")
+        return DataError(
+            f"{quoted(uri)}: the AWS credentials were refused ({said}); check the keys or the pod's web identity"
+        )
+    return DataError(f"{quoted(uri)}: S3 at {endpoint} refused the request ({said})")
 
 
 @contextlib.contextmanager
@@ -411,10 +434,10 @@ def _list_s3(uri: str) -> list[SourceObject]:
     if cut is not None:
         raise _no_match(uri, "objects", [item["Key"] for item in listed])
     if denied and not listed:
-        raise DataError(f"{uri}: access denied (403 on HEAD); the pod's AWS identity needs {GET_OBJECT}")
+        raise DataError(f"{quoted(uri)}: access denied (403 on HEAD); the pod's AWS identity needs {GET_OBJECT}")
     if not listed:
-        raise DataError(f"{uri}: no such object or prefix")
-    raise DataError(f"{uri}: no {SUFFIX_LIST} objects under s3://{bucket}/{prefix}")
+        raise DataError(f"{quoted(uri)}: no such object or prefix")
+    raise DataError(f"{quoted(uri)}: no {SUFFIX_LIST} objects under s3://{bucket}/{prefix}")
 
 
 def _s3_body(obj: SourceObject) -> tuple[Any, Any]:
@@ -440,16 +463,18 @@ def _gcs_error(uri: str, exc: Exception, client: Any) -> DataError:
     said = " ".join(str(exc).split())
     if isinstance(exc, google.auth.exceptions.GoogleAuthError):
         return DataError(
-            f"{uri}: the pod's Google credentials could not be used ({said}); check its Workload Identity binding"
+            f"{quoted(uri)}: the pod's Google credentials could not be used ({said}); check its "
+            "Workload Identity binding"
         )
     if isinstance(exc, (api.Forbidden, api.Unauthorized)):
         return DataError(
-            f"{uri}: access denied ({said}); give the pod's Google service account roles/storage.objectViewer on "
+            f"{quoted(uri)}: access denied ({said}); give the pod's Google service account "
+            "roles/storage.objectViewer on "
             "the bucket (storage.objects.list and storage.objects.get)"
         )
     if isinstance(exc, api.GoogleAPICallError):
-        return DataError(f"{uri}: GCS at {endpoint} refused the request ({said})")
-    return DataError(f"{uri}: cannot reach GCS at {endpoint} ({type(exc).__name__}: {said}); check the network")
+        return DataError(f"{quoted(uri)}: GCS at {endpoint} refused the request ({said})")
+    return DataError(f"{quoted(uri)}: cannot reach GCS at {endpoint} ({type(exc).__name__}: {said}); check the network")
 
 
 @contextlib.contextmanager
@@ -493,7 +518,7 @@ def _list_gcs(uri: str) -> list[SourceObject]:
         try:
             listed = list(client.list_blobs(bucket, prefix=prefix or None))
         except api.NotFound:
-            raise DataError(f"{uri}: no such bucket; create it, or correct the bucket name") from None
+            raise DataError(f"{quoted(uri)}: no such bucket; create it, or correct the bucket name") from None
     if cut is not None:
         regex = glob_pattern(key)
         listed = [blob for blob in listed if regex.match(blob.name)]
@@ -503,8 +528,8 @@ def _list_gcs(uri: str) -> list[SourceObject]:
     if cut is not None:
         raise _no_match(uri, "objects", [blob.name for blob in listed])
     if not listed:
-        raise DataError(f"{uri}: no such object or prefix")
-    raise DataError(f"{uri}: no {SUFFIX_LIST} objects under gs://{bucket}/{prefix}")
+        raise DataError(f"{quoted(uri)}: no such object or prefix")
+    raise DataError(f"{quoted(uri)}: no {SUFFIX_LIST} objects under gs://{bucket}/{prefix}")
 
 
 def _gcs_reader(obj: SourceObject) -> tuple[Any, Any]:
@@ -522,7 +547,8 @@ def _gcs_reader(obj: SourceObject) -> tuple[Any, Any]:
 
 def _gcs_changed(obj: SourceObject) -> str:
     return (
-        f"{obj.uri}: the object changed after it was listed ({obj.version} is gone): it was rewritten while the "
+        f"{quoted(obj.uri)}: the object changed after it was listed ({obj.version} is gone): it was "
+        "rewritten while the "
         "dataset was read; run again once it is complete"
     )
 
@@ -610,12 +636,14 @@ class _Guarded(io.RawIOBase):
         except DataError:
             raise
         except (EOFError, gzip.BadGzipFile) as exc:
-            raise DataError(f"{uri}: not valid {self._obj.compression} data ({exc}); is the file complete?") from None
+            raise DataError(
+                f"{quoted(uri)}: not valid {self._obj.compression} data ({exc}); is the file complete?"
+            ) from None
         except OSError as exc:
             if self._obj.path is None:  # requests' errors are OSErrors: a store's connection
                 raise _read_error(self._obj, exc) from None
             raise DataError(
-                f"{uri}: cannot be read ({exc.strerror or exc}); check the file and its permissions"
+                f"{quoted(uri)}: cannot be read ({exc.strerror or exc}); check the file and its permissions"
             ) from None
         except Exception as exc:
             raise _read_error(self._obj, exc) from None
@@ -626,10 +654,10 @@ def _read_error(obj: SourceObject, exc: Exception) -> DataError:
     said = " ".join(str(exc).split())
     kind = type(exc).__name__
     if kind == "ZstdError":
-        return DataError(f"{obj.uri}: not valid zstd data ({said}); is the file complete?")
+        return DataError(f"{quoted(obj.uri)}: not valid zstd data ({said}); is the file complete?")
     if kind == "NotFound" and obj.version.startswith("generation:"):
         return DataError(_gcs_changed(obj))
-    return DataError(f"{obj.uri}: reading failed midway ({kind}: {said}); the connection to the store broke")
+    return DataError(f"{quoted(obj.uri)}: reading failed midway ({kind}: {said}); the connection to the store broke")
 
 
 def _raw(obj: SourceObject) -> tuple[Any, list[Any]]:
@@ -645,7 +673,7 @@ def _raw(obj: SourceObject) -> tuple[Any, list[Any]]:
         f = open(path, "rb")  # noqa: SIM115 - closed with the stream that reads it
     except OSError as exc:
         raise DataError(
-            f"{obj.uri}: cannot be read ({exc.strerror or exc}); check the file and its permissions"
+            f"{quoted(obj.uri)}: cannot be read ({exc.strerror or exc}); check the file and its permissions"
         ) from None
     return f, [f]
 
@@ -665,7 +693,7 @@ def open_stream(obj: SourceObject) -> Iterator[BinaryIO]:
         except ImportError:
             for closer in closers:
                 closer.close()
-            raise DataError(f"{obj.uri}: reading .zst needs zstandard (pip install zstandard)") from None
+            raise DataError(f"{quoted(obj.uri)}: reading .zst needs zstandard (pip install zstandard)") from None
     stream = io.BufferedReader(_Guarded(source, obj, closers), buffer_size=READ_BYTES)
     try:
         yield stream
@@ -682,7 +710,7 @@ def open_parquet(obj: SourceObject, staging_dir: Path) -> Iterator[pyarrow.parqu
         import pyarrow.parquet as pq
     except ImportError:
         raise DataError(
-            f"{obj.uri}: reading Parquet needs pyarrow (pip install pyarrow), which is not installed"
+            f"{quoted(obj.uri)}: reading Parquet needs pyarrow (pip install pyarrow), which is not installed"
         ) from None
     staged: Path | None = None
     closers: list[Any] = []
@@ -699,7 +727,7 @@ def open_parquet(obj: SourceObject, staging_dir: Path) -> Iterator[pyarrow.parqu
         try:
             parquet = pq.ParquetFile(source)
         except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
-            raise DataError(f"{obj.uri}: not a readable Parquet file ({' '.join(str(exc).split())})") from None
+            raise DataError(f"{quoted(obj.uri)}: not a readable Parquet file ({' '.join(str(exc).split())})") from None
         closers.insert(0, parquet)
         yield parquet
     finally:

@@ -174,6 +174,9 @@ def test_deepspeed_config_errors_name_the_file(tmp_path: Path) -> None:
     (tmp_path / "bad.json").write_text('{"zero_optimization": {"stage": 3,}}', encoding="utf-8")
     with pytest.raises(SpecError, match=r"p.yaml:9: stages.sft.distributed.deepspeed_config: .*bad.json:1: not valid"):
         load_pipeline(str(_ds_pipeline(tmp_path, "bad.json")))
+    (tmp_path / "twice.json").write_text('{"zero_optimization": {"stage": 2, "stage": 3}}', encoding="utf-8")
+    with pytest.raises(SpecError, match=r"twice.json: key 'stage' is given twice in one object"):
+        load_pipeline(str(_ds_pipeline(tmp_path, "twice.json")))
     with pytest.raises(SpecError, match=r"missing.json does not exist"):
         load_pipeline(str(_ds_pipeline(tmp_path, "missing.json")))
     (tmp_path / "ds.json").write_text(json.dumps(DEEPSPEED), encoding="utf-8")

@@ -26,6 +26,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from workflows.credentials import find_credentials, uri_userinfo
+from workflows.quoting import quoted
 from workflows.spec import FieldError, PipelineSpec
 
 REPLACES_DATA = "replaces_data"
@@ -149,7 +150,7 @@ def _expanded_size(root: yaml.Node) -> int:
 
 def _yaml_error(exc: yaml.YAMLError, filename: str) -> SpecError:
     mark = getattr(exc, "problem_mark", None)
-    where = f"{filename}:{mark.line + 1}" if mark else filename
+    where = f"{quoted(filename)}:{mark.line + 1}" if mark else quoted(filename)
     error = UnsafeYaml if isinstance(exc, _DuplicateKey) else SpecError
     return error(f"{where}: not valid YAML: {getattr(exc, 'problem', exc)}")
 
@@ -320,7 +321,7 @@ def apply_override(doc: dict[str, Any], keys: list[str], value: Any, where: str)
 def _loc_str(loc: Path_) -> str:
     out = ""
     for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+        out += f"[{part}]" if isinstance(part, int) else (f".{quoted(part)}" if out else quoted(part))
     return out or "(top level)"
 
 
@@ -356,7 +357,7 @@ def format_validation_error(exc: ValidationError, origins: Origins, source: str)
             message = "unknown field (check the spelling; see the spec reference in docs/spec.md)"
             if suggestion := _closest_field(loc):
                 message = f"unknown field; did you mean {suggestion!r}? (see the spec reference in docs/spec.md)"
-        lines.append(f"{where}: {_loc_str(loc)}: {message}")
+        lines.append(f"{quoted(where)}: {_loc_str(loc)}: {message}")
     return "\n".join(lines)
 
 
@@ -437,15 +438,15 @@ def resolve_document(
 ) -> dict[str, Any]:
     """Apply a profile and `--set` overrides to a spec document; record their origins."""
     if not isinstance(doc, dict):
-        raise SpecError(f"{source}: a pipeline file must be a mapping of fields, got {type(doc).__name__}")
+        raise SpecError(f"{quoted(source)}: a pipeline file must be a mapping of fields, got {type(doc).__name__}")
     profiles = doc.get("profiles") or {}
     if profile is not None:
         if not isinstance(profiles, dict) or profile not in profiles:
             known = ", ".join(sorted(profiles)) if isinstance(profiles, dict) and profiles else "none"
-            raise SpecError(f"{source}: no profile {profile!r} (profiles: {known})")
+            raise SpecError(f"{quoted(source)}: no profile {profile!r} (profiles: {known})")
         overlay = profiles[profile] or {}
         if not isinstance(overlay, dict):
-            raise SpecError(f"{source}: profiles.{profile} must be a mapping")
+            raise SpecError(f"{quoted(source)}: profiles.{profile} must be a mapping")
         overlay, dropped = _profile_overlay(doc, overlay, origins, source, profile)
         doc = deep_merge(doc, overlay)
         origins.applied.append(f"--profile {profile}")
@@ -527,7 +528,7 @@ def load_pipeline(
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
-        raise SpecError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+        raise SpecError(f"{quoted(path)}: not UTF-8 text (byte {exc.start})") from None
     doc, origins = _compose_with_lines(text, str(path))
     doc = resolve_document(doc, origins, str(path), profile, overrides)
     from workflows import variants  # it resolves variants with this module's tools
@@ -548,5 +549,5 @@ def spec_from_json(text: str, source: str) -> PipelineSpec:
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise SpecError(f"{source}:{exc.lineno}: not valid JSON: {exc.msg}") from None
+        raise SpecError(f"{quoted(source)}:{exc.lineno}: not valid JSON: {exc.msg}") from None
     return validate_document(doc, Origins(), source)

@@ -70,6 +70,8 @@ KubernetesName = Annotated[str, _obeys(validation.dns_subdomain)]
 """The name of a Kubernetes object (a DNS-1123 subdomain)."""
 ImageReference = Annotated[str, _obeys(validation.image_reference)]
 """A container image: [registry[:port]/]repository[:tag][@digest]."""
+OneLine = Annotated[str, _obeys(validation.one_line)]
+"""A name, path or URI: no control characters, so it cannot forge a line where a message or a log prints it."""
 
 
 def _dns_label(value: str, what: str) -> str:
@@ -182,11 +184,11 @@ class TinyModelConfig(StrictModel):
 class ModelSpec(StrictModel):
     """The base model every stage starts from."""
 
-    name_or_path: str = Field(
+    name_or_path: OneLine = Field(
         description="Hugging Face hub id (e.g. 'Qwen/Qwen3-8B-Base') or a local/PVC path to a model directory.",
         min_length=1,
     )
-    revision: str | None = Field(None, description="Hub revision (branch, tag or commit) to pin; None is 'main'.")
+    revision: OneLine | None = Field(None, description="Hub revision (branch, tag or commit) to pin; None is 'main'.")
     trust_remote_code: bool = Field(
         False,
         description="Allow model code from the hub to run. Off by default; turn on only for models you trust.",
@@ -316,7 +318,7 @@ class CleaningSpec(StrictModel):
 class DataSpec(StrictModel):
     """One dataset a stage reads."""
 
-    uri: str = Field(
+    uri: OneLine = Field(
         description="Where the data is: a JSONL (.jsonl, .jsonl.gz, .jsonl.zst) or Parquet file, a folder of them "
         "(read at every level, in sorted order), or a glob ('*' and '?' within a folder, '**' across folders), on a "
         "mounted volume (a path, 'file://', 'pvc://<claim>/<path>'), in S3 or an S3-compatible store "
@@ -1288,7 +1290,7 @@ class EvaluateStage(StageBase):
     lm_eval_tasks: list[str] = Field(
         default_factory=list, description="lm-eval-harness tasks (e.g. kobest_boolq, kmmlu, haerae)."
     )
-    lm_eval_include_path: str | None = Field(
+    lm_eval_include_path: OneLine | None = Field(
         None,
         description="Directory of extra lm-eval task YAMLs (tasks over local data files, for offline clusters), or "
         "'builtin:korean-lm-eval' for the tasks prepare generates offline from the builtin corpus "
@@ -1430,7 +1432,7 @@ class DeployStage(StageBase):
         description="MLflow registered model name, whose challenger and champion aliases deploy moves; None uses the "
         "pipeline name. Pipeline file only: the form cannot point a run at another model's aliases.",
     )
-    storage_uri: str | None = Field(
+    storage_uri: OneLine | None = Field(
         None,
         description="Where the served model is published: 'gs://...', 's3://...' or 'pvc://claim/path' (a folder "
         "inside the claim, without '..'). None serves it from the checkpoints volume.",
@@ -1530,7 +1532,7 @@ class VolumeSpec(StrictModel):
     """A ReadWriteMany PersistentVolumeClaim every pod mounts."""
 
     claim_name: str = Field(description="PVC name.")
-    mount_path: str = Field(description="Where it is mounted in every pod.")
+    mount_path: OneLine = Field(description="Where it is mounted in every pod.")
     read_only: bool = Field(False, description="Mount read-only.")
 
     @field_validator("mount_path")
@@ -1658,7 +1660,7 @@ class ClusterSpec(StrictModel):
 class TrackingSpec(StrictModel):
     """Experiment tracking. Credentials come from cluster.secrets (or the environment locally)."""
 
-    mlflow_tracking_uri: str | None = Field(
+    mlflow_tracking_uri: OneLine | None = Field(
         None,
         description="MLflow server URI; None: MLFLOW_TRACKING_URI, else a SQLite store beside the run directories "
         "(runs/mlflow.db), shared by the runs there.",
@@ -1872,7 +1874,7 @@ class PipelineSpec(StrictModel):
     )
     description: str = Field("", description="What this pipeline is for, shown in the Argo UI.")
     model: ModelSpec = Field(description="Base model.")
-    data_version: str = Field(
+    data_version: OneLine = Field(
         "latest",
         description="Version label of the input data, recorded as lineage and substituted in data URIs.",
     )

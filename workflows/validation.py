@@ -15,6 +15,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from workflows.quoting import control_character, quoted
+
 MAX_ANNOTATIONS_BYTES = 256 * 1024
 """The API server's limit on the total size of an object's annotations (keys and values)."""
 
@@ -251,3 +253,10 @@ def kubernetes_object(data: Any, kind: str) -> str | None:
     except ValueError as exc:
         return str(exc)
     return None
+
+
+def one_line(value: str) -> str | None:
+    """A name, path or URI holds no control character (a newline, a carriage return, a terminal escape): printed
+    in a message or a log, it could otherwise forge a line of its own."""
+    c = control_character(value)
+    return None if c is None else f"holds the control character {quoted(c)}; names, paths and URIs are one line"

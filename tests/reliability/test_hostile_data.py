@@ -28,6 +28,28 @@ def symlink_loop(tmp: Path) -> list[str]:
     return with_run_dir([*only("cpt"), f"stages.cpt.data.uri={corpus}"], stage="prepare")(tmp)
 
 
+FORGED = "\n[prepare] cpt: all rows fine\r\x1b[2K"
+
+
+def forged_file_name(tmp: Path) -> list[str]:
+    """prepare over a data directory whose file name holds a newline, a carriage return and a terminal escape."""
+    corpus = tmp / "corpus"
+    corpus.mkdir()
+    (corpus / f"part{FORGED}.jsonl").write_text('{"text": 5}\n', encoding="utf-8")
+    return with_run_dir([*only("cpt"), f"stages.cpt.data.uri={corpus}"], stage="prepare")(tmp)
+
+
+def parquet_column_twice(tmp: Path) -> list[str]:
+    """prepare over a Parquet file whose two columns are both named 'text'."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    columns = [pa.array(["좋은 문장."]), pa.array(["다른 문장."])]
+    pq.write_table(pa.Table.from_arrays(columns, names=["text", "text"]), tmp / "data.parquet")
+    overrides = [*only("cpt"), f"stages.cpt.data.uri={tmp / 'data.parquet'}"]
+    return with_run_dir(overrides, stage="prepare")(tmp)
+
+
 CASES = [
     Case("data-nested-too-deep", "stages", bad_data("cpt", "text", '{"text": "좋은 문장."}\n' + DEEP),
          ("data.jsonl:2: arrays or objects nested too deeply",), code=1),
@@ -37,6 +59,15 @@ CASES = [
                                                    '"q"}, {"role": "assistant", "content": "a\\ud800"}]}\n'),
          ("data.jsonl:1: field 'messages[1].content': a lone surrogate \\ud800",), code=1),
     Case("data-symlink-loop", "stages", symlink_loop, ("corpus/loop-a.jsonl: a symlink loop",), code=1),
+    Case("data-duplicate-key", "stages", bad_data("cpt", "text", '{"text": "좋은 문장.", "text": "다른 문장."}\n'),
+         ("data.jsonl:1: key 'text' given twice in one object",), code=1),
+    Case("data-duplicate-nested-key", "stages", bad_data("sft", "messages", '{"messages": [{"role": "user", '
+                                                         '"content": "q", "role": "assistant"}]}\n'),
+         ("data.jsonl:1: key 'role' given twice in one object",), code=1),
+    Case("data-parquet-column-twice", "stages", parquet_column_twice,
+         ("data.parquet: column 'text' is given twice",), code=1),
+    Case("data-file-name-forges-lines", "stages", forged_file_name,
+         ("corpus/part\\n[prepare] cpt: all rows fine\\r\\x1b[2K.jsonl':1",), code=1),
 ]  # fmt: skip
 
 
@@ -52,6 +83,8 @@ def test_prepare_fails_with_one_message_and_a_failed_record(
     assert code == case.code, output
     assert case.says[0] in output and "Traceback" not in output
     assert output.count("error:") == 1 and output.lstrip().startswith("[prepare] error: "), output
+    assert all(line.startswith("  ") for line in output.strip().splitlines()[1:]), output  # the rest: its rows
+    assert not any(c in output for c in "\r\x1b\u2028"), output
     check_nothing_half_written(tmp_path, case, before)  # stage.json failed, naming the same file and line
     assert not (tmp_path / "run" / "prepare" / "logs" / "traceback.txt").exists()
 
