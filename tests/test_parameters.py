@@ -159,9 +159,13 @@ def test_sections_without_fixed_fields_may_be_set_whole(tmp_path: Path) -> None:
 
 
 def test_shell_and_template_syntax_stays_data(tmp_path: Path) -> None:
-    nasty = "$(touch /tmp/pwned); `id` && echo '{{workflow.name}}'\n\"quoted\""
+    nasty = "$(touch /tmp/pwned); `id` && echo '{{workflow.name}}' \"quoted\""
     spec = params.resolve_params_dir(_params_dir(tmp_path, {"base-model": nasty}))
     assert spec.model.name_or_path == nasty.strip()
+    # a name is one line: a newline in it could forge a line of the pod's log
+    (tmp_path / "newline").mkdir()
+    with pytest.raises(SpecError, match=r"^parameter base-model: model.name_or_path: holds the control character"):
+        params.resolve_params_dir(_params_dir(tmp_path / "newline", {"base-model": "org/model\nerror: forged"}))
 
 
 def test_prepare_step_resolves_parameters_and_outputs_switches(tmp_path: Path) -> None:
