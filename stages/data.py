@@ -38,6 +38,10 @@ not rows and are skipped; every other line is either a row or an error, never si
 cannot hold as data is a bad row too: arrays or objects nested too deeply to read, a number too long to convert, a
 string with a lone surrogate (an escape such as `\\ud800` that encodes half a character, which cannot be written as
 UTF-8). A file that cannot be read, a file name that is not UTF-8 and a symlink loop fail the dataset, naming the path.
+
+Reading takes bounded memory whatever the data (`jsonl_lines`, `inflation_cap`): a line over the row limit is read
+past a chunk at a time, never held whole, and a compressed file that decompresses to more than MAX_INFLATION times
+its size (and more than INFLATION_FLOOR_BYTES) fails the dataset: a decompression bomb, not a corpus.
 """
 
 from __future__ import annotations
@@ -49,10 +53,10 @@ import os
 import re
 import sys
 import tempfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from stages.contract import canonical_hash, writable
 from workflows.quoting import quoted
@@ -63,6 +67,20 @@ DEFAULT_MAX_ROW_BYTES = 4 * 1024 * 1024
 
 MAX_ROW_BYTES_ENV = "POSTTRAIN_MAX_ROW_BYTES"
 """Environment variable that overrides DEFAULT_MAX_ROW_BYTES."""
+
+LINE_CHUNK_BYTES = 1 << 20
+"""Bytes read at a time past the row limit of a line too long to be a row."""
+
+DEFAULT_MAX_INFLATION = 1000
+"""A compressed file may decompress to this many times its stored size (beyond INFLATION_FLOOR_BYTES). Text
+compresses 3-10x, templated rows (one long instruction repeated in every row) about 100x; gzip cannot exceed
+about 1000x, zstd reaches 30000x on a run of one byte, what a decompression bomb is."""
+
+MAX_INFLATION_ENV = "POSTTRAIN_MAX_INFLATION"
+"""Environment variable that overrides DEFAULT_MAX_INFLATION."""
+
+INFLATION_FLOOR_BYTES = 64 << 20
+"""Decompressed bytes any compressed file may have, whatever its ratio (a small file of repeated rows)."""
 
 NORMALIZATION_VERSION = 2
 """Part of every dataset fingerprint: bump it when the canonical forms or the validation rules change.
@@ -149,6 +167,8 @@ class RawRow:
     error: RowError | None = None
     raw: bytes | None = None
     """A JSONL line not parsed yet (parse_row parses it, in a worker process)."""
+    size: int = 0
+    """Bytes of the whole line when `raw` is only its beginning (a line over the row limit, read past)."""
 
 
 @dataclass
@@ -191,6 +211,30 @@ def max_row_bytes() -> int:
     if not value.isdigit() or int(value) <= 0:
         raise DataError(f"{MAX_ROW_BYTES_ENV}={value!r}: expected a positive number of bytes")
     return int(value)
+
+
+def max_inflation() -> int:
+    """The decompression ratio limit: $POSTTRAIN_MAX_INFLATION, else DEFAULT_MAX_INFLATION."""
+    value = os.environ.get(MAX_INFLATION_ENV, "")
+    if not value:
+        return DEFAULT_MAX_INFLATION
+    if not value.isdigit() or int(value) <= 0:
+        raise DataError(f"{MAX_INFLATION_ENV}={value!r}: expected a positive whole ratio, such as 1000")
+    return int(value)
+
+
+def inflation_cap(stored: int) -> int:
+    """The most bytes a compressed file of `stored` bytes may decompress to."""
+    return max(INFLATION_FLOOR_BYTES, max_inflation() * stored)
+
+
+def inflation_error(uri: str, stored: int, cap: int) -> DataError:
+    """The error of a file that decompresses to more than `inflation_cap` of its stored size."""
+    return DataError(
+        f"{quoted(uri)}: decompresses to more than {cap} bytes from {stored} stored, over the limit of "
+        f"{max_inflation()}x (and {INFLATION_FLOOR_BYTES} bytes): a decompression bomb, not data "
+        f"(raise it with {MAX_INFLATION_ENV})"
+    )
 
 
 # --------------------------------------------------------------------------- fingerprints
@@ -300,14 +344,26 @@ def _unreadable(path: Path | str, exc: OSError) -> DataError:
     return DataError(f"{quoted(path)}: cannot be read ({exc.strerror or exc}); check the file and its permissions")
 
 
-def jsonl_lines(stream: Iterable[bytes], digest: Any = None) -> Iterator[tuple[int, bytes]]:
-    """(line number, bytes) of each non-blank line of a JSONL stream; every byte read goes into `digest` (a
-    hashlib object) when given, so the content is fingerprinted in the same pass."""
-    for number, raw in enumerate(stream, start=1):
+def jsonl_lines(stream: BinaryIO, limit: int, digest: Any = None) -> Iterator[tuple[int, bytes, int]]:
+    """(line number, bytes, size) of each non-blank line of a JSONL stream. A line of more than `limit` bytes
+    comes cut to its first `limit` + 1, with `size` its whole length: the rest is read past a chunk at a time and
+    never held, so a stream without a newline takes bounded memory. Every byte read goes into `digest` (a hashlib
+    object) when given, so the content is fingerprinted in the same pass."""
+    number = 0
+    while raw := stream.readline(limit + 1):
+        number += 1
         if digest is not None:
             digest.update(raw)
+        size = len(raw)
+        if size > limit and not raw.endswith(b"\n"):
+            while chunk := stream.readline(LINE_CHUNK_BYTES):
+                if digest is not None:
+                    digest.update(chunk)
+                size += len(chunk)
+                if chunk.endswith(b"\n"):
+                    break
         if raw.strip():
-            yield number, raw
+            yield number, raw, size
 
 
 class DuplicateKey(ValueError):
@@ -335,14 +391,15 @@ def _keys_once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 _ROW_DECODER = json.JSONDecoder(object_pairs_hook=_keys_once)
 
 
-def parse_jsonl_line(raw: bytes, name: str, number: int, limit: int, encoding: str = "utf-8") -> RawRow:
-    """One JSONL line decoded (`encoding`) and parsed, or the RowError saying why it cannot be."""
+def parse_jsonl_line(raw: bytes, name: str, number: int, limit: int, encoding: str = "utf-8", size: int = 0) -> RawRow:
+    """One JSONL line decoded (`encoding`) and parsed, or the RowError saying why it cannot be. `size`: the whole
+    line's length when `raw` is only its beginning."""
     if number == 1 and encoding == "utf-8":
         raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark is not data
     line = raw.rstrip(b"\r\n")
     excerpt = line[:RAW_EXCERPT_CHARS].decode(encoding, errors="replace")
-    if len(raw) > limit:
-        return RawRow(name, number, error=_too_long(name, number, len(raw), limit, excerpt))
+    if max(size, len(raw)) > limit:
+        return RawRow(name, number, error=_too_long(name, number, max(size, len(raw)), limit, excerpt))
     try:
         text = line.decode(encoding)
     except UnicodeDecodeError as exc:
@@ -385,20 +442,27 @@ def _undecodable(line: bytes, exc: UnicodeDecodeError, encoding: str) -> str:
 def read_jsonl(path: Path, limit: int, encoding: str = "utf-8") -> Iterator[RawRow]:
     """Rows of a JSONL file: one JSON object per line; blank lines are skipped."""
     with open(path, "rb") as f:
-        for number, raw in jsonl_lines(f):
-            yield parse_jsonl_line(raw, str(path), number, limit, encoding)
+        for number, raw, size in jsonl_lines(f, limit):
+            yield parse_jsonl_line(raw, str(path), number, limit, encoding, size)
 
 
-def parquet_rows(parquet: Any, name: str, limit: int) -> Iterator[RawRow]:
-    """Rows of a pyarrow ParquetFile (numbered from 1 in file order), read a batch at a time."""
+def parquet_rows(parquet: Any, name: str, limit: int, stored: int | None = None) -> Iterator[RawRow]:
+    """Rows of a pyarrow ParquetFile (numbered from 1 in file order), read a batch at a time. `stored`: the
+    file's size, when its rows may come to `inflation_cap` of it at most, counted as JSON: its footer declares
+    less (checked when it is opened), but one long value repeated through a dictionary decodes to far more."""
     if (twice := _column_given_twice(parquet.schema_arrow)) is not None:  # to_pylist would keep the last one
         raise DataError(f"{quoted(name)}: column {twice!r} is given twice (which one is meant?)")
     number = 0
+    decoded = 0
+    cap = inflation_cap(stored) if stored is not None else None
     try:
         for batch in parquet.iter_batches(batch_size=1024):
             for value in batch.to_pylist():
                 number += 1
                 size = len(json.dumps(value, ensure_ascii=False, default=str).encode())
+                decoded += size
+                if cap is not None and decoded > cap:
+                    raise inflation_error(name, stored or 0, cap)
                 if size > limit:
                     excerpt = json.dumps(value, ensure_ascii=False, default=str)[:RAW_EXCERPT_CHARS]
                     yield RawRow(name, number, error=_too_long(name, number, size, limit, excerpt))
@@ -495,6 +559,7 @@ def read_source(
     from stages.sources import list_objects, open_parquet, open_stream
 
     limit = max_row_bytes()
+    max_inflation()  # a bad $POSTTRAIN_MAX_INFLATION fails here, before anything is read
     objects = list_objects(uri, spec, run_root)
     sources = [SourceFile(o.uri, "") for o in objects]
 
@@ -503,7 +568,7 @@ def read_source(
             count = 0
             if obj.kind == "parquet":
                 with open_parquet(obj, staging or Path(tempfile.gettempdir())) as parquet:
-                    for row in parquet_rows(parquet, obj.uri, limit):
+                    for row in parquet_rows(parquet, obj.uri, limit, obj.size):
                         count += 1
                         yield row
                 source.fingerprint = (
@@ -513,9 +578,9 @@ def read_source(
                 digest = hashlib.sha256() if not obj.version else None
                 try:
                     with open_stream(obj) as stream:
-                        for number, raw in jsonl_lines(stream, digest):
+                        for number, raw, size in jsonl_lines(stream, limit, digest):
                             count += 1
-                            yield RawRow(obj.uri, number, raw=raw)
+                            yield RawRow(obj.uri, number, raw=raw, size=size if size > len(raw) else 0)
                 except OSError as exc:
                     raise _unreadable(obj.uri, exc) from None
                 source.fingerprint = f"sha256:{digest.hexdigest()}" if digest else f"{obj.version}:size={obj.size}"
@@ -529,7 +594,7 @@ def parse_row(raw: RawRow, limit: int, encoding: str) -> RawRow:
     """A raw row with its JSONL line parsed (the others as they are)."""
     if raw.raw is None:
         return raw
-    return parse_jsonl_line(raw.raw, raw.file, raw.line, limit, encoding)
+    return parse_jsonl_line(raw.raw, raw.file, raw.line, limit, encoding, raw.size)
 
 
 # --------------------------------------------------------------------------- validation and normalization

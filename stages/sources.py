@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from stages.contract import writable
-from stages.data import DataError, _resolved, confine, resolve_path, within
+from stages.data import DataError, _resolved, confine, inflation_cap, inflation_error, resolve_path, within
 from workflows.quoting import quoted
 
 if TYPE_CHECKING:
@@ -556,50 +556,101 @@ def _gcs_changed(obj: SourceObject) -> str:
 # --------------------------------------------------------------------------- streams
 
 
+ZSTD_MAGIC = 0xFD2FB528
+ZSTD_SKIPPABLE = 0x184D2A50  # the magic of a skippable frame, its low 4 bits any value
+
+
+class _ZstdFrames:
+    """The bytes of a zstd stream passed through unchanged while its frames are followed (their headers and block
+    sizes, RFC 8878, nothing decoded): a stream that ends inside a frame is an EOFError when it ends, where
+    zstandard's stream_reader would end there quietly, a truncated file read as a shorter one."""
+
+    def __init__(self, source: Any) -> None:
+        self._source = source
+        self._step = "magic"  # the header being collected: magic, descriptor, block, skippable
+        self._head = bytearray()
+        self._want = 4  # bytes of that header
+        self._skip = 0  # bytes to pass before the next header (frame header fields, block contents)
+        self._checksum = False
+
+    def read(self, size: int = -1) -> bytes:
+        data = self._source.read(size)
+        if not data:
+            if self._step != "magic" or self._head or self._skip:
+                raise EOFError("the stream ends inside a frame")
+            return b""
+        view, at = memoryview(data), 0
+        while at < len(view):
+            if self._skip:
+                passed = min(self._skip, len(view) - at)
+                self._skip -= passed
+                at += passed
+                continue
+            take = min(self._want - len(self._head), len(view) - at)
+            self._head += view[at : at + take]
+            at += take
+            if len(self._head) == self._want:
+                self._header(int.from_bytes(self._head, "little"))
+                self._head.clear()
+        return data
+
+    def _header(self, value: int) -> None:
+        """Take a complete header: what follows it, and the next header to collect."""
+        if self._step == "magic":
+            if value == ZSTD_MAGIC:
+                self._step, self._want = "descriptor", 1
+            elif value & ~0xF == ZSTD_SKIPPABLE:
+                self._step, self._want = "skippable", 4
+            else:
+                raise EOFError("no zstd frame starts here (a file of another format, or garbage after the data)")
+        elif self._step == "descriptor":
+            single_segment = value >> 5 & 1
+            self._checksum = bool(value >> 2 & 1)
+            window = 0 if single_segment else 1
+            dictionary = (0, 1, 2, 4)[value & 3]
+            content_size = (single_segment, 2, 4, 8)[value >> 6]
+            self._skip = window + dictionary + content_size
+            self._step, self._want = "block", 3
+        elif self._step == "block":
+            last, kind, size = value & 1, value >> 1 & 3, value >> 3
+            self._skip = 1 if kind == 1 else size  # an RLE block stores its one byte
+            if last:
+                self._skip += 4 if self._checksum else 0
+                self._step, self._want = "magic", 4
+        else:  # skippable: its length, then its bytes
+            self._skip = value
+            self._step, self._want = "magic", 4
+
+
 class _Zstd(io.RawIOBase):
-    """The decompressed bytes of a zstd stream of one or more frames; a stream that ends inside a frame is an error
-    (zstandard's stream_reader would end there quietly, a truncated file read as a shorter one)."""
+    """The decompressed bytes of a zstd stream of one or more frames, at most the size of the buffer per read (a
+    small input can decompress to gigabytes, which are never held at once); a stream that ends inside a frame is
+    an error (`_ZstdFrames`)."""
 
     def __init__(self, source: Any) -> None:
         import zstandard
 
-        self._source = source
-        self._context = zstandard.ZstdDecompressor()
-        self._frame: Any = None  # the decompressor of the frame being read; None between frames
-        self._out = memoryview(b"")
+        self._reader = zstandard.ZstdDecompressor().stream_reader(
+            _ZstdFrames(source), read_size=READ_BYTES, read_across_frames=True, closefd=False
+        )
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer: Any) -> int:
-        while not self._out:
-            out = []
-            chunk = self._source.read(64 << 10)  # small: what one chunk expands to is held at once
-            if not chunk:
-                if self._frame is not None:
-                    raise EOFError("the stream ends inside a frame")
-                return 0
-            while chunk:
-                if self._frame is None:
-                    self._frame = self._context.decompressobj()
-                out.append(self._frame.decompress(chunk))
-                chunk = self._frame.unused_data if self._frame.eof else b""
-                self._frame = None if self._frame.eof else self._frame
-            self._out = memoryview(b"".join(out))
-        n = min(len(buffer), len(self._out))
-        buffer[:n] = self._out[:n]
-        self._out = self._out[n:]
-        return n
+        return self._reader.readinto(buffer)
 
 
 class _Guarded(io.RawIOBase):
     """A readable (and, over a seekable source, seekable) stream whose failures are DataErrors naming its object:
     a connection lost, an object changed mid-read, data that does not decompress."""
 
-    def __init__(self, source: Any, obj: SourceObject, closers: list[Any]) -> None:
+    def __init__(self, source: Any, obj: SourceObject, closers: list[Any], cap: int | None = None) -> None:
         self._source = source
         self._obj = obj
         self._closers = closers
+        self._cap = cap  # the most bytes it may give (a decompressed stream: `inflation_cap`)
+        self._given = 0
 
     def readable(self) -> bool:
         return True
@@ -610,6 +661,9 @@ class _Guarded(io.RawIOBase):
     def readinto(self, buffer: Any) -> int:
         with self._failures():
             data = self._source.read(len(buffer))
+        self._given += len(data)
+        if self._cap is not None and self._given > self._cap:
+            raise inflation_error(self._obj.uri, self._obj.size, self._cap)
         buffer[: len(data)] = data
         return len(data)
 
@@ -680,9 +734,10 @@ def _raw(obj: SourceObject) -> tuple[Any, list[Any]]:
 
 @contextlib.contextmanager
 def open_stream(obj: SourceObject) -> Iterator[BinaryIO]:
-    """The decompressed bytes of a JSONL object, as a binary file object that can be iterated line by line. Remote
+    """The decompressed bytes of a JSONL object, as a binary file object that can be read line by line. Remote
     bodies are streamed (never held whole), pinned to the listed version; a failure while reading is a DataError
-    naming the object."""
+    naming the object, and so is a compressed object that decompresses to more than `inflation_cap` of its size."""
+    cap = inflation_cap(obj.size) if obj.compression else None
     source, closers = _raw(obj)
     if obj.compression == "gzip":
         source = gzip.GzipFile(fileobj=source, mode="rb")
@@ -694,7 +749,7 @@ def open_stream(obj: SourceObject) -> Iterator[BinaryIO]:
             for closer in closers:
                 closer.close()
             raise DataError(f"{quoted(obj.uri)}: reading .zst needs zstandard (pip install zstandard)") from None
-    stream = io.BufferedReader(_Guarded(source, obj, closers), buffer_size=READ_BYTES)
+    stream = io.BufferedReader(_Guarded(source, obj, closers, cap), buffer_size=READ_BYTES)
     try:
         yield stream
     finally:
@@ -705,7 +760,8 @@ def open_stream(obj: SourceObject) -> Iterator[BinaryIO]:
 def open_parquet(obj: SourceObject, staging_dir: Path) -> Iterator[pyarrow.parquet.ParquetFile]:
     """A Parquet object opened with pyarrow: local files directly, a GCS blob through its seekable reader, an S3
     object downloaded once into staging_dir (removed on exit). pyarrow reads a file's footer first and then its
-    columns, out of order, which an S3 body (one forward-only stream) cannot serve."""
+    columns, out of order, which an S3 body (one forward-only stream) cannot serve. A file whose footer declares
+    more data than `inflation_cap` of its size is refused before any of it is read."""
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -729,6 +785,10 @@ def open_parquet(obj: SourceObject, staging_dir: Path) -> Iterator[pyarrow.parqu
         except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
             raise DataError(f"{quoted(obj.uri)}: not a readable Parquet file ({' '.join(str(exc).split())})") from None
         closers.insert(0, parquet)
+        meta = parquet.metadata
+        declared = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+        if declared > inflation_cap(obj.size):
+            raise inflation_error(obj.uri, obj.size, inflation_cap(obj.size))
         yield parquet
     finally:
         for closer in closers:

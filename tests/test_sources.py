@@ -7,11 +7,15 @@ them plays the failures a store or a network has (a 403, a connection cut mid-bo
 from __future__ import annotations
 
 import gzip
+import hashlib
 import io
 import json
 import os
 import re
+import subprocess
 import sys
+import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
@@ -21,9 +25,12 @@ import zstandard
 from object_stores import GcsEmulator, MotoS3, faulty_proxy
 
 from stages import sources
-from stages.data import DataError
+from stages.data import DataError, parse_row, read_source
 from stages.sources import SUFFIX_LIST, SourceObject, list_objects, open_parquet, open_stream, s3_client
 from workflows.loading import load_pipeline
+from workflows.spec import DataSpec
+
+REPO = Path(__file__).resolve().parents[1]
 
 CLOUD_ENV = (
     "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_DEFAULT_PROFILE",
@@ -469,3 +476,141 @@ def test_prepare_reads_a_bucket_and_records_the_versions_it_read(
     expected = [json.loads(r)["text"] for r in rows("s0", 5) + rows("s1", 5)]
     assert sorted(texts) == sorted([*expected, "q0", "q1", "q2"])
     assert not list(data.glob(".staging/*"))  # the S3 parquet copy is gone
+
+
+# --------------------------------------------------------------------------- decompression bombs
+
+BOMB_BYTES = 128 << 20
+"""What a bomb inflates to: a single line of one byte, over the row limit and over INFLATION_FLOOR_BYTES."""
+
+READ_IN_A_CHILD = """
+import resource, sys
+from stages.data import DataError, parse_row, read_source
+from workflows.spec import DataSpec
+uri = sys.argv[1]
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    for raw in read_source(uri, DataSpec.model_validate({"uri": uri, "format": "text"}))[1]:
+        if (row := parse_row(raw, 4 << 20, "utf-8")).error:
+            print(row.error)
+except DataError as exc:
+    print(exc)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) >> 10)  # KiB -> MiB
+"""
+
+
+def compressed(path: Path, chunks: Iterator[bytes], frame_bytes: int = 0) -> Path:
+    """`chunks` compressed into `path` (.gz or .zst) as they come, never held whole; `frame_bytes`: a zstd frame
+    per that many bytes (as pzstd writes)."""
+    with open(path, "wb") as out:
+        if path.suffix == ".gz":
+            gz = zlib.compressobj(1, zlib.DEFLATED, 31)
+            out.writelines(gz.compress(chunk) for chunk in chunks)
+            out.write(gz.flush())
+            return path
+        zst, done = zstandard.ZstdCompressor().compressobj(), 0
+        for chunk in chunks:
+            out.write(zst.compress(chunk))
+            done += len(chunk)
+            if frame_bytes and done % frame_bytes == 0:
+                out.write(zst.flush())
+                zst = zstandard.ZstdCompressor().compressobj()
+        out.write(zst.flush())
+    return path
+
+
+def one_byte(total: int) -> Iterator[bytes]:
+    """`total` bytes of 'a', without a newline, a MiB at a time."""
+    yield from (b"a" * (1 << 20) for _ in range(total >> 20))
+
+
+@pytest.mark.parametrize("name", ["bomb.jsonl.gz", "bomb.jsonl.zst", "frames.jsonl.zst"])
+def test_a_decompression_bomb_fails_while_it_is_read_in_bounded_memory(name: str, tmp_path: Path) -> None:
+    # 128 MiB without a newline: zstd stops at the inflation cap, gzip (whose ratio stays near 1000x) at the end
+    # of the line, refused as a row over the limit; in a child, so its peak memory is the read's own.
+    bomb = compressed(tmp_path / name, one_byte(BOMB_BYTES), frame_bytes=(1 << 20) * (name == "frames.jsonl.zst"))
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "HOME": str(tmp_path)}
+    child = subprocess.run(
+        [sys.executable, "-c", READ_IN_A_CHILD, str(bomb)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert child.returncode == 0, child.stderr
+    *said, grew = child.stdout.splitlines()
+    if name.endswith(".zst"):
+        cap = "over the limit of 1000x (and 67108864 bytes): a decompression bomb, not data"
+        assert said == [f"{bomb}: decompresses to more than 67108864 bytes from {bomb.stat().st_size} stored, {cap} "
+                        "(raise it with POSTTRAIN_MAX_INFLATION)"]  # fmt: skip
+    else:
+        assert said == [f"{bomb}:1: row is {BOMB_BYTES} bytes, over the limit of 4194304 (raise it with "
+                        "POSTTRAIN_MAX_ROW_BYTES)"]  # fmt: skip
+    assert int(grew) < 40, f"the read grew by {grew} MiB"  # the line limit, a chunk, buffers: not the 128 MiB
+
+
+@pytest.mark.parametrize("name", ["long.jsonl", "long.jsonl.gz", "long.jsonl.zst"])
+def test_a_line_over_the_row_limit_is_read_past_not_held(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("POSTTRAIN_MAX_ROW_BYTES", "1000")
+    good = rows("g", 2)
+    content = [good[0], b'{"text": "' + b"a" * (8 << 20) + b'"}\n', good[1], b"a" * 5000]  # the last: no newline
+    path = tmp_path / name
+    if name.endswith("l"):
+        path.write_bytes(b"".join(content))
+    else:
+        compressed(path, iter(content))
+    sources_, raws = read_source(str(path), DataSpec.model_validate({"uri": str(path), "format": "text"}))
+    read = list(raws)
+    assert [len(r.raw or b"") for r in read] == [len(good[0]), 1001, len(good[1]), 1001]  # the rest never held
+    parsed = [parse_row(r, 1000, "utf-8") for r in read]
+    assert [p.value for p in parsed[::2]] == [json.loads(good[0]), json.loads(good[1])]
+    assert [str(p.error) for p in parsed[1::2]] == [
+        f"{path}:{n}: row is {size} bytes, over the limit of 1000 (raise it with POSTTRAIN_MAX_ROW_BYTES)"
+        for n, size in [(2, len(content[1])), (4, 5000)]
+    ]
+    assert sources_[0].fingerprint == "sha256:" + hashlib.sha256(b"".join(content)).hexdigest()  # every byte
+
+
+@pytest.mark.parametrize("name", ["rows.jsonl.gz", "rows.jsonl.zst"])
+def test_short_rows_that_inflate_past_the_cap_fail_the_file(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Rows each within the limit, but one row repeated: 30 MiB from a few KiB. The cap scaled down (a floor of
+    # 1 MiB, 100x) to keep the test small; a real corpus (distinct rows, ~4x) is read whole under it.
+    monkeypatch.setattr("stages.data.INFLATION_FLOOR_BYTES", 1 << 20)
+    monkeypatch.setenv("POSTTRAIN_MAX_INFLATION", "100")
+    row = json.dumps({"text": "서울은 아름답습니다. " * 40}, ensure_ascii=False).encode() + b"\n"
+    bomb = compressed(tmp_path / name, (row * 1000 for _ in range((30 << 20) // (len(row) * 1000))))
+    real = compressed(tmp_path / f"real-{name}", iter(rows("r", 40_000)))
+    assert sum(map(len, rows("r", 40_000))) > 1 << 20  # past the floor: the ratio is what lets it through
+    spec = DataSpec.model_validate({"uri": str(real), "format": "text"})
+    assert len(list(read_source(str(real), spec)[1])) == 40_000
+    cap = max(1 << 20, 100 * bomb.stat().st_size)
+    with pytest.raises(DataError) as raised:
+        list(read_source(str(bomb), spec)[1])
+    assert str(raised.value) == (
+        f"{bomb}: decompresses to more than {cap} bytes from {bomb.stat().st_size} stored, over the limit of 100x "
+        "(and 1048576 bytes): a decompression bomb, not data (raise it with POSTTRAIN_MAX_INFLATION)"
+    )
+    monkeypatch.setenv("POSTTRAIN_MAX_INFLATION", "1x")
+    with pytest.raises(DataError, match=r"^POSTTRAIN_MAX_INFLATION='1x': expected a positive whole ratio"):
+        read_source(str(real), spec)
+
+
+def test_a_parquet_bomb_is_refused_by_its_footer_or_while_it_decodes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("stages.data.INFLATION_FLOOR_BYTES", 1 << 20)
+    cell = tmp_path / "cell.parquet"  # one 8 MiB cell, compressed: the footer declares it, nothing is read
+    pq.write_table(pa.table({"text": ["a" * (8 << 20)]}), cell, compression="zstd")
+    spec = DataSpec.model_validate({"uri": str(cell), "format": "text"})
+    with pytest.raises(DataError, match=rf"^{cell}: decompresses to more than 1048576 bytes from \d+ stored"):
+        read_source(str(cell), spec)[1].__next__()
+    # One 512 KiB value repeated through a dictionary: a small footer, 32 MiB once decoded.
+    dictionary = tmp_path / "dictionary.parquet"
+    column = pa.DictionaryArray.from_arrays(pa.array([0] * 64, pa.int32()), pa.array(["b" * (512 << 10)]))
+    pq.write_table(pa.table({"text": column}), dictionary, compression="zstd")
+    spec = DataSpec.model_validate({"uri": str(dictionary), "format": "text"})
+    with pytest.raises(DataError, match=rf"^{dictionary}: decompresses to more than 1048576 bytes from \d+ stored"):
+        list(read_source(str(dictionary), spec)[1])
+    small = tmp_path / "small.parquet"
+    small.write_bytes(parquet_bytes(["p0", "p1"]))
+    assert [r.value for r in read_source(str(small), spec)[1]] == [{"text": "p0"}, {"text": "p1"}]

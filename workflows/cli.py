@@ -58,6 +58,7 @@ environment variables:
                                stage events to Langfuse when the spec has no tracking.langfuse_host
   CUDA_VISIBLE_DEVICES         GPUs the --local stages may use
   POSTTRAIN_MAX_ROW_BYTES      largest data row prepare accepts
+  POSTTRAIN_MAX_INFLATION      most times its size a compressed data file may inflate to (default 1000)
   POSTTRAIN_WARM_STARTS        0: every --local stage starts as a fresh process (no warm-start server)
   POSTTRAIN_WARM_SERVER        socket of a warm-start server that --local runs share
                                (`python -m stages.warm --listen PATH`)

@@ -1,8 +1,8 @@
 """Data that is valid enough to get past a first look but no data Python can hold or write: arrays nested 100,000
-deep, a 5000-digit number, a lone surrogate (`\\ud800`, half a character, which cannot be written as UTF-8) and a
-symlink loop in a data directory. prepare fails on each with one `error:` message naming the file and line (or the
-link), exit 1, `stage.json` failed with that message, no traceback, nothing half-written; in process and through
-the real CLI."""
+deep, a 5000-digit number, a lone surrogate (`\\ud800`, half a character, which cannot be written as UTF-8), a
+symlink loop in a data directory and a decompression bomb (a few KiB of zstd that inflate to 100 MiB of one line).
+prepare fails on each with one `error:` message naming the file and line (or the link, or the limit), exit 1,
+`stage.json` failed with that message, no traceback, nothing half-written; in process and through the real CLI."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import zstandard
 from test_bad_input import Case, bad_data, check_nothing_half_written, only, run_in_process, snapshot, with_run_dir
 
 REPO = Path(__file__).resolve().parents[2]
@@ -50,6 +51,13 @@ def parquet_column_twice(tmp: Path) -> list[str]:
     return with_run_dir(overrides, stage="prepare")(tmp)
 
 
+def zstd_bomb(tmp: Path) -> list[str]:
+    """prepare over 100 MiB of one byte without a newline, compressed a MiB at a time into a few KiB."""
+    bomb = zstandard.ZstdCompressor().compressobj()
+    content = b"".join(bomb.compress(b"a" * (1 << 20)) for _ in range(100)) + bomb.flush()
+    return bad_data("cpt", "text", content, "corpus.jsonl.zst")(tmp)
+
+
 CASES = [
     Case("data-nested-too-deep", "stages", bad_data("cpt", "text", '{"text": "좋은 문장."}\n' + DEEP),
          ("data.jsonl:2: arrays or objects nested too deeply",), code=1),
@@ -68,6 +76,8 @@ CASES = [
          ("data.parquet: column 'text' is given twice",), code=1),
     Case("data-file-name-forges-lines", "stages", forged_file_name,
          ("corpus/part\\n[prepare] cpt: all rows fine\\r\\x1b[2K.jsonl':1",), code=1),
+    Case("data-zstd-bomb", "stages", zstd_bomb,
+         ("corpus.jsonl.zst: decompresses to more than 67108864 bytes from", "over the limit of 1000x"), code=1),
 ]  # fmt: skip
 
 
