@@ -283,9 +283,9 @@ def check_extra_args_kept(document: dict, spec: PipelineSpec, lines: list[tuple[
                 f"parameter {OVERRIDES}",
             )
             raise SpecError(
-                f"{where}: {'.'.join(path)} cannot be set from the form: the form may change only the optimizer and "
-                "loss settings of extra_args (listed under training.extra_args in docs/spec.md); set it in the "
-                "pipeline file and register it again"
+                f"{where}: {'.'.join(path)} cannot be set from the form: it may change only the optimizer, loss and "
+                "memory settings listed under training.extra_args in docs/spec.md; set it in the pipeline file and "
+                "register it again"
             )
 
 

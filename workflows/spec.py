@@ -555,7 +555,7 @@ hyperparameters of the optimizer and the losses. Every other key is the pipeline
 def refused_trainer_arg(key: str) -> str | None:
     """Why training.extra_args may not set `key` anywhere (TRAINER_ARGS_REFUSED); None when it may."""
     for name, why in TRAINER_ARGS_REFUSED.items():
-        if key == name or (name.endswith("_") and key.startswith(name)) or key.endswith(f"_{name}"):
+        if key.startswith(name) if name.endswith("_") else key == name or key.endswith(f"_{name}"):
             return why
     return None
 
