@@ -3,14 +3,18 @@ cannot change per run.
 
 The attacks tried against the form: a GRPO reward function that imports `torch.hub:load` (which runs a
 repository's hubconf.py) or reaches `from_pretrained(trust_remote_code=True)`; an empty, relaxed or reversed gate;
-another team's registered model, whose champion alias the run would move. Each is refused on the submitter's
-machine before any request (`submit --set`) and again by the prepare step in the cluster (the form's `overrides`
-parameter), which fails at once, names the parameter line and writes no spec.
+another team's registered model, whose champion alias the run would move; trainer arguments in
+`training.extra_args` that upload the model to the Hugging Face Hub with the pods' token (`push_to_hub`, `hub_*`),
+move the outputs, or set anything but an optimizer or loss knob. Each is refused on the submitter's machine before
+any request (`submit --set`) and again by the prepare step in the cluster (the form's `overrides` parameter), which
+fails at once, names the parameter line and writes no spec.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -19,7 +23,9 @@ from test_parameters import _params_dir, prepare_step
 from test_submit import _run
 
 from workflows import parameters as params
+from workflows.importers import PASS_THROUGH
 from workflows.loading import SpecError, load_pipeline
+from workflows.spec import FORM_EXTRA_ARGS, TRAINER_ARGS_OWNED, refused_trainer_arg
 
 HUB = (
     "stages.rlhf.reward_functions=[{name: 'torch.hub:load', args: {repo_or_dir: /mnt/datasets/x, model: x, "
@@ -32,6 +38,9 @@ PRETRAINED = (
 
 # submit says the template fixes it, prepare that the form cannot set it.
 FILE_ONLY = "cannot change per run|cannot be set from the form"
+HUB_REFUSED = (
+    r"extra_args\.(push_to_hub|hub_\w+) is refused: the trainer would upload the model to the Hugging Face Hub"
+)
 
 ATTACKS = [
     pytest.param(
@@ -51,6 +60,41 @@ ATTACKS = [
         id="rule-dropped",
     ),
     pytest.param(["stages.deploy.registered_model=other-team-model"], FILE_ONLY, id="other-model"),
+    pytest.param(["stages.sft.training.extra_args.push_to_hub=true"], HUB_REFUSED, id="push-to-hub"),
+    pytest.param(
+        ["stages.sft.training.extra_args.optim=adamw_torch", "stages.sft.training.extra_args.hub_model_id=me/leak"],
+        HUB_REFUSED,
+        id="hub-model-id",
+    ),
+    pytest.param(
+        ["stages.rlhf.training.extra_args={adam_beta2: 0.95, hub_strategy: all_checkpoints, hub_private_repo: false}"],
+        HUB_REFUSED,
+        id="hub-section",
+    ),
+    pytest.param(
+        ["stages.sft.training.extra_args.output_dir=/mnt/datasets/shared"],
+        r"extra_args\.output_dir is set by the spec",
+        id="output-dir",
+    ),
+    pytest.param(
+        ["stages.cpt.training.extra_args.torch_compile_backend=cudagraphs"],
+        r"stages\.cpt\.training\.extra_args\.torch_compile_backend cannot be set from the form",
+        id="not-allowlisted",
+    ),
+    pytest.param(
+        ["stages.sft.training.learning_rate=1e-4", "stages.sft.training={extra_args: {save_only_model: true}}"],
+        r"(line 2|=\{extra_args: \{save_only_model: true\}\}): stages\.sft\.training\.extra_args\.save_only_model "
+        "cannot be set from the form",
+        id="not-allowlisted-section",
+    ),
+    pytest.param(
+        [
+            "stages.sft.hpo={parameters: [{path: training.extra_args.push_to_hub, type: categorical, "
+            "values: [true, false]}], objective: {metric: eval_loss}}"
+        ],
+        r"training\.extra_args is a value, not a section",
+        id="searched-extra-arg",
+    ),
 ]
 
 
@@ -114,3 +158,86 @@ def test_the_pipeline_file_still_chooses_its_rewards_and_gate() -> None:
     )
     assert loaded.spec.stages.evaluate.gate == []
     assert loaded.spec.stages.rlhf.reward_modules == ["acme_rewards.korean"]
+
+
+FORM_KNOBS = [
+    "stages.sft.training.extra_args.optim=adamw_torch_fused",
+    "stages.sft.training.extra_args.adam_beta2=0.95",
+    "stages.sft.training.extra_args.neftune_noise_alpha=5",
+    "stages.rlhf.training.extra_args={adam_epsilon: 1.0e-6, label_smoothing_factor: 0.1, temperature: 0.7}",
+]
+
+
+def test_the_form_may_set_optimizer_and_loss_knobs(
+    tmp_path: Path, fake: FakeArgo, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [arg for knob in FORM_KNOBS for arg in ("--set", knob)]
+    code, _, err = _run(capsys, "korean-llm", "--skip-preflight", *argv)
+    assert (code, err) == (0, "")
+    spec = params.resolve_params_dir(_params_dir(tmp_path, {params.OVERRIDES: "\n".join(FORM_KNOBS)}))
+    assert spec.stages.sft.training.extra_args == {"optim": "adamw_torch_fused", "adam_beta2": 0.95,
+                                                   "neftune_noise_alpha": 5}  # fmt: skip
+    assert spec.stages.rlhf.training.extra_args == {"adam_epsilon": 1e-6, "label_smoothing_factor": 0.1,
+                                                    "temperature": 0.7}  # fmt: skip
+
+
+def test_the_pipeline_files_own_extra_args_stay_as_it_set_them() -> None:
+    """A registrar's extra_args (any key but the refused ones) reach the run; the form may change the knobs beside
+    them, never them: not changed, not removed with the section."""
+    registered = load_pipeline(
+        "korean-llm", overrides=["stages.sft.training.extra_args={dataloader_prefetch_factor: 4, optim: adamw_torch}"]
+    )
+    assert registered.spec.stages.sft.training.extra_args == {"dataloader_prefetch_factor": 4, "optim": "adamw_torch"}
+    doc = params.embedded_document(registered.spec)
+    kept = params.resolve_parameters(doc, {params.OVERRIDES: "stages.sft.training.extra_args.optim=adamw_torch_fused"})
+    assert kept.stages.sft.training.extra_args == {"dataloader_prefetch_factor": 4, "optim": "adamw_torch_fused"}
+    same = params.resolve_parameters(
+        doc, {params.OVERRIDES: "stages.sft.training.extra_args.dataloader_prefetch_factor=4"}
+    )
+    assert same.stages.sft.training.extra_args == registered.spec.stages.sft.training.extra_args
+    for change in ("extra_args.dataloader_prefetch_factor=8", "extra_args={optim: adamw_torch}", "extra_args={}"):
+        with pytest.raises(
+            SpecError, match=r"^parameter overrides, line 1: .*dataloader_prefetch_factor cannot be set"
+        ):
+            params.resolve_parameters(doc, {params.OVERRIDES: f"stages.sft.training.{change}"})
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["push_to_hub", "hub_model_id", "hub_strategy", "hub_private_repo", "hub_token", "hub_always_push",
+     "log_completions_hub_repo", "trackio_space_id", "vllm_server_base_url", "model_init_kwargs",
+     "ref_model_init_kwargs"],
+)  # fmt: skip
+def test_the_pipeline_file_cannot_send_data_out_through_extra_args_either(key: str) -> None:
+    with pytest.raises(SpecError, match=rf"stages\.rlhf\.training\.extra_args\.{key}: extra_args\.{key} is refused"):
+        load_pipeline("korean-llm", overrides=[f"stages.rlhf.training.extra_args.{key}=x"])
+
+
+def _trainer_config_fields() -> set[str]:
+    """Every field of the config classes the training stages build (transformers and TRL as installed)."""
+    from transformers import TrainingArguments
+    from trl import DPOConfig, GRPOConfig, KTOConfig, SFTConfig
+
+    with warnings.catch_warnings():  # trl.experimental says it is experimental
+        warnings.simplefilter("ignore")
+        from trl.experimental.orpo import ORPOConfig
+
+    classes = (TrainingArguments, SFTConfig, DPOConfig, KTOConfig, ORPOConfig, GRPOConfig)
+    return {f.name for cls in classes for f in dataclasses.fields(cls) if f.init}
+
+
+def test_every_trainer_argument_that_reaches_out_is_owned_or_refused() -> None:
+    """Checked against the installed transformers and TRL, so a new upload or download setting fails here first:
+    anything naming the hub, a URL, a host, a directory or path, a tracker, or kwargs of a model load."""
+    fields = _trainer_config_fields()
+    reaching = {
+        name
+        for name in fields
+        if re.search(r"hub|url|host|trackio|report_to|init_kwargs", name) or name.endswith(("_dir", "_path"))
+    }
+    assert {"push_to_hub", "hub_model_id", "hub_token", "output_dir", "vllm_server_base_url"} <= reaching
+    assert sorted(n for n in reaching if n not in TRAINER_ARGS_OWNED and refused_trainer_arg(n) is None) == []
+    # The form's keys are real settings, none owned or refused, and cover what recipe importers pass through.
+    assert sorted(set(FORM_EXTRA_ARGS) - fields) == []
+    assert [k for k in FORM_EXTRA_ARGS if k in TRAINER_ARGS_OWNED or refused_trainer_arg(k)] == []
+    assert sorted(set(PASS_THROUGH) - set(FORM_EXTRA_ARGS)) == []

@@ -16,7 +16,15 @@ from pathlib import Path
 from typing import Any
 
 from workflows.loading import Origins, SpecError, override, parse_override, validate_document
-from workflows.spec import OPTIONAL_STAGES, STAGE_ORDER, EvaluateStage, GateRule, PipelineSpec
+from workflows.spec import (
+    FORM_EXTRA_ARGS,
+    OPTIONAL_STAGES,
+    STAGE_ORDER,
+    TRAINING_STAGES,
+    EvaluateStage,
+    GateRule,
+    PipelineSpec,
+)
 
 SPEC_FILE = "pipeline.json.b64"
 """The compiled spec inside the template, base64-encoded so Argo never reads '{{' in it as an expression."""
@@ -40,6 +48,9 @@ registers the pipeline sets them in its file; the form (anyone who may submit) c
 
 GATE = ("stages", "evaluate", "gate")
 """The form may tighten the gate (add rules, lower a max_regression), never loosen it (`check_gate_kept`)."""
+
+EXTRA_ARGS = ("training", "extra_args")
+"""Below a training stage: the form may change only the keys of FORM_EXTRA_ARGS there (`check_extra_args_kept`)."""
 
 
 @dataclass(frozen=True)
@@ -247,16 +258,48 @@ def check_gate_kept(template: list[GateRule], resolved: list[GateRule], where: s
             )
 
 
+def _as_json(value: object) -> str:
+    """A value compared as JSON, so true, 1 and 1.0 differ."""
+    return json.dumps(value, sort_keys=True)
+
+
+def check_extra_args_kept(document: dict, spec: PipelineSpec, lines: list[tuple[tuple[str, ...], str]]) -> None:
+    """SpecError unless every training stage's `training.extra_args` in `spec` differs from the template's
+    `document` only in keys of FORM_EXTRA_ARGS (added, changed or removed); `lines` are the override lines applied,
+    (keys, where), in order: the error names the last one that reached the key, however it did (the key itself,
+    `extra_args={...}`, `training={...}`)."""
+    missing = object()
+    for stage in TRAINING_STAGES:
+        template = ((document.get("stages") or {}).get(stage) or {}).get("training") or {}
+        before = template.get("extra_args") or {}
+        after = spec.stage(stage).training.extra_args
+        for key in sorted(set(before) | set(after)):
+            old, new = before.get(key, missing), after.get(key, missing)
+            if key in FORM_EXTRA_ARGS or (old is not missing and new is not missing and _as_json(old) == _as_json(new)):
+                continue
+            path = ("stages", stage, *EXTRA_ARGS, key)
+            where = next(
+                (w for keys, w in reversed(lines) if path[: len(keys)] == keys or keys[: len(path)] == path),
+                f"parameter {OVERRIDES}",
+            )
+            raise SpecError(
+                f"{where}: {'.'.join(path)} cannot be set from the form: it may change only the optimizer, loss and "
+                "memory settings listed under training.extra_args in docs/spec.md; set it in the pipeline file and "
+                "register it again"
+            )
+
+
 def resolve_parameters(
     document: dict, values: dict[str, str], line_origin: Callable[[int], str] = form_line
 ) -> PipelineSpec:
     """Apply UI parameter values to the embedded spec document and validate the result: fields the template
-    fixes are refused, the gate may only get stricter. `line_origin` names line N of the overrides parameter in
-    errors (submit names the --set it came from)."""
+    fixes are refused, the gate may only get stricter, training.extra_args change only in FORM_EXTRA_ARGS.
+    `line_origin` names line N of the overrides parameter in errors (submit names the --set it came from)."""
     doc = json.loads(json.dumps(document))  # deep copy, JSON types only
     origins = Origins()
     known = set(values)
     gate_changed_by = ""
+    applied: list[tuple[tuple[str, ...], str]] = []
 
     def put(keys: list[str], value: object, where: str) -> None:
         override(doc, origins, keys, value, where)
@@ -286,10 +329,12 @@ def resolve_parameters(
         _check_not_compiled(keys, where)
         if tuple(keys[: len(GATE)]) == GATE[: len(keys)]:
             gate_changed_by = where
+        applied.append((tuple(keys), where))
         put(keys, value, where)
     spec = validate_document(doc, origins, "parameters")
     if gate_changed_by:
         check_gate_kept(_gate_rules(document), spec.stages.evaluate.gate, gate_changed_by)
+    check_extra_args_kept(document, spec, applied)
     return spec
 
 

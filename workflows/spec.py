@@ -506,8 +506,60 @@ TRAINER_ARGS_OWNED: dict[str, str] = {
     "precompute_ref_log_probs": "stages.rlhf.precompute_ref_log_probs",
     "reward_weights": "stages.rlhf.reward_functions",
     "assistant_only_loss": "stages.sft.assistant_only_loss",
+    "logging_dir": "the run directory (the stage's logs folder)",
+    "accelerator_config": "distributed.accelerate_config (embedded in the spec, not a path read in the pod)",
+    "chat_template_path": "model.chat_template",
 }
 """Trainer config fields that a spec field sets (training.extra_args may not): the field → the spec field to use."""
+
+_HUB_UPLOAD = (
+    "the trainer would upload the model to the Hugging Face Hub with the pods' token at every save, before "
+    "evaluate's gate: a run publishes only through the deploy stage, after the gate"
+)
+TRAINER_ARGS_REFUSED: dict[str, str] = {
+    "push_to_hub": _HUB_UPLOAD,
+    "push_to_hub_": _HUB_UPLOAD,
+    "hub_": _HUB_UPLOAD,
+    "trackio_": "the trainer would send metrics to a Trackio Space with the pods' token: the tracking section "
+    "decides where runs are tracked",
+    "log_completions_hub_repo": "GRPO would upload its completions to that Hugging Face Hub dataset with the pods' "
+    "token",
+    "vllm_server_base_url": "GRPO would send its prompts and the policy's weights to that server",
+    "vllm_server_host": "GRPO would send its prompts and the policy's weights to that server",
+    "model_init_kwargs": "they reach from_pretrained (remote code, another revision or repository): the model "
+    "section decides how the model loads",
+}
+"""Trainer config fields that send data out of the cluster or run code: training.extra_args may not set them,
+in the pipeline file either. An entry ending in `_` is a prefix (every `hub_*` field); any other also covers the
+names ending in `_<entry>` (`ref_model_init_kwargs`, `teacher_model_init_kwargs`)."""
+
+FORM_EXTRA_ARGS: tuple[str, ...] = (
+    # the optimizer and the schedule's shape
+    "optim", "optim_args", "adam_beta1", "adam_beta2", "adam_epsilon", "lr_scheduler_kwargs",
+    # regularisation
+    "label_smoothing_factor", "neftune_noise_alpha", "average_tokens_across_devices",
+    # memory and speed
+    "gradient_checkpointing_kwargs", "activation_checkpointing_kwargs", "activation_offloading",
+    "torch_empty_cache_steps", "torch_compile", "torch_compile_mode", "ddp_timeout",
+    # TRL's preference losses (DPO, KTO, ORPO)
+    "loss_type", "label_smoothing", "use_weighting", "ld_alpha", "discopop_tau", "f_divergence_type",
+    "f_alpha_divergence_coef", "ref_model_mixup_alpha", "ref_model_sync_steps", "sync_ref_model", "disable_dropout",
+    "desirable_weight", "undesirable_weight",
+    # GRPO's sampling and clipping
+    "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "epsilon", "epsilon_high", "delta",
+    "scale_rewards", "num_iterations", "steps_per_generation", "mask_truncated_completions",
+    "importance_sampling_level", "top_entropy_quantile",
+)  # fmt: skip
+"""The training.extra_args a run's form (`submit --set`, the Argo UI's overrides) may add, change or remove:
+hyperparameters of the optimizer and the losses. Every other key is the pipeline file's (workflows/parameters.py)."""
+
+
+def refused_trainer_arg(key: str) -> str | None:
+    """Why training.extra_args may not set `key` anywhere (TRAINER_ARGS_REFUSED); None when it may."""
+    for name, why in TRAINER_ARGS_REFUSED.items():
+        if key.startswith(name) if name.endswith("_") else key == name or key.endswith(f"_{name}"):
+            return why
+    return None
 
 
 class TrainingSpec(StrictModel):
@@ -552,18 +604,25 @@ class TrainingSpec(StrictModel):
         "TrainingArguments, or of TRL's SFTConfig / DPOConfig / GRPOConfig... for the stage's trainer, e.g. "
         "{optim: adamw_torch_fused, adam_beta2: 0.95, neftune_noise_alpha: 5}. Scalars only; the stage refuses a "
         "name its config class does not have. Settings the spec owns (learning_rate, bf16, deepspeed...) are "
-        "refused here: set their spec field. With DeepSpeed offloading the optimizer (and no 'optimizer' section in "
-        "its config), optimizer settings here (optim, optim_args, adam_beta1, adam_beta2, adam_epsilon) make the "
-        "trainer's own optimizer run on the CPU; without them DeepSpeed's faster CPU Adam runs, with the learning "
-        "rate and weight decay only.",
+        "refused here: set their spec field. So are settings that send data out of the cluster or run code: the "
+        "Hugging Face Hub upload (push_to_hub, hub_*: the deploy stage publishes, after the gate), trackio_*, "
+        "log_completions_hub_repo, vllm_server_base_url, vllm_server_host and *model_init_kwargs. With DeepSpeed "
+        "offloading the optimizer (and no 'optimizer' section in its config), optimizer settings here (optim, "
+        "optim_args, adam_beta1, adam_beta2, adam_epsilon) make the trainer's own optimizer run on the CPU; without "
+        "them DeepSpeed's faster CPU Adam runs, with the learning rate and weight decay only. A run's form (submit "
+        "--set, the Argo UI) may add, change or remove only these keys, every other one is the pipeline file's: "
+        f"{', '.join(FORM_EXTRA_ARGS)}.",
     )
 
     @field_validator("extra_args")
     @classmethod
     def _not_owned(cls, value: dict[str, Any]) -> dict[str, Any]:
+        # FieldError names the key, so the error points at its own line (a file's, or the form's override).
         for key in value:
             if key in TRAINER_ARGS_OWNED:
-                raise ValueError(f"extra_args.{key} is set by the spec: use {TRAINER_ARGS_OWNED[key]} instead")
+                raise FieldError((key,), f"extra_args.{key} is set by the spec: use {TRAINER_ARGS_OWNED[key]} instead")
+            if (why := refused_trainer_arg(key)) is not None:
+                raise FieldError((key,), f"extra_args.{key} is refused: {why}")
         return value
 
 
