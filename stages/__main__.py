@@ -5,7 +5,8 @@ stages/trials.py), and `python -m stages hpo-select ...` selects the search's be
 
 Expected failures end with one `error:` line that says what to fix, never a bare traceback: a missing or invalid
 spec, a stage whose inputs are not there yet (exit 2), a full disk (exit 1), a stage another process is running
-(exit 75, nothing written). Everything the stage prints goes through `MaskingStream`, so neither the value of a
+(exit 75, nothing written), a run directory deleted or replaced while the stage ran (exit 1, nothing more written:
+`stages.contract.check_still_ours`). Everything the stage prints goes through `MaskingStream`, so neither the value of a
 secret-looking environment variable nor anything credential-shaped (`workflows.credentials`) reaches the log.
 
 Whatever escapes a stage ends as a truthful record: SIGTERM and SIGINT raise `StageInterrupted` (training stages
@@ -33,11 +34,13 @@ from stages.contract import (
     EXIT_USAGE,
     INTERRUPTS,
     RunDir,
+    RunDirGone,
     StageBusy,
     StageContext,
     StageInterrupted,
     StageRefused,
     check_ready,
+    check_still_ours,
     disk_full_message,
     hold_stage_lock,
     interrupt_signal,
@@ -212,6 +215,7 @@ def run(args: argparse.Namespace) -> int:
     ctx = StageContext(run_dir, args.stage, spec, force=args.force, outputs_dir=args.outputs_dir, trial=trial)
     try:
         code = int(module.run(ctx))
+        check_still_ours(run_dir.root)  # the stage's end: a run directory gone meanwhile is no success
         if trial is not None and code == 0:
             code = report_metrics(run_dir, args.stage, objective)
         return code
@@ -248,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     except (StageRefused, SpecError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except RunDirGone as exc:  # nothing to record: the record's folder is gone
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     except StageBusy as exc:
         # 75 (EX_TEMPFAIL), not 2: the request is fine, only not now. In the cluster this is a retry (Argo's, or a
         # restarted pod) that starts while the previous attempt still runs; a retry later finds the lock free.

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from stages.contract import INTERRUPTS, StageInterrupted, is_main_process, write_json_atomic
+from stages.contract import INTERRUPTS, StageInterrupted, check_still_ours, is_main_process, write_json_atomic
 
 MARKER = "COMPLETE"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
@@ -121,7 +121,17 @@ def set_aside_torn(checkpoints_dir: Path, keep: Path | None) -> list[Path]:
 
 
 class CheckpointMarker(TrainerCallback):
-    """Writes the completeness marker once every rank has finished saving a checkpoint."""
+    """Writes the completeness marker once every rank has finished saving a checkpoint.
+
+    It also stops training (RunDirGone) at the end of the first step after the run directory was deleted or
+    replaced (`check_still_ours`): before the Trainer would save a checkpoint, or log, into a folder made again
+    under the old name. A checkpoint saved while it went away gets no marker."""
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> TrainerControl:
+        check_still_ours(args.output_dir)
+        return control
 
     def on_save(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -129,6 +139,7 @@ class CheckpointMarker(TrainerCallback):
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.barrier()
         if is_main_process():
+            check_still_ours(args.output_dir)
             checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
             if checkpoint.is_dir():
                 mark_complete(checkpoint, state.global_step)

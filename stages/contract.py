@@ -23,6 +23,9 @@ Rules every stage follows (the same in a PyTorchJob pod and under --local):
   while it says running, so a stage that already recorded its outcome keeps it;
 - a stage starts only when its inputs are there (`check_ready`): otherwise one `error:` line names what is missing
   and the stage that makes it, exit EXIT_USAGE, and nothing is written (no lock, no record);
+- a run directory deleted or replaced while a stage runs (the stage's lock file is no longer the file it locked)
+  stops the stage at the next write (`check_still_ours`: every record, checkpoint marker and model, and each
+  training step): one `error:` line, EXIT_FAILED, and nothing written into a folder made again under that name;
 - a full disk (ENOSPC) fails the stage with a message that says so; `stage.json` and the checkpoints written
   before stay as they were (every record is written to a temporary file and renamed);
 - values of secret-looking environment variables never reach the stage's output (`mask_secrets`);
@@ -84,6 +87,12 @@ class StageRefused(Exception):
 
 class StageBusy(Exception):
     """Another live process holds the stage's lock: it is running the stage. Exit EXIT_RETRYABLE, nothing written."""
+
+
+class RunDirGone(BaseException):
+    """The run directory (or the stage's folder) this process holds a stage lock in was deleted or replaced while
+    the stage ran. A BaseException, so that no stage's `except Exception` records it or writes a traceback: whatever
+    it wrote would land in a folder made again under the old name. Exit EXIT_FAILED, nothing more written."""
 
 
 class StageInterrupted(BaseException):
@@ -159,7 +168,10 @@ def now() -> str:
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
-    """Write JSON to `path` so readers see the old file or the new one, never a torn one."""
+    """Write JSON to `path` so readers see the old file or the new one, never a torn one. RunDirGone, before
+    anything is made, when `path` lies in a run directory whose stage lock this process holds and that was deleted
+    or replaced (`check_still_ours`)."""
+    check_still_ours(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -406,8 +418,67 @@ def check_ready(run_dir: RunDir, spec: PipelineSpec, stage: str) -> None:
 LOCK_FILE = ".lock"
 """`<run>/<stage>/.lock`: locked by the process running the stage; it names that process (pid, host, start)."""
 
-_HELD_LOCKS: dict[Path, IO[str]] = {}
-"""The stage locks this process holds, open until it exits (closing a handle would release its lock)."""
+
+@dataclass(frozen=True)
+class _HeldLock:
+    """A stage lock this process holds: the open handle (closing it would release the lock), the run directory as
+    given and as resolved, and the run directory's (st_dev, st_ino) when the lock was taken."""
+
+    handle: IO[str]
+    roots: tuple[Path, ...]
+    root_id: tuple[int, int]
+
+    @property
+    def path(self) -> Path:
+        return Path(self.handle.name)
+
+    def problem(self) -> str | None:
+        """None while the run directory and the lock file are the ones locked; else what was deleted or replaced."""
+        root = self.roots[-1]
+        try:
+            same_root = _identity(os.stat(root)) == self.root_id
+        except OSError:
+            same_root = False
+        if not same_root:
+            return f"run directory {root}"
+        if not still_locked(self.handle, self.path):
+            return f"stage folder {self.path.parent}"
+        return None
+
+
+_HELD_LOCKS: dict[Path, _HeldLock] = {}
+"""The stage locks this process holds, open until it exits."""
+
+
+def _identity(stat: os.stat_result) -> tuple[int, int]:
+    return stat.st_dev, stat.st_ino
+
+
+def still_locked(handle: IO[str], path: Path) -> bool:
+    """Whether `path` still names the file `handle` holds open (and locked): False once it was deleted, or replaced
+    by another file (its folder, or a folder above, deleted or renamed away and made again)."""
+    try:
+        return _identity(os.stat(path)) == _identity(os.fstat(handle.fileno()))
+    except OSError:
+        return False
+
+
+def check_still_ours(path: str | os.PathLike[str] | None = None) -> None:
+    """RunDirGone when a run directory this process holds a stage lock in (the one `path` lies in; every one when
+    `path` is None) was deleted or replaced, or the stage's folder in it, since the lock was taken. Called before
+    the stage writes (records, checkpoint markers, the model, the tracker's files) and at each training step, so a
+    stage never writes into a folder made again under the old name and never records success there. A process
+    that holds no stage lock (a rank other than 0, the local runner) has nothing to check."""
+    target = Path(path).absolute() if path is not None else None
+    for lock_path, held in _HELD_LOCKS.items():
+        if target is not None and not any(target == root or root in target.parents for root in held.roots):
+            continue
+        if (what := held.problem()) is not None:
+            stage = lock_path.parent.name
+            raise RunDirGone(
+                f"[{stage}] the {what} was deleted or replaced while {stage} was running; the stage stopped and "
+                "wrote nothing more (what it wrote before went with the old folder)"
+            )
 
 
 def try_lock(path: Path, holder: str) -> tuple[IO[str] | None, str]:
@@ -444,7 +515,9 @@ def hold_stage_lock(run_dir: RunDir, stage: str) -> Path:
     closes any descriptor of the file, which is why the holder never opens the lock file a second time."""
     path = (run_dir.stage_dir(stage) / LOCK_FILE).resolve()
     if path in _HELD_LOCKS:
-        return path
+        if _HELD_LOCKS[path].problem() is None:
+            return path
+        _HELD_LOCKS.pop(path).handle.close()  # a folder made again under the old name: a new lock, of a new file
     handle, holder = try_lock(path, f"pid {os.getpid()} on {socket.gethostname()} since {now()}")
     if handle is None:
         raise StageBusy(
@@ -452,7 +525,8 @@ def hold_stage_lock(run_dir: RunDir, stage: str) -> Path:
             "stops without writing anything. Wait for that process to end (or stop it: a stopped or killed process "
             "releases the lock at once), then run the stage again: it resumes from what that process left."
         )
-    _HELD_LOCKS[path] = handle
+    root = path.parent.parent
+    _HELD_LOCKS[path] = _HeldLock(handle, (run_dir.root, root), _identity(os.stat(root)))
     return path
 
 
@@ -679,7 +753,9 @@ class StageContext:
     def fail(self, message: str, retryable: bool = False) -> int:
         """Record a failure (interrupted when retryable). Returns the exit code to use.
 
-        Called while handling a full-disk error, the message says so and what to do."""
+        Called while handling a full-disk error, the message says so and what to do. RunDirGone instead when the
+        run directory went away: an error it caused is not the stage's to record (`check_still_ours`)."""
+        check_still_ours(self.dir)
         handling = sys.exc_info()[1]
         if handling is not None and is_disk_full(handling) and "no space left on the disk" not in message:
             explained = disk_full_message(handling, self.dir)
@@ -706,7 +782,9 @@ class StageContext:
     def crash(self, exc: Exception) -> int:
         """Record an error the stage did not expect and return the exit code. A full disk and a GPU out of
         memory are explained without a traceback; anything else keeps its traceback (what a bug report needs),
-        printed and written to `logs/traceback.txt`, and the log ends with one `error:` line that says where."""
+        printed and written to `logs/traceback.txt`, and the log ends with one `error:` line that says where.
+        An error that came of the run directory going away (a file not found mid-save) is RunDirGone instead."""
+        check_still_ours(self.dir)
         summary = writable(f"{type(exc).__name__}: {exc}".strip())
         if is_disk_full(exc):
             return self.fail(summary)

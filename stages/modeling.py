@@ -37,7 +37,7 @@ from typing import Any, Literal
 
 import torch
 
-from stages.contract import RunDir, StageContext, StageRefused, is_main_process
+from stages.contract import RunDir, StageContext, StageRefused, check_still_ours, is_main_process
 from workflows.spec import TRAINING_STAGES, ModelSpec, PipelineSpec, TinyModelConfig, TrainingStage
 
 ModelKind = Literal["full", "adapter"]
@@ -824,6 +824,7 @@ def save_stage_model(
     stage.json's extra. Every rank calls this (FSDP and ZeRO-3 gather the weights); rank 0 writes."""
     section: TrainingStage = spec.stage(stage)  # type: ignore[assignment]
     out = run_dir.stage_dir(stage) / "model"
+    check_still_ours(out)  # rank 0: never into a run directory made again under the old name
     if is_main_process() and out.exists():
         shutil.rmtree(out)
     trainer.accelerator.wait_for_everyone()

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from stages.cleaning import CheckedRow, CleaningCounts, Contamination, Deduplication, check_row
-from stages.contract import canonical_hash, write_json_atomic
+from stages.contract import canonical_hash, check_still_ours, write_json_atomic
 from stages.data import (
     MAPPING_PROBE_ROWS,
     MAX_LISTED_ERRORS,
@@ -260,6 +260,7 @@ class _HashedFile:
     """A temporary file next to its destination, hashed as it is written, renamed into place by `commit`."""
 
     def __init__(self, path: Path) -> None:
+        check_still_ours(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")

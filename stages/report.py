@@ -23,7 +23,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from stages.contract import RunDir, mask_secrets_in
+from stages.contract import RunDir, check_still_ours, mask_secrets_in
 from workflows.spec import TRAINING_STAGES, PipelineSpec
 
 STDERR_SUFFIX = "_stderr"
@@ -284,6 +284,7 @@ def write_report(out_dir: Path, facts: dict[str, Any]) -> list[Path]:
     the files written. Secret values and credential shapes in any text (an error message holding a tracking URI, a
     generation repeating a token) are masked."""
     facts = mask_secrets_in(facts)
+    check_still_ours(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     columns = {"base": facts["base"], "champion": facts["champion"], "candidate": facts["candidate"]}
     if not facts["champion"]:

@@ -75,6 +75,7 @@ from stages.contract import (
     StageContext,
     StageInterrupted,
     StageResult,
+    check_still_ours,
     holds_stage_lock,
     is_main_process,
     mask_secrets,
@@ -344,6 +345,7 @@ class Journal:
         flushed and synced before returning."""
         if not records:
             return
+        check_still_ours(self.path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a+b") as f:
             size = os.fstat(f.fileno()).st_size
@@ -1346,6 +1348,7 @@ class StageTracker:
         new one). Not synced: the MLflow run's history covers a lost node."""
         path = self.ctx.logs_dir / STEPS_FILE
         tmp = path.with_name(f".{path.name}.tmp")
+        check_still_ours(path)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp.write_text(json.dumps({**self._steps_identity(), "steps": self.logged}), encoding="utf-8")

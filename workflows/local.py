@@ -26,7 +26,9 @@ directory whose completed stages (or checkpoints) were made with another config 
 refuses before writing anything; use a new run directory, or --force, with which the training stages start over
 and their old checkpoints are moved aside). Values of secret-looking environment variables are masked in the stage
 logs. Each stage also holds its own lock (`stages.contract.hold_stage_lock`), so a stage started by hand next to a
-runner is refused too.
+runner is refused too. A run directory deleted or replaced while the runner holds it (its `.runner.lock` no longer
+the file it locked) fails the run with one `error:` line, exit 1: noticed when a stage ends and before the next one
+starts, so no stage is reported done and none starts in a folder made again under the old name.
 
 The runner never leaves a stage running without it. SIGTERM (`timeout`, a CI cancel) or Ctrl-C to the runner is
 passed on to the stage's process group, which saves a checkpoint (training stages) and exits with 75; the runner
@@ -84,6 +86,7 @@ from stages.contract import (
     mask_secrets,
     now,
     secret_values,
+    still_locked,
     try_lock,
 )
 from stages.evaluate import GATE_PASS
@@ -185,6 +188,17 @@ def lock_run_dir(run_root: Path) -> Any:
             "or use another --run-dir"
         )
     return handle
+
+
+def run_dir_gone(run_root: Path, lock: Any, stage: str) -> str | None:
+    """What to say when the run directory whose `.runner.lock` the runner holds (`lock`) was deleted or replaced
+    (while `stage` ran, or before it started); None while it is the one locked."""
+    if still_locked(lock, run_root / ".runner.lock"):
+        return None
+    return (
+        f"run directory {run_root} was deleted or replaced while {stage} was running; the run stopped and wrote "
+        "nothing more"
+    )
 
 
 def local_tracking_uri(run_root: Path) -> str:
@@ -556,7 +570,7 @@ def run_local(
         return EXIT_USAGE
     try:
         with interrupts_raise():
-            return _run_locked(loaded, run_root, force, console, resume, fail_on_gate=fail_on_gate)
+            return _run_locked(loaded, run_root, lock, force, console, resume, fail_on_gate=fail_on_gate)
     except (StageInterrupted, KeyboardInterrupt) as exc:  # between stages: no stage to stop
         name = signal.Signals(interrupt_signal(exc)).name
         console.print(Text(f"{name}: the run stopped between stages", style="bold red"), soft_wrap=True)
@@ -568,6 +582,7 @@ def run_local(
 def _run_locked(
     loaded: LoadedPipeline,
     run_root: Path,
+    lock: Any,
     force: bool,
     console: Console,
     resume: list[str] | None = None,
@@ -606,6 +621,7 @@ def _run_locked(
 
     exit_code = 0
     failed: StageRun | None = None
+    gone = ""  # the run directory was deleted or replaced: what the error line says
     skip_reason = ""
     gate_reason = ""
     live = Live(render(spec, run_root, runs), console=console, refresh_per_second=4, transient=True)
@@ -622,6 +638,11 @@ def _run_locked(
                 continue
             if not stage_module_exists(run.name):
                 run.status, run.message = "missing", f"stages/{run.name}.py does not exist yet"
+                failed, exit_code = run, 1
+                continue
+            gone = run_dir_gone(run_root, lock, run.name) or ""  # before the stage writes its log there
+            if gone:
+                run.status, run.message = "not run", "the run directory is gone"
                 failed, exit_code = run, 1
                 continue
             before = read_stage_json(run_root, run.name)
@@ -649,7 +670,7 @@ def _run_locked(
                 # The stage got the signal and has exited (run_stage waited): its record says how it ended, or,
                 # killed before it could say so, the runner does.
                 name = signal.Signals(interrupt_signal(exc)).name
-                if run.returncode is not None and run.returncode < 0:
+                if run.returncode is not None and run.returncode < 0 and not run_dir_gone(run_root, lock, run.name):
                     killed = f"killed by the runner after {name} (it did not stop in time); running it again resumes"
                     record_interrupted(run_root, run.name, killed)
                 run.ended, run.status = time.monotonic(), "interrupted"
@@ -665,6 +686,13 @@ def _run_locked(
                     console.print(f"{run.name}: interrupted ({run.elapsed}): {run.message}", markup=False)
                 continue
             run.ended = time.monotonic()
+            gone = run_dir_gone(run_root, lock, run.name) or ""  # whatever the stage said, it is no success
+            if gone:
+                run.status, run.message = "failed", "its run directory was deleted or replaced"
+                failed, exit_code = run, 1
+                if not console.is_terminal:
+                    console.print(f"{run.name}: failed ({run.elapsed})", markup=False)
+                continue
             result = read_stage_json(run_root, run.name)
             status = (result or {}).get("status")
             if run.returncode == 0 and status in ("succeeded", "skipped"):
@@ -690,6 +718,9 @@ def _run_locked(
     console.print(render(spec, run_root, runs, live=False))
     if failed is None and spec.retention.enabled:
         exit_code = run_retention(spec, run_root, console)
+    if gone:  # no resume command, no tracking hints: the run directory they would name is not this run's
+        console.print(Text(f"error: {gone}", style="bold red"), soft_wrap=True)
+        return exit_code
     if failed is not None:
         if failed.tail:
             log_path = run_root / failed.name / "logs" / "stage.log"
