@@ -53,6 +53,7 @@ from workflows.pytorchjob import (
     stage_image,
     volumes,
 )
+from workflows.sizing import PodSize, pod_size
 from workflows.spec import (
     MAX_PIPELINE_NAME_LENGTH,
     TRAINING_STAGES,
@@ -140,6 +141,11 @@ WAIT_FINAL_MESSAGES = ("failure condition", "deadline", "not found", "has been d
 matched), the step's timeout, the job gone. Anything else (the wait pod deleted, evicted or lost with its node) is
 retried: the wait only reads the job, so a retry watches the same job on."""
 WAIT_RETRY_EXPRESSION = " && ".join(f'!(lastRetry.message contains "{m}")' for m in WAIT_FINAL_MESSAGES)
+
+CONTROL_STEP_SIZE = PodSize(cpu="100m", memory="256Mi")
+"""Steps that make a few API calls or read a few files (cleanup, notify, switches)."""
+SERVE_SIZE = PodSize(cpu="250m", memory="512Mi")
+"""The serve step: API calls, and smoke checks over HTTP."""
 
 EXECUTOR_CONTAINERS = {"initContainers": "init", "containers": "wait"}
 """Argo's own containers in a container step's pod (emissary executor, the default pod layout)."""
@@ -253,7 +259,7 @@ def _container_template(
         command=command,
         env=[m.EnvVar.model_validate(e) for e in env],
         resources=m.ResourceRequirements.model_validate(
-            resource_requirements(res.cpu, res.memory, res.gpus_per_node, res.ephemeral_storage)
+            resource_requirements(pod_size(spec, name, res), res.gpus_per_node)
         ),
         volume_mounts=[m.VolumeMount.model_validate(v) for v in mounts],
         volumes=[m.Volume.model_validate(v) for v in vols],
@@ -551,7 +557,7 @@ def serve_template(spec: PipelineSpec, rundir: str) -> Container:
         command=["python", "-m", "workflows.rollout", "--run-dir", rundir],
         env=env,
         **_read_only_run_dirs(spec),
-        resources=m.ResourceRequirements.model_validate(resource_requirements("250m", "512Mi", 0)),
+        resources=m.ResourceRequirements.model_validate(resource_requirements(SERVE_SIZE)),
         security_context=m.SecurityContext.model_validate(container_security_context()),
         labels={PIPELINE_LABEL: spec.name, STAGE_LABEL: "serve"},
         synchronization=m.Synchronization(
@@ -582,7 +588,7 @@ def cleanup_template(spec: PipelineSpec, stage: str | None = None) -> Container:
         env=[m.EnvVar(name="HOME", value=WRITABLE_ENV["HOME"])],
         volumes=[m.Volume(name=SCRATCH_VOLUME, empty_dir=m.EmptyDirVolumeSource())],
         volume_mounts=[m.VolumeMount(name=SCRATCH_VOLUME, mount_path=SCRATCH_DIR)],
-        resources=m.ResourceRequirements.model_validate(resource_requirements("100m", "256Mi", 0)),
+        resources=m.ResourceRequirements.model_validate(resource_requirements(CONTROL_STEP_SIZE)),
         security_context=m.SecurityContext.model_validate(container_security_context()),
         active_deadline_seconds=CLEANUP_POLICY.active_deadline_seconds,
         retry_strategy=m.RetryStrategy(
@@ -648,7 +654,7 @@ def notify_template(spec: PipelineSpec, rundir: str) -> Container:
                 value_from=m.EnvVarSource(secret_key_ref=m.SecretKeySelector(name=ref.name, key=ref.key)),
             ),
         ],
-        resources=m.ResourceRequirements.model_validate(resource_requirements("100m", "256Mi", 0)),
+        resources=m.ResourceRequirements.model_validate(resource_requirements(CONTROL_STEP_SIZE)),
         security_context=m.SecurityContext.model_validate(container_security_context()),
         inputs=inputs,
         active_deadline_seconds=NOTIFY_POLICY.active_deadline_seconds,
@@ -877,7 +883,7 @@ def switches_template(spec: PipelineSpec) -> Container:
         env=[m.EnvVar(name="HOME", value=WRITABLE_ENV["HOME"])],
         volumes=[m.Volume(name=SCRATCH_VOLUME, empty_dir=m.EmptyDirVolumeSource())],
         volume_mounts=[m.VolumeMount(name=SCRATCH_VOLUME, mount_path=SCRATCH_DIR)],
-        resources=m.ResourceRequirements.model_validate(resource_requirements("100m", "256Mi", 0)),
+        resources=m.ResourceRequirements.model_validate(resource_requirements(CONTROL_STEP_SIZE)),
         security_context=m.SecurityContext.model_validate(container_security_context()),
         inputs=[
             RawArtifact(name=f"run-{n}", path=f"{PARAMS_DIR}/run-{n}", data=f"{{{{workflow.parameters.run-{n}}}}}")

@@ -741,13 +741,27 @@ class Resources(StrictModel):
         description="Training stages: RDMA devices per pod for NCCL between nodes (InfiniBand or RoCE), the "
         "IPC_LOCK capability they need, and NCCL's IB settings. None: NCCL over TCP.",
     )
-    cpu: Quantity | None = Field(None, description="CPU request and limit per pod.")
-    memory: Quantity | None = Field(None, description="Memory request and limit per pod.")
+    cpu: Quantity | None = Field(
+        None,
+        description="CPU request and limit per pod. None: derived from the stage (training: 8 per GPU, evaluate "
+        "and deploy: 4 per GPU, at least 4; prepare: 4).",
+    )
+    memory: Quantity | None = Field(
+        None,
+        description="Memory request and limit per pod, /dev/shm included. None: derived from the model's size "
+        "(its weights in model.dtype: once per GPU plus 16Gi for training, plus offloaded optimizer state with "
+        "distributed.cpu_offload; 1.5 times plus 8Gi for evaluate; 2.5 times plus 8Gi for deploy, which merges an "
+        "adapter and loads the result again; 16Gi for prepare) and shm_size.",
+    )
     shm_size: Quantity | None = Field(
         "16Gi",
         description="Size of the memory-backed /dev/shm (NCCL and dataloader workers need it); None: none.",
     )
-    ephemeral_storage: Quantity | None = Field(None, description="Ephemeral storage request per pod.")
+    ephemeral_storage: Quantity | None = Field(
+        None,
+        description="Ephemeral storage (the pod's /tmp and caches) request and limit per pod. None: none, except "
+        "deploy, whose model MLflow stages in /tmp: the weights plus 10Gi.",
+    )
     node_selector: Labels = Field(default_factory=dict, description="Node labels the pods must match.")
     tolerations: list[Toleration] = Field(default_factory=list, description="Taints the pods tolerate.")
     affinity: dict[str, Any] | None = Field(
