@@ -82,6 +82,17 @@ RETENTION = "retention"
 CLEANUP = "cleanup"
 SWITCHES = "switches"
 
+MAX_RENDERED_SECONDS = 100 * 365 * 24 * 3600
+"""The longest deadline or timeout the compiler writes (a hundred years): Argo reads them into Go durations (int64
+nanoseconds, about 292 years), and the worst cases it adds up from the spec's (each at most ten years) could pass
+that."""
+
+
+def capped_seconds(seconds: float) -> int:
+    """Whole seconds, at most MAX_RENDERED_SECONDS."""
+    return min(math.ceil(seconds), MAX_RENDERED_SECONDS)
+
+
 # Slack of the template-level deadline over the job's own deadline: the operator is the detector.
 DEADLINE_BACKSTOP_SECONDS = 3600
 
@@ -442,7 +453,7 @@ def hpo_templates(spec: PipelineSpec, stage_name: str, run_name: str = RUN_DIR) 
             expression=WAIT_RETRY_EXPRESSION,
             backoff=m.Backoff(duration=WAIT_RETRY_BACKOFF, factor="2", cap=RETRY_BACKOFF_CAP),
         ),
-        timeout=f"{math.ceil(search_wait_seconds(stage))}s",
+        timeout=f"{capped_seconds(search_wait_seconds(stage))}s",
         **_job_creator_identity(spec),
     )
     # The best trial reaches the select step as a file (never on a command line), like the form's values.
@@ -549,7 +560,7 @@ def serve_template(spec: PipelineSpec, rundir: str) -> Container:
             for name, ref in secrets.items()
         ),
     ]
-    deadline = serve_deadline_seconds(spec)
+    deadline = capped_seconds(serve_deadline_seconds(spec))
     return Container(
         name="serve",
         image=cluster.image,
@@ -784,7 +795,7 @@ def workflow_deadline(spec: PipelineSpec) -> int:
         total += worst_case_seconds(RETENTION_POLICY, RETENTION_POLICY.active_deadline_seconds)
     if spec.notifications.slack:
         total += worst_case_seconds(NOTIFY_POLICY, NOTIFY_POLICY.active_deadline_seconds)
-    return math.ceil(total)
+    return capped_seconds(total)
 
 
 def variants_deadline(spec: PipelineSpec) -> int:
@@ -797,7 +808,9 @@ def variants_deadline(spec: PipelineSpec) -> int:
     chains = [workflow_deadline(vspec) for vspec in variant_specs(spec).values()]
     parallelism = spec.workflow.parallelism
     switches = worst_case_seconds(SWITCHES_POLICY, SWITCHES_POLICY.active_deadline_seconds)
-    return math.ceil(switches) + (max(chains) if parallelism is None or parallelism >= len(chains) else sum(chains))
+    return capped_seconds(
+        math.ceil(switches) + (max(chains) if parallelism is None or parallelism >= len(chains) else sum(chains))
+    )
 
 
 def _labels(spec: PipelineSpec) -> dict[str, str]:

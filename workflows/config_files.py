@@ -7,11 +7,10 @@ An unreadable or malformed file is a SpecError naming the pipeline line (or `--s
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from workflows.loading import Origins, SpecError, load_yaml
+from workflows.loading import Origins, SpecError, load_json, load_yaml
 
 CONFIG_FILE_FIELDS: dict[str, str] = {"deepspeed_config": "json", "accelerate_config": "yaml"}
 """Fields of a stage's `distributed` section that may name a file: field → the file's format."""
@@ -24,13 +23,7 @@ def _read(path: Path, kind: str, where: str) -> dict[str, Any]:
         raise SpecError(f"{where}: {path} does not exist") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise SpecError(f"{where}: cannot read {path}: {exc}") from None
-    if kind == "json":
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise SpecError(f"{where}: {path}:{exc.lineno}: not valid JSON: {exc.msg}") from None
-    else:
-        value = load_yaml(text, str(path))
+    value = load_json(text, f"{where}: {path}") if kind == "json" else load_yaml(text, str(path))
     if not isinstance(value, dict):
         raise SpecError(f"{where}: {path} must hold a mapping of settings, not {type(value).__name__}")
     return value
