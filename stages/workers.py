@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
+from workflows.sizing import pod_size
 from workflows.spec import PipelineSpec
 
 T = TypeVar("T")
@@ -49,13 +50,13 @@ def cpu_quantity(value: str | None) -> float | None:
 
 
 def default_num_proc(spec: PipelineSpec, in_cluster: bool) -> int:
-    """stages.prepare.num_proc, else the prepare pod's CPU request (rounded down) in the cluster, else the
-    machine's usable CPUs; never more than the CPUs this process may use."""
+    """stages.prepare.num_proc, else the prepare pod's CPU request (rounded down; the spec's or the derived one) in
+    the cluster, else the machine's usable CPUs; never more than the CPUs this process may use."""
     section = spec.stages.prepare
     if section.num_proc is not None:
         wanted = section.num_proc
     else:
-        cores = cpu_quantity(section.resources.cpu) if in_cluster else None
+        cores = cpu_quantity(pod_size(spec, "prepare").cpu) if in_cluster else None
         wanted = math.floor(cores) if cores is not None else usable_cpus()
     return max(1, min(wanted, usable_cpus()))
 

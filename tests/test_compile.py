@@ -11,7 +11,7 @@ import yaml
 from workflows.compile import WAIT_RETRY_EXPRESSION, compile_pipeline, duration_seconds, template_name
 from workflows.loading import load_pipeline
 from workflows.pytorchjob import FAILURE_CONDITION, SUCCESS_CONDITION
-from workflows.spec import MAX_PIPELINE_NAME_LENGTH, RunPolicy
+from workflows.spec import MAX_DURATION_SECONDS, MAX_PIPELINE_NAME_LENGTH, RunPolicy
 
 
 def _template(name: str = "korean-llm", overrides: tuple[str, ...] = ()) -> dict:
@@ -710,3 +710,20 @@ def test_job_kind_trainjob_changes_only_the_training_job_templates() -> None:
         )
     for name in cleanups:
         assert after[name]["container"]["command"] == [*before[name]["container"]["command"], "--kind", "trainjob"]
+
+
+def test_the_longest_durations_the_spec_allows_render_as_go_durations() -> None:
+    """Argo reads deadlines and timeouts into Go durations (int64 nanoseconds): the worst cases the compiler adds
+    up from the longest deadlines and the most retries stay below that."""
+    longest = [
+        f"stages.{stage}.run_policy.{field}={value}"
+        for stage in ("prepare", "cpt", "sft", "rlhf", "evaluate", "deploy")
+        for field, value in (("active_deadline_seconds", MAX_DURATION_SECONDS), ("retries", 20))
+    ]
+    longest.append(f"stages.deploy.serving.smoke_check.ready_timeout_seconds={MAX_DURATION_SECONDS}")
+    doc = _template(overrides=tuple(longest))
+    go_duration_seconds = (2**63 - 1) // 10**9
+    assert 0 < doc["spec"]["activeDeadlineSeconds"] <= go_duration_seconds
+    for template in doc["spec"]["templates"]:
+        assert int(template.get("activeDeadlineSeconds", 0)) <= go_duration_seconds
+        assert int(str(template.get("timeout", "0s")).removesuffix("s")) <= go_duration_seconds

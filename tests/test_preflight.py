@@ -279,6 +279,11 @@ MISSING = {
         "gpu nodes: cpt",
         "lower stages.cpt.resources.gpus_per_node to 4",
     ),
+    "too-little-memory": (
+        _nodes(lambda items: [n["status"]["allocatable"].update({"memory": "512Gi"}) for n in items]),
+        "gpu nodes: cpt",
+        "set stages.cpt.resources.cpu/memory to what the nodes allocate",
+    ),
     "too-few-nodes": (
         _nodes(lambda items: items.pop(0)),
         "gpu nodes: cpt",

@@ -9,16 +9,25 @@ Each refusal names the place to fix: the file and line (or the --set / form line
 
 from __future__ import annotations
 
+import math
 import re
 import textwrap
+import types
+import typing
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from annotated_types import Ge, Gt, Le, Lt
+from pydantic import AfterValidator, TypeAdapter, ValidationError
+from pydantic.fields import FieldInfo
 from test_parameters import _params_dir
 
 from workflows import parameters as params
 from workflows.loading import MAX_EXPANDED_NODES, SpecError, load_pipeline
 from workflows.model_shapes import AttentionShape, known_shape, tensor_parallel_problem
+from workflows.reference import _models
+from workflows.spec import IntegerRange, PipelineSpec, out_of_int64
 
 PIPELINE = textwrap.dedent(
     """\
@@ -348,3 +357,114 @@ def test_a_trainjob_refuses_what_only_its_runtime_can_say() -> None:
     # The same settings are a PyTorchJob's to carry.
     spec = load_pipeline("korean-llm", overrides=["stages.sft.resources.priority_class=training-high"]).spec
     assert spec.stages.sft.resources.priority_class == "training-high"
+
+
+# --------------------------------------------------------------------------- integer bounds
+
+
+def _integer_bounds(annotation: object, inherited: tuple = ()) -> Iterator[tuple[float, float]]:
+    """(lowest, highest) allowed for each integer inside a field's annotation (through Optional, unions, lists,
+    mappings and Annotated), from the constraints on the way to it."""
+    if typing.get_origin(annotation) is typing.Annotated:
+        base, *extra = typing.get_args(annotation)
+        found = list(inherited)
+        for item in extra:
+            if isinstance(item, AfterValidator) and isinstance(item.func, IntegerRange):
+                found += [Ge(item.func.low), Le(item.func.high)]
+            else:
+                found += getattr(item, "metadata", [item])
+        yield from _integer_bounds(base, tuple(found))
+        return
+    if annotation is int:
+        low = max([c.ge for c in inherited if isinstance(c, Ge)] + [c.gt + 1 for c in inherited if isinstance(c, Gt)],
+                  default=-math.inf)  # fmt: skip
+        high = min([c.le for c in inherited if isinstance(c, Le)] + [c.lt - 1 for c in inherited if isinstance(c, Lt)],
+                   default=math.inf)  # fmt: skip
+        yield low, high
+        return
+    unions = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    for arg in typing.get_args(annotation):
+        yield from _integer_bounds(arg, inherited if unions else ())
+
+
+def _annotated(info: FieldInfo) -> object:
+    """A field's annotation with its own constraints (pydantic keeps them apart)."""
+    return typing.Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation
+
+
+INTEGER_FIELDS = [
+    (model, name, bounds)
+    for model in _models(PipelineSpec)
+    for name, info in model.model_fields.items()
+    for bounds in _integer_bounds(_annotated(info))
+]
+
+INT32_FIELDS = {
+    # What the cluster reads as int32 (PyTorchJob runPolicy, Argo's ttlStrategy and CronWorkflow history limits,
+    # Katib's trial counts, KServe's and Knative's replicas and scale target).
+    ("RunPolicy", "backoff_limit"),
+    ("RunPolicy", "ttl_seconds_after_finished"),
+    ("WorkflowSpec", "ttl_seconds_after_success"),
+    ("WorkflowSpec", "ttl_seconds_after_failure"),
+    ("ScheduleSpec", "successful_history"),
+    ("ScheduleSpec", "failed_history"),
+    ("HpoSpec", "max_trials"),
+    ("HpoSpec", "parallel_trials"),
+    ("HpoSpec", "max_failed_trials"),
+    ("ServingSpec", "min_replicas"),
+    ("ServingSpec", "max_replicas"),
+    ("AutoscalingSpec", "target"),
+    ("Resources", "nodes"),
+    ("Resources", "gpus_per_node"),
+    ("ClusterSpec", "metrics_port"),
+}
+
+
+def test_every_integer_field_is_bounded_within_64_bits() -> None:
+    assert len(INTEGER_FIELDS) > 50  # the walk reaches the nested models and the integers inside lists and unions
+    unbounded = [
+        f"{model.__name__}.{name}: {low}..{high}"
+        for model, name, (low, high) in INTEGER_FIELDS
+        if not -(2**63) <= low <= high <= 2**63 - 1
+    ]
+    assert unbounded == []
+    fields = {(model.__name__, name): high for model, name, (_, high) in INTEGER_FIELDS}
+    assert set(fields) >= INT32_FIELDS
+    assert [f for f in INT32_FIELDS if fields[f] > 2**31 - 1] == []
+
+
+@pytest.mark.parametrize("field", sorted({(m.__name__, n) for m, n, _ in INTEGER_FIELDS}), ids=".".join)
+def test_each_integer_field_refuses_a_value_beyond_its_bound(field: tuple[str, str]) -> None:
+    model = next(m for m in _models(PipelineSpec) if m.__name__ == field[0])
+    info = model.model_fields[field[1]]
+    adapter = TypeAdapter(_annotated(info))
+    origin = typing.get_origin(info.annotation)
+    for value in (2**63, -(2**63) - 1):
+        wrapped = [value] if origin is list else {"k": value} if origin is dict else value
+        try:
+            accepted = adapter.validate_python(wrapped)
+        except ValidationError:
+            continue
+        # A field that also takes floats reads it as one (extra_args); the spec's own check refuses the integer.
+        assert out_of_int64(accepted) is None, f"{field} kept {value}"
+
+
+@pytest.mark.parametrize(
+    ("override", "says"),
+    [
+        ("stages.sft.run_policy.active_deadline_seconds=100000000000000000000", "64-bit"),
+        ("stages.sft.run_policy.active_deadline_seconds=400000000", "outside 0..315360000, at most ten years"),
+        ("stages.deploy.serving.max_replicas=2147483648", "outside -2147483648..2147483647, the range of an int32"),
+        ("stages.sft.run_policy.backoff_limit=2147483648", "outside -2147483648..2147483647, the range of an int32"),
+        ("stages.sft.resources.nodes=513", "less than or equal to 512"),  # a field's own bound stays the tighter
+        ("stages.sft.run_policy.termination_grace_period_seconds=5", "greater than or equal to 30"),
+        ("stages.sft.distributed.deepspeed_config={train_batch_size: 100000000000000000000}", "64-bit"),
+        ("stages.sft.training.extra_args={warmup_steps: -100000000000000000000}", "64-bit"),
+    ],
+)
+def test_integers_beyond_what_the_cluster_reads_are_refused_at_load(override: str, says: str) -> None:
+    with pytest.raises(SpecError) as exc:
+        load_pipeline("llama3-dolly", overrides=[override])
+    path = override.split("=")[0]
+    assert f"--set: {path}" in str(exc.value) and says in str(exc.value)
+    assert "\n" not in str(exc.value)

@@ -53,6 +53,7 @@ from workflows.pytorchjob import (
     stage_image,
     volumes,
 )
+from workflows.sizing import PodSize, pod_size
 from workflows.spec import (
     MAX_PIPELINE_NAME_LENGTH,
     TRAINING_STAGES,
@@ -80,6 +81,17 @@ EXIT_HANDLER = "exit-handler"
 RETENTION = "retention"
 CLEANUP = "cleanup"
 SWITCHES = "switches"
+
+MAX_RENDERED_SECONDS = 100 * 365 * 24 * 3600
+"""The longest deadline or timeout the compiler writes (a hundred years): Argo reads them into Go durations (int64
+nanoseconds, about 292 years), and the worst cases it adds up from the spec's (each at most ten years) could pass
+that."""
+
+
+def capped_seconds(seconds: float) -> int:
+    """Whole seconds, at most MAX_RENDERED_SECONDS."""
+    return min(math.ceil(seconds), MAX_RENDERED_SECONDS)
+
 
 # Slack of the template-level deadline over the job's own deadline: the operator is the detector.
 DEADLINE_BACKSTOP_SECONDS = 3600
@@ -140,6 +152,11 @@ WAIT_FINAL_MESSAGES = ("failure condition", "deadline", "not found", "has been d
 matched), the step's timeout, the job gone. Anything else (the wait pod deleted, evicted or lost with its node) is
 retried: the wait only reads the job, so a retry watches the same job on."""
 WAIT_RETRY_EXPRESSION = " && ".join(f'!(lastRetry.message contains "{m}")' for m in WAIT_FINAL_MESSAGES)
+
+CONTROL_STEP_SIZE = PodSize(cpu="100m", memory="256Mi")
+"""Steps that make a few API calls or read a few files (cleanup, notify, switches)."""
+SERVE_SIZE = PodSize(cpu="250m", memory="512Mi")
+"""The serve step: API calls, and smoke checks over HTTP."""
 
 EXECUTOR_CONTAINERS = {"initContainers": "init", "containers": "wait"}
 """Argo's own containers in a container step's pod (emissary executor, the default pod layout)."""
@@ -253,7 +270,7 @@ def _container_template(
         command=command,
         env=[m.EnvVar.model_validate(e) for e in env],
         resources=m.ResourceRequirements.model_validate(
-            resource_requirements(res.cpu, res.memory, res.gpus_per_node, res.ephemeral_storage)
+            resource_requirements(pod_size(spec, name, res), res.gpus_per_node)
         ),
         volume_mounts=[m.VolumeMount.model_validate(v) for v in mounts],
         volumes=[m.Volume.model_validate(v) for v in vols],
@@ -436,7 +453,7 @@ def hpo_templates(spec: PipelineSpec, stage_name: str, run_name: str = RUN_DIR) 
             expression=WAIT_RETRY_EXPRESSION,
             backoff=m.Backoff(duration=WAIT_RETRY_BACKOFF, factor="2", cap=RETRY_BACKOFF_CAP),
         ),
-        timeout=f"{math.ceil(search_wait_seconds(stage))}s",
+        timeout=f"{capped_seconds(search_wait_seconds(stage))}s",
         **_job_creator_identity(spec),
     )
     # The best trial reaches the select step as a file (never on a command line), like the form's values.
@@ -543,7 +560,7 @@ def serve_template(spec: PipelineSpec, rundir: str) -> Container:
             for name, ref in secrets.items()
         ),
     ]
-    deadline = serve_deadline_seconds(spec)
+    deadline = capped_seconds(serve_deadline_seconds(spec))
     return Container(
         name="serve",
         image=cluster.image,
@@ -551,7 +568,7 @@ def serve_template(spec: PipelineSpec, rundir: str) -> Container:
         command=["python", "-m", "workflows.rollout", "--run-dir", rundir],
         env=env,
         **_read_only_run_dirs(spec),
-        resources=m.ResourceRequirements.model_validate(resource_requirements("250m", "512Mi", 0)),
+        resources=m.ResourceRequirements.model_validate(resource_requirements(SERVE_SIZE)),
         security_context=m.SecurityContext.model_validate(container_security_context()),
         labels={PIPELINE_LABEL: spec.name, STAGE_LABEL: "serve"},
         synchronization=m.Synchronization(
@@ -582,7 +599,7 @@ def cleanup_template(spec: PipelineSpec, stage: str | None = None) -> Container:
         env=[m.EnvVar(name="HOME", value=WRITABLE_ENV["HOME"])],
         volumes=[m.Volume(name=SCRATCH_VOLUME, empty_dir=m.EmptyDirVolumeSource())],
         volume_mounts=[m.VolumeMount(name=SCRATCH_VOLUME, mount_path=SCRATCH_DIR)],
-        resources=m.ResourceRequirements.model_validate(resource_requirements("100m", "256Mi", 0)),
+        resources=m.ResourceRequirements.model_validate(resource_requirements(CONTROL_STEP_SIZE)),
         security_context=m.SecurityContext.model_validate(container_security_context()),
         active_deadline_seconds=CLEANUP_POLICY.active_deadline_seconds,
         retry_strategy=m.RetryStrategy(
@@ -648,7 +665,7 @@ def notify_template(spec: PipelineSpec, rundir: str) -> Container:
                 value_from=m.EnvVarSource(secret_key_ref=m.SecretKeySelector(name=ref.name, key=ref.key)),
             ),
         ],
-        resources=m.ResourceRequirements.model_validate(resource_requirements("100m", "256Mi", 0)),
+        resources=m.ResourceRequirements.model_validate(resource_requirements(CONTROL_STEP_SIZE)),
         security_context=m.SecurityContext.model_validate(container_security_context()),
         inputs=inputs,
         active_deadline_seconds=NOTIFY_POLICY.active_deadline_seconds,
@@ -778,7 +795,7 @@ def workflow_deadline(spec: PipelineSpec) -> int:
         total += worst_case_seconds(RETENTION_POLICY, RETENTION_POLICY.active_deadline_seconds)
     if spec.notifications.slack:
         total += worst_case_seconds(NOTIFY_POLICY, NOTIFY_POLICY.active_deadline_seconds)
-    return math.ceil(total)
+    return capped_seconds(total)
 
 
 def variants_deadline(spec: PipelineSpec) -> int:
@@ -791,7 +808,9 @@ def variants_deadline(spec: PipelineSpec) -> int:
     chains = [workflow_deadline(vspec) for vspec in variant_specs(spec).values()]
     parallelism = spec.workflow.parallelism
     switches = worst_case_seconds(SWITCHES_POLICY, SWITCHES_POLICY.active_deadline_seconds)
-    return math.ceil(switches) + (max(chains) if parallelism is None or parallelism >= len(chains) else sum(chains))
+    return capped_seconds(
+        math.ceil(switches) + (max(chains) if parallelism is None or parallelism >= len(chains) else sum(chains))
+    )
 
 
 def _labels(spec: PipelineSpec) -> dict[str, str]:
@@ -877,7 +896,7 @@ def switches_template(spec: PipelineSpec) -> Container:
         env=[m.EnvVar(name="HOME", value=WRITABLE_ENV["HOME"])],
         volumes=[m.Volume(name=SCRATCH_VOLUME, empty_dir=m.EmptyDirVolumeSource())],
         volume_mounts=[m.VolumeMount(name=SCRATCH_VOLUME, mount_path=SCRATCH_DIR)],
-        resources=m.ResourceRequirements.model_validate(resource_requirements("100m", "256Mi", 0)),
+        resources=m.ResourceRequirements.model_validate(resource_requirements(CONTROL_STEP_SIZE)),
         security_context=m.SecurityContext.model_validate(container_security_context()),
         inputs=[
             RawArtifact(name=f"run-{n}", path=f"{PARAMS_DIR}/run-{n}", data=f"{{{{workflow.parameters.run-{n}}}}}")

@@ -7,26 +7,14 @@ An unreadable or malformed file is a SpecError naming the pipeline line (or `--s
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from workflows.loading import Origins, SpecError, load_yaml
+from workflows.loading import Origins, SpecError, load_json, load_yaml
 from workflows.quoting import quoted
 
 CONFIG_FILE_FIELDS: dict[str, str] = {"deepspeed_config": "json", "accelerate_config": "yaml"}
 """Fields of a stage's `distributed` section that may name a file: field → the file's format."""
-
-
-class _KeyTwice(ValueError):
-    """A JSON object that gives one key twice (json.loads would keep the last; the YAML loader refuses it too)."""
-
-
-def _keys_once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    value = dict(pairs)
-    if len(value) != len(pairs):
-        raise _KeyTwice(next(k for i, (k, _) in enumerate(pairs) if any(k == j for j, _ in pairs[:i])))
-    return value
 
 
 def _read(path: Path, kind: str, where: str) -> dict[str, Any]:
@@ -36,15 +24,7 @@ def _read(path: Path, kind: str, where: str) -> dict[str, Any]:
         raise SpecError(f"{where}: {path} does not exist") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise SpecError(f"{where}: cannot read {path}: {exc}") from None
-    if kind == "json":
-        try:
-            value = json.loads(text, object_pairs_hook=_keys_once)
-        except json.JSONDecodeError as exc:
-            raise SpecError(f"{where}: {quoted(path)}:{exc.lineno}: not valid JSON: {exc.msg}") from None
-        except _KeyTwice as exc:
-            raise SpecError(f"{where}: {quoted(path)}: key {exc.args[0]!r} is given twice in one object") from None
-    else:
-        value = load_yaml(text, str(path))
+    value = load_json(text, f"{where}: {quoted(path)}") if kind == "json" else load_yaml(text, str(path))
     if not isinstance(value, dict):
         raise SpecError(f"{where}: {path} must hold a mapping of settings, not {type(value).__name__}")
     return value

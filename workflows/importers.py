@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from workflows.loading import SpecError, load_pipeline, load_yaml
+from workflows.loading import SpecError, load_json, load_pipeline, load_yaml
 from workflows.spec import KNOWN_CHAT_TEMPLATES
 
 EXIT_USAGE = 2
@@ -131,8 +131,8 @@ def _deepspeed(imported: Imported, section: str, value: str, recipe_dir: Path, o
         imported.skip("deepspeed", value, f"{path} does not exist here; set stages.{section}.distributed by hand")
         return
     try:
-        stage = (json.loads(path.read_text(encoding="utf-8")).get("zero_optimization") or {}).get("stage")
-    except (ValueError, AttributeError):
+        stage = (load_json(path.read_text(encoding="utf-8"), str(path)).get("zero_optimization") or {}).get("stage")
+    except (SpecError, ValueError, AttributeError):
         imported.skip("deepspeed", value, f"{path} is not a DeepSpeed JSON config")
         return
     if stage not in (2, 3):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import difflib
 import json
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -36,6 +37,11 @@ resolve_document); without it a profile never swaps a user's data."""
 MAX_EXPANDED_NODES = 20_000
 """The most YAML values a document may hold once its aliases are expanded (a shipped pipeline has a few hundred)."""
 
+MAX_NESTING = 64
+"""The deepest values may nest (mappings and lists inside one another) in a pipeline file, a `--set` or form value,
+a config file or a recipe: a shipped pipeline nests 9 deep, and the readers and validators recurse, so a deeper
+document would end in Python's recursion limit instead of an error line."""
+
 PIPELINES_DIR = Path(__file__).parent / "pipelines"
 
 Path_ = tuple[str | int, ...]
@@ -51,6 +57,10 @@ class UnsafeYaml(SpecError):
 
 class _DuplicateKey(yaml.constructor.ConstructorError):
     """A mapping key given twice (raised while constructing, turned into UnsafeYaml)."""
+
+
+class _TooDeep(yaml.composer.ComposerError):
+    """Values nested deeper than MAX_NESTING (raised while composing, before the composer's recursion goes on)."""
 
 
 @dataclass
@@ -107,6 +117,20 @@ class _SpecLoader(yaml.SafeLoader):
         for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
     }
 
+    depth = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
+        # PyYAML composes recursively: count the levels, and stop long before Python's recursion limit.
+        self.depth += 1
+        try:
+            if self.depth > MAX_NESTING:
+                raise _TooDeep(
+                    None, None, f"values nest more than {MAX_NESTING} levels deep", self.peek_event().start_mark
+                )
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: dict[Any, yaml.Node] = {}
         for key_node, _ in node.value:
@@ -151,8 +175,48 @@ def _expanded_size(root: yaml.Node) -> int:
 def _yaml_error(exc: yaml.YAMLError, filename: str) -> SpecError:
     mark = getattr(exc, "problem_mark", None)
     where = f"{quoted(filename)}:{mark.line + 1}" if mark else quoted(filename)
+    if isinstance(exc, _TooDeep):
+        return UnsafeYaml(f"{where}: {exc.problem} (mappings and lists inside one another): flatten it")
     error = UnsafeYaml if isinstance(exc, _DuplicateKey) else SpecError
     return error(f"{where}: not valid YAML: {getattr(exc, 'problem', exc)}")
+
+
+_JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|[\[{]|[\]}]')
+
+
+def load_json(text: str, where: str) -> Any:
+    """A JSON document whose values nest at most MAX_NESTING deep (checked before json.loads, which recurses);
+    SpecError '<where>:<line>: ...' otherwise, or for text that is not JSON."""
+    depth = 0
+    for token in _JSON_TOKEN.finditer(text):
+        opener = token[0]
+        if opener in "[{":
+            depth += 1
+            if depth > MAX_NESTING:
+                line = text.count("\n", 0, token.start()) + 1
+                raise SpecError(
+                    f"{where}:{line}: values nest more than {MAX_NESTING} levels deep (objects and arrays inside one "
+                    "another): flatten it"
+                )
+        elif opener in "]}":
+            depth -= 1
+    try:
+        return json.loads(text, object_pairs_hook=_keys_once)
+    except json.JSONDecodeError as exc:
+        raise SpecError(f"{where}:{exc.lineno}: not valid JSON: {exc.msg}") from None
+    except _KeyTwice as exc:
+        raise SpecError(f"{where}: key {exc.args[0]!r} is given twice in one object") from None
+
+
+class _KeyTwice(ValueError):
+    """A JSON object that gives one key twice (json.loads would keep the last; the YAML loader refuses it too)."""
+
+
+def _keys_once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    value = dict(pairs)
+    if len(value) != len(pairs):
+        raise _KeyTwice(next(k for i, (k, _) in enumerate(pairs) if any(k == j for j, _ in pairs[:i])))
+    return value
 
 
 def _compose(text: str, filename: str) -> tuple[yaml.Node | None, _SpecLoader]:
@@ -546,8 +610,4 @@ def load_pipeline(
 
 def spec_from_json(text: str, source: str) -> PipelineSpec:
     """Validate a resolved spec stored as JSON (the run directory's spec.json)."""
-    try:
-        doc = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise SpecError(f"{quoted(source)}:{exc.lineno}: not valid JSON: {exc.msg}") from None
-    return validate_document(doc, Origins(), source)
+    return validate_document(load_json(text, quoted(source)), Origins(), source)

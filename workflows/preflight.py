@@ -15,7 +15,8 @@ Checks, against the cluster of the current kubeconfig context (or the in-cluster
 - every Secret the spec names exists: only its metadata is requested (a PartialObjectMetadata GET), so no key
   or value is ever read; the keys inside cannot be known without reading the Secret and are not checked;
 - for every GPU stage, enough nodes whose labels match its node_selector (and required node affinity), whose
-  taints it tolerates and whose allocatable nvidia.com/gpu covers gpus_per_node; its PriorityClass and queue;
+  taints it tolerates and whose allocatable nvidia.com/gpu, cpu and memory cover gpus_per_node and the pod's
+  requests (workflows/sizing.py: the spec's, or derived from the model's size); its PriorityClass and queue;
 - the Argo server (ARGO_SERVER, ARGO_TOKEN, ARGO_INSECURE_SKIP_VERIFY): set, reachable, and v3.6 or later when
   the pipeline is scheduled (CronWorkflow `schedules`). submit and register need it, so an unset ARGO_SERVER
   fails.
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from workflows import trainjob
+from workflows.sizing import PodSize, pod_size, quantity
 from workflows.spec import TRAINING_STAGES, PipelineSpec, Resources
 
 Status = Literal["ok", "warn", "fail"]
@@ -515,10 +517,26 @@ class _NodeFit:
     wrong_labels: dict[str, list[str]] = field(default_factory=dict)  # node → label mismatches
     untolerated: dict[str, list[str]] = field(default_factory=dict)  # node → taints
     too_few_gpus: dict[str, int] = field(default_factory=dict)  # node → allocatable GPUs
+    too_small: dict[str, list[str]] = field(default_factory=dict)  # node → what its allocatable cpu/memory lacks
     cordoned: list[str] = field(default_factory=list)
 
 
-def _fit(nodes: Iterable[dict[str, Any]], res: Resources) -> _NodeFit:
+def _short_of(node: dict[str, Any], size: PodSize) -> list[str]:
+    """What of the pod's CPU and memory requests the node's allocatable amounts cannot hold (an amount the node
+    does not report is not checked)."""
+    allocatable = node.get("status", {}).get("allocatable", {})
+    short = []
+    for resource, wanted in (("cpu", size.cpu), ("memory", size.memory)):
+        have = allocatable.get(resource)
+        try:
+            if have is not None and quantity(str(have)) < quantity(wanted):
+                short.append(f"{resource} {wanted} (node: {have})")
+        except ValueError:
+            continue
+    return short
+
+
+def _fit(nodes: Iterable[dict[str, Any]], res: Resources, size: PodSize) -> _NodeFit:
     tolerations = [t.to_k8s() for t in res.tolerations]
     fit = _NodeFit()
     for node in nodes:
@@ -540,6 +558,8 @@ def _fit(nodes: Iterable[dict[str, Any]], res: Resources) -> _NodeFit:
             fit.untolerated[name] = taints
         elif _gpus(node) < res.gpus_per_node:
             fit.too_few_gpus[name] = _gpus(node)
+        elif short := _short_of(node, size):
+            fit.too_small[name] = short
         elif node.get("spec", {}).get("unschedulable"):
             fit.cordoned.append(name)
         else:
@@ -547,10 +567,11 @@ def _fit(nodes: Iterable[dict[str, Any]], res: Resources) -> _NodeFit:
     return fit
 
 
-def _check_gpu_stage(stage: str, res: Resources, nodes: list[dict[str, Any]], report: PreflightReport) -> None:
+def _check_gpu_stage(spec: PipelineSpec, stage: str, nodes: list[dict[str, Any]], report: PreflightReport) -> None:
+    res, size = spec.stage(stage).resources, pod_size(spec, stage)
     name = f"gpu nodes: {stage}"
-    want = f"{res.nodes} node(s) × {res.gpus_per_node} {GPU_RESOURCE}"
-    fit = _fit(nodes, res)
+    want = f"{res.nodes} node(s) × {res.gpus_per_node} {GPU_RESOURCE}, cpu {size.cpu}, memory {size.memory}"
+    fit = _fit(nodes, res, size)
     if len(fit.fits) >= res.nodes:
         report.add(name, "ok", f"{len(fit.fits)} node(s) fit, {want} needed (allocatable, not free)")
         return
@@ -571,6 +592,14 @@ def _check_gpu_stage(stage: str, res: Resources, nodes: list[dict[str, Any]], re
         most = max(fit.too_few_gpus.values())
         reasons.append(f"{len(fit.too_few_gpus)} have fewer than {res.gpus_per_node} GPUs (at most {most})")
         fixes.append(f"lower stages.{stage}.resources.gpus_per_node to {most} or less, or add bigger nodes")
+    if fit.too_small:
+        example = next(iter(fit.too_small.items()))
+        short = "; ".join(example[1])
+        reasons.append(f"{len(fit.too_small)} cannot hold the pod's requests, e.g. {example[0]}: {short}")
+        fixes.append(
+            f"set stages.{stage}.resources.cpu/memory to what the nodes allocate (unset, they are derived from the "
+            "model's size), or add bigger nodes"
+        )
     if fit.cordoned:
         reasons.append(f"{len(fit.cordoned)} cordoned: {', '.join(fit.cordoned)}")
         fixes.append("uncordon the nodes (kubectl uncordon)")
@@ -590,7 +619,7 @@ def _check_gpus(kube: _Kube, spec: PipelineSpec, report: PreflightReport) -> Non
         listing = kube.get("/api/v1/nodes") or {}
         nodes = listing.get("items", [])
         for stage in stages:
-            _check_gpu_stage(stage, spec.stage(stage).resources, nodes, report)
+            _check_gpu_stage(spec, stage, nodes, report)
 
     _guarded(report, "gpu nodes", check)
 

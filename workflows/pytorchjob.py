@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from workflows.sizing import PodSize, pod_size
 from workflows.spec import PipelineSpec, RdmaSpec, StageBase, TrainingStage
 
 API_VERSION = "kubeflow.org/v1"
@@ -151,31 +152,17 @@ def pod_env(spec: PipelineSpec, stage: StageBase) -> list[dict[str, Any]]:
     return env
 
 
-def resource_requirements(
-    cpu: str | None,
-    memory: str | None,
-    gpus: int,
-    ephemeral: str | None = None,
-    devices: dict[str, int] | None = None,
-) -> dict[str, Any]:
-    """Requests equal to limits (Guaranteed QoS for training pods); GPUs and other devices as limits."""
-    amounts: dict[str, Any] = {}
-    if cpu:
-        amounts["cpu"] = cpu
-    if memory:
-        amounts["memory"] = memory
-    if ephemeral:
-        amounts["ephemeral-storage"] = ephemeral
+def resource_requirements(size: PodSize, gpus: int = 0, devices: dict[str, int] | None = None) -> dict[str, Any]:
+    """Requests equal to limits (Guaranteed QoS: a pod that keeps to its size is the last one the kubelet evicts);
+    GPUs and other devices as limits."""
+    amounts: dict[str, Any] = {"cpu": size.cpu, "memory": size.memory}
+    if size.ephemeral_storage:
+        amounts["ephemeral-storage"] = size.ephemeral_storage
     limits = dict(amounts)
     if gpus:
         limits["nvidia.com/gpu"] = str(gpus)
     limits.update({name: str(count) for name, count in (devices or {}).items()})
-    out: dict[str, Any] = {}
-    if amounts:
-        out["requests"] = amounts
-    if limits:
-        out["limits"] = limits
-    return out
+    return {"requests": amounts, "limits": limits}
 
 
 def pod_template(spec: PipelineSpec, stage_name: str, stage: TrainingStage, command: list[str]) -> dict[str, Any]:
@@ -194,7 +181,7 @@ def pod_template(spec: PipelineSpec, stage_name: str, stage: TrainingStage, comm
         "imagePullPolicy": cluster.image_pull_policy,
         "command": command,
         "env": env,
-        "resources": resource_requirements(res.cpu, res.memory, res.gpus_per_node, res.ephemeral_storage, devices),
+        "resources": resource_requirements(pod_size(spec, stage_name, res), res.gpus_per_node, devices),
         "volumeMounts": mounts,
         "securityContext": container_security_context(ipc_lock=res.rdma is not None),
     }

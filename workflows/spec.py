@@ -86,6 +86,59 @@ Quantity = Annotated[
 ]
 
 
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+SEED_MAX = 2**32 - 1
+"""numpy's seeds are unsigned 32-bit integers (transformers seeds it with the same value)."""
+MAX_DURATION_SECONDS = 10 * 365 * 24 * 3600
+"""The longest any duration field may be (ten years): Argo and Go hold durations in nanoseconds in an int64
+(about 292 years), and the workflow's deadline adds the stages' up, retries included."""
+
+
+class IntegerRange:
+    """An after-validator: the integer lies in [low, high] (`what` says why in the error). A validator rather than
+    ge/le, which a field's own ge/le would replace instead of tightening."""
+
+    def __init__(self, low: int, high: int, what: str) -> None:
+        self.low, self.high, self.what = low, high, what
+
+    def __call__(self, value: int) -> int:
+        if not self.low <= value <= self.high:
+            raise ValueError(f"{value} is outside {self.low}..{self.high}, {self.what}")
+        return value
+
+
+Int32 = Annotated[
+    int, AfterValidator(IntegerRange(-(2**31), INT32_MAX, "the range of an int32, as the cluster reads it"))
+]
+"""An integer the cluster reads as int32 (replica and trial counts, history limits, Argo's and the operator's TTLs,
+backoff limits)."""
+Int64 = Annotated[int, AfterValidator(IntegerRange(-(2**63), INT64_MAX, "the range of a 64-bit integer"))]
+"""Any other integer: the API server, Argo, JSON readers and torch hold at most 64 bits."""
+Seconds = Annotated[
+    int, AfterValidator(IntegerRange(0, MAX_DURATION_SECONDS, "at most ten years (Go durations add them up)"))
+]
+"""A duration in whole seconds (deadlines, grace periods, timeouts): at most MAX_DURATION_SECONDS."""
+Seed = Annotated[int, AfterValidator(IntegerRange(0, SEED_MAX, "the range of numpy's seeds"))]
+"""A random seed (numpy's range)."""
+
+
+def out_of_int64(node: Any) -> tuple[tuple[str | int, ...], int] | None:
+    """The path and value of the first integer in a document that does not fit in 64 bits, or None. Typed fields
+    have tighter bounds; this covers the free-form sections too (affinity, deepspeed_config, extra_args), whose
+    readers (the API server, Go, JSON decoders) hold no more."""
+    stack: list[tuple[Any, tuple[str | int, ...]]] = [(node, ())]
+    while stack:
+        value, where = stack.pop()
+        if isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value <= INT64_MAX:
+            return where, value
+        if isinstance(value, dict):
+            stack.extend((v, (*where, k)) for k, v in reversed(list(value.items())))
+        elif isinstance(value, list):
+            stack.extend((v, (*where, i)) for i, v in reversed(list(enumerate(value))))
+    return None
+
+
 CronExpression = Annotated[
     str,
     _obeys(validation.cron_expression),
@@ -116,24 +169,24 @@ class TinyModelConfig(StrictModel):
         "settings come with it (gemma3 and exaone4 interleave sliding-window layers with full-attention ones, the "
         "last layer full; their window is a quarter of max_position_embeddings).",
     )
-    hidden_size: int = Field(64, gt=0, description="Hidden size.")
-    intermediate_size: int = Field(128, gt=0, description="MLP intermediate size.")
-    num_hidden_layers: int = Field(2, gt=0, description="Number of decoder layers.")
-    num_attention_heads: int = Field(4, gt=0, description="Attention heads.")
-    num_key_value_heads: int = Field(2, gt=0, description="Key/value heads (grouped-query attention).")
-    head_dim: int = Field(16, gt=0, description="Per-head dimension.")
-    max_position_embeddings: int = Field(2048, gt=0, description="Longest position the model supports.")
-    num_experts: int | None = Field(
+    hidden_size: Int64 = Field(64, gt=0, description="Hidden size.")
+    intermediate_size: Int64 = Field(128, gt=0, description="MLP intermediate size.")
+    num_hidden_layers: Int64 = Field(2, gt=0, description="Number of decoder layers.")
+    num_attention_heads: Int64 = Field(4, gt=0, description="Attention heads.")
+    num_key_value_heads: Int64 = Field(2, gt=0, description="Key/value heads (grouped-query attention).")
+    head_dim: Int64 = Field(16, gt=0, description="Per-head dimension.")
+    max_position_embeddings: Int64 = Field(2048, gt=0, description="Longest position the model supports.")
+    num_experts: Int64 | None = Field(
         None, gt=0, description="qwen3_moe only: experts in each mixture-of-experts layer. None: 8."
     )
-    num_experts_per_tok: int | None = Field(
+    num_experts_per_tok: Int64 | None = Field(
         None, gt=0, description="qwen3_moe only: experts each token is routed to (top-k), at most num_experts. None: 2."
     )
-    moe_intermediate_size: int | None = Field(
+    moe_intermediate_size: Int64 | None = Field(
         None, gt=0, description="qwen3_moe only: each expert's MLP intermediate size. None: intermediate_size."
     )
-    vocab_size: int = Field(2048, ge=256, description="Size of the byte-level BPE vocabulary trained on the corpus.")
-    seed: int = Field(0, description="Seed for the random initialisation.")
+    vocab_size: Int64 = Field(2048, ge=256, description="Size of the byte-level BPE vocabulary trained on the corpus.")
+    seed: Seed = Field(0, description="Seed for the random initialisation.")
 
     @model_validator(mode="after")
     def _heads(self) -> TinyModelConfig:
@@ -269,15 +322,15 @@ class CleaningSpec(StrictModel):
         "by MinHash LSH over 4-character shingles of the text without spaces and punctuation (robust to Korean "
         "spacing variants). None: no near-duplicate removal.",
     )
-    near_dedup_num_perm: int = Field(
+    near_dedup_num_perm: Int64 = Field(
         128,
         ge=16,
         le=1024,
         description="MinHash permutations for near_dedup_threshold: more estimate the similarity better and cost "
         "proportionally more time and memory.",
     )
-    min_chars: int = Field(0, ge=0, description="Drop rows whose text has fewer characters (after NFC).")
-    max_chars: int | None = Field(
+    min_chars: Int64 = Field(0, ge=0, description="Drop rows whose text has fewer characters (after NFC).")
+    max_chars: Int64 | None = Field(
         None, gt=0, description="Drop rows whose text has more characters (after NFC); None: no limit."
     )
     min_hangul_ratio: float = Field(
@@ -295,7 +348,7 @@ class CleaningSpec(StrictModel):
         "contaminated when its words equal an evaluation text's, or when it shares decontamination_ngram "
         "consecutive words with one (case and punctuation ignored).",
     )
-    decontamination_ngram: int = Field(
+    decontamination_ngram: Int64 = Field(
         13,
         ge=3,
         le=100,
@@ -352,7 +405,7 @@ class DataSpec(StrictModel):
         "A role given here accepts only its tag; one not given accepts the defaults (sharegpt: human or user, gpt "
         "or assistant, system; messages: the role's own name).",
     )
-    max_samples: int | None = Field(None, gt=0, description="Use at most this many rows (after validation).")
+    max_samples: Int64 | None = Field(None, gt=0, description="Use at most this many rows (after validation).")
     eval_fraction: float = Field(
         0.02, ge=0.0, lt=0.5, description="Fraction of rows held out for evaluation (perplexity, eval loss)."
     )
@@ -435,8 +488,8 @@ class DataSpec(StrictModel):
 class LoraSpec(StrictModel):
     """LoRA adapter settings (used when method is lora or qlora)."""
 
-    r: int = Field(16, gt=0, description="Adapter rank.")
-    alpha: int = Field(32, gt=0, description="Scaling numerator (lora_alpha).")
+    r: Int64 = Field(16, gt=0, description="Adapter rank.")
+    alpha: Int64 = Field(32, gt=0, description="Scaling numerator (lora_alpha).")
     dropout: float = Field(
         0.0,
         ge=0.0,
@@ -567,10 +620,10 @@ class TrainingSpec(StrictModel):
 
     learning_rate: float = Field(2e-5, gt=0, lt=1, description="Peak learning rate.")
     epochs: float = Field(1.0, gt=0, description="Passes over the training data (ignored when max_steps is set).")
-    max_steps: int | None = Field(None, gt=0, description="Stop after this many optimizer steps.")
-    per_device_batch_size: int = Field(1, gt=0, description="Micro-batch size per GPU (rows of max_seq_length).")
-    gradient_accumulation_steps: int = Field(1, gt=0, description="Micro-batches per optimizer step.")
-    max_seq_length: int = Field(4096, ge=16, description="Tokens per packed row / truncation length.")
+    max_steps: Int64 | None = Field(None, gt=0, description="Stop after this many optimizer steps.")
+    per_device_batch_size: Int64 = Field(1, gt=0, description="Micro-batch size per GPU (rows of max_seq_length).")
+    gradient_accumulation_steps: Int64 = Field(1, gt=0, description="Micro-batches per optimizer step.")
+    max_seq_length: Int64 = Field(4096, ge=16, description="Tokens per packed row / truncation length.")
     packing: bool = Field(True, description="Pack documents into full rows, with attention kept inside documents.")
     warmup_ratio: float = Field(0.03, ge=0, lt=1, description="Fraction of steps spent warming up.")
     lr_scheduler: Literal["cosine", "linear", "constant", "constant_with_warmup"] = Field(
@@ -593,12 +646,12 @@ class TrainingSpec(StrictModel):
         "loss (the model returns its router logits for it). None: the model config's own coefficient (Qwen3-MoE: "
         "0.001); 0: no auxiliary loss. Ignored, with a log line, on dense models.",
     )
-    seed: int = Field(42, description="Seed for data order and initialisation.")
-    logging_steps: int = Field(10, gt=0, description="Log metrics every this many steps.")
-    save_steps: int = Field(200, gt=0, description="Write a checkpoint every this many steps.")
-    save_total_limit: int = Field(3, ge=2, description="Checkpoints kept; at least 2 so a torn one has a fallback.")
-    eval_steps: int | None = Field(None, gt=0, description="Evaluate held-out loss every this many steps.")
-    extra_args: dict[str, str | int | float | bool | None] = Field(
+    seed: Seed = Field(42, description="Seed for data order and initialisation.")
+    logging_steps: Int64 = Field(10, gt=0, description="Log metrics every this many steps.")
+    save_steps: Int64 = Field(200, gt=0, description="Write a checkpoint every this many steps.")
+    save_total_limit: Int64 = Field(3, ge=2, description="Checkpoints kept; at least 2 so a torn one has a fallback.")
+    eval_steps: Int64 | None = Field(None, gt=0, description="Evaluate held-out loss every this many steps.")
+    extra_args: dict[str, str | Int64 | float | bool | None] = Field(
         default_factory=dict,
         description="More settings for the trainer's config, passed through as they are: fields of transformers' "
         "TrainingArguments, or of TRL's SFTConfig / DPOConfig / GRPOConfig... for the stage's trainer, e.g. "
@@ -731,7 +784,7 @@ class Toleration(StrictModel):
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
         None, description="Taint effect to tolerate; None tolerates all effects."
     )
-    toleration_seconds: int | None = Field(
+    toleration_seconds: Int64 | None = Field(
         None, alias="tolerationSeconds", description="For NoExecute: how long the pod stays bound."
     )
 
@@ -769,7 +822,7 @@ class RdmaSpec(StrictModel):
         description="The device plugin's extended resource, e.g. 'rdma/rdma_shared_device_a' (the RDMA shared "
         "device plugin) or 'nvidia.com/hostdev' (the NVIDIA Network Operator's SR-IOV devices)."
     )
-    count: int = Field(1, ge=1, le=16, description="Devices per pod (a limit of that resource).")
+    count: Int64 = Field(1, ge=1, le=16, description="Devices per pod (a limit of that resource).")
     nccl_ib_hca: str | None = Field(
         None,
         description="NCCL_IB_HCA: the adapters NCCL uses, e.g. 'mlx5' or '=mlx5_0,mlx5_1'; None lets NCCL choose.",
@@ -795,20 +848,34 @@ class RdmaSpec(StrictModel):
 class Resources(StrictModel):
     """What one stage's pods ask the cluster for."""
 
-    nodes: int = Field(1, ge=1, le=MAX_NODES, description="Nodes (pods) in the job: one Master plus nodes-1 Workers.")
-    gpus_per_node: int = Field(0, ge=0, le=16, description="GPUs per pod (nvidia.com/gpu); also torchrun's nproc.")
+    nodes: Int64 = Field(1, ge=1, le=MAX_NODES, description="Nodes (pods) in the job: one Master plus nodes-1 Workers.")
+    gpus_per_node: Int64 = Field(0, ge=0, le=16, description="GPUs per pod (nvidia.com/gpu); also torchrun's nproc.")
     rdma: RdmaSpec | None = Field(
         None,
         description="Training stages: RDMA devices per pod for NCCL between nodes (InfiniBand or RoCE), the "
         "IPC_LOCK capability they need, and NCCL's IB settings. None: NCCL over TCP.",
     )
-    cpu: Quantity | None = Field(None, description="CPU request and limit per pod.")
-    memory: Quantity | None = Field(None, description="Memory request and limit per pod.")
+    cpu: Quantity | None = Field(
+        None,
+        description="CPU request and limit per pod. None: derived from the stage (training: 8 per GPU, evaluate "
+        "and deploy: 4 per GPU, at least 4; prepare: 4).",
+    )
+    memory: Quantity | None = Field(
+        None,
+        description="Memory request and limit per pod, /dev/shm included. None: derived from the model's size "
+        "(its weights in model.dtype: once per GPU plus 16Gi for training, plus offloaded optimizer state with "
+        "distributed.cpu_offload; 1.5 times plus 8Gi for evaluate; 2.5 times plus 8Gi for deploy, which merges an "
+        "adapter and loads the result again; 16Gi for prepare) and shm_size.",
+    )
     shm_size: Quantity | None = Field(
         "16Gi",
         description="Size of the memory-backed /dev/shm (NCCL and dataloader workers need it); None: none.",
     )
-    ephemeral_storage: Quantity | None = Field(None, description="Ephemeral storage request per pod.")
+    ephemeral_storage: Quantity | None = Field(
+        None,
+        description="Ephemeral storage (the pod's /tmp and caches) request and limit per pod. None: none, except "
+        "deploy, whose model MLflow stages in /tmp: the weights plus 10Gi.",
+    )
     node_selector: Labels = Field(default_factory=dict, description="Node labels the pods must match.")
     tolerations: list[Toleration] = Field(default_factory=list, description="Taints the pods tolerate.")
     affinity: dict[str, Any] | None = Field(
@@ -841,14 +908,14 @@ class Resources(StrictModel):
 class StepPolicy(StrictModel):
     """The Argo step around a single-pod stage (prepare, evaluate, deploy): its timeout, retries and grace period."""
 
-    active_deadline_seconds: int = Field(
+    active_deadline_seconds: Seconds = Field(
         24 * 3600,
         gt=0,
         description="The step's timeout: the pod is stopped after running this long (SIGTERM, then SIGKILL after "
         "the grace period; time spent waiting to be scheduled does not count), and the attempt is retried like an "
         "interrupted one. Default 24 hours.",
     )
-    retries: int = Field(
+    retries: Int64 = Field(
         2,
         ge=0,
         le=20,
@@ -862,7 +929,7 @@ class StepPolicy(StrictModel):
         description="Wait before the first retry, in seconds or as a Go duration ('90s', '2m', '1h30m'); it doubles "
         "with each retry, each wait at most 1h.",
     )
-    termination_grace_period_seconds: int = Field(
+    termination_grace_period_seconds: Seconds = Field(
         120,
         ge=30,
         description="Time a stopped pod (preempted, or past its timeout) gets between SIGTERM and SIGKILL to "
@@ -885,23 +952,23 @@ class StepPolicy(StrictModel):
 class RunPolicy(StepPolicy):
     """The PyTorchJob's runPolicy, and the Argo retry around it."""
 
-    active_deadline_seconds: int = Field(
+    active_deadline_seconds: Seconds = Field(
         7 * 24 * 3600,
         gt=0,
         description="Fail the job after this long (the operator marks it Failed). The step's timeout is this plus "
         "an hour, so even a job that never starts (stuck at Created) ends; default 7 days.",
     )
-    ttl_seconds_after_finished: int | None = Field(
+    ttl_seconds_after_finished: Int32 | None = Field(
         7 * 24 * 3600, ge=0, description="Delete the finished PyTorchJob after this long."
     )
-    backoff_limit: int | None = Field(0, ge=0, description="Pod restarts the operator allows before failing the job.")
+    backoff_limit: Int32 | None = Field(0, ge=0, description="Pod restarts the operator allows before failing the job.")
     clean_pod_policy: Literal["None", "Running", "All"] = Field(
         "Running",
         description="Which pods the operator deletes when the job ends. Running (default) deletes the pods still "
         "running, e.g. Workers left waiting on a failed Master, which would otherwise hold their GPUs until the job "
         "is deleted; finished pods stay for their logs. None keeps every pod, All deletes every pod.",
     )
-    retries: int = Field(
+    retries: Int64 = Field(
         2, ge=0, le=20, description="Argo retries of the stage; each creates a fresh PyTorchJob that resumes."
     )
     retry_backoff: str = Field(
@@ -910,7 +977,7 @@ class RunPolicy(StepPolicy):
         "with each retry, each wait at most 1h. Retries are limited in number, and by the workflow's deadline, not "
         "by the time since the first attempt: a stage that fails after days is still retried.",
     )
-    termination_grace_period_seconds: int = Field(
+    termination_grace_period_seconds: Seconds = Field(
         300,
         ge=30,
         description="Time a preempted pod gets between SIGTERM and SIGKILL: it must cover one training step "
@@ -981,7 +1048,7 @@ def recorded_metrics(stage: str, algorithm: str | None = None) -> tuple[str, ...
     return GRPO_METRICS if algorithm == "grpo" else PREFERENCE_METRICS
 
 
-SearchValue = int | float | str | bool
+SearchValue = Int64 | float | str | bool
 
 
 class SearchParameter(StrictModel):
@@ -1103,11 +1170,11 @@ class HpoSpec(StrictModel):
     algorithm: Literal["random", "tpe", "bayesianoptimization", "grid"] = Field(
         "tpe", description="Katib's algorithm name: random, tpe, bayesianoptimization or grid."
     )
-    max_trials: int = Field(12, ge=1, le=1000, description="Trials in all.")
-    parallel_trials: int = Field(2, ge=1, description="Trials running at once (each is a job of the stage's shape).")
-    max_failed_trials: int = Field(3, ge=0, description="The search fails once this many trials have failed.")
-    trial_max_steps: int = Field(50, gt=0, description="Optimizer steps each trial trains (its max_steps).")
-    seed: int | None = Field(None, description="Seed of the search algorithm (None: a random one).")
+    max_trials: Int64 = Field(12, ge=1, le=1000, description="Trials in all.")
+    parallel_trials: Int32 = Field(2, ge=1, description="Trials running at once (each is a job of the stage's shape).")
+    max_failed_trials: Int32 = Field(3, ge=0, description="The search fails once this many trials have failed.")
+    trial_max_steps: Int64 = Field(50, gt=0, description="Optimizer steps each trial trains (its max_steps).")
+    seed: Seed | None = Field(None, description="Seed of the search algorithm (None: a random one).")
 
     @model_validator(mode="after")
     def _coherent(self) -> HpoSpec:
@@ -1252,7 +1319,7 @@ class RlhfStage(TrainingStage):
         "'module:function', e.g. ['acme_rewards.korean']. Only these modules are ever imported for a reward. "
         "Pipeline file only: the form may choose among the built-ins and these modules' functions, nothing else.",
     )
-    num_generations: int = Field(4, ge=2, description="GRPO completions per prompt.")
+    num_generations: Int64 = Field(4, ge=2, description="GRPO completions per prompt.")
 
     @model_validator(mode="after")
     def _preference_data(self) -> RlhfStage:
@@ -1294,7 +1361,7 @@ class PrepareStage(StageBase):
         False,
         description="End the run early, as skipped, when the data fingerprints match the last successful run.",
     )
-    num_proc: int | None = Field(
+    num_proc: Int64 | None = Field(
         None,
         gt=0,
         le=256,
@@ -1356,9 +1423,9 @@ class EvaluateStage(StageBase):
         "(ko_constitution_mc). Pipeline file only (task YAMLs can run Python); in the cluster it must lie on the "
         "datasets or checkpoints volume.",
     )
-    limit: int | None = Field(None, gt=0, description="Examples per lm-eval task (None: all).")
+    limit: Int64 | None = Field(None, gt=0, description="Examples per lm-eval task (None: all).")
     prompts: list[str] = Field(default_factory=list, description="Prompts for the sampled-generation table.")
-    max_new_tokens: int = Field(128, gt=0, description="Tokens generated per prompt.")
+    max_new_tokens: Int64 = Field(128, gt=0, description="Tokens generated per prompt.")
     cache_scores: bool = Field(
         True,
         description="Reuse the base model's and the champion's numbers that an earlier run of the pipeline measured "
@@ -1377,14 +1444,14 @@ class EvaluateStage(StageBase):
 class SmokeCheckSpec(StrictModel):
     """Real chat requests to the new model's vLLM server before it keeps traffic or becomes champion."""
 
-    prompts: int = Field(
+    prompts: Int64 = Field(
         3,
         ge=1,
         le=20,
         description="How many of stages.evaluate.prompts are sent, first ones first (a built-in Korean greeting "
         "when evaluate has none), each as one user message to the OpenAI-compatible /v1/chat/completions.",
     )
-    max_tokens: int = Field(64, gt=0, le=4096, description="Tokens the server may generate per answer.")
+    max_tokens: Int64 = Field(64, gt=0, le=4096, description="Tokens the server may generate per answer.")
     max_latency_seconds: float = Field(
         60.0, gt=0, description="Longest wait for one complete answer; a slower answer fails the check."
     )
@@ -1393,7 +1460,7 @@ class SmokeCheckSpec(StrictModel):
         description="When set, every answer must contain at least one of these (case-insensitive), e.g. a few "
         "Hangul particles for a Korean model. Answers are always checked to be non-empty and not the prompt echoed.",
     )
-    ready_timeout_seconds: int = Field(
+    ready_timeout_seconds: Seconds = Field(
         1800,
         gt=0,
         description="Longest wait for the new revision to be ready (model download and load included), and for "
@@ -1416,7 +1483,7 @@ class AutoscalingSpec(StrictModel):
         "concurrency",
         description="concurrency: requests in flight per replica; rps: requests per second per replica.",
     )
-    target: int = Field(
+    target: Int32 = Field(
         gt=0,
         description="The value per replica the autoscaler aims at (e.g. 8 concurrent requests per vLLM replica); "
         "replicas stay within min_replicas..max_replicas.",
@@ -1428,10 +1495,10 @@ class ServingSpec(StrictModel):
 
     enabled: bool = Field(True, description="Render (and in-cluster apply) an InferenceService.")
     runtime: KubernetesName = Field("kserve-vllm", description="ServingRuntime name.")
-    gpus: int = Field(1, ge=0, description="GPUs for the predictor.")
-    max_model_len: int | None = Field(None, gt=0, description="vLLM --max-model-len.")
-    min_replicas: int = Field(1, ge=0, description="Predictor minReplicas.")
-    max_replicas: int = Field(1, ge=1, description="Predictor maxReplicas.")
+    gpus: Int32 = Field(1, ge=0, description="GPUs for the predictor.")
+    max_model_len: Int32 | None = Field(None, gt=0, description="vLLM --max-model-len.")
+    min_replicas: Int32 = Field(1, ge=0, description="Predictor minReplicas.")
+    max_replicas: Int32 = Field(1, ge=1, description="Predictor maxReplicas.")
     service_account: KubernetesName | None = Field(
         None,
         description="ServiceAccount of the predictor, e.g. one bound through Workload Identity or IRSA to read "
@@ -1446,12 +1513,12 @@ class ServingSpec(StrictModel):
         "on its own address, then each further step, then all of it. Any failed check rolls traffic back to the "
         "previous revision and leaves the champion alias where it was.",
     )
-    canary_traffic_percent: list[int] = Field(
+    canary_traffic_percent: list[Int32] = Field(
         default_factory=lambda: [10, 50],
         min_length=1,
         description="Canary traffic steps in percent (each 1-99, increasing); 100 follows the last one.",
     )
-    canary_interval_seconds: int = Field(
+    canary_interval_seconds: Seconds = Field(
         60, ge=0, description="How long each canary step serves its share before it is checked again."
     )
     smoke_check: SmokeCheckSpec = Field(
@@ -1659,8 +1726,8 @@ class ClusterSpec(StrictModel):
         "(`<grafana_url>/d/posttrain-run?var-run=<workflow>`, the dashboard of manifests/components/monitoring), "
         "e.g. https://grafana.example.com. None: no link.",
     )
-    run_as_user: int | None = Field(1000, ge=0, description="UID the pods run as (None: the image's user).")
-    metrics_port: int | None = Field(
+    run_as_user: Int64 | None = Field(1000, ge=0, description="UID the pods run as (None: the image's user).")
+    metrics_port: Int64 | None = Field(
         9200,
         ge=1024,
         le=65535,
@@ -1762,11 +1829,11 @@ class ScheduleSpec(StrictModel):
     concurrency_policy: Literal["Forbid", "Allow", "Replace"] = Field(
         "Forbid", description="What to do when a run is still going at the next tick."
     )
-    starting_deadline_seconds: int = Field(
+    starting_deadline_seconds: Seconds = Field(
         3600, ge=0, description="A tick missed by more than this (controller down) is not started late."
     )
-    successful_history: int = Field(5, ge=0, description="Succeeded workflows kept by the CronWorkflow.")
-    failed_history: int = Field(5, ge=0, description="Failed workflows kept by the CronWorkflow.")
+    successful_history: Int32 = Field(5, ge=0, description="Succeeded workflows kept by the CronWorkflow.")
+    failed_history: Int32 = Field(5, ge=0, description="Failed workflows kept by the CronWorkflow.")
     suspend: bool = Field(False, description="Register the CronWorkflow suspended.")
 
     @field_validator("timezone")
@@ -1794,12 +1861,12 @@ class NotificationSpec(StrictModel):
 class WorkflowSpec(StrictModel):
     """How Argo keeps and bounds each run."""
 
-    ttl_seconds_after_success: int = Field(7 * 24 * 3600, ge=0, description="Keep a succeeded workflow this long.")
-    ttl_seconds_after_failure: int = Field(14 * 24 * 3600, ge=0, description="Keep a failed workflow this long.")
+    ttl_seconds_after_success: Int32 = Field(7 * 24 * 3600, ge=0, description="Keep a succeeded workflow this long.")
+    ttl_seconds_after_failure: Int32 = Field(14 * 24 * 3600, ge=0, description="Keep a failed workflow this long.")
     pod_gc: Literal["OnPodCompletion", "OnPodSuccess", "OnWorkflowCompletion", "OnWorkflowSuccess"] = Field(
         "OnPodSuccess", description="When pods are deleted; failed pods stay for their logs by default."
     )
-    active_deadline_seconds: int | None = Field(
+    active_deadline_seconds: Seconds | None = Field(
         None,
         gt=0,
         description="Backstop for the whole workflow (Argo stops it, and retries no step, past this); the steps' "
@@ -1808,7 +1875,7 @@ class WorkflowSpec(StrictModel):
         "the cleanup before a retry, the create step and the waits between the wait step's retries; serve: an hour), "
         "summed in DAG order, plus the exit handler's steps and an hour for scheduling.",
     )
-    parallelism: int | None = Field(
+    parallelism: Int64 | None = Field(
         None,
         ge=1,
         description="With variants: how many variants' stage chains run at once (Argo's `parallelism` of the entry "
@@ -1823,7 +1890,7 @@ class RetentionSpec(StrictModel):
     `python -m workflows.runs prune` for the pipeline. It never deletes a run without a final state, the run whose
     model is the registered champion or challenger, or one a serving revision uses."""
 
-    keep_last: int | None = Field(
+    keep_last: Int64 | None = Field(
         None, ge=1, description="Keep the newest this many runs of the pipeline; None (and no keep_days): never prune."
     )
     keep_days: float | None = Field(
@@ -1924,6 +1991,16 @@ DESCRIPTION_ANNOTATION = "workflows.argoproj.io/description"
 
 class PipelineSpec(StrictModel):
     """A post-training pipeline: base model + data → evaluated, registered, served model."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integers_fit_64_bits(cls, data: Any) -> Any:
+        found = out_of_int64(data) if isinstance(data, dict) else None
+        if found is not None:
+            raise FieldError(
+                found[0], f"{found[1]} does not fit in a 64-bit integer, the most the cluster and its tools read"
+            )
+        return data
 
     name: str = Field(
         description="Pipeline name: the WorkflowTemplate and CronWorkflow are named after it ('<name>-<profile>' "

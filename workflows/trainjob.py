@@ -48,6 +48,7 @@ from workflows.pytorchjob import (
     stage_image,
     volumes,
 )
+from workflows.sizing import pod_size
 from workflows.spec import PipelineSpec, TrainingStage
 
 API_GROUP = "trainer.kubeflow.org"
@@ -121,9 +122,7 @@ def trainjob_manifest(spec: PipelineSpec, stage_name: str, run_name: str = "{{wo
         "env": trainer_env(spec, stage),
         "numNodes": res.nodes,
         "numProcPerNode": res.gpus_per_node or 1,
-        "resourcesPerNode": resource_requirements(
-            res.cpu, res.memory, res.gpus_per_node, res.ephemeral_storage, devices
-        ),
+        "resourcesPerNode": resource_requirements(pod_size(spec, stage_name, res), res.gpus_per_node, devices),
     }
     return {
         "apiVersion": API_VERSION,

@@ -116,6 +116,19 @@ def broken_file(relative: str, text: str) -> Callable[[Path], None]:
     return damage
 
 
+def deepspeed_file(text: str) -> Callable[[Path], list[str]]:
+    def build(tmp: Path) -> list[str]:
+        (tmp / "ds.json").write_text(text, encoding="utf-8")
+        return ["korean-llm", "--set=stages.sft.distributed.strategy=deepspeed_zero3",
+                f"--set=stages.sft.distributed.deepspeed_config={tmp / 'ds.json'}"]  # fmt: skip
+
+    return build
+
+
+DEEP = "[" * 20_000 + "]" * 20_000
+"""A value nested 20,000 levels deep: Python's recursion limit, were a reader to recurse into it."""
+
+
 def msgs(*turns: tuple[str, str]) -> str:
     return json.dumps({"messages": [{"role": r, "content": c} for r, c in turns]}, ensure_ascii=False)
 
@@ -133,6 +146,12 @@ CASES = [
          ("stages.cpt.training.learning_rate", "valid number")),
     Case("list-document", "submit", pipeline_file("- a\n- b\n"), ("must be a mapping",)),
     Case("not-utf8", "submit", pipeline_file(b"name: \xff\xfe\n"), ("not UTF-8",)),
+    Case("deep-nesting", "submit", edited("name: korean-llm", f"name: korean-llm\nvariants: {DEEP}"),
+         ("pipeline.yaml:7: values nest more than 64 levels deep",), subprocess=True),
+    Case("deadline-over-int64", "submit", edited("259200   # 3 days", "100000000000000000000"),
+         ("pipeline.yaml:52: stages.cpt.run_policy.active_deadline_seconds", "64-bit")),
+    Case("deepspeed-deep-nesting", "submit", deepspeed_file('{"zero_optimization": {"stage": 3}, "x": ' + DEEP + "}"),
+         ("stages.sft.distributed.deepspeed_config", "ds.json:1: values nest more than 64 levels deep")),
     Case("unknown-pipeline", "submit", lambda tmp: ["korean-lm"], ("unknown pipeline 'korean-lm'", "korean-llm")),
     Case("missing-file", "submit", lambda tmp: [str(tmp / "nope" / "p.yaml")], ("does not exist",)),
     Case("register-unknown-field", "register", edited("namespace: llm-training", "namespace: llm-training\n  nodes: 3"),
@@ -146,6 +165,15 @@ CASES = [
     Case("set-into-a-value", "submit", with_set("model.name_or_path.x=1"), ("model.name_or_path", "not a section")),
     Case("set-negative", "submit", with_set("stages.sft.training.learning_rate=-1"),
          ("--set", "stages.sft.training.learning_rate", "greater than 0")),
+    Case("set-deep-nesting", "submit", with_set(f"stages.sft.training.extra_args={DEEP}"),
+         ("--set stages.sft.training.extra_args:1: values nest more than 64 levels deep",), subprocess=True),
+    Case("set-replicas-over-int32", "submit", with_set("stages.deploy.serving.max_replicas=2147483648"),
+         ("--set", "stages.deploy.serving.max_replicas", "the range of an int32")),
+    Case("set-affinity-over-int64", "submit",
+         with_set("stages.sft.resources.affinity={nodeAffinity: {preferredDuringSchedulingIgnoredDuringExecution: "
+                  "[{weight: 100000000000000000000, preference: {}}]}}"),
+         ("stages.sft.resources.affinity.nodeAffinity.preferredDuringSchedulingIgnoredDuringExecution[0].weight",
+          "64-bit")),
     Case("set-uri-scheme", "submit", with_set("stages.cpt.data.uri=ftp://host/x"), ("unsupported URI scheme 'ftp'",)),
     Case("set-data-version", "submit", with_set("data_version=v1;rm -rf /"), ("data_version may hold",)),
     Case("set-secret-env", "submit", with_set("stages.sft.env.HF_TOKEN=abc"),
@@ -164,6 +192,11 @@ CASES = [
          ("parameter overrides, line 1", "fixed when the template is compiled")),
     Case("param-unknown-field", "stages", with_params({"overrides": "# tuned\nstages.sft.trainig.lr=1"}),
          ("parameter overrides, line 2", "stages.sft.trainig", "unknown field")),
+    Case("param-deep-nesting", "stages", with_params({"overrides": f"stages.sft.training.extra_args={DEEP}"}),
+         ("parameter overrides, line 1", "values nest more than 64 levels deep")),
+    Case("param-ttl-over-int32", "stages",
+         with_params({"overrides": "stages.sft.training.max_steps=9223372036854775808"}),
+         ("parameter overrides, line 1", "stages.sft.training.max_steps", "64-bit")),
     Case("param-data-version", "stages", with_params({"data-version": "$(id)"}), ("parameter data-version",)),
     Case("param-no-spec", "stages", with_params({}, lambda p: (p / SPEC_FILE).unlink()),
          (SPEC_FILE, "is missing")),

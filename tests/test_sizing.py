@@ -1,0 +1,93 @@
+"""Every container the compiler renders asks for CPU and memory, sized from the spec or from the model and stage."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import yaml
+from conftest import fresh_spec
+
+from workflows.compile import compile_pipeline
+from workflows.sizing import model_parameters, pod_size, quantity
+from workflows.spec import PipelineSpec
+
+
+def _containers(node: Any, where: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
+    """(where, resources) of every container in a document: Argo's container and script templates, the pods of the
+    manifests that resource templates create (PyTorchJob replicas, Katib trial jobs), a TrainJob's trainer."""
+    if isinstance(node, dict):
+        if isinstance(node.get("manifest"), str):
+            yield from _containers(yaml.safe_load(node["manifest"]), f"{where}.manifest")
+        for key in ("container", "script"):
+            if isinstance(node.get(key), dict):
+                yield f"{where}.{node.get('name')}.{key}", node[key].get("resources") or {}
+        for key in ("containers", "initContainers"):
+            for container in node.get(key) or []:
+                yield f"{where}.{key}.{container.get('name')}", container.get("resources") or {}
+        if "resourcesPerNode" in node:
+            yield f"{where}.resourcesPerNode", node["resourcesPerNode"] or {}
+        for key, value in node.items():
+            if key != "podTemplateOverrides":  # patches of the trainer's pods, sized by resourcesPerNode
+                yield from _containers(value, f"{where}.{key}")
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _containers(value, f"{where}[{i}]")
+
+
+def _sizes(spec: PipelineSpec) -> dict[str, dict[str, Any]]:
+    found = {}
+    for name, doc in compile_pipeline(spec).documents().items():
+        for where, resources in _containers(doc):
+            found[f"{name}{where}"] = resources
+    return found
+
+
+def test_every_rendered_container_has_requests_and_limits(spec: PipelineSpec) -> None:
+    sizes = _sizes(spec)
+    assert any("deploy" in where for where in sizes)
+    assert any(".manifest." in where for where in sizes)  # the training jobs' pods are walked too
+    for where, resources in sizes.items():
+        requests, limits = resources.get("requests") or {}, resources.get("limits") or {}
+        assert {"cpu", "memory"} <= set(requests), f"{where}: requests {requests}"
+        assert set(requests) <= set(limits), f"{where}: limits {limits} lack a request's resource"
+        for resource, amount in requests.items():
+            assert quantity(str(limits[resource])) >= quantity(str(amount)), f"{where}: {resource} limit < request"
+        assert limits["memory"] == requests["memory"], f"{where}: a memory limit over the request"
+
+
+def _deploy(spec: PipelineSpec) -> dict[str, Any]:
+    (resources,) = [r for where, r in _sizes(spec).items() if where.endswith(".deploy.container")]
+    return resources
+
+
+def test_deploy_is_sized_from_the_model_and_the_spec_overrides_it() -> None:
+    small = fresh_spec("llama3-dolly")
+    derived = _deploy(small)
+    assert model_parameters(small) == 8 * 10**9
+    # A merge of 8B parameters in bfloat16 (16 GB of weights) needs room for two and a half copies; MLflow stages a
+    # copy in /tmp.
+    assert quantity(derived["requests"]["memory"]) >= 2.5 * 16 * 10**9
+    assert quantity(derived["requests"]["ephemeral-storage"]) >= 16 * 10**9
+
+    big = fresh_spec("llama3-dolly")
+    big.model.name_or_path = "Qwen/Qwen2.5-72B-Instruct"
+    assert quantity(_deploy(big)["requests"]["memory"]) >= 9 * quantity(derived["requests"]["memory"]) / 2
+
+    small.stages.deploy.resources.cpu = "2"
+    small.stages.deploy.resources.memory = "500Gi"
+    small.stages.deploy.resources.ephemeral_storage = "1Ti"
+    overridden = _deploy(small)
+    wanted = {"cpu": "2", "memory": "500Gi", "ephemeral-storage": "1Ti"}
+    assert overridden == {"requests": wanted, "limits": wanted}
+
+
+def test_a_training_pod_holds_the_weights_once_per_gpu() -> None:
+    spec = fresh_spec("llama3-dolly")
+    spec.stages.sft.resources.cpu = spec.stages.sft.resources.memory = None
+    size = pod_size(spec, "sft")
+    assert size.cpu == "64"  # 8 GPUs
+    assert quantity(size.memory) >= 8 * 16 * 10**9 + quantity("64Gi")  # eight copies of 16 GB, and /dev/shm
+    spec.stages.sft.distributed.cpu_offload = True
+    offloaded = quantity(pod_size(spec, "sft").memory) - quantity(size.memory)
+    assert offloaded >= 16 * 8 * 10**9 - quantity("1Gi")  # the Adam state of 8B parameters (sizes round up to 1Gi)

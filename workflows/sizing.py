@@ -1,0 +1,141 @@
+"""Pod sizes: the CPU, memory and ephemeral storage each stage's container asks for.
+
+A stage's `resources.cpu`, `resources.memory` and `resources.ephemeral_storage` are used as written; where one is
+unset it is derived here from the stage and the size of the model (its weights in `model.dtype`), so no container
+the compiler renders runs without requests and limits (a pod without them is the first the kubelet evicts, and one
+that merges a 72B model would otherwise be scheduled on any node with room for nothing). The size comes from the
+pipeline file's model: a base model changed in the form at submit time keeps the template's sizes.
+
+The parameter count is the model's own for `model.from_config`, else the `<N>B` in a hub name or path
+(`Qwen2.5-72B-Instruct`, `Meta-Llama-3-8B`, `Qwen3-30B-A3B`), else DEFAULT_PARAMETERS.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from decimal import Decimal
+
+from workflows.spec import PipelineSpec, Resources, TinyModelConfig
+
+GIB = 1024**3
+
+DEFAULT_PARAMETERS = 8 * 10**9
+"""The parameter count assumed for a model whose size the name does not tell (a local path named otherwise)."""
+
+BYTES_PER_PARAMETER = {"bfloat16": 2, "float16": 2, "float32": 4, "auto": 2}
+"""The weights' size per parameter in each `model.dtype` ('auto' loads checkpoints as saved: 16-bit nowadays)."""
+
+CONTROL_CPU, CONTROL_MEMORY = "4", "16Gi"
+"""prepare (it parses and tokenizes data, loads no weights) and a stage without a model to hold."""
+
+RUNTIME_OVERHEAD_GIB = {"training": 16, "evaluate": 8, "deploy": 8}
+"""Memory beyond the weights: Python, CUDA context, tokenizer, data loaders, NCCL buffers."""
+
+CPU_PER_GPU = {"training": 8, "evaluate": 4, "deploy": 4}
+"""CPUs per GPU of the pod (data loader workers, tokenization, NCCL's proxy threads); a pod without GPUs gets 4."""
+
+SCRATCH_GIB = 10
+"""Ephemeral storage beyond the staged model (caches in /tmp: Triton, TorchInductor, pip)."""
+
+_SIZE_IN_NAME = re.compile(r"(?<![a-z0-9.])([0-9]+(?:\.[0-9]+)?)b(?![a-z0-9])")
+_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(m|k|Ki|Mi|Gi|Ti|Pi|Ei|M|G|T|P|E)?$")
+_FACTORS = {
+    None: Decimal(1),
+    "m": Decimal("0.001"),
+    **{s: Decimal(1000) ** (i + 1) for i, s in enumerate(("k", "M", "G", "T", "P", "E"))},
+    **{s: Decimal(1024) ** (i + 1) for i, s in enumerate(("Ki", "Mi", "Gi", "Ti", "Pi", "Ei"))},
+}
+
+
+@dataclass(frozen=True)
+class PodSize:
+    """What one container asks for: CPU and memory (request = limit), ephemeral storage (request = limit) or
+    None."""
+
+    cpu: str
+    memory: str
+    ephemeral_storage: str | None = None
+
+
+def quantity(value: str) -> Decimal:
+    """A Kubernetes quantity as a number ('2Gi' → 2147483648, '500m' → 0.5)."""
+    match = _QUANTITY.match(value)
+    if match is None:
+        raise ValueError(f"not a Kubernetes quantity: {value!r}")
+    return Decimal(match[1]) * _FACTORS[match[2]]
+
+
+def _config_parameters(config: TinyModelConfig) -> int:
+    """Parameters of a model built from a config: embeddings (tied or not, counted twice) and the layers."""
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    attention = hidden * config.head_dim * (2 * config.num_attention_heads + 2 * config.num_key_value_heads)
+    experts, _, expert_size = config.moe_sizes() or (1, 1, config.intermediate_size)
+    mlp = 3 * hidden * expert_size * experts
+    return 2 * config.vocab_size * hidden + layers * (attention + mlp)
+
+
+def model_parameters(spec: PipelineSpec) -> int:
+    """The model's parameter count, as well as the spec can tell before anything is downloaded."""
+    if spec.model.from_config is not None:
+        return _config_parameters(spec.model.from_config)
+    name = spec.model.name_or_path.rstrip("/").rsplit("/", 1)[-1].lower()
+    match = _SIZE_IN_NAME.search(name)
+    return int(float(match[1]) * 10**9) if match else DEFAULT_PARAMETERS
+
+
+def weights_bytes(spec: PipelineSpec) -> int:
+    """The model's weights in memory in `model.dtype`."""
+    return model_parameters(spec) * BYTES_PER_PARAMETER[spec.model.dtype]
+
+
+def _gib(amount: float) -> str:
+    return f"{max(1, math.ceil(amount / GIB))}Gi"
+
+
+def _role(stage_name: str) -> str:
+    if stage_name in ("cpt", "sft", "rlhf"):
+        return "training"
+    return stage_name if stage_name in ("evaluate", "deploy") else "control"
+
+
+def derived_size(spec: PipelineSpec, stage_name: str, res: Resources) -> PodSize:
+    """The size of a stage's pods when the spec leaves it unset.
+
+    - training (cpt, sft, rlhf): each of the pod's processes loads the weights into host memory before they go to
+      its GPU, so the weights once per GPU, plus optimizer state offloaded to the host (16 bytes a parameter:
+      fp32 master weights, two Adam moments, gradients; shared by the nodes) with `distributed.cpu_offload`.
+    - evaluate: the model being measured, once and a half (loading, then the generation cache on a CPU pod).
+    - deploy: an adapter merged into its base and the merged model loaded again to register it, about 2.5 times
+      the weights; MLflow stages the logged model in /tmp first, so ephemeral storage for one copy of it.
+    - prepare and other steps without a model: CONTROL_CPU and CONTROL_MEMORY.
+
+    Memory also covers the memory-backed /dev/shm (`shm_size`), which counts against the container's limit."""
+    role = _role(stage_name)
+    shm = float(quantity(res.shm_size)) if res.shm_size else 0.0
+    if role == "control":
+        return PodSize(CONTROL_CPU, _gib(float(quantity(CONTROL_MEMORY)) + shm))
+    weights = weights_bytes(spec)
+    cpu = str(max(4, CPU_PER_GPU[role] * res.gpus_per_node))
+    overhead = RUNTIME_OVERHEAD_GIB[role] * GIB + shm
+    if role == "training":
+        memory = weights * max(1, res.gpus_per_node)
+        if getattr(getattr(spec.stage(stage_name), "distributed", None), "cpu_offload", False):
+            memory += 16 * model_parameters(spec) / res.nodes
+        return PodSize(cpu, _gib(memory + overhead))
+    if role == "evaluate":
+        return PodSize(cpu, _gib(1.5 * weights + overhead))
+    return PodSize(cpu, _gib(2.5 * weights + overhead), _gib(weights + SCRATCH_GIB * GIB))
+
+
+def pod_size(spec: PipelineSpec, stage_name: str, res: Resources | None = None) -> PodSize:
+    """A stage's pod size: the spec's `resources.cpu`, `memory` and `ephemeral_storage` where set, the derived
+    size (derived_size) where not. `res` defaults to the stage's own resources."""
+    res = res if res is not None else spec.stage(stage_name).resources
+    derived = derived_size(spec, stage_name, res)
+    return PodSize(
+        cpu=res.cpu or derived.cpu,
+        memory=res.memory or derived.memory,
+        ephemeral_storage=res.ephemeral_storage or derived.ephemeral_storage,
+    )
