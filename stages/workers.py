@@ -40,6 +40,9 @@ IN_FLIGHT_PER_WORKER = 4
 """Batches a worker may have queued or finished ahead of the consumer: enough to keep every worker busy, few
 enough that memory stays bounded when the consumer (writing to disk) is the slower side."""
 
+READY = -1
+"""The index of a worker's first answer: its state is built (or, with an error, could not be)."""
+
 STOP_SECONDS = 5.0
 """How long workers get to end (told to, or by SIGTERM) before they are killed."""
 
@@ -164,8 +167,9 @@ def _start_pool(
 
 class _Pool:
     """Forked workers, each with a pipe of its own: `(index, batch)` goes in, `(index, ok, result or error)` comes
-    back. Nothing is shared between workers (no queue, no lock a killed worker could keep), so a worker's death
-    is seen at once, on its sentinel or as the end of its pipe, and stopping the rest never waits on it."""
+    back, after a first answer that says the worker is ready. Nothing is shared between workers (no queue, no lock
+    a killed worker could keep), so a worker's death is seen at once, on its sentinel or as the end of its pipe,
+    and stopping the rest never waits on it."""
 
     def __init__(
         self,
@@ -177,6 +181,9 @@ class _Pool:
     ) -> None:
         self.processes: list[Any] = []
         self.pipes: list[Connection] = []
+        # Batches sent to each worker and not answered yet; None until the worker says it is ready. A worker that
+        # never is (one forked while another thread held a lock can hang) gets no batch: the others do the work.
+        self.load: list[int | None] = []
         try:
             for _ in range(num_proc):
                 ours, theirs = context.Pipe()
@@ -192,6 +199,7 @@ class _Pool:
                 finally:
                     theirs.close()
                 self.processes.append(process)
+                self.load.append(None)
         except BaseException:
             self.stop(finished=False)
             raise
@@ -199,20 +207,18 @@ class _Pool:
     def map(self, batches: Iterable[T]) -> Iterator[R]:
         source = iter(batches)
         limit = len(self.processes) * IN_FLIGHT_PER_WORKER
-        load = [0] * len(self.processes)  # batches sent to each worker and not answered yet
         answers: dict[int, tuple[bool, Any]] = {}
         sent = taken = 0
         exhausted = False
         while True:
-            while not exhausted and sent - taken < limit:
+            while not exhausted and sent - taken < limit and (worker := self._least_loaded()) is not None:
                 try:
                     batch = next(source)
                 except StopIteration:
                     exhausted = True
                     break
-                worker = load.index(min(load))
                 self._send(worker, (sent, batch))
-                load[worker] += 1
+                self.load[worker] += 1  # type: ignore[operator]
                 sent += 1
             if taken in answers:
                 ok, value = answers.pop(taken)
@@ -220,10 +226,16 @@ class _Pool:
                 if not ok:
                     raise _rebuilt(*value)
                 yield value
-            elif taken == sent:  # nothing left to read or to wait for
+            elif exhausted and taken == sent:  # nothing left to read or to wait for
                 return
             else:
-                self._receive(answers, load)
+                self._receive(answers)
+
+    def _least_loaded(self) -> int | None:
+        """The ready worker with the fewest batches, None when all that are ready have IN_FLIGHT_PER_WORKER."""
+        ready = [(load, worker) for worker, load in enumerate(self.load) if load is not None]
+        load, worker = min(ready, default=(IN_FLIGHT_PER_WORKER, None))
+        return worker if load < IN_FLIGHT_PER_WORKER else None
 
     def _send(self, worker: int, message: Any) -> None:
         try:
@@ -231,7 +243,7 @@ class _Pool:
         except OSError:  # the worker's end is closed: it died, before or while this was written
             raise self._died(worker) from None
 
-    def _receive(self, answers: dict[int, tuple[bool, Any]], load: list[int]) -> None:
+    def _receive(self, answers: dict[int, tuple[bool, Any]]) -> None:
         """Wait for answers, or for a worker to end; the answers that came go into `answers`."""
         sentinels = [process.sentinel for process in self.processes]
         ready = set(wait([*self.pipes, *sentinels]))
@@ -241,10 +253,13 @@ class _Pool:
                     index, ok, value = pipe.recv()
                 except (EOFError, OSError):  # it died, perhaps while writing
                     raise self._died(worker) from None
-                if index < 0:  # its initializer failed
+                if index == READY and not ok:  # its initializer failed
                     raise _rebuilt(*value)
-                answers[index] = ok, value
-                load[worker] -= 1
+                if index == READY:
+                    self.load[worker] = 0
+                else:
+                    answers[index] = ok, value
+                    self.load[worker] -= 1  # type: ignore[operator]
         for worker, sentinel in enumerate(sentinels):
             if sentinel in ready:
                 raise self._died(worker)
@@ -259,15 +274,17 @@ class _Pool:
         return WorkerDied(process.pid, process.exitcode, len(self.processes))
 
     def stop(self, finished: bool) -> None:
-        """End the workers: told to, once all is done; else (stopped early, or failed) by SIGTERM, since the work
-        they have is not wanted. One that is still there after a few seconds is killed; none is left behind."""
+        """End the workers: told to, once all is done; else (stopped early, or failed), and those that never got
+        ready, by SIGTERM, since the work they have is not wanted. One still there after a few seconds is killed:
+        none is left behind."""
         if finished:
             for pipe in self.pipes:
                 with suppress(OSError):
                     pipe.send(None)
         deadline = time.monotonic() + (STOP_SECONDS if finished else 0)
-        for process in self.processes:
-            process.join(timeout=max(0.0, deadline - time.monotonic()))
+        for process, load in zip(self.processes, self.load, strict=True):
+            if load is not None:
+                process.join(timeout=max(0.0, deadline - time.monotonic()))
         for process in self.processes:
             if process.exitcode is None:
                 process.terminate()
@@ -294,7 +311,9 @@ def _serve(
     try:
         _start_worker(initializer, initargs)
     except Exception as exc:
-        _answer(pipe, -1, False, _remote(exc))
+        _answer(pipe, READY, False, _remote(exc))
+        return
+    if not _answer(pipe, READY, True, None):
         return
     # A thread reads the batches as they come, so that the parent, writing one, never waits on this worker while
     # it is busy writing a result the parent has not read yet.

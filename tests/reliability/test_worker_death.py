@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -99,9 +100,15 @@ except Exception as exc:
 def map_in_child(scenario: str) -> dict:
     """Run ordered_map over `scenario`'s fn, batches and init in a child (a map that hangs fails the test instead
     of hanging it): its result or error, how long it took, the workers it saw and the children left at the end."""
-    done = subprocess.run(
-        [sys.executable, "-c", _MAP % scenario], env=child_env(), capture_output=True, text=True, timeout=60, cwd=REPO
-    )
+    with tempfile.TemporaryDirectory() as scratch:  # the scenario's files
+        done = subprocess.run(
+            [sys.executable, "-c", _MAP % scenario],
+            env=child_env(PYTHONPATH=str(REPO)),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=scratch,
+        )
     assert done.returncode == 0, done.stderr[-3000:]
     return {**json.loads(done.stdout.splitlines()[-1]), "stderr": done.stderr}
 
@@ -138,20 +145,48 @@ batches, init = range(100), ()
 
 
 def test_a_worker_killed_while_the_parent_writes_to_it_ends_the_write() -> None:
-    """The workers die before they read anything, and a batch is far bigger than a pipe holds: the parent is
-    blocked writing to a dead worker's pipe, which must end with that worker's death."""
+    """A worker stops at its first batch (SIGSTOP: it reads nothing more) and is killed a second later; its
+    batches are far bigger than a pipe holds, so the parent is blocked writing the next one to it by then."""
     got = map_in_child(
         """
-def die_soon():
-    time.sleep(0.5)
-    os.kill(os.getpid(), signal.SIGKILL)
+import threading
 def fn(batch):
+    if batch[0] == 1:
+        with open("stopped.tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace("stopped.tmp", "stopped")
+        os.kill(os.getpid(), signal.SIGSTOP)
     return len(batch)
-batches, init = (bytes(16 << 20) for _ in range(8)), (die_soon,)
+def killer():
+    while not os.path.exists("stopped"):
+        time.sleep(0.05)
+    time.sleep(1)
+    os.kill(int(open("stopped").read()), signal.SIGKILL)
+threading.Thread(target=killer, daemon=True).start()
+batches, init = (bytes([i + 1]) * (16 << 20) for i in range(16)), ()
 """
     )
     assert "killed by signal 9 (SIGKILL)" in got["error"], got
     assert got["seconds"] < 10 and got["pids"] == []
+
+
+def test_a_worker_that_never_gets_ready_is_left_out_and_stopped_at_the_end() -> None:
+    """A worker can hang as it starts (forked while another thread of the stage held a lock): it gets no batch,
+    the others do the work, and it is ended with the map."""
+    got = map_in_child(
+        """
+def one_hangs():
+    try:
+        os.close(os.open("hung", os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        return
+    time.sleep(600)
+def fn(x):
+    return -x
+batches, init = range(40), (one_hangs,)
+"""
+    )
+    assert got["out"] == [-x for x in range(40)] and got["pids"] == []
 
 
 def test_an_initializer_that_fails_raises_its_error_instead_of_restarting_workers() -> None:
