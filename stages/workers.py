@@ -371,9 +371,9 @@ def _rebuilt(exc: BaseException, trace: str) -> BaseException:
 @contextmanager
 def _killable_children() -> Iterator[None]:
     """SIGTERM at its default disposition while the workers are forked, so that each is born killable by
-    `Pool.terminate`. A child forked while another thread of this process held a lock (a stream's, say) can hang
-    before `_start_worker` resets the stage's SIGTERM handler; with that handler it would outlive terminate and
-    `Pool.join` would wait forever. Only the main thread may set handlers; elsewhere the workers reset it alone."""
+    `_Pool.stop`. A child forked while another thread of this process held a lock (a stream's, say) can hang
+    before `_start_worker` resets the stage's SIGTERM handler; with that handler it would outlive SIGTERM until
+    `_Pool.stop` killed it. Only the main thread may set handlers; elsewhere the workers reset it alone."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -386,7 +386,7 @@ def _killable_children() -> Iterator[None]:
 
 def _start_worker(initializer: Callable[..., None] | None, initargs: tuple[Any, ...]) -> None:
     """A worker's start: the default signal dispositions (the stage's SIGTERM handler, inherited through the fork,
-    would keep `Pool.terminate` from ending it; Ctrl-C is for the parent, which stops the pool), then its state."""
+    would keep `_Pool.stop` from ending it; Ctrl-C is for the parent, which stops the pool), then its state."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if initializer is not None:
