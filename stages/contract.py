@@ -780,14 +780,20 @@ class StageContext:
         return self.fail(message, retryable=True)
 
     def crash(self, exc: Exception) -> int:
-        """Record an error the stage did not expect and return the exit code. A full disk and a GPU out of
-        memory are explained without a traceback; anything else keeps its traceback (what a bug report needs),
-        printed and written to `logs/traceback.txt`, and the log ends with one `error:` line that says where.
-        An error that came of the run directory going away (a file not found mid-save) is RunDirGone instead."""
+        """Record an error the stage did not expect and return the exit code. A full disk, a GPU out of memory
+        and a worker process that died (the OOM killer) are explained without a traceback; anything else keeps its
+        traceback (what a bug report needs), printed and written to `logs/traceback.txt`, and the log ends with one
+        `error:` line that says where. An error that came of the run directory going away (a file not found
+        mid-save) is RunDirGone instead."""
+        from stages.workers import WorkerDied  # it imports this module
+
         check_still_ours(self.dir)
         summary = writable(f"{type(exc).__name__}: {exc}".strip())
         if is_disk_full(exc):
             return self.fail(summary)
+        if isinstance(exc, WorkerDied):
+            print(f"[{self.stage}] error: {exc}", file=sys.stderr, flush=True)
+            return self.fail(str(exc))
         if type(exc).__name__ == "OutOfMemoryError":
             message = f"the GPU ran out of memory ({str(exc).splitlines()[0] if str(exc) else 'no details'}). "
             message += _memory_hint(self.stage, self.section)

@@ -13,6 +13,10 @@ stage without the variables runs exactly as in the product. Each `<step>`:
                             one of them
     HOLD_IN_MEASURE         (a path) evaluate writes it when it measures the candidate (inside its MLflow run), then
                             waits there until it is signalled
+    KILL_PREPARE_WORKER     (a batch number) a worker process of prepare (never the stage's own process) kills itself
+                            with SIGKILL, as the OOM killer would, when it starts that batch of rows of its own; each
+                            worker writes `<FAULT_DIR>/worker-<pid>` at its first batch, the killed one
+                            `<FAULT_DIR>/killed-<pid>` just before it dies
 
 The HOLD_*_SAVE and HOLD_IN_SAVE pauses write `<FAULT_DIR>/held-<what>-<step>` and wait, at most 300 s, for
 `<FAULT_DIR>/release-<what>-<step>` (or to be killed).
@@ -21,7 +25,9 @@ The HOLD_*_SAVE and HOLD_IN_SAVE pauses write `<FAULT_DIR>/held-<what>-<step>` a
 from __future__ import annotations
 
 import errno
+import multiprocessing
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -35,6 +41,7 @@ SWITCHES = (
     "ENOSPC_IN_SAVE",
     "ENOSPC_STAGE_JSON",
     "HOLD_IN_MEASURE",
+    "KILL_PREPARE_WORKER",
     "FAULT_DIR",
 )
 """The variables the hooks read, each when its point is reached: a stage forked from a server that has the hooks
@@ -59,13 +66,16 @@ def install() -> None:
     from transformers import Trainer
 
     import stages.evaluate
+    import stages.prepared_data
     from stages import checkpoints, contract
 
     save_rest, on_save = Trainer._save_optimizer_and_scheduler, checkpoints.CheckpointMarker.on_save
     step_end = checkpoints.CheckpointMarker.on_step_end
     handle, write_result = checkpoints.SigtermCheckpoint._handle, contract.RunDir.write_result
     measure = stages.evaluate.measure
+    process_rows = stages.prepared_data.process_rows
     woken: list[int] = []
+    started_batches: dict[int, int] = {}  # per process: forked workers start from their parent's count
 
     def faulty_save_rest(self: Any, output_dir: str) -> Any:
         if self.state.global_step == _step("ENOSPC_IN_SAVE"):
@@ -107,12 +117,23 @@ def install() -> None:
                 time.sleep(0.05)
         return measure(*args, **kwargs)
 
+    def killed_process_rows(batch: Any) -> Any:
+        if os.environ.get("KILL_PREPARE_WORKER") and multiprocessing.parent_process() is not None:
+            started = started_batches[os.getpid()] = started_batches.get(os.getpid(), 0) + 1
+            if started == 1:
+                (Path(os.environ.get("FAULT_DIR", ".")) / f"worker-{os.getpid()}").touch()
+            if started == _step("KILL_PREPARE_WORKER"):
+                (Path(os.environ.get("FAULT_DIR", ".")) / f"killed-{os.getpid()}").touch()
+                os.kill(os.getpid(), signal.SIGKILL)
+        return process_rows(batch)
+
     Trainer._save_optimizer_and_scheduler = faulty_save_rest
     checkpoints.CheckpointMarker.on_step_end = held_step_end
     checkpoints.CheckpointMarker.on_save = held_on_save
     checkpoints.SigtermCheckpoint._handle = waking_handle
     contract.RunDir.write_result = full_disk_write_result
     stages.evaluate.measure = held_measure
+    stages.prepared_data.process_rows = killed_process_rows
 
 
 _INSTALLED = (

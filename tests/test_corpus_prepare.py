@@ -228,8 +228,8 @@ def test_sigterm_while_workers_read_stops_them_and_leaves_nothing_behind(tmp_pat
 def test_workers_that_cannot_start_leave_the_work_to_this_process(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """No writable /dev/shm for the pool's semaphores (a locked-down container), or a fork refused: the map
-    runs in this process with a warning, the same results in the same order."""
+    """A fork refused (a process limit, no memory for the copy): the map runs in this process with a warning, the
+    same results in the same order."""
     from stages import workers
 
     def refused(*args: Any, **kwargs: Any) -> None:
