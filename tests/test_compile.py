@@ -8,10 +8,12 @@ import re
 import pytest
 import yaml
 
-from workflows.compile import WAIT_RETRY_EXPRESSION, compile_pipeline, duration_seconds, template_name
+from workflows.compile import compile_pipeline, template_name
 from workflows.loading import load_pipeline
 from workflows.pytorchjob import FAILURE_CONDITION, SUCCESS_CONDITION
 from workflows.spec import MAX_DURATION_SECONDS, MAX_PIPELINE_NAME_LENGTH, RunPolicy
+from workflows.step_templates import duration_seconds
+from workflows.training_steps import WAIT_RETRY_EXPRESSION
 
 
 def _template(name: str = "korean-llm", overrides: tuple[str, ...] = ()) -> dict:
@@ -727,3 +729,22 @@ def test_the_longest_durations_the_spec_allows_render_as_go_durations() -> None:
     for template in doc["spec"]["templates"]:
         assert int(template.get("activeDeadlineSeconds", 0)) <= go_duration_seconds
         assert int(str(template.get("timeout", "0s")).removesuffix("s")) <= go_duration_seconds
+
+
+def test_every_job_kind_of_the_spec_is_a_job_kind_module() -> None:
+    """Each value cluster.job_kind accepts selects a module with what the compiler, cleanup and preflight use of it
+    (workflows/job_kinds.py), and workflows.cleanup accepts it as --kind."""
+    import typing
+
+    from workflows import job_kinds
+    from workflows.cleanup import JOB_RESOURCES
+    from workflows.spec import ClusterSpec
+
+    accepted = set(typing.get_args(ClusterSpec.model_fields["job_kind"].annotation))
+    assert accepted == set(job_kinds.KINDS) == set(JOB_RESOURCES)
+    assert ClusterSpec.model_fields["job_kind"].default == job_kinds.DEFAULT_JOB_KIND
+    for name, kind in job_kinds.KINDS.items():
+        for attribute in ("API_VERSION", "KIND", "PLURAL", "SUCCESS_CONDITION", "FAILURE_CONDITION"):
+            assert isinstance(getattr(kind, attribute), str), (name, attribute)
+        manifest = kind.job_manifest(load_pipeline("korean-llm").spec, "sft")
+        assert (manifest["apiVersion"], manifest["kind"]) == (kind.API_VERSION, kind.KIND), name

@@ -46,7 +46,7 @@ def compiled_conditions() -> tuple[tuple[str, str, str], ...]:
     for name, profile in PIPELINE_VARIANTS:
         docs = compile_pipeline(fresh_spec(name, profile)).documents()
         for template in docs["workflowtemplate.yaml"]["spec"]["templates"]:
-            # The step that waits on a job (the create step only creates it: workflows/compile.py).
+            # The step that waits on a job (the create step only creates it: workflows/training_steps.py).
             if "resource" in template and "kind: PyTorchJob" in template["resource"]["manifest"]:
                 resource = template["resource"]
                 if resource["action"] == "create":

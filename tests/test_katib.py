@@ -18,15 +18,12 @@ from schema_validation import SchemaViolation, validate_argo, validate_custom_re
 
 from workflows import katib, preflight
 from workflows.cleanup import delete_running_experiments, main
-from workflows.compile import (
-    CREATE_TIMEOUT_SECONDS,
-    DEADLINE_BACKSTOP_SECONDS,
-    WAIT_RETRY_EXPRESSION,
-    compile_pipeline,
-    hpo_attempt_seconds,
-    workflow_deadline,
-)
+from workflows.compile import compile_pipeline
+from workflows.deadline import workflow_deadline
+from workflows.search_steps import hpo_attempt_seconds
 from workflows.spec import HPO_ALGORITHMS, MAX_NODES, MAX_PIPELINE_NAME_LENGTH, TRAINING_STAGES, PipelineSpec
+from workflows.step_templates import DEADLINE_BACKSTOP_SECONDS
+from workflows.training_steps import CREATE_TIMEOUT_SECONDS, WAIT_RETRY_EXPRESSION
 
 SEARCH: dict[str, Any] = {
     "objective": {"metric": "eval_loss"},

@@ -1053,7 +1053,7 @@ def test_trainer_v2_runtime_fits_the_trainjobs_the_pipelines_render() -> None:
     volumes the TrainJob's override replaces by name, the kit's claims and accounts, and the settings the spec's
     defaults give a PyTorchJob pod (user, grace period, metrics port)."""
     from workflows.pytorchjob import volumes
-    from workflows.trainjob import NODE, trainjob_manifest
+    from workflows.trainjob import NODE, job_manifest
 
     (runtime,) = _load_docs(MANIFESTS / "components" / "trainer-v2" / "clustertrainingruntime.yaml")
     spec = load_pipeline("korean-llm", "trainjob").spec
@@ -1083,7 +1083,7 @@ def test_trainer_v2_runtime_fits_the_trainjobs_the_pipelines_render() -> None:
     claims = {v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v}
     assert claims <= kit_claims
     # The override a TrainJob sends names only volumes and a container the runtime has.
-    (override,) = trainjob_manifest(spec, "cpt")["spec"]["podTemplateOverrides"]
+    (override,) = job_manifest(spec, "cpt")["spec"]["podTemplateOverrides"]
     assert override["targetJobs"] == [{"name": NODE}]
     assert [c["name"] for c in override["spec"]["containers"]] == [NODE]
     assert {v["name"] for v in override["spec"]["volumes"]} <= {v["name"] for v in pod["volumes"]}

@@ -21,7 +21,7 @@ from stages.checkpoints import MARKER
 from stages.contract import EXIT_RETRYABLE, RunDir, StageContext
 from stages.metrics import StageMetrics
 from stages.progress import ProgressLog
-from workflows.pytorchjob import METRICS_PORT_ENV, METRICS_PORT_NAME, pytorchjob_manifest
+from workflows.pytorchjob import METRICS_PORT_ENV, METRICS_PORT_NAME, job_manifest
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -173,7 +173,7 @@ def test_without_the_variable_nothing_is_served(tmp_path: Path, monkeypatch: pyt
 def test_the_master_declares_the_metrics_port_and_the_workers_do_not(schemas_dir: Path) -> None:
     spec = fresh_spec("qwen3-30b-a3b")
     stage = next(s for s in ("cpt", "sft", "rlhf") if spec.stage(s).enabled and spec.stage(s).resources.nodes > 1)
-    job = pytorchjob_manifest(spec, stage)
+    job = job_manifest(spec, stage)
     validate_pytorchjob(job)
     replicas = job["spec"]["pytorchReplicaSpecs"]
     (master,) = replicas["Master"]["template"]["spec"]["containers"]
@@ -189,18 +189,14 @@ def test_the_master_declares_the_metrics_port_and_the_workers_do_not(schemas_dir
 def test_a_stage_env_cannot_point_the_server_elsewhere() -> None:
     spec = fresh_spec("korean-llm")
     spec.stages.sft.env[METRICS_PORT_ENV] = "8000"
-    (master,) = pytorchjob_manifest(spec, "sft")["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"][
-        "containers"
-    ]
+    (master,) = job_manifest(spec, "sft")["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"]
     assert [e["value"] for e in master["env"] if e["name"] == METRICS_PORT_ENV] == ["9200"]
 
 
 def test_no_metrics_port_no_port_and_no_variable() -> None:
     spec = fresh_spec("korean-llm")
     spec.cluster.metrics_port = None
-    (master,) = pytorchjob_manifest(spec, "sft")["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"][
-        "containers"
-    ]
+    (master,) = job_manifest(spec, "sft")["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"]
     assert "ports" not in master
     assert METRICS_PORT_ENV not in {e["name"] for e in master["env"]}
 

@@ -28,7 +28,7 @@ from test_progress import tiny_model
 from stages.metrics import StageMetrics
 from stages.progress import ProgressLog
 from workflows.notify import GRAFANA_DASHBOARD
-from workflows.pytorchjob import METRICS_PORT_NAME, STAGE_LABEL, pytorchjob_manifest
+from workflows.pytorchjob import METRICS_PORT_NAME, STAGE_LABEL, job_manifest
 
 COMPONENT = MANIFESTS / "components" / "monitoring"
 UNIT_TESTS = Path(__file__).resolve().parent / "prometheus" / "posttrain_test.yaml"
@@ -236,7 +236,7 @@ def test_the_pod_monitor_scrapes_each_training_masters_metrics_port() -> None:
     assert endpoint["port"] == METRICS_PORT_NAME
     spec = fresh_spec("qwen3-30b-a3b")
     for stage in ("cpt", "sft", "rlhf"):
-        for rtype, replica in pytorchjob_manifest(spec, stage)["spec"]["pytorchReplicaSpecs"].items():
+        for rtype, replica in job_manifest(spec, stage)["spec"]["pytorchReplicaSpecs"].items():
             template = replica["template"]
             assert _matches(monitor["spec"]["selector"], template["metadata"]["labels"]), (stage, rtype)
             ports = [p["name"] for c in template["spec"]["containers"] for p in c.get("ports", [])]

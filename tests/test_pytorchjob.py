@@ -10,7 +10,7 @@ from conftest import PIPELINE_VARIANTS, fresh_spec, variant_id
 from schema_validation import SchemaViolation, pod_template_object, validate_core, validate_pytorchjob
 
 from workflows.loading import SpecError, known_pipelines, load_pipeline
-from workflows.pytorchjob import CONTAINER_NAME, SCRATCH_VOLUME, STAGE_LABEL, pytorchjob_manifest, run_dir
+from workflows.pytorchjob import CONTAINER_NAME, SCRATCH_VOLUME, STAGE_LABEL, job_manifest, run_dir
 from workflows.spec import (
     MAX_NODES,
     MAX_PIPELINE_NAME_LENGTH,
@@ -51,21 +51,21 @@ def test_every_shipped_pipeline_has_a_training_stage() -> None:
 
 
 def test_manifest_validates_strictly_against_the_crd(case: tuple[PipelineSpec, str], schemas_dir: Any) -> None:
-    validate_pytorchjob(pytorchjob_manifest(*case))
+    validate_pytorchjob(job_manifest(*case))
 
 
 def test_pod_templates_validate_as_core_objects(case: tuple[PipelineSpec, str]) -> None:
-    for rtype, replica in _replicas(pytorchjob_manifest(*case)).items():
+    for rtype, replica in _replicas(job_manifest(*case)).items():
         validate_core(pod_template_object(replica["template"], name=rtype.lower()))
 
 
 def test_the_validators_reject_an_unknown_field(case: tuple[PipelineSpec, str], schemas_dir: Any) -> None:
     """Strictness guard: a misspelt container field must not pass as 'unknown, pruned'."""
-    manifest = pytorchjob_manifest(*case)
+    manifest = job_manifest(*case)
     _replicas(manifest)["Master"]["template"]["spec"]["containers"][0]["volumeMount"] = []
     with pytest.raises(SchemaViolation, match=r"containers\[0\].*'volumeMount' was unexpected"):
         validate_pytorchjob(manifest)
-    manifest = pytorchjob_manifest(*case)
+    manifest = job_manifest(*case)
     manifest["spec"]["runPolicy"]["activeDeadline"] = 5
     with pytest.raises(SchemaViolation, match=r"spec\.runPolicy: .*'activeDeadline'"):
         validate_pytorchjob(manifest)
@@ -75,7 +75,7 @@ def test_the_validators_reject_an_unknown_field(case: tuple[PipelineSpec, str], 
 def test_master_and_workers(case: tuple[PipelineSpec, str], nodes: int) -> None:
     spec, stage = case
     spec.stage(stage).resources.nodes = nodes
-    replicas = _replicas(pytorchjob_manifest(spec, stage))
+    replicas = _replicas(job_manifest(spec, stage))
     assert replicas["Master"]["replicas"] == 1
     if nodes == 1:
         assert set(replicas) == {"Master"}
@@ -88,7 +88,7 @@ def test_master_and_workers(case: tuple[PipelineSpec, str], nodes: int) -> None:
 
 def test_container_and_command(case: tuple[PipelineSpec, str]) -> None:
     spec, stage = case
-    manifest = pytorchjob_manifest(spec, stage, run_name="run-abc12")
+    manifest = job_manifest(spec, stage, run_name="run-abc12")
     for replica in _replicas(manifest).values():
         [container] = replica["template"]["spec"]["containers"]
         assert container["name"] == CONTAINER_NAME == "pytorch"
@@ -104,7 +104,7 @@ def test_container_and_command(case: tuple[PipelineSpec, str]) -> None:
 
 def test_default_run_dir_is_the_workflow_name(case: tuple[PipelineSpec, str]) -> None:
     spec, stage = case
-    manifest = pytorchjob_manifest(spec, stage)
+    manifest = job_manifest(spec, stage)
     assert manifest["metadata"]["generateName"] == f"{{{{workflow.name}}}}-{stage}-"
     assert "name" not in manifest["metadata"]  # retries must not collide with the previous job
     for container in _containers(manifest):
@@ -114,7 +114,7 @@ def test_default_run_dir_is_the_workflow_name(case: tuple[PipelineSpec, str]) ->
 def test_nproc_and_gpus(case: tuple[PipelineSpec, str]) -> None:
     spec, stage = case
     res = spec.stage(stage).resources
-    manifest = pytorchjob_manifest(spec, stage)
+    manifest = job_manifest(spec, stage)
     assert manifest["spec"]["nprocPerNode"] == str(res.gpus_per_node or 1)
     for container in _containers(manifest):
         limits = container.get("resources", {}).get("limits", {})
@@ -128,7 +128,7 @@ def test_shared_memory_volume(case: tuple[PipelineSpec, str]) -> None:
     spec, stage = case
     for shm in ("32Gi", None):
         spec.stage(stage).resources.shm_size = shm
-        manifest = pytorchjob_manifest(spec, stage)
+        manifest = job_manifest(spec, stage)
         for replica in _replicas(manifest).values():
             pod = replica["template"]["spec"]
             shm_mounts = [m for m in pod["containers"][0]["volumeMounts"] if m["mountPath"] == "/dev/shm"]
@@ -143,7 +143,7 @@ def test_shared_memory_volume(case: tuple[PipelineSpec, str]) -> None:
 
 def test_volume_claims_are_mounted(case: tuple[PipelineSpec, str]) -> None:
     spec, stage = case
-    manifest = pytorchjob_manifest(spec, stage)
+    manifest = job_manifest(spec, stage)
     for replica in _replicas(manifest).values():
         pod = replica["template"]["spec"]
         claims = {v["name"]: v["persistentVolumeClaim"] for v in pod["volumes"] if "persistentVolumeClaim" in v}
@@ -159,7 +159,7 @@ def test_secrets_only_by_reference(case: tuple[PipelineSpec, str]) -> None:
     spec, stage = case
     spec.cluster.secrets.hf_token = SecretRef(name="hf-token-x", key="token")
     spec.cluster.secrets.aws_secret_access_key = SecretRef(name="s3-creds", key="secret")
-    manifest = pytorchjob_manifest(spec, stage)
+    manifest = job_manifest(spec, stage)
     wanted = {env: (ref.name, ref.key) for env, ref in spec.cluster.secrets.env().items()}
     for container in _containers(manifest):
         by_ref = {}
@@ -179,7 +179,7 @@ def test_secrets_only_by_reference(case: tuple[PipelineSpec, str]) -> None:
 def test_run_policy(case: tuple[PipelineSpec, str]) -> None:
     spec, stage = case
     rp = spec.stage(stage).run_policy
-    policy = pytorchjob_manifest(spec, stage)["spec"]["runPolicy"]
+    policy = job_manifest(spec, stage)["spec"]["runPolicy"]
     assert policy["cleanPodPolicy"] == rp.clean_pod_policy
     assert policy.get("ttlSecondsAfterFinished") == rp.ttl_seconds_after_finished
     assert policy.get("activeDeadlineSeconds") == rp.active_deadline_seconds
@@ -197,7 +197,7 @@ def test_run_policy_overrides_and_gang_scheduling(case: tuple[PipelineSpec, str]
     st.resources.queue = "team-a"
     st.resources.priority_class = "high"
     st.resources.nodes = 3
-    manifest = pytorchjob_manifest(spec, stage)
+    manifest = job_manifest(spec, stage)
     policy = manifest["spec"]["runPolicy"]
     assert policy["activeDeadlineSeconds"] == 600
     assert policy["backoffLimit"] == 3
@@ -213,7 +213,7 @@ def test_scheduling_policy_only_when_asked(case: tuple[PipelineSpec, str]) -> No
     spec, stage = case
     spec.stage(stage).resources.queue = None
     spec.stage(stage).resources.priority_class = None
-    manifest = pytorchjob_manifest(spec, stage)
+    manifest = job_manifest(spec, stage)
     assert "schedulingPolicy" not in manifest["spec"]["runPolicy"]
     assert "kueue.x-k8s.io/queue-name" not in manifest["metadata"]["labels"]
 
@@ -230,7 +230,7 @@ def test_placement_and_labels(case: tuple[PipelineSpec, str], schemas_dir: Any) 
             }
         }
     }
-    manifest = pytorchjob_manifest(spec, stage)
+    manifest = job_manifest(spec, stage)
     validate_pytorchjob(manifest)
     assert manifest["metadata"]["namespace"] == spec.cluster.namespace
     assert manifest["metadata"]["labels"][STAGE_LABEL] == stage
@@ -246,7 +246,7 @@ def test_training_pods_hold_no_api_token(case: tuple[PipelineSpec, str]) -> None
     (the account that may create jobs is the resource step's, never the job's)."""
     spec, stage = case
     spec.cluster.pod_service_account = "runner-x"
-    for replica in _replicas(pytorchjob_manifest(spec, stage)).values():
+    for replica in _replicas(job_manifest(spec, stage)).values():
         pod = replica["template"]["spec"]
         assert pod["serviceAccountName"] == "runner-x" != spec.cluster.service_account
         assert pod["automountServiceAccountToken"] is False
@@ -257,7 +257,7 @@ def test_a_read_only_root_with_writable_scratch_and_caches(case: tuple[PipelineS
     into it (or at the checkpoints volume: HF_HOME). A stage's env may move one elsewhere."""
     spec, stage = case
     spec.stage(stage).env = {"TRITON_CACHE_DIR": "/mnt/checkpoints/.cache/triton"}
-    for replica in _replicas(pytorchjob_manifest(spec, stage)).values():
+    for replica in _replicas(job_manifest(spec, stage)).values():
         pod = replica["template"]["spec"]
         (container,) = pod["containers"]
         assert container["securityContext"]["readOnlyRootFilesystem"] is True
@@ -282,7 +282,7 @@ def test_a_bad_affinity_is_caught_by_the_spec_and_by_the_crd(case: tuple[Pipelin
         resources.affinity = {"nodeAfinity": {}}
     resources.__dict__["affinity"] = {"nodeAfinity": {}}  # past the spec's validation
     with pytest.raises(SchemaViolation, match="nodeAfinity"):
-        validate_pytorchjob(pytorchjob_manifest(spec, stage))
+        validate_pytorchjob(job_manifest(spec, stage))
 
 
 def _env(container: dict[str, Any]) -> dict[str, str]:
@@ -295,7 +295,7 @@ def test_rdma_devices_the_capability_they_need_and_nccl_settings_only_when_asked
     spec, stage = case
     section = spec.stage(stage)
     asked = {k: v for k, v in {**spec.cluster.env, **section.env}.items() if k.startswith("NCCL_")}
-    for container in _containers(pytorchjob_manifest(spec, stage)):  # by default: no device, no capability
+    for container in _containers(job_manifest(spec, stage)):  # by default: no device, no capability
         assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
         assert {k: v for k, v in _env(container).items() if k.startswith("NCCL_")} == asked
         assert set(container["resources"].get("limits", {})) <= {"cpu", "memory", "ephemeral-storage", "nvidia.com/gpu"}
@@ -303,7 +303,7 @@ def test_rdma_devices_the_capability_they_need_and_nccl_settings_only_when_asked
     spec.cluster.env = {k: v for k, v in spec.cluster.env.items() if k != "NCCL_IB_HCA"}
     section.resources.rdma = RdmaSpec(resource="rdma/rdma_shared_device_a", count=2, nccl_ib_hca="=mlx5_0,mlx5_1")
     section.env = {"NCCL_SOCKET_IFNAME": "eth1"}  # set in the env, not in rdma: as the env says
-    manifest = pytorchjob_manifest(spec, stage)
+    manifest = job_manifest(spec, stage)
     validate_pytorchjob(manifest)
     for rtype, replica in _replicas(manifest).items():
         validate_core(pod_template_object(replica["template"], name=rtype.lower()))
@@ -341,7 +341,7 @@ def test_pods_know_their_image(case: tuple[PipelineSpec, str]) -> None:
     """The MLflow runs are tagged with the image (stages/tracking.py reads POSTTRAIN_IMAGE)."""
     spec, stage = case
     spec.stage(stage).resources.image = "registry.example/trainer:pinned"
-    for container in _containers(pytorchjob_manifest(spec, stage)):
+    for container in _containers(job_manifest(spec, stage)):
         assert _env(container)["POSTTRAIN_IMAGE"] == container["image"] == "registry.example/trainer:pinned"
 
 
@@ -353,7 +353,7 @@ def test_torchrun_gives_workers_the_grace_period_to_checkpoint(
     cover most of the pod's grace period, which is sized for one step plus a checkpoint."""
     spec, stage = case
     spec.stage(stage).run_policy.termination_grace_period_seconds = grace
-    for replica in _replicas(pytorchjob_manifest(spec, stage)).values():
+    for replica in _replicas(job_manifest(spec, stage)).values():
         pod = replica["template"]["spec"]
         assert pod["terminationGracePeriodSeconds"] == grace
         shutdown = int(_env(pod["containers"][0])["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"])
@@ -368,7 +368,7 @@ def test_a_failed_job_frees_the_gpus_of_its_running_pods() -> None:
     assert policy.active_deadline_seconds == 7 * 24 * 3600
     spec = fresh_spec("korean-llm")
     spec.stages.sft.run_policy = RunPolicy()
-    run_policy = pytorchjob_manifest(spec, "sft")["spec"]["runPolicy"]
+    run_policy = job_manifest(spec, "sft")["spec"]["runPolicy"]
     assert run_policy["cleanPodPolicy"] == "Running"
     assert run_policy["activeDeadlineSeconds"] == 7 * 24 * 3600
 
@@ -384,7 +384,7 @@ def _worst_service_name(spec: PipelineSpec) -> str:
     workflow = f"{spec.name}-{2**32}-abcde"  # a 10-digit unix time (2106); resubmission appends '-<5 random>'
     names = []
     for stage in TRAINING_STAGES:
-        job = pytorchjob_manifest(spec, stage, run_name=workflow)["metadata"]["generateName"] + "fghij"
+        job = job_manifest(spec, stage, run_name=workflow)["metadata"]["generateName"] + "fghij"
         names.append(f"{job}-worker-{MAX_NODES - 2}")
     return max(names, key=len)
 

@@ -21,9 +21,9 @@ from schema_validation import (
     validate_pytorchjob,
 )
 
-from workflows.pytorchjob import STAGE_LABEL, WORKFLOW_LABEL, pytorchjob_manifest
+from workflows import pytorchjob, trainjob
+from workflows.pytorchjob import STAGE_LABEL, WORKFLOW_LABEL
 from workflows.spec import TRAINING_STAGES, PipelineSpec
-from workflows.trainjob import trainjob_manifest
 from workflows.variants import variant_specs
 
 EXPECTED_KINDS = {
@@ -84,7 +84,7 @@ def test_embedded_pytorchjobs_validate_against_the_crd(
     if spec.cluster.job_kind != "pytorchjob":
         assert templates == []
         return
-    expected = _expected_jobs(spec, pytorchjob_manifest)
+    expected = _expected_jobs(spec, pytorchjob.job_manifest)
     assert sorted(t["name"] for t in templates) == sorted(expected)
     for template in templates:
         manifest = yaml.safe_load(template["resource"]["manifest"])
@@ -98,7 +98,7 @@ def test_embedded_trainjobs_validate_against_the_crd(spec: PipelineSpec, compile
     spec.cluster.job_kind = "trainjob"
     documents = compile_pipeline(spec).documents()
     templates = list(_resource_templates(documents, kind="TrainJob"))
-    expected = _expected_jobs(spec, trainjob_manifest)
+    expected = _expected_jobs(spec, trainjob.job_manifest)
     assert sorted(t["name"] for t in templates) == sorted(expected)
     assert list(_resource_templates(documents)) == []  # no PyTorchJob left
     for template in templates:
@@ -114,7 +114,7 @@ def test_embedded_trainjobs_validate_against_the_crd(spec: PipelineSpec, compile
 def test_the_trainjob_validator_is_strict(spec: PipelineSpec) -> None:
     """Guard: a field a TrainJob does not have (a PyTorchJob's, or a pod field the override cannot set) fails."""
     stage = next(s for s in TRAINING_STAGES if spec.stage(s).enabled)
-    manifest = trainjob_manifest(spec, stage)
+    manifest = trainjob.job_manifest(spec, stage)
     validate_custom_resource(manifest)
     misplaced = copy.deepcopy(manifest)
     misplaced["spec"]["podTemplateOverrides"][0]["spec"]["securityContext"] = {"runAsNonRoot": True}

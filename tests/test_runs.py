@@ -568,7 +568,9 @@ def test_no_retention_no_step() -> None:
 
 
 def test_retention_counts_in_the_deadline() -> None:
-    from workflows.compile import RETENTION_POLICY, workflow_deadline, worst_case_seconds
+    from workflows.control_steps import RETENTION_POLICY
+    from workflows.deadline import workflow_deadline
+    from workflows.step_templates import worst_case_seconds
 
     on = load_pipeline(PIPELINE, None, ["retention.keep_last=3"]).spec
     off = load_pipeline(PIPELINE, None, ["retention.keep_last=null"]).spec

@@ -16,7 +16,8 @@ import yaml
 
 from stages.tracking import local_store_uri
 from workflows import parameters as params
-from workflows.compile import compile_pipeline, workflow_deadline
+from workflows.compile import compile_pipeline
+from workflows.deadline import workflow_deadline
 from workflows.loading import PIPELINES_DIR, SpecError, load_pipeline
 from workflows.spec import MAX_PIPELINE_NAME_LENGTH
 from workflows.variants import variant_specs

@@ -26,16 +26,13 @@ import os
 import sys
 from typing import Any
 
-from workflows import katib, trainjob
-from workflows.pytorchjob import API_VERSION, PIPELINE_LABEL, STAGE_LABEL, WORKFLOW_LABEL
+from workflows import job_kinds, katib
+from workflows.pytorchjob import PIPELINE_LABEL, STAGE_LABEL, WORKFLOW_LABEL
 
-JOB_RESOURCES: dict[str, tuple[str, str, str]] = {
-    "pytorchjob": (*API_VERSION.split("/"), "pytorchjobs"),
-    "trainjob": (*trainjob.API_VERSION.split("/"), trainjob.PLURAL),
-}
-"""(group, version, plural) of each `cluster.job_kind`: workflows/pytorchjob.py's and workflows/trainjob.py's."""
+JOB_RESOURCES: dict[str, tuple[str, str, str]] = {name: job_kinds.job_resource(name) for name in job_kinds.KINDS}
+"""(group, version, plural) of each `cluster.job_kind` (workflows/job_kinds.py)."""
 
-JOB_KINDS = (JOB_RESOURCES["pytorchjob"],)
+JOB_KINDS = (JOB_RESOURCES[job_kinds.DEFAULT_JOB_KIND],)
 """The resources a workflow of the default job kind creates."""
 
 FINISHED_CONDITIONS = ("Succeeded", "Complete", "Failed")
@@ -72,7 +69,7 @@ def delete_running_jobs(
     workflow: str,
     api_client: Any = None,
     stage: str | None = None,
-    kind: str = "pytorchjob",
+    kind: str = job_kinds.DEFAULT_JOB_KIND,
     pipeline: str | None = None,
 ) -> list[str]:
     """Delete the unfinished jobs of `workflow` in `namespace` (of one `stage` only, when given, and of one
@@ -152,7 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stage", help="Only this training stage's jobs.")
     parser.add_argument("--pipeline", help="Only this pipeline's jobs (a variant's: '<pipeline>-<variant>').")
     parser.add_argument(
-        "--kind", choices=sorted(JOB_RESOURCES), default="pytorchjob", help="The jobs' kind (cluster.job_kind)."
+        "--kind",
+        choices=sorted(JOB_RESOURCES),
+        default=job_kinds.DEFAULT_JOB_KIND,
+        help="The jobs' kind (cluster.job_kind).",
     )
     parser.add_argument(
         "--experiments",

@@ -29,7 +29,7 @@ import copy
 import math
 from typing import Any
 
-from workflows.pytorchjob import CONTAINER_NAME, job_metadata, pytorchjob_manifest, run_dir
+from workflows.pytorchjob import CONTAINER_NAME, job_manifest, job_metadata, run_dir
 from workflows.spec import PipelineSpec, SearchParameter, TrainingStage, recorded_metrics
 
 API_VERSION = "kubeflow.org/v1beta1"
@@ -135,7 +135,7 @@ def trial_command(spec: PipelineSpec, stage_name: str, run_name: str = "{{workfl
 def trial_spec(spec: PipelineSpec, stage_name: str, run_name: str = "{{workflow.name}}") -> dict[str, Any]:
     """The stage's PyTorchJob as a trial template: no name or namespace (Katib sets both), the trial command, and
     the metrics file's path in every replica's environment (rank 0 writes it)."""
-    job = copy.deepcopy(pytorchjob_manifest(spec, stage_name, run_name))
+    job = copy.deepcopy(job_manifest(spec, stage_name, run_name))
     job["metadata"] = {"labels": job["metadata"]["labels"]}
     command = trial_command(spec, stage_name, run_name)
     for replica in job["spec"]["pytorchReplicaSpecs"].values():

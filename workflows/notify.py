@@ -35,7 +35,7 @@ MAX_MESSAGE_CHARS = 300
 _EMOJI = {"Succeeded": ":white_check_mark:", "Failed": ":x:", "Error": ":rotating_light:"}
 _ROLLUP = re.compile(r"^(child '[^']*' failed|No more retries left)$")
 _STEP_TEMPLATE = re.compile(r"-(create|wait|cleanup)$")
-"""The templates of one training stage's attempt (workflows/compile.py training_templates) end so."""
+"""The templates of one training stage's attempt (workflows/training_steps.py training_templates) end so."""
 GRAFANA_DASHBOARD = "posttrain-run"
 """The uid of the run dashboard (manifests/components/monitoring); its variable `run` is the workflow's name."""
 

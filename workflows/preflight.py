@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from workflows import trainjob
+from workflows.job_kinds import job_resource
 from workflows.sizing import PodSize, pod_size, quantity
 from workflows.spec import TRAINING_STAGES, PipelineSpec, Resources
 
@@ -238,9 +239,8 @@ def _guarded(report: PreflightReport, name: str, fn: Callable[[], None]) -> None
 def _needed_crds(spec: PipelineSpec) -> list[str]:
     crds = ["workflows.argoproj.io", "workflowtemplates.argoproj.io"]
     if any(spec.stage(s).enabled for s in TRAINING_STAGES):
-        crds.insert(
-            0, "trainjobs.trainer.kubeflow.org" if spec.cluster.job_kind == "trainjob" else "pytorchjobs.kubeflow.org"
-        )
+        group, _, plural = job_resource(spec.cluster.job_kind)
+        crds.insert(0, f"{plural}.{group}")
     if any(getattr(spec.stage(s), "hpo", None) is not None for s in spec.stages.enabled()):
         crds.append("experiments.kubeflow.org")
     if spec.schedule.cron:

@@ -26,6 +26,7 @@ from workflows.spec import PipelineSpec, RdmaSpec, StageBase, TrainingStage
 
 API_VERSION = "kubeflow.org/v1"
 KIND = "PyTorchJob"
+PLURAL = "pytorchjobs"
 CONTAINER_NAME = "pytorch"  # the operator injects PET_* variables into the container of this name
 
 # `Created` is always at index 0; `Failed` can be appended after Suspended, Running/Restarting and Succeeded.
@@ -295,7 +296,7 @@ def job_metadata(spec: PipelineSpec, stage_name: str, run_name: str) -> dict[str
     return {"generateName": f"{run_name}-{stage_name}-", "namespace": spec.cluster.namespace, "labels": labels}
 
 
-def pytorchjob_manifest(spec: PipelineSpec, stage_name: str, run_name: str = "{{workflow.name}}") -> dict[str, Any]:
+def job_manifest(spec: PipelineSpec, stage_name: str, run_name: str = "{{workflow.name}}") -> dict[str, Any]:
     """The PyTorchJob for one training stage of a run: Master (1) + Workers (nodes-1)."""
     stage: TrainingStage = getattr(spec.stages, stage_name)
     res = stage.resources

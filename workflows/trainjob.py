@@ -110,7 +110,7 @@ def pod_override(spec: PipelineSpec, stage_name: str, stage: TrainingStage) -> d
     return {"targetJobs": [{"name": NODE}], "metadata": metadata, "spec": pod}
 
 
-def trainjob_manifest(spec: PipelineSpec, stage_name: str, run_name: str = "{{workflow.name}}") -> dict[str, Any]:
+def job_manifest(spec: PipelineSpec, stage_name: str, run_name: str = "{{workflow.name}}") -> dict[str, Any]:
     """The TrainJob for one training stage of a run: `nodes` pods of the runtime's `node` job, each running
     torchrun with `gpus_per_node` processes."""
     stage: TrainingStage = getattr(spec.stages, stage_name)
