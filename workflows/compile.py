@@ -7,6 +7,12 @@ CronWorkflow only reference it, with explicit arguments, so "Resubmit" in the UI
 The template and the CronWorkflow are named after the pipeline, or `<pipeline>-<profile>` when a profile was
 applied, so a profile never replaces the plain template that the pipeline's schedule runs. Workflows keep the
 generateName `<pipeline>-` either way (the training jobs' Service names are built from it).
+
+The template's parts come from one module each: workflows/pipeline_dag.py (one model's DAG) and
+workflows/variant_dag.py (a pipeline with variants), workflows/stage_steps.py (prepare, evaluate, deploy),
+workflows/training_steps.py (a training stage's job, of the kind workflows/job_kinds.py selects),
+workflows/search_steps.py (a Katib search), workflows/control_steps.py (serve, cleanup, notify, retention, the exit
+handler) and workflows/deadline.py; workflows/step_templates.py holds what their steps share.
 """
 
 from __future__ import annotations

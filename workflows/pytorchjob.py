@@ -1,5 +1,9 @@
 """The Kubeflow PyTorchJob (kubeflow.org/v1) a training stage creates, and the Argo conditions that watch it.
 
+The default of workflows/job_kinds.py's kinds (`cluster.job_kind: pytorchjob`): API_VERSION, KIND, PLURAL,
+SUCCESS_CONDITION, FAILURE_CONDITION and `job_manifest` are what the control plane uses of it. The pod settings
+below (volumes, environment, security contexts, resources) are shared by every step that runs stage code.
+
 How the Training Operator (v1.7–v1.9) writes `status`, which the conditions below rely on:
 - `status.conditions` only grows at the end. `Created` is always first. `Running` and `Restarting`
   replace each other; `Suspended` comes and goes; `Succeeded` or `Failed` is appended last, and once

@@ -1,5 +1,5 @@
 """The Kubeflow Trainer v2 TrainJob (trainer.kubeflow.org/v1alpha1) a training stage creates with
-`cluster.job_kind: trainjob`, and the Argo conditions that watch it.
+`cluster.job_kind: trainjob`, and the Argo conditions that watch it (a kind of workflows/job_kinds.py).
 
 A TrainJob names a ClusterTrainingRuntime (`cluster.training_runtime`, manifests/components/trainer-v2) whose
 JobSet template holds the pod's fixed parts: security contexts, the grace period, automountServiceAccountToken,
