@@ -151,7 +151,7 @@ def test_the_image_knows_its_commit() -> None:
     build arg."""
     envs = [rest for word, rest in instructions(IMAGES / "trainer" / "Dockerfile") if word == "ENV"]
     assert any(re.search(r"(^|\s)POSTTRAIN_GIT_SHA=\$\{?REVISION\}?(\s|$)", env) for env in envs)
-    assert "POSTTRAIN_GIT_SHA" in (ROOT / "stages" / "tracking.py").read_text(encoding="utf-8")
+    assert "POSTTRAIN_GIT_SHA" in (ROOT / "stages" / "tracking_mlflow_server.py").read_text(encoding="utf-8")
 
 
 # --------------------------------------------------------------------------- the lock file
