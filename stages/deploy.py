@@ -319,7 +319,7 @@ def lineage_tags(
     """Tags of the model version: where it comes from (run, workflow, data fingerprints, parent stages and
     their config hashes, base model, commit, the content fingerprints of the registered files and of the
     candidate evaluate measured) and the gate decision with its numbers."""
-    from stages.tracking import run_tags
+    from stages.tracking_mlflow_server import run_tags
 
     run_dir, spec = ctx.run_dir, ctx.spec
     tags = dict(run_tags(spec, run_dir.root))

@@ -194,7 +194,7 @@ def log_selection(
 ) -> None:
     """The best values and objective on the pipeline run's MLflow parent; a warning, never a failure, when MLflow
     cannot take them."""
-    from stages.tracking import log_to_pipeline_run
+    from stages.tracking_mlflow_server import log_to_pipeline_run
 
     params = {f"hpo.{stage}.{path}": value for path, value in values.items()}
     metrics = {f"hpo.{stage}.{metric}": best_objective} if best_objective is not None else {}

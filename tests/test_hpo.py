@@ -16,7 +16,7 @@ import workflows.local as local
 from stages.__main__ import main as stages_main
 from stages.contract import RunDir, config_hash
 from stages.hpo import search_fingerprint, search_path
-from stages.tracking import local_store_uri
+from stages.tracking_mlflow_server import local_store_uri
 from stages.trials import METRICS_FILE_ENV, trials_dir
 from workflows.katib import katib_parameter_name
 from workflows.loading import load_pipeline

@@ -147,10 +147,11 @@ def test_trainer_sets_writable_home_and_labels() -> None:
 
 
 def test_the_image_knows_its_commit() -> None:
-    """stages/tracking.py tags MLflow runs with POSTTRAIN_GIT_SHA: the image sets it from the REVISION build arg."""
+    """stages/tracking_mlflow_server.py tags MLflow runs with POSTTRAIN_GIT_SHA: the image sets it from the REVISION
+    build arg."""
     envs = [rest for word, rest in instructions(IMAGES / "trainer" / "Dockerfile") if word == "ENV"]
     assert any(re.search(r"(^|\s)POSTTRAIN_GIT_SHA=\$\{?REVISION\}?(\s|$)", env) for env in envs)
-    assert "POSTTRAIN_GIT_SHA" in (ROOT / "stages" / "tracking.py").read_text(encoding="utf-8")
+    assert "POSTTRAIN_GIT_SHA" in (ROOT / "stages" / "tracking_mlflow_server.py").read_text(encoding="utf-8")
 
 
 # --------------------------------------------------------------------------- the lock file

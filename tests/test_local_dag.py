@@ -17,7 +17,7 @@ import pytest
 from training_fixtures import wandb_offline_runs
 
 from stages.contract import RunDir
-from stages.tracking import local_store_uri
+from stages.tracking_mlflow_server import local_store_uri
 from workflows.spec import STAGE_ORDER, TRAINING_STAGES
 
 pytestmark = pytest.mark.slow

@@ -19,10 +19,11 @@ import pytest
 from test_deploy import make_run, run_deploy
 from training_fixtures import wandb_offline_runs
 
-import stages.tracking as tracking
+import stages.tracking_wandb as tracking_wandb
 from stages.contract import RunDir, StageContext
 from stages.evaluate import download_champion, find_champion, registry_client
-from stages.tracking import StageTracker, local_store_uri, resolve_tracking_uri
+from stages.tracking import StageTracker
+from stages.tracking_mlflow_server import TRACKING_FILE, local_store_uri, resolve_tracking_uri
 from workflows.loading import load_pipeline
 from workflows.local import where_to_look
 
@@ -116,7 +117,7 @@ def test_local_runs_in_one_folder_share_one_store_and_each_says_which(tmp_path: 
     ctx = make_ctx(first, "prepare")
     with StageTracker(ctx):
         pass
-    recorded = json.loads((first / tracking.TRACKING_FILE).read_text(encoding="utf-8"))["mlflow"]
+    recorded = json.loads((first / TRACKING_FILE).read_text(encoding="utf-8"))["mlflow"]
     assert recorded["tracking_uri"] == f"sqlite:///{runs / 'mlflow.db'}"
     assert (runs / "mlflow.db").is_file() and not (first / "mlflow.db").exists()
 
@@ -139,7 +140,7 @@ def test_a_training_stage_logs_mlflows_system_metrics(tmp_path: Path, monkeypatc
     ctx = make_ctx(tmp_path / "run", "cpt")
     client = mlflow.MlflowClient(local_store_uri(ctx.run_dir.root))
     with StageTracker(ctx) as tracker:
-        assert tracker.system_metrics is not None
+        assert tracker.mlflow.system_metrics is not None
         deadline = time.monotonic() + 60  # waits for the monitor's first batch; asserts nothing about time
         while not any(k.startswith("system/") for k in client.get_run(tracker.run_id).data.metrics):
             assert time.monotonic() < deadline, "no system metrics were logged"
@@ -149,28 +150,28 @@ def test_a_training_stage_logs_mlflows_system_metrics(tmp_path: Path, monkeypatc
 
     prepare = make_ctx(tmp_path / "run", "prepare")
     with StageTracker(prepare) as tracker:
-        assert tracker.system_metrics is None  # only the training stages
+        assert tracker.mlflow.system_metrics is None  # only the training stages
 
 
 # --------------------------------------------------------------------------- W&B
 
 
 def test_wandb_mode_follows_wandb_mode_and_a_wandb_login(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert tracking.wandb_mode() == "offline"  # no key anywhere
+    assert tracking_wandb.wandb_mode() == "offline"  # no key anywhere
     netrc = tmp_path / "netrc"
     netrc.write_text(f"machine api.wandb.ai\n  login user\n  password {'a' * 40}\n", encoding="utf-8")
     netrc.chmod(0o600)
     monkeypatch.setenv("NETRC", str(netrc))  # what `wandb login` writes
-    assert tracking.wandb_logged_in() and tracking.wandb_mode() == "online"
+    assert tracking_wandb.wandb_logged_in() and tracking_wandb.wandb_mode() == "online"
     for mode in ("disabled", "offline", "online"):
         monkeypatch.setenv("WANDB_MODE", mode)
-        assert tracking.wandb_mode() == mode
+        assert tracking_wandb.wandb_mode() == mode
     monkeypatch.setenv("WANDB_MODE", "dryrun")
-    assert tracking.wandb_mode() == "offline"
+    assert tracking_wandb.wandb_mode() == "offline"
     monkeypatch.delenv("WANDB_MODE")
     monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
     monkeypatch.setenv("WANDB_API_KEY", "b" * 40)
-    assert tracking.wandb_mode() == "online"
+    assert tracking_wandb.wandb_mode() == "online"
 
 
 def test_wandb_disabled_writes_no_wandb_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -186,10 +187,10 @@ def test_wandb_project_and_entity_from_the_environment_beat_the_spec(
 ) -> None:
     pytest.importorskip("wandb")
     spec = load_pipeline("korean-llm", "local", ["tracking.wandb_project=from-spec"]).spec
-    assert tracking.wandb_target(spec) == ("from-spec", spec.tracking.wandb_entity)
+    assert tracking_wandb.wandb_target(spec) == ("from-spec", spec.tracking.wandb_entity)
     monkeypatch.setenv("WANDB_PROJECT", "from-env")
     monkeypatch.setenv("WANDB_ENTITY", "my-team")
-    assert tracking.wandb_target(spec) == ("from-env", "my-team")
+    assert tracking_wandb.wandb_target(spec) == ("from-env", "my-team")
 
     # WANDB_PROJECT alone turns W&B on; without a key the run is offline, ready for `wandb sync`.
     ctx = make_ctx(tmp_path / "run", "prepare")
@@ -241,7 +242,7 @@ def test_tensorboard_tags_are_the_trainers_own(tmp_path: Path) -> None:
 def test_tensorboard_tags_follow_transformers_rewrite_logs() -> None:
     from transformers.integrations.integration_utils import rewrite_logs
 
-    from stages.tracking import tensorboard_tags as tags
+    from stages.tracking_tensorboard import tensorboard_tags as tags
 
     plain = {"loss": 1.0, "eval_loss": 2.0, "test_accuracy": 3.0, "evaluation": 4.0, "eval_": 5.0, "tests": 6.0}
     assert tags(plain) == rewrite_logs(plain)

@@ -338,7 +338,7 @@ def test_rdma_refuses_what_is_not_a_training_stage_device(override: str, message
 
 
 def test_pods_know_their_image(case: tuple[PipelineSpec, str]) -> None:
-    """The MLflow runs are tagged with the image (stages/tracking.py reads POSTTRAIN_IMAGE)."""
+    """The MLflow runs are tagged with the image (stages/tracking_mlflow_server.py reads POSTTRAIN_IMAGE)."""
     spec, stage = case
     spec.stage(stage).resources.image = "registry.example/trainer:pinned"
     for container in _containers(job_manifest(spec, stage)):

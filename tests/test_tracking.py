@@ -1,4 +1,4 @@
-"""Experiment tracking (stages/tracking.py): MLflow parent and nested runs (the parent closed by the stage that
+"""Experiment tracking (stages/tracking*.py): MLflow parent and nested runs (the parent closed by the stage that
 ends the pipeline run), resumption, a server that dies mid-run, W&B offline runs with their group and job type,
 Langfuse events, and no secrets in params.
 
@@ -27,7 +27,8 @@ from fake_langfuse import FakeLangfuse
 from training_fixtures import wandb_offline_runs
 
 from stages.contract import RunDir, StageContext, StageInterrupted
-from stages.tracking import TRACKING_FILE, StageTracker, local_store_uri
+from stages.tracking import StageTracker
+from stages.tracking_mlflow_server import TRACKING_FILE, local_store_uri
 from workflows.loading import load_pipeline
 from workflows.spec import PipelineSpec
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from stages.tracking import local_store_uri
+from stages.tracking_mlflow_server import local_store_uri
 from workflows import parameters as params
 from workflows.compile import compile_pipeline
 from workflows.deadline import workflow_deadline

@@ -91,7 +91,7 @@ from stages.contract import (
 )
 from stages.evaluate import GATE_PASS
 from stages.hpo import apply_selections
-from stages.tracking import local_store_uri
+from stages.tracking_mlflow_server import local_store_uri
 from workflows.loading import PIPELINES_DIR, REPLACES_DATA, LoadedPipeline
 from workflows.plan import plan_warnings, prepared_warnings
 from workflows.pytorchjob import RUN_ROOT
@@ -203,7 +203,7 @@ def run_dir_gone(run_root: Path, lock: Any, stage: str) -> str | None:
 
 def local_tracking_uri(run_root: Path) -> str:
     """The local MLflow store: one SQLite database beside the run directories (`runs/mlflow.db`), shared by the
-    local runs, so the gate compares with the last local champion (stages.tracking.local_store_uri)."""
+    local runs, so the gate compares with the last local champion (stages.tracking_mlflow_server.local_store_uri)."""
     return local_store_uri(run_root)
 
 

@@ -406,7 +406,7 @@ def promote(spec: PipelineSpec, run_dir: Path, deployed: dict[str, Any]) -> str:
     from mlflow import MlflowClient
 
     from stages.evaluate import CHAMPION, GATE_PASS
-    from stages.tracking import resolve_tracking_uri
+    from stages.tracking_mlflow_server import resolve_tracking_uri
 
     name, version = deployed["registered_model"], deployed["model_version"]
     if deployed.get("gate") != GATE_PASS:

@@ -209,7 +209,7 @@ def sync_tracking_command(run_dir: Path) -> int:
 def _sync_and_report(run_dir: Path) -> int:
     """Send the journals, print per stage what was sent and what is pending; returns the exit status."""
     from stages.contract import RunDir, StageRefused
-    from stages.tracking import sync_tracking
+    from stages.tracking_outbox import sync_tracking
     from workflows.loading import SpecError
 
     try:
@@ -668,8 +668,9 @@ def _protections(runs: list[Run], served_extra: list[str]) -> tuple[dict[str, st
         spec = run.spec
         deploy = (spec.get("stages") or {}).get("deploy") or {}
         uri = ((spec.get("tracking") or {}).get("mlflow_tracking_uri")) or os.environ.get("MLFLOW_TRACKING_URI")
-        if not uri:  # local runs share a store beside them (stages.tracking.local_store_uri), when there is one
-            from stages.tracking import local_store_uri
+        # Local runs share a store beside them (stages.tracking_mlflow_server.local_store_uri), when there is one.
+        if not uri:
+            from stages.tracking_mlflow_server import local_store_uri
 
             local = local_store_uri(run.path)
             uri = local if Path(local.removeprefix("sqlite:///")).is_file() else None

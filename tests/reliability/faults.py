@@ -18,7 +18,7 @@ from training_fixtures import child_env, run_stage, start_stage, wait_for_file
 
 from stages.checkpoints import MARKER, check_safetensors, list_checkpoints, why_invalid
 from stages.contract import RunDir
-from stages.tracking import local_store_uri
+from stages.tracking_mlflow_server import local_store_uri
 from workflows.warm_starts import WarmProcess
 
 

@@ -28,7 +28,7 @@ from stages.contract import (
     now,
 )
 from stages.data import BUILTIN_TASKS_DIR
-from stages.tracking import local_store_uri
+from stages.tracking_mlflow_server import local_store_uri
 from workflows.loading import load_pipeline
 
 STEPS = 9

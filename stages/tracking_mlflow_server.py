@@ -1,0 +1,254 @@
+"""The run directory's MLflow server: where it is, its experiment, the pipeline's parent run, the runs' tags."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from stages.contract import mask_secrets, secret_values, write_json_atomic
+from workflows.credentials import looks_secret_name
+from workflows.spec import PipelineSpec
+
+TRIAL_TAG = "posttrain.trial"
+"""Tag of a search trial's MLflow run: the trial's name (its stage is in posttrain.stage)."""
+
+TRACKING_FILE = "tracking.json"
+"""`<run>/tracking.json`: the MLflow experiment and parent run ids shared by the stages of a run."""
+
+BATCH = 1000  # MLflow log_batch limit for metrics
+PARAM_BATCH = 100
+MAX_PARAM_VALUE = 6000
+
+# Short HTTP retries: a dead tracking server must cost seconds, not the minutes of MLflow's defaults.
+_MLFLOW_HTTP_DEFAULTS = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "15",
+}
+
+
+LOCAL_STORE = "mlflow.db"
+"""The local tracking store's database, beside the run directories (`runs/mlflow.db`, artifacts in
+`runs/mlartifacts/`), shared by the local runs there so that the gate compares with the last local champion."""
+
+
+def local_store_uri(run_root: Path) -> str:
+    """The SQLite store a run without a tracking server uses: the one its tracking.json names (a run keeps its
+    store when resumed), else `<run>/mlflow.db` when the run has one (made before the store was shared), else the
+    shared `mlflow.db` in the folder that holds the run directory."""
+    root = Path(run_root).absolute()
+    recorded = str(read_tracking_file(root).get("mlflow", {}).get("tracking_uri") or "")
+    if recorded.startswith("sqlite:///"):
+        return recorded
+    if (root / LOCAL_STORE).is_file():
+        return f"sqlite:///{root / LOCAL_STORE}"
+    return f"sqlite:///{root.parent / LOCAL_STORE}"
+
+
+def resolve_tracking_uri(spec: PipelineSpec, run_root: Path) -> str:
+    """spec.tracking.mlflow_tracking_uri, else $MLFLOW_TRACKING_URI, else the local SQLite store
+    (`local_store_uri`)."""
+    return spec.tracking.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or local_store_uri(run_root)
+
+
+def redact_uri(uri: str) -> str:
+    """A URI fit for logs: its userinfo (user:password@) and any other credential in it masked."""
+    return mask_secrets(uri)
+
+
+def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested mappings flattened to dotted keys (lists stay values)."""
+    if not isinstance(data, dict):
+        return {prefix: data}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}.{key}" if prefix else str(key)
+        out.update(flatten(value, name) if isinstance(value, dict) else {name: value})
+    return out
+
+
+def clean_params(params: dict[str, Any], secrets: set[str] | None = None) -> dict[str, str]:
+    """Params as MLflow accepts them (flat, string values, legal keys), without anything secret: a secret-looking
+    name or a value holding a secret of the environment is left out, a credential-shaped part of a value (a URI's
+    user:password@, a known key format) is masked."""
+    secrets = secret_values() if secrets is None else secrets
+    out = {}
+    for key, value in flatten(params).items():
+        text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+        if looks_secret_name(key) or any(s in text for s in secrets):
+            continue
+        safe_key = mask_secrets(re.sub(r"[^A-Za-z0-9_\-. /:]", "_", key)[:250], secrets)
+        out[safe_key] = mask_secrets(text, secrets)[:MAX_PARAM_VALUE]
+    return out
+
+
+def git_sha() -> str | None:
+    """The source commit: $POSTTRAIN_GIT_SHA or $GIT_SHA, else `git rev-parse HEAD` when in a checkout."""
+    for name in ("POSTTRAIN_GIT_SHA", "GIT_SHA"):
+        if os.environ.get(name):
+            return os.environ[name]
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            cwd=Path(__file__).parent,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else None
+
+
+def run_tags(spec: PipelineSpec, run_root: Path) -> dict[str, str]:
+    """Tags on every MLflow run of a pipeline run: pipeline, run dir, Argo workflow, git commit, image (masked)."""
+    tags = {
+        "posttrain.pipeline": spec.name,
+        "posttrain.run": run_root.name,
+        "posttrain.run_dir": str(run_root),
+        "posttrain.data_version": spec.data_version,
+        "posttrain.model": spec.model.name_or_path,
+    }
+    if spec.variant is not None:  # the variants of a pipeline share its experiment
+        tags["posttrain.variant"] = spec.variant
+    env = {
+        "argo.workflow.name": "ARGO_WORKFLOW_NAME",
+        "argo.workflow.uid": "ARGO_WORKFLOW_UID",
+        "posttrain.image": "POSTTRAIN_IMAGE",
+    }
+    tags.update({tag: os.environ[var] for tag, var in env.items() if os.environ.get(var)})
+    if sha := git_sha():
+        tags["mlflow.source.git.commit"] = sha
+    secrets = secret_values()
+    return {key: mask_secrets(value, secrets)[:MAX_PARAM_VALUE] for key, value in tags.items()}
+
+
+def read_tracking_file(run_root: Path) -> dict[str, Any]:
+    path = run_root / TRACKING_FILE
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def now_ms() -> int:
+    """The time in milliseconds since the epoch, as MLflow stamps metrics and ends runs."""
+    return int(time.time() * 1000)
+
+
+class MlflowServer:
+    """The run directory's MLflow server: the client, the experiment, the pipeline's parent run and stage runs."""
+
+    def __init__(self, spec: PipelineSpec, root: Path) -> None:
+        for name, value in _MLFLOW_HTTP_DEFAULTS.items():
+            os.environ.setdefault(name, value)
+        logging.getLogger("alembic").setLevel(logging.WARNING)
+        self.spec = spec
+        self.root = Path(root)
+        self.uri = resolve_tracking_uri(spec, self.root)
+        self.experiment_name = spec.tracking.mlflow_experiment or spec.name
+        self.client: Any = None
+        self.experiment_id: str | None = None
+
+    def _artifact_location(self) -> str | None:
+        if self.uri.startswith("sqlite:///"):
+            return (Path(self.uri.removeprefix("sqlite:///")).parent / "mlartifacts").absolute().as_uri()
+        return None
+
+    def connect(self) -> Any:
+        """The client, with the experiment looked up or created."""
+        from mlflow.exceptions import MlflowException
+        from mlflow.tracking import MlflowClient
+
+        if self.client is None:
+            self.client = MlflowClient(tracking_uri=self.uri)
+        if self.experiment_id is None:
+            experiment = self.client.get_experiment_by_name(self.experiment_name)
+            if experiment is None:
+                try:
+                    self.experiment_id = self.client.create_experiment(
+                        self.experiment_name, artifact_location=self._artifact_location()
+                    )
+                except MlflowException:  # created by someone else in between
+                    self.experiment_id = self.client.get_experiment_by_name(self.experiment_name).experiment_id
+            else:
+                self.experiment_id = experiment.experiment_id
+        return self.client
+
+    def exists(self, run_id: str) -> bool:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.get_run(run_id)
+        except MlflowException as exc:
+            if exc.error_code == "RESOURCE_DOES_NOT_EXIST":
+                return False
+            raise
+        return True
+
+    def parent(self, tags: dict[str, str], reopen: bool) -> str:
+        """The pipeline run's parent run: the one `tracking.json` names when it is on this server (set RUNNING
+        again with `reopen`: a stage starts), else a new one, written to `tracking.json`."""
+        client = self.connect()
+        shared = read_tracking_file(self.root).get("mlflow", {})
+        parent = shared.get("parent_run_id")
+        if parent and shared.get("experiment_id") == self.experiment_id and self.exists(parent):
+            if reopen:
+                client.update_run(parent, status="RUNNING")
+            return parent
+        pipeline_tags = {key: value for key, value in tags.items() if key != TRIAL_TAG}  # opened by a trial
+        parent = client.create_run(
+            self.experiment_id, run_name=self.root.name, tags={**pipeline_tags, "posttrain.kind": "pipeline"}
+        ).info.run_id
+        shared = {"experiment_id": self.experiment_id, "parent_run_id": parent, "tracking_uri": redact_uri(self.uri)}
+        write_json_atomic(self.root / TRACKING_FILE, {**read_tracking_file(self.root), "mlflow": shared})
+        return parent
+
+    def create_stage_run(self, stage: str, config_hash: str, parent: str, tags: dict[str, str]) -> str:
+        stage_tags = {
+            **tags,
+            "mlflow.parentRunId": parent,
+            "posttrain.stage": stage,
+            "posttrain.config_hash": config_hash,
+        }
+        name = f"{stage} trial {tags[TRIAL_TAG]}" if TRIAL_TAG in tags else stage
+        return self.connect().create_run(self.experiment_id, run_name=name, tags=stage_tags).info.run_id
+
+    def end_parent(self, parent: str, status: str, tags: dict[str, str], end_time: int | None = None) -> None:
+        """Close the pipeline's parent run, tagged with why it ended."""
+        for key, value in tags.items():
+            self.client.set_tag(parent, key, mask_secrets(value)[:MAX_PARAM_VALUE])
+        self.client.set_terminated(parent, status, end_time=end_time)
+
+
+def log_to_pipeline_run(
+    spec: PipelineSpec, run_root: Path, params: dict[str, Any], metrics: dict[str, float], tags: dict[str, str]
+) -> str:
+    """Log params, metrics (at step 0) and tags on the pipeline run's MLflow parent (opened when there is none yet);
+    returns its id. Params the parent already has with the same value are not sent again; raises what MLflow
+    raises (the caller decides whether tracking may fail it)."""
+    from mlflow.entities import Metric, Param, RunTag
+
+    server = MlflowServer(spec, run_root)
+    client = server.connect()
+    secrets = secret_values()
+    parent = server.parent(run_tags(spec, run_root), reopen=False)
+    have = client.get_run(parent).data.params
+    fresh = {k: v for k, v in clean_params(params, secrets).items() if have.get(k) != v}
+    stamp = now_ms()
+    client.log_batch(
+        parent,
+        params=[Param(k, v) for k, v in fresh.items()],
+        metrics=[Metric(k, float(v), stamp, 0) for k, v in metrics.items()],
+        tags=[RunTag(k, mask_secrets(v, secrets)[:MAX_PARAM_VALUE]) for k, v in tags.items()],
+    )
+    return parent
