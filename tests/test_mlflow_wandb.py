@@ -21,7 +21,7 @@ from training_fixtures import wandb_offline_runs
 
 import stages.tracking as tracking
 from stages.contract import RunDir, StageContext
-from stages.evaluate import download_champion, find_champion, registry_client
+from stages.registry import download_champion, find_champion, registry_client
 from stages.tracking import StageTracker, local_store_uri, resolve_tracking_uri
 from workflows.loading import load_pipeline
 from workflows.local import where_to_look
