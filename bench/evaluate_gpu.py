@@ -129,7 +129,7 @@ def measure_paths(run: Path, out: Path, shape_name: str) -> dict[str, Any]:
     import torch
     from gpu_suite import SHAPES
 
-    import stages.evaluate as evaluate
+    import stages.measures as measures
     from stages.contract import RunDir
     from stages.data import BUILTIN_TASKS_DIR, sha256_file
     from stages.modeling import load_base, load_stage_model, load_tokenizer, spec_base
@@ -157,10 +157,10 @@ def measure_paths(run: Path, out: Path, shape_name: str) -> dict[str, Any]:
         lines = [here if line.startswith("    test: ") else line for line in lines]
         task.write_text("\n".join(lines) + "\n", encoding="utf-8")
     heldout = run / "prepare" / "data" / "evaluate" / "eval.jsonl"
-    rows = evaluate.read_rows(heldout)
+    rows = measures.read_rows(heldout)
     timer = Timed()
     for name in ("perplexity", "lm_eval_metrics", "generate"):
-        timer.wrap(evaluate, name)
+        timer.wrap(measures, name)
     result["heldout_rows"] = len(rows)
     result["lm_eval_tasks"] = spec.stages.evaluate.lm_eval_tasks
     result["prompts"], result["max_new_tokens"] = len(spec.stages.evaluate.prompts), spec.stages.evaluate.max_new_tokens
@@ -176,20 +176,20 @@ def measure_paths(run: Path, out: Path, shape_name: str) -> dict[str, Any]:
         return value
 
     def measured(who: str, model: Any) -> Any:
-        return evaluate.measure(ctx, model, tokenizer, rows, who)
+        return measures.measure(ctx, model, tokenizer, rows, who)
 
-    def free() -> None:  # evaluate.release, once the last reference is gone
+    def free() -> None:  # measures.release, once the last reference is gone
         gc.collect()
         if gpu:
             torch.cuda.empty_cache()
 
     # 1. Today's path: CPU load, then to the GPU; both models measured, the prompts generated one at a time.
-    batched = evaluate.generate
+    batched = measures.generate
 
     def one_at_a_time(model: Any, tokenizer: Any, prompts: list[str], max_new_tokens: int, chat: bool) -> list[str]:
         return [batched(model, tokenizer, [prompt], max_new_tokens, chat)[0] for prompt in prompts]
 
-    evaluate.generate = one_at_a_time
+    measures.generate = one_at_a_time
     phases: dict[str, Any] = {}
     start = time.perf_counter()
     model = timed(phases, "candidate_load", load_stage_model, run_dir, spec, "sft", tokenizer)
@@ -203,19 +203,19 @@ def measure_paths(run: Path, out: Path, shape_name: str) -> dict[str, Any]:
     phases["total"] = round(time.perf_counter() - start, 2)
     phases["functions"] = timer.take()
     result["today"] = {**phases, "candidate": candidate.metrics, "base": base.metrics, "errors": candidate.errors}
-    evaluate.generate = batched
+    measures.generate = batched
 
     # 2 and 3. With placement and the score cache: a first run (cache empty), then the next scheduled run.
-    keys = evaluate.score_keys(ctx, sha256_file(heldout))
+    keys = measures.score_keys(ctx, sha256_file(heldout))
     cache = ScoreCache(run.parent)
-    placed = evaluate.placement()
+    placed = measures.placement()
 
     def load() -> tuple[Any, Any]:
         return load_base(run_dir, spec, spec_base(spec), tokenizer, placement=placed), tokenizer
 
     def base_numbers(identity: str | None) -> Any:
         parts = ["heldout", "lm_eval", "generations"]
-        return evaluate.measure_cached(ctx, "base", parts, load, rows, cache, keys, identity=lambda: identity)
+        return measures.measure_cached(ctx, "base", parts, load, rows, cache, keys, identity=lambda: identity)
 
     for label in ("cache_cold", "cache_warm"):
         phases = {}

@@ -37,19 +37,18 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from stages.contract import EXIT_OK, RunDir, StageContext, StageRefused
+from stages.contract import RunDir, StageContext, StageRefused
 from stages.data import DataError, within
-from stages.evaluate import (
+from stages.entry import run_stage
+from stages.gate import GATE_PASS, GATE_SKIPPED
+from stages.registry import (
     CHALLENGER,
     CHAMPION,
-    GATE_PASS,
-    GATE_SKIPPED,
     HELDOUT_TAG,
     METRIC_TAG_PREFIX,
     registered_model_name,
@@ -444,21 +443,6 @@ def log_chat_model(
         )
 
 
-def registered_files(downloaded: Path) -> Path:
-    """The model folder (config, safetensors weights, tokenizer) of a registered version downloaded to
-    `downloaded`: an MLflow transformers model keeps its weights in `model/` and its tokenizer in
-    `components/tokenizer/` (copied beside the weights here); a version registered as plain files is the folder."""
-    weights = downloaded / "model"
-    if not (downloaded / "MLmodel").is_file() or not weights.is_dir():
-        return downloaded
-    tokenizer = downloaded / "components" / "tokenizer"
-    if tokenizer.is_dir():
-        for path in tokenizer.iterdir():
-            if path.is_file() and not (weights / path.name).exists():
-                shutil.copy2(path, weights / path.name)
-    return weights
-
-
 def register(
     client: Any,
     name: str,
@@ -516,19 +500,9 @@ def smoke_generation(client: Any, tracking_uri: str, name: str, alias: str) -> d
 
 
 def run(ctx: StageContext) -> int:
-    """Register, alias, publish and render; returns the process exit code."""
-    if not ctx.begin():
-        return EXIT_OK
-    try:
-        return deploy(ctx)
-    except StageRefused as exc:  # no gate decision, or not the model evaluate measured: nothing published
-        ctx.fail(str(exc))
-        raise
-    except PublishError as exc:
-        print(f"[deploy] error: {exc}", file=sys.stderr, flush=True)
-        return ctx.fail(str(exc))
-    except Exception as exc:
-        return ctx.crash(exc)
+    """Register, alias, publish and render; returns the process exit code. Refused without a gate decision, or
+    for a model other than the one evaluate measured: nothing published."""
+    return run_stage(ctx, lambda: deploy(ctx), (PublishError,))
 
 
 def deploy(ctx: StageContext) -> int:

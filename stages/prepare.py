@@ -105,7 +105,7 @@ def evaluation_texts(ctx: StageContext) -> Any:
         return None
     texts = [row_text(row) for row in read_lines(ctx.dir / "data" / "evaluate" / "eval.jsonl")]
     if section.lm_eval_tasks:
-        from stages.evaluate import include_dir
+        from stages.measures import include_dir
 
         include = include_dir(spec, ctx.run_dir.root)
         documents, unavailable = lm_eval_texts(section.lm_eval_tasks, str(include) if include else None)
@@ -148,8 +148,8 @@ def check_lm_eval_tasks(ctx: StageContext) -> None:
     section = ctx.spec.stages.evaluate
     if not section.enabled or not section.lm_eval_tasks:
         return
-    from stages.evaluate import include_dir
     from stages.lm_eval_registry import unknown_tasks
+    from stages.measures import include_dir
 
     problems = unknown_tasks(ctx.spec, include_dir(ctx.spec, ctx.run_dir.root))
     if problems:

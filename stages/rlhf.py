@@ -35,7 +35,8 @@ from datasets import Dataset, load_dataset
 from transformers import TrainingArguments
 
 from stages.checkpoints import CheckpointMarker, SigtermCheckpoint
-from stages.contract import EXIT_OK, StageContext, StageRefused, is_main_process
+from stages.contract import StageContext, is_main_process
+from stages.entry import run_stage
 from stages.metrics import StageMetrics
 from stages.modeling import (
     ModelInputs,
@@ -77,22 +78,11 @@ LOGGED_METRICS = {
 
 
 def run(ctx: StageContext) -> int:
-    """Train the rlhf stage; returns the process exit code."""
-    if not ctx.begin():
-        return EXIT_OK
-    sigterm = SigtermCheckpoint().install()
-    try:
-        return train(ctx, sigterm)
-    except StageRefused as exc:  # an upstream model changed: nothing trained; one error line, exit 2
-        ctx.fail(str(exc))
-        raise
-    except (NotSupportedHere, RewardError) as exc:
-        print(f"error: {exc}", flush=True)
-        return ctx.fail(str(exc))
-    except Exception as exc:
-        return ctx.crash(exc)
-    finally:
-        sigterm.uninstall()
+    """Train the rlhf stage; returns the process exit code. Refused when an upstream model changed: nothing
+    trained, one error line, exit 2."""
+    sigterm = SigtermCheckpoint()
+    expected = (NotSupportedHere, RewardError)  # what the spec asks cannot be done: one error line, no traceback
+    return run_stage(ctx, lambda: train(ctx, sigterm), expected, labelled=False, sigterm=sigterm)
 
 
 def train(ctx: StageContext, sigterm: SigtermCheckpoint) -> int:

@@ -15,7 +15,8 @@ from __future__ import annotations
 from trl import SFTConfig, SFTTrainer
 
 from stages.checkpoints import CheckpointMarker, SigtermCheckpoint
-from stages.contract import EXIT_OK, StageContext, StageRefused
+from stages.contract import StageContext
+from stages.entry import run_stage
 from stages.metrics import StageMetrics
 from stages.modeling import (
     ModelInputs,
@@ -44,22 +45,10 @@ from stages.training import (
 
 
 def run(ctx: StageContext) -> int:
-    """Train the sft stage; returns the process exit code."""
-    if not ctx.begin():
-        return EXIT_OK
-    sigterm = SigtermCheckpoint().install()
-    try:
-        return train(ctx, sigterm)
-    except StageRefused as exc:  # an upstream model changed: nothing trained; one error line, exit 2
-        ctx.fail(str(exc))
-        raise
-    except NotSupportedHere as exc:
-        print(f"error: {exc}", flush=True)
-        return ctx.fail(str(exc))
-    except Exception as exc:
-        return ctx.crash(exc)
-    finally:
-        sigterm.uninstall()
+    """Train the sft stage; returns the process exit code. Refused when an upstream model changed: nothing
+    trained, one error line, exit 2."""
+    sigterm = SigtermCheckpoint()
+    return run_stage(ctx, lambda: train(ctx, sigterm), (NotSupportedHere,), labelled=False, sigterm=sigterm)
 
 
 def train(ctx: StageContext, sigterm: SigtermCheckpoint) -> int:

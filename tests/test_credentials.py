@@ -128,7 +128,7 @@ def test_the_working_directory_is_not_a_password(monkeypatch: pytest.MonkeyPatch
 
 def test_the_evaluation_report_never_holds_a_credential(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An error while measuring the champion can carry the registry's URI; a generation can repeat a token."""
-    from stages.evaluate import write_report
+    from stages.report import write_report
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"https://alice:{PASSWORD}@mlflow.example.com")
     facts = {

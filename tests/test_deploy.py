@@ -23,6 +23,7 @@ from training_fixtures import make_run_dir
 import stages.deploy as deploy
 from stages.contract import EXIT_FAILED, RunDir, StageContext, StageRefused, StageResult, config_hash
 from stages.modeling import build_from_config, load_tokenizer, model_fingerprint
+from stages.registry import registered_files
 
 CANDIDATE = {"perplexity": 12.5, "eval_loss": 2.53}
 CLOUD_ENV = (
@@ -170,7 +171,7 @@ def test_the_model_loads_back_from_the_registry_by_alias_and_generates(
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", run_dir.load_spec().tracking.mlflow_tracking_uri)
     downloaded = mlflow.artifacts.download_artifacts("models:/korean-llm@challenger", dst_path=str(tmp_path / "dl"))
-    path = deploy.registered_files(Path(downloaded))  # an MLflow transformers model: weights in model/
+    path = registered_files(Path(downloaded))  # an MLflow transformers model: weights in model/
     files = {p.name for p in path.iterdir()}
     assert "model.safetensors" in files and "tokenizer.json" in files
     assert not {f for f in files if f.endswith((".bin", ".pt", ".pth", ".pkl"))}  # safetensors only

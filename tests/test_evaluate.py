@@ -15,6 +15,9 @@ from safetensors.torch import load_file, save_file
 from training_fixtures import chat_rows, make_run_dir, run_stage, text_rows, write_jsonl
 
 import stages.evaluate as evaluate
+import stages.gate as gate
+import stages.measures as measures
+import stages.registry as registry
 from stages.builtin_data import LM_EVAL_TASKS, write_lm_eval_tasks
 from stages.contract import RunDir, StageContext, StageRefused, StageResult
 from stages.data import BUILTIN_TASKS_DIR, DataError, sha256_file
@@ -138,7 +141,7 @@ def test_perplexity_scores_documents_and_assistant_turns(trained: RunDir) -> Non
     ids = tokenize_document(tokenizer, text["text"])
     with torch.no_grad():
         expected = model(input_ids=torch.tensor([ids]), labels=torch.tensor([ids])).loss.item()
-    measured = evaluate.perplexity(model, tokenizer, [text], max_len=256)
+    measured = measures.perplexity(model, tokenizer, [text], max_len=256)
     assert measured["eval_tokens"] == len(ids) - 1
     assert measured["eval_loss"] == pytest.approx(expected, rel=1e-4)
     assert measured["perplexity"] == pytest.approx(math.exp(expected), rel=1e-4)
@@ -149,22 +152,22 @@ def test_perplexity_scores_documents_and_assistant_turns(trained: RunDir) -> Non
     assert 0 < scored < len(chat_ids) - 1
     with torch.no_grad():
         chat_loss = model(input_ids=torch.tensor([chat_ids]), labels=torch.tensor([labels])).loss.item()
-    assert evaluate.perplexity(model, tokenizer, [chat], max_len=256)["eval_tokens"] == scored
+    assert measures.perplexity(model, tokenizer, [chat], max_len=256)["eval_tokens"] == scored
 
     # Both: the loss per scored token over all rows (not the mean of the rows' losses).
-    both = evaluate.perplexity(model, tokenizer, [text, chat], max_len=256)
+    both = measures.perplexity(model, tokenizer, [text, chat], max_len=256)
     pooled = (expected * (len(ids) - 1) + chat_loss * scored) / (len(ids) - 1 + scored)
     assert both["eval_loss"] == pytest.approx(pooled, rel=1e-4) and both["eval_rows"] == 2
 
     # Rows longer than max_len are cut and counted.
-    assert evaluate.perplexity(model, tokenizer, [text], max_len=8)["eval_rows_truncated"] == 1
+    assert measures.perplexity(model, tokenizer, [text], max_len=8)["eval_rows_truncated"] == 1
 
 
 def test_lm_eval_runs_a_task_defined_over_local_files(trained: RunDir, task_dir: Path) -> None:
     spec = trained.load_spec()
     tokenizer = load_tokenizer(trained, spec.model)
     model = load_stage_model(trained, spec, "cpt", tokenizer)
-    metrics = evaluate.lm_eval_metrics(model, tokenizer, ["tiny_ko"], str(task_dir), limit=4, max_len=256)
+    metrics = measures.lm_eval_metrics(model, tokenizer, ["tiny_ko"], str(task_dir), limit=4, max_len=256)
     assert set(metrics) == {"tiny_ko/acc", "tiny_ko/acc_stderr", "tiny_ko/n_samples"}
     assert (metrics["tiny_ko/acc"] * 4).is_integer() and 0.0 <= metrics["tiny_ko/acc"] <= 1.0  # 4 of 6 questions
     # lm-eval's standard error of a mean over the 4 questions: the sample standard deviation / sqrt(n).
@@ -178,7 +181,7 @@ def test_the_builtin_task_is_measured_for_the_candidate_and_the_base(trained: Ru
     spec = spec_of(trained)  # the local profile's evaluate section, as shipped
     section = spec.stages.evaluate
     assert section.lm_eval_tasks == ["ko_constitution_mc"] and section.lm_eval_include_path == "builtin:korean-lm-eval"
-    assert evaluate.include_dir(spec, trained.root) == str(trained.root / BUILTIN_TASKS_DIR)
+    assert measures.include_dir(spec, trained.root) == str(trained.root / BUILTIN_TASKS_DIR)
     extra = run_evaluate(trained, spec, tmp_path / "outputs").extra
 
     assert extra["errors"] == [] and extra["lm_eval_tasks"] == ["ko_constitution_mc"]
@@ -198,7 +201,7 @@ def test_the_builtin_task_is_measured_for_the_candidate_and_the_base(trained: Ru
 def test_a_builtin_task_folder_that_prepare_did_not_write_is_named(tmp_path: Path) -> None:
     spec = load_pipeline("korean-llm", "local", ["tracking.wandb_project=null"]).spec
     with pytest.raises(DataError, match=r"^stages\.evaluate\.lm_eval_include_path: builtin:korean-lm-eval: prepare "):
-        evaluate.include_dir(spec, tmp_path / "run")
+        measures.include_dir(spec, tmp_path / "run")
 
 
 # --------------------------------------------------------------------------- the gate
@@ -209,23 +212,23 @@ def test_gate_rules() -> None:
     higher = GateRule(metric="kobest_boolq/acc", higher_is_better=True, max_regression=0.01)
     reference = {"perplexity": 10.0, "kobest_boolq/acc": 0.70}
 
-    decision, _, checks = evaluate.apply_gate(
+    decision, _, checks = gate.apply_gate(
         [lower, higher], {"perplexity": 10.4, "kobest_boolq/acc": 0.695}, reference, "base model"
     )
     assert decision == "pass" and all(c.passed for c in checks)
 
-    decision, reasons, _ = evaluate.apply_gate(
+    decision, reasons, _ = gate.apply_gate(
         [lower, higher], {"perplexity": 10.6, "kobest_boolq/acc": 0.8}, reference, "champion v3"
     )
     assert decision == "fail"
     assert "perplexity: candidate 10.6 vs champion v3 10" in reasons[0] and reasons[0].endswith("fails")
 
     # A metric that was not measured is a failure that says so, never a silent pass.
-    decision, reasons, _ = evaluate.apply_gate([higher], {"perplexity": 9.0}, reference, "base model")
+    decision, reasons, _ = gate.apply_gate([higher], {"perplexity": 9.0}, reference, "base model")
     assert (
         decision == "fail" and "kobest_boolq/acc: not measured for the candidate (measured: perplexity)" in reasons[0]
     )
-    decision, reasons, _ = evaluate.apply_gate([higher], {"kobest_boolq/acc": 0.9}, {}, "champion v1")
+    decision, reasons, _ = gate.apply_gate([higher], {"kobest_boolq/acc": 0.9}, {}, "champion v1")
     assert decision == "fail" and "no value for the champion v1" in reasons[0]
 
 
@@ -289,7 +292,7 @@ def test_gate_fails_against_a_champion_with_better_metrics(trained: RunDir, tmp_
     uri = spec.tracking.mlflow_tracking_uri
     client = MlflowClient(uri, registry_uri=uri)
     client.create_registered_model("tiny-champion-better")
-    tags = {"posttrain.metric.perplexity": "1.5", evaluate.HELDOUT_TAG: heldout_fingerprint(trained)}
+    tags = {"posttrain.metric.perplexity": "1.5", registry.HELDOUT_TAG: heldout_fingerprint(trained)}
     version = client.create_model_version("tiny-champion-better", source=str(tmp_path), tags=tags)
     client.set_registered_model_alias("tiny-champion-better", "champion", version.version)
 
@@ -328,7 +331,7 @@ def test_a_champion_measured_on_other_heldout_rows_is_measured_again(trained: Ru
     spec.stages.evaluate.gate = [GateRule(metric="perplexity", higher_is_better=False, max_regression=0.5)]
     before = heldout_fingerprint(trained)
     # The champion's recorded perplexity (1.5, out of reach) was measured on the held-out rows of this run.
-    tags = {"posttrain.metric.perplexity": "1.5", evaluate.HELDOUT_TAG: before}
+    tags = {"posttrain.metric.perplexity": "1.5", registry.HELDOUT_TAG: before}
     register_champion(trained, spec, "tiny-champion-old-heldout", tmp_path / "art", tags)
     extra = run_evaluate(trained, spec, tmp_path / "outputs").extra
     assert extra["champion_remeasured"] == {} and extra["gate"] == "fail"
@@ -349,7 +352,7 @@ def test_a_champion_measured_on_other_heldout_rows_is_measured_again(trained: Ru
     assert extra["champion"]["eval_rows"] == 13 == extra["candidate"]["eval_rows"]
     why = extra["champion_remeasured"]["perplexity"]
     assert why == f"held-out numbers measured on other held-out rows ({before[:19]}; this run's are {now[:19]})"
-    assert set(extra["champion_remeasured"]) == set(evaluate.HELDOUT_METRICS)
+    assert set(extra["champion_remeasured"]) == set(measures.HELDOUT_METRICS)
     assert extra["gate"] == "pass" and extra["reference"] == "champion v1"
     markdown = (trained.stage_dir("evaluate") / "report" / "report.md").read_text(encoding="utf-8")
     assert "champion measured again (eval_loss, perplexity" in markdown
@@ -362,10 +365,10 @@ def test_prompts_generated_in_one_batch_get_the_answers_they_get_alone(trained: 
     model = load_stage_model(trained, spec, "cpt", tokenizer).eval()
     prompts = ["대한민국의 수도는", "헌법 제1조를 설명해 주세요. 국회는 법률을", "국민"]
     for chat in (False, True):
-        together = evaluate.generate(model, tokenizer, prompts, 12, chat=chat)
-        alone = [evaluate.generate(model, tokenizer, [prompt], 12, chat=chat)[0] for prompt in prompts]
+        together = measures.generate(model, tokenizer, prompts, 12, chat=chat)
+        alone = [measures.generate(model, tokenizer, [prompt], 12, chat=chat)[0] for prompt in prompts]
         assert together == alone and all(together)
-    assert evaluate.generate(model, tokenizer, [], 12, chat=True) == []
+    assert measures.generate(model, tokenizer, [], 12, chat=True) == []
 
 
 # --------------------------------------------------------------------------- the score cache
@@ -409,7 +412,7 @@ def test_a_later_run_takes_the_base_model_numbers_from_the_score_cache(
 
     # A run whose lm-eval fails files the parts that were measured, not the failed one.
     with monkeypatch.context() as broken:
-        broken.setattr(evaluate, "lm_eval_metrics", lambda *a, **k: (_ for _ in ()).throw(OSError("no GPU left")))
+        broken.setattr(measures, "lm_eval_metrics", lambda *a, **k: (_ for _ in ()).throw(OSError("no GPU left")))
         first = run_evaluate(trained, spec, tmp_path / "outputs").extra
     assert first["base_cached"] == {} and any("lm-eval failed" in e for e in first["errors"])
     assert len(list(scores.glob("*.json"))) == 2  # held-out numbers and generations
@@ -465,12 +468,12 @@ def test_the_champion_numbers_come_from_the_score_cache_by_its_content(
 
 def test_which_recorded_heldout_numbers_compare() -> None:
     same, other = "sha256:" + "a" * 64, "sha256:" + "b" * 64
-    assert evaluate.heldout_change({evaluate.HELDOUT_TAG: same}, same, None) is None
-    assert "other held-out rows" in evaluate.heldout_change({evaluate.HELDOUT_TAG: other}, same, same)
+    assert evaluate.heldout_change({registry.HELDOUT_TAG: same}, same, None) is None
+    assert "other held-out rows" in evaluate.heldout_change({registry.HELDOUT_TAG: other}, same, same)
     # A version registered without it: its evaluate data fingerprint, when the held-out rows are evaluate's data.
-    assert evaluate.heldout_change({evaluate.EVALUATE_DATA_TAG: same}, other, same) is None
-    assert "other evaluate data" in evaluate.heldout_change({evaluate.EVALUATE_DATA_TAG: other}, other, same)
-    assert "not recorded" in evaluate.heldout_change({evaluate.EVALUATE_DATA_TAG: same}, other, None)
+    assert evaluate.heldout_change({registry.EVALUATE_DATA_TAG: same}, other, same) is None
+    assert "other evaluate data" in evaluate.heldout_change({registry.EVALUATE_DATA_TAG: other}, other, same)
+    assert "not recorded" in evaluate.heldout_change({registry.EVALUATE_DATA_TAG: same}, other, None)
     assert "not recorded" in evaluate.heldout_change({}, same, same)
 
 

@@ -21,7 +21,7 @@ from training_fixtures import wandb_offline_runs
 
 import stages.tracking_wandb as tracking_wandb
 from stages.contract import RunDir, StageContext
-from stages.evaluate import download_champion, find_champion, registry_client
+from stages.registry import download_champion, find_champion, registry_client
 from stages.tracking import StageTracker
 from stages.tracking_mlflow_server import TRACKING_FILE, local_store_uri, resolve_tracking_uri
 from workflows.loading import load_pipeline

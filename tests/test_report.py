@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from stages.evaluate import apply_gate, check_rule, flatten_lm_eval
+from stages.gate import apply_gate, check_rule
+from stages.measures import flatten_lm_eval
 from stages.report import stderr_name, write_report
 from workflows.loading import SpecError, load_pipeline
 from workflows.parameters import check_gate_kept
@@ -61,10 +62,10 @@ def test_lm_eval_is_asked_for_standard_errors() -> None:
     """bootstrap_iters=0 makes lm-eval report every standard error as 'N/A'."""
     import inspect
 
-    import stages.evaluate as evaluate
+    import stages.measures as measures
 
-    assert evaluate.BOOTSTRAP_ITERS > 0
-    assert "bootstrap_iters=BOOTSTRAP_ITERS" in inspect.getsource(evaluate.lm_eval_metrics)
+    assert measures.BOOTSTRAP_ITERS > 0
+    assert "bootstrap_iters=BOOTSTRAP_ITERS" in inspect.getsource(measures.lm_eval_metrics)
 
 
 # --------------------------------------------------------------------------- significance

@@ -111,7 +111,7 @@ def test_an_entry_is_read_back_only_for_its_model_part_and_key(tmp_path: Path) -
 
 def test_a_task_folder_is_known_by_its_content_wherever_it_lies(tmp_path: Path) -> None:
     """prepare's builtin task YAMLs name their data file by absolute path, inside each run's directory."""
-    from stages.evaluate import task_folder_fingerprint
+    from stages.measures import task_folder_fingerprint
 
     def tasks(folder: Path, answer: str) -> Path:
         folder.mkdir(parents=True)

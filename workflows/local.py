@@ -89,7 +89,7 @@ from stages.contract import (
     still_locked,
     try_lock,
 )
-from stages.evaluate import GATE_PASS
+from stages.gate import GATE_PASS
 from stages.hpo import apply_selections
 from stages.tracking_mlflow_server import local_store_uri
 from workflows.loading import PIPELINES_DIR, REPLACES_DATA, LoadedPipeline

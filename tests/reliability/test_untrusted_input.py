@@ -126,7 +126,7 @@ def test_in_the_cluster_data_must_be_on_a_volume(volumes: tuple[Path, Path], tmp
 
 
 def test_in_the_cluster_lm_eval_tasks_must_be_on_a_volume(volumes: tuple[Path, Path], tmp_path: Path) -> None:
-    from stages.evaluate import include_dir
+    from stages.measures import include_dir
 
     datasets, checkpoints = volumes
     (datasets / "tasks").mkdir()
