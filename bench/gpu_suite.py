@@ -673,7 +673,8 @@ def shape_of(case: Case, tiny: bool) -> str:
 
 def stage_context(case: Case, tmp: Path, tiny: bool) -> SimpleNamespace:
     """What trainer_arguments / trainer_config read from a StageContext: the stage's section and the model spec."""
-    from workflows.spec import DistributedSpec, ModelSpec, RlhfStage, SftStage, TinyModelConfig, TrainingSpec
+    from spec.model import ModelSpec, TinyModelConfig
+    from spec.training import DistributedSpec, RlhfStage, SftStage, TrainingSpec
 
     training = TrainingSpec(
         per_device_batch_size=case.per_device_batch_size,

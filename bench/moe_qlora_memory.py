@@ -68,7 +68,8 @@ class Tokenizer:
 
 def specs(layers: int, tiny: bool, target_experts: bool, targets: Any = "all-linear") -> tuple[Any, Any]:
     """The ModelSpec of the shape with `layers` layers, and an sft stage with method qlora (lora without a GPU)."""
-    from workflows.spec import ModelSpec, SftStage
+    from spec.model import ModelSpec
+    from spec.training import SftStage
 
     shape = dict(TINY if tiny else SHAPE, num_hidden_layers=layers)
     model = ModelSpec(name_or_path="qwen3-30b-a3b-shape", from_config=shape)

@@ -447,8 +447,8 @@ def run_measured(argv: list[str], log: Path, env: dict[str, str] | None = None) 
 
 def write_run_dir(root: Path, kind: str, corpus_dir: str, tokenizer_path: Path, args: argparse.Namespace) -> None:
     """A run directory holding the resolved spec: korean-llm's local profile, the corpus as the stage's data."""
+    from spec.loading import load_pipeline
     from stages.contract import RunDir
-    from workflows.loading import load_pipeline
 
     stage = STAGE_OF[kind]
     other = "sft" if stage == "cpt" else "cpt"

@@ -9,7 +9,7 @@ Three spec features reach the Trainer only on a GPU node, and the tests see them
 rendered jobs: `stages.sft.training.extra_args` (more TrainingArguments / SFTConfig fields),
 `stages.sft.distributed.deepspeed_config` (the user's DeepSpeed JSON) and `stages.sft.distributed.accelerate_config`
 (the YAML `accelerate config` writes). Each case writes a pipeline file that names the user's config file by a
-relative path (as a user does), loads it with `workflows.loading.load_pipeline` (which embeds the file), lays out
+relative path (as a user does), loads it with `spec.loading.load_pipeline` (which embeds the file), lays out
 the run directory as prepare leaves it (spec.json, normalized chat rows, the run's tokenizer; a tiny Qwen3 built
 from `model.from_config`, random weights, nothing downloaded) and runs the real entry point,
 `python -m stages sft --run-dir RUN` (`stages.__main__.main`), under `torchrun --nproc-per-node N`.
@@ -440,9 +440,9 @@ def prepare_run(case: Case, case_dir: Path, tiny: bool) -> Path:
     """The case's pipeline file and config file, and a run directory as prepare leaves it for sft."""
     import yaml
 
+    from spec.loading import load_pipeline
     from stages.contract import RunDir
     from stages.tokenizer import build_tokenizer, render_for_training
-    from workflows.loading import load_pipeline
 
     sys.path.insert(0, str(REPO / "tests"))
     from training_fixtures import chat_rows, write_jsonl  # the tests' Korean conversations, as prepare writes them
@@ -472,7 +472,8 @@ def refusals(tmp: Path) -> dict[str, str]:
     """What loading a pipeline says for extra_args the spec owns."""
     import yaml
 
-    from workflows.loading import SpecError, load_pipeline
+    from spec.document import SpecError
+    from spec.loading import load_pipeline
 
     document = pipeline_document(BY_NAME["ddp_extra_args"], tiny=True)
     seen: dict[str, str] = {}

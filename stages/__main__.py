@@ -7,7 +7,7 @@ Expected failures end with one `error:` line that says what to fix, never a bare
 spec, a stage whose inputs are not there yet (exit 2), a full disk (exit 1), a stage another process is running
 (exit 75, nothing written), a run directory deleted or replaced while the stage ran (exit 1, nothing more written:
 `stages.contract.check_still_ours`). Everything the stage prints goes through `MaskingStream`, so neither the value of a
-secret-looking environment variable nor anything credential-shaped (`workflows.credentials`) reaches the log.
+secret-looking environment variable nor anything credential-shaped (`spec.credentials`) reaches the log.
 
 Whatever escapes a stage ends as a truthful record: SIGTERM and SIGINT raise `StageInterrupted` (training stages
 first save a checkpoint, see `stages.checkpoints.SigtermCheckpoint`), recorded as interrupted with exit 75; any
@@ -28,6 +28,8 @@ from typing import TextIO
 
 from pydantic import ValidationError
 
+from spec.document import SpecError
+from spec.fields import STAGE_ORDER
 from stages.contract import (
     EXIT_FAILED,
     EXIT_RETRYABLE,
@@ -51,8 +53,6 @@ from stages.contract import (
 )
 from stages.hpo import apply_selections
 from stages.trials import prepare_trial, report_metrics
-from workflows.loading import SpecError
-from workflows.spec import STAGE_ORDER
 
 
 class _PassThrough(io.TextIOBase):

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from workflows.spec import CleaningSpec
+from spec.data import CleaningSpec
 
 DROP_REASONS = ("too_short", "too_long", "low_hangul", "contaminated", "duplicate", "near_duplicate")
 """Why a row is dropped, in the order the checks run."""

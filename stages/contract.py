@@ -57,9 +57,10 @@ from typing import IO, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from workflows import credentials
-from workflows.loading import spec_from_json
-from workflows.spec import STAGE_ORDER, TRAINING_STAGES, PipelineSpec
+from spec import credentials
+from spec.fields import STAGE_ORDER, TRAINING_STAGES
+from spec.loading import spec_from_json
+from spec.pipeline import PipelineSpec
 
 SPEC_JSON = "spec.json"
 STAGE_JSON = "stage.json"
@@ -83,6 +84,11 @@ _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 class StageRefused(Exception):
     """The stage must not run as asked (e.g. a completed stage with another config). Exit code 2."""
+
+
+class ExplainedFailure(Exception):
+    """A failure whose message says all a user needs (what happened, what to change), recorded without a
+    traceback: a prepare worker killed by the OOM killer, say (stages.workers.WorkerDied)."""
 
 
 class StageBusy(Exception):
@@ -188,7 +194,7 @@ def write_json_atomic(path: Path, data: Any) -> None:
 
 def secret_values() -> set[str]:
     """What must never be written out: values of secret-named environment variables (case-insensitive, word by
-    word) and credentials found by shape inside any variable (`workflows.credentials.secret_values`)."""
+    word) and credentials found by shape inside any variable (`spec.credentials.secret_values`)."""
     return credentials.secret_values()
 
 
@@ -785,13 +791,11 @@ class StageContext:
         traceback (what a bug report needs), printed and written to `logs/traceback.txt`, and the log ends with one
         `error:` line that says where. An error that came of the run directory going away (a file not found
         mid-save) is RunDirGone instead."""
-        from stages.workers import WorkerDied  # it imports this module
-
         check_still_ours(self.dir)
         summary = writable(f"{type(exc).__name__}: {exc}".strip())
         if is_disk_full(exc):
             return self.fail(summary)
-        if isinstance(exc, WorkerDied):
+        if isinstance(exc, ExplainedFailure):
             print(f"[{self.stage}] error: {exc}", file=sys.stderr, flush=True)
             return self.fail(str(exc))
         if type(exc).__name__ == "OutOfMemoryError":

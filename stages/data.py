@@ -58,9 +58,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from spec.data import FORMAT_COLUMNS, MESSAGE_KEYS, DataSpec
+from spec.pipeline import PipelineSpec
+from spec.quoting import quoted
 from stages.contract import canonical_hash, writable
-from workflows.quoting import quoted
-from workflows.spec import FORMAT_COLUMNS, MESSAGE_KEYS, DataSpec, PipelineSpec
 
 DEFAULT_MAX_ROW_BYTES = 4 * 1024 * 1024
 """Rows larger than this (bytes of the JSONL line or of the row as JSON) are errors."""

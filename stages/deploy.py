@@ -42,6 +42,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from spec.fields import STAGE_ORDER
+from spec.pipeline import PipelineSpec
 from stages.contract import RunDir, StageContext, StageRefused
 from stages.data import DataError, within
 from stages.entry import run_stage
@@ -57,7 +59,6 @@ from stages.registry import (
 from stages.sources import gcs_client, s3_client
 from workflows.pytorchjob import RUN_ROOT
 from workflows.serving import inference_service, model_storage_uri, to_yaml
-from workflows.spec import STAGE_ORDER, PipelineSpec
 
 if TYPE_CHECKING:
     from stages.modeling import ModelInputs

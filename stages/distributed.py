@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
+from spec.training import DistributedSpec, TrainingStage
 from stages.modeling import NotSupportedHere
-from workflows.spec import DistributedSpec, TrainingStage
 
 
 def world_size() -> int:

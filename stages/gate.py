@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from spec.release import GateRule
 from stages.report import plus_minus, stderr_name
-from workflows.spec import GateRule
 
 GATE_PASS, GATE_FAIL, GATE_SKIPPED = "pass", "fail", "skipped"
 

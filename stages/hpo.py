@@ -26,6 +26,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from spec.document import Origins, SpecError
+from spec.fields import TRAINING_STAGES
+from spec.loading import validate_document
+from spec.pipeline import PipelineSpec
+from spec.search import HpoSpec, SearchValue
 from stages.contract import (
     EXIT_OK,
     EXIT_USAGE,
@@ -38,8 +43,6 @@ from stages.contract import (
 )
 from stages.trials import parse_value, search_dir, set_values, trials_dir
 from workflows.katib import katib_parameter_name
-from workflows.loading import Origins, SpecError, validate_document
-from workflows.spec import TRAINING_STAGES, HpoSpec, PipelineSpec, SearchValue
 
 SEARCH_JSON = "search.json"
 

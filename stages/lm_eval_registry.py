@@ -17,7 +17,7 @@ import os
 from importlib import metadata
 from pathlib import Path
 
-from workflows.spec import PipelineSpec
+from spec.pipeline import PipelineSpec
 
 
 def _cache_file(version: str) -> Path:

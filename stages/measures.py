@@ -15,11 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from spec.fields import TRAINING_STAGES
+from spec.pipeline import PipelineSpec
 from stages.contract import StageContext
 from stages.data import BUILTIN_TASKS_DIR, DataError, confine, resolve_path, within
 from stages.report import SAMPLES_METRIC
 from stages.scores import ScoreCache
-from workflows.spec import TRAINING_STAGES, PipelineSpec
 
 HELDOUT_METRICS = ("eval_loss", "perplexity", "eval_rows", "eval_tokens", "eval_rows_truncated")
 """What `perplexity` measures: numbers that only compare over the same held-out rows."""

@@ -37,8 +37,11 @@ from typing import Any, Literal
 
 import torch
 
+from spec.fields import TRAINING_STAGES
+from spec.model import ModelSpec, TinyModelConfig
+from spec.pipeline import PipelineSpec
+from spec.training import TrainingStage
 from stages.contract import RunDir, StageContext, StageRefused, check_still_ours, is_main_process
-from workflows.spec import TRAINING_STAGES, ModelSpec, PipelineSpec, TinyModelConfig, TrainingStage
 
 ModelKind = Literal["full", "adapter"]
 BaseKind = Literal["from_config", "pretrained", "stage"]

@@ -36,10 +36,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from spec.pipeline import PipelineSpec
+from spec.training import TrainingSpec
 from stages.chat import IGNORE_INDEX, ConversationError, tokenize_conversation
 from stages.contract import RunDir, canonical_hash, write_json_atomic
 from stages.workers import default_num_proc, ordered_map
-from workflows.spec import PipelineSpec, TrainingSpec
 
 __all__ = ["IGNORE_INDEX", "tokenize_conversation"]  # re-exported: where the rows' labels come from
 CACHE_FORMAT = 3  # bump when the row layout changes: old caches are then rebuilt (3: flat memory-mapped arrays)

@@ -35,13 +35,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from spec.data import DataSpec
+from spec.fields import STAGE_ORDER, TRAINING_STAGES
+from spec.pipeline import PipelineSpec
 from stages.contract import EXIT_OK, RunDir, StageContext, StageRefused, canonical_hash
 from stages.data import BUILTIN_TASKS_DIR, MAX_LISTED_ERRORS, DataError, in_cluster
 from stages.prepared_data import origins_of, prepare_split, read_lines
 from stages.tokenizer import build_tokenizer, render_for_training, tokenizer_hash
 from stages.tracking import StageTracker
 from stages.workers import default_num_proc
-from workflows.spec import STAGE_ORDER, TRAINING_STAGES, DataSpec, PipelineSpec
 
 DATA_STAGES = ("cpt", "sft", "rlhf", "evaluate")
 """Stages that read a dataset, in DAG order."""

@@ -32,6 +32,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any
 
+from spec.data import DataSpec
+from spec.pipeline import PipelineSpec
+from spec.quoting import quoted
 from stages.cleaning import CheckedRow, CleaningCounts, Contamination, Deduplication, check_row
 from stages.contract import canonical_hash, check_still_ours, write_json_atomic
 from stages.data import (
@@ -55,8 +58,6 @@ from stages.data import (
     read_source,
 )
 from stages.workers import ordered_map
-from workflows.quoting import quoted
-from workflows.spec import DataSpec, PipelineSpec
 
 READ_BATCH_ROWS = 512
 """Rows per batch sent to a worker."""

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from workflows.spec import PipelineSpec
+from spec.pipeline import PipelineSpec
 
 CHAMPION = "champion"
 CHALLENGER = "challenger"

@@ -23,8 +23,9 @@ import math
 from pathlib import Path
 from typing import Any
 
+from spec.fields import TRAINING_STAGES
+from spec.pipeline import PipelineSpec
 from stages.contract import RunDir, check_still_ours, mask_secrets_in
-from workflows.spec import TRAINING_STAGES, PipelineSpec
 
 STDERR_SUFFIX = "_stderr"
 SAMPLES_METRIC = "n_samples"

@@ -24,8 +24,8 @@ import inspect
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from spec.training import BUILTIN_REWARDS, RewardFunction
 from stages.tokenizer import ENDOFTEXT, IM_END, THINK_CLOSE, THINK_OPEN
-from workflows.spec import BUILTIN_REWARDS, RewardFunction
 
 RewardFn = Callable[..., list[float | None]]
 
@@ -131,7 +131,7 @@ def _think_tags_closed(text: str) -> bool:
 
 
 BUILTINS: dict[str, RewardFn] = {"hangul_ratio": hangul_ratio, "length": length_window, "format": end_format}
-"""Built-in name (as the spec writes it, `workflows.spec.BUILTIN_REWARDS`) → function."""
+"""Built-in name (as the spec writes it, `spec.training.BUILTIN_REWARDS`) → function."""
 assert set(BUILTINS) == set(BUILTIN_REWARDS)
 
 

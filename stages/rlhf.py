@@ -34,6 +34,7 @@ from typing import Any
 from datasets import Dataset, load_dataset
 from transformers import TrainingArguments
 
+from spec.training import RlhfStage
 from stages.checkpoints import CheckpointMarker, SigtermCheckpoint
 from stages.contract import StageContext, is_main_process
 from stages.entry import run_stage
@@ -62,7 +63,6 @@ from stages.training import (
     write_distributed_config,
     write_log_history,
 )
-from workflows.spec import RlhfStage
 
 REFERENCE_ADAPTER = "ref"
 """The frozen copy of the starting adapter that TRL adds to a PEFT model passed without a reference model."""

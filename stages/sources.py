@@ -32,14 +32,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
+from spec.quoting import quoted
 from stages.contract import writable
 from stages.data import DataError, _resolved, confine, inflation_cap, inflation_error, resolve_path, within
-from workflows.quoting import quoted
 
 if TYPE_CHECKING:
     import pyarrow.parquet
 
-    from workflows.spec import PipelineSpec
+    from spec.pipeline import PipelineSpec
 
 DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
 """The names a directory, prefix or glob is read for."""

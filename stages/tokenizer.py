@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from workflows.spec import PipelineSpec
+from spec.pipeline import PipelineSpec
 
 IM_END = "<|im_end|>"
 ENDOFTEXT = "<|endoftext|>"

@@ -67,6 +67,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from spec.fields import TRAINING_STAGES
 from stages.contract import (
     EXIT_RETRYABLE,
     StageContext,
@@ -83,7 +84,6 @@ from stages.tracking_mlflow import MlflowBackend
 from stages.tracking_mlflow_server import clean_params, git_sha, read_tracking_file, redact_uri
 from stages.tracking_tensorboard import TensorBoardBackend
 from stages.tracking_wandb import WandbBackend, wandb_mode, wandb_target
-from workflows.spec import TRAINING_STAGES
 
 log = logging.getLogger("posttrain.tracking")
 

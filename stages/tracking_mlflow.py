@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from spec.fields import STAGE_ORDER
 from stages.contract import StageContext
 from stages.tracking_backend import Breaker, TrackingBackend, first_line
 from stages.tracking_mlflow_server import (
@@ -19,7 +20,6 @@ from stages.tracking_mlflow_server import (
     run_tags,
 )
 from stages.tracking_outbox import Journal, replay, stage_idle
-from workflows.spec import STAGE_ORDER
 
 log = logging.getLogger("posttrain.tracking")
 

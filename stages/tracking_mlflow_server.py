@@ -11,9 +11,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from spec.credentials import looks_secret_name
+from spec.pipeline import PipelineSpec
 from stages.contract import mask_secrets, secret_values, write_json_atomic
-from workflows.credentials import looks_secret_name
-from workflows.spec import PipelineSpec
 
 TRIAL_TAG = "posttrain.trial"
 """Tag of a search trial's MLflow run: the trial's name (its stage is in posttrain.stage)."""

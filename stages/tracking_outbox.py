@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from spec.fields import STAGE_ORDER
 from stages.contract import (
     LOCK_FILE,
     RunDir,
@@ -26,7 +27,6 @@ from stages.contract import (
 )
 from stages.tracking_backend import first_line
 from stages.tracking_mlflow_server import BATCH, PARAM_BATCH, MlflowServer, now_ms, redact_uri, run_tags
-from workflows.spec import STAGE_ORDER
 
 JOURNAL = "tracking-unsent.jsonl"
 """`<stage>/logs/tracking-unsent.jsonl`: what the MLflow server has not taken yet (see `Journal`)."""

@@ -8,9 +8,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from spec.pipeline import PipelineSpec
 from stages.contract import StageContext
 from stages.tracking_backend import Breaker, TrackingBackend
-from workflows.spec import PipelineSpec
 
 WANDB_INIT_TIMEOUT_SECONDS = 20
 """How long W&B may take to start a run (its own default is 90 s); $WANDB_INIT_TIMEOUT overrides it. An

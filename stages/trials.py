@@ -23,6 +23,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from spec.document import Origins, SpecError
+from spec.fields import STAGE_ORDER, TRAINING_STAGES
+from spec.loading import validate_document
+from spec.pipeline import PipelineSpec
+from spec.search import SearchParameter, SearchValue
 from stages.contract import (
     EXIT_FAILED,
     EXIT_OK,
@@ -32,8 +37,6 @@ from stages.contract import (
     Trial,
     is_main_process,
 )
-from workflows.loading import Origins, SpecError, validate_document
-from workflows.spec import STAGE_ORDER, TRAINING_STAGES, PipelineSpec, SearchParameter, SearchValue
 
 METRICS_FILE_ENV = "POSTTRAIN_KATIB_METRICS_FILE"
 """Where a trial appends its metric lines (Katib's File metrics collector reads them)."""

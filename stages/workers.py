@@ -30,9 +30,9 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, TypeVar
 
-from stages.contract import StageInterrupted
-from workflows.sizing import pod_size
-from workflows.spec import PipelineSpec
+from spec.pipeline import PipelineSpec
+from spec.sizing import pod_size
+from stages.contract import ExplainedFailure, StageInterrupted
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -117,7 +117,7 @@ def ordered_map(
         pool.stop(finished)
 
 
-class WorkerDied(Exception):
+class WorkerDied(ExplainedFailure):
     """A worker process ended while the map still needed it: killed by a signal (SIGKILL is most often the
     out-of-memory killer's) or exited. The message says how, and what to change."""
 

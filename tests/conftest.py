@@ -46,9 +46,9 @@ import environment  # noqa: E402
 from fake_argo import fake  # noqa: E402, F401  (the `fake` Argo server fixture, shared by the CLI tests)
 from schema_validation import require_schemas  # noqa: E402
 
+from spec.loading import known_pipelines, load_pipeline, pipeline_path  # noqa: E402
+from spec.pipeline import PipelineSpec  # noqa: E402
 from workflows.compile import compile_pipeline as _compile_pipeline  # noqa: E402
-from workflows.loading import known_pipelines, load_pipeline, pipeline_path  # noqa: E402
-from workflows.spec import PipelineSpec  # noqa: E402
 
 # Property tests: reproducible in CI, and no per-example time limit (the suite asserts behaviour, not speed).
 settings.register_profile("posttrain", deadline=None, derandomize=True, print_blob=True)

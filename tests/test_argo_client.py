@@ -10,9 +10,9 @@ import requests
 from fake_argo import SUBMITTER_RBAC, FakeArgo, node, running, workflow_status
 from hera.workflows import models as m
 
+from spec.loading import load_pipeline
 from workflows.argo import ArgoClient, ArgoConfig, ArgoError, StaleObject, comparable
 from workflows.compile import CompiledPipeline, compile_pipeline
-from workflows.loading import load_pipeline
 
 NS = "llm-training"  # korean-llm's cluster.namespace
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from spec.data import DataSpec
 from stages.builtin_data import (
     BUILTIN_DATASETS,
     DOLLY_CATEGORIES,
@@ -27,7 +28,6 @@ from stages.builtin_data import (
     write_lm_eval_tasks,
 )
 from stages.data import DataError, normalize_row, read_dataset, read_jsonl, sha256_rows
-from workflows.spec import DataSpec
 
 REPO = Path(__file__).resolve().parents[1]
 

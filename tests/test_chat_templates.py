@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from spec.model import KNOWN_CHAT_TEMPLATES, TinyModelConfig
 from stages.chat import (
     FAMILY_TEMPLATE,
     KNOWN_TEMPLATES,
@@ -21,7 +22,6 @@ from stages.chat import (
 )
 from stages.packing import IGNORE_INDEX
 from stages.tokenizer import train_bpe_tokenizer
-from workflows.spec import KNOWN_CHAT_TEMPLATES, TinyModelConfig
 
 CORPUS = [
     "대한민국은 민주공화국이다. 모든 권력은 국민으로부터 나온다.",

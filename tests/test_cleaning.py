@@ -18,6 +18,9 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
+from spec.data import CleaningSpec
+from spec.document import SpecError
+from spec.loading import load_pipeline
 from stages.builtin_data import LM_EVAL_TASKS, constitution, ko_constitution_mc, write_lm_eval_tasks
 from stages.cleaning import (
     DROP_REASONS,
@@ -40,8 +43,6 @@ from stages.cleaning import (
     normalized_key,
     row_text,
 )
-from workflows.loading import SpecError, load_pipeline
-from workflows.spec import CleaningSpec
 
 pytestmark = pytest.mark.skipif(find_spec("konlpy") is None, reason="the Korean test text comes from konlpy")
 

@@ -13,8 +13,9 @@ from types import SimpleNamespace
 import jsonschema
 import pytest
 
-from workflows.loading import SpecError, known_pipelines, load_pipeline, load_yaml
-from workflows.reference import render_json_schema
+from spec.document import SpecError, load_yaml
+from spec.loading import known_pipelines, load_pipeline
+from spec.reference import render_json_schema
 
 REPO = Path(__file__).resolve().parent.parent
 SCHEMA = REPO / "docs" / "pipeline.schema.json"
@@ -72,7 +73,7 @@ def test_submit_help_has_examples_and_exit_codes() -> None:
 
 def test_json_schema_is_current() -> None:
     assert SCHEMA.read_text(encoding="utf-8") == render_json_schema(), (
-        "regenerate: python -m workflows.reference --json-schema > docs/pipeline.schema.json"
+        "regenerate: python -m spec.reference --json-schema > docs/pipeline.schema.json"
     )
 
 

@@ -8,10 +8,12 @@ import re
 import pytest
 import yaml
 
+from spec.fields import MAX_DURATION_SECONDS
+from spec.loading import load_pipeline
+from spec.pipeline import MAX_PIPELINE_NAME_LENGTH
+from spec.stage import RunPolicy
 from workflows.compile import compile_pipeline, template_name
-from workflows.loading import load_pipeline
 from workflows.pytorchjob import FAILURE_CONDITION, SUCCESS_CONDITION
-from workflows.spec import MAX_DURATION_SECONDS, MAX_PIPELINE_NAME_LENGTH, RunPolicy
 from workflows.step_templates import duration_seconds
 from workflows.training_steps import WAIT_RETRY_EXPRESSION
 
@@ -736,9 +738,9 @@ def test_every_job_kind_of_the_spec_is_a_job_kind_module() -> None:
     (workflows/job_kinds.py), and workflows.cleanup accepts it as --kind."""
     import typing
 
+    from spec.cluster import ClusterSpec
     from workflows import job_kinds
     from workflows.cleanup import JOB_RESOURCES
-    from workflows.spec import ClusterSpec
 
     accepted = set(typing.get_args(ClusterSpec.model_fields["job_kind"].annotation))
     assert accepted == set(job_kinds.KINDS) == set(JOB_RESOURCES)

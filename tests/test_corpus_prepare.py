@@ -21,12 +21,12 @@ from typing import Any
 import pytest
 import zstandard
 
+from spec.loading import load_pipeline
 from stages.chat import tokenize_conversation
 from stages.contract import RunDir, StageContext
 from stages.packing import TokenRows, pack_best_fit, pack_stream, tokenize_document
 from stages.prepare import run
 from stages.tokenizer import load_tokenizer
-from workflows.loading import load_pipeline
 
 REPO = Path(__file__).resolve().parents[1]
 ONLY_CPT = [f"stages.{s}.enabled=false" for s in ("sft", "rlhf", "evaluate", "deploy")]

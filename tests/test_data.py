@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from spec.data import DataSpec
+from spec.loading import load_pipeline
 from stages.data import (
     DataError,
     check_stage_format,
@@ -22,8 +24,6 @@ from stages.data import (
     write_jsonl,
 )
 from stages.prepared_data import prepare_split, read_lines
-from workflows.loading import load_pipeline
-from workflows.spec import DataSpec
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -275,7 +275,7 @@ def test_hub_dataset_offline_is_a_clear_error():
     # A fresh interpreter: the hub client reads HF_HUB_OFFLINE when it is imported.
     code = (
         "from stages.data import DataError, read_dataset\n"
-        "from workflows.spec import DataSpec\n"
+        "from spec.data import DataSpec\n"
         "try:\n"
         "    read_dataset(DataSpec(uri='hf://posttrain-test/none', format='text'))\n"
         "except DataError as exc:\n"
@@ -508,7 +508,8 @@ def test_a_mapping_the_format_cannot_have_is_a_spec_error(fmt: str, settings: di
 
 
 def test_a_spec_error_of_the_mapping_names_the_file_line_and_field(tmp_path: Path):
-    from workflows.loading import SpecError, load_pipeline
+    from spec.document import SpecError
+    from spec.loading import load_pipeline
 
     text = (
         "name: demo\nmodel:\n  name_or_path: Qwen/Qwen3-0.6B\nstages:\n  sft:\n    data:\n"
@@ -523,7 +524,7 @@ def test_a_spec_error_of_the_mapping_names_the_file_line_and_field(tmp_path: Pat
 
 
 def test_the_llama3_dolly_pipeline_reads_dolly_rows_end_to_end(tmp_path: Path):
-    from workflows.loading import load_pipeline
+    from spec.loading import load_pipeline
 
     data = load_pipeline("llama3-dolly").spec.stages.sft.data
     rows = [

@@ -11,10 +11,10 @@ import pytest
 import torch
 from training_fixtures import child_env, make_run_dir, run_stage, stage_script
 
+from spec.loading import load_pipeline
 from stages.distributed import check_strategy, deepspeed_config, fsdp_settings, strategy_arguments
 from stages.modeling import NotSupportedHere
 from stages.training import read_log_history
-from workflows.loading import load_pipeline
 
 # Three full global batches of 4 rows (the data packs into more than 12 rows): at the end of an epoch DDP would
 # fill an uneven last batch with rows from the start, and the runs would no longer see the same rows.

@@ -282,7 +282,7 @@ def test_deploy_records_and_tags_what_it_registered(tmp_path: Path) -> None:
 def test_a_skipped_evaluation_deploys_nothing(tmp_path: Path) -> None:
     run_dir = RunDir(tmp_path / "run")
     run_dir.root.mkdir()
-    from workflows.loading import load_pipeline
+    from spec.loading import load_pipeline
 
     run_dir.write_spec(load_pipeline("korean-llm", "local", ["tracking.wandb_project=null"]).spec)
     record(run_dir, "evaluate", {"gate": "skipped"}, status="skipped")
@@ -390,7 +390,7 @@ def model_dir(tmp_path: Path) -> Path:
 
 def test_weights_larger_than_one_request_arrive_intact(tmp_path: Path, store: ObjectStore) -> None:
     """Above 8 MiB boto3 uploads in parts and google-cloud-storage resumably: how a real model's weights go."""
-    from workflows.loading import load_pipeline
+    from spec.loading import load_pipeline
 
     store.create_bucket("models")
     folder = model_dir(tmp_path)
@@ -408,7 +408,7 @@ def test_the_s3_endpoint_variable_wins_over_the_general_one(
     tmp_path: Path, s3: MotoS3, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """boto3 reads both standard variables; AWS_ENDPOINT_URL_S3 is the one for S3 alone."""
-    from workflows.loading import load_pipeline
+    from spec.loading import load_pipeline
 
     spec = load_pipeline("korean-llm", None).spec
     s3.create_bucket("models")
@@ -422,7 +422,7 @@ def test_the_s3_endpoint_variable_wins_over_the_general_one(
 
 
 def test_publish_says_what_is_missing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from workflows.loading import load_pipeline
+    from spec.loading import load_pipeline
 
     spec = load_pipeline("korean-llm", None).spec
     folder = model_dir(tmp_path)

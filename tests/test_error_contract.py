@@ -20,8 +20,8 @@ from test_hpo import SEARCHED, TRIAL
 from training_fixtures import make_run_dir, runner_env
 
 import workflows.local as local
+from spec.loading import load_pipeline
 from stages.contract import EXIT_RETRYABLE, EXIT_USAGE, LOCK_FILE, RunDir, StageResult, StageStatus, now, try_lock
-from workflows.loading import load_pipeline
 from workflows.warm_starts import SWITCH, alive
 
 REPO = Path(__file__).resolve().parents[1]
@@ -147,7 +147,7 @@ def test_the_resume_command_is_the_one_the_user_typed(tmp_path: Path) -> None:
 
 
 def test_a_variant_is_resumed_as_a_variant() -> None:
-    from workflows.variants import select
+    from spec.variants import select
 
     chosen = select(load_pipeline("qwen-multi", "local"), [])
     name, loaded = next(iter(chosen.items()))

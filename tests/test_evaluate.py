@@ -18,13 +18,14 @@ import stages.evaluate as evaluate
 import stages.gate as gate
 import stages.measures as measures
 import stages.registry as registry
+from spec.loading import load_pipeline
+from spec.pipeline import PipelineSpec
+from spec.release import GateRule
 from stages.builtin_data import LM_EVAL_TASKS, write_lm_eval_tasks
 from stages.contract import RunDir, StageContext, StageRefused, StageResult
 from stages.data import BUILTIN_TASKS_DIR, DataError, sha256_file
 from stages.modeling import load_stage_model, load_tokenizer, model_fingerprint
 from stages.packing import tokenize_conversation, tokenize_document
-from workflows.loading import load_pipeline
-from workflows.spec import GateRule, PipelineSpec
 
 pytestmark = pytest.mark.slow
 

@@ -207,7 +207,7 @@ def test_a_conversation_the_template_refuses_fails_prepare_naming_the_users_file
     }
     write_jsonl(tmp_path / "data" / "chat.jsonl", rows)
     command = [sys.executable, "-m", "stages", "prepare", "--run-dir", str(tmp_path / "run")]
-    from workflows.loading import load_pipeline
+    from spec.loading import load_pipeline
 
     # evaluate reads the training file too (so prepare keeps the training rows that are also evaluation data)
     same = [f"stages.evaluate.data.uri={tmp_path / 'data' / 'chat.jsonl'}"]
@@ -258,8 +258,8 @@ def test_lora_trains_the_template_token_rows_where_trls_fused_loss_sees_them(tie
     import transformers
     from peft import get_peft_model
 
+    from spec.loading import load_pipeline
     from stages.modeling import lora_config
-    from workflows.loading import load_pipeline
 
     section = load_pipeline("korean-llm", profile="local").spec.stages.sft
     config = transformers.LlamaConfig(
@@ -278,9 +278,9 @@ def test_lora_trains_the_template_token_rows_where_trls_fused_loss_sees_them(tie
 
 
 def test_a_tokenizer_without_eos_is_refused(tmp_path: Path) -> None:
+    from spec.loading import load_pipeline
     from stages.chat import TemplateError
     from stages.tokenizer import load_pretrained_tokenizer
-    from workflows.loading import load_pipeline
 
     tokenizer = train_bpe_tokenizer(["서울은 크고 넓습니다."] * 20, 300, 128, "chatml")
     tokenizer.eos_token = None

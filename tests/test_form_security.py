@@ -22,10 +22,11 @@ from fake_argo import FakeArgo
 from test_parameters import _params_dir, prepare_step
 from test_submit import _run
 
+from spec.document import SpecError
+from spec.loading import load_pipeline
+from spec.training import FORM_EXTRA_ARGS, TRAINER_ARGS_OWNED, refused_trainer_arg
 from workflows import parameters as params
 from workflows.importers import PASS_THROUGH
-from workflows.loading import SpecError, load_pipeline
-from workflows.spec import FORM_EXTRA_ARGS, TRAINER_ARGS_OWNED, refused_trainer_arg
 
 HUB = (
     "stages.rlhf.reward_functions=[{name: 'torch.hub:load', args: {repo_or_dir: /mnt/datasets/x, model: x, "

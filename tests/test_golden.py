@@ -25,7 +25,7 @@ import pytest
 import yaml
 from conftest import fresh_spec
 
-from workflows.loading import known_pipelines
+from spec.loading import known_pipelines
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
 UPDATE = os.environ.get("POSTTRAIN_UPDATE_GOLDEN") == "1"

@@ -13,15 +13,15 @@ from mlflow.tracking import MlflowClient
 from training_fixtures import child_env, make_run_dir, run_stage
 
 import workflows.local as local
+from spec.loading import load_pipeline
+from spec.search import HpoSpec, SearchParameter
 from stages.__main__ import main as stages_main
 from stages.contract import RunDir, config_hash
 from stages.hpo import search_fingerprint, search_path
 from stages.tracking_mlflow_server import local_store_uri
 from stages.trials import METRICS_FILE_ENV, trials_dir
 from workflows.katib import katib_parameter_name
-from workflows.loading import load_pipeline
 from workflows.search import distribution, grid_values, sampler, search_in_runner, trial_budget
-from workflows.spec import HpoSpec, SearchParameter
 
 HPO = (
     "{objective: {metric: eval_loss}, algorithm: tpe, max_trials: 4, parallel_trials: 1, trial_max_steps: 2, "

@@ -13,8 +13,10 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-from workflows.loading import load_pipeline
-from workflows.spec import TRAINING_STAGES, DistributedSpec, PipelineSpec, TrainingStage
+from spec.fields import TRAINING_STAGES
+from spec.loading import load_pipeline
+from spec.pipeline import PipelineSpec
+from spec.training import DistributedSpec, TrainingStage
 
 ROOT = Path(__file__).resolve().parent.parent
 IMAGES = ROOT / "images"
@@ -117,7 +119,7 @@ def test_trainer_installs_from_the_lock_and_the_project() -> None:
     assert "pip check" in deps
     assert [r for r in runs if re.search(r"pip install --no-deps --no-build-isolation \.", r)]  # the project
     text = " ".join(runs)
-    assert "python -m stages --help" in text and 'python -c "import workflows.spec"' in text
+    assert "python -m stages --help" in text and 'python -c "import spec.pipeline"' in text
     assert "import deepspeed, boto3, google.cloud.storage" in text  # the optional stacks the pipelines use
 
 

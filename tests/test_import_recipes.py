@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from workflows.loading import load_pipeline
+from spec.loading import load_pipeline
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -16,12 +16,15 @@ from conftest import fresh_spec
 from fake_kube import running
 from schema_validation import SchemaViolation, validate_argo, validate_custom_resource, validate_pytorchjob
 
+from spec.fields import TRAINING_STAGES
+from spec.pipeline import MAX_PIPELINE_NAME_LENGTH, PipelineSpec
+from spec.search import HPO_ALGORITHMS
+from spec.stage import MAX_NODES
 from workflows import katib, preflight
 from workflows.cleanup import delete_running_experiments, main
 from workflows.compile import compile_pipeline
 from workflows.deadline import workflow_deadline
 from workflows.search_steps import hpo_attempt_seconds
-from workflows.spec import HPO_ALGORITHMS, MAX_NODES, MAX_PIPELINE_NAME_LENGTH, TRAINING_STAGES, PipelineSpec
 from workflows.step_templates import DEADLINE_BACKSTOP_SECONDS
 from workflows.training_steps import CREATE_TIMEOUT_SECONDS, WAIT_RETRY_EXPRESSION
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 import workflows.local as local
+from spec.loading import load_pipeline
 from stages.contract import RunDir
-from workflows.loading import load_pipeline
 
 REPO = Path(__file__).resolve().parents[1]
 

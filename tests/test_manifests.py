@@ -27,7 +27,7 @@ import pytest
 import yaml
 from schema_validation import SchemaViolation, validate_custom_resource
 
-from workflows.loading import load_pipeline
+from spec.loading import load_pipeline
 
 MANIFESTS = Path(__file__).resolve().parent.parent / "manifests"
 OVERLAYS = {"onprem": MANIFESTS / "overlays" / "onprem", "gke": MANIFESTS / "overlays" / "gke"}
@@ -843,7 +843,7 @@ def identity_problems(docs: list[Doc], cluster: Any) -> list[str]:
 
 
 def test_the_identities_hold_only_what_their_steps_need(builds: dict[str, list[Doc]]) -> None:
-    from workflows.spec import ClusterSpec
+    from spec.cluster import ClusterSpec
 
     for name, docs in builds.items():
         pipelines = [load_pipeline(p).spec.cluster for p in OVERLAY_PIPELINES.get(name, [])] or [ClusterSpec()]
@@ -855,7 +855,7 @@ def test_the_identities_hold_only_what_their_steps_need(builds: dict[str, list[D
 
 
 def test_the_identity_check_can_fail(builds: dict[str, list[Doc]]) -> None:
-    from workflows.spec import ClusterSpec
+    from spec.cluster import ClusterSpec
 
     docs = copy.deepcopy(builds["base"])
     cluster = ClusterSpec()
@@ -984,7 +984,7 @@ def test_gke_overlay_uses_workload_identity(builds: dict[str, list[Doc]]) -> Non
 
 
 def test_base_uses_the_spec_defaults(builds: dict[str, list[Doc]]) -> None:
-    from workflows.spec import ClusterSpec
+    from spec.cluster import ClusterSpec
 
     cluster = ClusterSpec()
     docs = builds["base"]

@@ -14,6 +14,10 @@ from peft import get_peft_model
 from safetensors.torch import load_file
 from training_fixtures import make_run_dir, run_stage
 
+from spec.document import SpecError
+from spec.loading import load_pipeline
+from spec.model import ModelSpec
+from spec.training import SftStage
 from stages import modeling
 from stages.modeling import (
     build_from_config,
@@ -26,8 +30,6 @@ from stages.modeling import (
 )
 from stages.packing import PackedCollator
 from stages.training import read_log_history
-from workflows.loading import SpecError, load_pipeline
-from workflows.spec import ModelSpec, SftStage
 
 ARCHITECTURES = ["qwen2", "qwen3", "qwen3_moe", "llama", "gemma3", "exaone4", "mistral"]
 MODEL_TYPES = {"gemma3": "gemma3_text"}  # the text-only Gemma3ForCausalLM's config

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from spec.document import SpecError
+from spec.loading import load_pipeline
 from workflows import parameters as params
 from workflows.compile import compile_pipeline
-from workflows.loading import SpecError, load_pipeline
 
 REPO = Path(__file__).resolve().parents[1]
 

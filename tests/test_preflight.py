@@ -18,10 +18,10 @@ import pytest
 import yaml
 from kubernetes import client
 
+from spec.loading import load_pipeline
+from spec.pipeline import PipelineSpec
 from workflows import preflight
-from workflows.loading import load_pipeline
 from workflows.preflight import PreflightReport, run_preflight
-from workflows.spec import PipelineSpec
 
 SECRET_VALUE = "hf_s3cr3t-VALUE-never-shown"
 H100 = "NVIDIA-H100-80GB-HBM3"

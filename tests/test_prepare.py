@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
+from spec.loading import load_pipeline
 from stages.contract import RunDir, StageContext, canonical_hash, write_json_atomic
 from stages.prepare import last_success, run
-from workflows.loading import load_pipeline
 
 REPO = Path(__file__).resolve().parents[1]
 ROLES = {"system", "user", "assistant"}

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from workflows.reference import _models, render
-from workflows.spec import PipelineSpec
+from spec.pipeline import PipelineSpec
+from spec.reference import _models, render
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "spec.md"
 
@@ -18,6 +18,4 @@ def test_every_field_has_a_description() -> None:
 
 
 def test_reference_is_up_to_date() -> None:
-    assert DOC.read_text(encoding="utf-8") == render() + "\n", (
-        "regenerate: python -m workflows.reference > docs/spec.md"
-    )
+    assert DOC.read_text(encoding="utf-8") == render() + "\n", "regenerate: python -m spec.reference > docs/spec.md"

@@ -21,10 +21,11 @@ from schema_validation import (
     validate_pytorchjob,
 )
 
+from spec.fields import TRAINING_STAGES
+from spec.pipeline import PipelineSpec
+from spec.variants import variant_specs
 from workflows import pytorchjob, trainjob
 from workflows.pytorchjob import STAGE_LABEL, WORKFLOW_LABEL
-from workflows.spec import TRAINING_STAGES, PipelineSpec
-from workflows.variants import variant_specs
 
 EXPECTED_KINDS = {
     "workflowtemplate.yaml": "WorkflowTemplate",

@@ -12,12 +12,13 @@ from typing import Any
 
 import pytest
 
+from spec.document import SpecError
+from spec.loading import load_pipeline
+from spec.release import GateRule
 from stages.gate import apply_gate, check_rule
 from stages.measures import flatten_lm_eval
 from stages.report import stderr_name, write_report
-from workflows.loading import SpecError, load_pipeline
 from workflows.parameters import check_gate_kept
-from workflows.spec import GateRule
 
 # What lm_eval.simple_evaluate returned (bootstrap_iters=1000, limit=20) for the builtin ko_constitution_mc task on
 # the tiny random model, trimmed to the keys evaluate reads; plus a task with a filter and a standard error that

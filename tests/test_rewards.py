@@ -14,10 +14,11 @@ from pydantic import ValidationError
 from safetensors.torch import load_file
 from training_fixtures import make_preference_run_dir, run_ok
 
+from spec.document import SpecError
+from spec.loading import load_pipeline
+from spec.training import RewardFunction
 from stages.__main__ import main as stage_main
 from stages.rewards import RewardError, build_reward_functions, end_format, hangul_ratio, length_window
-from workflows.loading import SpecError, load_pipeline
-from workflows.spec import RewardFunction
 
 END = 7  # an end-of-turn token id, for the format reward
 

@@ -24,10 +24,10 @@ from conftest import fresh_spec
 from kubernetes import client
 from schema_validation import validate_custom_resource
 
+from spec.pipeline import PipelineSpec
 from stages.contract import RunDir, StageContext
 from workflows import rollout
 from workflows.serving import inference_service, model_storage_uri, to_yaml
-from workflows.spec import PipelineSpec
 
 NAMESPACE = "llm-training"
 NAME = "korean-llm"
@@ -481,7 +481,7 @@ def test_rendered_rollout_settings_validate_against_kserve(tmp_path: Path) -> No
 def test_canary_steps_are_checked(steps: list[int], problem: str) -> None:
     from pydantic import ValidationError
 
-    from workflows.spec import ServingSpec
+    from spec.serving import ServingSpec
 
     with pytest.raises(ValidationError, match=problem):
         ServingSpec(rollout="canary", canary_traffic_percent=steps)

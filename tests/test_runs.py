@@ -15,9 +15,9 @@ from fake_argo import FakeArgo, PodLog
 from fake_kube import FakeKube, pytorchjob
 from fake_kube import running as kube_running
 
+from spec.loading import load_pipeline
 from workflows import runs
 from workflows.compile import compile_pipeline
-from workflows.loading import load_pipeline
 
 NS = "posttrain"
 PIPELINE = "korean-llm"

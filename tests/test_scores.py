@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from spec.model import ModelSpec
 from stages.scores import ScoreCache, base_identity, champion_identity, hub_identity
-from workflows.spec import ModelSpec
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 

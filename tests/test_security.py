@@ -23,8 +23,9 @@ from conftest import PIPELINE_VARIANTS, fresh_spec, variant_id
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from spec.cluster import SecretRef, Secrets
+from spec.pipeline import PipelineSpec
 from workflows.compile import compile_pipeline
-from workflows.spec import PipelineSpec, SecretRef, Secrets
 
 FAKE_SECRET_VALUES = {
     "HF_TOKEN": "hf_FAKEtokenZ9q8w7e6r5t4y3u2i1o0",

@@ -17,6 +17,7 @@ import yaml
 from conftest import fresh_spec
 from schema_validation import SchemaViolation, validate_custom_resource
 
+from spec.pipeline import PipelineSpec
 from workflows.serving import (
     default_storage_uri,
     inference_service,
@@ -24,7 +25,6 @@ from workflows.serving import (
     to_yaml,
     with_canary_traffic,
 )
-from workflows.spec import PipelineSpec
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -59,7 +59,7 @@ def test_the_rendered_inference_service_validates_against_kserve(
     """The deploy stage's document, which the compiled serve step applies, for every shipped pipeline and profile,
     against KServe's v1beta1 schema, strictly, with each traffic setting the rollout gives it (with variants: each
     variant's own, from its own serve step)."""
-    from workflows.variants import variant_specs
+    from spec.variants import variant_specs
 
     served = list(variant_specs(spec).values()) or [spec]
     for one in served:

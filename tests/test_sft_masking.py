@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 from training_fixtures import chat_rows, make_run_dir, text_rows
 
+from spec.loading import load_pipeline
 from stages.chat import template_text
 from stages.data import normalize_row
 from stages.modeling import load_tokenizer
 from stages.packing import IGNORE_INDEX, load_token_cache, tokenize_conversation
 from stages.tokenizer import build_tokenizer, render_for_training
-from workflows.loading import load_pipeline
 
 TURN_END = "<|im_end|>"  # Qwen3's end-of-turn token
 

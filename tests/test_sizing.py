@@ -8,9 +8,9 @@ from typing import Any
 import yaml
 from conftest import fresh_spec
 
+from spec.pipeline import PipelineSpec
+from spec.sizing import model_parameters, pod_size, quantity
 from workflows.compile import compile_pipeline
-from workflows.sizing import model_parameters, pod_size, quantity
-from workflows.spec import PipelineSpec
 
 
 def _containers(node: Any, where: str = "") -> Iterator[tuple[str, dict[str, Any]]]:

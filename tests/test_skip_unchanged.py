@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from workflows.loading import load_pipeline
+from spec.loading import load_pipeline
 from workflows.local import run_local
 from workflows.notify import read_outcome, slack_message
 

@@ -24,11 +24,11 @@ import pytest
 import zstandard
 from object_stores import GcsEmulator, MotoS3, faulty_proxy
 
+from spec.data import DataSpec
+from spec.loading import load_pipeline
 from stages import sources
 from stages.data import DataError, parse_row, read_source
 from stages.sources import SUFFIX_LIST, SourceObject, list_objects, open_parquet, open_stream, s3_client
-from workflows.loading import load_pipeline
-from workflows.spec import DataSpec
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -486,7 +486,7 @@ BOMB_BYTES = 128 << 20
 READ_IN_A_CHILD = """
 import resource, sys
 from stages.data import DataError, parse_row, read_source
-from workflows.spec import DataSpec
+from spec.data import DataSpec
 uri = sys.argv[1]
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 try:

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from workflows.loading import SpecError, known_pipelines, load_pipeline
+from spec.document import SpecError
+from spec.loading import known_pipelines, load_pipeline
 
 BASE = textwrap.dedent(
     """\

@@ -23,11 +23,13 @@ from pydantic import AfterValidator, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 from test_parameters import _params_dir
 
+from spec.document import MAX_EXPANDED_NODES, SpecError
+from spec.fields import IntegerRange, out_of_int64
+from spec.loading import load_pipeline
+from spec.model_shapes import AttentionShape, known_shape, tensor_parallel_problem
+from spec.pipeline import PipelineSpec
+from spec.reference import _models
 from workflows import parameters as params
-from workflows.loading import MAX_EXPANDED_NODES, SpecError, load_pipeline
-from workflows.model_shapes import AttentionShape, known_shape, tensor_parallel_problem
-from workflows.reference import _models
-from workflows.spec import IntegerRange, PipelineSpec, out_of_int64
 
 PIPELINE = textwrap.dedent(
     """\

@@ -13,11 +13,12 @@ import pytest
 import yaml
 from fake_argo import SUBMITTER_RBAC, FakeArgo, node, workflow_status
 
+from spec.document import LoadedPipeline
+from spec.loading import PIPELINES_DIR, load_pipeline
+from spec.pipeline import PipelineSpec
 from workflows import parameters as params
 from workflows import submit
 from workflows.compile import compile_pipeline
-from workflows.loading import PIPELINES_DIR, LoadedPipeline, load_pipeline
-from workflows.spec import PipelineSpec
 
 NS = "llm-training"
 

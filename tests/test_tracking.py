@@ -26,11 +26,11 @@ import pytest
 from fake_langfuse import FakeLangfuse
 from training_fixtures import wandb_offline_runs
 
+from spec.loading import load_pipeline
+from spec.pipeline import PipelineSpec
 from stages.contract import RunDir, StageContext, StageInterrupted
 from stages.tracking import StageTracker
 from stages.tracking_mlflow_server import TRACKING_FILE, local_store_uri
-from workflows.loading import load_pipeline
-from workflows.spec import PipelineSpec
 
 mlflow = pytest.importorskip("mlflow")
 

@@ -134,7 +134,7 @@ def test_lora_without_cpt_merges_into_the_base_when_asked(tmp_path: Path) -> Non
 
 
 def test_qlora_on_cpu_names_the_spec_field() -> None:
-    from workflows.loading import load_pipeline
+    from spec.loading import load_pipeline
 
     spec = load_pipeline("korean-llm", profile="local", overrides=["stages.sft.method=qlora"]).spec
     if torch.cuda.is_available():
@@ -174,8 +174,8 @@ def test_full_fine_tuning_on_gpu_trains_float32_masters(
 ) -> None:
     """Under DDP the stage upcasts bf16 weights to float32 masters (FSDP and DeepSpeed do it themselves), unless
     training.pure_bf16; the final model is saved in the dtype it was loaded in."""
+    from spec.training import SftStage
     from stages import modeling
-    from workflows.spec import SftStage
 
     monkeypatch.setattr(modeling, "on_gpu", lambda: True)
     section = SftStage.model_validate(
@@ -195,8 +195,8 @@ def test_full_fine_tuning_on_gpu_trains_float32_masters(
 def test_bf16_weights_lose_fine_tuning_updates_that_float32_masters_keep(monkeypatch: pytest.MonkeyPatch) -> None:
     """Why the masters: one AdamW step at a fine-tuning learning rate moves almost every float32 weight and leaves
     most bf16 weights where they were."""
+    from spec.training import SftStage
     from stages import modeling
-    from workflows.spec import SftStage
 
     monkeypatch.setattr(modeling, "on_gpu", lambda: True)
     masters = _tiny_bf16_model()

@@ -14,13 +14,14 @@ from typing import Any
 import pytest
 import yaml
 
+from spec.document import SpecError
+from spec.loading import PIPELINES_DIR, load_pipeline
+from spec.pipeline import MAX_PIPELINE_NAME_LENGTH
+from spec.variants import variant_specs
 from stages.tracking_mlflow_server import local_store_uri
 from workflows import parameters as params
 from workflows.compile import compile_pipeline
 from workflows.deadline import workflow_deadline
-from workflows.loading import PIPELINES_DIR, SpecError, load_pipeline
-from workflows.spec import MAX_PIPELINE_NAME_LENGTH
-from workflows.variants import variant_specs
 
 REPO = Path(__file__).resolve().parent.parent
 SHIPPED = (PIPELINES_DIR / "qwen-multi.yaml").read_text(encoding="utf-8")

@@ -11,9 +11,9 @@ from fake_argo import node, running, workflow_status
 from hera.workflows.models import Workflow
 from rich.console import Console
 
+from spec.loading import load_pipeline
 from workflows.argo import ArgoClient, ArgoConfig, ArgoError
 from workflows.compile import compile_pipeline
-from workflows.loading import load_pipeline
 from workflows.watch import format_duration, node_rows, render_text, watch
 
 NOW = datetime(2026, 11, 2, 2, 30, 0, tzinfo=timezone.utc)

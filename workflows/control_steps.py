@@ -7,6 +7,9 @@ from typing import Any
 from hera.workflows import Container, RawArtifact, Step, Steps
 from hera.workflows import models as m
 
+from spec.pipeline import PipelineSpec
+from spec.sizing import PodSize
+from spec.stage import Resources, StageBase, StepPolicy
 from workflows import serving
 from workflows.job_kinds import DEFAULT_JOB_KIND
 from workflows.pytorchjob import (
@@ -18,8 +21,6 @@ from workflows.pytorchjob import (
     container_security_context,
     resource_requirements,
 )
-from workflows.sizing import PodSize
-from workflows.spec import PipelineSpec, Resources, StageBase, StepPolicy
 from workflows.step_templates import (
     PARAMS_DIR,
     RETRY_BACKOFF_CAP,

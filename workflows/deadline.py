@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+from spec.fields import TRAINING_STAGES
+from spec.pipeline import PipelineSpec
 from workflows.control_steps import (
     CLEANUP_POLICY,
     NOTIFY_POLICY,
@@ -12,7 +14,6 @@ from workflows.control_steps import (
     serve_deadline_seconds,
 )
 from workflows.search_steps import hpo_attempt_seconds
-from workflows.spec import TRAINING_STAGES, PipelineSpec
 from workflows.step_templates import DEADLINE_BACKSTOP_SECONDS, capped_seconds, worst_case_seconds
 from workflows.training_steps import training_attempt_seconds
 from workflows.variant_dag import SWITCHES_POLICY
@@ -49,7 +50,7 @@ def variants_deadline(spec: PipelineSpec) -> int:
     its hour of slack and exit handler included), the longest when all chains run at once, else their sum. Argo's
     `parallelism` admits pods, not chains, so fewer slots than chains may interleave them: only the sum bounds
     that."""
-    from workflows.variants import variant_specs
+    from spec.variants import variant_specs
 
     chains = [workflow_deadline(vspec) for vspec in variant_specs(spec).values()]
     parallelism = spec.workflow.parallelism

@@ -7,7 +7,7 @@ What maps: the model, the first dataset (a local file or a hub id; LLaMA-Factory
 tags become data.columns and data.roles, axolotl's datasets[].type alpaca / chat_template / sharegpt /
 completion the format), the chat template, the method (stage or rl; LoRA, QLoRA or full), the LoRA settings, the
 hyperparameters, the precision and the DeepSpeed config. Every key that does not map is listed (key: value → why)
-on stderr; the written file is validated with `workflows.loading.load_pipeline` first, and an existing output is
+on stderr; the written file is validated with `spec.loading.load_pipeline` first, and an existing output is
 never overwritten without --force.
 """
 
@@ -24,8 +24,9 @@ from typing import Any
 
 import yaml
 
-from workflows.loading import SpecError, load_json, load_pipeline, load_yaml
-from workflows.spec import KNOWN_CHAT_TEMPLATES
+from spec.document import SpecError, load_json, load_yaml
+from spec.loading import load_pipeline
+from spec.model import KNOWN_CHAT_TEMPLATES
 
 EXIT_USAGE = 2
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from spec.pipeline import PipelineSpec
 from workflows import pytorchjob, trainjob
-from workflows.spec import PipelineSpec
 
 
 class JobKind(Protocol):

@@ -29,8 +29,10 @@ import copy
 import math
 from typing import Any
 
+from spec.pipeline import PipelineSpec
+from spec.search import SearchParameter, recorded_metrics
+from spec.training import TrainingStage
 from workflows.pytorchjob import CONTAINER_NAME, job_manifest, job_metadata, run_dir
-from workflows.spec import PipelineSpec, SearchParameter, TrainingStage, recorded_metrics
 
 API_VERSION = "kubeflow.org/v1beta1"
 KIND = "Experiment"

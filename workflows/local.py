@@ -74,6 +74,10 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from spec.document import LoadedPipeline
+from spec.fields import TRAINING_STAGES
+from spec.loading import PIPELINES_DIR, REPLACES_DATA
+from spec.pipeline import PipelineSpec
 from stages.contract import (
     EXIT_RETRYABLE,
     EXIT_USAGE,
@@ -92,11 +96,9 @@ from stages.contract import (
 from stages.gate import GATE_PASS
 from stages.hpo import apply_selections
 from stages.tracking_mlflow_server import local_store_uri
-from workflows.loading import PIPELINES_DIR, REPLACES_DATA, LoadedPipeline
 from workflows.plan import plan_warnings, prepared_warnings
 from workflows.pytorchjob import RUN_ROOT
 from workflows.search import search_in_runner, search_needed
-from workflows.spec import TRAINING_STAGES, PipelineSpec
 from workflows.submit import EXIT_GATE_FAILED
 from workflows.warm_starts import WarmProcess, WarmStarts, warm_starts
 
@@ -452,7 +454,7 @@ def effective_plan(loaded: LoadedPipeline) -> list[str]:
     """What the run will train on, said before it starts: the profile and what it sets, the model, and per stage
     the data (URI, format, column mapping) and the step budget, each marked where a profile or --set set it
     instead of the pipeline file. A profile that swaps data or caps steps is never silent about it, nor is one
-    whose data was left out because the pipeline file names its own (workflows/loading.py, replaces_data)."""
+    whose data was left out because the pipeline file names its own (spec/loading.py, replaces_data)."""
     spec = loaded.spec
     overlay = (loaded.document.get("profiles") or {}).get(loaded.profile) or {} if loaded.profile else {}
     kept = loaded.origins.data_kept

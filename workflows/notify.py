@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from workflows.credentials import scrub
-from workflows.spec import STAGE_ORDER
+from spec.credentials import scrub
+from spec.fields import STAGE_ORDER
 
 WEBHOOK_ENV = "SLACK_WEBHOOK_URL"
 POST_TIMEOUT_S = 15.0

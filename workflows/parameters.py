@@ -15,16 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workflows.loading import Origins, SpecError, override, parse_override, validate_document
-from workflows.spec import (
-    FORM_EXTRA_ARGS,
-    OPTIONAL_STAGES,
-    STAGE_ORDER,
-    TRAINING_STAGES,
-    EvaluateStage,
-    GateRule,
-    PipelineSpec,
-)
+from spec.document import Origins, SpecError
+from spec.fields import OPTIONAL_STAGES, STAGE_ORDER, TRAINING_STAGES
+from spec.loading import override, parse_override, validate_document
+from spec.pipeline import PipelineSpec
+from spec.release import EvaluateStage, GateRule
+from spec.training import FORM_EXTRA_ARGS
 
 SPEC_FILE = "pipeline.json.b64"
 """The compiled spec inside the template, base64-encoded so Argo never reads '{{' in it as an expression."""
@@ -109,7 +105,7 @@ def variant_form(spec: PipelineSpec) -> tuple[list[UIParameter], dict[str, dict[
     A switch `run-<variant>` per variant, then each variant's parameters: shared (its plain name) when every
     variant that has it agrees on the default, else one per variant, `<variant>-<name>`. Each variant's prepare
     reads its values under the plain names, so resolving them is the same as for a pipeline of one model."""
-    from workflows.variants import variant_specs
+    from spec.variants import variant_specs
 
     forms = {name: ui_parameters(vspec) for name, vspec in variant_specs(spec).items()}
     defaults: dict[str, set[str]] = {}

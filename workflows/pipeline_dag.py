@@ -6,10 +6,11 @@ from typing import Any
 
 from hera.workflows import DAG, Task
 
+from spec.fields import TRAINING_STAGES
+from spec.pipeline import PipelineSpec
 from workflows.control_steps import RETENTION, retention_template, serve_template
 from workflows.pytorchjob import run_dir
 from workflows.search_steps import hpo_templates
-from workflows.spec import TRAINING_STAGES, PipelineSpec
 from workflows.stage_steps import deploy_template, evaluate_template, prepare_template
 from workflows.training_steps import training_templates
 

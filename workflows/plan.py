@@ -18,8 +18,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from workflows.loading import REPLACES_DATA, LoadedPipeline
-from workflows.spec import TRAINING_STAGES, PipelineSpec
+from spec.document import LoadedPipeline
+from spec.fields import TRAINING_STAGES
+from spec.loading import REPLACES_DATA
+from spec.pipeline import PipelineSpec
 
 MIN_EVAL_ROWS = 20
 """Fewer held-out rows than this make eval_loss and perplexity noise (one odd row moves them by more than training

@@ -16,7 +16,7 @@ Checks, against the cluster of the current kubeconfig context (or the in-cluster
   or value is ever read; the keys inside cannot be known without reading the Secret and are not checked;
 - for every GPU stage, enough nodes whose labels match its node_selector (and required node affinity), whose
   taints it tolerates and whose allocatable nvidia.com/gpu, cpu and memory cover gpus_per_node and the pod's
-  requests (workflows/sizing.py: the spec's, or derived from the model's size); its PriorityClass and queue;
+  requests (spec/sizing.py: the spec's, or derived from the model's size); its PriorityClass and queue;
 - the Argo server (ARGO_SERVER, ARGO_TOKEN, ARGO_INSECURE_SKIP_VERIFY): set, reachable, and v3.6 or later when
   the pipeline is scheduled (CronWorkflow `schedules`). submit and register need it, so an unset ARGO_SERVER
   fails.
@@ -35,10 +35,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from spec.fields import TRAINING_STAGES
+from spec.pipeline import PipelineSpec
+from spec.sizing import PodSize, pod_size, quantity
+from spec.stage import Resources
 from workflows import trainjob
 from workflows.job_kinds import job_resource
-from workflows.sizing import PodSize, pod_size, quantity
-from workflows.spec import TRAINING_STAGES, PipelineSpec, Resources
 
 Status = Literal["ok", "warn", "fail"]
 
@@ -798,7 +800,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run the checks, print the table; returns the exit code."""
     from rich.console import Console
 
-    from workflows.loading import SpecError, load_pipeline
+    from spec.document import SpecError
+    from spec.loading import load_pipeline
 
     args = parser().parse_args(argv)
     try:
@@ -806,7 +809,7 @@ def main(argv: list[str] | None = None) -> int:
     except SpecError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from workflows.variants import variant_specs
+    from spec.variants import variant_specs
 
     console, ok = Console(), True
     for run_spec in list(variant_specs(spec).values()) or [spec]:  # each variant's own GPUs, volumes, model

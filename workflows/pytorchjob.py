@@ -25,8 +25,10 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from workflows.sizing import PodSize, pod_size
-from workflows.spec import PipelineSpec, RdmaSpec, StageBase, TrainingStage
+from spec.pipeline import PipelineSpec
+from spec.sizing import PodSize, pod_size
+from spec.stage import RdmaSpec, StageBase
+from spec.training import TrainingStage
 
 API_VERSION = "kubeflow.org/v1"
 KIND = "PyTorchJob"

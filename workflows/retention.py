@@ -132,7 +132,7 @@ def _runner_holds(run: Run) -> bool:
 
 def unfinished(run: Run) -> str | None:
     """Why the run's records show no final state (None when they show it ended)."""
-    from workflows.spec import STAGE_ORDER
+    from spec.fields import STAGE_ORDER
 
     if _runner_holds(run):
         return "a local runner is running it"

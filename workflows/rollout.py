@@ -40,12 +40,13 @@ from typing import Any
 import requests
 import yaml
 
+from spec.pipeline import PipelineSpec
+from spec.serving import ServingSpec
 from workflows.serving import (
     API_VERSION,
     RUN_LABEL,
     with_canary_traffic,
 )
-from workflows.spec import PipelineSpec, ServingSpec
 
 GROUP, VERSION = API_VERSION.split("/")
 PLURAL = "inferenceservices"

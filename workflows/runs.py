@@ -208,9 +208,9 @@ def sync_tracking_command(run_dir: Path) -> int:
 
 def _sync_and_report(run_dir: Path) -> int:
     """Send the journals, print per stage what was sent and what is pending; returns the exit status."""
+    from spec.document import SpecError
     from stages.contract import RunDir, StageRefused
     from stages.tracking_outbox import sync_tracking
-    from workflows.loading import SpecError
 
     try:
         report = sync_tracking(RunDir(run_dir))
@@ -526,7 +526,7 @@ def _training_logs(args: argparse.Namespace, namespace: str, job: str) -> None:
 
 def logs_command(args: argparse.Namespace) -> int:
     """`logs`: a stage's pod logs (training stages: from the job's pod through the Kubernetes API)."""
-    from workflows.spec import TRAINING_STAGES
+    from spec.fields import TRAINING_STAGES
 
     if args.tail is not None and args.tail < 0:
         raise RunsError("--tail must be 0 or more", EXIT_USAGE)

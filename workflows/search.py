@@ -31,10 +31,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from spec.pipeline import PipelineSpec
+from spec.search import HpoSpec, SearchParameter, SearchValue
 from stages.contract import EXIT_RETRYABLE, RunDir, StageInterrupted
 from stages.hpo import finished_search, read_search, search_fingerprint, select, value_at
 from stages.trials import trials_dir
-from workflows.spec import HpoSpec, PipelineSpec, SearchParameter, SearchValue
 
 
 def stage_search(spec: PipelineSpec, stage: str) -> HpoSpec | None:

@@ -8,9 +8,10 @@ import yaml
 from hera.workflows import Parameter, RawArtifact, Resource, Step, Steps
 from hera.workflows import models as m
 
+from spec.pipeline import PipelineSpec
+from spec.stage import Resources, StageBase, StepPolicy
 from workflows import katib
 from workflows.pytorchjob import WORKFLOW_LABEL, run_dir
-from workflows.spec import PipelineSpec, Resources, StageBase, StepPolicy
 from workflows.step_templates import (
     DEADLINE_BACKSTOP_SECONDS,
     PARAMS_DIR,

@@ -5,8 +5,8 @@ from __future__ import annotations
 from hera.workflows import Container, Parameter, RawArtifact
 from hera.workflows import models as m
 
+from spec.pipeline import PipelineSpec
 from workflows import parameters as params
-from workflows.spec import PipelineSpec
 from workflows.step_templates import OUTPUTS_DIR, PARAMS_DIR, container_template
 
 

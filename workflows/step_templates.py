@@ -9,6 +9,10 @@ from typing import Any
 from hera.workflows import Container, Parameter, RawArtifact
 from hera.workflows import models as m
 
+from spec.pipeline import PipelineSpec
+from spec.sizing import pod_size
+from spec.stage import StageBase, StepPolicy
+from spec.validation import go_duration_seconds
 from workflows.pytorchjob import (
     PIPELINE_LABEL,
     STAGE_LABEL,
@@ -18,9 +22,6 @@ from workflows.pytorchjob import (
     stage_image,
     volumes,
 )
-from workflows.sizing import pod_size
-from workflows.spec import PipelineSpec, StageBase, StepPolicy
-from workflows.validation import go_duration_seconds
 
 PARAMS_DIR = "/params"
 OUTPUTS_DIR = "/tmp/outputs"

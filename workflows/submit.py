@@ -40,12 +40,13 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import yaml
 
-from workflows.loading import LoadedPipeline, SpecError, load_pipeline, parse_override
+from spec.document import LoadedPipeline, SpecError
+from spec.loading import load_pipeline, parse_override
 
 if TYPE_CHECKING:
+    from spec.pipeline import PipelineSpec
     from workflows.argo import ArgoClient
     from workflows.compile import CompiledPipeline
-    from workflows.spec import PipelineSpec
 
 EXIT_FAILED = 1
 """The server refused or failed, or the watched workflow did not succeed."""
@@ -371,7 +372,7 @@ def run_arguments(
 def selected_variants(args: argparse.Namespace, loaded: LoadedPipeline) -> dict[str, LoadedPipeline]:
     """The variants --variant picks (all when none is named); a usage error for one the pipeline lacks, or for
     --variant given to a pipeline without variants."""
-    from workflows.variants import select
+    from spec.variants import select
 
     if args.variants and not loaded.spec.variants:
         raise CliError(f"--variant: {loaded.source} has no variants", EXIT_USAGE)
@@ -389,8 +390,8 @@ def variant_switches(args: argparse.Namespace, loaded: LoadedPipeline) -> dict[s
 
 def _variant_run_specs(loaded: LoadedPipeline, values: dict[str, str], origin: Callable[[int], str]) -> list[Any]:
     """The spec each switched-on variant's prepare will resolve from the form's `values`."""
+    from spec.variants import variant_specs
     from workflows import parameters as params
-    from workflows.variants import variant_specs
 
     specs = []
     for name, vspec in variant_specs(loaded.spec).items():

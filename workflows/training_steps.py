@@ -8,10 +8,11 @@ import yaml
 from hera.workflows import Parameter, Resource, Step, Steps
 from hera.workflows import models as m
 
+from spec.pipeline import PipelineSpec
+from spec.stage import StepPolicy
 from workflows.control_steps import CLEANUP, CLEANUP_POLICY, cleanup_template
 from workflows.job_kinds import job_kind
 from workflows.pytorchjob import WORKFLOW_LABEL
-from workflows.spec import PipelineSpec, StepPolicy
 from workflows.step_templates import (
     DEADLINE_BACKSTOP_SECONDS,
     RETRY_BACKOFF_CAP,

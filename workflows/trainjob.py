@@ -7,7 +7,7 @@ the JobSet's restart policy. The TrainJob sets what varies per stage through wha
 `spec.trainer` (image, command, env, numNodes, numProcPerNode, resourcesPerNode) and `spec.podTemplateOverrides`
 (service account, node selector, affinity, tolerations, volumes, the `node` container's volume mounts, image pull
 secrets, pod labels and annotations). A v2.1 TrainJob cannot say the rest. A stage's
-priority_class and resources.rdma (its IPC_LOCK) are refused with job_kind trainjob (workflows/spec.py); these act
+priority_class and resources.rdma (its IPC_LOCK) are refused with job_kind trainjob (spec/); these act
 on PyTorchJobs only: run_policy's active deadline (Argo's wait timeout still bounds the stage), backoff limit, TTL
 and clean-pod policy, and cluster.run_as_user (the runtime's UID). The torch plugin sets
 PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR and PET_MASTER_PORT in the container named `node`,
@@ -34,6 +34,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from spec.pipeline import PipelineSpec
+from spec.sizing import pod_size
+from spec.training import TrainingStage
 from workflows.pytorchjob import (
     METRICS_PORT_ENV,
     PIPELINE_LABEL,
@@ -48,8 +51,6 @@ from workflows.pytorchjob import (
     stage_image,
     volumes,
 )
-from workflows.sizing import pod_size
-from workflows.spec import PipelineSpec, TrainingStage
 
 API_GROUP = "trainer.kubeflow.org"
 API_VERSION = f"{API_GROUP}/v1alpha1"

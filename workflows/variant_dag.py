@@ -7,6 +7,8 @@ from typing import Any
 from hera.workflows import DAG, Container, Parameter, RawArtifact, Steps, Task
 from hera.workflows import models as m
 
+from spec.pipeline import PipelineSpec
+from spec.stage import StepPolicy
 from workflows import parameters as params
 from workflows.control_steps import CLEANUP, CONTROL_STEP_SIZE, RETENTION
 from workflows.pipeline_dag import ENTRYPOINT, chain_templates
@@ -17,7 +19,6 @@ from workflows.pytorchjob import (
     container_security_context,
     resource_requirements,
 )
-from workflows.spec import PipelineSpec, StepPolicy
 from workflows.step_templates import (
     OUTPUTS_DIR,
     PARAMS_DIR,
@@ -106,7 +107,7 @@ def switches_template(spec: PipelineSpec) -> Container:
 def variant_templates(spec: PipelineSpec) -> list[Any]:
     """The entry DAG `pipeline` of a pipeline with variants: `switches`, then one task per variant (run when its
     switch is on, at most workflow.parallelism at once); the switches' template and each variant's chain."""
-    from workflows.variants import variant_specs
+    from spec.variants import variant_specs
 
     form_names = params.variant_form(spec)[1]
     tasks, templates = [Task(name=SWITCHES, template=SWITCHES)], [switches_template(spec)]

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from workflows.loading import LoadedPipeline, load_pipeline
+from spec.document import LoadedPipeline
+from spec.loading import load_pipeline
 from workflows.local import run_local
 
 FAKE_SECRETS = {

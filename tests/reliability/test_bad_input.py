@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from test_parameters import _params_dir
 
+from spec.loading import PIPELINES_DIR, load_pipeline
 from stages.__main__ import main as stages_main
 from stages.contract import RunDir
 from workflows import register, submit
-from workflows.loading import PIPELINES_DIR, load_pipeline
 from workflows.parameters import SPEC_FILE
 
 REPO = Path(__file__).resolve().parents[2]

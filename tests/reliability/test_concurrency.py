@@ -14,7 +14,7 @@ import pytest
 from training_fixtures import runner_env
 
 import workflows.local as local
-from workflows.loading import load_pipeline
+from spec.loading import load_pipeline
 
 REPO = Path(__file__).resolve().parents[2]
 PREPARE_ONLY = [f"--set=stages.{s}.enabled=false" for s in ("cpt", "sft", "rlhf", "evaluate", "deploy")]

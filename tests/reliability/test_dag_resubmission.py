@@ -10,8 +10,8 @@ import pytest
 from resubmitted_dag import DAG_OVERRIDES, Resubmitted
 from resubmitted_dag import resubmitted_dag as run_resubmitted_dag
 
+from spec.loading import load_pipeline
 from stages.contract import EXIT_USAGE, RunDir, config_hash
-from workflows.loading import load_pipeline
 from workflows.local import run_local
 
 pytestmark = pytest.mark.slow

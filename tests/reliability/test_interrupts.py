@@ -15,6 +15,7 @@ import pytest
 from training_fixtures import make_run_dir, start_stage, text_rows, wait_for_file, write_jsonl
 
 import stages.prepare
+from spec.loading import load_pipeline
 from stages.__main__ import main as stages_main
 from stages.builtin_data import LM_EVAL_TASKS, write_lm_eval_tasks
 from stages.contract import (
@@ -29,7 +30,6 @@ from stages.contract import (
 )
 from stages.data import BUILTIN_TASKS_DIR
 from stages.tracking_mlflow_server import local_store_uri
-from workflows.loading import load_pipeline
 
 STEPS = 9
 OVERRIDES = [

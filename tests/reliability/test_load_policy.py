@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from spec.loading import load_pipeline
 from stages.modeling import load_pretrained
-from workflows.loading import load_pipeline
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCES = sorted([*REPO.glob("stages/*.py"), *REPO.glob("workflows/*.py")])

@@ -22,8 +22,9 @@ import yaml
 from conftest import PIPELINE_VARIANTS, fresh_spec, variant_id
 from test_manifests import _container_issues
 
+from spec.document import SpecError
+from spec.loading import load_pipeline
 from workflows.compile import compile_pipeline
-from workflows.loading import SpecError, load_pipeline
 
 Doc = dict[str, Any]
 

@@ -14,6 +14,7 @@ import faults
 import pytest
 from training_fixtures import make_run_dir
 
+from spec.loading import load_pipeline
 from stages.contract import (
     EXIT_FAILED,
     LOCK_FILE,
@@ -24,7 +25,6 @@ from stages.contract import (
     write_json_atomic,
 )
 from workflows import local
-from workflows.loading import load_pipeline
 
 STEPS = 6
 OVERRIDES = [

@@ -17,6 +17,7 @@ import pytest
 from test_parameters import _params_dir
 from training_fixtures import REPO, child_env, make_run_dir, stage_script
 
+from spec.loading import load_pipeline
 from stages.__main__ import main as stages_main
 from stages.contract import (
     EXIT_RETRYABLE,
@@ -27,7 +28,6 @@ from stages.contract import (
     hold_stage_lock,
     holds_stage_lock,
 )
-from workflows.loading import load_pipeline
 
 STEPS = 6
 OVERRIDES = [

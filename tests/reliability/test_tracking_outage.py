@@ -25,10 +25,10 @@ import pytest
 from test_tracking import SERVER_ENV, free_port, history, tensorboard_points, wandb_points
 from training_fixtures import make_run_dir, stage_script, wait_for_file
 
+from spec.loading import load_pipeline
 from stages.contract import RunDir, StageContext
 from stages.tracking import StageTracker
 from stages.tracking_wandb import WANDB_INIT_TIMEOUT_SECONDS
-from workflows.loading import load_pipeline
 
 
 class MlflowServer:

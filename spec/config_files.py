@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from workflows.loading import Origins, SpecError, load_json, load_yaml
-from workflows.quoting import quoted
+from spec.document import Origins, SpecError, load_json, load_yaml
+from spec.quoting import quoted
 
 CONFIG_FILE_FIELDS: dict[str, str] = {"deepspeed_config": "json", "accelerate_config": "yaml"}
 """Fields of a stage's `distributed` section that may name a file: field → the file's format."""

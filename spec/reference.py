@@ -1,8 +1,8 @@
 """The spec reference: docs/spec.md and docs/pipeline.schema.json generated from the pydantic models, so the docs
 and editors never drift from the code.
 
-python -m workflows.reference > docs/spec.md
-python -m workflows.reference --json-schema > docs/pipeline.schema.json
+python -m spec.reference > docs/spec.md
+python -m spec.reference --json-schema > docs/pipeline.schema.json
 
 The JSON Schema lets an editor complete and check pipeline files: with VS Code's YAML extension (redhat.vscode-yaml)
 a pipeline file's first line `# yaml-language-server: $schema=<path or URL of docs/pipeline.schema.json>` is enough.
@@ -20,7 +20,7 @@ from typing import Any, get_args, get_origin
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from workflows.spec import PipelineSpec
+from spec.pipeline import PipelineSpec
 
 
 def _type_name(annotation: Any) -> str:
@@ -73,7 +73,7 @@ def render() -> str:
     out = [
         "# Pipeline spec reference",
         "",
-        "Generated from `workflows/spec.py` by `python -m workflows.reference`; do not edit by hand.",
+        "Generated from `spec/` by `python -m spec.reference`; do not edit by hand.",
         "Unknown fields are errors. Override any field with `--set path.to.field=value`.",
         "",
     ]
@@ -106,7 +106,7 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["--json-schema"]:
         sys.stdout.write(render_json_schema())
     elif sys.argv[1:]:
-        print("usage: python -m workflows.reference [--json-schema]", file=sys.stderr)
+        print("usage: python -m spec.reference [--json-schema]", file=sys.stderr)
         sys.exit(2)
     else:
         print(render())

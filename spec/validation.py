@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from workflows.quoting import control_character, quoted
+from spec.quoting import control_character, quoted
 
 MAX_ANNOTATIONS_BYTES = 256 * 1024
 """The API server's limit on the total size of an object's annotations (keys and values)."""

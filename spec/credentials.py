@@ -11,7 +11,7 @@ A credential is recognised three ways:
   shape inside any environment variable (the password of a `DATABASE_URL` or `MLFLOW_TRACKING_URI`).
 
 `scrub` replaces all of them with MASK. The stages pass everything they print and write through it (logs,
-stage.json, reports, tracking); the spec refuses credential-shaped values outright (`workflows.loading`), naming
+stage.json, reports, tracking); the spec refuses credential-shaped values outright (`spec.loading`), naming
 the Secret-based way to pass them. Control plane: no imports beyond the standard library.
 """
 

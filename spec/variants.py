@@ -17,8 +17,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from workflows.loading import LoadedPipeline, Origins, SpecError, check_no_credentials, deep_merge
-from workflows.spec import FieldError, PipelineSpec
+from spec.document import LoadedPipeline, Origins, SpecError, check_no_credentials, deep_merge
+from spec.fields import FieldError
+from spec.pipeline import PipelineSpec
 
 Path_ = tuple[str | int, ...]
 

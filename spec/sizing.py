@@ -17,7 +17,9 @@ import re
 from dataclasses import dataclass
 from decimal import Decimal
 
-from workflows.spec import PipelineSpec, Resources, TinyModelConfig
+from spec.model import TinyModelConfig
+from spec.pipeline import PipelineSpec
+from spec.stage import Resources
 
 GIB = 1024**3
 

@@ -1,0 +1,173 @@
+"""The import rules of the packages, checked over the import graph (imports inside functions count too).
+
+- `spec` (the pipeline language) imports no other package of the project: both planes read it.
+- `workflows` (the control plane) and `stages` (the data plane) do not import each other. What both need lives in
+  `spec`; what the local runner needs of a stage it gets through the run directory or a subprocess, as a pod does.
+- No module imports itself back through others (no import cycle).
+
+Each package's `__init__.py` states its rule. The imports that still break a rule are listed here, each one a
+piece of work left: the test fails when a new one appears, and when a listed one is gone (strike it from the list).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGES = ("spec", "workflows", "stages")
+
+CROSS_PLANE_LEFT: set[tuple[str, str]] = {
+    ("stages.__main__", "workflows.parameters"),
+    ("stages.deploy", "workflows.pytorchjob"),
+    ("stages.deploy", "workflows.serving"),
+    ("stages.hpo", "workflows.katib"),
+    ("stages.metrics", "workflows.pytorchjob"),
+    ("stages.progress", "workflows.durations"),
+    ("workflows.local", "stages.contract"),
+    ("workflows.local", "stages.gate"),
+    ("workflows.local", "stages.hpo"),
+    ("workflows.local", "stages.tracking_mlflow_server"),
+    ("workflows.rollout", "stages.contract"),
+    ("workflows.rollout", "stages.gate"),
+    ("workflows.rollout", "stages.registry"),
+    ("workflows.rollout", "stages.tracking_mlflow_server"),
+    ("workflows.runs", "stages.__main__"),
+    ("workflows.runs", "stages.contract"),
+    ("workflows.runs", "stages.tracking_mlflow_server"),
+    ("workflows.runs", "stages.tracking_outbox"),
+    ("workflows.search", "stages.contract"),
+    ("workflows.search", "stages.hpo"),
+    ("workflows.search", "stages.trials"),
+    ("workflows.submit", "stages.lm_eval_registry"),
+}
+"""Imports between `workflows` and `stages` not moved yet (importer, imported)."""
+
+CYCLES_LEFT: list[set[str]] = [
+    {
+        "stages.builtin_data",
+        "stages.cleaning",
+        "stages.data",
+        "stages.lm_eval_registry",
+        "stages.prepared_data",
+        "stages.sources",
+    },
+    {"workflows.cli", "workflows.local", "workflows.search", "workflows.submit"},
+]
+"""Import cycles not broken yet (each one's modules)."""
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in (REPO / package).rglob("*.py"):
+            parts = list(path.relative_to(REPO).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join(parts)] = path
+    return found
+
+
+def _known(name: str, modules: dict[str, Path]) -> str | None:
+    """The project module `name` is, or is inside (a name imported from it), or None."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module → the project modules it imports, at any depth of its code."""
+    modules = _modules()
+    graph: dict[str, set[str]] = defaultdict(set)
+    for module, path in modules.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(
+                        package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                    )
+                targets = [f"{base}.{alias.name}" for alias in node.names] + [base]
+            for target in targets:
+                if (known := _known(target, modules)) and known != module:
+                    graph[module].add(known)
+                    if isinstance(node, ast.ImportFrom):
+                        break  # `from a.b import c`: c is a module of a.b, or a name in it
+        graph.setdefault(module, set())
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[set[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(component)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _package(module: str) -> str:
+    return module.split(".")[0]
+
+
+def test_spec_imports_no_other_package_of_the_project() -> None:
+    graph = import_graph()
+    outside = sorted(
+        (m, t) for m, targets in graph.items() if _package(m) == "spec" for t in targets if _package(t) != "spec"
+    )
+    assert not outside, f"spec imports the planes: {outside}"
+
+
+def test_the_planes_do_not_import_each_other() -> None:
+    graph = import_graph()
+    crossing = {
+        (m, t) for m, targets in graph.items() for t in targets if {_package(m), _package(t)} == {"workflows", "stages"}
+    }
+    assert not crossing - CROSS_PLANE_LEFT, f"new imports between the planes: {sorted(crossing - CROSS_PLANE_LEFT)}"
+    assert not CROSS_PLANE_LEFT - crossing, (
+        f"gone, strike them from CROSS_PLANE_LEFT: {sorted(CROSS_PLANE_LEFT - crossing)}"
+    )
+
+
+def test_no_import_cycles() -> None:
+    found = cycles(import_graph())
+    new = [c for c in found if c not in CYCLES_LEFT]
+    assert not new, f"new import cycles: {[sorted(c) for c in new]}"
+    gone = [c for c in CYCLES_LEFT if c not in found]
+    assert not gone, f"broken, strike them from CYCLES_LEFT: {[sorted(c) for c in gone]}"
+
+
+def test_the_graph_sees_imports_inside_functions(tmp_path: Path) -> None:
+    """The checker itself: an import inside a function body is an edge like one at the top of the module."""
+    graph = import_graph()
+    assert "stages.contract" in graph["stages.__main__"]
+    source = (REPO / "spec" / "loading.py").read_text(encoding="utf-8")
+    assert "    from spec import variants" in source and "spec.variants" in graph["spec.loading"]
