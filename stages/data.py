@@ -1,4 +1,6 @@
-"""Training data: reading every source, validating rows, normalizing them to one canonical form per kind.
+"""Training data: reading every source into rows, within bounds, and the datasets and errors they make.
+
+Each row is validated and normalized to its canonical form by `stages.normalize`.
 
 Sources (a stage's `data.uri`): a file, a directory or a glob of `.jsonl`, `.jsonl.gz`, `.jsonl.zst` and
 `.parquet` files, on a volume or in a bucket (`s3://`, `gs://`; listed and opened by `stages.sources`),
@@ -13,20 +15,6 @@ Where data may come from (`confine`):
 - everywhere: a `pvc://` path stays inside its claim's mount, and a file in a data directory that is a symlink to
   somewhere outside that directory is refused (a data directory is read as a whole, so what it links to is not
   what the spec names).
-
-Canonical forms, what every later stage reads:
-
-    text        {"text": str}
-    chat        {"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}
-                (formats messages, alpaca and sharegpt)
-    preference  {"prompt": [messages...], "chosen": [{"role": "assistant", "content": str}],
-                 "rejected": [{"role": "assistant", "content": str}]}
-
-Column mapping (`data.columns`, `data.text_field`, `data.roles`): a format's fields may have other names in a
-dataset, as in LLaMA-Factory's dataset_info. `columns` maps the format's name to the dataset's column (or, for
-`from`/`value` and `role`/`content`, to the key inside each message), `roles` maps user/assistant/system to the
-tags the messages use. Every source (JSONL, Parquet, hub, builtin) goes through the same mapping, in
-`normalize_row`; errors name the dataset's column and the mapping that led there.
 
 A bad row is reported as `<file>:<line>: field '<path>': <problem>`, e.g.
 `train.jsonl:17: field 'messages[2].content': expected a string, got null`, or with a mapped column
@@ -53,15 +41,16 @@ import os
 import re
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from spec.data import FORMAT_COLUMNS, MESSAGE_KEYS, DataSpec
+from spec.data import DataSpec
 from spec.pipeline import PipelineSpec
 from spec.quoting import quoted
 from stages.contract import canonical_hash, writable
+from stages.normalize import ColumnMap, _type_name
 
 DEFAULT_MAX_ROW_BYTES = 4 * 1024 * 1024
 """Rows larger than this (bytes of the JSONL line or of the row as JSON) are errors."""
@@ -90,9 +79,6 @@ NORMALIZATION_VERSION = 2
 MAX_LISTED_ERRORS = 5
 RAW_EXCERPT_CHARS = 500
 
-ROLES = ("system", "user", "assistant")
-SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
-"""The role tags a sharegpt dataset may use when `data.roles` does not say (tag → role)."""
 
 MAPPING_PROBE_ROWS = 100
 """When this many rows in a row, from the first, all lack the same mapped column, the mapping is wrong, not the
@@ -138,24 +124,6 @@ class RowError:
         """The quarantine record of this row."""
         record = {"file": self.file, "line": self.line, "field": self.field, "error": self.error, "raw": self.raw}
         return record | ({"mapping": self.mapping} if self.mapping else {})
-
-
-class FieldError(Exception):
-    """A field of a row is wrong; raised by the validators, turned into a RowError with file and line."""
-
-    def __init__(self, field: str, error: str) -> None:
-        super().__init__(f"{field}: {error}")
-        self.field = field
-        self.error = error
-        self.mapping = ""  # the spec fields that renamed `field`, set by normalize_row
-
-
-class MissingField(FieldError):
-    """A required field is not in its row (or message); `present` are the keys that are."""
-
-    def __init__(self, field: str, error: str, present: list[str]) -> None:
-        super().__init__(field, error)
-        self.present = present
 
 
 @dataclass
@@ -596,309 +564,6 @@ def parse_row(raw: RawRow, limit: int, encoding: str) -> RawRow:
     if raw.raw is None:
         return raw
     return parse_jsonl_line(raw.raw, raw.file, raw.line, limit, encoding, raw.size)
-
-
-# --------------------------------------------------------------------------- validation and normalization
-
-_FORMAT_KEYS = {
-    "messages": ("messages",),
-    "alpaca": ("instruction", "output"),
-    "sharegpt": ("conversations",),
-    "preference": ("chosen", "rejected"),
-}
-
-
-@dataclass(frozen=True)
-class ColumnMap:
-    """Where a format's fields are in a dataset: `data.columns`, `data.text_field` and `data.roles` resolved."""
-
-    fmt: str
-    renames: dict[str, str]
-    """The format's name → the dataset's, for the names the spec changes (text_field included, as 'text')."""
-    sources: dict[str, str]
-    """The format's name → the spec field that renames it ('columns.output', 'text_field')."""
-    roles: dict[str, str]
-    """The role tags the messages may use → the canonical role."""
-    text_field: str = "text"
-    """The text column, for the hint that a row looks like the text format."""
-
-    @classmethod
-    def of(cls, data: DataSpec) -> ColumnMap:
-        """The mapping of a dataset spec."""
-        return cls.build(data.format, data.text_field, data.columns, data.roles)
-
-    @classmethod
-    def build(
-        cls,
-        fmt: str,
-        text_field: str = "text",
-        columns: dict[str, str] | None = None,
-        roles: dict[str, str] | None = None,
-    ) -> ColumnMap:
-        """The mapping of format `fmt` with these settings (validated as DataSpec validates them)."""
-        columns = columns or {}
-        renames = {k: v for k, v in columns.items() if v != k}
-        sources = {k: f"columns.{k}" for k in renames}
-        if fmt == "text" and "text" not in columns and text_field != "text":
-            renames["text"], sources["text"] = text_field, "text_field"
-        text_column = columns.get("text", text_field)
-        return cls(fmt, renames, sources, _role_table(fmt, roles or {}), text_column)
-
-    def name(self, key: str) -> str:
-        """The dataset's name for the format's field `key`."""
-        return self.renames.get(key, key)
-
-    def note(self, field: str) -> str:
-        """The spec fields that renamed parts of a field path, e.g. 'columns.output' for 'response', or
-        'columns.conversations, columns.from' for 'dialog[0].speaker'."""
-        top = re.match(r"[^\[.]*", field).group()  # type: ignore[union-attr]
-        parts = [self._renamed_by(top, message_key=False), self.renamed(field) if "." in field else ""]
-        return ", ".join(p for p in parts if p)
-
-    def renamed(self, field: str) -> str:
-        """The spec field that renamed the last name of a field path (a column, or a key of a message), or ''."""
-        if "." in field:
-            return self._renamed_by(field.rsplit(".", 1)[1], message_key=True)
-        return self._renamed_by(field, message_key=False)
-
-    def _renamed_by(self, name: str, message_key: bool) -> str:
-        for key in FORMAT_COLUMNS[self.fmt]:
-            if (key in MESSAGE_KEYS) == message_key and key in self.sources and self.renames[key] == name:
-                return self.sources[key]
-        return ""
-
-
-def _role_table(fmt: str, roles: dict[str, str]) -> dict[str, str]:
-    """Tag → role for a format's messages: the format's default tags, where `roles` names a role its tag instead."""
-    default = SHAREGPT_ROLES if fmt == "sharegpt" else {r: r for r in ROLES}
-    table = {tag: role for tag, role in default.items() if role not in roles and tag not in roles.values()}
-    return table | {tag: role for role, tag in roles.items()}
-
-
-def _type_name(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int | float):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "a list"
-    if isinstance(value, dict):
-        return "an object"
-    return type(value).__name__
-
-
-def _format_hint(row: dict[str, Any], fmt: str, text_field: str) -> str:
-    """' (the row looks like format X ...)' when a missing field is explained by another format."""
-    keys = {**_FORMAT_KEYS, "text": (text_field,)}
-    for other, needed in keys.items():
-        if other != fmt and all(k in row for k in needed):
-            return f" (the row has {', '.join(repr(k) for k in needed)}: is it in format {other!r}?)"
-    return ""
-
-
-def _required(row: dict[str, Any], key: str, cm: ColumnMap) -> Any:
-    """The value of the format's field `key` (under its mapped name); MissingField when the row lacks it."""
-    column = cm.name(key)
-    if column not in row:
-        if column != key and key in row:  # the mapping is what sends the reader elsewhere
-            hint = f" (the row has {key!r}, the format's own name: is {cm.sources[key]} wrong?)"
-        else:
-            hint = _format_hint(row, cm.fmt, cm.text_field)
-        raise MissingField(column, "missing" + hint, sorted(str(k) for k in row))
-    return row[column]
-
-
-def _string(value: Any, path: str, allow_empty: bool = False) -> str:
-    if not isinstance(value, str):
-        raise FieldError(path, f"expected a string, got {_type_name(value)}")
-    if not allow_empty and not value.strip():
-        raise FieldError(path, "empty string")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        surrogate = f"\\u{ord(value[exc.start]):04x}"
-        raise FieldError(
-            path, f"a lone surrogate {surrogate} at character {exc.start + 1}: half of a character, not text"
-        ) from None
-    return value
-
-
-def _message_list(
-    value: Any, path: str, role_key: str = "role", content_key: str = "content", roles: dict[str, str] | None = None
-) -> list[dict[str, str]]:
-    """Validate a list of chat messages (role/content, or from/value for sharegpt) into canonical messages;
-    `roles` maps the tags the messages may use to canonical roles."""
-    if not isinstance(value, list):
-        raise FieldError(path, f"expected a list of messages, got {_type_name(value)}")
-    if not value:
-        raise FieldError(path, "empty list: a conversation needs at least one message")
-    roles = roles or {r: r for r in ROLES}
-    out = []
-    for i, message in enumerate(value):
-        where = f"{path}[{i}]"
-        if not isinstance(message, dict):
-            raise FieldError(
-                where, f"expected an object with {role_key!r} and {content_key!r}, got {_type_name(message)}"
-            )
-        if role_key not in message:
-            raise MissingField(f"{where}.{role_key}", "missing", sorted(str(k) for k in message))
-        role = message[role_key]
-        if not isinstance(role, str):
-            raise FieldError(f"{where}.{role_key}", f"expected a string, got {_type_name(role)}")
-        if role not in roles:
-            raise FieldError(f"{where}.{role_key}", f"unknown role {role!r} (expected one of {', '.join(roles)})")
-        role = roles[role]
-        if role == "system" and i != 0:
-            raise FieldError(f"{where}.{role_key}", "a system message may only come first")
-        if content_key not in message:
-            raise MissingField(f"{where}.{content_key}", "missing", sorted(str(k) for k in message))
-        content = _string(message[content_key], f"{where}.{content_key}")
-        reasoning = message.get("reasoning_content")
-        if role == "assistant" and reasoning is not None:
-            reasoning = _string(reasoning, f"{where}.reasoning_content", allow_empty=True)
-            content = f"<think>\n{reasoning.strip()}\n</think>\n\n{content.lstrip()}"
-        out.append({"role": role, "content": content})
-    return out
-
-
-def _conversation(messages: list[dict[str, str]], path: str, role_key: str = "role") -> list[dict[str, str]]:
-    """Check the shape of a training conversation: user first, an assistant turn, the assistant last."""
-    turns = messages[1:] if messages[0]["role"] == "system" else messages
-    first = len(messages) - len(turns)
-    if not turns:
-        raise FieldError(path, "only a system message: no user or assistant turn")
-    if turns[0]["role"] != "user":
-        raise FieldError(f"{path}[{first}].{role_key}", f"the first turn must be 'user', got {turns[0]['role']!r}")
-    if not any(m["role"] == "assistant" for m in turns):
-        raise FieldError(path, "no assistant turn: nothing to learn from")
-    if turns[-1]["role"] != "assistant":
-        last = len(messages) - 1
-        raise FieldError(f"{path}[{last}].{role_key}", "the conversation must end with an assistant turn")
-    return messages
-
-
-def _system(row: dict[str, Any], cm: ColumnMap, messages: list[dict[str, str]], path: str) -> list[dict[str, str]]:
-    """`messages` after the system prompt of the row's system column, if it has one (null, missing or blank: none).
-    `path` names the messages, for the error when they start with a system message of their own."""
-    column = cm.name("system")
-    value = row.get(column)
-    if value is None or not _string(value, column, allow_empty=True).strip():
-        return messages
-    if messages and messages[0]["role"] == "system":
-        raise FieldError(column, f"a system prompt, but {path}[0] is a system message too: keep one of them")
-    return [{"role": "system", "content": value}, *messages]
-
-
-def _history(row: dict[str, Any], cm: ColumnMap) -> list[dict[str, str]]:
-    """The turns before this one of an alpaca row: its history column, a list of [instruction, response] pairs."""
-    column = cm.name("history")
-    value = row.get(column)
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        raise FieldError(column, f"expected a list of [instruction, response] pairs, got {_type_name(value)}")
-    turns = []
-    for i, pair in enumerate(value):
-        if not isinstance(pair, list) or len(pair) != 2:
-            got = f"a list of {len(pair)}" if isinstance(pair, list) else _type_name(pair)
-            raise FieldError(f"{column}[{i}]", f"expected a pair [instruction, response], got {got}")
-        turns.append({"role": "user", "content": _string(pair[0], f"{column}[{i}][0]")})
-        turns.append({"role": "assistant", "content": _string(pair[1], f"{column}[{i}][1]")})
-    return turns
-
-
-def _normalize_text(row: dict[str, Any], cm: ColumnMap) -> dict[str, Any]:
-    return {"text": _string(_required(row, "text", cm), cm.name("text"))}
-
-
-def _normalize_messages(row: dict[str, Any], cm: ColumnMap) -> dict[str, Any]:
-    path, role_key = cm.name("messages"), cm.name("role")
-    messages = _message_list(_required(row, "messages", cm), path, role_key, cm.name("content"), cm.roles)
-    return {"messages": _conversation(messages, path, role_key)}
-
-
-def _normalize_alpaca(row: dict[str, Any], cm: ColumnMap) -> dict[str, Any]:
-    instruction = _string(_required(row, "instruction", cm), cm.name("instruction"))
-    extra = _string(row.get(cm.name("input")) or "", cm.name("input"), allow_empty=True)
-    output = _string(_required(row, "output", cm), cm.name("output"))
-    user = f"{instruction}\n\n{extra}" if extra.strip() else instruction
-    turns = [*_history(row, cm), {"role": "user", "content": user}, {"role": "assistant", "content": output}]
-    return {"messages": _system(row, cm, turns, cm.name("instruction"))}
-
-
-def _normalize_sharegpt(row: dict[str, Any], cm: ColumnMap) -> dict[str, Any]:
-    path, role_key = cm.name("conversations"), cm.name("from")
-    messages = _message_list(_required(row, "conversations", cm), path, role_key, cm.name("value"), cm.roles)
-    # checked before the system column is put in front, so that error paths index the row's own list
-    messages = _conversation(messages, path, role_key)
-    return {"messages": _system(row, cm, messages, path)}
-
-
-def _completion(value: Any, path: str) -> list[dict[str, str]]:
-    """A chosen/rejected answer: a string, or a list of assistant messages."""
-    if isinstance(value, str):
-        return [{"role": "assistant", "content": _string(value, path)}]
-    messages = _message_list(value, path)
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            raise FieldError(f"{path}[{i}].role", f"expected 'assistant' in a completion, got {m['role']!r}")
-    return messages
-
-
-def _normalize_preference(row: dict[str, Any], cm: ColumnMap) -> dict[str, Any]:
-    path = cm.name("prompt")
-    prompt = _required(row, "prompt", cm)
-    if isinstance(prompt, str):
-        prompt = [{"role": "user", "content": _string(prompt, path)}]
-    else:
-        prompt = _message_list(prompt, path)
-        if prompt[-1]["role"] != "user":
-            raise FieldError(
-                f"{path}[{len(prompt) - 1}].role", f"the prompt must end with a user turn, got {prompt[-1]['role']!r}"
-            )
-    prompt = _system(row, cm, prompt, path)
-    chosen = _completion(_required(row, "chosen", cm), cm.name("chosen"))
-    rejected = _completion(_required(row, "rejected", cm), cm.name("rejected"))
-    if chosen == rejected:
-        raise FieldError(cm.name("rejected"), f"identical to {cm.name('chosen')!r}: the pair teaches no preference")
-    return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
-
-
-NORMALIZERS: dict[str, Callable[[dict[str, Any], ColumnMap], dict[str, Any]]] = {
-    "text": _normalize_text,
-    "messages": _normalize_messages,
-    "alpaca": _normalize_alpaca,
-    "sharegpt": _normalize_sharegpt,
-    "preference": _normalize_preference,
-}
-
-
-def normalize_row(
-    value: Any,
-    fmt: str,
-    text_field: str = "text",
-    columns: dict[str, str] | None = None,
-    roles: dict[str, str] | None = None,
-) -> dict[str, Any]:
-    """The canonical form of one row of format `fmt`, its fields read through `columns` and `roles` (see
-    DataSpec); FieldError names the field that is wrong."""
-    return _normalize(value, ColumnMap.build(fmt, text_field, columns, roles))
-
-
-def _normalize(value: Any, cm: ColumnMap) -> dict[str, Any]:
-    """normalize_row with the mapping resolved once per dataset; a FieldError is marked with the spec fields
-    that renamed its field."""
-    if not isinstance(value, dict):
-        raise FieldError("", f"expected a JSON object per row, got {_type_name(value)}")
-    try:
-        return NORMALIZERS[cm.fmt](value, cm)
-    except FieldError as exc:
-        exc.mapping = cm.note(exc.field)
-        raise
 
 
 # --------------------------------------------------------------------------- datasets

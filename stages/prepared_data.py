@@ -40,15 +40,11 @@ from stages.contract import canonical_hash, check_still_ours, write_json_atomic
 from stages.data import (
     MAPPING_PROBE_ROWS,
     MAX_LISTED_ERRORS,
-    ColumnMap,
     DataError,
-    FieldError,
-    MissingField,
     RawRow,
     RowError,
     SourceFile,
     _excerpt,
-    _normalize,
     _UnmappedColumn,
     check_stage_format,
     dataset_fingerprint,
@@ -57,6 +53,7 @@ from stages.data import (
     parse_row,
     read_source,
 )
+from stages.normalize import ColumnMap, FieldError, MissingField, _normalize
 from stages.workers import ordered_map
 
 READ_BATCH_ROWS = 512

@@ -27,7 +27,8 @@ from stages.builtin_data import (
     source_files,
     write_lm_eval_tasks,
 )
-from stages.data import DataError, normalize_row, read_dataset, read_jsonl, sha256_rows
+from stages.data import DataError, read_dataset, read_jsonl, sha256_rows
+from stages.normalize import normalize_row
 
 REPO = Path(__file__).resolve().parents[1]
 

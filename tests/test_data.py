@@ -15,14 +15,8 @@ import pytest
 
 from spec.data import DataSpec
 from spec.loading import load_pipeline
-from stages.data import (
-    DataError,
-    check_stage_format,
-    normalize_row,
-    read_dataset,
-    sha256_file,
-    write_jsonl,
-)
+from stages.data import DataError, check_stage_format, read_dataset, sha256_file, write_jsonl
+from stages.normalize import normalize_row
 from stages.prepared_data import prepare_split, read_lines
 
 REPO = Path(__file__).resolve().parents[1]

@@ -12,8 +12,8 @@ from training_fixtures import chat_rows, make_run_dir, text_rows
 
 from spec.loading import load_pipeline
 from stages.chat import template_text
-from stages.data import normalize_row
 from stages.modeling import load_tokenizer
+from stages.normalize import normalize_row
 from stages.packing import IGNORE_INDEX, load_token_cache, tokenize_conversation
 from stages.tokenizer import build_tokenizer, render_for_training
 
