@@ -216,3 +216,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     A module stays together (`--dist loadscope`), so its module-scoped fixtures are built once."""
     slow_modules = {item.module for item in items if item.get_closest_marker("slow") is not None}
     items.sort(key=lambda item: item.module not in slow_modules)  # stable: collection order within each group
+
+
+@pytest.fixture(scope="module")
+def builds() -> dict[str, list[dict]]:
+    """Every build of the cluster kit (tests/kustomize.py), once per module that asks."""
+    from kustomize import BUILDS, build
+
+    return {name: build(path) for name, path in BUILDS.items()}

@@ -1,7 +1,7 @@
 """The cluster kit in manifests/: every overlay builds, every object validates, and the settings the pipelines
 rely on (names, pod security, least-privilege RBAC) hold.
 
-The overlays are built here in Python by `build()`, a small kustomize for exactly the features the kit uses:
+The overlays are built in Python by `build()` (tests/kustomize.py), a small kustomize for exactly the features the kit uses:
 `resources`, `components`, `namespace` (with the Namespace object and ServiceAccount subjects following it),
 `patches` (strategic-merge patch files, `$patch: delete` included, and inline JSON 6902 patches with a target,
 where a renamed ServiceAccount or PVC carries its references along), `replacements`, `configMapGenerator` (files,
@@ -15,9 +15,7 @@ kustomize v5 is on the PATH, `test_build_matches_kubectl_kustomize` checks that 
 from __future__ import annotations
 
 import copy
-import json
 import os
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -25,282 +23,33 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+from kustomize import (
+    BUILDS,
+    CLUSTER_SCOPED,
+    CRD_KINDS,
+    K8S_VERSION,
+    MANIFESTS,
+    OVERLAY_PIPELINES,
+    OVERLAYS,
+    Doc,
+    _all_objects,
+    _by_id,
+    _find,
+    _kubectl_kustomize,
+    _load_docs,
+    _matches,
+    _pod_specs,
+    build,
+)
 from schema_validation import SchemaViolation, validate_custom_resource
+from test_rbac import PREFLIGHT_CRDS, _roles_bound_to, identity_problems
 
 from spec.loading import load_pipeline
-
-MANIFESTS = Path(__file__).resolve().parent.parent / "manifests"
-OVERLAYS = {"onprem": MANIFESTS / "overlays" / "onprem", "gke": MANIFESTS / "overlays" / "gke"}
-BUILDS = {"base": MANIFESTS / "base", **OVERLAYS}
-COMPONENTS = sorted(p.parent for p in (MANIFESTS / "components").glob("*/kustomization.yaml"))
-K8S_VERSION = "1.32.0"
-"""Kubernetes version the core kinds are validated against (the oldest the kit supports)."""
-
-Doc = dict[str, Any]
-
-CLUSTER_SCOPED = {
-    "Namespace",
-    "PriorityClass",
-    "ClusterRole",
-    "ClusterRoleBinding",
-    "CustomResourceDefinition",
-    "ClusterTrainingRuntime",
-}
-CRD_KINDS = {
-    "ServingRuntime",
-    "LocalQueue",
-    "PodMonitor",
-    "ServiceMonitor",
-    "PrometheusRule",
-    "AlertmanagerConfig",
-    "ClusterTrainingRuntime",
-}
-POD_TEMPLATE_KINDS = {"Deployment", "StatefulSet", "DaemonSet", "Job"}
-MERGE_KEYS = {
-    "containers": "name",
-    "initContainers": "name",
-    "env": "name",
-    "volumes": "name",
-    "volumeMounts": "mountPath",
-    "ports": "containerPort",
-    "imagePullSecrets": "name",
-}
-"""Strategic-merge keys of the core lists the kit's patches touch (as in the Kubernetes OpenAPI)."""
-
 
 # --------------------------------------------------------------------------- a small kustomize
 
 
-def _load_docs(path: Path) -> list[Doc]:
-    return [d for d in yaml.safe_load_all(path.read_text(encoding="utf-8")) if d]
-
-
-def _kustomization(directory: Path) -> Doc:
-    return yaml.safe_load((directory / "kustomization.yaml").read_text(encoding="utf-8"))
-
-
-def _matches(doc: Doc, kind: str | None, name: str | None) -> bool:
-    return (kind is None or doc["kind"] == kind) and (name is None or doc["metadata"]["name"] == name)
-
-
-def _pod_specs(doc: Doc) -> list[Doc]:
-    if doc["kind"] in POD_TEMPLATE_KINDS:
-        return [doc["spec"]["template"]["spec"]]
-    if doc["kind"] == "ServingRuntime":
-        return [doc["spec"]]
-    if doc["kind"] == "ClusterTrainingRuntime":
-        return [
-            job["template"]["spec"]["template"]["spec"] for job in doc["spec"]["template"]["spec"]["replicatedJobs"]
-        ]
-    return []
-
-
-def _strategic_merge(base: Doc, patch: Doc, typed: bool) -> Doc:
-    """`patch` merged onto `base`: maps recursively, null deletes, merge-keyed lists by key (core kinds only)."""
-    for key, value in patch.items():
-        if key == "$patch":
-            continue
-        if value is None:
-            base.pop(key, None)
-        elif isinstance(value, dict) and isinstance(base.get(key), dict):
-            _strategic_merge(base[key], value, typed)
-        elif typed and key in MERGE_KEYS and isinstance(value, list) and isinstance(base.get(key), list):
-            base[key] = _merge_list(base[key], value, MERGE_KEYS[key])
-        else:
-            base[key] = copy.deepcopy(value)
-    return base
-
-
-def _merge_list(base: list[Doc], patch: list[Doc], key: str) -> list[Doc]:
-    """kyaml's order: the patch's items first (merged with their originals), then the untouched originals."""
-    by_key = {item[key]: item for item in base}
-    merged: list[Doc] = []
-    touched = set()
-    for item in patch:
-        touched.add(item[key])
-        if item.get("$patch") == "delete":
-            continue
-        merged.append(_strategic_merge(copy.deepcopy(by_key.get(item[key], {})), item, typed=True))
-    return merged + [item for item in base if item[key] not in touched]
-
-
-def _json_pointer(path: str) -> list[str]:
-    return [p.replace("~1", "/").replace("~0", "~") for p in path.lstrip("/").split("/")]
-
-
-def _json6902(doc: Doc, ops: list[Doc]) -> None:
-    for op in ops:
-        *parents, last = _json_pointer(op["path"])
-        node: Any = doc
-        for part in parents:
-            node = node[int(part)] if isinstance(node, list) else node[part]
-        if op["op"] in ("add", "replace"):
-            node[last] = copy.deepcopy(op["value"])
-        elif op["op"] == "remove":
-            del node[last]
-        else:
-            raise AssertionError(f"JSON patch op {op['op']!r} is not supported by this build; extend build()")
-
-
-def _follow_rename(docs: list[Doc], kind: str, old: str, new: str) -> None:
-    """Update references to a renamed ServiceAccount or PVC, as kustomize's name references do."""
-    for doc in docs:
-        if kind == "ServiceAccount" and doc["kind"] in ("RoleBinding", "ClusterRoleBinding"):
-            for subject in doc.get("subjects", []):
-                if subject["kind"] == "ServiceAccount" and subject["name"] == old:
-                    subject["name"] = new
-        for pod in _pod_specs(doc):
-            if kind == "ServiceAccount" and pod.get("serviceAccountName") == old:
-                pod["serviceAccountName"] = new
-            for volume in pod.get("volumes", []):
-                claim = volume.get("persistentVolumeClaim")
-                if kind == "PersistentVolumeClaim" and claim and claim["claimName"] == old:
-                    claim["claimName"] = new
-
-
-def _apply_patches(directory: Path, entries: list[Doc], docs: list[Doc]) -> list[Doc]:
-    for entry in entries:
-        if "path" in entry:
-            assert "target" not in entry, "build() supports path patches that name their target themselves"
-            for patch in _load_docs(directory / entry["path"]):
-                kind, name = patch["kind"], patch["metadata"]["name"]
-                targets = [d for d in docs if _matches(d, kind, name)]
-                assert targets, f"{entry['path']}: no {kind}/{name} to patch"
-                if patch.get("$patch") == "delete":
-                    docs = [d for d in docs if not _matches(d, kind, name)]
-                    continue
-                for target in targets:
-                    _strategic_merge(target, patch, typed=kind not in CRD_KINDS)
-            continue
-        target = entry["target"]
-        ops = yaml.safe_load(entry["patch"])
-        assert isinstance(ops, list), "build() supports inline patches as JSON 6902 operations"
-        selected = [d for d in docs if _matches(d, target.get("kind"), target.get("name"))]
-        assert selected, f"no resource matches patch target {target}"
-        for doc in selected:
-            old = doc["metadata"]["name"]
-            _json6902(doc, ops)
-            if doc["metadata"]["name"] != old:
-                _follow_rename(docs, doc["kind"], old, doc["metadata"]["name"])
-    return docs
-
-
-def _field(doc: Doc, dotted: str) -> Any:
-    node: Any = doc
-    for part in dotted.split("."):
-        node = node[part]
-    return node
-
-
-def _apply_replacements(replacements: list[Doc], docs: list[Doc]) -> None:
-    for replacement in replacements:
-        src = replacement["source"]
-        (source,) = [d for d in docs if _matches(d, src.get("kind"), src.get("name"))]
-        value = _field(source, src["fieldPath"])
-        for target in replacement["targets"]:
-            select = target["select"]
-            for doc in docs:
-                if not _matches(doc, select.get("kind"), select.get("name")):
-                    continue
-                for dotted in target["fieldPaths"]:
-                    *parents, last = dotted.split(".")
-                    node = doc
-                    for part in parents:
-                        node = node.setdefault(part, {}) if target.get("options", {}).get("create") else node[part]
-                    node[last] = copy.deepcopy(value)
-
-
-def _set_namespace(namespace: str, docs: list[Doc]) -> None:
-    accounts = {d["metadata"]["name"] for d in docs if d["kind"] == "ServiceAccount"}
-    for doc in docs:
-        if doc["kind"] == "Namespace":
-            doc["metadata"]["name"] = namespace
-        elif doc["kind"] not in CLUSTER_SCOPED:
-            doc["metadata"]["namespace"] = namespace
-        if doc["kind"] in ("RoleBinding", "ClusterRoleBinding"):
-            for subject in doc.get("subjects", []):
-                if subject["kind"] == "ServiceAccount" and (
-                    subject.get("namespace") in (None, "", "default") or subject["name"] in accounts
-                ):
-                    subject["namespace"] = namespace
-
-
-def _generated_config_map(directory: Path, generator: Doc) -> Doc:
-    """The ConfigMap a configMapGenerator entry makes from files (`key=path` or `path`, keyed by its file name)."""
-    options = generator.get("options", {})
-    assert set(generator) <= {"name", "files", "options"}, f"{directory}: build() supports generators of files only"
-    assert options.get("disableNameSuffixHash"), f"{directory}: build() does not add name hashes; extend it"
-    data = {}
-    for entry in generator.get("files", []):
-        key, _, path = entry.rpartition("=")
-        data[key or Path(path).name] = (directory / path).read_text(encoding="utf-8")
-    metadata: Doc = {"name": generator["name"]}
-    for field in ("labels", "annotations"):
-        if options.get(field):
-            metadata[field] = dict(options[field])
-    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata, "data": data}
-
-
-def _accumulate(directory: Path, docs: list[Doc]) -> list[Doc]:
-    """Add a kustomization's (or component's) resources to `docs` and run its transformers over them."""
-    k = _kustomization(directory)
-    known = {"apiVersion", "kind", "resources", "components", "namespace", "patches", "replacements"}
-    known.add("configMapGenerator")
-    assert set(k) <= known, f"{directory}: build() does not support {sorted(set(k) - known)}; extend it"
-    for ref in k.get("resources", []):
-        path = directory / ref
-        docs = docs + (build(path, keep_local=True) if path.is_dir() else _load_docs(path))
-    docs = docs + [_generated_config_map(directory, generator) for generator in k.get("configMapGenerator", [])]
-    for component in k.get("components", []):
-        docs = _accumulate(directory / component, docs)
-    docs = _apply_patches(directory, k.get("patches", []), docs)
-    if "namespace" in k:
-        _set_namespace(k["namespace"], docs)
-    _apply_replacements(k.get("replacements", []), docs)
-    return docs
-
-
-def build(directory: Path, keep_local: bool = False) -> list[Doc]:
-    """The objects `kubectl kustomize directory` prints (in no particular order)."""
-    docs = _accumulate(directory, [])
-    if keep_local:
-        return docs
-    local = "config.kubernetes.io/local-config"
-    return [d for d in docs if d["metadata"].get("annotations", {}).get(local) != "true"]
-
-
-def _by_id(docs: list[Doc]) -> dict[tuple[str, str, str], Doc]:
-    out = {}
-    for doc in docs:
-        key = (doc["kind"], doc["metadata"].get("namespace", ""), doc["metadata"]["name"])
-        assert key not in out, f"{key} appears twice"
-        out[key] = doc
-    return out
-
-
-@pytest.fixture(scope="module")
-def builds() -> dict[str, list[Doc]]:
-    return {name: build(path) for name, path in BUILDS.items()}
-
-
-def _find(docs: list[Doc], kind: str, name: str) -> Doc:
-    found = [d for d in docs if _matches(d, kind, name)]
-    assert len(found) == 1, f"expected one {kind}/{name}, found {len(found)}"
-    return found[0]
-
-
 # --------------------------------------------------------------------------- building
-
-
-def _kubectl_kustomize() -> str | None:
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        return None
-    probe = subprocess.run([kubectl, "version", "--client", "-o", "json"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        return None
-    version = json.loads(probe.stdout).get("kustomizeVersion", "")
-    return kubectl if version.startswith(("v5", "v4")) else None
 
 
 @pytest.mark.parametrize("name", sorted(BUILDS))
@@ -329,14 +78,6 @@ def test_every_manifest_file_is_part_of_a_build() -> None:
 
 
 # --------------------------------------------------------------------------- validation
-
-
-def _all_objects(builds: dict[str, list[Doc]]) -> list[tuple[str, Doc]]:
-    objects = [(name, doc) for name, docs in builds.items() for doc in docs]
-    for component in COMPONENTS:
-        for ref in _kustomization(component).get("resources", []):
-            objects += [(component.name, doc) for doc in _load_docs(component / ref)]
-    return objects
 
 
 RUNTIME_POD_FIELDS = {"containers", "volumes", "nodeSelector", "tolerations", "affinity", "imagePullSecrets"}
@@ -558,320 +299,6 @@ def test_mlflow_server_settings(builds: dict[str, list[Doc]]) -> None:
 
 # --------------------------------------------------------------------------- RBAC
 
-ALL: tuple[str, ...] = ()
-"""resourceNames of a rule that names none: every object of the resource."""
-PREFLIGHT_CRDS = (
-    "cronworkflows.argoproj.io",
-    "experiments.kubeflow.org",
-    "inferenceservices.serving.kserve.io",
-    "localqueues.kueue.x-k8s.io",
-    "pytorchjobs.kubeflow.org",
-    "trainjobs.trainer.kubeflow.org",
-    "workflows.argoproj.io",
-    "workflowtemplates.argoproj.io",
-)
-PREFLIGHT_SECRETS = ("aws-credentials", "hf-token", "mlflow-auth", "registry-credentials", "slack-webhook", "wandb")
-"""The names preflight's rules are limited to, sorted (as `_grants` sorts them)."""
-
-Grant = tuple[str, str, str, tuple[str, ...]]
-"""(apiGroup, resource, verb, resourceNames): one permission a role grants."""
-
-VERB_REASONS: dict[tuple[str, str], dict[Grant, str]] = {
-    ("Role", "posttrain-workflow"): {
-        ("argoproj.io", "workflowtaskresults", "create", ALL): "a resource step's executor reports its outputs",
-        ("argoproj.io", "workflowtaskresults", "patch", ALL): "a resource step's executor updates the step's result",
-        ("kubeflow.org", "pytorchjobs", "create", ALL): "training steps are resource templates with action create",
-        (
-            "kubeflow.org",
-            "pytorchjobs",
-            "get",
-            ALL,
-        ): "the resource step polls the job for its success/failure condition",
-        (
-            "kubeflow.org",
-            "pytorchjobs",
-            "list",
-            ALL,
-        ): "cleanup (exit handler, a training stage's retry) finds the run's jobs by their workflow label",
-        (
-            "kubeflow.org",
-            "pytorchjobs",
-            "delete",
-            ALL,
-        ): "cleanup deletes a stopped or failed run's unfinished jobs, freeing their GPUs at once",
-        ("kubeflow.org", "experiments", "create", ALL): "a stage's hpo step creates its Katib Experiment",
-        ("kubeflow.org", "experiments", "get", ALL): "the hpo wait step polls the Experiment for Katib's verdict",
-        (
-            "kubeflow.org",
-            "experiments",
-            "list",
-            ALL,
-        ): "the exit handler's cleanup finds the run's Experiments by their workflow label",
-        (
-            "kubeflow.org",
-            "experiments",
-            "delete",
-            ALL,
-        ): "cleanup deletes a stopped run's unfinished search (Katib deletes its trials and their jobs)",
-        ("trainer.kubeflow.org", "trainjobs", "create", ALL): "with job_kind trainjob, training steps create TrainJobs",
-        ("trainer.kubeflow.org", "trainjobs", "get", ALL): "the resource step polls the TrainJob for its conditions",
-        (
-            "trainer.kubeflow.org",
-            "trainjobs",
-            "list",
-            ALL,
-        ): "cleanup --kind trainjob finds the run's TrainJobs by their workflow label",
-        (
-            "trainer.kubeflow.org",
-            "trainjobs",
-            "delete",
-            ALL,
-        ): "cleanup deletes a stopped or failed run's unfinished TrainJobs (their JobSet and pods go with them)",
-        (
-            "serving.kserve.io",
-            "inferenceservices",
-            "create",
-            ALL,
-        ): "serve (workflows.rollout) server-side applies the InferenceService; the first apply creates it",
-        (
-            "serving.kserve.io",
-            "inferenceservices",
-            "get",
-            ALL,
-        ): "serve reads the revision serving before its apply, then polls the new revision, traffic and rollback",
-        (
-            "serving.kserve.io",
-            "inferenceservices",
-            "patch",
-            ALL,
-        ): "serve's apply moves the InferenceService to the run's model, its canary steps and rollback set traffic",
-        (
-            "serving.knative.dev",
-            "revisions",
-            "get",
-            ALL,
-        ): "retention reads the storageUri of each revision the service still names, never pruning a served model",
-    },
-    ("Role", "posttrain-executor"): {
-        (
-            "argoproj.io",
-            "workflowtaskresults",
-            "create",
-            ALL,
-        ): "Argo's wait container of a stage pod reports the step's outputs (its token is mounted there only)",
-        ("argoproj.io", "workflowtaskresults", "patch", ALL): "Argo's wait container updates the step's result",
-    },
-    ("Role", "posttrain-submitter"): {
-        ("argoproj.io", "workflows", "create", ALL): "submit a run (CLI, or the UI's submit dialog)",
-        ("argoproj.io", "workflows", "get", ALL): "`submit --watch` follows the run it submitted",
-        ("argoproj.io", "workflowtemplates", "get", ALL): "a run references its pipeline's registered template",
-    },
-    ("Role", "posttrain-registrar"): {
-        ("argoproj.io", "workflowtemplates", "create", ALL): "register a new pipeline",
-        ("argoproj.io", "workflowtemplates", "get", ALL): "register reads the resourceVersion to update",
-        ("argoproj.io", "workflowtemplates", "update", ALL): "register an existing pipeline again",
-        ("argoproj.io", "cronworkflows", "create", ALL): "register a scheduled pipeline",
-        ("argoproj.io", "cronworkflows", "get", ALL): "register reads the resourceVersion, and finds stale schedules",
-        ("argoproj.io", "cronworkflows", "update", ALL): "register a changed schedule",
-    },
-    ("ClusterRole", "posttrain-preflight"): {
-        (
-            "apiextensions.k8s.io",
-            "customresourcedefinitions",
-            "get",
-            PREFLIGHT_CRDS,
-        ): "preflight: the CRDs are installed",
-        ("", "namespaces", "get", ALL): "preflight: the namespace exists",
-        ("", "nodes", "list", ALL): "preflight: GPU nodes with the stages' labels, taints and GPUs",
-        ("scheduling.k8s.io", "priorityclasses", "get", ALL): "preflight: the stages' PriorityClasses exist",
-        ("serving.kserve.io", "clusterservingruntimes", "get", ALL): "preflight: the serving runtime, cluster-wide",
-        (
-            "trainer.kubeflow.org",
-            "clustertrainingruntimes",
-            "get",
-            ALL,
-        ): "preflight: with job_kind trainjob, the TrainJobs' runtime exists and fits",
-    },
-    ("Role", "posttrain-preflight"): {
-        ("", "serviceaccounts", "get", ALL): "preflight: the pipeline's three ServiceAccounts exist",
-        ("", "persistentvolumeclaims", "get", ALL): "preflight: the volumes exist, are Bound and ReadWriteMany",
-        ("", "secrets", "get", PREFLIGHT_SECRETS): (
-            "preflight: the spec's Secrets exist; it requests their metadata only (PartialObjectMetadata), and "
-            "RBAC has no narrower verb than get"
-        ),
-        ("kueue.x-k8s.io", "localqueues", "get", ALL): "preflight: the stages' Kueue LocalQueues exist",
-        ("serving.kserve.io", "servingruntimes", "get", ALL): "preflight: the deploy stage's ServingRuntime exists",
-    },
-}
-"""Every permission any Role of the kit grants, with the reason it is needed. A verb, resource or widened
-resourceNames without a row here fails."""
-
-
-def _grants(role: Doc) -> set[Grant]:
-    out = set()
-    for rule in role.get("rules", []):
-        assert "nonResourceURLs" not in rule
-        names = tuple(sorted(rule.get("resourceNames") or ()))
-        for group in rule["apiGroups"]:
-            for resource in rule["resources"]:
-                for verb in rule["verbs"]:
-                    assert "*" not in (group, resource, verb), f"{role['metadata']['name']}: wildcard in {rule}"
-                    out.add((group, resource, verb, names))
-    return out
-
-
-def rbac_differences(roles: list[Doc]) -> list[str]:
-    """What differs between the roles' grants and VERB_REASONS: each unexplained or unused grant, one line each."""
-    problems = []
-    seen = set()
-    for role in roles:
-        key = (role["kind"], role["metadata"]["name"])
-        seen.add(key)
-        reasons = VERB_REASONS.get(key)
-        if reasons is None:
-            problems.append(f"{key}: a role with no entry in VERB_REASONS")
-            continue
-        granted = _grants(role)
-        problems += [f"{key}: {g} is granted without a reason" for g in sorted(granted - set(reasons))]
-        problems += [f"{key}: {g} has a reason but is not granted" for g in sorted(set(reasons) - granted)]
-    problems += [f"{key}: in VERB_REASONS but in no manifest" for key in sorted(set(VERB_REASONS) - seen)]
-    return problems
-
-
-def _all_roles(builds: dict[str, list[Doc]]) -> list[Doc]:
-    roles: dict[tuple[str, str], Doc] = {}
-    for _, doc in _all_objects(builds):
-        if doc["kind"] in ("Role", "ClusterRole"):
-            key = (doc["kind"], doc["metadata"]["name"])
-            assert key not in roles or roles[key]["rules"] == doc["rules"], f"{key} differs between builds"
-            roles[key] = doc
-    return list(roles.values())
-
-
-def test_roles_grant_exactly_the_verbs_with_a_reason(builds: dict[str, list[Doc]]) -> None:
-    assert rbac_differences(_all_roles(builds)) == []
-
-
-def _role(roles: list[Doc], kind: str, name: str) -> Doc:
-    return next(r for r in roles if (r["kind"], r["metadata"]["name"]) == (kind, name))
-
-
-def test_an_extra_verb_fails_the_rbac_check(builds: dict[str, list[Doc]]) -> None:
-    roles = copy.deepcopy(_all_roles(builds))
-    _role(roles, "Role", "posttrain-workflow")["rules"][1]["verbs"].append("update")
-    _role(roles, "Role", "posttrain-submitter")["rules"][1]["verbs"].append("update")
-    assert rbac_differences(roles) == [
-        "('Role', 'posttrain-workflow'): ('kubeflow.org', 'pytorchjobs', 'update', ()) is granted without a reason",
-        "('Role', 'posttrain-submitter'): ('argoproj.io', 'workflowtemplates', 'update', ()) is granted without a "
-        "reason",
-    ]
-
-
-def test_widening_a_named_resource_rule_fails_the_rbac_check(builds: dict[str, list[Doc]]) -> None:
-    roles = copy.deepcopy(_all_roles(builds))
-    secrets = next(r for r in _role(roles, "Role", "posttrain-preflight")["rules"] if r["resources"] == ["secrets"])
-    del secrets["resourceNames"]  # every Secret of the namespace
-    problems = rbac_differences(roles)
-    assert problems == [
-        "('Role', 'posttrain-preflight'): ('', 'secrets', 'get', ()) is granted without a reason",
-        f"('Role', 'posttrain-preflight'): ('', 'secrets', 'get', {PREFLIGHT_SECRETS}) has a reason but is not granted",
-    ]
-
-
-def test_submitters_cannot_write_templates(builds: dict[str, list[Doc]]) -> None:
-    """What a run executes is decided by whoever registers templates, not by whoever submits runs."""
-    submitter = _grants(_role(_all_roles(builds), "Role", "posttrain-submitter"))
-    writes = {"create", "update", "patch", "delete"}
-    assert not {g for g in submitter if g[1] in ("workflowtemplates", "cronworkflows") and g[2] in writes}
-    for name in ("posttrain-submitters", "posttrain-registrars"):
-        for docs in builds.values():
-            _find(docs, "RoleBinding", name)
-
-
-def test_nothing_cluster_wide_outside_the_optional_components(builds: dict[str, list[Doc]]) -> None:
-    for name, docs in builds.items():
-        kinds = {d["kind"] for d in docs}
-        assert not kinds & {"ClusterRole", "ClusterRoleBinding"}, name
-
-
-def _roles_bound_to(docs: list[Doc], account: str) -> list[str]:
-    """The roles the kit binds to ServiceAccount `account` (by RoleBinding or ClusterRoleBinding)."""
-    return sorted(
-        f"{doc['roleRef']['kind']}/{doc['roleRef']['name']}"
-        for doc in docs
-        if doc["kind"] in ("RoleBinding", "ClusterRoleBinding")
-        for subject in doc.get("subjects", [])
-        if subject["kind"] == "ServiceAccount" and subject["name"] == account
-    )
-
-
-def identity_problems(docs: list[Doc], cluster: Any) -> list[str]:
-    """What the kit gets wrong about a pipeline's three ServiceAccounts (cluster.*), one line each:
-    - service_account (the resource steps): bound to the posttrain-workflow Role only, its token not switched off
-      on the account (Argo writes only `false` into a pod, so the account's setting would win);
-    - pod_service_account (every pod that runs stage code): no role at all, no token;
-    - executor_service_account (Argo's init/wait): the posttrain-executor Role only, and the token Secret Argo
-      mounts, `<name>.service-account-token`."""
-    problems = []
-    accounts = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ServiceAccount"}
-    wanted = {
-        cluster.service_account: ["Role/posttrain-workflow"],
-        cluster.pod_service_account: [],
-        cluster.executor_service_account: ["Role/posttrain-executor"],
-    }
-    for account, roles in wanted.items():
-        if account not in accounts:
-            problems.append(f"ServiceAccount {account} is missing")
-        elif (bound := _roles_bound_to(docs, account)) != roles:
-            problems.append(f"ServiceAccount {account} is bound to {bound}, expected {roles}")
-    if accounts.get(cluster.service_account, {}).get("automountServiceAccountToken") is False:
-        problems.append(f"{cluster.service_account} switches its token off: the resource steps would have none")
-    for account in (cluster.pod_service_account, cluster.executor_service_account):
-        if account in accounts and accounts[account].get("automountServiceAccountToken") is not False:
-            problems.append(f"{account} does not set automountServiceAccountToken: false")
-    token = f"{cluster.executor_service_account}.service-account-token"
-    secrets = [d for d in docs if _matches(d, "Secret", token)]
-    if not secrets:
-        problems.append(f"Secret {token} (the executor's token, which Argo mounts) is missing")
-    elif (
-        secrets[0].get("type") != "kubernetes.io/service-account-token"
-        or secrets[0]["metadata"].get("annotations", {}).get("kubernetes.io/service-account.name")
-        != cluster.executor_service_account
-    ):
-        problems.append(f"Secret {token} is not a token of {cluster.executor_service_account}")
-    return problems
-
-
-def test_the_identities_hold_only_what_their_steps_need(builds: dict[str, list[Doc]]) -> None:
-    from spec.cluster import ClusterSpec
-
-    for name, docs in builds.items():
-        pipelines = [load_pipeline(p).spec.cluster for p in OVERLAY_PIPELINES.get(name, [])] or [ClusterSpec()]
-        for cluster in pipelines:
-            assert identity_problems(docs, cluster) == [], name
-        binding = _find(docs, "RoleBinding", "posttrain-workflow")
-        namespace = _find(docs, "Namespace", binding["metadata"]["namespace"])["metadata"]["name"]
-        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "posttrain-workflow", "namespace": namespace}]
-
-
-def test_the_identity_check_can_fail(builds: dict[str, list[Doc]]) -> None:
-    from spec.cluster import ClusterSpec
-
-    docs = copy.deepcopy(builds["base"])
-    cluster = ClusterSpec()
-    _find(docs, "RoleBinding", "posttrain-workflow")["subjects"].append(
-        {"kind": "ServiceAccount", "name": "posttrain-runner", "namespace": "posttrain"}
-    )
-    del _find(docs, "ServiceAccount", "posttrain-runner")["automountServiceAccountToken"]
-    _find(docs, "ServiceAccount", "posttrain-workflow")["automountServiceAccountToken"] = False
-    docs = [d for d in docs if not _matches(d, "Secret", "posttrain-executor.service-account-token")]
-    assert identity_problems(docs, cluster) == [
-        "ServiceAccount posttrain-runner is bound to ['Role/posttrain-workflow'], expected []",
-        "posttrain-workflow switches its token off: the resource steps would have none",
-        "posttrain-runner does not set automountServiceAccountToken: false",
-        "Secret posttrain-executor.service-account-token (the executor's token, which Argo mounts) is missing",
-    ]
-
 
 # --------------------------------------------------------------------------- overlays against the pipelines
 
@@ -880,9 +307,6 @@ def _pvc_checks(docs: list[Doc], claim: str, storage_class: str | None) -> None:
     pvc = _find(docs, "PersistentVolumeClaim", claim)
     assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
     assert pvc["spec"].get("storageClassName") == storage_class
-
-
-OVERLAY_PIPELINES = {"onprem": ["korean-llm", "qwen3-30b-a3b"], "gke": ["llama3-dolly"]}
 
 
 @pytest.mark.parametrize(

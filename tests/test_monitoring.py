@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 import yaml
 from conftest import fresh_spec
+from kustomize import MANIFESTS, _kubectl_kustomize, build
 from schema_validation import SchemaViolation, validate_custom_resource
-from test_manifests import MANIFESTS, _kubectl_kustomize, build
 from test_progress import tiny_model
 
 from stages.metrics import StageMetrics
