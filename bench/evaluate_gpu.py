@@ -88,7 +88,7 @@ def build_models(run_dir: Any, spec: Any, shape: dict[str, Any], work: Path) -> 
     """The base model folder (random weights of `shape`, Qwen3's vocabulary) and the candidate: a LoRA adapter on
     it, recorded as the sft stage's output."""
     import torch
-    from gpu_suite import VOCAB
+    from gpu_cases import VOCAB
     from peft import get_peft_model
 
     from stages.contract import StageResult, now, write_json_atomic
@@ -127,7 +127,7 @@ def build_models(run_dir: Any, spec: Any, shape: dict[str, Any], work: Path) -> 
 
 def measure_paths(run: Path, out: Path, shape_name: str) -> dict[str, Any]:
     import torch
-    from gpu_suite import SHAPES
+    from gpu_cases import SHAPES
 
     import stages.measures as measures
     from stages.contract import RunDir

@@ -36,7 +36,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from gpu_suite import EOS_ID, PAD_ID, SHAPES, VOCAB  # noqa: E402  (bench/, this script's folder, is on sys.path)
+from gpu_cases import SHAPES, VOCAB  # noqa: E402  (bench/, this script's folder, is on sys.path)
+from gpu_suite import EOS_ID, PAD_ID  # noqa: E402
 
 FULL_LAYERS = SHAPES["qwen3-30b-a3b"]["num_hidden_layers"]
 SHAPE = {k: v for k, v in SHAPES["qwen3-30b-a3b"].items() if k != "num_hidden_layers"}  # each case sets its layers

@@ -1,0 +1,484 @@
+"""The GPU suite's cases: the model shapes and what each case trains, with its baseline."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}  # dense bf16 tensor-core peak (datasheet)
+
+
+VOCAB = 151936  # Qwen3's vocabulary
+
+
+SHAPES: dict[str, dict[str, Any]] = {  # the Qwen3 configs' shapes (untied output embedding)
+    "qwen3-1.7b": dict(
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+    ),
+    "qwen3-8b": dict(
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+    ),
+    "qwen3-30b-a3b": dict(  # 128 experts, 8 active: 30.5B parameters, 3.3B active per token
+        architecture="qwen3_moe",
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One measured configuration."""
+
+    name: str
+    group: str  # B1..B5
+    shape: str
+    kind: str = "stage_sft"  # stage_sft | plain_peft | stage_dpo | trl_dpo
+    method: str = "full"  # full | lora | qlora
+    packing: bool = True
+    per_device_batch_size: int = 4
+    gradient_checkpointing: bool = False
+    attn: str | None = None  # None: the stage's default for the device
+    liger: bool | None = None  # None: the stage's default for the device
+    strategy: str = "ddp"
+    reshard_after_forward: bool | None = None  # FSDP2: None keeps the stage's setting
+    pure_bf16: bool = False  # full fine-tuning: bf16 weights and optimizer state instead of float32 master weights
+    lora_experts: bool = False  # LoRA on the experts too (lora.target_experts), not only attention and dense MLPs
+    lora_dropout: float | None = None  # None: the spec's default (lora.dropout)
+    peft_input_casts: bool = False  # keep PEFT's cast of each LoRA input to float32 (before adapter_inputs_uncast)
+    warmup: int = 4
+    steps: int = 20
+    max_seq_length: int = 2048
+    note: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# The base cases of the B2-at-4096 and B5 groups; their variants below differ in the fields they name.
+B2_4K = Case(
+    "b2_stage_4k",
+    "B2",
+    "qwen3-8b",
+    method="lora",
+    per_device_batch_size=2,
+    gradient_checkpointing=True,
+    max_seq_length=4096,
+    warmup=3,
+    steps=10,
+    note="sft stage, LoRA, packed rows of 4096, flex + Liger, gradient checkpointing",
+)
+
+
+B5 = Case(
+    "b5_stage",
+    "B5",
+    "qwen3-30b-a3b",
+    method="lora",
+    per_device_batch_size=1,
+    max_seq_length=4096,
+    warmup=3,
+    steps=10,
+    note="sft stage, LoRA on attention, packed rows of 4096 (document-masked), grouped_mm experts, stage GPU "
+    "defaults (attention kernel, Liger), no checkpointing",
+)
+
+
+CASES: list[Case] = [
+    # B1: full fine-tuning, Qwen3-1.7B shape, one GPU.
+    Case(
+        "b1_padded",
+        "B1",
+        "qwen3-1.7b",
+        packing=False,
+        per_device_batch_size=4,
+        attn="sdpa",
+        liger=False,
+        warmup=4,
+        steps=25,
+        note="sft stage, packing off: one example per row, rows padded to the longest; spec defaults before this "
+        "suite (sdpa, no Liger), same batch of 4 rows",
+    ),
+    Case(
+        "b1_packed_sdpa",
+        "B1",
+        "qwen3-1.7b",
+        attn="sdpa",
+        liger=False,
+        note="packed rows, sdpa with the dense block-diagonal mask built from position ids",
+    ),
+    Case("b1_packed_flex", "B1", "qwen3-1.7b", attn="flex_attention", liger=False, note="packed, flex block mask"),
+    Case("b1_packed", "B1", "qwen3-1.7b", note="packed, stage GPU defaults: flex attention + Liger"),
+    Case(
+        "b1_packed_b8",
+        "B1",
+        "qwen3-1.7b",
+        per_device_batch_size=8,
+        note="packed, stage GPU defaults, 8 rows per step",
+    ),
+    Case(
+        "b1_packed_b16",
+        "B1",
+        "qwen3-1.7b",
+        per_device_batch_size=16,
+        warmup=3,
+        steps=12,
+        note="packed, stage GPU defaults, 16 rows per step",
+    ),
+    Case(
+        "b1_packed_b24",
+        "B1",
+        "qwen3-1.7b",
+        per_device_batch_size=24,
+        warmup=3,
+        steps=10,
+        note="packed, stage GPU defaults, 24 rows per step",
+    ),
+    Case(
+        "b1_packed_b16_pure",
+        "B1",
+        "qwen3-1.7b",
+        per_device_batch_size=16,
+        pure_bf16=True,
+        warmup=3,
+        steps=12,
+        note="as b1_packed_b16 with training.pure_bf16: bf16 weights and optimizer state, no float32 master",
+    ),
+    Case(
+        "b1_padded_pure",
+        "B1",
+        "qwen3-1.7b",
+        packing=False,
+        per_device_batch_size=4,
+        attn="sdpa",
+        liger=False,
+        pure_bf16=True,
+        warmup=4,
+        steps=25,
+        note="as b1_padded with training.pure_bf16",
+    ),
+    Case(
+        "b1_matmul_ceiling",
+        "B1",
+        "qwen3-1.7b",
+        kind="matmul_ceiling",
+        per_device_batch_size=16,
+        warmup=3,
+        steps=10,
+        note="forward and backward of the model's Linear layers alone (bf16, 16 rows of 2048 tokens): the "
+        "ceiling of any stage's MFU at this shape",
+    ),
+    # B2: LoRA SFT, Qwen3-8B shape, one GPU.
+    Case(
+        "b2_plain_peft",
+        "B2",
+        "qwen3-8b",
+        kind="plain_peft",
+        method="lora",
+        packing=False,
+        attn="sdpa",
+        per_device_batch_size=8,
+        warmup=3,
+        steps=10,
+        note="transformers Trainer + PEFT defaults: padded batches with attention_mask, sdpa, batch 8 (Trainer "
+        "default), no checkpointing, LoRA r16/alpha32 all-linear (the stage's adapter)",
+    ),
+    Case(
+        "b2_plain_peft_b4",
+        "B2",
+        "qwen3-8b",
+        kind="plain_peft",
+        method="lora",
+        packing=False,
+        attn="sdpa",
+        per_device_batch_size=4,
+        warmup=3,
+        steps=10,
+        note="as b2_plain_peft with batch 4: the Trainer's default batch of 8 runs out of memory on 141 GB",
+    ),
+    Case(
+        "b3_fsdp_b8",
+        "B3",
+        "qwen3-1.7b",
+        strategy="fsdp",
+        per_device_batch_size=8,
+        note="torchrun, FSDP2 as the stage configures it, 8 rows per GPU (the B1 winner)",
+    ),
+    Case(
+        "b3_fsdp_b8_noreshard",
+        "B3",
+        "qwen3-1.7b",
+        strategy="fsdp",
+        per_device_batch_size=8,
+        reshard_after_forward=False,
+        note="torchrun, FSDP2 keeping the gathered parameters from forward to backward, 8 rows per GPU",
+    ),
+    Case(
+        "b3_fsdp_b16",
+        "B3",
+        "qwen3-1.7b",
+        strategy="fsdp",
+        per_device_batch_size=16,
+        warmup=3,
+        steps=12,
+        note="torchrun, FSDP2 as the stage configures it, 16 rows per GPU",
+    ),
+    Case(
+        "b3_fsdp_b16_noreshard",
+        "B3",
+        "qwen3-1.7b",
+        strategy="fsdp",
+        per_device_batch_size=16,
+        reshard_after_forward=False,
+        warmup=3,
+        steps=12,
+        note="torchrun, FSDP2 keeping the gathered parameters from forward to backward, 16 rows per GPU",
+    ),
+    Case(
+        "b3_fsdp_b24",
+        "B3",
+        "qwen3-1.7b",
+        strategy="fsdp",
+        per_device_batch_size=24,
+        warmup=3,
+        steps=10,
+        note="torchrun, FSDP2 as the stage configures it, 24 rows per GPU",
+    ),
+    Case(
+        "b3_fsdp_b24_noreshard",
+        "B3",
+        "qwen3-1.7b",
+        strategy="fsdp",
+        per_device_batch_size=24,
+        reshard_after_forward=False,
+        warmup=3,
+        steps=10,
+        note="torchrun, FSDP2 keeping the gathered parameters from forward to backward, 24 rows per GPU",
+    ),
+    Case(
+        "b2_stage",
+        "B2",
+        "qwen3-8b",
+        method="lora",
+        per_device_batch_size=4,
+        gradient_checkpointing=True,
+        warmup=3,
+        steps=10,
+        note="sft stage, LoRA, packed, flex + Liger, gradient checkpointing",
+    ),
+    Case(
+        "b2_stage_nockpt",
+        "B2",
+        "qwen3-8b",
+        method="lora",
+        per_device_batch_size=2,
+        warmup=3,
+        steps=12,
+        note="sft stage, LoRA, packed, flex + Liger, no checkpointing",
+    ),
+    Case(
+        "b2_qlora",
+        "B2",
+        "qwen3-8b",
+        method="qlora",
+        per_device_batch_size=4,
+        gradient_checkpointing=True,
+        warmup=2,
+        steps=6,
+        note="sft stage, QLoRA (bitsandbytes NF4), packed, stage GPU defaults (sdpa, Liger), checkpointing",
+    ),
+    Case(
+        "b2_qlora_flex",
+        "B2",
+        "qwen3-8b",
+        method="qlora",
+        attn="flex_attention",
+        per_device_batch_size=4,
+        gradient_checkpointing=True,
+        warmup=2,
+        steps=6,
+        note="as b2_qlora with flex attention (not the stage default for QLoRA: boundary check)",
+    ),
+    Case(
+        "b2_qlora_flex_noliger",
+        "B2",
+        "qwen3-8b",
+        method="qlora",
+        attn="flex_attention",
+        liger=False,
+        per_device_batch_size=4,
+        gradient_checkpointing=True,
+        warmup=2,
+        steps=6,
+        note="as b2_qlora_flex without Liger kernels",
+    ),
+    # B3: the B1 workload on all GPUs through torchrun, FSDP2 (run by the suite with torchrun).
+    Case("b3_fsdp", "B3", "qwen3-1.7b", strategy="fsdp", note="torchrun, FSDP2 as the stage configures it"),
+    Case(
+        "b3_fsdp_noreshard",
+        "B3",
+        "qwen3-1.7b",
+        strategy="fsdp",
+        reshard_after_forward=False,
+        note="torchrun, FSDP2 keeping the gathered parameters from forward to backward",
+    ),
+    Case(
+        "b3_zero2",
+        "B3",
+        "qwen3-1.7b",
+        strategy="deepspeed_zero2",
+        per_device_batch_size=8,
+        warmup=3,
+        steps=10,
+        note="torchrun, DeepSpeed ZeRO-2 as the stage configures it, 8 rows per GPU",
+    ),
+    Case(
+        "b3_zero3",
+        "B3",
+        "qwen3-1.7b",
+        strategy="deepspeed_zero3",
+        per_device_batch_size=8,
+        warmup=3,
+        steps=10,
+        note="torchrun, DeepSpeed ZeRO-3 as the stage configures it, 8 rows per GPU",
+    ),
+    # B4: DPO with LoRA, Qwen3-1.7B shape.
+    Case(
+        "b4_trl_default",
+        "B4",
+        "qwen3-1.7b",
+        kind="trl_dpo",
+        method="lora",
+        attn="sdpa",
+        per_device_batch_size=8,
+        warmup=3,
+        steps=10,
+        note="TRL DPOTrainer + DPOConfig defaults (batch 8), PEFT LoRA r16, reference = adapter disabled",
+    ),
+    Case(
+        "b4_stage",
+        "B4",
+        "qwen3-1.7b",
+        kind="stage_dpo",
+        method="lora",
+        per_device_batch_size=8,
+        warmup=3,
+        steps=10,
+        note="rlhf stage (dpo): precomputed reference log-probs, stage GPU defaults",
+    ),
+    # B2 at rows of 4096, the sequence length of NeMo AutoModel's published LoRA Llama-3-8B figure (one H100).
+    B2_4K,
+    replace(
+        B2_4K,
+        name="b2_stage_4k_nockpt",
+        gradient_checkpointing=False,
+        note="as b2_stage_4k without gradient checkpointing",
+    ),
+    replace(
+        B2_4K,
+        name="b2_stage_4k_nockpt_casts",
+        gradient_checkpointing=False,
+        peft_input_casts=True,
+        note="as b2_stage_4k_nockpt with PEFT's cast of every LoRA input to the adapter's float32 (the stage before "
+        "adapter_inputs_uncast)",
+    ),
+    replace(
+        B2_4K,
+        name="b2_stage_4k_nockpt_nodrop",
+        gradient_checkpointing=False,
+        lora_dropout=0.0,
+        note="as b2_stage_4k_nockpt with lora.dropout 0",
+    ),
+    replace(
+        B2_4K,
+        name="b2_stage_4k_nockpt_b3",
+        gradient_checkpointing=False,
+        lora_dropout=0.0,
+        per_device_batch_size=3,
+        steps=8,
+        note="as b2_stage_4k_nockpt_nodrop with 3 rows per step",
+    ),
+    replace(
+        B2_4K,
+        name="b2_stage_4k_nodrop",
+        lora_dropout=0.0,
+        note="as b2_stage_4k (gradient checkpointing) with lora.dropout 0",
+    ),
+    replace(
+        B2_4K,
+        name="b2_plain_peft_4k",
+        kind="plain_peft",
+        attn="sdpa",
+        gradient_checkpointing=False,
+        per_device_batch_size=1,
+        note="transformers Trainer + PEFT (LoRA r16/alpha32 all-linear, dropout 0.05): the same packed rows of 4096 "
+        "without position ids, sdpa, 1 row (2 run out of memory without the fused loss), no checkpointing",
+    ),
+    replace(
+        B2_4K,
+        name="b2_stage_4k_nockpt_b1",
+        gradient_checkpointing=False,
+        per_device_batch_size=1,
+        steps=12,
+        note="as b2_stage_4k_nockpt with one row per step",
+    ),
+    # B5: LoRA SFT on a mixture of experts of Qwen3-30B-A3B's shape (all 48 layers), one GPU, rows of 4096.
+    B5,
+    replace(
+        B5,
+        name="b5_plain_peft",
+        kind="plain_peft",
+        attn="sdpa",
+        note="transformers Trainer + PEFT: the same packed rows (no position ids, so attention crosses documents), "
+        "grouped_mm experts, sdpa, LoRA r16/alpha32 on attention, no checkpointing",
+    ),
+    replace(B5, name="b5_stage_b2", per_device_batch_size=2, note="as b5_stage with 2 rows per step"),
+    replace(
+        B5,
+        name="b5_stage_b4_ckpt",
+        per_device_batch_size=4,
+        gradient_checkpointing=True,
+        steps=8,
+        note="as b5_stage with 4 rows per step and gradient checkpointing",
+    ),
+    replace(
+        B5,
+        name="b5_stage_sdpa",
+        attn="sdpa",
+        note="as b5_stage with sdpa (a dense block-diagonal mask from the position ids) instead of flex attention",
+    ),
+    replace(
+        B5,
+        name="b5_stage_experts",
+        lora_experts=True,
+        gradient_checkpointing=True,
+        note="as b5_stage with LoRA on the experts too (lora.target_experts) and gradient checkpointing (without "
+        "it the experts' adapters run out of memory on 141 GB)",
+    ),
+]
+
+
+BY_NAME = {case.name: case for case in CASES}
