@@ -42,6 +42,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from run.names import RUN_ROOT
 from spec.fields import STAGE_ORDER
 from spec.pipeline import PipelineSpec
 from stages.contract import RunDir, StageContext, StageRefused
@@ -57,7 +58,6 @@ from stages.registry import (
     registry_client,
 )
 from stages.sources import gcs_client, s3_client
-from workflows.pytorchjob import RUN_ROOT
 from workflows.serving import inference_service, model_storage_uri, to_yaml
 
 if TYPE_CHECKING:

@@ -22,10 +22,8 @@ PACKAGES = ("spec", "run", "workflows", "stages")
 
 CROSS_PLANE_LEFT: set[tuple[str, str]] = {
     ("stages.__main__", "workflows.parameters"),
-    ("stages.deploy", "workflows.pytorchjob"),
     ("stages.deploy", "workflows.serving"),
     ("stages.hpo", "workflows.katib"),
-    ("stages.metrics", "workflows.pytorchjob"),
     ("workflows.local", "stages.contract"),
     ("workflows.local", "stages.gate"),
     ("workflows.local", "stages.hpo"),

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from workflows.pytorchjob import RUN_ROOT
+from run.names import RUN_ROOT
 
 FINAL_PHASES = frozenset({"Succeeded", "Failed", "Error"})
 """Workflow phases after which nothing in the run directory changes."""

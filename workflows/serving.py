@@ -25,8 +25,8 @@ from typing import Any
 
 import yaml
 
+from run.names import PART_OF, PIPELINE_LABEL, RUN_ROOT
 from spec.pipeline import PipelineSpec
-from workflows.pytorchjob import PART_OF, PIPELINE_LABEL, RUN_ROOT
 
 API_VERSION = "serving.kserve.io/v1beta1"
 KIND = "InferenceService"
