@@ -22,7 +22,6 @@ PACKAGES = ("spec", "run", "workflows", "stages")
 
 CROSS_PLANE_LEFT: set[tuple[str, str]] = {
     ("stages.__main__", "workflows.parameters"),
-    ("stages.deploy", "workflows.serving"),
     ("stages.hpo", "workflows.katib"),
     ("workflows.local", "stages.contract"),
     ("workflows.local", "stages.gate"),

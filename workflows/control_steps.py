@@ -7,11 +7,11 @@ from typing import Any
 from hera.workflows import Container, RawArtifact, Step, Steps
 from hera.workflows import models as m
 
+from run import serving
 from run.names import PIPELINE_LABEL, STAGE_LABEL
 from spec.pipeline import PipelineSpec
 from spec.sizing import PodSize
 from spec.stage import Resources, StageBase, StepPolicy
-from workflows import serving
 from workflows.job_kinds import DEFAULT_JOB_KIND
 from workflows.pytorchjob import (
     SCRATCH_DIR,

@@ -58,7 +58,7 @@ class Run:
     spec: dict[str, Any]
 
     def storage_uris(self) -> set[str]:
-        """Where this run's model would be served from (workflows/serving.py): the run directory on the
+        """Where this run's model would be served from (run/serving.py): the run directory on the
         checkpoints volume, and `<stages.deploy.storage_uri>/<run>` when the run published elsewhere."""
         claim = _get(self.spec, "cluster", "checkpoints", "claim_name")
         uris = {f"pvc://{claim}/{RUN_ROOT}/{self.name}/deploy/model"} if claim else set()

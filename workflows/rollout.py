@@ -40,13 +40,13 @@ from typing import Any
 import requests
 import yaml
 
-from spec.pipeline import PipelineSpec
-from spec.serving import ServingSpec
-from workflows.serving import (
+from run.serving import (
     API_VERSION,
     RUN_LABEL,
     with_canary_traffic,
 )
+from spec.pipeline import PipelineSpec
+from spec.serving import ServingSpec
 
 GROUP, VERSION = API_VERSION.split("/")
 PLURAL = "inferenceservices"
