@@ -43,21 +43,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from run.names import RUN_ROOT
+from run.release import CHALLENGER, CHAMPION, GATE_PASS, GATE_SKIPPED
 from run.serving import inference_service, model_storage_uri, to_yaml
 from spec.fields import STAGE_ORDER
 from spec.pipeline import PipelineSpec
 from stages.contract import RunDir, StageContext, StageRefused
 from stages.data import DataError, within
 from stages.entry import run_stage
-from stages.gate import GATE_PASS, GATE_SKIPPED
-from stages.registry import (
-    CHALLENGER,
-    CHAMPION,
-    HELDOUT_TAG,
-    METRIC_TAG_PREFIX,
-    registered_model_name,
-    registry_client,
-)
+from stages.registry import HELDOUT_TAG, METRIC_TAG_PREFIX, registered_model_name, registry_client
 from stages.sources import gcs_client, s3_client
 
 if TYPE_CHECKING:

@@ -75,6 +75,7 @@ from rich.table import Table
 from rich.text import Text
 
 from run.names import RUN_ROOT
+from run.release import GATE_PASS
 from spec.document import LoadedPipeline
 from spec.fields import TRAINING_STAGES
 from spec.loading import PIPELINES_DIR, REPLACES_DATA
@@ -94,7 +95,6 @@ from stages.contract import (
     still_locked,
     try_lock,
 )
-from stages.gate import GATE_PASS
 from stages.hpo import apply_selections
 from stages.tracking_mlflow_server import local_store_uri
 from workflows.plan import plan_warnings, prepared_warnings

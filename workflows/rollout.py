@@ -406,8 +406,7 @@ def promote(spec: PipelineSpec, run_dir: Path, deployed: dict[str, Any]) -> str:
     """Move `champion` to the deployed version (only for a model whose gate passed); returns what was done."""
     from mlflow import MlflowClient
 
-    from stages.gate import GATE_PASS
-    from stages.registry import CHAMPION
+    from run.release import CHAMPION, GATE_PASS
     from stages.tracking_mlflow_server import resolve_tracking_uri
 
     name, version = deployed["registered_model"], deployed["model_version"]
