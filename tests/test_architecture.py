@@ -22,7 +22,6 @@ PACKAGES = ("spec", "run", "workflows", "stages")
 
 CROSS_PLANE_LEFT: set[tuple[str, str]] = {
     ("stages.__main__", "workflows.parameters"),
-    ("stages.hpo", "workflows.katib"),
     ("workflows.local", "stages.contract"),
     ("workflows.local", "stages.hpo"),
     ("workflows.local", "stages.tracking_mlflow_server"),

@@ -13,6 +13,7 @@ from mlflow.tracking import MlflowClient
 from training_fixtures import child_env, make_run_dir, run_stage
 
 import workflows.local as local
+from run.names import katib_parameter_name
 from spec.loading import load_pipeline
 from spec.search import HpoSpec, SearchParameter
 from stages.__main__ import main as stages_main
@@ -20,7 +21,6 @@ from stages.contract import RunDir, config_hash
 from stages.hpo import search_fingerprint, search_path
 from stages.tracking_mlflow_server import local_store_uri
 from stages.trials import METRICS_FILE_ENV, trials_dir
-from workflows.katib import katib_parameter_name
 from workflows.search import distribution, grid_values, sampler, search_in_runner, trial_budget
 
 HPO = (
