@@ -21,7 +21,6 @@ REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("spec", "run", "workflows", "stages")
 
 CROSS_PLANE_LEFT: set[tuple[str, str]] = {
-    ("stages.__main__", "workflows.parameters"),
     ("workflows.local", "stages.contract"),
     ("workflows.local", "stages.hpo"),
     ("workflows.local", "stages.tracking_mlflow_server"),

@@ -258,7 +258,7 @@ def test_prepare_run_again_keeps_the_values_a_search_selected(tmp_path: Path, mo
     selected, it keeps the selected values (the stages after it were trained with them)."""
     from test_parameters import _params_dir, prepare_step
 
-    from workflows.parameters import resolve_params_dir
+    from spec.form import resolve_params_dir
 
     params = _params_dir(tmp_path, {}, "llama3-dolly")
     run = tmp_path / "run"
