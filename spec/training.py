@@ -142,7 +142,7 @@ FORM_EXTRA_ARGS: tuple[str, ...] = (
 
 
 """The training.extra_args a run's form (`submit --set`, the Argo UI's overrides) may add, change or remove:
-hyperparameters of the optimizer and the losses. Every other key is the pipeline file's (workflows/parameters.py)."""
+hyperparameters of the optimizer and the losses. Every other key is the pipeline file's (spec/form.py)."""
 
 
 def refused_trainer_arg(key: str) -> str | None:

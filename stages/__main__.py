@@ -185,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
     if args.params_dir is not None:
         if args.stage != "prepare":
             raise StageRefused("--params-dir is only for the prepare stage")
-        from workflows.parameters import resolve_params_dir, stage_switches
+        from spec.form import resolve_params_dir, stage_switches
 
         # A search that already selected in this run directory keeps its values (prepare run again).
         resolved = apply_selections(resolve_params_dir(args.params_dir), run_dir.root)

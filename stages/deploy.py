@@ -12,7 +12,7 @@ Reads top to bottom:
    merged into its base first). The candidate's folders must be exactly what evaluate measured: their content
    fingerprints (read as the files are copied or loaded) are held to evaluate's recorded inputs `candidate` and
    `candidate_base`; anything else is refused before a byte is published or registered.
-3. Published where the InferenceService reads it (workflows/serving.py): gs:// (google-cloud-storage) or s3://
+3. Published where the InferenceService reads it (run/serving.py): gs:// (google-cloud-storage) or s3://
    (boto3) under `<storage_uri>/<run>`, with credentials from the environment only (Workload Identity / Google
    ADC, AWS_* or a web identity; AWS_ENDPOINT_URL(_S3) for an S3-compatible store, STORAGE_EMULATOR_HOST for a
    GCS emulator), a refusal (no such bucket, access denied) being one error that names the field; pvc:// on the
@@ -42,23 +42,16 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from run.names import RUN_ROOT
+from run.release import CHALLENGER, CHAMPION, GATE_PASS, GATE_SKIPPED
+from run.serving import inference_service, model_storage_uri, to_yaml
 from spec.fields import STAGE_ORDER
 from spec.pipeline import PipelineSpec
 from stages.contract import RunDir, StageContext, StageRefused
 from stages.data import DataError, within
 from stages.entry import run_stage
-from stages.gate import GATE_PASS, GATE_SKIPPED
-from stages.registry import (
-    CHALLENGER,
-    CHAMPION,
-    HELDOUT_TAG,
-    METRIC_TAG_PREFIX,
-    registered_model_name,
-    registry_client,
-)
+from stages.registry import HELDOUT_TAG, METRIC_TAG_PREFIX, registered_model_name, registry_client
 from stages.sources import gcs_client, s3_client
-from workflows.pytorchjob import RUN_ROOT
-from workflows.serving import inference_service, model_storage_uri, to_yaml
 
 if TYPE_CHECKING:
     from stages.modeling import ModelInputs

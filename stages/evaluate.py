@@ -52,10 +52,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from run.release import GATE_FAIL, GATE_PASS, GATE_SKIPPED
 from stages.contract import RunDir, StageContext
 from stages.data import DataError
 from stages.entry import run_stage
-from stages.gate import GATE_FAIL, GATE_PASS, GATE_SKIPPED, apply_gate
+from stages.gate import apply_gate
 from stages.measures import (
     HELDOUT_METRICS,
     candidate_stage,

@@ -5,10 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from run.release import GATE_FAIL, GATE_PASS
 from spec.release import GateRule
 from stages.report import plus_minus, stderr_name
-
-GATE_PASS, GATE_FAIL, GATE_SKIPPED = "pass", "fail", "skipped"
 
 
 @dataclass

@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from run.names import katib_parameter_name
 from spec.document import Origins, SpecError
 from spec.fields import TRAINING_STAGES
 from spec.loading import validate_document
@@ -42,7 +43,6 @@ from stages.contract import (
     write_json_atomic,
 )
 from stages.trials import parse_value, search_dir, set_values, trials_dir
-from workflows.katib import katib_parameter_name
 
 SEARCH_JSON = "search.json"
 

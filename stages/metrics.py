@@ -31,9 +31,9 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 from transformers import TrainerCallback
 
+from run.names import METRICS_PORT_ENV
 from stages.contract import StageContext, is_main_process
 from stages.progress import ProgressLog
-from workflows.pytorchjob import METRICS_PORT_ENV
 
 PROCESS_STARTED = time.time()
 """When the stage's process started: this module is imported with the stage's, before the model loads."""

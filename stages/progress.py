@@ -22,7 +22,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from workflows.durations import format_duration
+from run.durations import format_duration
 
 PEAK_BF16_FLOPS = {"B200": 2250e12, "H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "L40S": 362e12}
 """Dense bf16 tensor-core peaks from the datasheets, by the name in the device's name (e.g. 'NVIDIA H100 80GB')."""

@@ -7,10 +7,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from run.release import CHAMPION
 from spec.pipeline import PipelineSpec
 
-CHAMPION = "champion"
-CHALLENGER = "challenger"
 METRIC_TAG_PREFIX = "posttrain.metric."
 """Model version tags holding the metrics a version was gated with (written by deploy, read here)."""
 HELDOUT_TAG = "posttrain.heldout_fingerprint"

@@ -22,6 +22,7 @@ from fake_argo import FakeArgo
 from test_parameters import _params_dir, prepare_step
 from test_submit import _run
 
+from spec import form as spec_form
 from spec.document import SpecError
 from spec.loading import load_pipeline
 from spec.training import FORM_EXTRA_ARGS, TRAINER_ARGS_OWNED, refused_trainer_arg
@@ -116,7 +117,7 @@ def test_the_form_cannot_run_code_or_loosen_the_gate_in_prepare(
     tmp_path: Path, overrides: list[str], refusal: str
 ) -> None:
     """The cluster's prepare step, as the pod runs it, with the attack in the form's overrides parameter."""
-    form = _params_dir(tmp_path, {params.OVERRIDES: "\n".join(overrides)})
+    form = _params_dir(tmp_path, {spec_form.OVERRIDES: "\n".join(overrides)})
     run = tmp_path / "run"
     proc = prepare_step(run, form)
     assert proc.returncode == 2, proc.stderr
@@ -132,12 +133,12 @@ def test_the_form_may_tighten_the_gate(tmp_path: Path) -> None:
     ]
     doc = params.embedded_document(load_pipeline("korean-llm").spec)
     with pytest.raises(SpecError, match="is not an index of the list"):  # a list grows by replacing it whole
-        params.resolve_parameters(doc, {params.OVERRIDES: "\n".join(tighter)})
+        spec_form.resolve_parameters(doc, {spec_form.OVERRIDES: "\n".join(tighter)})
     whole = (
         "stages.evaluate.gate=[{metric: perplexity, higher_is_better: false, max_regression: 0}, "
         "{metric: kobest_boolq/acc, max_regression: 0.005}, {metric: eval_loss, higher_is_better: false}]"
     )
-    spec = params.resolve_params_dir(_params_dir(tmp_path, {params.OVERRIDES: whole}))
+    spec = spec_form.resolve_params_dir(_params_dir(tmp_path, {spec_form.OVERRIDES: whole}))
     assert [(r.metric, r.max_regression) for r in spec.stages.evaluate.gate] == [
         ("perplexity", 0.0),
         ("kobest_boolq/acc", 0.005),
@@ -175,7 +176,7 @@ def test_the_form_may_set_optimizer_and_loss_knobs(
     argv = [arg for knob in FORM_KNOBS for arg in ("--set", knob)]
     code, _, err = _run(capsys, "korean-llm", "--skip-preflight", *argv)
     assert (code, err) == (0, "")
-    spec = params.resolve_params_dir(_params_dir(tmp_path, {params.OVERRIDES: "\n".join(FORM_KNOBS)}))
+    spec = spec_form.resolve_params_dir(_params_dir(tmp_path, {spec_form.OVERRIDES: "\n".join(FORM_KNOBS)}))
     assert spec.stages.sft.training.extra_args == {"optim": "adamw_torch_fused", "adam_beta2": 0.95,
                                                    "neftune_noise_alpha": 5}  # fmt: skip
     assert spec.stages.rlhf.training.extra_args == {"adam_epsilon": 1e-6, "label_smoothing_factor": 0.1,
@@ -190,17 +191,19 @@ def test_the_pipeline_files_own_extra_args_stay_as_it_set_them() -> None:
     )
     assert registered.spec.stages.sft.training.extra_args == {"dataloader_prefetch_factor": 4, "optim": "adamw_torch"}
     doc = params.embedded_document(registered.spec)
-    kept = params.resolve_parameters(doc, {params.OVERRIDES: "stages.sft.training.extra_args.optim=adamw_torch_fused"})
+    kept = spec_form.resolve_parameters(
+        doc, {spec_form.OVERRIDES: "stages.sft.training.extra_args.optim=adamw_torch_fused"}
+    )
     assert kept.stages.sft.training.extra_args == {"dataloader_prefetch_factor": 4, "optim": "adamw_torch_fused"}
-    same = params.resolve_parameters(
-        doc, {params.OVERRIDES: "stages.sft.training.extra_args.dataloader_prefetch_factor=4"}
+    same = spec_form.resolve_parameters(
+        doc, {spec_form.OVERRIDES: "stages.sft.training.extra_args.dataloader_prefetch_factor=4"}
     )
     assert same.stages.sft.training.extra_args == registered.spec.stages.sft.training.extra_args
     for change in ("extra_args.dataloader_prefetch_factor=8", "extra_args={optim: adamw_torch}", "extra_args={}"):
         with pytest.raises(
             SpecError, match=r"^parameter overrides, line 1: .*dataloader_prefetch_factor cannot be set"
         ):
-            params.resolve_parameters(doc, {params.OVERRIDES: f"stages.sft.training.{change}"})
+            spec_form.resolve_parameters(doc, {spec_form.OVERRIDES: f"stages.sft.training.{change}"})
 
 
 @pytest.mark.parametrize(

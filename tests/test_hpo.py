@@ -13,6 +13,7 @@ from mlflow.tracking import MlflowClient
 from training_fixtures import child_env, make_run_dir, run_stage
 
 import workflows.local as local
+from run.names import katib_parameter_name
 from spec.loading import load_pipeline
 from spec.search import HpoSpec, SearchParameter
 from stages.__main__ import main as stages_main
@@ -20,7 +21,6 @@ from stages.contract import RunDir, config_hash
 from stages.hpo import search_fingerprint, search_path
 from stages.tracking_mlflow_server import local_store_uri
 from stages.trials import METRICS_FILE_ENV, trials_dir
-from workflows.katib import katib_parameter_name
 from workflows.search import distribution, grid_values, sampler, search_in_runner, trial_budget
 
 HPO = (
@@ -258,7 +258,7 @@ def test_prepare_run_again_keeps_the_values_a_search_selected(tmp_path: Path, mo
     selected, it keeps the selected values (the stages after it were trained with them)."""
     from test_parameters import _params_dir, prepare_step
 
-    from workflows.parameters import resolve_params_dir
+    from spec.form import resolve_params_dir
 
     params = _params_dir(tmp_path, {}, "llama3-dolly")
     run = tmp_path / "run"

@@ -16,6 +16,7 @@ from conftest import fresh_spec
 from fake_kube import running
 from schema_validation import SchemaViolation, validate_argo, validate_custom_resource, validate_pytorchjob
 
+from run.names import katib_parameter_name
 from spec.fields import TRAINING_STAGES
 from spec.pipeline import MAX_PIPELINE_NAME_LENGTH, PipelineSpec
 from spec.search import HPO_ALGORITHMS
@@ -87,9 +88,9 @@ def _substitute(experiment: dict[str, Any], values: dict[str, str], trial: str) 
 
 
 def test_katib_parameter_names_are_paths_without_dots_or_underscores() -> None:
-    assert katib.katib_parameter_name("training.learning_rate") == "training-learning-rate"
-    assert katib.katib_parameter_name("lora.r") == "lora-r"
-    assert katib.katib_parameter_name("beta") == "beta"
+    assert katib_parameter_name("training.learning_rate") == "training-learning-rate"
+    assert katib_parameter_name("lora.r") == "lora-r"
+    assert katib_parameter_name("beta") == "beta"
 
 
 @pytest.mark.parametrize("stage", TRAINING_STAGES)

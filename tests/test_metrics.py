@@ -17,11 +17,12 @@ from schema_validation import pod_template_object, validate_core, validate_pytor
 from test_progress import Clock, tiny_model
 from training_fixtures import make_run_dir, start_stage, wait_for_file
 
+from run.names import METRICS_PORT_ENV
 from stages.checkpoints import MARKER
 from stages.contract import EXIT_RETRYABLE, RunDir, StageContext
 from stages.metrics import StageMetrics
 from stages.progress import ProgressLog
-from workflows.pytorchjob import METRICS_PORT_ENV, METRICS_PORT_NAME, job_manifest
+from workflows.pytorchjob import METRICS_PORT_NAME, job_manifest
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 

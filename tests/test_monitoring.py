@@ -25,10 +25,11 @@ from kustomize import MANIFESTS, _kubectl_kustomize, build
 from schema_validation import SchemaViolation, validate_custom_resource
 from test_progress import tiny_model
 
+from run.names import STAGE_LABEL
 from stages.metrics import StageMetrics
 from stages.progress import ProgressLog
 from workflows.notify import GRAFANA_DASHBOARD
-from workflows.pytorchjob import METRICS_PORT_NAME, STAGE_LABEL, job_manifest
+from workflows.pytorchjob import METRICS_PORT_NAME, job_manifest
 
 COMPONENT = MANIFESTS / "components" / "monitoring"
 UNIT_TESTS = Path(__file__).resolve().parent / "prometheus" / "posttrain_test.yaml"

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from spec import form as spec_form
 from spec.document import SpecError
 from spec.loading import load_pipeline
 from workflows import parameters as params
@@ -46,7 +47,7 @@ def prepare_step(run: Path, params_dir: Path) -> subprocess.CompletedProcess[str
 
 
 def test_defaults_resolve_to_the_compiled_spec(tmp_path: Path) -> None:
-    spec = params.resolve_params_dir(_params_dir(tmp_path, {}))
+    spec = spec_form.resolve_params_dir(_params_dir(tmp_path, {}))
     assert spec == load_pipeline("korean-llm").spec.model_copy(update={"profiles": {}})
 
 
@@ -58,13 +59,13 @@ def test_form_values_reach_the_spec(tmp_path: Path) -> None:
         "run-cpt": "false",
         "overrides": "# tuned\nstages.sft.training.learning_rate=5e-5\n\nstages.sft.lora.r=8\n",
     }
-    spec = params.resolve_params_dir(_params_dir(tmp_path, values))
+    spec = spec_form.resolve_params_dir(_params_dir(tmp_path, values))
     assert spec.model.name_or_path == "Qwen/Qwen3-4B-Base"
     assert spec.data_version == "2026-12"
     assert spec.stages.sft.data.uri == "/mnt/datasets/other/train.jsonl"
     assert spec.stages.cpt.enabled is False and spec.stages.sft.enabled is True
     assert spec.stages.sft.training.learning_rate == 5e-5 and spec.stages.sft.lora.r == 8
-    assert params.stage_switches(spec)["run-cpt"] == "false"
+    assert spec_form.stage_switches(spec)["run-cpt"] == "false"
 
 
 @pytest.mark.parametrize(
@@ -88,7 +89,7 @@ def test_form_values_reach_the_spec(tmp_path: Path) -> None:
 )
 def test_bad_form_values_name_the_parameter(tmp_path: Path, values: dict[str, str], message: str) -> None:
     with pytest.raises(SpecError) as err:
-        params.resolve_params_dir(_params_dir(tmp_path, values))
+        spec_form.resolve_params_dir(_params_dir(tmp_path, values))
     assert message in str(err.value)
 
 
@@ -106,7 +107,7 @@ def test_what_decides_code_or_credentials_is_set_in_the_pipeline_file_only(
     tmp_path: Path, override: str, reason: str
 ) -> None:
     with pytest.raises(SpecError) as err:
-        params.resolve_params_dir(_params_dir(tmp_path, {"overrides": f"# ok\n{override}"}))
+        spec_form.resolve_params_dir(_params_dir(tmp_path, {"overrides": f"# ok\n{override}"}))
     field = override.split("=", 1)[0]
     assert str(err.value).startswith(f"parameter overrides, line 2: {field} cannot be set from the form: ")
     assert reason in str(err.value)
@@ -126,47 +127,47 @@ def test_what_decides_code_or_credentials_is_set_in_the_pipeline_file_only(
 def test_a_section_holding_a_fixed_field_cannot_be_replaced(tmp_path: Path, override: str, fixed: str) -> None:
     """A mapping value replaces the whole section: it would change the fixed field without naming it."""
     with pytest.raises(SpecError) as err:
-        params.resolve_params_dir(_params_dir(tmp_path, {"overrides": override}))
+        spec_form.resolve_params_dir(_params_dir(tmp_path, {"overrides": override}))
     section = override.split("=", 1)[0]
     assert f"{section} would replace the whole section, {fixed} included" in str(err.value)
     assert f"set the fields below {section} one per line instead" in str(err.value)
 
 
 def test_the_form_names_the_fields_it_cannot_set() -> None:
-    [overrides] = [p for p in params.ui_parameters(load_pipeline("korean-llm").spec) if p.name == params.OVERRIDES]
-    for path in params.PIPELINE_FILE_ONLY:
+    [overrides] = [p for p in params.ui_parameters(load_pipeline("korean-llm").spec) if p.name == spec_form.OVERRIDES]
+    for path in spec_form.PIPELINE_FILE_ONLY:
         assert ".".join(path) in overrides.description
 
 
 def test_stages_deploy_cannot_be_replaced_whole(tmp_path: Path) -> None:
     with pytest.raises(SpecError, match=r"stages\.deploy would replace the whole section"):
-        params.resolve_params_dir(_params_dir(tmp_path, {"overrides": "stages.deploy={storage_uri: gs://x/y}"}))
+        spec_form.resolve_params_dir(_params_dir(tmp_path, {"overrides": "stages.deploy={storage_uri: gs://x/y}"}))
 
 
 def test_submit_names_its_own_lines(tmp_path: Path) -> None:
     """`workflows.submit` checks its --set with the same function; errors name the --set, not the form's line."""
     document = params.embedded_document(load_pipeline("korean-llm").spec)
-    values = {params.OVERRIDES: "stages.sft.lora.r=8\nstages.sft.lora.r=many"}
+    values = {spec_form.OVERRIDES: "stages.sft.lora.r=8\nstages.sft.lora.r=many"}
     with pytest.raises(SpecError, match=r"^--set 2: stages\.sft\.lora\.r: "):
-        params.resolve_parameters(document, values, lambda number: f"--set {number}")
-    spec = params.resolve_parameters(document, {params.OVERRIDES: "stages.sft.lora.r=8"})
+        spec_form.resolve_parameters(document, values, lambda number: f"--set {number}")
+    spec = spec_form.resolve_parameters(document, {spec_form.OVERRIDES: "stages.sft.lora.r=8"})
     assert spec.stages.sft.lora.r == 8
 
 
 def test_sections_without_fixed_fields_may_be_set_whole(tmp_path: Path) -> None:
     overrides = "stages.sft.training={learning_rate: 5.0e-5}\ntracking.wandb_project=other"
-    spec = params.resolve_params_dir(_params_dir(tmp_path, {"overrides": overrides}))
+    spec = spec_form.resolve_params_dir(_params_dir(tmp_path, {"overrides": overrides}))
     assert spec.stages.sft.training.learning_rate == 5e-5 and spec.tracking.wandb_project == "other"
 
 
 def test_shell_and_template_syntax_stays_data(tmp_path: Path) -> None:
     nasty = "$(touch /tmp/pwned); `id` && echo '{{workflow.name}}' \"quoted\""
-    spec = params.resolve_params_dir(_params_dir(tmp_path, {"base-model": nasty}))
+    spec = spec_form.resolve_params_dir(_params_dir(tmp_path, {"base-model": nasty}))
     assert spec.model.name_or_path == nasty.strip()
     # a name is one line: a newline in it could forge a line of the pod's log
     (tmp_path / "newline").mkdir()
     with pytest.raises(SpecError, match=r"^parameter base-model: model.name_or_path: holds the control character"):
-        params.resolve_params_dir(_params_dir(tmp_path / "newline", {"base-model": "org/model\nerror: forged"}))
+        spec_form.resolve_params_dir(_params_dir(tmp_path / "newline", {"base-model": "org/model\nerror: forged"}))
 
 
 def test_prepare_step_resolves_parameters_and_outputs_switches(tmp_path: Path) -> None:
@@ -181,7 +182,7 @@ def test_prepare_step_resolves_parameters_and_outputs_switches(tmp_path: Path) -
     good = tmp_path / "good"
     good.mkdir()
     _params_dir(good, {"run-rlhf": "false"})
-    from workflows.parameters import resolve_params_dir, stage_switches
+    from spec.form import resolve_params_dir, stage_switches
 
     spec = resolve_params_dir(good / "params")
     switches = stage_switches(spec)

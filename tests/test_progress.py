@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from run.durations import format_duration
 from stages import progress
 from stages.progress import ProgressLog, short_count
-from workflows.durations import format_duration
 
 
 class Clock:

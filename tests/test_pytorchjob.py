@@ -9,13 +9,14 @@ import pytest
 from conftest import PIPELINE_VARIANTS, fresh_spec, variant_id
 from schema_validation import SchemaViolation, pod_template_object, validate_core, validate_pytorchjob
 
+from run.names import STAGE_LABEL
 from spec.cluster import SecretRef
 from spec.document import SpecError
 from spec.fields import TRAINING_STAGES
 from spec.loading import known_pipelines, load_pipeline
 from spec.pipeline import MAX_PIPELINE_NAME_LENGTH, PipelineSpec
 from spec.stage import MAX_NODES, RdmaSpec, RunPolicy, Toleration
-from workflows.pytorchjob import CONTAINER_NAME, SCRATCH_VOLUME, STAGE_LABEL, job_manifest, run_dir
+from workflows.pytorchjob import CONTAINER_NAME, SCRATCH_VOLUME, job_manifest, run_dir
 
 STAGE_CASES = [
     (variant, stage)

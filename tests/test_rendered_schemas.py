@@ -21,11 +21,12 @@ from schema_validation import (
     validate_pytorchjob,
 )
 
+from run.names import STAGE_LABEL
 from spec.fields import TRAINING_STAGES
 from spec.pipeline import PipelineSpec
 from spec.variants import variant_specs
 from workflows import pytorchjob, trainjob
-from workflows.pytorchjob import STAGE_LABEL, WORKFLOW_LABEL
+from workflows.pytorchjob import WORKFLOW_LABEL
 
 EXPECTED_KINDS = {
     "workflowtemplate.yaml": "WorkflowTemplate",

@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 
 from spec.document import SpecError
+from spec.form import check_gate_kept
 from spec.loading import load_pipeline
 from spec.release import GateRule
 from stages.gate import apply_gate, check_rule
 from stages.measures import flatten_lm_eval
 from stages.report import stderr_name, write_report
-from workflows.parameters import check_gate_kept
 
 # What lm_eval.simple_evaluate returned (bootstrap_iters=1000, limit=20) for the builtin ko_constitution_mc task on
 # the tiny random model, trimmed to the keys evaluate reads; plus a task with a filter and a standard error that

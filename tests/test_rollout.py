@@ -24,10 +24,10 @@ from conftest import fresh_spec
 from kubernetes import client
 from schema_validation import validate_custom_resource
 
+from run.serving import inference_service, model_storage_uri, to_yaml
 from spec.pipeline import PipelineSpec
 from stages.contract import RunDir, StageContext
 from workflows import rollout
-from workflows.serving import inference_service, model_storage_uri, to_yaml
 
 NAMESPACE = "llm-training"
 NAME = "korean-llm"

@@ -1,4 +1,4 @@
-"""The KServe InferenceService (workflows/serving.py): valid against KServe's v1beta1 schema, storage URIs,
+"""The KServe InferenceService (run/serving.py): valid against KServe's v1beta1 schema, storage URIs,
 safetensors only, no secrets, no torch."""
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ import yaml
 from conftest import fresh_spec
 from schema_validation import SchemaViolation, validate_custom_resource
 
-from spec.pipeline import PipelineSpec
-from workflows.serving import (
+from run.serving import (
     default_storage_uri,
     inference_service,
     model_storage_uri,
     to_yaml,
     with_canary_traffic,
 )
+from spec.pipeline import PipelineSpec
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -201,5 +201,5 @@ def test_the_inference_service_carries_no_secret(monkeypatch: pytest.MonkeyPatch
 
 
 def test_serving_does_not_import_torch() -> None:
-    code = "import sys, workflows.serving; assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
+    code = "import sys, run.serving; assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=60)

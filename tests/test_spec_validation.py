@@ -23,13 +23,13 @@ from pydantic import AfterValidator, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 from test_parameters import _params_dir
 
+from spec import form as spec_form
 from spec.document import MAX_EXPANDED_NODES, SpecError
 from spec.fields import IntegerRange, out_of_int64
 from spec.loading import load_pipeline
 from spec.model_shapes import AttentionShape, known_shape, tensor_parallel_problem
 from spec.pipeline import PipelineSpec
 from spec.reference import _models
-from workflows import parameters as params
 
 PIPELINE = textwrap.dedent(
     """\
@@ -226,7 +226,7 @@ def test_an_alias_bomb_in_a_pipeline_file_is_refused_before_it_expands(tmp_path:
 def test_an_alias_bomb_in_the_form_is_refused(tmp_path: Path) -> None:
     bomb = "stages.sft.training=" + "{" + BOMB.replace("\n", ", ").rstrip(", ") + "}"
     with pytest.raises(SpecError, match="anchors and aliases expand to"):
-        params.resolve_params_dir(_params_dir(tmp_path, {params.OVERRIDES: bomb}))
+        spec_form.resolve_params_dir(_params_dir(tmp_path, {spec_form.OVERRIDES: bomb}))
 
 
 def test_an_alias_that_contains_itself_is_refused(tmp_path: Path) -> None:
@@ -247,10 +247,10 @@ def test_a_date_in_a_pipeline_file_is_text(tmp_path: Path) -> None:
 
 
 def test_the_form_takes_dates_as_text_too(tmp_path: Path) -> None:
-    spec = params.resolve_params_dir(_params_dir(tmp_path, {params.OVERRIDES: "model.revision=2026-11-24"}))
+    spec = spec_form.resolve_params_dir(_params_dir(tmp_path, {spec_form.OVERRIDES: "model.revision=2026-11-24"}))
     assert spec.model.revision == "2026-11-24"
     (tmp_path / "2").mkdir()
-    spec = params.resolve_params_dir(_params_dir(tmp_path / "2", {"data-version": "2026-11-24"}))
+    spec = spec_form.resolve_params_dir(_params_dir(tmp_path / "2", {"data-version": "2026-11-24"}))
     assert spec.data_version == "2026-11-24"
 
 

@@ -13,10 +13,10 @@ import pytest
 import yaml
 from fake_argo import SUBMITTER_RBAC, FakeArgo, node, workflow_status
 
+from spec import form as spec_form
 from spec.document import LoadedPipeline
 from spec.loading import PIPELINES_DIR, load_pipeline
 from spec.pipeline import PipelineSpec
-from workflows import parameters as params
 from workflows import submit
 from workflows.compile import compile_pipeline
 
@@ -153,7 +153,7 @@ def _resolved_in_the_cluster(template: dict[str, Any], workflow: dict[str, Any])
     """What prepare resolves for `workflow`: the template's embedded spec with the run's argument values."""
     prepare = next(t for t in template["spec"]["templates"] if t["name"] == "prepare")
     embedded = next(a["raw"]["data"] for a in prepare["inputs"]["artifacts"] if a["name"] == "pipeline-spec")
-    return params.resolve_parameters(json.loads(base64.b64decode(embedded)), _arguments(workflow))
+    return spec_form.resolve_parameters(json.loads(base64.b64decode(embedded)), _arguments(workflow))
 
 
 def test_set_values_travel_with_the_run_and_leave_the_template_alone(

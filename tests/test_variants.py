@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
+from spec import form as spec_form
 from spec.document import SpecError
 from spec.loading import PIPELINES_DIR, load_pipeline
 from spec.pipeline import MAX_PIPELINE_NAME_LENGTH
@@ -290,7 +291,7 @@ def test_a_variants_prepare_resolves_its_own_form_values(tmp_path: Path) -> None
         if data.startswith("{{workflow.parameters."):
             data = values[data.removeprefix("{{workflow.parameters.").removesuffix("}}")]
         (params_dir / Path(artifact["path"]).name).write_text(data, encoding="utf-8")
-    resolved = params.resolve_params_dir(params_dir)
+    resolved = spec_form.resolve_params_dir(params_dir)
     assert resolved.name == "qwen-multi-qwen-72b" and resolved.variant == "qwen-72b"
     assert resolved.model.name_or_path == "/mnt/datasets/models/qwen2.5-72b"
     assert resolved.data_version == "2026-12" and resolved.stages.cpt.resources.nodes == 2

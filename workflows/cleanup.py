@@ -26,8 +26,9 @@ import os
 import sys
 from typing import Any
 
+from run.names import PIPELINE_LABEL, STAGE_LABEL
 from workflows import job_kinds, katib
-from workflows.pytorchjob import PIPELINE_LABEL, STAGE_LABEL, WORKFLOW_LABEL
+from workflows.pytorchjob import WORKFLOW_LABEL
 
 JOB_RESOURCES: dict[str, tuple[str, str, str]] = {name: job_kinds.job_resource(name) for name in job_kinds.KINDS}
 """(group, version, plural) of each `cluster.job_kind` (workflows/job_kinds.py)."""

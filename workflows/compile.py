@@ -25,12 +25,13 @@ from typing import Any
 from hera.workflows import CronWorkflow, Parameter, Workflow, WorkflowTemplate
 from hera.workflows import models as m
 
+from run.names import PIPELINE_LABEL
 from spec.pipeline import MAX_PIPELINE_NAME_LENGTH, PipelineSpec
 from workflows import parameters as params
 from workflows.control_steps import EXIT_HANDLER, cleanup_template, exit_handler_template, notify_template
 from workflows.deadline import workflow_deadline
 from workflows.pipeline_dag import ENTRYPOINT, chain_templates
-from workflows.pytorchjob import PIPELINE_LABEL, pod_security_context, run_dir
+from workflows.pytorchjob import pod_security_context, run_dir
 from workflows.step_templates import RUN_DIR
 from workflows.variant_dag import variant_templates
 

@@ -7,16 +7,15 @@ from typing import Any
 from hera.workflows import Container, RawArtifact, Step, Steps
 from hera.workflows import models as m
 
+from run import serving
+from run.names import PIPELINE_LABEL, STAGE_LABEL
 from spec.pipeline import PipelineSpec
 from spec.sizing import PodSize
 from spec.stage import Resources, StageBase, StepPolicy
-from workflows import serving
 from workflows.job_kinds import DEFAULT_JOB_KIND
 from workflows.pytorchjob import (
-    PIPELINE_LABEL,
     SCRATCH_DIR,
     SCRATCH_VOLUME,
-    STAGE_LABEL,
     WRITABLE_ENV,
     container_security_context,
     resource_requirements,

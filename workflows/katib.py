@@ -29,6 +29,7 @@ import copy
 import math
 from typing import Any
 
+from run.names import katib_parameter_name
 from spec.pipeline import PipelineSpec
 from spec.search import SearchParameter, recorded_metrics
 from spec.training import TrainingStage
@@ -68,11 +69,6 @@ FAILURE_CONDITION = ",".join(
     [f"status.conditions.{i}.type == Failed" for i in range(1, _MAX_CONDITIONS)]
     + [f"status.conditions.{i}.type == Restarting" for i in range(1, _MAX_CONDITIONS - 1)]
 )
-
-
-def katib_parameter_name(path: str) -> str:
-    """Katib's name for a search parameter path (Katib names allow no dots or underscores)."""
-    return path.replace(".", "-").replace("_", "-")
 
 
 def experiment_generate_name(spec: PipelineSpec, stage_name: str) -> str:

@@ -74,6 +74,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from run.names import RUN_ROOT
+from run.release import GATE_PASS
 from spec.document import LoadedPipeline
 from spec.fields import TRAINING_STAGES
 from spec.loading import PIPELINES_DIR, REPLACES_DATA
@@ -93,11 +95,9 @@ from stages.contract import (
     still_locked,
     try_lock,
 )
-from stages.gate import GATE_PASS
 from stages.hpo import apply_selections
 from stages.tracking_mlflow_server import local_store_uri
 from workflows.plan import plan_warnings, prepared_warnings
-from workflows.pytorchjob import RUN_ROOT
 from workflows.search import search_in_runner, search_needed
 from workflows.submit import EXIT_GATE_FAILED
 from workflows.warm_starts import WarmProcess, WarmStarts, warm_starts

@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from run.names import METRICS_PORT_ENV, PART_OF, PIPELINE_LABEL, RUN_ROOT, STAGE_LABEL
 from spec.pipeline import PipelineSpec
 from spec.sizing import PodSize, pod_size
 from spec.stage import RdmaSpec, StageBase
@@ -41,15 +42,10 @@ _MAX_CONDITIONS = 5
 SUCCESS_CONDITION = "status.replicaStatuses.Master.succeeded > 0"
 FAILURE_CONDITION = ",".join(f"status.conditions.{i}.type == Failed" for i in range(1, _MAX_CONDITIONS + 1))
 
-RUN_ROOT = "runs"
-PART_OF = "posttrain"
-STAGE_LABEL = "posttrain.dev/stage"
 WORKFLOW_LABEL = "workflows.argoproj.io/workflow"
 """Argo's label for the workflow a resource step created an object in: cleanup finds a run's jobs by it."""
-PIPELINE_LABEL = "posttrain.dev/pipeline"
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 METRICS_PORT_NAME = "metrics"  # the container port manifests/components/monitoring's PodMonitor scrapes
-METRICS_PORT_ENV = "POSTTRAIN_METRICS_PORT"  # where stages/metrics.py serves, when set
 
 # Seconds of the grace period kept back from torchrun's own shutdown, for the agent to exit after its workers.
 SHUTDOWN_MARGIN_SECONDS = 15

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from workflows.pytorchjob import RUN_ROOT
+from run.names import RUN_ROOT
 
 FINAL_PHASES = frozenset({"Succeeded", "Failed", "Error"})
 """Workflow phases after which nothing in the run directory changes."""
@@ -58,7 +58,7 @@ class Run:
     spec: dict[str, Any]
 
     def storage_uris(self) -> set[str]:
-        """Where this run's model would be served from (workflows/serving.py): the run directory on the
+        """Where this run's model would be served from (run/serving.py): the run directory on the
         checkpoints volume, and `<stages.deploy.storage_uri>/<run>` when the run published elsewhere."""
         claim = _get(self.spec, "cluster", "checkpoints", "claim_name")
         uris = {f"pvc://{claim}/{RUN_ROOT}/{self.name}/deploy/model"} if claim else set()

@@ -40,13 +40,13 @@ from typing import Any
 import requests
 import yaml
 
-from spec.pipeline import PipelineSpec
-from spec.serving import ServingSpec
-from workflows.serving import (
+from run.serving import (
     API_VERSION,
     RUN_LABEL,
     with_canary_traffic,
 )
+from spec.pipeline import PipelineSpec
+from spec.serving import ServingSpec
 
 GROUP, VERSION = API_VERSION.split("/")
 PLURAL = "inferenceservices"
@@ -406,8 +406,7 @@ def promote(spec: PipelineSpec, run_dir: Path, deployed: dict[str, Any]) -> str:
     """Move `champion` to the deployed version (only for a model whose gate passed); returns what was done."""
     from mlflow import MlflowClient
 
-    from stages.gate import GATE_PASS
-    from stages.registry import CHAMPION
+    from run.release import CHAMPION, GATE_PASS
     from stages.tracking_mlflow_server import resolve_tracking_uri
 
     name, version = deployed["registered_model"], deployed["model_version"]

@@ -39,7 +39,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from workflows.pytorchjob import PIPELINE_LABEL, RUN_ROOT, STAGE_LABEL
+from run.names import PIPELINE_LABEL, RUN_ROOT, STAGE_LABEL
 
 if TYPE_CHECKING:
     from hera.workflows.models import NodeStatus, Workflow

@@ -5,6 +5,7 @@ from __future__ import annotations
 from hera.workflows import Container, Parameter, RawArtifact
 from hera.workflows import models as m
 
+from spec.form import SPEC_FILE, stage_switches
 from spec.pipeline import PipelineSpec
 from workflows import parameters as params
 from workflows.step_templates import OUTPUTS_DIR, PARAMS_DIR, container_template
@@ -13,12 +14,12 @@ from workflows.step_templates import OUTPUTS_DIR, PARAMS_DIR, container_template
 def prepare_template(spec: PipelineSpec, rundir: str) -> Container:
     """prepare: every UI parameter arrives as a file, the compiled spec too; the step resolves and validates
     them, writes `<run-dir>/spec.json`, and outputs which stages run."""
-    inputs = [RawArtifact(name="pipeline-spec", path=f"{PARAMS_DIR}/{params.SPEC_FILE}", data=params.embed_spec(spec))]
+    inputs = [RawArtifact(name="pipeline-spec", path=f"{PARAMS_DIR}/{SPEC_FILE}", data=params.embed_spec(spec))]
     inputs += [
         RawArtifact(name=p.name, path=f"{PARAMS_DIR}/{p.name}", data=f"{{{{workflow.parameters.{p.name}}}}}")
         for p in params.ui_parameters(spec)
     ]
-    switches = params.stage_switches(spec)
+    switches = stage_switches(spec)
     outputs = [Parameter(name=name, value_from=m.ValueFrom(path=f"{OUTPUTS_DIR}/{name}")) for name in switches]
     outputs.append(Parameter(name="proceed", value_from=m.ValueFrom(path=f"{OUTPUTS_DIR}/proceed")))
     # Global, so the Argo UI shows on the workflow why a scheduled run ended after prepare.

@@ -9,19 +9,12 @@ from typing import Any
 from hera.workflows import Container, Parameter, RawArtifact
 from hera.workflows import models as m
 
+from run.names import PIPELINE_LABEL, STAGE_LABEL
 from spec.pipeline import PipelineSpec
 from spec.sizing import pod_size
 from spec.stage import StageBase, StepPolicy
 from spec.validation import go_duration_seconds
-from workflows.pytorchjob import (
-    PIPELINE_LABEL,
-    STAGE_LABEL,
-    container_security_context,
-    pod_env,
-    resource_requirements,
-    stage_image,
-    volumes,
-)
+from workflows.pytorchjob import container_security_context, pod_env, resource_requirements, stage_image, volumes
 
 PARAMS_DIR = "/params"
 OUTPUTS_DIR = "/tmp/outputs"

@@ -304,7 +304,7 @@ def register_command(pipeline: str, profile: str | None) -> str:
 def _template_field_error(args: argparse.Namespace, template: str, keys: list[str], fixed: tuple[str, ...]) -> CliError:
     """Why a --set of `keys` cannot change one run: it sets (or replaces a section holding) `fixed`, a field of
     the shared template."""
-    from workflows.parameters import PIPELINE_FILE_ONLY
+    from spec.form import PIPELINE_FILE_ONLY
 
     field, fixed_name = ".".join(keys), ".".join(fixed)
     reason = PIPELINE_FILE_ONLY.get(fixed, "compiled into its manifests")
@@ -332,6 +332,7 @@ def run_arguments(
     Each --set is a line of the `overrides` argument, after its default; `stages.<stage>.enabled` is the stage's
     run-<stage> switch instead, as in the form. A field of the shared template is refused. The values are then
     resolved with the prepare step's own function, so what passes here passes there."""
+    from spec import form as spec_form
     from workflows import parameters as params
 
     defaults = {p.name: p.default for p in params.ui_parameters(loaded.spec)}
@@ -347,23 +348,23 @@ def run_arguments(
             if not isinstance(value, bool):
                 raise CliError(f"--set {expr}: expected true or false", EXIT_USAGE)
             values[switch] = str(value).lower()
-        elif (fixed := params.fixed_field(keys)) is not None:
+        elif (fixed := spec_form.fixed_field(keys)) is not None:
             raise _template_field_error(args, template, keys, fixed)
         else:
             lines.append(expr.strip())
-    default_lines = defaults[params.OVERRIDES].splitlines()
+    default_lines = defaults[spec_form.OVERRIDES].splitlines()
     if lines:
-        values[params.OVERRIDES] = "\n".join([*default_lines, *lines])
+        values[spec_form.OVERRIDES] = "\n".join([*default_lines, *lines])
 
     def origin(number: int) -> str:
         index = number - len(default_lines) - 1
-        return f"--set {lines[index]}" if index >= 0 else params.form_line(number)
+        return f"--set {lines[index]}" if index >= 0 else spec_form.form_line(number)
 
     values.update(variant_switches(args, loaded))
     if loaded.spec.variants:
         return values, _variant_run_specs(loaded, values, origin)
     try:
-        spec = params.resolve_parameters(params.embedded_document(loaded.spec), values, origin)
+        spec = spec_form.resolve_parameters(params.embedded_document(loaded.spec), values, origin)
     except SpecError as exc:
         raise usage_error(exc) from None
     return values, [spec]
@@ -390,6 +391,7 @@ def variant_switches(args: argparse.Namespace, loaded: LoadedPipeline) -> dict[s
 
 def _variant_run_specs(loaded: LoadedPipeline, values: dict[str, str], origin: Callable[[int], str]) -> list[Any]:
     """The spec each switched-on variant's prepare will resolve from the form's `values`."""
+    from spec import form as spec_form
     from spec.variants import variant_specs
     from workflows import parameters as params
 
@@ -398,7 +400,7 @@ def _variant_run_specs(loaded: LoadedPipeline, values: dict[str, str], origin: C
         if values.get(f"run-{name}", "true") != "false":
             own = params.variant_values(loaded.spec, name, values)
             try:
-                specs.append(params.resolve_parameters(params.embedded_document(vspec), own, origin))
+                specs.append(spec_form.resolve_parameters(params.embedded_document(vspec), own, origin))
             except SpecError as exc:
                 raise usage_error(SpecError(f"variant {name}: {exc}")) from None
     return specs

@@ -34,13 +34,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from run.names import METRICS_PORT_ENV, PIPELINE_LABEL, STAGE_LABEL
 from spec.pipeline import PipelineSpec
 from spec.sizing import pod_size
 from spec.training import TrainingStage
 from workflows.pytorchjob import (
-    METRICS_PORT_ENV,
-    PIPELINE_LABEL,
-    STAGE_LABEL,
     job_metadata,
     pod_env,
     rdma_env,

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from hera.workflows.models import NodeStatus, Workflow
 
+from run.durations import format_duration
 from workflows.argo import ArgoClient, ArgoError
-from workflows.durations import format_duration
 
 if TYPE_CHECKING:
     from rich.console import Console, RenderableType

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 from test_parameters import _params_dir
 
+from spec.form import SPEC_FILE
 from spec.loading import PIPELINES_DIR, load_pipeline
 from stages.__main__ import main as stages_main
 from stages.contract import RunDir
 from workflows import register, submit
-from workflows.parameters import SPEC_FILE
 
 REPO = Path(__file__).resolve().parents[2]
 PIPELINE_TEXT = (PIPELINES_DIR / "korean-llm.yaml").read_text(encoding="utf-8")

@@ -15,7 +15,7 @@ Where a run's model is published:
 - set (gs://bucket/prefix, s3://bucket/prefix, pvc://claim/prefix): under the prefix, one folder per run
   (`<prefix>/<run>`), so publishing a run never overwrites the model being served.
 
-This module is control plane: it never imports torch or transformers.
+Both planes read this module: it never imports torch or transformers.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from typing import Any
 
 import yaml
 
+from run.names import PART_OF, PIPELINE_LABEL, RUN_ROOT
 from spec.pipeline import PipelineSpec
-from workflows.pytorchjob import PART_OF, PIPELINE_LABEL, RUN_ROOT
 
 API_VERSION = "serving.kserve.io/v1beta1"
 KIND = "InferenceService"
