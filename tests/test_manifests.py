@@ -1,16 +1,15 @@
 """The cluster kit in manifests/: every overlay builds, every object validates, and the settings the pipelines
 rely on (names, pod security, least-privilege RBAC) hold.
 
-The overlays are built in Python by `build()` (tests/kustomize.py), a small kustomize for exactly the features the kit uses:
-`resources`, `components`, `namespace` (with the Namespace object and ServiceAccount subjects following it),
-`patches` (strategic-merge patch files, `$patch: delete` included, and inline JSON 6902 patches with a target,
+The overlays are built in Python by `build()` (tests/kustomize.py), a small kustomize for exactly the features the
+kit uses: `resources`, `components`, `namespace` (with the Namespace object and ServiceAccount subjects following
+it), `patches` (strategic-merge patch files, `$patch: delete` included, and inline JSON 6902 patches with a target,
 where a renamed ServiceAccount or PVC carries its references along), `replacements`, `configMapGenerator` (files,
-labels and annotations, without the name hash), and dropping
-`config.kubernetes.io/local-config` resources. CI has no usable kubectl (Debian's kubernetes-client ships
-kustomize v2, which predates components and replacements), so the tests do not need one; where a kubectl with
-kustomize v5 is on the PATH, `test_build_matches_kubectl_kustomize` checks that `build()` gives exactly what
-`kubectl kustomize` gives, so the Python build cannot drift from the real one unnoticed.
-"""
+labels and annotations, without the name hash), and dropping `config.kubernetes.io/local-config` resources. CI has
+no usable kubectl (Debian's kubernetes-client ships kustomize v2, which predates components and replacements), so
+the tests do not need one; where a kubectl with kustomize v5 is on the PATH, `test_build_matches_kubectl_kustomize`
+checks that `build()` gives exactly what `kubectl kustomize` gives, so the Python build cannot drift from the real
+one unnoticed."""
 
 from __future__ import annotations
 
