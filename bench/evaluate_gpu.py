@@ -91,7 +91,7 @@ def build_models(run_dir: Any, spec: Any, shape: dict[str, Any], work: Path) -> 
     from gpu_cases import VOCAB
     from peft import get_peft_model
 
-    from stages.contract import StageResult, now, write_json_atomic
+    from run.run_dir import StageResult, now, write_json_atomic
     from stages.modeling import build_from_config, load_tokenizer, lora_config
 
     tokenizer = load_tokenizer(run_dir, spec.model)
@@ -130,7 +130,7 @@ def measure_paths(run: Path, out: Path, shape_name: str) -> dict[str, Any]:
     from gpu_cases import SHAPES
 
     import stages.measures as measures
-    from stages.contract import RunDir
+    from run.run_dir import RunDir
     from stages.data import BUILTIN_TASKS_DIR, sha256_file
     from stages.modeling import load_base, load_stage_model, load_tokenizer, spec_base
     from stages.scores import ScoreCache, base_identity

@@ -447,8 +447,8 @@ def run_measured(argv: list[str], log: Path, env: dict[str, str] | None = None) 
 
 def write_run_dir(root: Path, kind: str, corpus_dir: str, tokenizer_path: Path, args: argparse.Namespace) -> None:
     """A run directory holding the resolved spec: korean-llm's local profile, the corpus as the stage's data."""
+    from run.run_dir import RunDir
     from spec.loading import load_pipeline
-    from stages.contract import RunDir
 
     stage = STAGE_OF[kind]
     other = "sft" if stage == "cpt" else "cpt"
@@ -576,7 +576,7 @@ def read_cache(args: argparse.Namespace) -> dict[str, Any]:
     import datasets  # noqa: F401 -- what a training rank has imported anyway
     import torch  # noqa: F401
 
-    from stages.contract import RunDir
+    from run.run_dir import RunDir
     from stages.packing import load_token_cache
 
     result: dict[str, Any] = {"after_imports": self_memory()}

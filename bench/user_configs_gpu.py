@@ -99,8 +99,8 @@ def prepare_run(case: Case, case_dir: Path, tiny: bool) -> Path:
     """The case's pipeline file and config file, and a run directory as prepare leaves it for sft."""
     import yaml
 
+    from run.run_dir import RunDir
     from spec.loading import load_pipeline
-    from stages.contract import RunDir
     from stages.tokenizer import build_tokenizer, render_for_training
 
     sys.path.insert(0, str(REPO / "tests"))
@@ -373,7 +373,7 @@ def model_reading(root: Path) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from stages.contract import RunDir
+    from run.run_dir import RunDir
     from stages.modeling import build_from_config, load_tokenizer
     from stages.packing import load_token_cache
 

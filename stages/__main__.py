@@ -1,12 +1,14 @@
 """`python -m stages <stage> --run-dir DIR`: the one entry point of every stage, in a pod and locally.
 
 A training stage also runs the trials of its hyperparameter search (`--trial NAME --trial-set path=value ...`,
-stages/trials.py), and `python -m stages hpo-select ...` selects the search's best trial (stages/hpo.py).
+stages/trials.py), `python -m stages hpo-select ...` selects the search's best trial (stages/hpo.py), and
+`python -m stages sync-tracking --run-dir DIR` sends what a run's stages could not send to MLflow during an outage
+(stages/tracking_outbox.py; `posttrain runs sync-tracking DIR` runs it).
 
 Expected failures end with one `error:` line that says what to fix, never a bare traceback: a missing or invalid
 spec, a stage whose inputs are not there yet (exit 2), a full disk (exit 1), a stage another process is running
 (exit 75, nothing written), a run directory deleted or replaced while the stage ran (exit 1, nothing more written:
-`stages.contract.check_still_ours`). Everything the stage prints goes through `MaskingStream`, so neither the value of a
+`run.run_dir.check_still_ours`). Everything the stage prints goes through `MaskingStream`, so neither the value of a
 secret-looking environment variable nor anything credential-shaped (`spec.credentials`) reaches the log.
 
 Whatever escapes a stage ends as a truthful record: SIGTERM and SIGINT raise `StageInterrupted` (training stages
@@ -18,84 +20,33 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import io
 import os
 import signal
 import sys
 import threading
 from pathlib import Path
-from typing import TextIO
 
 from pydantic import ValidationError
 
-from spec.document import SpecError
-from spec.fields import STAGE_ORDER
-from stages.contract import (
+from run.exits import (
     EXIT_FAILED,
     EXIT_RETRYABLE,
     EXIT_USAGE,
     INTERRUPTS,
-    RunDir,
-    RunDirGone,
-    StageBusy,
-    StageContext,
     StageInterrupted,
-    StageRefused,
-    check_ready,
-    check_still_ours,
-    disk_full_message,
-    hold_stage_lock,
     interrupt_signal,
     interrupts_raise,
-    is_disk_full,
-    mask_secrets,
-    secret_values,
 )
-from stages.hpo import apply_selections
+from run.masking import MaskingStream, PassThrough, secret_values
+from run.run_dir import RunDir, RunDirGone, StageBusy, StageRefused, check_still_ours, hold_stage_lock
+from run.search import apply_selections
+from spec.document import SpecError
+from spec.fields import STAGE_ORDER
+from stages.contract import StageContext, check_ready, disk_full_message, is_disk_full
 from stages.trials import prepare_trial, report_metrics
 
 
-class _PassThrough(io.TextIOBase):
-    """A text stream in front of another one: it answers isatty, fileno and encoding as the stream behind it."""
-
-    def __init__(self, target: TextIO) -> None:
-        self.target = target
-
-    def isatty(self) -> bool:
-        return self.target.isatty()
-
-    def fileno(self) -> int:
-        return self.target.fileno()
-
-    @property
-    def encoding(self) -> str:  # type: ignore[override]
-        return getattr(self.target, "encoding", "utf-8")
-
-
-class MaskingStream(_PassThrough):
-    """A text stream that masks secret values and credential shapes before passing the text on (line by line, so
-    a secret is never split across two writes)."""
-
-    def __init__(self, target: TextIO, secrets: set[str]) -> None:
-        super().__init__(target)
-        self.secrets = secrets
-        self.pending = ""
-
-    def write(self, text: str) -> int:
-        self.pending += text
-        if "\n" in self.pending:
-            complete, _, self.pending = self.pending.rpartition("\n")
-            self.target.write(mask_secrets(complete + "\n", self.secrets))
-        return len(text)
-
-    def flush(self) -> None:
-        if self.pending:
-            self.target.write(mask_secrets(self.pending, self.secrets))
-            self.pending = ""
-        self.target.flush()
-
-
-class ReaderSafeStream(_PassThrough):
+class ReaderSafeStream(PassThrough):
     """A text stream that outlives its reader. When a write finds the pipe closed (the local runner that read the
     stage's output was killed), the process's stdout and stderr are pointed at /dev/null, so that no later print,
     nor the flush at exit, fails: the stage goes on to save and to record how it ended."""
@@ -240,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
         from stages.hpo import main as select_main
 
         return select_main(argv[1:])
+    if argv[:1] == ["sync-tracking"]:
+        from stages.tracking_outbox import main as sync_main
+
+        return sync_main(argv[1:])
     args = parse_args(argv)
     secrets = secret_values()
     streams = sys.stdout, sys.stderr

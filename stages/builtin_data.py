@@ -36,6 +36,8 @@ from typing import Any, NamedTuple
 
 import yaml
 
+from spec.lm_eval_tasks import LM_EVAL_TASKS
+
 SEED = 20101115
 """Seed of every random choice below (phrasings, system prompts, rejected answers)."""
 
@@ -552,9 +554,6 @@ def builtin_dataset(name: str) -> list[dict[str, Any]]:
 
 
 # --------------------------------------------------------------------------- the lm-eval tasks
-
-LM_EVAL_TASKS = "korean-lm-eval"
-"""The builtin task folder: `stages.evaluate.lm_eval_include_path: builtin:korean-lm-eval`."""
 
 MC_EXAMPLES = 60
 """Questions of ko_constitution_mc (of the 112 articles whose first line has at least MC_MIN_WORDS words)."""

@@ -23,7 +23,9 @@ from typing import Any
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from stages.contract import INTERRUPTS, StageInterrupted, check_still_ours, is_main_process, write_json_atomic
+from run.exits import INTERRUPTS, StageInterrupted
+from run.run_dir import check_still_ours, write_json_atomic
+from stages.contract import is_main_process
 
 MARKER = "COMPLETE"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")

@@ -570,7 +570,7 @@ def lm_eval_texts(task_names: list[str], include_path: str | None) -> tuple[list
     could not be loaded: unknown, or their data unreachable, e.g. a hub dataset offline)."""
     from lm_eval.tasks import TaskManager
 
-    from stages.lm_eval_registry import registry_tasks
+    from spec.lm_eval_tasks import registry_tasks
 
     local = TaskManager(include_path=include_path, include_defaults=False) if include_path else None
     known_locally = set(local.all_tasks) if local else set()

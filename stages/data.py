@@ -1,6 +1,7 @@
-"""Training data: reading every source into rows, within bounds, and the datasets and errors they make.
+"""Training data's rows: where they may be read from, their bounds and parsing, and the datasets and errors they make.
 
-Each row is validated and normalized to its canonical form by `stages.normalize`.
+Each row is validated and normalized to its canonical form by `stages.normalize`; `stages.source_rows` reads a
+URI's rows, and `stages.prepared_data` makes datasets of them.
 
 Sources (a stage's `data.uri`): a file, a directory or a glob of `.jsonl`, `.jsonl.gz`, `.jsonl.zst` and
 `.parquet` files, on a volume or in a bucket (`s3://`, `gs://`; listed and opened by `stages.sources`),
@@ -46,10 +47,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from run.config_hash import canonical_hash
 from spec.data import DataSpec
 from spec.pipeline import PipelineSpec
 from spec.quoting import quoted
-from stages.contract import canonical_hash, writable
+from stages.contract import writable
 from stages.normalize import ColumnMap, _type_name
 
 DEFAULT_MAX_ROW_BYTES = 4 * 1024 * 1024
@@ -309,7 +311,7 @@ def resolve_path(uri: str, spec: PipelineSpec | None = None) -> Path:
     return Path(uri)
 
 
-def _unreadable(path: Path | str, exc: OSError) -> DataError:
+def unreadable(path: Path | str, exc: OSError) -> DataError:
     return DataError(f"{quoted(path)}: cannot be read ({exc.strerror or exc}); check the file and its permissions")
 
 
@@ -462,103 +464,6 @@ def _too_long(name: str, number: int, size: int, limit: int, excerpt: str) -> Ro
     return RowError(name, number, "", error, excerpt)
 
 
-HUB_PREFIXES = ("hf://datasets/", "hf://")
-"""A hub dataset's URI: hf://datasets/<org>/<name> (as huggingface_hub writes it), or the short hf://<org>/<name>."""
-
-
-def hub_name(uri: str) -> str:
-    """The repository id of a hub dataset URI."""
-    for prefix in HUB_PREFIXES:
-        if uri.startswith(prefix):
-            return uri.removeprefix(prefix).strip("/")
-    return uri
-
-
-def read_hub(uri: str, split: str) -> tuple[list[SourceFile], Iterator[RawRow]]:
-    """Rows of a hub dataset (split `split`), through `datasets`: downloaded once into HF_HOME (on the checkpoints
-    volume in the cluster, with HF_TOKEN from cluster.secrets.hf_token) and read from its memory-mapped Arrow
-    files, never whole into memory."""
-    name = hub_name(uri)
-    try:
-        import datasets
-
-        hub = datasets.load_dataset(name, split=split)
-    except ImportError:
-        raise DataError(f"{quoted(uri)}: reading hub datasets needs the 'datasets' package") from None
-    except Exception as exc:  # offline, gated, missing: datasets raises many kinds
-        offline = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("HF_DATASETS_OFFLINE")
-        hint = " (this machine is offline: HF_HUB_OFFLINE is set)" if offline else ""
-        raise DataError(
-            f"{quoted(uri)}: could not load split {split!r} from the Hugging Face hub{hint}: {type(exc).__name__}: "
-            f"{str(exc).splitlines()[0] if str(exc) else ''}. Without network access, download the dataset to "
-            "the datasets volume and use its path instead."
-        ) from None
-    source = SourceFile(uri, "hf:" + canonical_hash({"name": name, "split": split, "fp": hub._fingerprint}))
-    display = f"{quoted(uri)}[{split}]"
-    return [source], (RawRow(display, i, value=row) for i, row in enumerate(hub, start=1))
-
-
-def read_builtin(uri: str) -> tuple[list[SourceFile], Iterator[RawRow]]:
-    """Rows of a builtin dataset `builtin:<name>`, numbered from 1."""
-    from stages.builtin_data import BuiltinDataError, builtin_dataset
-
-    try:
-        rows = builtin_dataset(uri.removeprefix("builtin:"))
-    except BuiltinDataError as exc:
-        raise DataError(f"{quoted(uri)}: {exc}") from None
-    return [SourceFile(uri, sha256_rows(rows))], (RawRow(uri, i, value=r) for i, r in enumerate(rows, start=1))
-
-
-def read_source(
-    uri: str,
-    data: DataSpec,
-    spec: PipelineSpec | None = None,
-    run_root: Path | None = None,
-    staging: Path | None = None,
-) -> tuple[list[SourceFile], Iterator[RawRow]]:
-    """The inputs of a data URI and an iterator over its raw rows: a JSONL line comes unparsed (`RawRow.raw`,
-    parsed by `parse_row`, in a worker), other sources parsed. The inputs' fingerprints are complete once the
-    rows are: a local file's content is hashed as it is read, a stored object is named by its version (etag or
-    generation) and size. `run_root` (the run directory) tells whether the cluster's rule for data paths
-    applies (see `confine`); `staging` is where a Parquet object from S3 is downloaded while it is read."""
-    if uri.startswith("builtin:"):
-        return read_builtin(uri)
-    if uri.startswith("hf://"):
-        return read_hub(uri, data.split)
-    from stages.sources import list_objects, open_parquet, open_stream
-
-    limit = max_row_bytes()
-    max_inflation()  # a bad $POSTTRAIN_MAX_INFLATION fails here, before anything is read
-    objects = list_objects(uri, spec, run_root)
-    sources = [SourceFile(o.uri, "") for o in objects]
-
-    def rows() -> Iterator[RawRow]:
-        for obj, source in zip(objects, sources, strict=True):
-            count = 0
-            if obj.kind == "parquet":
-                with open_parquet(obj, staging or Path(tempfile.gettempdir())) as parquet:
-                    for row in parquet_rows(parquet, obj.uri, limit, obj.size):
-                        count += 1
-                        yield row
-                source.fingerprint = (
-                    f"{obj.version}:size={obj.size}" if obj.version else sha256_file(obj.path)  # type: ignore[arg-type]
-                )
-            else:
-                digest = hashlib.sha256() if not obj.version else None
-                try:
-                    with open_stream(obj) as stream:
-                        for number, raw, size in jsonl_lines(stream, limit, digest):
-                            count += 1
-                            yield RawRow(obj.uri, number, raw=raw, size=size if size > len(raw) else 0)
-                except OSError as exc:
-                    raise _unreadable(obj.uri, exc) from None
-                source.fingerprint = f"sha256:{digest.hexdigest()}" if digest else f"{obj.version}:size={obj.size}"
-            if count == 0:
-                raise DataError(f"{quoted(obj.uri)}: empty file: no rows (an export that failed?)")
-
-    return sources, rows()
-
-
 def parse_row(raw: RawRow, limit: int, encoding: str) -> RawRow:
     """A raw row with its JSONL line parsed (the others as they are)."""
     if raw.raw is None:
@@ -630,28 +535,6 @@ class _UnmappedColumn:
             f"{where}: {self.source} names {'message key' if nested else 'column'} {name!r}, which {lacking} "
             f"they have {listed or 'no keys'}): fix {fix}. The first row: {self.first}"
         )
-
-
-def read_dataset(
-    data: DataSpec, spec: PipelineSpec | None = None, stage: str | None = None, run_root: Path | None = None
-) -> Dataset:
-    """Read, validate, clean and normalize one dataset into memory (for small data: prepare streams a stage's
-    dataset to disk with `stages.prepared_data.prepare_split` instead); bad rows within `max_bad_row_fraction`
-    are kept as errors. `run_root` is the run directory reading it (it decides which paths may be read, see
-    `confine`).
-
-    Raises DataError for an unusable dataset: a missing or empty source, no valid rows, or more bad rows
-    than allowed (the message lists the first few)."""
-    from stages.prepared_data import DatasetReader
-
-    reader = DatasetReader(data, spec, stage, run_root)
-    rows, origins = [], []
-    for origin, line, _ in reader.rows():
-        rows.append(json.loads(line))
-        origins.append(origin)
-    return Dataset(
-        reader.uri, data.format, rows, reader.errors, reader.total, reader.files, reader.fingerprint, origins
-    )
 
 
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:

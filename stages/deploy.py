@@ -44,10 +44,11 @@ from typing import TYPE_CHECKING, Any
 
 from run.names import RUN_ROOT
 from run.release import CHALLENGER, CHAMPION, GATE_PASS, GATE_SKIPPED
+from run.run_dir import RunDir, StageRefused
 from run.serving import inference_service, model_storage_uri, to_yaml
 from spec.fields import STAGE_ORDER
 from spec.pipeline import PipelineSpec
-from stages.contract import RunDir, StageContext, StageRefused
+from stages.contract import StageContext
 from stages.data import DataError, within
 from stages.entry import run_stage
 from stages.registry import HELDOUT_TAG, METRIC_TAG_PREFIX, registered_model_name, registry_client

@@ -17,7 +17,9 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from stages.contract import EXIT_OK, StageContext, StageRefused
+from run.exits import EXIT_OK
+from run.run_dir import StageRefused
+from stages.contract import StageContext
 
 if TYPE_CHECKING:
     from stages.checkpoints import SigtermCheckpoint

@@ -53,7 +53,8 @@ from pathlib import Path
 from typing import Any
 
 from run.release import GATE_FAIL, GATE_PASS, GATE_SKIPPED
-from stages.contract import RunDir, StageContext
+from run.run_dir import RunDir
+from stages.contract import StageContext
 from stages.data import DataError
 from stages.entry import run_stage
 from stages.gate import apply_gate

@@ -3,7 +3,8 @@
     python -m stages hpo-select --run-dir RUN --stage sft --optimal-trial FILE
 
 runs after the search in the cluster; FILE holds the Katib Experiment's `status.currentOptimalTrial`. The local
-search (workflows/search.py) calls `select` directly. Selecting:
+search (workflows/search.py) runs the same command over its best trial, in the same shape (with `--trial-prefix`,
+so that search.json lists only that search's trials). Selecting:
 
 - writes `RUN/hpo/<stage>/search.json` (atomically): the algorithm, the objective, the best trial, its values by
   path and its objective value, the fingerprint of the search (`search_fingerprint`: the stage's config, hpo
@@ -26,69 +27,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from run.exits import EXIT_OK, EXIT_USAGE
 from run.names import katib_parameter_name
+from run.run_dir import RunDir, StageRefused, now, write_json_atomic
+from run.search import search_fingerprint, search_path, set_values, stage_hpo, trials_dir, value_at
 from spec.document import Origins, SpecError
 from spec.fields import TRAINING_STAGES
 from spec.loading import validate_document
 from spec.pipeline import PipelineSpec
 from spec.search import HpoSpec, SearchValue
-from stages.contract import (
-    EXIT_OK,
-    EXIT_USAGE,
-    RunDir,
-    StageRefused,
-    canonical_hash,
-    now,
-    stage_config,
-    write_json_atomic,
-)
-from stages.trials import parse_value, search_dir, set_values, trials_dir
-
-SEARCH_JSON = "search.json"
-
-
-def search_path(run_root: Path, stage: str) -> Path:
-    """`<run>/hpo/<stage>/search.json`."""
-    return search_dir(run_root, stage) / SEARCH_JSON
-
-
-def search_fingerprint(spec: PipelineSpec, stage: str) -> str:
-    """What identifies a search: the stage's config (`stages.contract.stage_config`: its section, hpo included, the
-    model, the data, the stages before it) without the searched fields, so the same before and after the
-    selection set them."""
-    config = stage_config(spec, stage)
-    for parameter in stage_hpo(spec, stage).parameters:
-        *parents, last = parameter.keys
-        node = config["section"]
-        for key in parents:
-            node = node[key]
-        node.pop(last, None)
-    return canonical_hash(config)
-
-
-def stage_hpo(spec: PipelineSpec, stage: str) -> HpoSpec:
-    """The stage's search; StageRefused when it has none."""
-    if stage not in TRAINING_STAGES:
-        raise StageRefused(f"{stage} is not a training stage; searches run {', '.join(TRAINING_STAGES)}")
-    hpo = getattr(spec.stage(stage), "hpo", None)
-    if hpo is None:
-        raise StageRefused(f"stages.{stage} has no hpo section in the run's spec.json: there is no search to select")
-    return hpo
-
-
-def value_at(section: Any, path: str) -> Any:
-    """The value at a dotted path inside a stage's section (a model or a dumped document)."""
-    for key in path.split("."):
-        section = section[key] if isinstance(section, dict) else getattr(section, key)
-    return section
-
-
-def read_search(run_root: Path, stage: str) -> dict[str, Any] | None:
-    """The stage's search.json, None when missing or unreadable."""
-    try:
-        return json.loads(search_path(run_root, stage).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
+from stages.trials import parse_value
 
 
 def collect_trials(run_root: Path, stage: str, hpo: HpoSpec, prefix: str = "") -> list[dict[str, Any]]:
@@ -208,31 +156,6 @@ def log_selection(
         print(f"[{stage}] warning: MLflow did not take the search's outcome ({first})", flush=True)
 
 
-def finished_search(spec: PipelineSpec, run_root: Path, stage: str) -> dict[str, Any] | None:
-    """The stage's search.json when it was made for this very search (same fingerprint), else None."""
-    record = read_search(run_root, stage)
-    if record is None or record.get("search") != search_fingerprint(spec, stage):
-        return None
-    return record
-
-
-def apply_selections(spec: PipelineSpec, run_root: Path) -> PipelineSpec:
-    """`spec` with the best values of every finished search of the run directory set in it: what the run's
-    spec.json says once those searches selected, and what the stages after them were made with."""
-    document = None
-    for stage in spec.stages.enabled():
-        if getattr(spec.stage(stage), "hpo", None) is None:
-            continue
-        record = finished_search(spec, run_root, stage)
-        if record is None:
-            continue
-        document = document or spec.model_dump(mode="json", exclude={"profiles"})
-        set_values(document, stage, record["best_values"])
-    if document is None:
-        return spec
-    return validate_document(document, Origins(), str(RunDir(run_root).spec_path))
-
-
 # --------------------------------------------------------------------------- Katib's optimal trial
 
 
@@ -289,6 +212,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         type=Path,
         help="JSON file with the Katib Experiment's status.currentOptimalTrial.",
     )
+    parser.add_argument(
+        "--trial-prefix",
+        default="",
+        help="List only the trials whose names start with it in search.json (the local search's trials are named "
+        "after the search).",
+    )
     return parser.parse_args(argv)
 
 
@@ -307,7 +236,7 @@ def main(argv: list[str]) -> int:
             raise StageRefused(f"{source}: not valid JSON ({exc})") from None
         except StageRefused as exc:
             raise StageRefused(f"{source}: {exc}") from None
-        select(run_dir, args.stage, values, name, objective)
+        select(run_dir, args.stage, values, name, objective, args.trial_prefix)
     except (StageRefused, SpecError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -37,11 +37,12 @@ from typing import Any, Literal
 
 import torch
 
+from run.run_dir import RunDir, StageRefused, check_still_ours
 from spec.fields import TRAINING_STAGES
 from spec.model import ModelSpec, TinyModelConfig
 from spec.pipeline import PipelineSpec
 from spec.training import TrainingStage
-from stages.contract import RunDir, StageContext, StageRefused, check_still_ours, is_main_process
+from stages.contract import StageContext, is_main_process
 
 ModelKind = Literal["full", "adapter"]
 BaseKind = Literal["from_config", "pretrained", "stage"]

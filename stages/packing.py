@@ -36,10 +36,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from run.config_hash import canonical_hash
+from run.run_dir import RunDir, write_json_atomic
 from spec.pipeline import PipelineSpec
 from spec.training import TrainingSpec
 from stages.chat import IGNORE_INDEX, ConversationError, tokenize_conversation
-from stages.contract import RunDir, canonical_hash, write_json_atomic
 from stages.workers import default_num_proc, ordered_map
 
 __all__ = ["IGNORE_INDEX", "tokenize_conversation"]  # re-exported: where the rows' labels come from

@@ -35,10 +35,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from run.config_hash import canonical_hash
+from run.exits import EXIT_OK
+from run.run_dir import RunDir, StageRefused
 from spec.data import DataSpec
 from spec.fields import STAGE_ORDER, TRAINING_STAGES
 from spec.pipeline import PipelineSpec
-from stages.contract import EXIT_OK, RunDir, StageContext, StageRefused, canonical_hash
+from stages.contract import StageContext
 from stages.data import BUILTIN_TASKS_DIR, MAX_LISTED_ERRORS, DataError, in_cluster
 from stages.prepared_data import origins_of, prepare_split, read_lines
 from stages.tokenizer import build_tokenizer, render_for_training, tokenizer_hash
@@ -150,7 +153,7 @@ def check_lm_eval_tasks(ctx: StageContext) -> None:
     section = ctx.spec.stages.evaluate
     if not section.enabled or not section.lm_eval_tasks:
         return
-    from stages.lm_eval_registry import unknown_tasks
+    from spec.lm_eval_tasks import unknown_tasks
     from stages.measures import include_dir
 
     problems = unknown_tasks(ctx.spec, include_dir(ctx.spec, ctx.run_dir.root))

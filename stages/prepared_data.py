@@ -2,7 +2,7 @@
 
 One pass, in bounded memory, whatever the size of the corpus:
 
-1. the source's rows are read in the parent (`stages.data.read_source`: JSONL lines as bytes, Parquet, hub and
+1. the source's rows are read in the parent (`stages.source_rows.read_source`: JSONL lines as bytes, Parquet, hub and
    builtin rows parsed) and sent in batches to `num_proc` worker processes (`stages.workers.ordered_map`);
 2. a worker parses each line (`data.encoding`), validates and normalizes it to the canonical form
    (`stages.data`), NFC-normalizes it and computes what the cleaning filters need (`stages.cleaning`): the
@@ -32,15 +32,17 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any
 
+from run.config_hash import canonical_hash
+from run.run_dir import check_still_ours, write_json_atomic
 from spec.data import DataSpec
 from spec.pipeline import PipelineSpec
 from spec.quoting import quoted
 from stages.cleaning import CheckedRow, CleaningCounts, Contamination, Deduplication, check_row
-from stages.contract import canonical_hash, check_still_ours, write_json_atomic
 from stages.data import (
     MAPPING_PROBE_ROWS,
     MAX_LISTED_ERRORS,
     DataError,
+    Dataset,
     RawRow,
     RowError,
     SourceFile,
@@ -51,9 +53,9 @@ from stages.data import (
     kind_of,
     max_row_bytes,
     parse_row,
-    read_source,
 )
 from stages.normalize import ColumnMap, FieldError, MissingField, _normalize
+from stages.source_rows import read_source
 from stages.workers import ordered_map
 
 READ_BATCH_ROWS = 512
@@ -406,3 +408,25 @@ def origins_of(path: Path, lines: list[int]) -> dict[int, str]:
                 if number in wanted:
                     found[number] = origin.rstrip("\n")
     return found
+
+
+def read_dataset(
+    data: DataSpec, spec: PipelineSpec | None = None, stage: str | None = None, run_root: Path | None = None
+) -> Dataset:
+    """Read, validate, clean and normalize one dataset into memory (for small data: prepare streams a stage's
+    dataset to disk with `stages.prepared_data.prepare_split` instead); bad rows within `max_bad_row_fraction`
+    are kept as errors. `run_root` is the run directory reading it (it decides which paths may be read, see
+    `confine`).
+
+    Raises DataError for an unusable dataset: a missing or empty source, no valid rows, or more bad rows
+    than allowed (the message lists the first few)."""
+    from stages.prepared_data import DatasetReader
+
+    reader = DatasetReader(data, spec, stage, run_root)
+    rows, origins = [], []
+    for origin, line, _ in reader.rows():
+        rows.append(json.loads(line))
+        origins.append(origin)
+    return Dataset(
+        reader.uri, data.format, rows, reader.errors, reader.total, reader.files, reader.fingerprint, origins
+    )

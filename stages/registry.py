@@ -41,7 +41,7 @@ def registry_client(spec: PipelineSpec, run_root: Path) -> tuple[Any, str]:
     """An MLflow client for the tracking server and its model registry (the same URI), and that URI."""
     from mlflow import MlflowClient
 
-    from stages.tracking_mlflow_server import resolve_tracking_uri
+    from run.tracking import resolve_tracking_uri
 
     uri = resolve_tracking_uri(spec, run_root)
     return MlflowClient(tracking_uri=uri, registry_uri=uri), uri

@@ -23,9 +23,10 @@ import math
 from pathlib import Path
 from typing import Any
 
+from run.masking import mask_secrets_in
+from run.run_dir import RunDir, check_still_ours
 from spec.fields import TRAINING_STAGES
 from spec.pipeline import PipelineSpec
-from stages.contract import RunDir, check_still_ours, mask_secrets_in
 
 STDERR_SUFFIX = "_stderr"
 SAMPLES_METRIC = "n_samples"

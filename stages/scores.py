@@ -36,8 +36,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from run.run_dir import write_json_atomic
 from spec.model import ModelSpec
-from stages.contract import write_json_atomic
 
 SCORES_DIR = ".scores"
 PARTS = ("heldout", "lm_eval", "generations")

@@ -174,7 +174,7 @@ def list_objects(uri: str, spec: PipelineSpec | None = None, run_root: Path | No
         objects = _list_gcs(uri)
     elif uri.startswith(("hf://", "builtin:")):
         raise DataError(
-            f"{quoted(uri)}: not a store of files; hub and builtin datasets are read by stages.data.read_dataset"
+            f"{quoted(uri)}: not a store of files; hub and builtin datasets are read by stages.source_rows.read_source"
         )
     else:
         objects = _list_local(uri, spec, run_root)

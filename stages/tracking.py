@@ -36,7 +36,7 @@ most the line being written. The journal is sent, before anything new, by the st
 tracker when it starts (the journals of the run directory's other stages); and by `python -m workflows.runs
 sync-tracking DIR` (`sync_tracking`). Sending is idempotent (a metric at a step the run already has, a param it
 already has, is not sent again), and the journal is removed once the server took all of it, so a send cut short is
-simply done again. Only a process holding the stage's lock (`<stage>/.lock`, `stages.contract.hold_stage_lock`)
+simply done again. Only a process holding the stage's lock (`<stage>/.lock`, `run.run_dir.hold_stage_lock`)
 touches a stage's journal: the stage's own attempt, or a sender while no process runs the stage (`stage_idle`).
 
 W&B (stages/tracking_wandb.py; when a project is named: $WANDB_PROJECT, else spec.tracking.wandb_project;
@@ -67,21 +67,16 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from run.exits import EXIT_RETRYABLE, StageInterrupted
+from run.masking import mask_secrets, mask_secrets_in, secret_values
+from run.run_dir import check_still_ours
+from run.tracking import read_tracking_file
 from spec.fields import TRAINING_STAGES
-from stages.contract import (
-    EXIT_RETRYABLE,
-    StageContext,
-    StageInterrupted,
-    check_still_ours,
-    is_main_process,
-    mask_secrets,
-    mask_secrets_in,
-    secret_values,
-)
+from stages.contract import StageContext, is_main_process
 from stages.langfuse_events import LangfuseEvents
 from stages.tracking_backend import Breaker, TrackingBackend
 from stages.tracking_mlflow import MlflowBackend
-from stages.tracking_mlflow_server import clean_params, git_sha, read_tracking_file, redact_uri
+from stages.tracking_mlflow_server import clean_params, git_sha, redact_uri
 from stages.tracking_tensorboard import TensorBoardBackend
 from stages.tracking_wandb import WandbBackend, wandb_mode, wandb_target
 

@@ -7,7 +7,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
-from stages.contract import mask_secrets
+from run.masking import mask_secrets
 
 log = logging.getLogger("posttrain.tracking")
 

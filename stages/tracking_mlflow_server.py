@@ -11,15 +11,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from run.masking import mask_secrets, secret_values
+from run.run_dir import write_json_atomic
+from run.tracking import TRACKING_FILE, read_tracking_file, resolve_tracking_uri
 from spec.credentials import looks_secret_name
 from spec.pipeline import PipelineSpec
-from stages.contract import mask_secrets, secret_values, write_json_atomic
 
 TRIAL_TAG = "posttrain.trial"
 """Tag of a search trial's MLflow run: the trial's name (its stage is in posttrain.stage)."""
 
-TRACKING_FILE = "tracking.json"
-"""`<run>/tracking.json`: the MLflow experiment and parent run ids shared by the stages of a run."""
 
 BATCH = 1000  # MLflow log_batch limit for metrics
 PARAM_BATCH = 100
@@ -31,30 +31,6 @@ _MLFLOW_HTTP_DEFAULTS = {
     "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
     "MLFLOW_HTTP_REQUEST_TIMEOUT": "15",
 }
-
-
-LOCAL_STORE = "mlflow.db"
-"""The local tracking store's database, beside the run directories (`runs/mlflow.db`, artifacts in
-`runs/mlartifacts/`), shared by the local runs there so that the gate compares with the last local champion."""
-
-
-def local_store_uri(run_root: Path) -> str:
-    """The SQLite store a run without a tracking server uses: the one its tracking.json names (a run keeps its
-    store when resumed), else `<run>/mlflow.db` when the run has one (made before the store was shared), else the
-    shared `mlflow.db` in the folder that holds the run directory."""
-    root = Path(run_root).absolute()
-    recorded = str(read_tracking_file(root).get("mlflow", {}).get("tracking_uri") or "")
-    if recorded.startswith("sqlite:///"):
-        return recorded
-    if (root / LOCAL_STORE).is_file():
-        return f"sqlite:///{root / LOCAL_STORE}"
-    return f"sqlite:///{root.parent / LOCAL_STORE}"
-
-
-def resolve_tracking_uri(spec: PipelineSpec, run_root: Path) -> str:
-    """spec.tracking.mlflow_tracking_uri, else $MLFLOW_TRACKING_URI, else the local SQLite store
-    (`local_store_uri`)."""
-    return spec.tracking.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or local_store_uri(run_root)
 
 
 def redact_uri(uri: str) -> str:
@@ -128,16 +104,6 @@ def run_tags(spec: PipelineSpec, run_root: Path) -> dict[str, str]:
         tags["mlflow.source.git.commit"] = sha
     secrets = secret_values()
     return {key: mask_secrets(value, secrets)[:MAX_PARAM_VALUE] for key, value in tags.items()}
-
-
-def read_tracking_file(run_root: Path) -> dict[str, Any]:
-    path = run_root / TRACKING_FILE
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        return {}
 
 
 def now_ms() -> int:

@@ -2,29 +2,22 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import socket
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from run.masking import MaskingStream, mask_secrets, mask_secrets_in, secret_values
+from run.run_dir import LOCK_FILE, RunDir, StageRefused, StageResult, check_still_ours, holds_stage_lock, try_lock
+from spec.document import SpecError
 from spec.fields import STAGE_ORDER
-from stages.contract import (
-    LOCK_FILE,
-    RunDir,
-    StageContext,
-    StageResult,
-    check_still_ours,
-    holds_stage_lock,
-    is_main_process,
-    mask_secrets,
-    mask_secrets_in,
-    secret_values,
-    try_lock,
-)
+from stages.contract import StageContext, is_main_process
 from stages.tracking_backend import first_line
 from stages.tracking_mlflow_server import BATCH, PARAM_BATCH, MlflowServer, now_ms, redact_uri, run_tags
 
@@ -372,3 +365,57 @@ def _end_dead_attempt(server: MlflowServer, run_dir: RunDir, stage: str) -> str 
         server.end_parent(parent, "KILLED", {"posttrain.end_reason": "interrupted", "posttrain.end_message": message})
         note += ", and the pipeline's parent run with it"
     return note
+
+
+def main(argv: list[str]) -> int:
+    """`python -m stages sync-tracking --run-dir DIR` (what `posttrain runs sync-tracking DIR` runs): send the
+    journals, print per stage what was sent and what is pending; exit 0 when everything got through, 1 when records
+    are still pending, 2 when DIR is not a run directory."""
+    parser = argparse.ArgumentParser(prog="python -m stages sync-tracking", description=main.__doc__)
+    parser.add_argument("--run-dir", required=True, type=Path, help="A run directory (the one holding spec.json).")
+    run_dir = parser.parse_args(argv).run_dir
+    # What MLflow prints (its run links name the tracking URI, credentials and all) is masked, as in a stage.
+    streams = sys.stdout, sys.stderr
+    secrets = secret_values()
+    sys.stdout, sys.stderr = MaskingStream(sys.stdout, secrets), MaskingStream(sys.stderr, secrets)
+    try:
+        return _sync_and_report(run_dir)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        sys.stdout, sys.stderr = streams
+
+
+def _sync_and_report(run_dir: Path) -> int:
+    """Send the journals, print per stage what was sent and what is pending; returns the exit status."""
+    try:
+        report = sync_tracking(RunDir(run_dir))
+    except (SpecError, StageRefused) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"error: {run_dir}/spec.json is not a readable run spec ({first})", file=sys.stderr)
+        return 2
+    print(f"MLflow at {report.uri}")
+    if not report.stages:
+        print("  nothing to send: no stage left unsent records or a run open")
+    for stage in report.stages:
+        parts = []
+        if stage.sent or stage.already:
+            parts.append(
+                f"sent {stage.sent} records" + (f" ({stage.already} were there already)" if stage.already else "")
+            )
+        if stage.pending:
+            parts.append(f"{stage.pending} still pending")
+        parts += stage.notes
+        print(f"  {stage.stage}: {'; '.join(parts) or 'nothing to send'}")
+    if report.unreachable is not None:
+        print(
+            f"error: MLflow at {report.uri} could not be reached ({report.unreachable}): {report.pending} records "
+            f"are still pending; run `python -m workflows.runs sync-tracking {run_dir}` again once it is back",
+            file=sys.stderr,
+        )
+        return 1
+    if report.pending:
+        print(f"{report.pending} records are still pending (see above)", file=sys.stderr)
+        return 1
+    print("everything got through")
+    return 0

@@ -28,9 +28,11 @@ from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from run.config_hash import canonical_hash
+from run.run_dir import StageRefused, write_json_atomic
 from spec.training import TrainingStage
 from stages.checkpoints import checkpoint_step, newest_valid_checkpoint, set_aside_torn
-from stages.contract import StageContext, StageRefused, canonical_hash, is_main_process, write_json_atomic
+from stages.contract import StageContext, is_main_process
 from stages.distributed import precision_arguments, strategy_arguments
 from stages.modeling import FINGERPRINT, expert_parameters, model_fingerprint, on_gpu, weights_dtype
 

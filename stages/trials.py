@@ -21,22 +21,16 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Any
 
+from run.exits import EXIT_FAILED, EXIT_OK
+from run.run_dir import RunDir, StageRefused, StageResult
+from run.search import set_values, trials_dir
 from spec.document import Origins, SpecError
 from spec.fields import STAGE_ORDER, TRAINING_STAGES
 from spec.loading import validate_document
 from spec.pipeline import PipelineSpec
 from spec.search import SearchParameter, SearchValue
-from stages.contract import (
-    EXIT_FAILED,
-    EXIT_OK,
-    RunDir,
-    StageRefused,
-    StageResult,
-    Trial,
-    is_main_process,
-)
+from stages.contract import Trial, is_main_process
 
 METRICS_FILE_ENV = "POSTTRAIN_KATIB_METRICS_FILE"
 """Where a trial appends its metric lines (Katib's File metrics collector reads them)."""
@@ -47,16 +41,6 @@ Kubernetes object name); it names a folder, so nothing else is accepted."""
 
 TRIAL_CHECKPOINTS = 2
 """Checkpoints a trial writes (half way and at the end) and keeps: enough to resume a preempted trial."""
-
-
-def search_dir(run_root: Path, stage: str) -> Path:
-    """`<run>/hpo/<stage>/`: the stage's search (its trials and search.json)."""
-    return Path(run_root) / "hpo" / stage
-
-
-def trials_dir(run_root: Path, stage: str) -> Path:
-    """`<run>/hpo/<stage>/trials/`: one run directory per trial."""
-    return search_dir(run_root, stage) / "trials"
 
 
 def check_trial_name(name: str) -> str:
@@ -141,16 +125,6 @@ def trial_values(spec: PipelineSpec, stage: str, assignments: dict[str, str]) ->
     if missing:
         raise StageRefused(f"--trial: no value for {', '.join(missing)}: give --trial-set <path>=<value> for each")
     return values
-
-
-def set_values(document: dict[str, Any], stage: str, values: dict[str, SearchValue]) -> None:
-    """Set `values` (by path inside the stage's section) in a spec document, in place."""
-    for path, value in values.items():
-        *parents, last = path.split(".")
-        target = document["stages"][stage]
-        for key in parents:
-            target = target[key]
-        target[last] = value
 
 
 def trial_spec(spec: PipelineSpec, stage: str, values: dict[str, SearchValue], source: str) -> PipelineSpec:

@@ -30,9 +30,10 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, TypeVar
 
+from run.exits import StageInterrupted
 from spec.pipeline import PipelineSpec
 from spec.sizing import pod_size
-from stages.contract import ExplainedFailure, StageInterrupted
+from stages.contract import ExplainedFailure
 
 T = TypeVar("T")
 R = TypeVar("R")

@@ -67,11 +67,12 @@ def install() -> None:
 
     import stages.evaluate
     import stages.prepared_data
-    from stages import checkpoints, contract
+    from run.run_dir import RunDir
+    from stages import checkpoints
 
     save_rest, on_save = Trainer._save_optimizer_and_scheduler, checkpoints.CheckpointMarker.on_save
     step_end = checkpoints.CheckpointMarker.on_step_end
-    handle, write_result = checkpoints.SigtermCheckpoint._handle, contract.RunDir.write_result
+    handle, write_result = checkpoints.SigtermCheckpoint._handle, RunDir.write_result
     measure = stages.evaluate.measure
     process_rows = stages.prepared_data.process_rows
     woken: list[int] = []
@@ -131,7 +132,7 @@ def install() -> None:
     checkpoints.CheckpointMarker.on_step_end = held_step_end
     checkpoints.CheckpointMarker.on_save = held_on_save
     checkpoints.SigtermCheckpoint._handle = waking_handle
-    contract.RunDir.write_result = full_disk_write_result
+    RunDir.write_result = full_disk_write_result
     stages.evaluate.measure = held_measure
     stages.prepared_data.process_rows = killed_process_rows
 

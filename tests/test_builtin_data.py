@@ -12,12 +12,13 @@ import pytest
 import yaml
 
 from spec.data import DataSpec
+from spec.lm_eval_tasks import BUILTIN_TASK_NAMES, LM_EVAL_TASKS
 from stages.builtin_data import (
     BUILTIN_DATASETS,
+    BUILTIN_LM_EVAL_TASKS,
     DOLLY_CATEGORIES,
     DOLLY_COLUMNS,
     HELDOUT_BILLS,
-    LM_EVAL_TASKS,
     BuiltinDataError,
     bills,
     builtin_dataset,
@@ -27,8 +28,9 @@ from stages.builtin_data import (
     source_files,
     write_lm_eval_tasks,
 )
-from stages.data import DataError, read_dataset, read_jsonl, sha256_rows
+from stages.data import DataError, read_jsonl, sha256_rows
 from stages.normalize import normalize_row
+from stages.prepared_data import read_dataset
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -167,6 +169,7 @@ def test_the_multiple_choice_task_asks_for_the_true_continuation_of_an_article()
 def test_the_task_folder_is_an_lm_eval_task_over_a_local_file(tmp_path: Path):
     counts, fingerprint = write_lm_eval_tasks(LM_EVAL_TASKS, tmp_path / "a")
     assert counts == {"ko_constitution_mc": len(ko_constitution_mc())}
+    assert tuple(BUILTIN_LM_EVAL_TASKS) == BUILTIN_TASK_NAMES  # what submit checks task names against
     assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["ko_constitution_mc.jsonl", "ko_constitution_mc.yaml"]
     task = yaml.safe_load((tmp_path / "a" / "ko_constitution_mc.yaml").read_text(encoding="utf-8"))
     data_file = Path(task["dataset_kwargs"]["data_files"]["test"])

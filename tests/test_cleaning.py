@@ -20,8 +20,9 @@ from pydantic import ValidationError
 
 from spec.data import CleaningSpec
 from spec.document import SpecError
+from spec.lm_eval_tasks import LM_EVAL_TASKS
 from spec.loading import load_pipeline
-from stages.builtin_data import LM_EVAL_TASKS, constitution, ko_constitution_mc, write_lm_eval_tasks
+from stages.builtin_data import constitution, ko_constitution_mc, write_lm_eval_tasks
 from stages.cleaning import (
     DROP_REASONS,
     HANGUL_RANGES,

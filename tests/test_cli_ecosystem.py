@@ -125,7 +125,7 @@ def test_extra_args_refuses_a_setting_the_spec_owns(tmp_path: Path) -> None:
 def test_extra_args_reach_the_trainer_config_and_unknown_names_are_refused(tmp_path: Path) -> None:
     from transformers import TrainingArguments
 
-    from stages.contract import StageRefused
+    from run.run_dir import StageRefused
     from stages.training import build_config
 
     path = tmp_path / "p.yaml"

@@ -21,9 +21,10 @@ from typing import Any
 import pytest
 import zstandard
 
+from run.run_dir import RunDir
 from spec.loading import load_pipeline
 from stages.chat import tokenize_conversation
-from stages.contract import RunDir, StageContext
+from stages.contract import StageContext
 from stages.packing import TokenRows, pack_best_fit, pack_stream, tokenize_document
 from stages.prepare import run
 from stages.tokenizer import load_tokenizer

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from run.masking import MASK, MaskingStream, mask_secrets, mask_secrets_in, secret_values
+from run.run_dir import RunDir, StageResult, now
 from spec.credentials import find_credentials, looks_secret_name, scrub
-from stages.__main__ import MaskingStream
-from stages.contract import MASK, RunDir, StageResult, mask_secrets, mask_secrets_in, now, secret_values
 
 PASSWORD = "Zq8-FAKE-mlflow-pw-91"
 

@@ -15,9 +15,9 @@ import pytest
 
 from spec.data import DataSpec
 from spec.loading import load_pipeline
-from stages.data import DataError, check_stage_format, read_dataset, sha256_file, write_jsonl
+from stages.data import DataError, check_stage_format, sha256_file, write_jsonl
 from stages.normalize import normalize_row
-from stages.prepared_data import prepare_split, read_lines
+from stages.prepared_data import prepare_split, read_dataset, read_lines
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -268,7 +268,8 @@ def test_hub_dataset_offline_is_a_clear_error():
     pytest.importorskip("datasets")
     # A fresh interpreter: the hub client reads HF_HUB_OFFLINE when it is imported.
     code = (
-        "from stages.data import DataError, read_dataset\n"
+        "from stages.data import DataError\n"
+        "from stages.prepared_data import read_dataset\n"
         "from spec.data import DataSpec\n"
         "try:\n"
         "    read_dataset(DataSpec(uri='hf://posttrain-test/none', format='text'))\n"

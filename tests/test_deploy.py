@@ -21,7 +21,10 @@ from safetensors.torch import load_file
 from training_fixtures import make_run_dir
 
 import stages.deploy as deploy
-from stages.contract import EXIT_FAILED, RunDir, StageContext, StageRefused, StageResult, config_hash
+from run.config_hash import config_hash
+from run.exits import EXIT_FAILED
+from run.run_dir import RunDir, StageRefused, StageResult
+from stages.contract import StageContext
 from stages.modeling import build_from_config, load_tokenizer, model_fingerprint
 from stages.registry import registered_files
 

@@ -20,8 +20,10 @@ from test_hpo import SEARCHED, TRIAL
 from training_fixtures import make_run_dir, runner_env
 
 import workflows.local as local
+from run.exits import EXIT_RETRYABLE, EXIT_USAGE
+from run.run_dir import LOCK_FILE, RunDir, StageResult, StageStatus, now, try_lock
 from spec.loading import load_pipeline
-from stages.contract import EXIT_RETRYABLE, EXIT_USAGE, LOCK_FILE, RunDir, StageResult, StageStatus, now, try_lock
+from workflows import stage_process
 from workflows.warm_starts import SWITCH, alive
 
 REPO = Path(__file__).resolve().parents[1]
@@ -176,7 +178,7 @@ def test_submit_passes_the_command_line_as_typed(monkeypatch: pytest.MonkeyPatch
 _STUBBORN = """
 import json, signal, sys, time, subprocess
 from pathlib import Path
-from stages.contract import RunDir, StageResult, hold_stage_lock, now
+from run.run_dir import RunDir, StageResult, hold_stage_lock, now
 
 run_dir = RunDir(sys.argv[1])
 hold_stage_lock(run_dir, "sft")
@@ -208,10 +210,10 @@ def test_a_stage_that_does_not_stop_is_killed_after_its_grace_and_recorded_inter
         assert time.monotonic() < deadline and stage.poll() is None, "the stage did not start"
         time.sleep(0.05)
     time.sleep(0.3)  # the helper's handler is set
-    assert local.stop_stage(stage, signal.SIGTERM, grace=2) == -signal.SIGKILL
+    assert stage_process.stop_stage(stage, signal.SIGTERM, grace=2) == -signal.SIGKILL
     assert got.read_text() == "stage" and Path(f"{got}.helper").read_text() == "helper"  # the whole group got it
     assert RunDir(tmp_path).read_result("sft").status == "running"  # what the killed stage left
-    local.record_interrupted(tmp_path, "sft", "killed by the runner")
+    stage_process.record_interrupted(tmp_path, "sft", "killed by the runner")
     result = RunDir(tmp_path).read_result("sft")
     assert (result.status, result.message) == ("interrupted", "killed by the runner") and result.ended_at
     handle, _ = try_lock(tmp_path / "sft" / LOCK_FILE, "test")  # the runner let go of the stage's lock

@@ -18,11 +18,13 @@ import stages.evaluate as evaluate
 import stages.gate as gate
 import stages.measures as measures
 import stages.registry as registry
+from run.run_dir import RunDir, StageRefused, StageResult
+from spec.lm_eval_tasks import LM_EVAL_TASKS
 from spec.loading import load_pipeline
 from spec.pipeline import PipelineSpec
 from spec.release import GateRule
-from stages.builtin_data import LM_EVAL_TASKS, write_lm_eval_tasks
-from stages.contract import RunDir, StageContext, StageRefused, StageResult
+from stages.builtin_data import write_lm_eval_tasks
+from stages.contract import StageContext
 from stages.data import BUILTIN_TASKS_DIR, DataError, sha256_file
 from stages.modeling import load_stage_model, load_tokenizer, model_fingerprint
 from stages.packing import tokenize_conversation, tokenize_document

@@ -13,14 +13,16 @@ from mlflow.tracking import MlflowClient
 from training_fixtures import child_env, make_run_dir, run_stage
 
 import workflows.local as local
+from run.config_hash import config_hash
 from run.names import katib_parameter_name
+from run.run_dir import RunDir
+from run.search import search_fingerprint, search_path, trials_dir
+from run.tracking import local_store_uri
 from spec.loading import load_pipeline
 from spec.search import HpoSpec, SearchParameter
 from stages.__main__ import main as stages_main
-from stages.contract import RunDir, config_hash
-from stages.hpo import search_fingerprint, search_path
-from stages.tracking_mlflow_server import local_store_uri
-from stages.trials import METRICS_FILE_ENV, trials_dir
+from stages.trials import METRICS_FILE_ENV
+from workflows import stage_process
 from workflows.search import distribution, grid_values, sampler, search_in_runner, trial_budget
 
 HPO = (
@@ -304,8 +306,8 @@ def test_trials_that_fail_fail_the_search_at_max_failed_trials(tmp_path: Path) -
     # The trials really run, and fail: prepare's tokenizer is not there.
     run_dir = make_run_dir(tmp_path / "run", SEARCHED[1:], n_text=20, n_chat=20)
     shutil.rmtree(run_dir.root / "prepare" / "tokenizer")
-    stage = local.StageRun("sft")
-    rows = [local.StageRun("prepare"), stage]
+    stage = stage_process.StageRun("sft")
+    rows = [stage_process.StageRun("prepare"), stage]
     why = search_in_runner(run_dir.load_spec(), run_dir.root, stage, rows, child_env(), False, 0, lambda: None)
     assert why.startswith("[sft] the search failed: 2 of 2 trials failed")
     assert "max_failed_trials is 2" in why

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from training_fixtures import wandb_offline_runs
 
+from run.run_dir import RunDir
+from run.tracking import local_store_uri
 from spec.fields import STAGE_ORDER, TRAINING_STAGES
-from stages.contract import RunDir
-from stages.tracking_mlflow_server import local_store_uri
 
 pytestmark = pytest.mark.slow
 

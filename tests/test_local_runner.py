@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 import workflows.local as local
+from run.run_dir import RunDir
 from spec.loading import load_pipeline
-from stages.contract import RunDir
+from workflows import stage_process
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -34,7 +35,7 @@ def test_gpu_count_and_commands(monkeypatch: pytest.MonkeyPatch, tmp_path: Path)
     for visible, count in (("", 0), ("-1", 0), ("0", 1), ("0,1,2,3", 4)):
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
         assert local.gpu_count() == count
-    command = local.stage_command("sft", tmp_path, force=False, gpus=2)
+    command = stage_process.stage_command("sft", tmp_path, force=False, gpus=2)
     assert command[:3] == [sys.executable, "-m", "torch.distributed.run"]
     assert command[3:] == [
         "--standalone",
@@ -46,10 +47,10 @@ def test_gpu_count_and_commands(monkeypatch: pytest.MonkeyPatch, tmp_path: Path)
         "--run-dir",
         str(tmp_path),
     ]
-    assert local.stage_command("prepare", tmp_path, force=True, gpus=2) == [
+    assert stage_process.stage_command("prepare", tmp_path, force=True, gpus=2) == [
         sys.executable, "-m", "stages", "prepare", "--run-dir", str(tmp_path), "--force"
     ]  # fmt: skip
-    assert local.stage_command("cpt", tmp_path, force=False, gpus=1)[:3] == [sys.executable, "-m", "stages"]
+    assert stage_process.stage_command("cpt", tmp_path, force=False, gpus=1)[:3] == [sys.executable, "-m", "stages"]
 
 
 def test_stage_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
@@ -152,7 +153,7 @@ time.sleep(120)
 
 _RUNNER = """
 import subprocess, sys, time
-from workflows.local import die_with_runner
+from workflows.stage_process import die_with_runner
 
 stage = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], preexec_fn=die_with_runner())
 time.sleep(120)
@@ -185,7 +186,7 @@ def test_a_signal_to_the_runner_is_passed_on_and_the_stage_awaited(tmp_path: Pat
     got = tmp_path / "got"
     stage = subprocess.Popen([sys.executable, "-c", _STAGE, str(got)], start_new_session=True)
     _wait_for(Path(f"{got}.ready"))
-    assert local.stop_stage(stage, signum) == 75  # returns once the stage has exited
+    assert stage_process.stop_stage(stage, signum) == 75  # returns once the stage has exited
     assert got.read_text() == signal.Signals(signum).name
 
 

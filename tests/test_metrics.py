@@ -17,9 +17,11 @@ from schema_validation import pod_template_object, validate_core, validate_pytor
 from test_progress import Clock, tiny_model
 from training_fixtures import make_run_dir, start_stage, wait_for_file
 
+from run.exits import EXIT_RETRYABLE
 from run.names import METRICS_PORT_ENV
+from run.run_dir import RunDir
 from stages.checkpoints import MARKER
-from stages.contract import EXIT_RETRYABLE, RunDir, StageContext
+from stages.contract import StageContext
 from stages.metrics import StageMetrics
 from stages.progress import ProgressLog
 from workflows.pytorchjob import METRICS_PORT_NAME, job_manifest

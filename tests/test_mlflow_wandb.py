@@ -20,11 +20,12 @@ from test_deploy import make_run, run_deploy
 from training_fixtures import wandb_offline_runs
 
 import stages.tracking_wandb as tracking_wandb
+from run.run_dir import RunDir
+from run.tracking import TRACKING_FILE, local_store_uri, resolve_tracking_uri
 from spec.loading import load_pipeline
-from stages.contract import RunDir, StageContext
+from stages.contract import StageContext
 from stages.registry import download_champion, find_champion, registry_client
 from stages.tracking import StageTracker
-from stages.tracking_mlflow_server import TRACKING_FILE, local_store_uri, resolve_tracking_uri
 from workflows.local import where_to_look
 
 mlflow = pytest.importorskip("mlflow")

@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from training_fixtures import make_run_dir
 
-from stages.contract import RunDir, StageContext, StageRefused
+from run.run_dir import RunDir, StageRefused
+from stages.contract import StageContext
 from stages.modeling import (
     ModelInputs,
     build_from_config,

@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 from training_fixtures import chat_rows, runner_env, write_jsonl
 
+from run.exits import EXIT_GATE_FAILED
 from spec.document import SpecError
 from spec.loading import load_pipeline
 from workflows.local import effective_plan
 from workflows.plan import MIN_EVAL_ROWS, plan_warnings, prepared_warnings
-from workflows.submit import EXIT_GATE_FAILED, EXIT_USAGE
+from workflows.submit import EXIT_USAGE
 from workflows.submit import main as submit_main
 
 REPO = Path(__file__).resolve().parents[1]

@@ -13,8 +13,10 @@ from typing import Any
 
 import pytest
 
+from run.config_hash import canonical_hash
+from run.run_dir import RunDir, write_json_atomic
 from spec.loading import load_pipeline
-from stages.contract import RunDir, StageContext, canonical_hash, write_json_atomic
+from stages.contract import StageContext
 from stages.prepare import last_success, run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -233,7 +235,7 @@ def test_a_run_that_ended_at_a_failed_gate_counts_as_completed(tmp_path: Path):
 
 
 def test_a_builtin_lm_eval_task_folder_is_part_of_prepare_config() -> None:
-    from stages.contract import config_hash
+    from run.config_hash import config_hash
 
     with_tasks = load_pipeline("korean-llm", "local").spec
     without = load_pipeline("korean-llm", "local", ["stages.evaluate.lm_eval_include_path=null"]).spec

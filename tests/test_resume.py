@@ -15,9 +15,10 @@ import torch
 from safetensors.torch import save_file
 from training_fixtures import make_run_dir, run_stage, start_stage, wait_for_file
 
+from run.config_hash import CHECKPOINTS_CONFIG, config_hash, conflicting_stages
+from run.exits import EXIT_RETRYABLE, EXIT_USAGE
 from spec.loading import load_pipeline
 from stages.checkpoints import MARKER, mark_complete, newest_valid_checkpoint, set_aside_torn
-from stages.contract import CHECKPOINTS_CONFIG, EXIT_RETRYABLE, EXIT_USAGE, config_hash, conflicting_stages
 from stages.training import read_log_history
 
 FAST = [

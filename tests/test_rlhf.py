@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import load_file
 from training_fixtures import EVAL_ROWS, make_preference_run_dir, preference_rows, run_ok, start_stage, wait_for_file
 
+from run.run_dir import RunDir
 from spec.loading import load_pipeline
 from stages.checkpoints import MARKER
-from stages.contract import RunDir
 from stages.modeling import load_stage_model, load_starting_model, load_tokenizer
 from stages.training import read_log_history
 

@@ -24,9 +24,10 @@ from conftest import fresh_spec
 from kubernetes import client
 from schema_validation import validate_custom_resource
 
+from run.run_dir import RunDir
 from run.serving import inference_service, model_storage_uri, to_yaml
 from spec.pipeline import PipelineSpec
-from stages.contract import RunDir, StageContext
+from stages.contract import StageContext
 from workflows import rollout
 
 NAMESPACE = "llm-training"

@@ -27,7 +27,8 @@ from object_stores import GcsEmulator, MotoS3, faulty_proxy
 from spec.data import DataSpec
 from spec.loading import load_pipeline
 from stages import sources
-from stages.data import DataError, parse_row, read_source
+from stages.data import DataError, parse_row
+from stages.source_rows import read_source
 from stages.sources import SUFFIX_LIST, SourceObject, list_objects, open_parquet, open_stream, s3_client
 
 REPO = Path(__file__).resolve().parents[1]
@@ -449,7 +450,8 @@ def test_prepare_reads_a_bucket_and_records_the_versions_it_read(
 ) -> None:
     """The whole stage on a bucket prefix: rows of every shard (gz, zst, parquet), the objects as inputs with
     their version and size, and the same rows as from the files on a volume."""
-    from stages.contract import RunDir, StageContext
+    from run.run_dir import RunDir
+    from stages.contract import StageContext
     from stages.prepare import run
 
     put(store, "data", CORPUS)
@@ -485,7 +487,8 @@ BOMB_BYTES = 128 << 20
 
 READ_IN_A_CHILD = """
 import resource, sys
-from stages.data import DataError, parse_row, read_source
+from stages.data import DataError, parse_row
+from stages.source_rows import read_source
 from spec.data import DataSpec
 uri = sys.argv[1]
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -314,7 +314,7 @@ def test_an_unknown_lm_eval_task_is_refused_before_submit(tmp_path: Path, capsys
 
 
 def test_lm_eval_tasks_of_the_registry_and_of_the_include_path_are_known() -> None:
-    from stages.lm_eval_registry import unknown_tasks
+    from spec.lm_eval_tasks import unknown_tasks
 
     assert unknown_tasks(load_pipeline("korean-llm").spec) == []  # kobest_boolq, kmmlu, haerae...
     assert unknown_tasks(load_pipeline("korean-llm", "local").spec) == []  # ko_constitution_mc, a builtin folder
@@ -325,7 +325,7 @@ def test_lm_eval_tasks_of_the_registry_and_of_the_include_path_are_known() -> No
 
 
 def test_an_include_path_that_cannot_be_read_here_leaves_the_check_to_prepare() -> None:
-    from stages.lm_eval_registry import unknown_tasks
+    from spec.lm_eval_tasks import unknown_tasks
 
     spec = load_pipeline(
         "korean-llm",

@@ -26,11 +26,13 @@ import pytest
 from fake_langfuse import FakeLangfuse
 from training_fixtures import wandb_offline_runs
 
+from run.exits import StageInterrupted
+from run.run_dir import RunDir
+from run.tracking import TRACKING_FILE, local_store_uri
 from spec.loading import load_pipeline
 from spec.pipeline import PipelineSpec
-from stages.contract import RunDir, StageContext, StageInterrupted
+from stages.contract import StageContext
 from stages.tracking import StageTracker
-from stages.tracking_mlflow_server import TRACKING_FILE, local_store_uri
 
 mlflow = pytest.importorskip("mlflow")
 
@@ -356,17 +358,24 @@ def history(client: Any, run_id: str) -> dict[str, list[tuple[int, float]]]:
     return {k: sorted((m.step, m.value) for m in client.get_metric_history(run_id, k)) for k in keys}
 
 
-def sync(root: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+def sync(root: Path, capfd: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """`posttrain runs sync-tracking root` once the stage's process is gone (its stage locks released, as its end
+    releases them): the sync runs in a process of its own and leaves a stage that a live process holds alone."""
+    from run import run_dir
     from workflows.runs import main as runs_main
 
+    for path in [p for p in run_dir._HELD_LOCKS if root.resolve() in p.parents]:
+        run_dir._HELD_LOCKS.pop(path).handle.close()
     code = runs_main(["sync-tracking", str(root)])
-    out, err = capsys.readouterr()
+    out, err = capfd.readouterr()
     return code, out, err
 
 
 _KILLED_ATTEMPT = """
 import os, signal, sys
-from stages.contract import RunDir, StageContext, StageInterrupted
+from run.exits import StageInterrupted
+from run.run_dir import RunDir
+from stages.contract import StageContext
 from stages.tracking import StageTracker
 
 run_dir = RunDir(sys.argv[1])
@@ -418,7 +427,7 @@ def test_a_stage_killed_during_an_outage_keeps_its_metrics_and_its_next_attempt_
 
 
 def test_a_stage_that_ended_during_an_outage_is_ended_by_sync_tracking(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ):
     up = os.environ["MLFLOW_TRACKING_URI"]
     monkeypatch.setenv("MLFLOW_TRACKING_URI", closed_uri())
@@ -430,13 +439,13 @@ def test_a_stage_that_ended_during_an_outage_is_ended_by_sync_tracking(
     assert [r.get("end") or r.get("end_pipeline") for r in journal_lines(ctx) if "time" in r] == ["FAILED"] * 2
     assert any("sync-tracking" in w for w in tracker.warnings)
 
-    code, out, err = sync(ctx.run_dir.root, capsys)  # the server is still down
+    code, out, err = sync(ctx.run_dir.root, capfd)  # the server is still down
     assert code == 1 and err.startswith("error: MLflow at http://***@127.0.0.1") and "pending" in err, err
     assert PASSWORD not in out + err
     assert (ctx.logs_dir / "tracking-unsent.jsonl").exists()
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", up)  # back
-    code, out, err = sync(ctx.run_dir.root, capsys)
+    code, out, err = sync(ctx.run_dir.root, capfd)
     assert code == 0 and "everything got through" in out and "cpt: sent" in out, out + err
     assert not (ctx.logs_dir / "tracking-unsent.jsonl").exists()
     client = client_for()
@@ -449,7 +458,7 @@ def test_a_stage_that_ended_during_an_outage_is_ended_by_sync_tracking(
     assert parent.info.status == "FAILED" and parent.data.tags["posttrain.end_reason"] == "failed"
     assert json.loads((ctx.run_dir.root / TRACKING_FILE).read_text())["mlflow"]["parent_run_id"] == parent.info.run_id
 
-    code, out, _ = sync(ctx.run_dir.root, capsys)  # nothing left
+    code, out, _ = sync(ctx.run_dir.root, capfd)  # nothing left
     assert code == 0 and "nothing to send" in out
 
 
@@ -476,7 +485,7 @@ def test_the_next_stage_sends_what_an_earlier_stage_could_not(tmp_path: Path, mo
 
 
 def test_a_send_cut_short_is_done_again_without_duplicates(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ):
     up = os.environ["MLFLOW_TRACKING_URI"]
     monkeypatch.setenv("MLFLOW_TRACKING_URI", closed_uri())
@@ -490,9 +499,9 @@ def test_a_send_cut_short_is_done_again_without_duplicates(
     kept = journal.read_bytes()
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", up)
-    assert sync(ctx.run_dir.root, capsys)[0] == 0
+    assert sync(ctx.run_dir.root, capfd)[0] == 0
     journal.write_bytes(kept + b'{"metric": "loss", "va')  # died after sending, before removing; a torn line
-    code, out, _ = sync(ctx.run_dir.root, capsys)
+    code, out, _ = sync(ctx.run_dir.root, capfd)
     assert code == 0 and "were there already" in out, out
     client = client_for()
     run_id = ctx.run_dir.read_result("cpt").mlflow_run_id
@@ -521,12 +530,12 @@ def test_sync_tracking_leaves_a_running_stage_alone(tmp_path: Path, monkeypatch:
     tracker.finish()
 
 
-def test_sync_tracking_refuses_a_directory_that_is_not_a_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
-    code, out, err = sync(tmp_path, capsys)
+def test_sync_tracking_refuses_a_directory_that_is_not_a_run(tmp_path: Path, capfd: pytest.CaptureFixture[str]):
+    code, out, err = sync(tmp_path, capfd)
     assert code == 2 and not out and len(err.splitlines()) == 1
     assert err.startswith(f"error: {tmp_path} is not a run directory (has no spec.json)")
     (tmp_path / "spec.json").write_text("{not json", encoding="utf-8")
-    code, _, err = sync(tmp_path, capsys)
+    code, _, err = sync(tmp_path, capfd)
     assert code == 2 and len(err.splitlines()) == 1 and err.startswith(f"error: {tmp_path}/spec.json")
     help_text = subprocess.run(
         [sys.executable, "-m", "workflows.runs", "sync-tracking", "--help"],
@@ -656,7 +665,7 @@ def test_every_backend_gets_one_value_per_metric_and_step_across_attempts_and_th
 
 
 def test_a_password_in_the_tracking_uri_reaches_no_file_param_tag_warning_or_event(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ):
     up = os.environ["MLFLOW_TRACKING_URI"]
     down = closed_uri()
@@ -681,14 +690,14 @@ def test_a_password_in_the_tracking_uri_reaches_no_file_param_tag_warning_or_eve
     assert "reader:***@mirror.example.com" not in journal and "https://***@mirror.example.com/data" in journal
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", up)
-    assert sync(ctx.run_dir.root, capsys)[0] == 0
+    assert sync(ctx.run_dir.root, capfd)[0] == 0
     client = client_for()
     run = client.get_run(ctx.run_dir.read_result("cpt").mlflow_run_id)
     parent = client.get_run(run.data.tags["mlflow.parentRunId"])
     assert run.data.params["lr"] == "0.1" and "tracking_uri" not in run.data.params  # holds an env secret: left out
     assert run.data.params["mirror"] == "https://***@mirror.example.com/data"
     sent = json.dumps([run.data.params, run.data.tags, parent.data.tags])
-    seen = [events, sent, *tracker.warnings, capsys.readouterr().err]
+    seen = [events, sent, *tracker.warnings, capfd.readouterr().err]
     seen += [p.read_text(errors="replace") for p in ctx.run_dir.root.rglob("*") if p.is_file()]
     for secret in (PASSWORD, "An0ther-Pa55word"):
         assert not [text[:200] for text in seen if secret in text], secret

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 from training_fixtures import make_run_dir, run_stage
 
-from stages.contract import RunDir
+from run.run_dir import RunDir
 from stages.modeling import NotSupportedHere, check_method, load_stage_model, load_tokenizer, model_fingerprint
 from stages.training import read_log_history
 

@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 import yaml
 
+from run.tracking import local_store_uri
 from spec import form as spec_form
 from spec.document import SpecError
 from spec.loading import PIPELINES_DIR, load_pipeline
 from spec.pipeline import MAX_PIPELINE_NAME_LENGTH
 from spec.variants import variant_specs
-from stages.tracking_mlflow_server import local_store_uri
 from workflows import parameters as params
 from workflows.compile import compile_pipeline
 from workflows.deadline import workflow_deadline

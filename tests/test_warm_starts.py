@@ -226,8 +226,8 @@ def blocking_stage(tmp_path: Path) -> list[str]:
     """A stage command that runs until it is stopped: hpo-select waits to open a FIFO that nothing writes."""
     from test_hpo import SEARCHED
 
+    from run.run_dir import RunDir
     from spec.loading import load_pipeline
-    from stages.contract import RunDir
 
     run_dir = RunDir(tmp_path / "run")
     run_dir.root.mkdir()

@@ -24,11 +24,11 @@ import environment
 import stage_hooks
 
 from run.names import METRICS_PORT_ENV
+from run.run_dir import RunDir
 from spec.loading import load_pipeline
-from stages.contract import RunDir
 from stages.tokenizer import build_tokenizer, render_for_training
 from workflows import warm_starts
-from workflows.local import die_with_runner
+from workflows.stage_process import die_with_runner
 from workflows.warm_starts import WarmProcess, WarmStarts
 
 REPO = Path(__file__).resolve().parents[1]

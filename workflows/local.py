@@ -25,7 +25,7 @@ Two runners never share a run directory: each holds a lock on `<run>/.runner.loc
 directory whose completed stages (or checkpoints) were made with another config keeps its spec.json (the runner
 refuses before writing anything; use a new run directory, or --force, with which the training stages start over
 and their old checkpoints are moved aside). Values of secret-looking environment variables are masked in the stage
-logs. Each stage also holds its own lock (`stages.contract.hold_stage_lock`), so a stage started by hand next to a
+logs. Each stage also holds its own lock (`run.run_dir.hold_stage_lock`), so a stage started by hand next to a
 runner is refused too. A run directory deleted or replaced while the runner holds it (its `.runner.lock` no longer
 the file it locked) fails the run with one `error:` line, exit 1: noticed when a stage ends and before the next one
 starts, so no stage is reported done and none starts in a folder made again under the old name.
@@ -51,7 +51,6 @@ This module never imports torch or transformers: GPUs are counted from CUDA_VISI
 
 from __future__ import annotations
 
-import ctypes
 import importlib.util
 import json
 import os
@@ -60,11 +59,7 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
-from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -74,37 +69,24 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from run.config_hash import conflicting_stages
+from run.exits import EXIT_GATE_FAILED, EXIT_RETRYABLE, EXIT_USAGE, StageInterrupted, interrupt_signal, interrupts_raise
+from run.masking import mask_secrets
 from run.names import RUN_ROOT
 from run.release import GATE_PASS
+from run.run_dir import RunDir, still_locked, try_lock
+from run.search import apply_selections
+from run.tracking import local_store_uri
 from spec.document import LoadedPipeline
-from spec.fields import TRAINING_STAGES
 from spec.loading import PIPELINES_DIR, REPLACES_DATA
 from spec.pipeline import PipelineSpec
-from stages.contract import (
-    EXIT_RETRYABLE,
-    EXIT_USAGE,
-    LOCK_FILE,
-    RunDir,
-    StageInterrupted,
-    conflicting_stages,
-    interrupt_signal,
-    interrupts_raise,
-    mask_secrets,
-    now,
-    secret_values,
-    still_locked,
-    try_lock,
-)
-from stages.hpo import apply_selections
-from stages.tracking_mlflow_server import local_store_uri
 from workflows.plan import plan_warnings, prepared_warnings
 from workflows.search import search_in_runner, search_needed
-from workflows.submit import EXIT_GATE_FAILED
-from workflows.warm_starts import WarmProcess, WarmStarts, warm_starts
+from workflows.stage_process import StageRun, record_interrupted, run_stage, stage_command
+from workflows.warm_starts import warm_starts
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RUNS_DIR = Path("runs")
-LOG_TAIL_LINES = 25
 KEY_METRICS = ("eval_loss", "perplexity", "train_loss", "loss")
 """The metric a stage's summary row shows: the first of these its stage.json has."""
 
@@ -119,28 +101,6 @@ _STYLE = {
     "missing": "bold red",
     "not run": "dim",
 }
-
-
-@dataclass
-class StageRun:
-    """The runner's view of one stage: its status, timing, last output line and outcome."""
-
-    name: str
-    status: str = "pending"
-    started: float | None = None
-    ended: float | None = None
-    last_line: str = ""
-    returncode: int | None = None
-    metric: str = ""
-    message: str = ""
-    tail: deque[str] = field(default_factory=lambda: deque(maxlen=LOG_TAIL_LINES))
-
-    @property
-    def elapsed(self) -> str:
-        if self.started is None:
-            return ""
-        seconds = (self.ended or time.monotonic()) - self.started
-        return f"{int(seconds // 60)}:{seconds % 60:04.1f}" if seconds >= 60 else f"{seconds:.1f}s"
 
 
 # --------------------------------------------------------------------------- environment
@@ -205,7 +165,7 @@ def run_dir_gone(run_root: Path, lock: Any, stage: str) -> str | None:
 
 def local_tracking_uri(run_root: Path) -> str:
     """The local MLflow store: one SQLite database beside the run directories (`runs/mlflow.db`), shared by the
-    local runs, so the gate compares with the last local champion (stages.tracking_mlflow_server.local_store_uri)."""
+    local runs, so the gate compares with the last local champion (run.tracking.local_store_uri)."""
     return local_store_uri(run_root)
 
 
@@ -224,16 +184,6 @@ def stage_env(run_root: Path) -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONPATH"] = checkout_first(env.get("PYTHONPATH", ""))
     return env
-
-
-def stage_command(stage: str, run_root: Path, force: bool, gpus: int) -> list[str]:
-    """The argv of a stage: torchrun for a training stage on more than one GPU, else plain python."""
-    args = ["--module", "stages", stage, "--run-dir", str(run_root)] + (["--force"] if force else [])
-    if stage in TRAINING_STAGES and gpus > 1:
-        # torchrun as a module of this interpreter: the same environment, whatever PATH says.
-        launcher = [sys.executable, "-m", "torch.distributed.run"]
-        return [*launcher, "--standalone", "--nproc-per-node", str(gpus), *args]
-    return [sys.executable, "-m", "stages", *args[2:]]
 
 
 def stage_module_exists(stage: str) -> bool:
@@ -306,148 +256,6 @@ def deploy_skip_reason(evaluate_result: dict[str, Any]) -> str:
 
 
 # --------------------------------------------------------------------------- running
-
-
-def _pump(stream: Any, log_file: Any, run: StageRun) -> None:
-    """Copy a stage's output into its log (secret values masked), remembering the last lines."""
-    secrets = secret_values()
-    for raw in iter(stream.readline, b""):
-        if secrets:
-            raw = mask_secrets(raw.decode("utf-8", errors="replace"), secrets).encode()
-        log_file.write(raw)
-        log_file.flush()
-        text = raw.decode("utf-8", errors="replace").rstrip()
-        line = text.split("\r")[-1].strip() if text else ""
-        if line:
-            run.last_line = line
-            run.tail.append(line)
-
-
-PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
-KILL_AFTER_SIGNALS = 3
-"""The how-manyth signal to the runner, while it waits for an interrupted stage, kills the stage."""
-
-
-def die_with_runner() -> Callable[[], None] | None:
-    """A `preexec_fn` that makes the stage process get SIGTERM when the runner dies, however it dies (Linux
-    `prctl(PR_SET_PDEATHSIG)`; None elsewhere). The signal comes when the thread that started the stage ends, which
-    is the runner's main thread. A runner that died before the call leaves the stage to exit at once."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: after fork, only the call runs
-    except (OSError, AttributeError):
-        return None
-    runner = os.getpid()
-
-    def preexec() -> None:
-        prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        if os.getppid() != runner:  # the runner is already gone
-            os._exit(EXIT_RETRYABLE)
-
-    return preexec
-
-
-STOP_GRACE_S = 120.0
-"""How long an interrupted stage may take to save and exit before the runner kills it, where the spec does not say
-(the runner uses the stage's `run_policy.termination_grace_period_seconds`, as the pod's grace period)."""
-
-
-def signal_stage(process: subprocess.Popen[bytes] | WarmProcess, signum: int) -> None:
-    """Send `signum` to the stage's process group (the stage leads its own session: torchrun's workers and anything
-    else it started get it too); to the process alone where the group is gone."""
-    try:
-        os.killpg(process.pid, signum)
-    except (ProcessLookupError, PermissionError):
-        process.send_signal(signum)  # a no-op once it has exited
-
-
-def stop_stage(process: subprocess.Popen[bytes] | WarmProcess, signum: int, grace: float = STOP_GRACE_S) -> int:
-    """Pass `signum` on to the stage and wait until it has exited (a training stage saves a checkpoint first), at
-    most `grace` seconds: then it is killed (SIGKILL to its group). Signals that come while it stops are passed on
-    too; the KILL_AFTER_SIGNALS-th kills it. Returns its exit code (negative: killed by that signal)."""
-    signals = 1
-    signal_stage(process, signum)
-    deadline = time.monotonic() + grace
-    while True:
-        try:
-            return process.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            print(f"the stage did not exit within {grace:g} s of {signal.Signals(signum).name}: killing it", flush=True)
-            signal_stage(process, signal.SIGKILL)
-            deadline = float("inf")
-        except (StageInterrupted, KeyboardInterrupt) as again:
-            signals += 1
-            if signals >= KILL_AFTER_SIGNALS:
-                signal_stage(process, signal.SIGKILL)
-            else:
-                signal_stage(process, interrupt_signal(again))
-
-
-def record_interrupted(run_root: Path, stage: str, message: str) -> None:
-    """After the stage's process has exited: a record it left `running` (it was killed before it could record how
-    it ended) is set to interrupted with `message`, under the stage's lock, so that stage.json tells the truth. A
-    record the stage wrote itself is left as it is."""
-    handle, _ = try_lock(run_root / stage / LOCK_FILE, f"pid {os.getpid()} (the local runner, recording the stage)")
-    if handle is None:  # a process still holds the stage (a worker left behind): it records, not the runner
-        return
-    try:
-        run_dir = RunDir(run_root)
-        try:
-            result = run_dir.read_result(stage)
-        except ValueError:
-            return
-        if result is None or result.status != "running":
-            return
-        result.status, result.message, result.ended_at = "interrupted", message, now()
-        run_dir.write_result(result)
-    finally:
-        handle.close()
-
-
-def run_stage(
-    run: StageRun,
-    command: list[str],
-    env: dict[str, str],
-    log_path: Path,
-    refresh: Any,
-    grace: float = STOP_GRACE_S,
-    warm: WarmStarts | None = None,
-) -> int:
-    """Run one stage to completion, its output appended to `log_path`; returns its exit code. Interrupted (SIGTERM
-    or Ctrl-C to the runner), it passes the signal on, waits for the stage to exit (at most `grace` seconds, then
-    kills it), records its exit code in `run` and raises the interruption again. The stage's output is read until
-    it exits, so the stage never dies of a broken pipe while it saves. With `warm`, the stage is forked from the
-    run's warm-start server where it can be (workflows/warm_starts.py), else started as a fresh process."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as log_file:
-        started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
-        process: subprocess.Popen[bytes] | WarmProcess | None = warm.start(command, env) if warm else None
-        how = "" if process is None else " (warm start, shared server)" if warm and warm.shared else " (warm start)"
-        log_file.write(f"===== {started_at} {' '.join(command)}{how}\n".encode())
-        log_file.flush()
-        if process is None:
-            process = subprocess.Popen(
-                command,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,  # a terminal's Ctrl-C reaches the stage through the runner only, once
-                preexec_fn=die_with_runner(),  # only a prctl call runs between fork and exec
-            )
-        pump = threading.Thread(target=_pump, args=(process.stdout, log_file, run), daemon=True)
-        try:
-            pump.start()
-            while process.poll() is None:
-                refresh()
-                time.sleep(0.25)
-        except (StageInterrupted, KeyboardInterrupt) as exc:
-            run.returncode = stop_stage(process, interrupt_signal(exc), grace)  # checkpoint, then EXIT_RETRYABLE
-            if pump.ident is not None:
-                pump.join(timeout=30)
-            raise
-        pump.join(timeout=30)
-        return process.returncode
 
 
 def effective_plan(loaded: LoadedPipeline) -> list[str]:

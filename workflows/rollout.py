@@ -407,7 +407,7 @@ def promote(spec: PipelineSpec, run_dir: Path, deployed: dict[str, Any]) -> str:
     from mlflow import MlflowClient
 
     from run.release import CHAMPION, GATE_PASS
-    from stages.tracking_mlflow_server import resolve_tracking_uri
+    from run.tracking import resolve_tracking_uri
 
     name, version = deployed["registered_model"], deployed["model_version"]
     if deployed.get("gate") != GATE_PASS:
@@ -422,7 +422,7 @@ def promote(spec: PipelineSpec, run_dir: Path, deployed: dict[str, Any]) -> str:
 
 def read_run(run_dir: Path) -> tuple[PipelineSpec, dict[str, Any], dict[str, Any]]:
     """The resolved spec, deploy's record (its extra) and the InferenceService deploy rendered."""
-    from stages.contract import RunDir, StageRefused
+    from run.run_dir import RunDir, StageRefused
 
     run = RunDir(run_dir)
     try:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -182,7 +183,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def sync_tracking_command(run_dir: Path) -> int:
-    """Run `sync-tracking` on `run_dir`, print what was sent and what is pending; returns the exit status."""
+    """Run `sync-tracking` on `run_dir` (`python -m stages sync-tracking`, stages/tracking_outbox.py, as a pod would
+    run it), which prints what was sent and what is pending; returns its exit status."""
     if not (run_dir / "spec.json").is_file():
         what = "does not exist" if not run_dir.exists() else "has no spec.json"
         print(
@@ -191,58 +193,10 @@ def sync_tracking_command(run_dir: Path) -> int:
             file=sys.stderr,
         )
         return 2
-    from stages.__main__ import MaskingStream
-    from stages.contract import secret_values
-
-    # What MLflow prints (its run links name the tracking URI, credentials and all) is masked, as in a stage.
-    streams = sys.stdout, sys.stderr
-    secrets = secret_values()
-    sys.stdout, sys.stderr = MaskingStream(sys.stdout, secrets), MaskingStream(sys.stderr, secrets)
-    try:
-        return _sync_and_report(run_dir)
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        sys.stdout, sys.stderr = streams
-
-
-def _sync_and_report(run_dir: Path) -> int:
-    """Send the journals, print per stage what was sent and what is pending; returns the exit status."""
-    from spec.document import SpecError
-    from stages.contract import RunDir, StageRefused
-    from stages.tracking_outbox import sync_tracking
-
-    try:
-        report = sync_tracking(RunDir(run_dir))
-    except (SpecError, StageRefused) as exc:
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        print(f"error: {run_dir}/spec.json is not a readable run spec ({first})", file=sys.stderr)
-        return 2
-    print(f"MLflow at {report.uri}")
-    if not report.stages:
-        print("  nothing to send: no stage left unsent records or a run open")
-    for stage in report.stages:
-        parts = []
-        if stage.sent or stage.already:
-            parts.append(
-                f"sent {stage.sent} records" + (f" ({stage.already} were there already)" if stage.already else "")
-            )
-        if stage.pending:
-            parts.append(f"{stage.pending} still pending")
-        parts += stage.notes
-        print(f"  {stage.stage}: {'; '.join(parts) or 'nothing to send'}")
-    if report.unreachable is not None:
-        print(
-            f"error: MLflow at {report.uri} could not be reached ({report.unreachable}): {report.pending} records "
-            f"are still pending; run `python -m workflows.runs sync-tracking {run_dir}` again once it is back",
-            file=sys.stderr,
-        )
-        return 1
-    if report.pending:
-        print(f"{report.pending} records are still pending (see above)", file=sys.stderr)
-        return 1
-    print("everything got through")
-    return 0
+    sys.stdout.flush()
+    sys.stderr.flush()
+    command = [sys.executable, "-m", "stages", "sync-tracking", "--run-dir", str(run_dir)]
+    return subprocess.run(command, check=False).returncode
 
 
 # --------------------------------------------------------------------------- clients
@@ -668,9 +622,9 @@ def _protections(runs: list[Run], served_extra: list[str]) -> tuple[dict[str, st
         spec = run.spec
         deploy = (spec.get("stages") or {}).get("deploy") or {}
         uri = ((spec.get("tracking") or {}).get("mlflow_tracking_uri")) or os.environ.get("MLFLOW_TRACKING_URI")
-        # Local runs share a store beside them (stages.tracking_mlflow_server.local_store_uri), when there is one.
+        # Local runs share a store beside them (run.tracking.local_store_uri), when there is one.
         if not uri:
-            from stages.tracking_mlflow_server import local_store_uri
+            from run.tracking import local_store_uri
 
             local = local_store_uri(run.path)
             uri = local if Path(local.removeprefix("sqlite:///")).is_file() else None

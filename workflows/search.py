@@ -11,10 +11,12 @@ algorithms map to Optuna's samplers, seeded with `hpo.seed`:
 The study lives in memory: what it knows comes from the trials' own records, so a rerun of the run directory
 rebuilds it from the trials that ended (they are not run again) and asks only for the rest. A failed trial is told
 as failed; the search fails once `hpo.max_failed_trials` trials have failed (at the first failure with 0), and
-stops early once a trial reaches `hpo.objective.target`. Then `stages.hpo.select` sets the best values in the
-run's spec.json and writes `<run>/hpo/<stage>/search.json`, and the stage trains with them.
+stops early once a trial reaches `hpo.objective.target`. Then the best trial is selected as in the cluster: its
+Katib-shaped `currentOptimalTrial` goes to `<run>/hpo/<stage>/optimal-trial.json` and `python -m stages hpo-select`
+(stages/hpo.py) sets its values in the run's spec.json and writes `<run>/hpo/<stage>/search.json`; the stage then
+trains with them.
 
-A finished search is not done again: search.json made for the same search (`stages.hpo.search_fingerprint`, the
+A finished search is not done again: search.json made for the same search (`run.search.search_fingerprint`, the
 stage's config without the searched fields) is applied to the spec the runner loads (`apply_selections`), so the
 selected values are not mistaken for a changed config. --force searches again.
 
@@ -25,17 +27,21 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from run.exits import EXIT_RETRYABLE, StageInterrupted
+from run.names import katib_parameter_name
+from run.run_dir import write_json_atomic
+from run.search import finished_search, read_search, search_dir, search_fingerprint, trials_dir, value_at
 from spec.pipeline import PipelineSpec
 from spec.search import HpoSpec, SearchParameter, SearchValue
-from stages.contract import EXIT_RETRYABLE, RunDir, StageInterrupted
-from stages.hpo import finished_search, read_search, search_fingerprint, select, value_at
-from stages.trials import trials_dir
+from workflows.stage_process import StageRun, run_stage, stage_command
 
 
 def stage_search(spec: PipelineSpec, stage: str) -> HpoSpec | None:
@@ -148,12 +154,14 @@ def run_search(
     run_trial: Callable[[int, str, list[str]], int],
     force: bool = False,
     on_known: Callable[[int, TrialOutcome], None] | None = None,
+    env: dict[str, str] | None = None,
 ) -> list[TrialOutcome]:
     """Run the stage's search and select its best trial. `run_trial(number, name, trial_args)` runs trial `number`
     (1-based) with the stage's arguments plus `trial_args` and returns its exit code (it raises StageInterrupted
     when the runner was interrupted: the search stops there, and a rerun goes on from the trials that ended);
-    `on_known(number, outcome)` hears of each trial that an earlier run ended (told to the study, not run again).
-    Returns every trial's outcome; SearchFailed when the search cannot select."""
+    `on_known(number, outcome)` hears of each trial that an earlier run ended (told to the study, not run again);
+    `env` is the stages' environment, for the selection. Returns every trial's outcome; SearchFailed when the search
+    cannot select."""
     import optuna
 
     hpo = stage_search(spec, stage)
@@ -221,8 +229,44 @@ def run_search(
     if not succeeded:
         raise SearchFailed(f"[{stage}] the search has no successful trial to select")
     best = min(succeeded, key=lambda o: o.objective if hpo.objective.goal == "minimize" else -o.objective)  # type: ignore[operator]
-    select(RunDir(run_root), stage, best.values, best.name, best.objective, trial_prefix=prefix)
+    select_best(run_root, stage, hpo, best, prefix, env)
     return outcomes
+
+
+OPTIMAL_TRIAL_JSON = "optimal-trial.json"
+"""`<run>/hpo/<stage>/optimal-trial.json`: the local search's best trial, shaped as Katib's currentOptimalTrial."""
+
+
+def optimal_trial(hpo: HpoSpec, best: TrialOutcome) -> dict[str, Any]:
+    """The best trial as a Katib Experiment's `status.currentOptimalTrial`: what `hpo-select` reads in the cluster."""
+    observed = repr(best.objective)
+    return {
+        "bestTrialName": best.name,
+        "parameterAssignments": [
+            {"name": katib_parameter_name(path), "value": value_text(value)} for path, value in best.values.items()
+        ],
+        "observation": {
+            "metrics": [{"name": hpo.objective.metric, "min": observed, "max": observed, "latest": observed}]
+        },
+    }
+
+
+def select_best(
+    run_root: Path, stage: str, hpo: HpoSpec, best: TrialOutcome, prefix: str, env: dict[str, str] | None
+) -> None:
+    """Select the best trial as the cluster does: `python -m stages hpo-select` over its currentOptimalTrial (only
+    the trials named `prefix...` listed in search.json). What the selection prints is passed on; SearchFailed,
+    with its `error:` line, when it refuses."""
+    optimal = search_dir(run_root, stage) / OPTIMAL_TRIAL_JSON
+    write_json_atomic(optimal, optimal_trial(hpo, best))
+    command = [sys.executable, "-m", "stages", "hpo-select", "--run-dir", str(run_root), "--stage", stage]
+    command += ["--optimal-trial", str(optimal), "--trial-prefix", prefix]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    print(done.stdout, end="", flush=True)
+    if done.returncode != 0:
+        errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+        why = errors[-1].removeprefix("error:").strip() if errors else (done.stderr.strip() or "no output")
+        raise SearchFailed(f"[{stage}] selecting the best trial failed (exit {done.returncode}): {why}")
 
 
 def _reached(hpo: HpoSpec, value: float | None) -> bool:
@@ -260,7 +304,6 @@ def search_in_runner(
     stage's row, named like `sft trial 2/4`); returns '' once the best values are selected, else why not. `say`
     prints a line per trial where the output is not a terminal (CI logs); `warm` is the run's warm-start server
     (workflows/warm_starts.py), where it has one."""
-    from workflows.local import StageRun, run_stage, stage_command
 
     stage = stage_row.name
     hpo = stage_search(spec, stage)
@@ -304,7 +347,7 @@ def search_in_runner(
             say(f"{row.name}: {row.status} {row.metric}".rstrip())
 
     try:
-        run_search(spec, run_root, stage, run_trial, force=force, on_known=known)
+        run_search(spec, run_root, stage, run_trial, force=force, on_known=known, env=env)
     except SearchFailed as exc:
         return str(exc)
     record = read_search(run_root, stage) or {}

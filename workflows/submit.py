@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import yaml
 
+from run.exits import EXIT_GATE_FAILED
 from spec.document import LoadedPipeline, SpecError
 from spec.loading import load_pipeline, parse_override
 
@@ -53,8 +54,6 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 """The pipeline, its spec, a --set or an option is wrong."""
 EXIT_INTERRUPTED = 130
-EXIT_GATE_FAILED = 3
-"""--local --fail-on-gate: every stage ran, but the gate failed and deploy was skipped (workflows.local's)."""
 
 LOCAL_PROFILE = "local"
 """The profile --local uses when no --profile is given and the pipeline has one."""
@@ -112,7 +111,7 @@ def check_lm_eval_tasks(spec: PipelineSpec, source: str) -> None:
     evaluate = spec.stages.evaluate
     if not (evaluate.enabled and evaluate.lm_eval_tasks) or importlib.util.find_spec("lm_eval") is None:
         return
-    from stages.lm_eval_registry import unknown_tasks
+    from spec.lm_eval_tasks import unknown_tasks
 
     problems = unknown_tasks(spec)
     if problems:
@@ -213,7 +212,7 @@ def render(documents: dict[str, dict[str, Any]], out_dir: Path) -> list[Path]:
 
 def parser() -> argparse.ArgumentParser:
     """The command line."""
-    from workflows.cli import epilog
+    from workflows.help_text import epilog
 
     p = argparse.ArgumentParser(
         prog="python -m workflows.submit",

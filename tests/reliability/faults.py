@@ -16,9 +16,9 @@ from pathlib import Path
 
 from training_fixtures import child_env, run_stage, start_stage, wait_for_file
 
+from run.run_dir import RunDir
+from run.tracking import local_store_uri
 from stages.checkpoints import MARKER, check_safetensors, list_checkpoints, why_invalid
-from stages.contract import RunDir
-from stages.tracking_mlflow_server import local_store_uri
 from workflows.warm_starts import WarmProcess
 
 

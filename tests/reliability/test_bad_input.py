@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from test_parameters import _params_dir
 
+from run.run_dir import RunDir
 from spec.form import SPEC_FILE
 from spec.loading import PIPELINES_DIR, load_pipeline
 from stages.__main__ import main as stages_main
-from stages.contract import RunDir
 from workflows import register, submit
 
 REPO = Path(__file__).resolve().parents[2]

@@ -10,8 +10,10 @@ import pytest
 from resubmitted_dag import DAG_OVERRIDES, Resubmitted
 from resubmitted_dag import resubmitted_dag as run_resubmitted_dag
 
+from run.config_hash import config_hash
+from run.exits import EXIT_USAGE
+from run.run_dir import RunDir
 from spec.loading import load_pipeline
-from stages.contract import EXIT_USAGE, RunDir, config_hash
 from workflows.local import run_local
 
 pytestmark = pytest.mark.slow

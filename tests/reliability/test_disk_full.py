@@ -12,8 +12,8 @@ import faults
 import pytest
 from training_fixtures import make_run_dir
 
-from stages.contract import write_json_atomic
-from stages.tracking_mlflow_server import local_store_uri
+from run.run_dir import write_json_atomic
+from run.tracking import local_store_uri
 
 OVERRIDES = ["stages.cpt.training.max_steps=6", "stages.cpt.training.save_steps=3"]
 

@@ -15,21 +15,15 @@ import pytest
 from training_fixtures import make_run_dir, start_stage, text_rows, wait_for_file, write_jsonl
 
 import stages.prepare
+from run.exits import EXIT_FAILED, EXIT_OK, EXIT_RETRYABLE, StageInterrupted
+from run.run_dir import RunDir, StageResult, now
+from run.tracking import local_store_uri
+from spec.lm_eval_tasks import LM_EVAL_TASKS
 from spec.loading import load_pipeline
 from stages.__main__ import main as stages_main
-from stages.builtin_data import LM_EVAL_TASKS, write_lm_eval_tasks
-from stages.contract import (
-    EXIT_FAILED,
-    EXIT_OK,
-    EXIT_RETRYABLE,
-    RunDir,
-    StageContext,
-    StageInterrupted,
-    StageResult,
-    now,
-)
+from stages.builtin_data import write_lm_eval_tasks
+from stages.contract import StageContext
 from stages.data import BUILTIN_TASKS_DIR
-from stages.tracking_mlflow_server import local_store_uri
 
 STEPS = 9
 OVERRIDES = [
@@ -187,8 +181,8 @@ def test_only_the_holder_of_the_lock_writes_the_record(tmp_path: Path) -> None:
 
 
 def test_the_training_handlers_wait_for_the_step_and_give_the_entry_points_back() -> None:
+    from run.exits import interrupts_raise
     from stages.checkpoints import SigtermCheckpoint
-    from stages.contract import interrupts_raise
 
     with interrupts_raise():
         central = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)

@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file
 from training_fixtures import make_run_dir, write_jsonl
 
-from stages.contract import RunDir
+from run.run_dir import RunDir
 from stages.training import read_log_history
 
 pytestmark = pytest.mark.slow

@@ -16,9 +16,9 @@ import pytest
 import yaml
 from training_fixtures import child_env, make_run_dir, stage_script
 
+from run.exits import EXIT_RETRYABLE
 from spec.loading import load_pipeline
 from stages.checkpoints import MARKER, why_invalid
-from stages.contract import EXIT_RETRYABLE
 from workflows.compile import compile_pipeline
 from workflows.pytorchjob import stage_command
 

@@ -14,16 +14,10 @@ import faults
 import pytest
 from training_fixtures import make_run_dir
 
+from run.exits import EXIT_FAILED
+from run.run_dir import LOCK_FILE, RunDir, RunDirGone, check_still_ours, write_json_atomic
 from spec.loading import load_pipeline
-from stages.contract import (
-    EXIT_FAILED,
-    LOCK_FILE,
-    RunDir,
-    RunDirGone,
-    StageContext,
-    check_still_ours,
-    write_json_atomic,
-)
+from stages.contract import StageContext
 from workflows import local
 
 STEPS = 6

@@ -18,7 +18,7 @@ import faults
 import pytest
 from training_fixtures import runner_env
 
-from stages.contract import LOCK_FILE, RunDir
+from run.run_dir import LOCK_FILE, RunDir
 from workflows.warm_starts import alive
 
 pytestmark = pytest.mark.slow

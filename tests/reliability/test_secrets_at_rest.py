@@ -9,8 +9,8 @@ import pytest
 from resubmitted_dag import CANARY, FAKE_SECRETS, Resubmitted
 from resubmitted_dag import resubmitted_dag as run_resubmitted_dag
 
-from stages.contract import MASK, mask_secrets
-from stages.tracking_mlflow_server import local_store_uri
+from run.masking import MASK, mask_secrets
+from run.tracking import local_store_uri
 
 pytestmark = pytest.mark.slow
 

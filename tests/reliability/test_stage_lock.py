@@ -17,17 +17,11 @@ import pytest
 from test_parameters import _params_dir
 from training_fixtures import REPO, child_env, make_run_dir, stage_script
 
+from run.exits import EXIT_RETRYABLE
+from run.run_dir import LOCK_FILE, RunDir, StageBusy, hold_stage_lock, holds_stage_lock
 from spec.loading import load_pipeline
 from stages.__main__ import main as stages_main
-from stages.contract import (
-    EXIT_RETRYABLE,
-    LOCK_FILE,
-    RunDir,
-    StageBusy,
-    StageContext,
-    hold_stage_lock,
-    holds_stage_lock,
-)
+from stages.contract import StageContext
 
 STEPS = 6
 OVERRIDES = [
@@ -39,7 +33,7 @@ OVERRIDES = [
 
 _HOLDER = """
 import sys
-from stages.contract import RunDir, hold_stage_lock
+from run.run_dir import RunDir, hold_stage_lock
 hold_stage_lock(RunDir(sys.argv[1]), sys.argv[2])
 print("held", flush=True)
 sys.stdin.read()

@@ -25,8 +25,9 @@ import pytest
 from test_tracking import SERVER_ENV, free_port, history, tensorboard_points, wandb_points
 from training_fixtures import make_run_dir, stage_script, wait_for_file
 
+from run.run_dir import RunDir
 from spec.loading import load_pipeline
-from stages.contract import RunDir, StageContext
+from stages.contract import StageContext
 from stages.tracking import StageTracker
 from stages.tracking_wandb import WANDB_INIT_TIMEOUT_SECONDS
 

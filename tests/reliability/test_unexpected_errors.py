@@ -11,7 +11,8 @@ import pytest
 import torch
 from training_fixtures import make_run_dir
 
-from stages.contract import EXIT_FAILED, StageContext
+from run.exits import EXIT_FAILED
+from stages.contract import StageContext
 
 
 def _crash_with(tmp_path: Path, exc: Exception, stage: str = "cpt") -> tuple[int, StageContext]:

@@ -21,13 +21,15 @@ from hypothesis import HealthCheck, given, settings
 from test_parameters import _params_dir
 from test_security import HOSTILE, MARK, _executable_text, _expanded, _walk
 
+from run.run_dir import RunDir
 from run.serving import model_storage_uri
 from spec.document import SpecError
 from spec.loading import load_pipeline
 from stages import deploy
 from stages.__main__ import main as stages_main
-from stages.contract import RunDir, StageContext
-from stages.data import DataError, read_dataset
+from stages.contract import StageContext
+from stages.data import DataError
+from stages.prepared_data import read_dataset
 from workflows.compile import compile_pipeline
 
 ROW = '{"text": "서울은 아름답습니다."}\n'

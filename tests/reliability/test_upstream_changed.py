@@ -14,7 +14,8 @@ import pytest
 from safetensors.torch import load_file, save_file
 from training_fixtures import make_run_dir
 
-from stages.contract import EXIT_USAGE, RunDir
+from run.exits import EXIT_USAGE
+from run.run_dir import RunDir
 from stages.modeling import model_fingerprint
 
 pytestmark = pytest.mark.slow

@@ -16,8 +16,9 @@ import faults
 import pytest
 from training_fixtures import REPO, child_env, text_rows, write_jsonl
 
+from run.exits import EXIT_FAILED
+from run.run_dir import RunDir
 from spec.loading import load_pipeline
-from stages.contract import EXIT_FAILED, RunDir
 
 ONLY_CPT = [f"stages.{s}.enabled=false" for s in ("sft", "rlhf", "evaluate", "deploy")]
 ADVICE = "likely out of memory: lower stages.prepare.num_proc (2 workers ran)"

@@ -19,6 +19,13 @@ from pathlib import Path
 
 from spec.pipeline import PipelineSpec
 
+LM_EVAL_TASKS = "korean-lm-eval"
+"""The builtin task folder: `stages.evaluate.lm_eval_include_path: builtin:korean-lm-eval` (prepare writes it,
+stages/builtin_data.py)."""
+
+BUILTIN_TASK_NAMES = ("ko_constitution_mc",)
+"""The tasks of the builtin folder (stages.builtin_data.BUILTIN_LM_EVAL_TASKS makes each one)."""
+
 
 def _cache_file(version: str) -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
@@ -50,9 +57,7 @@ def include_path_tasks(include_path: str) -> set[str] | None:
     """The tasks an include path defines: a builtin folder's by name, a local directory's from its YAMLs; None
     when the path cannot be read here (a volume of the cluster, seen from the submitter's machine)."""
     if include_path.startswith("builtin:"):
-        from stages.builtin_data import BUILTIN_LM_EVAL_TASKS, LM_EVAL_TASKS
-
-        return set(BUILTIN_LM_EVAL_TASKS) if include_path == f"builtin:{LM_EVAL_TASKS}" else set()
+        return set(BUILTIN_TASK_NAMES) if include_path == f"builtin:{LM_EVAL_TASKS}" else set()
     if not Path(include_path).is_dir():
         return None
     from lm_eval.tasks import TaskManager

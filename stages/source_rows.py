@@ -1,0 +1,126 @@
+"""A data URI's raw rows: files and buckets (stages.sources), hub datasets, builtin data, with the inputs' fingerprints.
+
+The rows come unparsed where they are JSONL lines (`stages.data.parse_row` parses them, in prepare's workers) and
+within the bounds of `stages.data` (row size, inflation); where data may be read from is `stages.data.confine`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from run.config_hash import canonical_hash
+from spec.data import DataSpec
+from spec.pipeline import PipelineSpec
+from spec.quoting import quoted
+from stages.data import (
+    DataError,
+    RawRow,
+    SourceFile,
+    jsonl_lines,
+    max_inflation,
+    max_row_bytes,
+    parquet_rows,
+    sha256_file,
+    sha256_rows,
+    unreadable,
+)
+
+HUB_PREFIXES = ("hf://datasets/", "hf://")
+"""A hub dataset's URI: hf://datasets/<org>/<name> (as huggingface_hub writes it), or the short hf://<org>/<name>."""
+
+
+def hub_name(uri: str) -> str:
+    """The repository id of a hub dataset URI."""
+    for prefix in HUB_PREFIXES:
+        if uri.startswith(prefix):
+            return uri.removeprefix(prefix).strip("/")
+    return uri
+
+
+def read_hub(uri: str, split: str) -> tuple[list[SourceFile], Iterator[RawRow]]:
+    """Rows of a hub dataset (split `split`), through `datasets`: downloaded once into HF_HOME (on the checkpoints
+    volume in the cluster, with HF_TOKEN from cluster.secrets.hf_token) and read from its memory-mapped Arrow
+    files, never whole into memory."""
+    name = hub_name(uri)
+    try:
+        import datasets
+
+        hub = datasets.load_dataset(name, split=split)
+    except ImportError:
+        raise DataError(f"{quoted(uri)}: reading hub datasets needs the 'datasets' package") from None
+    except Exception as exc:  # offline, gated, missing: datasets raises many kinds
+        offline = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("HF_DATASETS_OFFLINE")
+        hint = " (this machine is offline: HF_HUB_OFFLINE is set)" if offline else ""
+        raise DataError(
+            f"{quoted(uri)}: could not load split {split!r} from the Hugging Face hub{hint}: {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}. Without network access, download the dataset to "
+            "the datasets volume and use its path instead."
+        ) from None
+    source = SourceFile(uri, "hf:" + canonical_hash({"name": name, "split": split, "fp": hub._fingerprint}))
+    display = f"{quoted(uri)}[{split}]"
+    return [source], (RawRow(display, i, value=row) for i, row in enumerate(hub, start=1))
+
+
+def read_builtin(uri: str) -> tuple[list[SourceFile], Iterator[RawRow]]:
+    """Rows of a builtin dataset `builtin:<name>`, numbered from 1."""
+    from stages.builtin_data import BuiltinDataError, builtin_dataset
+
+    try:
+        rows = builtin_dataset(uri.removeprefix("builtin:"))
+    except BuiltinDataError as exc:
+        raise DataError(f"{quoted(uri)}: {exc}") from None
+    return [SourceFile(uri, sha256_rows(rows))], (RawRow(uri, i, value=r) for i, r in enumerate(rows, start=1))
+
+
+def read_source(
+    uri: str,
+    data: DataSpec,
+    spec: PipelineSpec | None = None,
+    run_root: Path | None = None,
+    staging: Path | None = None,
+) -> tuple[list[SourceFile], Iterator[RawRow]]:
+    """The inputs of a data URI and an iterator over its raw rows: a JSONL line comes unparsed (`RawRow.raw`,
+    parsed by `parse_row`, in a worker), other sources parsed. The inputs' fingerprints are complete once the
+    rows are: a local file's content is hashed as it is read, a stored object is named by its version (etag or
+    generation) and size. `run_root` (the run directory) tells whether the cluster's rule for data paths
+    applies (see `confine`); `staging` is where a Parquet object from S3 is downloaded while it is read."""
+    if uri.startswith("builtin:"):
+        return read_builtin(uri)
+    if uri.startswith("hf://"):
+        return read_hub(uri, data.split)
+    from stages.sources import list_objects, open_parquet, open_stream
+
+    limit = max_row_bytes()
+    max_inflation()  # a bad $POSTTRAIN_MAX_INFLATION fails here, before anything is read
+    objects = list_objects(uri, spec, run_root)
+    sources = [SourceFile(o.uri, "") for o in objects]
+
+    def rows() -> Iterator[RawRow]:
+        for obj, source in zip(objects, sources, strict=True):
+            count = 0
+            if obj.kind == "parquet":
+                with open_parquet(obj, staging or Path(tempfile.gettempdir())) as parquet:
+                    for row in parquet_rows(parquet, obj.uri, limit, obj.size):
+                        count += 1
+                        yield row
+                source.fingerprint = (
+                    f"{obj.version}:size={obj.size}" if obj.version else sha256_file(obj.path)  # type: ignore[arg-type]
+                )
+            else:
+                digest = hashlib.sha256() if not obj.version else None
+                try:
+                    with open_stream(obj) as stream:
+                        for number, raw, size in jsonl_lines(stream, limit, digest):
+                            count += 1
+                            yield RawRow(obj.uri, number, raw=raw, size=size if size > len(raw) else 0)
+                except OSError as exc:
+                    raise unreadable(obj.uri, exc) from None
+                source.fingerprint = f"sha256:{digest.hexdigest()}" if digest else f"{obj.version}:size={obj.size}"
+            if count == 0:
+                raise DataError(f"{quoted(obj.uri)}: empty file: no rows (an export that failed?)")
+
+    return sources, rows()
