@@ -110,26 +110,12 @@ def _describe(rule: GateRule) -> str:
     return f"{rule.metric} ({direction} is better, max_regression {rule.max_regression:g}{extra})"
 
 
-def _relative_kept(template: float | None, resolved: float | None) -> bool:
-    """A relative allowance is kept when it is no larger (removed counts as none: the stricter)."""
-    return resolved is None or (template is not None and resolved <= template)
-
-
 def check_gate_kept(template: list[GateRule], resolved: list[GateRule], where: str) -> None:
     """SpecError unless `resolved` keeps every rule of the template's gate, as strict or stricter: same metric and
     direction, max_regression and max_regression_relative no larger, min_significance no smaller. Added rules are
     fine (they only make the gate harder to pass)."""
     for rule in template:
-        kept = [
-            r
-            for r in resolved
-            if r.metric == rule.metric
-            and r.higher_is_better == rule.higher_is_better
-            and r.max_regression <= rule.max_regression
-            and _relative_kept(rule.max_regression_relative, r.max_regression_relative)
-            and (r.min_significance or 0.0) >= (rule.min_significance or 0.0)
-        ]
-        if not kept:
+        if not any(r.at_least_as_strict_as(rule) for r in resolved):
             raise SpecError(
                 f"{where}: stages.evaluate.gate would no longer hold the rule {_describe(rule)}: the form may only "
                 "tighten the gate (add rules, lower a max_regression), never remove, relax or reverse a rule; "

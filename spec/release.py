@@ -13,7 +13,9 @@ from spec.stage import StageBase
 
 
 class GateRule(StrictModel):
-    """One rule of the champion/challenger gate."""
+    """One rule of the champion/challenger gate: what it compares, how far behind a candidate may fall
+    (`allowance`, `within_allowance`; stages/gate.py applies it to measured values), and which rules are at
+    least as strict (`at_least_as_strict_as`: all the Argo form may do to it)."""
 
     metric: str = Field(
         min_length=1, description="Metric name from the evaluation (e.g. 'perplexity', 'kobest_boolq/acc')."
@@ -38,6 +40,34 @@ class GateRule(StrictModel):
         "standard errors lm-eval reports (`<task>/<metric>_stderr`); a side whose standard error is unknown fails "
         "the rule, saying so. Only for lm-eval metrics (`<task>/<metric>`). None: no significance required.",
     )
+
+    def allowance(self, reference: float) -> float:
+        """How far the candidate may fall behind `reference` and still pass: the larger of max_regression and
+        max_regression_relative x |reference|."""
+        if self.max_regression_relative is None:
+            return self.max_regression
+        return max(self.max_regression, self.max_regression_relative * abs(reference))
+
+    def within_allowance(self, value: float, reference: float) -> bool:
+        """Whether `value` is no further behind `reference` than the allowance, in the rule's direction (compared
+        with the threshold itself, not as a difference, so a value on the line rounds the same way)."""
+        allowed = self.allowance(reference)
+        return value >= reference - allowed if self.higher_is_better else value <= reference + allowed
+
+    def at_least_as_strict_as(self, other: GateRule) -> bool:
+        """Whether this rule stops every candidate `other` stops: the same metric and direction, max_regression
+        and max_regression_relative no larger (none is the strictest), min_significance no smaller. What the
+        Argo form may do to the template's rules (spec/form.py)."""
+        relative_kept = self.max_regression_relative is None or (
+            other.max_regression_relative is not None and self.max_regression_relative <= other.max_regression_relative
+        )
+        return (
+            self.metric == other.metric
+            and self.higher_is_better == other.higher_is_better
+            and self.max_regression <= other.max_regression
+            and relative_kept
+            and (self.min_significance or 0.0) >= (other.min_significance or 0.0)
+        )
 
     @model_validator(mode="after")
     def _significance_needs_a_stderr(self) -> GateRule:

@@ -45,9 +45,7 @@ def check_rule(rule: GateRule, candidate: dict[str, float], reference: dict[str,
     se_c, se_r = _finite(candidate, stderr_name(rule.metric)), _finite(reference, stderr_name(rule.metric))
     sign = 1.0 if rule.higher_is_better else -1.0
     direction = "higher" if rule.higher_is_better else "lower"
-    allowed = rule.max_regression
-    if rule.max_regression_relative is not None and ref is not None:
-        allowed = max(allowed, rule.max_regression_relative * abs(ref))
+    allowed = rule.allowance(ref) if ref is not None else rule.max_regression
     threshold = ref - sign * allowed if ref is not None else None
 
     def result(passed: bool, reason: str) -> GateCheck:
@@ -73,8 +71,7 @@ def check_rule(rule: GateRule, candidate: dict[str, float], reference: dict[str,
         return result(False, f"{rule.metric}: not measured for the candidate (measured: {measured})")
     if ref is None:
         return result(False, f"{rule.metric}: no value for the {ref_name} to compare with")
-    # Compared as the threshold itself (not as a difference), so a value on the line rounds the same way.
-    passed = value >= ref - allowed if rule.higher_is_better else value <= ref + allowed
+    passed = rule.within_allowance(value, ref)
     regression = sign * (ref - value)
     how = f"{allowed:.6g}"
     if rule.max_regression_relative is not None:

@@ -173,6 +173,31 @@ def test_significance_on_a_metric_without_a_standard_error_is_refused(tmp_path: 
         )
 
 
+def test_a_rule_at_least_as_strict_never_passes_what_the_rule_stops() -> None:
+    """The rule's two halves agree: whatever `at_least_as_strict_as` lets the form put in a rule's place passes no
+    candidate the rule itself stops, over a grid of rules, candidates and references."""
+    rules = [
+        GateRule(metric="perplexity", higher_is_better=False, max_regression=a, max_regression_relative=r)
+        for a in (0.0, 0.5, 2.0)
+        for r in (None, 0.01, 0.05)
+    ]
+    compared = 0
+    for rule in rules:
+        for other in rules:
+            if not other.at_least_as_strict_as(rule):
+                continue
+            for reference in (1.0, 10.0, 100.0):
+                for value in (reference * f for f in (0.9, 1.0, 1.004, 1.02, 1.06, 1.3)):
+                    compared += 1
+                    assert not other.within_allowance(value, reference) or rule.within_allowance(value, reference)
+    assert compared > 100
+    loose = GateRule(metric="perplexity", higher_is_better=False, max_regression=2.0)
+    assert not loose.at_least_as_strict_as(GateRule(metric="perplexity", higher_is_better=False))
+    assert not GateRule(metric="perplexity").at_least_as_strict_as(
+        GateRule(metric="perplexity", higher_is_better=False)
+    )
+
+
 def test_the_form_may_tighten_the_new_fields_never_relax_them() -> None:
     template = [GateRule(metric=ACC, min_significance=2), GateRule(metric="perplexity", max_regression_relative=0.05)]
     tighter = [GateRule(metric=ACC, min_significance=3), GateRule(metric="perplexity")]
@@ -301,7 +326,7 @@ def test_the_tables_give_standard_errors_and_sample_counts(tmp_path: Path) -> No
 
 def test_loss_panels_are_labelled_by_what_each_stage_optimises(tmp_path: Path) -> None:
     """The shipped korean-llm pipeline: cpt, sft and DPO, each stage's trainer history as it writes it."""
-    from stages.contract import RunDir
+    from run.run_dir import RunDir
     from stages.report import loss_curves
 
     spec = load_pipeline("korean-llm", "local", ["tracking.wandb_project=null"]).spec
