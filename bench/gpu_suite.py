@@ -256,6 +256,7 @@ def build_model(ctx: SimpleNamespace, tokenizer: Any, case: Case, tmp: Path) -> 
         on_gpu,
         packed_attention,
         prepare_for_kbit_training,
+        use_attention,
     )
 
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu() else torch.device("cpu")
@@ -275,7 +276,7 @@ def build_model(ctx: SimpleNamespace, tokenizer: Any, case: Case, tmp: Path) -> 
         model = prepare_for_kbit_training(model, case.gradient_checkpointing)
     switch = packed_attention(ctx.spec.model, ctx.stage, ctx.section)
     if switch is not None and case.kind == "stage_sft":
-        model.set_attn_implementation(switch)
+        use_attention(model, switch)
     if case.method != "full":
         model = get_peft_model(model, lora_config(ctx.section, model))
         if case.kind == "stage_sft" and not case.peft_input_casts:

@@ -325,6 +325,26 @@ def packed_attention(model_spec: ModelSpec, stage: str, section: TrainingStage) 
     return "flex_attention"
 
 
+FLEX_KERNEL_OPTIONS = {"FORCE_USE_FLEX_ATTENTION": True}
+"""Flex attention's kernel for every query length. For queries under 128 tokens Inductor picks its decoding kernel
+instead, and with Qwen3-30B-A3B's heads (32 query heads on 4 key-value heads) it found no kernel for that on an H100
+(`NoValidChoicesError ... target: flex_attention`, bench/flex_shapes.py, 2026-11-27); the main kernel takes them."""
+
+
+def use_attention(model: Any, implementation: str) -> None:
+    """Switch `model` to the attention `implementation` (`packed_attention`'s choice); with flex attention every
+    forward of its decoder passes FLEX_KERNEL_OPTIONS on to the kernel (transformers hands a forward's
+    `kernel_options` to flex attention; the hook sits on the decoder, which PEFT's wrapper calls as a module)."""
+    model.set_attn_implementation(implementation)
+    if implementation == "flex_attention":
+        model.base_model.register_forward_pre_hook(_flex_kernel_options, with_kwargs=True)
+
+
+def _flex_kernel_options(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    kwargs.setdefault("kernel_options", dict(FLEX_KERNEL_OPTIONS))
+    return args, kwargs
+
+
 def float32_masters(model: Any, section: TrainingStage) -> torch.dtype | None:
     """Full fine-tuning on a GPU under DDP (or in one process) trains float32 master weights, with the forward
     and backward passes in bf16 under autocast (the Trainer's `bf16`): a bf16 weight loses every update smaller
@@ -756,7 +776,7 @@ def load_starting_model(
     loaded_config = router_aux_loss(model, stage, section)
     switch = packed_attention(spec.model, stage, section)
     if switch is not None:
-        model.set_attn_implementation(switch)
+        use_attention(model, switch)
 
     if section.method == "full":
         if adapter_dir is not None:  # full training after a LoRA stage: merge its adapter first

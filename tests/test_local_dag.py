@@ -1,5 +1,7 @@
 """The whole DAG, prepare → cpt → sft → rlhf → evaluate → deploy, on the unmodified `local` profile, through the
-command a user types (`python -m workflows.submit korean-llm --local --run-dir DIR`): every stage succeeds, MLflow
+command a user types (`python -m workflows.submit korean-llm --local --run-dir DIR`), each stage launched as its pod
+launches it (no warm start: each training stage under torchrun with the operator's variables, the others as
+`python -m stages <stage>`, as their Argo steps run them): every stage succeeds, MLflow
 holds the pipeline run with one nested run per stage, the model is registered and loads back by alias, W&B
 offline holds one run per training stage, the builtin lm-eval task is measured and gated, the report is written,
 and the training losses go down."""
@@ -19,6 +21,8 @@ from training_fixtures import wandb_offline_runs
 from run.run_dir import RunDir
 from run.tracking import local_store_uri
 from spec.fields import STAGE_ORDER, TRAINING_STAGES
+from workflows.launch import LOCAL_TORCHRUN, training_command
+from workflows.warm_starts import SERVER, SWITCH
 
 pytestmark = pytest.mark.slow
 
@@ -28,11 +32,14 @@ MODEL = "korean-llm"  # deploy.registered_model of the pipeline
 
 @pytest.fixture(scope="module")
 def dag(tmp_path_factory: pytest.TempPathFactory) -> RunDir:
-    """One run of the embedded runner over the whole DAG, on CPU, offline, with its own SQLite tracking store."""
+    """One run of the embedded runner over the whole DAG, on CPU, offline, with its own SQLite tracking store, each
+    stage started as its pod starts it."""
     root = tmp_path_factory.mktemp("dag") / "run"
-    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "WANDB_API_KEY", "WANDB_MODE")}
+    dropped = ("MLFLOW_TRACKING_URI", "WANDB_API_KEY", "WANDB_MODE", SERVER)  # no shared warm-start server
+    env = {k: v for k, v in os.environ.items() if k not in dropped}
     env.update(
         {
+            SWITCH: "0",  # every stage a fresh process, as in its pod
             "PYTHONPATH": str(REPO),
             "CUDA_VISIBLE_DEVICES": "",
             "HF_HUB_OFFLINE": "1",
@@ -55,9 +62,12 @@ def test_every_stage_succeeded(dag: RunDir) -> None:
         result = dag.read_result(stage)
         assert result is not None and result.status == "succeeded", (stage, result and result.message)
         header = (dag.stage_dir(stage) / "logs" / "stage.log").read_text(encoding="utf-8").splitlines()[0]
-        # every stage was forked from the warm-start server the tests' runs share (POSTTRAIN_WARM_SERVER,
-        # training_fixtures.start_warm_server): the runner, another process, found it and started none of its own
-        assert header.endswith("(warm start, shared server)"), header
+        # `===== <time> <argv>`: the pod's argv (training_command; tests/test_launch.py holds it to the manifests)
+        argv = header.split(" ", 2)[2].split(" ")
+        if stage in TRAINING_STAGES:
+            assert argv == training_command(stage, str(dag.root), LOCAL_TORCHRUN), header
+        else:
+            assert argv == [sys.executable, "-m", "stages", stage, "--run-dir", str(dag.root)], header
 
 
 def test_training_losses_go_down(dag: RunDir) -> None:

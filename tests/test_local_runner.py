@@ -35,22 +35,6 @@ def test_gpu_count_and_commands(monkeypatch: pytest.MonkeyPatch, tmp_path: Path)
     for visible, count in (("", 0), ("-1", 0), ("0", 1), ("0,1,2,3", 4)):
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
         assert local.gpu_count() == count
-    command = stage_process.stage_command("sft", tmp_path, force=False, gpus=2)
-    assert command[:3] == [sys.executable, "-m", "torch.distributed.run"]
-    assert command[3:] == [
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "--module",
-        "stages",
-        "sft",
-        "--run-dir",
-        str(tmp_path),
-    ]
-    assert stage_process.stage_command("prepare", tmp_path, force=True, gpus=2) == [
-        sys.executable, "-m", "stages", "prepare", "--run-dir", str(tmp_path), "--force"
-    ]  # fmt: skip
-    assert stage_process.stage_command("cpt", tmp_path, force=False, gpus=1)[:3] == [sys.executable, "-m", "stages"]
 
 
 def test_stage_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):

@@ -126,3 +126,37 @@ def test_token_cache_is_reused_and_keyed_by_its_inputs(tmp_path: Path) -> None:
     data = Path(run_dir.root / "prepare/data/cpt/train.jsonl")
     data.write_text(data.read_text() + json.dumps({"text": "새 문서입니다."}) + "\n")
     assert build_token_cache(run_dir, spec, "cpt") not in (first, shorter)  # new data: a new cache
+
+
+def test_the_stages_flex_attention_reaches_the_kernel_with_its_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`use_attention` (what a packing stage on a GPU switches to) hands FLEX_KERNEL_OPTIONS to flex attention in
+    every layer's call, through PEFT's wrapper around the model (which calls the model's forward directly). The
+    kernel runs eagerly here (CPU); on a GPU bench/flex_shapes.py runs it compiled."""
+    from peft import LoraConfig, get_peft_model
+    from torch.nn.attention.flex_attention import flex_attention
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.integrations import flex_attention as hf_flex
+
+    from stages.modeling import FLEX_KERNEL_OPTIONS, use_attention
+
+    seen: list[object] = []
+
+    def eager(query, key, value, training=False, **kwargs):
+        seen.append(kwargs.get("kernel_options"))
+        kwargs["kernel_options"] = None  # the options are the compiled kernel's; eager flex takes none
+        return flex_attention(query, key, value, **kwargs)
+
+    monkeypatch.setattr(hf_flex, "compile_friendly_flex_attention", eager)
+    config = AutoConfig.for_model(
+        "qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=128,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    use_attention(model, "flex_attention")
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    ids = torch.randint(0, 128, (2, 24))
+    positions = torch.tensor([[*range(10), *range(14)], [*range(24)]])
+    with torch.no_grad():
+        logits = model(input_ids=ids, position_ids=positions).logits
+    assert seen == [FLEX_KERNEL_OPTIONS] * 2 and torch.isfinite(logits).all()

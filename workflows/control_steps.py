@@ -13,13 +13,8 @@ from spec.pipeline import PipelineSpec
 from spec.sizing import PodSize
 from spec.stage import Resources, StageBase, StepPolicy
 from workflows.job_kinds import DEFAULT_JOB_KIND
-from workflows.pytorchjob import (
-    SCRATCH_DIR,
-    SCRATCH_VOLUME,
-    WRITABLE_ENV,
-    container_security_context,
-    resource_requirements,
-)
+from workflows.launch import SCRATCH_DIR, WRITABLE_ENV
+from workflows.pytorchjob import SCRATCH_VOLUME, container_security_context, resource_requirements
 from workflows.step_templates import (
     PARAMS_DIR,
     RETRY_BACKOFF_CAP,

@@ -1,12 +1,14 @@
-"""The embedded runner: the pipeline's DAG on this machine, each stage a `python -m stages` subprocess.
+"""The embedded runner: the pipeline's DAG on this machine, each stage a process started as its pod starts it.
 
 `python -m workflows.submit korean-llm --local` lands here with the spec already validated (the `local`
 profile applied). The runner writes `spec.json` into the run directory (`runs/<pipeline>-<UTC time>` by
 default, with `-2`, `-3`... when another runner took that name in the same second), then runs every enabled stage
-in DAG order, exactly as the cluster runs it:
+in DAG order, exactly as the cluster runs it (workflows/stage_process.py, workflows/launch.py):
 
-    python -m stages <stage> --run-dir DIR                                   # one process
-    torchrun --standalone --nproc-per-node N --module stages <stage> ...      # training stages, N > 1 GPUs
+    python -m stages <stage> --run-dir DIR                 # prepare, evaluate, deploy: as their Argo steps
+    torchrun --module stages <stage> --run-dir DIR         # training stages: the PyTorchJob's argv, with the
+                                                           # operator's PET_* variables for one node of one
+                                                           # process per GPU (one without GPUs)
 
 It shows a live table (status, elapsed time, last log line), keeps each stage's full output in
 `<run>/<stage>/logs/stage.log`, stops at the first failure with the log tail and the command that resumes
@@ -44,7 +46,7 @@ from a warm-start server that imported torch, transformers, TRL, MLflow and W&B 
 of the same process, or for the runs of any process with POSTTRAIN_WARM_SERVER (workflows/warm_starts.py,
 stages/warm.py): each is still its own process with its own session, output, exit code and signals, as above; its
 log's first line ends with `(warm start)` (`(warm start, shared server)`). `POSTTRAIN_WARM_STARTS=0` starts every
-stage as a fresh process.
+stage as a fresh process, as its pod does (the training stages under torchrun).
 
 This module never imports torch or transformers: GPUs are counted from CUDA_VISIBLE_DEVICES or `nvidia-smi -L`.
 """
@@ -82,7 +84,7 @@ from spec.loading import PIPELINES_DIR, REPLACES_DATA
 from spec.pipeline import PipelineSpec
 from workflows.plan import plan_warnings, prepared_warnings
 from workflows.search import search_in_runner, search_needed
-from workflows.stage_process import StageRun, record_interrupted, run_stage, stage_command
+from workflows.stage_process import StageRun, record_interrupted, run_stage, stage_launch
 from workflows.warm_starts import warm_starts
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -472,10 +474,10 @@ def _run_locked(
                         run.ended, run.status, run.message = time.monotonic(), "failed", why
                         failed, exit_code = run, 1
                         continue
-                command = stage_command(run.name, run_root, force, gpus)
+                command, launch_env = stage_launch(spec, run.name, run_root, force, gpus, warm is not None)
                 log = run_root / run.name / "logs" / "stage.log"
                 grace = spec.stage(run.name).run_policy.termination_grace_period_seconds
-                run.returncode = run_stage(run, command, env, log, refresh, grace, warm)
+                run.returncode = run_stage(run, command, {**env, **launch_env}, log, refresh, grace, warm)
             except (StageInterrupted, KeyboardInterrupt) as exc:
                 # The stage got the signal and has exited (run_stage waited): its record says how it ended, or,
                 # killed before it could say so, the runner does.

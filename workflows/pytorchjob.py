@@ -28,8 +28,9 @@ from typing import Any
 from run.names import METRICS_PORT_ENV, PART_OF, PIPELINE_LABEL, RUN_ROOT, STAGE_LABEL
 from spec.pipeline import PipelineSpec
 from spec.sizing import PodSize, pod_size
-from spec.stage import RdmaSpec, StageBase
+from spec.stage import StageBase
 from spec.training import TrainingStage
+from workflows.launch import SCRATCH_DIR, WRITABLE_ENV, rdma_env, shutdown_timeout, training_command
 
 API_VERSION = "kubeflow.org/v1"
 KIND = "PyTorchJob"
@@ -47,45 +48,13 @@ WORKFLOW_LABEL = "workflows.argoproj.io/workflow"
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 METRICS_PORT_NAME = "metrics"  # the container port manifests/components/monitoring's PodMonitor scrapes
 
-# Seconds of the grace period kept back from torchrun's own shutdown, for the agent to exit after its workers.
-SHUTDOWN_MARGIN_SECONDS = 15
-MIN_SHUTDOWN_TIMEOUT_SECONDS = 30
 
 SCRATCH_VOLUME = "tmp"
-SCRATCH_DIR = "/tmp"
-"""An emptyDir every pod that runs stage code mounts: the root filesystem is read-only, and what the stages and
-their libraries write outside the volumes lands here (torchrun's files, Argo's outputs under /tmp/outputs,
-temporary files, the caches of WRITABLE_ENV)."""
-
-WRITABLE_ENV: dict[str, str] = {
-    "HOME": SCRATCH_DIR,
-    "XDG_CACHE_HOME": f"{SCRATCH_DIR}/.cache",
-    "XDG_CONFIG_HOME": f"{SCRATCH_DIR}/.config",
-    "MPLCONFIGDIR": f"{SCRATCH_DIR}/.cache/matplotlib",
-    "TRITON_CACHE_DIR": f"{SCRATCH_DIR}/.cache/triton",
-    "TORCHINDUCTOR_CACHE_DIR": f"{SCRATCH_DIR}/.cache/torchinductor",
-    "TORCH_EXTENSIONS_DIR": f"{SCRATCH_DIR}/.cache/torch_extensions",
-    "CUDA_CACHE_PATH": f"{SCRATCH_DIR}/.cache/nv",
-    "WANDB_DIR": SCRATCH_DIR,
-    "WANDB_CACHE_DIR": f"{SCRATCH_DIR}/.cache/wandb",
-    "WANDB_CONFIG_DIR": f"{SCRATCH_DIR}/.config/wandb",
-}
-"""Every cache a stage's libraries write, on the scratch volume: the image's own settings (HOME, MPLCONFIGDIR,
-TRITON_CACHE_DIR under /home/posttrain) point at the read-only root filesystem. torch.compile (Inductor, Triton),
-DeepSpeed's ops (compiled on first use into TORCH_EXTENSIONS_DIR), the CUDA JIT, matplotlib and W&B's files outside
-the run directory. HF_HOME is on the checkpoints volume instead (pod_env), so models and datasets are downloaded
-once per cluster. cluster.env or a stage's env may set any of these to another writable path."""
 
 
 def run_dir(spec: PipelineSpec, run_name: str) -> str:
     """The run directory on the checkpoints volume for a run (a workflow name, or an Argo expression)."""
     return f"{spec.cluster.checkpoints.mount_path}/{RUN_ROOT}/{run_name}"
-
-
-def stage_command(stage: str, run_directory: str) -> list[str]:
-    """The container argv of a training stage. torchrun reads nnodes, nproc-per-node, node rank and the
-    master address from the PET_* variables the operator sets; only the entry point and run directory are ours."""
-    return ["torchrun", "--module", "stages", stage, "--run-dir", run_directory]
 
 
 def volumes(spec: PipelineSpec, shm_size: str | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -121,13 +90,6 @@ def volumes(spec: PipelineSpec, shm_size: str | None) -> tuple[list[dict[str, An
 def stage_image(spec: PipelineSpec, stage: StageBase) -> str:
     """The image a stage's pods run."""
     return stage.resources.image or spec.cluster.image
-
-
-def shutdown_timeout(stage: TrainingStage) -> int:
-    """Seconds torchrun waits, after SIGTERM, for its workers to exit before it SIGKILLs them: most of the pod's
-    grace period, so a preempted worker can finish its step and save a checkpoint (torchrun's default is 30)."""
-    grace = stage.run_policy.termination_grace_period_seconds
-    return max(grace - SHUTDOWN_MARGIN_SECONDS, MIN_SHUTDOWN_TIMEOUT_SECONDS)
 
 
 def pod_env(spec: PipelineSpec, stage: StageBase) -> list[dict[str, Any]]:
@@ -235,19 +197,6 @@ def container_security_context(ipc_lock: bool = False) -> dict[str, Any]:
     return {"allowPrivilegeEscalation": False, "capabilities": capabilities, "readOnlyRootFilesystem": True}
 
 
-def rdma_env(rdma: RdmaSpec | None) -> dict[str, str]:
-    """NCCL's settings for RDMA: InfiniBand/RoCE on (NCCL_IB_DISABLE=0), and the adapters and bootstrap interface
-    when the spec names them. Nothing without RDMA (NCCL then finds no IB device and uses TCP sockets)."""
-    if rdma is None:
-        return {}
-    env = {"NCCL_IB_DISABLE": "0"}
-    if rdma.nccl_ib_hca:
-        env["NCCL_IB_HCA"] = rdma.nccl_ib_hca
-    if rdma.nccl_socket_ifname:
-        env["NCCL_SOCKET_IFNAME"] = rdma.nccl_socket_ifname
-    return env
-
-
 def pod_security_context(spec: PipelineSpec) -> dict[str, Any]:
     """Non-root with the RuntimeDefault seccomp profile; fsGroup so the PVCs are writable. Without
     cluster.run_as_user the image's user is used, and the kubelet still refuses to start it as root."""
@@ -302,7 +251,7 @@ def job_manifest(spec: PipelineSpec, stage_name: str, run_name: str = "{{workflo
     """The PyTorchJob for one training stage of a run: Master (1) + Workers (nodes-1)."""
     stage: TrainingStage = getattr(spec.stages, stage_name)
     res = stage.resources
-    command = stage_command(stage_name, run_dir(spec, run_name))
+    command = training_command(stage_name, run_dir(spec, run_name))
     template = pod_template(spec, stage_name, stage, command)
     replicas: dict[str, Any] = {"Master": {"replicas": 1, "restartPolicy": "Never", "template": template}}
     if res.nodes > 1:

@@ -26,6 +26,8 @@ from run.exits import EXIT_RETRYABLE, StageInterrupted, interrupt_signal
 from run.masking import mask_secrets, secret_values
 from run.run_dir import LOCK_FILE, RunDir, now, try_lock
 from spec.fields import TRAINING_STAGES
+from spec.pipeline import PipelineSpec
+from workflows.launch import local_launch
 from workflows.warm_starts import WarmProcess, WarmStarts
 
 LOG_TAIL_LINES = 25
@@ -54,14 +56,19 @@ class StageRun:
         return f"{int(seconds // 60)}:{seconds % 60:04.1f}" if seconds >= 60 else f"{seconds:.1f}s"
 
 
-def stage_command(stage: str, run_root: Path, force: bool, gpus: int) -> list[str]:
-    """The argv of a stage: torchrun for a training stage on more than one GPU, else plain python."""
-    args = ["--module", "stages", stage, "--run-dir", str(run_root)] + (["--force"] if force else [])
-    if stage in TRAINING_STAGES and gpus > 1:
-        # torchrun as a module of this interpreter: the same environment, whatever PATH says.
-        launcher = [sys.executable, "-m", "torch.distributed.run"]
-        return [*launcher, "--standalone", "--nproc-per-node", str(gpus), *args]
-    return [sys.executable, "-m", "stages", *args[2:]]
+def stage_launch(
+    spec: PipelineSpec, stage: str, run_root: Path, force: bool, gpus: int, forked: bool
+) -> tuple[list[str], dict[str, str]]:
+    """The argv of a stage and what it adds to the runner's environment. A training stage starts as its pod starts
+    it (workflows/launch.py: torchrun over one process per GPU, one without GPUs, with the container's settings),
+    unless it is to be forked from the warm-start server (`forked`: a machine without GPUs, where a stage's
+    imports take longer than its training); any other stage runs `python -m stages <stage>`, as its Argo step
+    does. `--force` is the runner's own."""
+    forced = ["--force"] if force else []
+    if stage in TRAINING_STAGES and not forked:
+        command, env = local_launch(spec, stage, run_root, gpus)
+        return [*command, *forced], env
+    return [sys.executable, "-m", "stages", stage, "--run-dir", str(run_root), *forced], {}
 
 
 def _pump(stream: Any, log_file: Any, run: StageRun) -> None:

@@ -11,7 +11,7 @@ priority_class and resources.rdma (its IPC_LOCK) are refused with job_kind train
 on PyTorchJobs only: run_policy's active deadline (Argo's wait timeout still bounds the stage), backoff limit, TTL
 and clean-pod policy, and cluster.run_as_user (the runtime's UID). The torch plugin sets
 PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR and PET_MASTER_PORT in the container named `node`,
-which torchrun reads, so the argv is the PyTorchJob's (workflows/pytorchjob.py `stage_command`).
+which torchrun reads, so the argv is the PyTorchJob's (workflows/launch.py `training_command`).
 
 How the Trainer (v2.1) writes `status`, which the conditions below rely on (pkg/controller/trainjob_controller.go,
 pkg/runtime/framework/plugins/jobset): `status.conditions` holds at most `Suspended`, `Complete` and `Failed`,
@@ -38,14 +38,12 @@ from run.names import METRICS_PORT_ENV, PIPELINE_LABEL, STAGE_LABEL
 from spec.pipeline import PipelineSpec
 from spec.sizing import pod_size
 from spec.training import TrainingStage
+from workflows.launch import rdma_env, shutdown_timeout, training_command
 from workflows.pytorchjob import (
     job_metadata,
     pod_env,
-    rdma_env,
     resource_requirements,
     run_dir,
-    shutdown_timeout,
-    stage_command,
     stage_image,
     volumes,
 )
@@ -117,7 +115,7 @@ def job_manifest(spec: PipelineSpec, stage_name: str, run_name: str = "{{workflo
     devices = {res.rdma.resource: res.rdma.count} if res.rdma is not None else None
     trainer: dict[str, Any] = {
         "image": stage_image(spec, stage),
-        "command": stage_command(stage_name, run_dir(spec, run_name)),
+        "command": training_command(stage_name, run_dir(spec, run_name)),
         "env": trainer_env(spec, stage),
         "numNodes": res.nodes,
         "numProcPerNode": res.gpus_per_node or 1,

@@ -11,14 +11,9 @@ from spec.pipeline import PipelineSpec
 from spec.stage import StepPolicy
 from workflows import parameters as params
 from workflows.control_steps import CLEANUP, CONTROL_STEP_SIZE, RETENTION
+from workflows.launch import SCRATCH_DIR, WRITABLE_ENV
 from workflows.pipeline_dag import ENTRYPOINT, chain_templates
-from workflows.pytorchjob import (
-    SCRATCH_DIR,
-    SCRATCH_VOLUME,
-    WRITABLE_ENV,
-    container_security_context,
-    resource_requirements,
-)
+from workflows.pytorchjob import SCRATCH_VOLUME, container_security_context, resource_requirements
 from workflows.step_templates import (
     OUTPUTS_DIR,
     PARAMS_DIR,

@@ -20,7 +20,7 @@ from run.exits import EXIT_RETRYABLE
 from spec.loading import load_pipeline
 from stages.checkpoints import MARKER, why_invalid
 from workflows.compile import compile_pipeline
-from workflows.pytorchjob import stage_command
+from workflows.launch import training_command
 
 pytestmark = pytest.mark.slow
 
@@ -45,7 +45,7 @@ def test_the_compiled_retry_reruns_the_same_entry_point() -> None:
     assert [step["template"] for group in sft["steps"] for step in group] == ["sft-cleanup", "sft-create", "sft-wait"]
     create = templates["sft-create"]
     assert create["resource"]["action"] == "create"  # every retry creates a fresh job
-    command = stage_command("sft", "/mnt/checkpoints/runs/{{workflow.name}}")
+    command = training_command("sft", "/mnt/checkpoints/runs/{{workflow.name}}")
     assert command[1:] == ["--module", "stages", "sft", "--run-dir", "/mnt/checkpoints/runs/{{workflow.name}}"]
     pod = yaml.safe_load(create["resource"]["manifest"])["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
     assert pod["containers"][0]["command"] == command

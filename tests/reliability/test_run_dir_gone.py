@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import faults
 import pytest
@@ -150,10 +151,10 @@ def test_the_runner_reports_failure_when_the_run_directory_is_deleted_under_a_st
     with the run directory: the run failed, the next stage never starts, and no resume command names the folder."""
     run_root = tmp_path / "run"
 
-    def fake(stage: str, root: Path, force: bool, gpus: int) -> list[str]:
-        return [sys.executable, "-c", _FAKE_STAGE, stage, str(root)]
+    def fake(spec: Any, stage: str, root: Path, force: bool, gpus: int, forked: bool) -> tuple[list[str], dict]:
+        return [sys.executable, "-c", _FAKE_STAGE, stage, str(root)], {}
 
-    monkeypatch.setattr(local, "stage_command", fake)
+    monkeypatch.setattr(local, "stage_launch", fake)
     overrides = [f"stages.{s}.enabled=false" for s in ("sft", "rlhf", "deploy")] + ["tracking.wandb_project=null"]
     assert local.run_local(load_pipeline("korean-llm", "local", overrides), run_root) == EXIT_FAILED
     output = capsys.readouterr().out
