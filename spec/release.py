@@ -13,9 +13,11 @@ from spec.stage import StageBase
 
 
 class GateRule(StrictModel):
-    """One rule of the champion/challenger gate: what it compares, how far behind a candidate may fall
-    (`allowance`, `within_allowance`; stages/gate.py applies it to measured values), and which rules are at
-    least as strict (`at_least_as_strict_as`: all the Argo form may do to it)."""
+    """One rule of the champion/challenger gate."""
+
+    # The rule carries its meaning: how far behind a candidate may fall (`allowance`, `within_allowance`;
+    # stages/gate.py applies it to measured values) and which rules are at least as strict
+    # (`at_least_as_strict_as`: all the Argo form may do to it, spec/form.py).
 
     metric: str = Field(
         min_length=1, description="Metric name from the evaluation (e.g. 'perplexity', 'kobest_boolq/acc')."

@@ -181,7 +181,7 @@ CASES = [
     Case("set-root-pods", "submit", with_set("cluster.run_as_user=0"), ("cluster.run_as_user", "non-root")),
     Case("set-deploy-without-evaluate", "submit", with_set("stages.evaluate.enabled=false"),
          ("stages.deploy needs stages.evaluate",)),
-    Case("unknown-profile", "submit", with_set(extra=("--profile", "gpu")), ("no profile 'gpu'", "local")),
+    Case("unknown-profile", "submit", with_set(extra=("--profile", "h100")), ("no profile 'h100'", "local")),
     Case("local-bad-set", "submit", with_set("stages.sft.training.max_steps=0", extra=("--local",)),
          ("stages.sft.training.max_steps", "greater than 0"), subprocess=True),
     # --- UI parameters (prepare --params-dir, as the pod runs it)
