@@ -31,29 +31,12 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from gpu_cases import SHAPES
+
 REPO = Path(__file__).resolve().parent.parent
 
-MODELS: dict[str, dict[str, Any]] = {
-    "dense": dict(  # Qwen3-1.7B's attention
-        model_type="qwen3",
-        hidden_size=2048,
-        intermediate_size=6144,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-    ),
-    "moe": dict(  # Qwen3-30B-A3B's attention and experts
-        model_type="qwen3_moe",
-        hidden_size=2048,
-        intermediate_size=6144,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        head_dim=128,
-        num_experts=128,
-        num_experts_per_tok=8,
-        moe_intermediate_size=768,
-    ),
-}
+MODELS = {"dense": "qwen3-1.7b", "moe": "qwen3-30b-a3b"}
+"""The benchmark's shapes (bench/gpu_cases.py SHAPES) whose attention (and experts) the check runs."""
 
 LENGTH = 4096
 BATCH = 4
@@ -86,9 +69,9 @@ def build(kind: str, device: Any) -> Any:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    shape = dict(MODELS[kind])
+    shape = {**SHAPES[MODELS[kind]], "num_hidden_layers": 2}
     config = AutoConfig.for_model(
-        shape.pop("model_type"), num_hidden_layers=2, vocab_size=32000, max_position_embeddings=LENGTH, **shape
+        shape.pop("architecture", "qwen3"), vocab_size=32000, max_position_embeddings=LENGTH, **shape
     )
     torch.manual_seed(0)
     with device:
