@@ -117,6 +117,16 @@ def pod_env(spec: PipelineSpec, stage: StageBase) -> list[dict[str, Any]]:
     return env
 
 
+def training_env(spec: PipelineSpec, stage: TrainingStage) -> list[dict[str, Any]]:
+    """Environment of a training stage's container: `pod_env`, torchrun's shutdown timeout, and RDMA's NCCL settings
+    (the spec's env wins). The plain values among them are workflows.launch.container_env's."""
+    env = pod_env(spec, stage)
+    env.append({"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": str(shutdown_timeout(stage))})
+    named = {e["name"] for e in env}
+    env += [{"name": k, "value": v} for k, v in rdma_env(stage.resources.rdma).items() if k not in named]
+    return env
+
+
 def resource_requirements(size: PodSize, gpus: int = 0, devices: dict[str, int] | None = None) -> dict[str, Any]:
     """Requests equal to limits (Guaranteed QoS: a pod that keeps to its size is the last one the kubelet evicts);
     GPUs and other devices as limits."""
@@ -135,10 +145,7 @@ def pod_template(spec: PipelineSpec, stage_name: str, stage: TrainingStage, comm
     res = stage.resources
     cluster = spec.cluster
     vols, mounts = volumes(spec, res.shm_size)
-    env = pod_env(spec, stage)
-    env.append({"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": str(shutdown_timeout(stage))})
-    named = {e["name"] for e in env}
-    env += [{"name": k, "value": v} for k, v in rdma_env(res.rdma).items() if k not in named]  # the spec's env wins
+    env = training_env(spec, stage)
     devices = {res.rdma.resource: res.rdma.count} if res.rdma is not None else None
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,

@@ -38,13 +38,13 @@ from run.names import METRICS_PORT_ENV, PIPELINE_LABEL, STAGE_LABEL
 from spec.pipeline import PipelineSpec
 from spec.sizing import pod_size
 from spec.training import TrainingStage
-from workflows.launch import rdma_env, shutdown_timeout, training_command
+from workflows.launch import training_command
 from workflows.pytorchjob import (
     job_metadata,
-    pod_env,
     resource_requirements,
     run_dir,
     stage_image,
+    training_env,
     volumes,
 )
 
@@ -72,11 +72,7 @@ def runtime_ref(spec: PipelineSpec) -> dict[str, str]:
 def trainer_env(spec: PipelineSpec, stage: TrainingStage) -> list[dict[str, Any]]:
     """The `node` container's environment: the PyTorchJob's (settings, identity, caches, secrets by reference),
     torchrun's shutdown timeout, RDMA's NCCL settings, and the metrics port (rank 0 serves)."""
-    res = stage.resources
-    env = pod_env(spec, stage)
-    env.append({"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": str(shutdown_timeout(stage))})
-    named = {e["name"] for e in env}
-    env += [{"name": k, "value": v} for k, v in rdma_env(res.rdma).items() if k not in named]  # the spec's env wins
+    env = training_env(spec, stage)
     if spec.cluster.metrics_port is not None:
         env = [e for e in env if e["name"] != METRICS_PORT_ENV]
         env.append({"name": METRICS_PORT_ENV, "value": str(spec.cluster.metrics_port)})
