@@ -58,7 +58,7 @@ class Case:
     name: str
     group: str  # B1..B5
     shape: str
-    kind: str = "stage_sft"  # stage_sft | plain_peft | stage_dpo | trl_dpo
+    kind: str = "stage_sft"  # stage_sft | plain_peft | plain_trainer | stage_dpo | trl_dpo | matmul_ceiling
     method: str = "full"  # full | lora | qlora
     packing: bool = True
     per_device_batch_size: int = 4
@@ -478,7 +478,52 @@ CASES: list[Case] = [
         note="as b5_stage with LoRA on the experts too (lora.target_experts) and gradient checkpointing (without "
         "it the experts' adapters run out of memory on 141 GB)",
     ),
+    # B6: full fine-tuning of the 8B shape under FSDP2 on every GPU of the node (torchrun), rows of 4096.
+    Case(
+        "b6_fsdp_8b",
+        "B6",
+        "qwen3-8b",
+        strategy="fsdp",
+        per_device_batch_size=2,
+        gradient_checkpointing=True,
+        max_seq_length=4096,
+        warmup=3,
+        steps=8,
+        note="cpt/sft stage, full, FSDP2 as the stage configures it, packed rows of 4096 with documents kept apart "
+        "(flex + Liger), activation checkpointing, 2 rows per GPU",
+    ),
+    Case(
+        "b6_fsdp_8b_b4",
+        "B6",
+        "qwen3-8b",
+        strategy="fsdp",
+        per_device_batch_size=4,
+        gradient_checkpointing=True,
+        max_seq_length=4096,
+        warmup=3,
+        steps=8,
+        note="as b6_fsdp_8b with 4 rows per GPU",
+    ),
+    Case(
+        "b6_plain_fsdp_8b",
+        "B6",
+        "qwen3-8b",
+        kind="plain_trainer",
+        strategy="fsdp",
+        packing=False,
+        attn="sdpa",
+        per_device_batch_size=8,
+        gradient_checkpointing=True,
+        max_seq_length=4096,
+        warmup=3,
+        steps=8,
+        note="baseline: transformers Trainer + accelerate FSDP2 with their defaults (padded batches of 8, sdpa, no "
+        "Liger), each decoder layer a shard unit, activation checkpointing",
+    ),
 ]
+
+MULTI_GPU_GROUPS = ("B3", "B6")
+"""Groups whose cases run under torchrun over every GPU of the node."""
 
 
 BY_NAME = {case.name: case for case in CASES}

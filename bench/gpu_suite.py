@@ -39,7 +39,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from gpu_cases import BY_NAME, CASES, PEAK_BF16_FLOPS, SHAPES, VOCAB, Case
+from gpu_cases import BY_NAME, CASES, MULTI_GPU_GROUPS, PEAK_BF16_FLOPS, SHAPES, VOCAB, Case
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -325,6 +325,21 @@ def boundary_check(model: Any, row: dict[str, list[int]], device: Any) -> dict[s
     return {"packed_vs_alone": rel, "no_reset_vs_alone": rel_leaky, "documents_in_row": len(starts), "finite": finite}
 
 
+def plain_strategy(case: Case, model: Any) -> dict[str, Any]:
+    """A plain Trainer's distributed settings: FSDP2 as transformers documents it (each decoder layer a shard unit,
+    accelerate's defaults otherwise), activation checkpointing when the case asks for it."""
+    if case.strategy != "fsdp":
+        return {"gradient_checkpointing": case.gradient_checkpointing}
+    return {
+        "fsdp": "full_shard auto_wrap",
+        "fsdp_config": {
+            "version": 2,
+            "transformer_layer_cls_to_wrap": list(model._no_split_modules),
+            "activation_checkpointing": case.gradient_checkpointing,
+        },
+    }
+
+
 def plain_collator(pad_id: int) -> Any:
     """What a transformers + PEFT script does by default: right-pad, attention_mask, labels -100 on padding."""
     import torch
@@ -444,7 +459,7 @@ def run_case(case: Case, tiny: bool, tmp: Path) -> dict[str, Any]:
     started = time.perf_counter()
     result: dict[str, Any] = {"case": asdict(case), "world_size": world}
 
-    if case.kind in ("stage_sft", "plain_peft"):
+    if case.kind in ("stage_sft", "plain_peft", "plain_trainer"):
         from datasets import Dataset
 
         from stages.packing import PackedCollator, batch_width_multiple, example_row, pack_best_fit
@@ -455,11 +470,12 @@ def run_case(case: Case, tiny: bool, tmp: Path) -> dict[str, Any]:
         else:
             rows = [example_row(ids, labels) for ids, labels in examples]
         columns = {k: [r[k] for r in rows] for k in ("input_ids", "labels", "position_ids")}
-        if case.kind == "plain_peft":
+        if case.kind in ("plain_peft", "plain_trainer"):
             from transformers import Trainer, TrainingArguments
 
             dataset = Dataset.from_dict({k: columns[k] for k in ("input_ids", "labels")})
             args = TrainingArguments(
+                **plain_strategy(case, model),
                 output_dir=str(tmp / "out"),
                 per_device_train_batch_size=case.per_device_batch_size,
                 max_steps=case.warmup + case.steps,
@@ -674,7 +690,7 @@ def _spawn(names: list[str], out: Path, cases_dir: Path, gpus: str, log: Path, t
             cmd = [sys.executable, str(Path(__file__)), "case", name, "--out", str(cases_dir)]
             if tiny:
                 cmd.append("--tiny")
-            if case.group == "B3":
+            if case.group in MULTI_GPU_GROUPS:
                 n = len(gpus.split(","))
                 cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", *cmd[1:]]
             f.write(f"=== {name} on GPU {gpus}: {' '.join(cmd)}\n")
@@ -701,10 +717,10 @@ def suite(args: argparse.Namespace) -> int:
     chosen = [c for c in (args.cases.split(",") if args.cases else [c.name for c in CASES])]
     count = max(torch.cuda.device_count(), 1)
     (out / "env.json").write_text(json.dumps(environment(), indent=2))
-    multi = [n for n in chosen if BY_NAME[n].group == "B3"]
+    multi = [n for n in chosen if BY_NAME[n].group in MULTI_GPU_GROUPS]
     if multi and count > 1:
         _spawn(multi, out, cases_dir, ",".join(map(str, range(count))), out / "log_b3.txt", args.tiny, deadline)
-    single = [n for n in chosen if BY_NAME[n].group != "B3"]
+    single = [n for n in chosen if BY_NAME[n].group not in MULTI_GPU_GROUPS]
     lanes = [single[i::count] for i in range(count)]  # one-GPU cases dealt over the GPUs, in the given order
     threads = [
         threading.Thread(

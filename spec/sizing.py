@@ -19,7 +19,8 @@ from decimal import Decimal
 
 from spec.model import TinyModelConfig
 from spec.pipeline import PipelineSpec
-from spec.stage import Resources
+from spec.stage import Resources, StageBase
+from spec.training import TrainingStage
 
 GIB = 1024**3
 
@@ -105,9 +106,12 @@ def _role(stage_name: str) -> str:
 def derived_size(spec: PipelineSpec, stage_name: str, res: Resources) -> PodSize:
     """The size of a stage's pods when the spec leaves it unset.
 
-    - training (cpt, sft, rlhf): each of the pod's processes loads the weights into host memory before they go to
-      its GPU, so the weights once per GPU, plus optimizer state offloaded to the host (16 bytes a parameter:
-      fp32 master weights, two Adam moments, gradients; shared by the nodes) with `distributed.cpu_offload`.
+    - training (cpt, sft, rlhf): under DDP and DeepSpeed each of the pod's processes loads the weights into host
+      memory before they go to its GPU, so the weights once per GPU. Under FSDP2 over several processes (not
+      QLoRA) rank 0 alone loads them (stages/sharded_loading.py), onto its GPU where they fit, else into host
+      memory, where accelerate upcasts the trained ones to float32 before sharding: twice the weights for full
+      training, once for LoRA. Plus optimizer state offloaded to the host (16 bytes a parameter: fp32 master
+      weights, two Adam moments, gradients; shared by the nodes) with `distributed.cpu_offload`.
     - evaluate: the model being measured, once and a half (loading, then the generation cache on a CPU pod).
     - deploy: an adapter merged into its base and the merged model loaded again to register it, about 2.5 times
       the weights; MLflow stages the logged model in /tmp first, so ephemeral storage for one copy of it.
@@ -122,13 +126,25 @@ def derived_size(spec: PipelineSpec, stage_name: str, res: Resources) -> PodSize
     cpu = str(max(4, CPU_PER_GPU[role] * res.gpus_per_node))
     overhead = RUNTIME_OVERHEAD_GIB[role] * GIB + shm
     if role == "training":
-        memory = weights * max(1, res.gpus_per_node)
+        memory = weights * _host_copies(spec.stage(stage_name), res)
         if getattr(getattr(spec.stage(stage_name), "distributed", None), "cpu_offload", False):
             memory += 16 * model_parameters(spec) / res.nodes
         return PodSize(cpu, _gib(memory + overhead))
     if role == "evaluate":
         return PodSize(cpu, _gib(1.5 * weights + overhead))
     return PodSize(cpu, _gib(2.5 * weights + overhead), _gib(weights + SCRATCH_GIB * GIB))
+
+
+def _host_copies(section: StageBase, res: Resources) -> int:
+    """How many times a training pod holds the weights in host memory while its processes load them."""
+    if (
+        isinstance(section, TrainingStage)
+        and section.distributed.strategy == "fsdp"
+        and res.nodes * res.gpus_per_node > 1
+        and section.method != "qlora"
+    ):
+        return 2 if section.method == "full" else 1
+    return max(1, res.gpus_per_node)
 
 
 def pod_size(spec: PipelineSpec, stage_name: str, res: Resources | None = None) -> PodSize:

@@ -23,7 +23,6 @@ from stages.modeling import (
     describe,
     load_starting_model,
     load_tokenizer,
-    save_stage_model,
 )
 from stages.packing import PackedCollator, batch_width_multiple, load_token_cache
 from stages.progress import ProgressLog
@@ -35,6 +34,7 @@ from stages.training import (
     record_inputs,
     resume_checkpoint,
     resume_details,
+    save_stage_model,
     summary_metrics,
     train_to_plan,
     trainer_arguments,

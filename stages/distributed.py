@@ -12,18 +12,13 @@ FSDP and DeepSpeed need GPUs: on CPU the stage stops with an error that names th
 from __future__ import annotations
 
 import importlib.util
-import os
 from typing import Any
 
 import torch
 
 from spec.training import DistributedSpec, TrainingStage
 from stages.modeling import NotSupportedHere
-
-
-def world_size() -> int:
-    """Processes in the job (1 when not under torchrun)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
+from stages.sharded_loading import loads_once, world_size
 
 
 def check_strategy(stage: str, distributed: DistributedSpec) -> None:
@@ -43,11 +38,14 @@ def check_strategy(stage: str, distributed: DistributedSpec) -> None:
         )
 
 
-def fsdp_settings(distributed: DistributedSpec, layer_classes: list[str], recompute: bool = False) -> dict[str, Any]:
+def fsdp_settings(
+    distributed: DistributedSpec, layer_classes: list[str], recompute: bool = False, once: bool = False
+) -> dict[str, Any]:
     """Trainer arguments for FSDP2: each decoder layer is a shard unit; full state dicts on save, so
     checkpoints and the final model are ordinary safetensors. Activation recomputation (`recompute`, from
     gradient_checkpointing, or distributed.activation_checkpointing) is FSDP's own, not the Trainer's, which
-    would all-gather the parameters once more in the backward pass."""
+    would all-gather the parameters once more in the backward pass. `once`: the model was loaded on rank 0 only
+    (`stages.sharded_loading`), and accelerate broadcasts its weights into the other ranks' shards."""
     return {
         "fsdp": True,
         "activation_checkpointing": False,
@@ -60,7 +58,7 @@ def fsdp_settings(distributed: DistributedSpec, layer_classes: list[str], recomp
             "cpu_offload": distributed.cpu_offload,
             "activation_checkpointing": distributed.activation_checkpointing or recompute,
             "state_dict_type": "FULL_STATE_DICT",
-            "cpu_ram_efficient_loading": False,
+            "cpu_ram_efficient_loading": once,
         },
     }
 
@@ -172,7 +170,8 @@ def strategy_arguments(stage: str, section: TrainingStage, model: Any) -> dict[s
     if distributed.strategy == "fsdp":
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         recompute = section.training.gradient_checkpointing and gpu
-        args.update(fsdp_settings(distributed, list(base._no_split_modules or []), recompute))
+        layers = list(base._no_split_modules or [])
+        args.update(fsdp_settings(distributed, layers, recompute, once=loads_once(section)))
     elif distributed.strategy.startswith("deepspeed"):
         # The user's own config (embedded into the spec when the pipeline was loaded), else the generated one.
         args["deepspeed"] = distributed.deepspeed_config or deepspeed_config(distributed)

@@ -312,6 +312,7 @@ def measure(
     stage = candidate_stage(spec)
     if torch.cuda.is_available() and getattr(model, "hf_device_map", None) is None:
         model.to("cuda")  # built from config; a loaded model is already placed over the GPUs (`placement`)
+    print(f"[evaluate] {who}: {where(model)}", flush=True)
     out = Measured()
     if rows:
         try:
@@ -361,6 +362,15 @@ def release(model: Any) -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def where(model: Any) -> str:
+    """Where a model's weights are, for the log: the devices its layers were spread over, or its one device."""
+    spread = getattr(model, "hf_device_map", None)
+    if not spread:
+        return f"on {next(model.parameters()).device}"
+    devices = sorted({str(device) for device in spread.values()})
+    return f"{len(spread)} modules over {', '.join(f'cuda:{d}' if d.isdigit() else d for d in devices)}"
 
 
 def placement() -> dict[str, Any]:

@@ -8,9 +8,9 @@ Where a stage starts:
 - a later stage (cpt → sft → rlhf) starts from the output of the enabled training stage before it: a full model
   directory, or a LoRA adapter, which a LoRA stage continues and a full stage merges first.
 
-What a stage leaves in `<run>/<stage>/model/`: safetensors weights and the tokenizer; an adapter (with the base
-it applies to recorded in stage.json) or, for full training or `lora.merge_after`, a full model, with its content
-fingerprint in stage.json (`extra.model_fingerprint`). Every stage that loads a stage's model folder (the next
+What a stage leaves in `<run>/<stage>/model/` (`stages.training.save_stage_model` writes it): safetensors weights
+and the tokenizer; an adapter (with the base it applies to recorded in stage.json) or, for full training or
+`lora.merge_after`, a full model, with its content fingerprint in stage.json (`extra.model_fingerprint`). Every stage that loads a stage's model folder (the next
 training stage, evaluate, deploy) fingerprints what it loads and refuses a folder that changed since its producer
 recorded it, or since its own earlier attempt loaded it (`ModelInputs`).
 
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,18 +36,25 @@ from typing import Any, Literal
 
 import torch
 
-from run.run_dir import RunDir, StageRefused, check_still_ours
+from run.run_dir import RunDir, StageRefused
 from spec.fields import TRAINING_STAGES
 from spec.model import ModelSpec, TinyModelConfig
 from spec.pipeline import PipelineSpec
 from spec.training import TrainingStage
 from stages.contract import StageContext, is_main_process
+from stages.sharded_loading import (
+    first_rank_placement,
+    loads_once,
+    on_meta,
+    parameter_count,
+    skeleton,
+    tell_apart,
+)
 
 ModelKind = Literal["full", "adapter"]
 BaseKind = Literal["from_config", "pretrained", "stage"]
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-_ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
 
 
 class NotSupportedHere(RuntimeError):
@@ -540,8 +546,11 @@ def load_base(
     tokenizer: Any,
     quantization: Any = None,
     placement: dict[str, Any] | None = None,
+    once: bool = False,
 ) -> Any:
-    """The weights `base` names, built or loaded; `placement` (e.g. a device_map) applies to loaded weights."""
+    """The weights `base` names, built or loaded; `placement` (e.g. a device_map) applies to loaded weights.
+    `once` (FSDP2 over several processes): rank 0 alone reads the weights, onto its GPU where they fit, and every
+    other rank gets the same model as a skeleton on the meta device (`stages.sharded_loading`)."""
     extra: dict[str, Any] = dict(placement or {})
     if quantization is not None:
         extra = {"quantization_config": quantization, "device_map": {"": torch.cuda.current_device()}}
@@ -550,23 +559,51 @@ def load_base(
             raise NotSupportedHere(
                 "QLoRA quantizes pretrained weights; a model built with model.from_config trains with method 'lora'"
             )
+        if once and not is_main_process():
+            return skeleton(lambda: build_from_config(spec.model, tokenizer))
         return build_from_config(spec.model, tokenizer)
-    if base.kind == "stage":
-        model = load_pretrained(run_dir.root / base.name, spec.model, **extra)
-    else:
-        model = load_pretrained(spec.model.name_or_path, spec.model, revision=spec.model.revision, **extra)
+    source, revision = (
+        (run_dir.root / base.name, None) if base.kind == "stage" else (spec.model.name_or_path, spec.model.revision)
+    )
+    if once:
+        shape = model_skeleton(source, spec.model, revision)
+        if not is_main_process():
+            grow_vocabulary(shape, tokenizer, mean_resizing=False)  # rank 0's rows arrive by broadcast
+            return shape
+        extra.update(first_rank_placement(parameter_count(shape)))
+    model = load_pretrained(source, spec.model, revision=revision, **extra)
     grow_vocabulary(model, tokenizer)
     return model
 
 
-def grow_vocabulary(model: Any, tokenizer: Any) -> None:
+def model_skeleton(source: str | Path, model_spec: ModelSpec, revision: str | None = None) -> Any:
+    """The model a checkpoint holds, built from its config alone with its parameters on the meta device, in the dtype
+    `load_pretrained` would give them ('auto': the checkpoint's own)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(source), revision=revision, trust_remote_code=model_spec.trust_remote_code)
+    dtype = weights_dtype(model_spec)
+    if dtype == "auto":
+        dtype = getattr(config.get_text_config(), "dtype", None) or torch.bfloat16
+    model = skeleton(
+        lambda: AutoModelForCausalLM.from_config(
+            config,
+            dtype=dtype,
+            attn_implementation=attention_implementation(model_spec),
+            trust_remote_code=model_spec.trust_remote_code,
+        )
+    )
+    return _fused_experts(model)
+
+
+def grow_vocabulary(model: Any, tokenizer: Any, mean_resizing: bool = True) -> None:
     """Grow the input embeddings and the LM head to the tokenizer's size when model.chat_template brought tokens
     the model does not have; the new rows start at the mean of the old ones (transformers' mean_resizing), so they
     do not skew the first predictions. A model folder a stage wrote has them already (saved grown)."""
     have = model.get_input_embeddings().weight.shape[0]
     if len(tokenizer) > have:
         print(f"model: embeddings {have} → {len(tokenizer)} rows for the chat template's new tokens", flush=True)
-        model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
+        model.resize_token_embeddings(len(tokenizer), mean_resizing=mean_resizing)
 
 
 def template_token_ids(spec: PipelineSpec, tokenizer: Any) -> list[int]:
@@ -770,7 +807,7 @@ def load_starting_model(
             if base.kind == "stage":  # the stage model the upstream adapter applies to
                 inputs.check("model_base", run_dir.root / base.name, adapter_of=upstream)
             inputs.check("model", adapter_dir)
-    model = load_base(run_dir, spec, base, tokenizer, quantization)
+    model = load_base(run_dir, spec, base, tokenizer, quantization, once=loads_once(section))
     if quantization is not None and (note := unquantized_experts(model)) is not None:
         print(f"[{stage}] {note}", flush=True)
     loaded_config = router_aux_loss(model, stage, section)
@@ -779,7 +816,8 @@ def load_starting_model(
         use_attention(model, switch)
 
     if section.method == "full":
-        if adapter_dir is not None:  # full training after a LoRA stage: merge its adapter first
+        # Full training after a LoRA stage merges its adapter first (a skeleton has the merged shape already).
+        if adapter_dir is not None and not on_meta(model):
             model = load_adapter(model, adapter_dir).merge_and_unload()
             model.requires_grad_(True)  # PEFT loaded the base frozen; full training trains every weight
         save_dtype = float32_masters(model, section)
@@ -810,6 +848,8 @@ def load_starting_model(
             loaded_config=loaded_config,
         )
     start.model.config.use_cache = False  # a KV cache in training would hide the packed-document boundaries
+    if on_meta(start.model):
+        tell_apart(start.model)  # the adapter's parameters too
     return start
 
 
@@ -836,52 +876,6 @@ def load_stage_model(
         inputs.check(name, output.path)
     base = load_base(run_dir, spec, output.base, tokenizer, placement=placement)
     return load_adapter(base, output.path).merge_and_unload()
-
-
-# --------------------------------------------------------------------------- saving
-
-
-def save_stage_model(
-    trainer: Any, tokenizer: Any, run_dir: RunDir, spec: PipelineSpec, stage: str, start: StartingModel
-) -> dict[str, str]:
-    """Write the trained model into `<run>/<stage>/model/` (safetensors + tokenizer) and return what it is, for
-    stage.json's extra. Every rank calls this (FSDP and ZeRO-3 gather the weights); rank 0 writes."""
-    section: TrainingStage = spec.stage(stage)  # type: ignore[assignment]
-    out = run_dir.stage_dir(stage) / "model"
-    check_still_ours(out)  # rank 0: never into a run directory made again under the old name
-    if is_main_process() and out.exists():
-        shutil.rmtree(out)
-    trainer.accelerator.wait_for_everyone()
-    unwrapped = trainer.accelerator.unwrap_model(trainer.model)
-    unwrapped.config.use_cache = True
-    for key, value in start.loaded_config.items():  # training settings (router aux loss) are not the model's
-        setattr(unwrapped.config.get_text_config(), key, value)
-    if start.save_dtype is not None:  # trained on float32 masters: the model is served in the dtype it came in
-        unwrapped.to(start.save_dtype)
-    trainer.save_model(str(out))
-    kind: ModelKind = start.kind
-    if is_main_process():
-        (out / "training_args.bin").unlink(missing_ok=True)  # a pickle, not part of the model
-        tokenizer.save_pretrained(out)
-        if start.kind == "adapter" and section.lora.merge_after:
-            merged = _merge_adapter(run_dir, spec, start, out, tokenizer)
-            for name in _ADAPTER_FILES:
-                (out / name).unlink(missing_ok=True)
-            merged.save_pretrained(out)
-            kind = "full"
-    trainer.accelerator.wait_for_everyone()
-    return {"model_kind": kind, "base": start.base.name, "base_kind": start.base.kind}
-
-
-def _merge_adapter(run_dir: RunDir, spec: PipelineSpec, start: StartingModel, adapter_dir: Path, tokenizer: Any) -> Any:
-    """The adapter in `adapter_dir` merged into a fresh, unquantized copy of its base. A base that is a stage's
-    model folder is read again from disk, hours after training started from it: it must still be what it was."""
-    if start.inputs is not None and start.base.kind == "stage":
-        start.inputs.check("model", run_dir.root / start.base.name)
-    model = load_base(run_dir, spec, start.base, tokenizer)
-    merged = load_adapter(model, adapter_dir).merge_and_unload()
-    merged.config.use_cache = True
-    return merged
 
 
 def describe(model: Any) -> dict[str, int]:

@@ -46,7 +46,6 @@ from stages.modeling import (
     describe,
     load_starting_model,
     load_tokenizer,
-    save_stage_model,
     stage_output,
 )
 from stages.progress import ProgressLog
@@ -58,6 +57,7 @@ from stages.training import (
     output_fingerprint,
     resume_checkpoint,
     resume_details,
+    save_stage_model,
     train_to_plan,
     trainer_arguments,
     write_distributed_config,

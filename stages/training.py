@@ -1,5 +1,5 @@
 """What the training stages (cpt, sft, rlhf) share: the Trainer arguments from the spec, resuming (never past the
-plan), and the summary.
+plan), saving the model, and the summary.
 
 Each stage module reads as the recipe; the pieces here keep it short:
 
@@ -12,6 +12,7 @@ Each stage module reads as the recipe; the pieces here keep it short:
     write_distributed_config(ctx, args)               what the Trainer (and accelerate) got, in logs/
     resume = resume_checkpoint(ctx)                   newest valid checkpoint (torn ones set aside)
     trained = train_to_plan(trainer, resume, stage)   never a step past the plan (0 when resume ends it)
+    model_info = save_stage_model(trainer, ...)       the model folder (rank 0 writes; FSDP/ZeRO-3 gather)
     metrics = summary_metrics(trainer)
     extra = {**resume_details(resume, trained), **output_fingerprint(ctx)}
 """
@@ -23,18 +24,30 @@ import difflib
 import importlib.util
 import json
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from run.config_hash import canonical_hash
-from run.run_dir import StageRefused, write_json_atomic
+from run.run_dir import RunDir, StageRefused, check_still_ours, write_json_atomic
+from spec.pipeline import PipelineSpec
 from spec.training import TrainingStage
 from stages.checkpoints import checkpoint_step, newest_valid_checkpoint, set_aside_torn
 from stages.contract import StageContext, is_main_process
 from stages.distributed import precision_arguments, strategy_arguments
-from stages.modeling import FINGERPRINT, expert_parameters, model_fingerprint, on_gpu, weights_dtype
+from stages.modeling import (
+    FINGERPRINT,
+    ModelKind,
+    StartingModel,
+    expert_parameters,
+    load_adapter,
+    load_base,
+    model_fingerprint,
+    on_gpu,
+    weights_dtype,
+)
 
 
 def trainer_arguments(ctx: StageContext, model: Any) -> dict[str, Any]:
@@ -253,3 +266,50 @@ def train_to_plan(trainer: Any, checkpoint: Path | None, stage: str) -> int:
     finally:
         trainer.remove_callback(guard)
     return trainer.state.global_step - start
+
+
+ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
+"""What a LoRA stage's model folder holds besides the tokenizer; replaced by the merged model with merge_after."""
+
+
+def save_stage_model(
+    trainer: Any, tokenizer: Any, run_dir: RunDir, spec: PipelineSpec, stage: str, start: StartingModel
+) -> dict[str, str]:
+    """Write the trained model into `<run>/<stage>/model/` (safetensors + tokenizer) and return what it is, for
+    stage.json's extra. Every rank calls this (FSDP and ZeRO-3 gather the weights); rank 0 writes."""
+    section: TrainingStage = spec.stage(stage)  # type: ignore[assignment]
+    out = run_dir.stage_dir(stage) / "model"
+    check_still_ours(out)  # rank 0: never into a run directory made again under the old name
+    if is_main_process() and out.exists():
+        shutil.rmtree(out)
+    trainer.accelerator.wait_for_everyone()
+    unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+    unwrapped.config.use_cache = True
+    for key, value in start.loaded_config.items():  # training settings (router aux loss) are not the model's
+        setattr(unwrapped.config.get_text_config(), key, value)
+    if start.save_dtype is not None:  # trained on float32 masters: the model is served in the dtype it came in
+        unwrapped.to(start.save_dtype)
+    trainer.save_model(str(out))
+    kind: ModelKind = start.kind
+    if is_main_process():
+        (out / "training_args.bin").unlink(missing_ok=True)  # a pickle, not part of the model
+        tokenizer.save_pretrained(out)
+        if start.kind == "adapter" and section.lora.merge_after:
+            merged = _merge_adapter(run_dir, spec, start, out, tokenizer)
+            for name in ADAPTER_FILES:
+                (out / name).unlink(missing_ok=True)
+            merged.save_pretrained(out)
+            kind = "full"
+    trainer.accelerator.wait_for_everyone()
+    return {"model_kind": kind, "base": start.base.name, "base_kind": start.base.kind}
+
+
+def _merge_adapter(run_dir: RunDir, spec: PipelineSpec, start: StartingModel, adapter_dir: Path, tokenizer: Any) -> Any:
+    """The adapter in `adapter_dir` merged into a fresh, unquantized copy of its base. A base that is a stage's
+    model folder is read again from disk, hours after training started from it: it must still be what it was."""
+    if start.inputs is not None and start.base.kind == "stage":
+        start.inputs.check("model", run_dir.root / start.base.name)
+    model = load_base(run_dir, spec, start.base, tokenizer)
+    merged = load_adapter(model, adapter_dir).merge_and_unload()
+    merged.config.use_cache = True
+    return merged

@@ -245,7 +245,8 @@ def test_the_saved_model_keeps_its_own_router_settings(tmp_path: Path) -> None:
 
     from transformers import Trainer, TrainingArguments
 
-    from stages.modeling import BaseRef, StartingModel, save_stage_model
+    from stages.modeling import BaseRef, StartingModel
+    from stages.training import save_stage_model
 
     run_dir = make_run_dir(tmp_path / "run", n_text=20, n_chat=20)
     spec = run_dir.load_spec()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from decimal import Decimal
 from typing import Any
 
 import yaml
@@ -91,3 +92,25 @@ def test_a_training_pod_holds_the_weights_once_per_gpu() -> None:
     spec.stages.sft.distributed.cpu_offload = True
     offloaded = quantity(pod_size(spec, "sft").memory) - quantity(size.memory)
     assert offloaded >= 16 * 8 * 10**9 - quantity("1Gi")  # the Adam state of 8B parameters (sizes round up to 1Gi)
+
+
+def test_an_fsdp_pod_holds_the_weights_rank_0_loaded() -> None:
+    """Under FSDP2 over several processes rank 0 alone loads the weights (stages/sharded_loading.py): host memory
+    for them and, in full training, accelerate's float32 upcast, not one copy per GPU."""
+    spec = fresh_spec("korean-llm")  # Qwen3-8B, cpt: full training, FSDP, 2 nodes of 8 GPUs
+    cpt = spec.stages.cpt
+    cpt.resources.memory = cpt.resources.shm_size = None
+    ddp = cpt.model_copy(update={"distributed": cpt.distributed.model_copy(update={"strategy": "ddp"})})
+    weights, runtime = 8 * 10**9 * 2, quantity("17Gi")  # 16 GB of bf16 weights; Python, CUDA, NCCL, loaders
+
+    def memory() -> Decimal:
+        return quantity(pod_size(spec, "cpt").memory)
+
+    assert 2 * weights <= memory() < 2 * weights + runtime
+    spec.stages.cpt = ddp
+    assert memory() >= 8 * weights
+    spec.stages.cpt = cpt.model_copy(update={"method": "lora"})
+    assert weights <= memory() < weights + runtime
+    cpt.resources.nodes = cpt.resources.gpus_per_node = 1  # one process loads as any single process does
+    spec.stages.cpt = cpt
+    assert weights <= memory() < weights + runtime

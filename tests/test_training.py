@@ -208,7 +208,8 @@ def test_bf16_weights_lose_fine_tuning_updates_that_float32_masters_keep(monkeyp
 def test_a_model_trained_on_float32_masters_is_saved_in_its_loaded_dtype(tmp_path: Path) -> None:
     from transformers import Trainer, TrainingArguments
 
-    from stages.modeling import BaseRef, StartingModel, save_stage_model
+    from stages.modeling import BaseRef, StartingModel
+    from stages.training import save_stage_model
 
     run_dir = make_run_dir(tmp_path / "run", n_text=20, n_chat=20)
     spec = run_dir.load_spec()
