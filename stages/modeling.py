@@ -10,9 +10,13 @@ Where a stage starts:
 
 What a stage leaves in `<run>/<stage>/model/` (`stages.training.save_stage_model` writes it): safetensors weights
 and the tokenizer; an adapter (with the base it applies to recorded in stage.json) or, for full training or
-`lora.merge_after`, a full model, with its content fingerprint in stage.json (`extra.model_fingerprint`). Every stage that loads a stage's model folder (the next
-training stage, evaluate, deploy) fingerprints what it loads and refuses a folder that changed since its producer
-recorded it, or since its own earlier attempt loaded it (`ModelInputs`).
+`lora.merge_after`, a full model, with its content fingerprint in stage.json (`extra.model_fingerprint`). Every
+stage that loads a stage's model folder (the next training stage, evaluate, deploy) fingerprints what it loads and
+refuses a folder that changed since its producer recorded it, or since its own earlier attempt loaded it
+(`ModelInputs`).
+
+Under FSDP2 over several processes the model loads once per job (`stages.sharded_loading`): rank 0 reads it, the
+other ranks build a skeleton on the meta device that accelerate fills by broadcast.
 
 On CPU the weights are float32 and there is no gradient checkpointing and no bf16. Attention is one of the
 implementations that keep packed documents apart through their position ids (see stages/packing.py): sdpa on
