@@ -113,7 +113,8 @@ class Resources(StrictModel):
     memory: Quantity | None = Field(
         None,
         description="Memory request and limit per pod, /dev/shm included. None: derived from the model's size "
-        "(its weights in model.dtype: once per GPU plus 16Gi for training, plus offloaded optimizer state with "
+        "(its weights in model.dtype: once per GPU plus 16Gi for training, under FSDP over several processes twice "
+        "for full training and once for LoRA, since rank 0 alone loads them; plus offloaded optimizer state with "
         "distributed.cpu_offload; 1.5 times plus 8Gi for evaluate; 2.5 times plus 8Gi for deploy, which merges an "
         "adapter and loads the result again; 16Gi for prepare) and shm_size.",
     )
