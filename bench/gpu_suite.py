@@ -292,6 +292,9 @@ def trainer_args(ctx: SimpleNamespace, model: Any, case: Case) -> dict[str, Any]
     from stages.training import trainer_arguments
 
     args = trainer_arguments(ctx, model)
+    # No checkpoint: with save_strategy "steps" the Trainer saves at the planned end, which for an 8B model under
+    # FSDP2 (weights and Adam's state gathered) takes longer than the timed steps; nothing here is resumed.
+    args["save_strategy"] = "no"
     if case.liger is not None:
         args["use_liger_kernel"] = case.liger
     if case.reshard_after_forward is not None and args.get("fsdp_config"):
