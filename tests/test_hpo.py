@@ -258,7 +258,7 @@ def test_bad_optimal_trial_input_ends_with_one_error_line(
 def test_prepare_run_again_keeps_the_values_a_search_selected(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """In the cluster, prepare resolves spec.json from the form's parameters; run again in a run directory whose search
     selected, it keeps the selected values (the stages after it were trained with them)."""
-    from test_parameters import _params_dir
+    from test_parameters import _params_dir, prepare_step
 
     from spec.form import resolve_params_dir
 
@@ -269,9 +269,7 @@ def test_prepare_run_again_keeps_the_values_a_search_selected(tmp_path: Path, mo
     search_path(run, "sft").parent.mkdir(parents=True)
     search_path(run, "sft").write_text(json.dumps({"search": fingerprint, "best_values": best}), encoding="utf-8")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    # `python -m stages prepare --params-dir`, forked from the warm-start server (its imports done once): it goes on
-    # to read dolly from the hub, and stops there: this machine is offline
-    run_stage(RunDir(run), "prepare", "--params-dir", str(params))
+    prepare_step(run, params)  # it goes on to read dolly from the hub, and stops there: this machine is offline
     sft = RunDir(run).load_spec().stages.sft
     assert (sft.training.learning_rate, sft.lora.r, sft.training.warmup_ratio) == (1e-4, 32, 0.05)
 
