@@ -171,6 +171,12 @@ def pytest_configure(config: pytest.Config) -> None:
     environment.baseline()
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The environment back to the baseline once collection's imports are done (MLflow's, for one, sets its telemetry
+    session): the first module's module-scoped fixtures are set up before the autouse fixture below restores it."""
+    environment.restore()
+
+
 @pytest.fixture(autouse=True)
 def _same_environment_for_every_test() -> Any:
     """Every test starts with the same environment, whatever collection, earlier tests or imports set

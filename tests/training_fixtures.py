@@ -27,6 +27,7 @@ from run.names import METRICS_PORT_ENV
 from run.run_dir import RunDir
 from spec.loading import load_pipeline
 from stages.tokenizer import build_tokenizer, render_for_training
+from stages.trials import METRICS_FILE_ENV
 from workflows import warm_starts
 from workflows.stage_process import die_with_runner
 from workflows.warm_starts import WarmProcess, WarmStarts
@@ -126,6 +127,7 @@ RUNTIME_VARIABLES = (
     *warm_starts.RUNTIME_VARIABLES,  # the local runner's: MLflow's, pytest's test name
     *stage_hooks.SWITCHES,
     METRICS_PORT_ENV,
+    METRICS_FILE_ENV,  # a Katib trial's metrics file, opened when the trial reports
     "WANDB_MODE",  # W&B reads its settings when a run starts (wandb.init), not at import
     "WANDB_API_KEY",
     "WANDB_BASE_URL",
@@ -191,10 +193,11 @@ def _warm_starts(env: dict[str, str]) -> WarmStarts:
     global _warm
     if _warm is None:
         address = os.environ.get(warm_starts.SERVER)
-        if address:
-            _warm = WarmStarts({}, RUNTIME_VARIABLES, address=address)
-        else:
-            _warm = WarmStarts(env, RUNTIME_VARIABLES, server=stage_hooks.server_command())
+        # connect waits for the server's ready message, which brings its environment: a stage started before it
+        # came would be compared with an empty one and started as a fresh process.
+        _warm = (address and warm_starts.connect(address, env)) or WarmStarts(
+            env, RUNTIME_VARIABLES, server=stage_hooks.server_command()
+        )
         atexit.register(_warm.close)
     return _warm
 
