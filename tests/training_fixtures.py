@@ -210,7 +210,17 @@ def _warm_start(
     command = [sys.executable, "-m", "stages", stage, "--run-dir", str(run_dir.root), *args]
     # The environment tests start with (a test that started the server must not give it its own changes).
     server_env = {k: v for k, v in child_env(environment.baseline()).items() if k not in RUNTIME_VARIABLES}
-    return _warm_starts(server_env).start(command, child_env(**env), **how)
+    warm, stage_env = _warm_starts(server_env), child_env(**env)
+    process = warm.start(command, stage_env, **how)
+    if process is None and (log := os.environ.get(FRESH_LOG)):
+        with open(log, "a", encoding="utf-8") as f:
+            f.write(f"{os.environ.get('PYTEST_CURRENT_TEST', '?')}: {stage} {warm.differences(stage_env)}\n")
+    return process
+
+
+FRESH_LOG = "POSTTRAIN_TESTS_FRESH_LOG"
+"""A file to list each stage a test started as a fresh process instead of forking it, with the variables why: the
+suite's time depends on how few there are."""
 
 
 def _read_all(stream: Any, into: list[bytes]) -> threading.Thread:
