@@ -78,7 +78,7 @@ class Case:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-# The base cases of the B2-at-4096 and B5 groups; their variants below differ in the fields they name.
+# The base cases of the B2-at-4096, B5 and B6 groups; their variants below differ in the fields they name.
 B2_4K = Case(
     "b2_stage_4k",
     "B2",
@@ -106,6 +106,20 @@ B5 = Case(
     "defaults (attention kernel, Liger), no checkpointing",
 )
 
+
+B6 = Case(
+    "b6_fsdp_8b",
+    "B6",
+    "qwen3-8b",
+    strategy="fsdp",
+    per_device_batch_size=2,
+    gradient_checkpointing=True,
+    max_seq_length=4096,
+    warmup=3,
+    steps=8,
+    note="cpt/sft stage, full, FSDP2 as the stage configures it, packed rows of 4096 with documents kept apart "
+    "(flex + Liger), activation checkpointing, 2 rows per GPU",
+)
 
 CASES: list[Case] = [
     # B1: full fine-tuning, Qwen3-1.7B shape, one GPU.
@@ -479,44 +493,15 @@ CASES: list[Case] = [
         "it the experts' adapters run out of memory on 141 GB)",
     ),
     # B6: full fine-tuning of the 8B shape under FSDP2 on every GPU of the node (torchrun), rows of 4096.
-    Case(
-        "b6_fsdp_8b",
-        "B6",
-        "qwen3-8b",
-        strategy="fsdp",
-        per_device_batch_size=2,
-        gradient_checkpointing=True,
-        max_seq_length=4096,
-        warmup=3,
-        steps=8,
-        note="cpt/sft stage, full, FSDP2 as the stage configures it, packed rows of 4096 with documents kept apart "
-        "(flex + Liger), activation checkpointing, 2 rows per GPU",
-    ),
-    Case(
-        "b6_fsdp_8b_b4",
-        "B6",
-        "qwen3-8b",
-        strategy="fsdp",
-        per_device_batch_size=4,
-        gradient_checkpointing=True,
-        max_seq_length=4096,
-        warmup=3,
-        steps=8,
-        note="as b6_fsdp_8b with 4 rows per GPU",
-    ),
-    Case(
-        "b6_plain_fsdp_8b",
-        "B6",
-        "qwen3-8b",
+    B6,
+    replace(B6, name="b6_fsdp_8b_b4", per_device_batch_size=4, note="as b6_fsdp_8b with 4 rows per GPU"),
+    replace(
+        B6,
+        name="b6_plain_fsdp_8b",
         kind="plain_trainer",
-        strategy="fsdp",
         packing=False,
         attn="sdpa",
         per_device_batch_size=8,
-        gradient_checkpointing=True,
-        max_seq_length=4096,
-        warmup=3,
-        steps=8,
         note="baseline: transformers Trainer + accelerate FSDP2 with their defaults (padded batches of 8, sdpa, no "
         "Liger), each decoder layer a shard unit, activation checkpointing",
     ),
