@@ -1,14 +1,15 @@
 """Benchmark (not a test): a training stage resumed after one of its ranks was killed, against an uninterrupted run.
 
-    python bench/resume_gpu.py --run-dir PREPARED --out OUT [--stage cpt --steps 8 --kill-after 4 --procs 2]
+    python bench/resume_gpu.py --run-dir PREPARED --out OUT [--work DIR --stage cpt --steps 8 --kill-after 4 --procs 2]
 
 PREPARED is a run directory prepare finished (the P7 run of `--local --profile gpu`, or any pipeline's). Two copies
-are made, and in both the stage's plan becomes --steps optimizer steps with a checkpoint every --kill-after steps and
-the loss logged at every step. Copy A trains without interruption. Copy B starts the same way; once its checkpoint at
-step --kill-after is complete (its COMPLETE marker written), local rank 1 gets SIGKILL and torchrun tears the group
-down, as the Training Operator sees a failed replica. The stage is then launched again with the same argv and
-environment (workflows/launch.py: what its pod runs), and resumes from the newest complete checkpoint. OUT/resume.json
-has both loss curves and the largest relative difference of a loss after the checkpoint (target: within 0.1%).
+are made under --work (default OUT; checkpoints of real size go there, so keep it off a folder that is shipped), and
+in both the stage's plan becomes --steps optimizer steps with a checkpoint every --kill-after steps and the loss
+logged at every step. Copy A trains without interruption. Copy B starts the same way; once its checkpoint at step
+--kill-after is complete (its COMPLETE marker written), local rank 1 gets SIGKILL and torchrun tears the group down,
+as the Training Operator sees a failed replica. The stage is then launched again with the same argv and environment
+(workflows/launch.py: what its pod runs), and resumes from the newest complete checkpoint. OUT/resume.json has both
+loss curves and the largest relative difference of a loss after the checkpoint (target: within 0.1%).
 On CPU (--procs 2) the processes talk over gloo: a smoke run of the bench itself.
 """
 
@@ -54,10 +55,13 @@ def stage_folders(source: Path) -> Any:
     return ignore
 
 
-def launch(root: Path, stage: str, procs: int, log: Path) -> subprocess.Popen[bytes]:
-    """The stage as its pod starts it: torchrun with the operator's variables, one process per GPU."""
+def launch(root: Path, stage: str, procs: int, log: Path, gpus: str | None = None) -> subprocess.Popen[bytes]:
+    """The stage as its pod starts it: torchrun with the operator's variables, one process per GPU (on the GPUs
+    `gpus` names, a CUDA_VISIBLE_DEVICES value, when given)."""
     spec = RunDir(root).load_spec()
     command, env = local_launch(spec, stage, root, procs)
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpus
     handle = log.open("ab")
     return subprocess.Popen(command, cwd=REPO, env={**os.environ, **env}, stdout=handle, stderr=subprocess.STDOUT)
 
@@ -88,28 +92,39 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run-dir", required=True, type=Path, help="a run directory prepare finished")
     parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--work", type=Path, help="where the two run copies go (default: OUT)")
     parser.add_argument("--stage", default="cpt")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--kill-after", type=int, default=4)
     parser.add_argument("--procs", type=int, default=2)
+    parser.add_argument(
+        "--side-by-side",
+        action="store_true",
+        help="run the two copies at once, the uninterrupted one on GPUs 0..procs-1 and the other on the next procs",
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     copies = {}
     for name in ("uninterrupted", "killed"):
-        root = args.out / name
+        root = (args.work or args.out) / name
         shutil.rmtree(root, ignore_errors=True)
         shutil.copytree(args.run_dir, root, ignore=stage_folders(args.run_dir))
         plan(root, args.stage, args.steps, args.kill_after)
         copies[name] = root
 
+    first_gpus = second_gpus = None
+    if args.side_by_side:
+        first_gpus = ",".join(str(i) for i in range(args.procs))
+        second_gpus = ",".join(str(i) for i in range(args.procs, 2 * args.procs))
     started = time.time()
-    first = launch(copies["uninterrupted"], args.stage, args.procs, args.out / "uninterrupted.log")
-    first.wait()
-    uninterrupted_s = time.time() - started
+    first = launch(copies["uninterrupted"], args.stage, args.procs, args.out / "uninterrupted.log", first_gpus)
+    if not args.side_by_side:
+        first.wait()
+    uninterrupted_s: float | None = time.time() - started
 
     killed = copies["killed"]
     started = time.time()
-    attempt = launch(killed, args.stage, args.procs, args.out / "killed.log")
+    attempt = launch(killed, args.stage, args.procs, args.out / "killed.log", second_gpus)
     marker = killed / args.stage / "checkpoints" / f"checkpoint-{args.kill_after}" / MARKER
     while not marker.is_file() and attempt.poll() is None:
         time.sleep(0.2)
@@ -119,9 +134,12 @@ def main() -> int:
     os.kill(victim, signal.SIGKILL)
     killed_at = time.time() - started
     first_exit = attempt.wait()
-    relaunched = launch(killed, args.stage, args.procs, args.out / "killed.log")
+    relaunched = launch(killed, args.stage, args.procs, args.out / "killed.log", second_gpus)
     relaunched.wait()
     resumed_s = time.time() - started
+    first.wait()
+    if args.side_by_side:
+        uninterrupted_s = None  # it ran beside the other; its stage.json has its own times
 
     reference, resumed = losses(copies["uninterrupted"], args.stage), losses(killed, args.stage)
     after = [step for step in sorted(reference) if step > args.kill_after]
