@@ -16,7 +16,7 @@ from workflows import pytorchjob, trainjob
 from workflows.launch import CLUSTER_PATHS, LOCAL_TORCHRUN, container_env, local_launch, operator_env
 from workflows.stage_process import stage_launch
 
-SHIPPED = [(name, profile) for name in known_pipelines() for profile in (None, "local")]
+SHIPPED = [(name, profile) for name in known_pipelines() for profile in (None, "local", "gpu")]
 
 
 def _containers(manifest: dict[str, Any]) -> list[dict[str, Any]]:
