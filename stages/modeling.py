@@ -789,9 +789,13 @@ def load_starting_model(
     folder is fingerprinted and checked before it loads: the upstream output as input `model`, the stage model
     an upstream adapter applies to as `model_base`."""
     from peft import get_peft_model
+    from transformers import set_seed
 
     section: TrainingStage = spec.stage(stage)  # type: ignore[assignment]
     check_method(stage, section)
+    # A new adapter's A matrices and new embedding rows (mean_resizing) are random draws: from the spec's seed, every
+    # run starts from the same model (the Trainer seeds again for dropout and data order when it is built).
+    set_seed(section.training.seed)
     quantization = _quantization_config(section, spec.model) if section.method == "qlora" else None
 
     upstream = upstream_stage(spec, stage)
