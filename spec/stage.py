@@ -269,7 +269,9 @@ class PrepareStage(StageBase):
     enabled: Literal[True] = Field(True, description="prepare always runs.")
     skip_if_unchanged: bool = Field(
         False,
-        description="End the run early, as skipped, when the data fingerprints match the last successful run.",
+        description="End the run early, as skipped, when nothing that decides its result changed since the last "
+        "completed run: each stage's data (by content), the model, each stage's configuration (not resources, "
+        "run_policy, env or data URIs) and the project version. Otherwise prepare says what changed.",
     )
     num_proc: Int64 | None = Field(
         None,

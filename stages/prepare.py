@@ -13,8 +13,10 @@ Reads top to bottom:
    (`stages.evaluate.lm_eval_include_path: builtin:<name>`) is generated into `prepare/data/evaluate/lm_eval/`
    first and recorded too. Every task of `stages.evaluate.lm_eval_tasks` must be defined by lm-eval or the
    include path.
-3. The combined data fingerprint, and whether it equals the last successful run's (see `last_success`); with
-   `skip_if_unchanged` and unchanged data, the run ends after prepare (steps 4 and 5 are not needed).
+3. The fingerprint of what decides the run's result (each stage's data, the model, each stage's configuration, the
+   project version: `stages.run_inputs`), and whether it equals the last successful run's (see `last_success`);
+   with `skip_if_unchanged` and nothing changed, the run ends after prepare (steps 4 and 5 are not needed), and
+   otherwise prepare says what changed.
 4. The tokenizer (`stages.tokenizer`) into `prepare/tokenizer/`, trained on the training rows for a model
    built from config.
 5. Token caches: `stages.packing.build_token_cache(run_dir, spec, stage)` for each enabled training stage;
@@ -44,6 +46,7 @@ from spec.pipeline import PipelineSpec
 from stages.contract import StageContext
 from stages.data import BUILTIN_TASKS_DIR, MAX_LISTED_ERRORS, DataError, in_cluster
 from stages.prepared_data import origins_of, prepare_split, read_lines
+from stages.run_inputs import run_inputs, what_changed
 from stages.tokenizer import build_tokenizer, render_for_training, tokenizer_hash
 from stages.tracking import StageTracker
 from stages.workers import default_num_proc
@@ -336,19 +339,28 @@ def run(ctx: StageContext) -> int:
         print(f"[prepare] error: {exc}", file=sys.stderr, flush=True)
         return ctx.fail(str(exc))
 
-    # 2. Fingerprints, and the cron rule: unchanged data since the last successful run ends the run here.
+    # 2. Fingerprints, and the cron rule: nothing changed since the last successful run (data, model,
+    #    configuration, project version: stages.run_inputs) ends the run here.
     fingerprints = {s: c["fingerprint"] for s, c in counts.items()}
     if tasks is not None:  # evaluation data too: other questions are another run's data
         fingerprints["evaluate:lm_eval"] = tasks["fingerprint"]
-    fingerprint = "sha256:" + canonical_hash(fingerprints)
+    data_fingerprint = "sha256:" + canonical_hash(fingerprints)
+    inputs = run_inputs(spec, fingerprints)
+    fingerprint = "sha256:" + canonical_hash(inputs)
     previous_run, previous_fingerprint = last_success(ctx.run_dir, spec)
     unchanged = previous_fingerprint == fingerprint
     skip_reason = ""
     if spec.stages.prepare.skip_if_unchanged:
-        state = "unchanged" if unchanged else "changed"
-        print(f"[prepare] data {state} since the last successful run ({previous_run or 'none'})", flush=True)
-        if unchanged:
-            skip_reason = f"data unchanged since run {previous_run} ({fingerprint[:19]}): nothing to train"
+        if previous_run is None:
+            print("[prepare] no earlier successful run to compare with", flush=True)
+        elif unchanged:
+            print(f"[prepare] data and configuration unchanged since run {previous_run}", flush=True)
+            skip_reason = (
+                f"data and configuration unchanged since run {previous_run} ({fingerprint[:19]}): nothing to train"
+            )
+        else:
+            changes = what_changed(spec, inputs, ctx.run_dir.root.parent / previous_run)
+            print(f"[prepare] changed since run {previous_run}: {'; '.join(changes)}", flush=True)
 
     # 3-4. Tokenizer and token caches (not needed when the run ends here). What fails unexpectedly, here or
     #      anywhere in this stage, is recorded by the entry point (`StageContext.crash`, in stages/__main__.py).
@@ -376,7 +388,8 @@ def run(ctx: StageContext) -> int:
         tracker.log_params(
             {
                 "data": {s: {k: c[k] for k in ("uri", "format", "fingerprint")} for s, c in counts.items()},
-                "data_fingerprint": fingerprint,
+                "data_fingerprint": data_fingerprint,
+                "inputs_fingerprint": fingerprint,
                 "tokenizer_hash": tok_hash,
                 **({"lm_eval_tasks": {k: tasks[k] for k in ("uri", "fingerprint")}} if tasks else {}),
             }
@@ -390,6 +403,7 @@ def run(ctx: StageContext) -> int:
             "data": counts,
             **({"lm_eval_tasks": tasks} if tasks else {}),
             "fingerprint": fingerprint,
+            "inputs": inputs,
             "tokenizer_hash": tok_hash,
             "unchanged": "true" if unchanged else "false",
             "previous_run": previous_run or "",

@@ -97,10 +97,9 @@ def test_the_builtin_lm_eval_tasks_are_written_for_evaluate_and_fingerprinted(pr
     assert tasks["rows"] == {"ko_constitution_mc": len(read_jsonl(folder / "ko_constitution_mc.jsonl"))}
     assert (folder / "ko_constitution_mc.yaml").is_file()
     assert result.inputs["evaluate:builtin:korean-lm-eval"].fingerprint == tasks["fingerprint"]
-    # Part of the run's data fingerprint, like every stage's data: other questions are other data.
-    parts = {stage: counts["fingerprint"] for stage, counts in result.extra["data"].items()}
-    parts["evaluate:lm_eval"] = tasks["fingerprint"]
-    assert result.extra["fingerprint"] == "sha256:" + canonical_hash(parts)
+    # Part of the run's fingerprint, like every stage's data: other questions are other data.
+    assert result.extra["inputs"]["data:evaluate:lm_eval"] == tasks["fingerprint"]
+    assert result.extra["fingerprint"] == "sha256:" + canonical_hash(result.extra["inputs"])
 
 
 def test_argo_output_parameters_are_written(prepared):

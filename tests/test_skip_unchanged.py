@@ -5,10 +5,13 @@ designed (deploy skipped, as the cluster DAG does): the champion stays, and it c
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from run.run_dir import RunDir
 from spec.loading import load_pipeline
 from workflows.local import run_local
 from workflows.notify import read_outcome, slack_message
@@ -74,19 +77,34 @@ def test_a_failed_gate_skips_deploy_and_unchanged_data_then_ends_the_next_run(
     assert parent.info.status == "FINISHED" and parent.data.tags["posttrain.end_reason"] == "gate-fail"
     assert "not_measured" in parent.data.tags["posttrain.end_message"]
 
-    # The next scheduled run on the same data: the gate-failed run completed, so there is nothing to train.
+    # The next scheduled run, same data and configuration: the gate-failed run completed, so nothing to train.
     capsys.readouterr()
-    assert _run(runs / "third", "stages.prepare.skip_if_unchanged=true") == 0
+    assert _run(runs / "third", GATE_FAILS, "stages.prepare.skip_if_unchanged=true") == 0
     prepare = _record(runs / "third", "prepare")
     assert prepare["extra"]["unchanged"] == "true" and prepare["extra"]["proceed"] == "false"
-    assert "data unchanged since run second" in prepare["extra"]["skip-reason"]
+    assert "data and configuration unchanged since run second" in prepare["extra"]["skip-reason"]
     assert not (runs / "third" / "cpt").exists()  # the training stage never started
     assert not (runs / "third" / "prepare" / "tokenizer").exists()  # nor the tokenizer work it needs
     out = capsys.readouterr().out
-    assert "ending the run: data unchanged since run second" in out and "skipped" in out
+    assert "ending the run: data and configuration unchanged since run second" in out and "skipped" in out
     parent = _parent_run(client, runs / "third")  # closed by prepare
     assert parent.info.status == "FINISHED" and parent.data.tags["posttrain.end_reason"] == "skipped"
-    assert "data unchanged since run second" in parent.data.tags["posttrain.end_message"]
+    assert "data and configuration unchanged since run second" in parent.data.tags["posttrain.end_message"]
+
+    # The same data with another learning rate is another run: prepare goes on, and says what changed.
+    fourth = RunDir(runs / "fourth")
+    fourth.root.mkdir()
+    changed = [*CHAIN, GATE_FAILS, "stages.prepare.skip_if_unchanged=true", "stages.cpt.training.learning_rate=1e-3"]
+    fourth.write_spec(load_pipeline("korean-llm", profile="local", overrides=changed).spec)
+    done = subprocess.run(
+        [sys.executable, "-m", "stages", "prepare", "--run-dir", str(fourth.root)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "[prepare] changed since run second: stages.cpt (training.learning_rate)" in done.stdout
+    assert _record(fourth.root, "prepare")["extra"]["proceed"] == "true"
 
 
 def test_the_notification_says_why_the_run_was_skipped(tmp_path: Path) -> None:
