@@ -30,6 +30,31 @@ CHECK_TIMEOUT_S = 120.0
 """How long the check may take (it reads a few rows of each file: well under a second on the shipped pipelines)."""
 
 
+NOT_HERE = ("builtin:", "hf://", "s3://", "gs://")
+"""Data the check does not read on this machine: builtin data (generated, always valid) and what needs network or
+credentials (prepare checks it in the cluster)."""
+
+WILDCARDS = "*?["
+
+
+def readable_here(uri: str, visible_only: bool) -> bool:
+    """Whether the check may have something to read at `uri` (so that a spec without such data costs no process):
+    a local path, one that exists on this machine with `visible_only` (a glob: its folder)."""
+    if uri.startswith(NOT_HERE):
+        return False
+    if not visible_only or uri.startswith("pvc://"):  # a claim's path: the check resolves its mount
+        return True
+    parts = Path(uri.removeprefix("file://")).parts
+    fixed = parts[: next((i for i, part in enumerate(parts) if any(c in part for c in WILDCARDS)), len(parts))]
+    return Path(*fixed).exists() if fixed else True
+
+
+def data_uris(spec: PipelineSpec) -> list[str]:
+    """The data URI of every enabled stage that reads data."""
+    sections = [spec.stage(name) for name in spec.stages.enabled()]
+    return [spec.data_uri(section.data) for section in sections if getattr(section, "data", None) is not None]
+
+
 def check_command(spec_file: Path, visible_only: bool) -> list[str]:
     """The argv of the data plane's check of the spec in `spec_file`."""
     command = [sys.executable, "-m", "stages", "check-data", "--spec", str(spec_file)]
@@ -51,6 +76,8 @@ def data_problems(specs: list[PipelineSpec], visible_only: bool = False) -> tupl
     warnings: list[str] = []
     with tempfile.TemporaryDirectory(prefix="posttrain-check-data-") as folder:
         for number, spec in enumerate(specs):
+            if not any(readable_here(uri, visible_only) for uri in data_uris(spec)):
+                continue
             spec_file = Path(folder) / f"spec-{number}.json"
             spec_file.write_text(
                 json.dumps(spec.model_dump(mode="json", exclude={"profiles"}), ensure_ascii=False), encoding="utf-8"
