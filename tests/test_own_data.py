@@ -351,3 +351,54 @@ def test_bad_own_data_is_refused_before_the_run_starts(
     assert "Resume" not in done.stdout and "Traceback" not in done.stderr
     assert not run_dir.exists()
     assert seconds < 20
+
+
+def test_the_check_refuses_only_what_prepare_would_fail_on(tmp_path: Path) -> None:
+    """One bad row among many is prepare's to quarantine when max_bad_row_fraction allows it, rows past max_samples
+    are never read, data this machine cannot see is the cluster's: none of them is refused up front."""
+    from stages.check_data import check_data
+
+    bad_row = {"messages": [{"role": "user", "content": "안녕?"}]}  # no assistant turn
+    _rows(tmp_path / "chat.jsonl", [MESSAGES_ROW, bad_row, *[MESSAGES_ROW] * 30])
+    (tmp_path / "my-data.yaml").write_text(
+        OWN_DATA.format(stage="sft", data=f"{{ uri: {tmp_path / 'chat.jsonl'}, format: messages }}"), encoding="utf-8"
+    )
+
+    def problems(*overrides: str, visible_only: bool = False) -> list[str]:
+        return check_data(load_pipeline(str(tmp_path / "my-data.yaml"), None, list(overrides)).spec, None,
+                          visible_only=visible_only)  # fmt: skip
+
+    assert problems() == [
+        f"stages.sft.data ({tmp_path / 'chat.jsonl'}): {tmp_path / 'chat.jsonl'}:2: field 'messages': no assistant "
+        "turn: nothing to learn from"
+    ]
+    assert problems("stages.sft.data.max_bad_row_fraction=0.05") == []
+    assert problems("stages.sft.data.max_samples=1") == []
+    missing = str(tmp_path / "elsewhere" / "*.jsonl")
+    assert problems(f"stages.sft.data.uri={missing}", visible_only=True) == []
+    assert problems(f"stages.sft.data.uri={missing}") == [
+        f"stages.sft.data: {missing}: the pattern matches nothing: {tmp_path / 'elsewhere'} is not a directory"
+    ]
+    assert problems("stages.sft.data.uri=s3://bucket/chat.jsonl") == []  # prepare checks it in the cluster
+
+
+def test_dry_run_refuses_bad_data_this_machine_can_read(tmp_path: Path) -> None:
+    import sys
+
+    _rows(tmp_path / "chat.jsonl", [ALPACA_ROW] * 3)
+    (tmp_path / "my-data.yaml").write_text(
+        OWN_DATA.format(stage="sft", data="{ uri: chat.jsonl, format: messages }"), encoding="utf-8"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "workflows.submit", "my-data.yaml", "--dry-run"],
+        cwd=tmp_path,
+        env=runner_env(PYTHONPATH=str(REPO)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == EXIT_USAGE and not done.stdout
+    assert [line for line in done.stderr.splitlines() if not line.startswith("warning: ")] == [
+        "error: stages.sft.data (chat.jsonl): chat.jsonl:1: field 'messages': missing (the row has 'instruction', "
+        "'output': is it in format 'alpaca'?) (also lines 2, 3)"
+    ]
