@@ -136,6 +136,9 @@ def check_stage_data(
         return []
     try:
         check_stage_format(stage, data.format)
+    except DataError as exc:
+        return [str(exc)]
+    try:
         if visible_only and not uri.startswith(REMOTE_PREFIXES) and not _visible(uri, spec):
             return []
         from stages.sources import list_objects
