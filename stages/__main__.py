@@ -3,7 +3,9 @@
 A training stage also runs the trials of its hyperparameter search (`--trial NAME --trial-set path=value ...`,
 stages/trials.py), `python -m stages hpo-select ...` selects the search's best trial (stages/hpo.py), and
 `python -m stages sync-tracking --run-dir DIR` sends what a run's stages could not send to MLflow during an outage
-(stages/tracking_outbox.py; `posttrain runs sync-tracking DIR` runs it).
+(stages/tracking_outbox.py; `posttrain runs sync-tracking DIR` runs it), and `python -m stages check-data --spec FILE`
+checks each enabled stage's data on its first rows before a run starts (stages/check_data.py; `workflows.submit
+--local` and `--dry-run` run it, exit 2 with one `error:` line per problem; prepare runs the same check first).
 
 Expected failures end with one `error:` line that says what to fix, never a bare traceback: a missing or invalid
 spec, a stage whose inputs are not there yet (exit 2), a full disk (exit 1), a stage another process is running
@@ -191,6 +193,10 @@ def main(argv: list[str] | None = None) -> int:
         from stages.hpo import main as select_main
 
         return select_main(argv[1:])
+    if argv[:1] == ["check-data"]:
+        from stages.check_data import main as check_main
+
+        return check_main(argv[1:])
     if argv[:1] == ["sync-tracking"]:
         from stages.tracking_outbox import main as sync_main
 

@@ -40,6 +40,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -103,6 +104,50 @@ class DataError(Exception):
     """A dataset that cannot be used: missing, unreadable, empty, or with too many bad rows."""
 
 
+@dataclass(frozen=True)
+class Undecodable:
+    """Why a JSONL line is not text in the dataset's encoding: the first bad byte, and the encoding the line does
+    decode as, when it is one `data.encoding` offers."""
+
+    byte: int
+    """Offset of the first bad byte in the line."""
+    value: int
+    """That byte."""
+    encoding: str
+    """The dataset's encoding (data.encoding)."""
+    decodes_as: str = ""
+    """'cp949' for a UTF-8 dataset whose line is CP949 (a Korean Windows export), 'utf-8' for the other way
+    round, '' when neither."""
+
+    def message(self, file: str, setting: str = "data.encoding", more: str = "") -> str:
+        """What is wrong with a line of `file` and what to do; `more` says how many other lines are alike (the
+        message then speaks of the file)."""
+        label = "UTF-8" if self.encoding == "utf-8" else self.encoding
+        head = f"invalid {label} at byte {self.byte} of the line (0x{self.value:02x}){more}"
+        subject = "the file" if more else "the line"
+        if self.decodes_as == "cp949":
+            iconv = f"iconv -f cp949 -t utf-8 {shlex.quote(file)} > {shlex.quote(_utf8_name(file))}"
+            return (
+                f"{head}; {subject} decodes as cp949 (CP949/EUC-KR, a Korean Windows export): convert the file to "
+                f"UTF-8 (`{quoted(iconv)}`, then read the new file) or set {setting}: cp949"
+            )
+        if self.decodes_as:
+            return f"{head}; {subject} decodes as {self.decodes_as}: set {setting}: {self.decodes_as}"
+        if self.encoding == "utf-8":
+            return (
+                f"{head}; not UTF-8 text, nor CP949: re-encode the file as UTF-8 "
+                "(`iconv -f <its encoding> -t utf-8`), or check it is the data file meant"
+            )
+        return head
+
+
+def _utf8_name(file: str) -> str:
+    """Where `iconv` may write the UTF-8 copy of `file`: beside it, `.utf8` before its suffixes."""
+    path = Path(file)
+    stem, suffixes = path.name.split(".", 1) if "." in path.name else (path.name, "jsonl")
+    return str(path.with_name(f"{stem}.utf8.{suffixes}"))
+
+
 @dataclass
 class RowError:
     """One bad row: where it is, which field, what is wrong, and an excerpt of the row."""
@@ -114,6 +159,8 @@ class RowError:
     raw: str = ""
     mapping: str = ""
     """The spec fields that renamed the field (e.g. 'columns.output'), when any did."""
+    undecodable: Undecodable | None = None
+    """A line that is not text in the dataset's encoding: where, and what it decodes as (for one message per file)."""
 
     def __str__(self) -> str:
         where = f"{quoted(self.file)}:{self.line}"
@@ -374,7 +421,9 @@ def parse_jsonl_line(raw: bytes, name: str, number: int, limit: int, encoding: s
     try:
         text = line.decode(encoding)
     except UnicodeDecodeError as exc:
-        return RawRow(name, number, error=RowError(name, number, "", _undecodable(line, exc, encoding), excerpt))
+        undecodable = _undecodable(line, exc, encoding)
+        error = RowError(name, number, "", undecodable.message(name), excerpt, undecodable=undecodable)
+        return RawRow(name, number, error=error)
     try:
         value = _ROW_DECODER.decode(text)
     except json.JSONDecodeError as exc:
@@ -395,19 +444,16 @@ def parse_jsonl_line(raw: bytes, name: str, number: int, limit: int, encoding: s
     return RawRow(name, number, value=value)
 
 
-def _undecodable(line: bytes, exc: UnicodeDecodeError, encoding: str) -> str:
-    """The error for a line that is not text in `encoding`, with the encoding it is when that is a Korean one."""
-    label = "UTF-8" if encoding == "utf-8" else encoding
-    error = f"invalid {label} at byte {exc.start} of the line"
+def _undecodable(line: bytes, exc: UnicodeDecodeError, encoding: str) -> Undecodable:
+    """Why a line is not text in `encoding`, with the encoding it is when that is one data.encoding offers."""
+    decodes_as = ""
     for other in ("cp949",) if encoding == "utf-8" else ("utf-8",):
         try:
             line.decode(other)
         except UnicodeDecodeError:
             continue
-        return f"{error}; the line decodes as {other}: set data.encoding: {other}" + (
-            " (CP949/EUC-KR, a Korean export)" if other == "cp949" else ""
-        )
-    return error
+        decodes_as = other
+    return Undecodable(exc.start, line[exc.start], encoding, decodes_as)
 
 
 def read_jsonl(path: Path, limit: int, encoding: str = "utf-8") -> Iterator[RawRow]:

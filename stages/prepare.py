@@ -43,6 +43,7 @@ from run.run_dir import RunDir, StageRefused
 from spec.data import DataSpec
 from spec.fields import STAGE_ORDER, TRAINING_STAGES
 from spec.pipeline import PipelineSpec
+from stages.check_data import check_data, data_specs
 from stages.contract import StageContext
 from stages.data import BUILTIN_TASKS_DIR, MAX_LISTED_ERRORS, DataError, in_cluster
 from stages.prepared_data import origins_of, prepare_split, read_lines
@@ -50,20 +51,6 @@ from stages.run_inputs import run_inputs, what_changed
 from stages.tokenizer import build_tokenizer, render_for_training, tokenizer_hash
 from stages.tracking import StageTracker
 from stages.workers import default_num_proc
-
-DATA_STAGES = ("cpt", "sft", "rlhf", "evaluate")
-"""Stages that read a dataset, in DAG order."""
-
-
-def data_specs(spec: PipelineSpec) -> dict[str, DataSpec]:
-    """The data section of every enabled stage that has one."""
-    out = {}
-    for stage in DATA_STAGES:
-        section = spec.stage(stage)
-        data = getattr(section, "data", None)
-        if section.enabled and data is not None:
-            out[stage] = data
-    return out
 
 
 def dropped_note(cleaning: dict[str, Any]) -> str:
@@ -323,6 +310,13 @@ def run(ctx: StageContext) -> int:
     num_proc = default_num_proc(spec, in_cluster(spec, ctx.run_dir.root))
     counts: dict[str, dict[str, Any]] = {}
     tasks: dict[str, Any] | None = None
+    # Each stage's data on its first rows, before any worker starts: a missing file, a wrong format, column mapping or
+    # encoding fails here in seconds, as `submit --local` refuses it (stages/check_data.py), with the same lines.
+    problems = check_data(spec, ctx.run_dir.root, remote=True)
+    if problems:
+        for problem in problems:
+            print(f"[prepare] error: {problem}", file=sys.stderr, flush=True)
+        return ctx.fail("\n".join(problems))
     try:
         tasks = write_builtin_tasks(ctx)
         check_lm_eval_tasks(ctx)

@@ -166,6 +166,8 @@ class DatasetReader:
         self.errors: list[RowError] = []
         """Every bad row without a quarantine file to write them to; with one, the first few."""
         self.n_errors = 0
+        self.undecodable: dict[str, tuple[RowError, int]] = {}
+        """Per file, its first line that is not in data.encoding and how many are: one message each, not one a row."""
         self.counts = CleaningCounts()
 
     @property
@@ -207,7 +209,10 @@ class DatasetReader:
         self.n_errors += 1
         if self.quarantine is not None:
             self.quarantine.write(json.dumps(error.record(), ensure_ascii=False) + "\n")
-        if self.quarantine is None or len(self.errors) < MAX_LISTED_ERRORS:
+        if error.undecodable is not None:
+            first, count = self.undecodable.get(error.file, (error, 0))
+            self.undecodable[error.file] = (first, count + 1)
+        if self.quarantine is None or (error.undecodable is None and len(self.errors) < MAX_LISTED_ERRORS):
             self.errors.append(error)
         if result.field or result.present is not None:
             unmapped.see(result.field, result.present, error, self.job.mapping)
@@ -222,8 +227,10 @@ class DatasetReader:
         if unmapped.rows:  # every row lacks the mapped column
             raise unmapped.error(self.where, self.stage, every=True)
         if self.n_errors and self.n_errors / self.total > self.data.max_bad_row_fraction:
-            listed = "\n".join(f"  {e}" for e in self.errors[:MAX_LISTED_ERRORS])
-            more = self.n_errors - min(len(self.errors), MAX_LISTED_ERRORS)
+            lines = self._error_lines()
+            listed = "\n".join(f"  {line}" for line in lines[:MAX_LISTED_ERRORS])
+            one_a_line = self.n_errors - sum(count for _, count in self.undecodable.values())
+            more = len(self.undecodable) + one_a_line - min(len(lines), MAX_LISTED_ERRORS)
             raise DataError(
                 f"{self.where}: {self.n_errors} of {self.total} rows are bad ({self.n_errors / self.total:.2%}), "
                 f"over max_bad_row_fraction={self.data.max_bad_row_fraction}:\n{listed}"
@@ -240,6 +247,17 @@ class DatasetReader:
             raise DataError(
                 f"{self.where}: no valid rows" + (f" (cleaning dropped {dropped}{hint})" if dropped else "")
             )
+
+    def _error_lines(self) -> list[str]:
+        """The bad rows to list: one line for each file with lines not in data.encoding (the first of them, and how
+        many more), then the other bad rows, one a line."""
+        setting = f"stages.{self.stage}.data.encoding" if self.stage else "data.encoding"
+        lines = []
+        for file, (first, count) in self.undecodable.items():
+            assert first.undecodable is not None
+            more = f", and so are {count - 1} more of its lines" if count > 1 else ""
+            lines.append(f"{quoted(file)}:{first.line}: {first.undecodable.message(file, setting, more)}")
+        return lines + [str(e) for e in self.errors if e.undecodable is None]
 
 
 def _batches(rows: Iterator[RawRow]) -> Iterator[list[RawRow]]:

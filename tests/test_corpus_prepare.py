@@ -117,13 +117,31 @@ def test_cp949_data_is_read_with_its_encoding_and_named_without_it(tmp_path: Pat
 
     ctx, code = prepare(tmp_path, overrides, "utf8")
     message = ctx.run_dir.read_result("prepare").message
-    assert code == 1 and f"{path}:1: invalid UTF-8 at byte" in message
-    assert "the line decodes as cp949: set data.encoding: cp949" in message
+    assert code == 1 and f"{path}:1: invalid UTF-8 at byte" in message and len(message.splitlines()) == 1
+    assert "and so are 3 more of its 4 lines; the file decodes as cp949" in message
+    assert f"`iconv -f cp949 -t utf-8 {path} > {tmp_path / 'legacy.utf8.jsonl'}`" in message
+    assert message.endswith("or set stages.cpt.data.encoding: cp949")
 
     broken = tmp_path / "broken.jsonl"
     broken.write_bytes(path.read_bytes() + '{"text": "깨진 '.encode("cp949") + b"\xff\xff" + b'"}\n')
     ctx, code = prepare(tmp_path, [*ONLY_CPT, f"stages.cpt.data.uri={broken}", "stages.cpt.data.encoding=cp949"], "bad")
     assert code == 1 and f"{broken}:5: invalid cp949 at byte" in ctx.run_dir.read_result("prepare").message
+
+
+def test_lines_not_in_the_datas_encoding_are_one_message_per_file_after_the_first_rows(tmp_path: Path) -> None:
+    """Past the rows the up-front check reads (stages/check_data.py), prepare's own listing says the same: the lines
+    of a file that are not UTF-8 are one line, its first and how many more, never one line per row."""
+    path = tmp_path / "mixed.jsonl"
+    good = [{"text": doc(i)} for i in range(30)]
+    path.write_bytes(jsonl(good) + jsonl([{"text": doc(100 + i)} for i in range(8)]).decode().encode("cp949"))
+    ctx, code = prepare(tmp_path, [*ONLY_CPT, f"stages.cpt.data.uri={path}"])
+    message = ctx.run_dir.read_result("prepare").message
+    assert code == 1 and message.splitlines()[0].endswith(
+        "8 of 38 rows are bad (21.05%), over max_bad_row_fraction=0.0:"
+    )
+    assert message.splitlines()[1].startswith(f"  {path}:31: invalid UTF-8 at byte 13 of the line (0xb9), and so")
+    assert "and so are 7 more of its lines; the file decodes as cp949" in message
+    assert len(message.splitlines()) == 2
 
 
 def test_training_rows_that_contain_evaluation_text_are_dropped_and_counted(tmp_path: Path) -> None:

@@ -232,3 +232,173 @@ def test_a_failed_gate_ends_with_the_command_that_registers_anyway(tmp_path: Pat
     version = client.get_model_version_by_alias("my-chat", "challenger")
     assert version.tags["posttrain.gate"] == "fail" and version.tags["posttrain.gate_overridden"] == "true"
     assert "champion" not in client.get_registered_model("my-chat").aliases
+
+
+# --------------------------------------------------------------------------- own data refused before the run starts
+
+OWN_DATA = """\
+name: my-data
+model: {{ name_or_path: tiny-qwen3-ko, revision: null, from_config: {{ hidden_size: 64, num_hidden_layers: 2 }} }}
+stages:
+  {stage}:
+    enabled: true
+    data: {data}
+"""
+
+ALPACA_ROW = {"instruction": "인사해 주세요.", "output": "안녕하세요!"}
+PAIR_ROW = {"prompt": "인사해 주세요.", "chosen": "안녕하세요!", "rejected": "싫어요."}
+MESSAGES_ROW = {"messages": [{"role": "user", "content": "안녕?"}, {"role": "assistant", "content": "안녕하세요!"}]}
+
+
+def _submit_local(tmp_path: Path, stage: str, data: str) -> tuple[subprocess.CompletedProcess[str], float, Path]:
+    """`python -m workflows.submit my-data.yaml --local --run-dir run` in `tmp_path`, the pipeline training
+    `stage` on `data` (a flow mapping); its outcome, how long it took, and the run directory it was given."""
+    import sys
+    import time
+
+    (tmp_path / "my-data.yaml").write_text(OWN_DATA.format(stage=stage, data=data), encoding="utf-8")
+    run_dir = tmp_path / "run"
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "workflows.submit", "my-data.yaml", "--local", "--run-dir", str(run_dir)],
+        cwd=tmp_path,
+        env=runner_env(PYTHONPATH=str(REPO)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return done, time.monotonic() - started, run_dir
+
+
+def _rows(path: Path, rows: list[dict[str, object]], encoding: str = "utf-8") -> None:
+    import json
+
+    path.write_bytes(b"".join((json.dumps(r, ensure_ascii=False) + "\n").encode(encoding) for r in rows))
+
+
+REFUSED = [
+    # (id, stage, data, rows written to the file (None: no file), the expected error lines)
+    (
+        "missing-file",
+        "sft",
+        "{ uri: chat.jsonl, format: messages }",
+        None,
+        ["error: stages.sft.data: chat.jsonl: no such file or directory"],
+    ),
+    (
+        "alpaca-column",
+        "sft",
+        "{ uri: chat.jsonl, format: alpaca, columns: { output: response } }",
+        [ALPACA_ROW] * 3,
+        [
+            "error: stages.sft.data (chat.jsonl): columns.output names column 'response', which no row has (all 3 "
+            "rows lack it; they have 'instruction', 'output'): fix stages.sft.data.columns.output. The first row: "
+            "chat.jsonl:1: field 'response' (columns.output): missing (the row has 'output', the format's own "
+            "name: is columns.output wrong?)"
+        ],
+    ),
+    (
+        "messages-column",
+        "sft",
+        "{ uri: chat.jsonl, format: messages, columns: { messages: dialog } }",
+        [MESSAGES_ROW] * 25,
+        [
+            "error: stages.sft.data (chat.jsonl): columns.messages names column 'dialog', which no row has (the "
+            "first 20 rows all lack it; they have 'messages'): fix stages.sft.data.columns.messages. The first "
+            "row: chat.jsonl:1: field 'dialog' (columns.messages): missing (the row has 'messages', the format's "
+            "own name: is columns.messages wrong?)"
+        ],
+    ),
+    (
+        "preference-column",
+        "rlhf",
+        "{ uri: pairs.jsonl, format: preference, columns: { chosen: good } }",
+        [PAIR_ROW, {**PAIR_ROW, "rejected": "몰라요."}],
+        [
+            "error: stages.rlhf.data (pairs.jsonl): columns.chosen names column 'good', which no row has (all 2 "
+            "rows lack it; they have 'chosen', 'prompt', 'rejected'): fix stages.rlhf.data.columns.chosen. The "
+            "first row: pairs.jsonl:1: field 'good' (columns.chosen): missing (the row has 'chosen', the format's "
+            "own name: is columns.chosen wrong?)"
+        ],
+    ),
+    (
+        "cp949",
+        "sft",
+        "{ uri: chat.jsonl, format: messages }",
+        [MESSAGES_ROW] * 12,  # written in CP949
+        [
+            "error: stages.sft.data (chat.jsonl): chat.jsonl:1: invalid UTF-8 at byte 43 of the line (0xbe), and "
+            "so are 11 more of its 12 lines; the file decodes as cp949 (CP949/EUC-KR, a Korean Windows export): "
+            "convert the file to UTF-8 (`iconv -f cp949 -t utf-8 chat.jsonl > chat.utf8.jsonl`, then read the new "
+            "file) or set stages.sft.data.encoding: cp949"
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize(("stage", "data", "rows", "expected"), [c[1:] for c in REFUSED], ids=[c[0] for c in REFUSED])
+def test_bad_own_data_is_refused_before_the_run_starts(
+    tmp_path: Path, stage: str, data: str, rows: list[dict[str, object]] | None, expected: list[str]
+) -> None:
+    """A missing file, a column mapping the data lacks, a CP949 file: exit 2 at once, one `error:` line per problem
+    naming the file, line and column, and no run directory (nothing to resume)."""
+    if rows is not None:
+        name = data.split("uri: ", 1)[1].split(",", 1)[0]
+        _rows(tmp_path / name, rows, "cp949" if "decodes as cp949" in expected[0] else "utf-8")
+    done, seconds, run_dir = _submit_local(tmp_path, stage, data)
+    assert done.returncode == EXIT_USAGE, done.stdout[-2000:] + done.stderr[-2000:]
+    assert done.stderr.splitlines() == expected
+    assert "Resume" not in done.stdout and "Traceback" not in done.stderr
+    assert not run_dir.exists()
+    assert seconds < 20
+
+
+def test_the_check_refuses_only_what_prepare_would_fail_on(tmp_path: Path) -> None:
+    """One bad row among many is prepare's to quarantine when max_bad_row_fraction allows it, rows past max_samples
+    are never read, data this machine cannot see is the cluster's: none of them is refused up front."""
+    from stages.check_data import check_data
+
+    bad_row = {"messages": [{"role": "user", "content": "안녕?"}]}  # no assistant turn
+    _rows(tmp_path / "chat.jsonl", [MESSAGES_ROW, bad_row, *[MESSAGES_ROW] * 30])
+    (tmp_path / "my-data.yaml").write_text(
+        OWN_DATA.format(stage="sft", data=f"{{ uri: {tmp_path / 'chat.jsonl'}, format: messages }}"), encoding="utf-8"
+    )
+
+    def problems(*overrides: str, visible_only: bool = False) -> list[str]:
+        return check_data(load_pipeline(str(tmp_path / "my-data.yaml"), None, list(overrides)).spec, None,
+                          visible_only=visible_only)  # fmt: skip
+
+    assert problems() == [
+        f"stages.sft.data ({tmp_path / 'chat.jsonl'}): {tmp_path / 'chat.jsonl'}:2: field 'messages': no assistant "
+        "turn: nothing to learn from"
+    ]
+    assert problems("stages.sft.data.max_bad_row_fraction=0.05") == []
+    assert problems("stages.sft.data.max_samples=1") == []
+    missing = str(tmp_path / "elsewhere" / "*.jsonl")
+    assert problems(f"stages.sft.data.uri={missing}", visible_only=True) == []
+    assert problems(f"stages.sft.data.uri={missing}") == [
+        f"stages.sft.data: {missing}: the pattern matches nothing: {tmp_path / 'elsewhere'} is not a directory"
+    ]
+    assert problems("stages.sft.data.uri=s3://bucket/chat.jsonl") == []  # prepare checks it in the cluster
+
+
+def test_dry_run_refuses_bad_data_this_machine_can_read(tmp_path: Path) -> None:
+    import sys
+
+    _rows(tmp_path / "chat.jsonl", [ALPACA_ROW] * 3)
+    (tmp_path / "my-data.yaml").write_text(
+        OWN_DATA.format(stage="sft", data="{ uri: chat.jsonl, format: messages }"), encoding="utf-8"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "workflows.submit", "my-data.yaml", "--dry-run"],
+        cwd=tmp_path,
+        env=runner_env(PYTHONPATH=str(REPO)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == EXIT_USAGE and not done.stdout
+    assert [line for line in done.stderr.splitlines() if not line.startswith("warning: ")] == [
+        "error: stages.sft.data (chat.jsonl): chat.jsonl:1: field 'messages': missing (the row has 'instruction', "
+        "'output': is it in format 'alpaca'?) (also lines 2, 3)"
+    ]

@@ -257,3 +257,35 @@ def test_an_unknown_lm_eval_task_fails_prepare_before_anything_trains(tmp_path: 
     result = RunDir(root).read_result("prepare")
     assert result.status == "failed" and "did you mean ko_constitution_mc?" in result.message
     assert not (root / "prepare" / "tokenizer").exists()
+
+
+def test_prepare_refuses_a_bad_file_before_its_workers_start_with_the_checks_lines(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+):
+    """The data check of `submit --local` (`python -m stages check-data`) runs first in prepare too: in the
+    cluster a CP949 file or a column the data lacks fails in seconds, with the same lines, before any worker."""
+    import stages.prepare
+
+    def read_the_data(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("prepare started reading the data")
+
+    monkeypatch.setattr(stages.prepare, "prepare_split", read_the_data)
+    ctx = cpt_only(tmp_path, [], 0.1)  # a tenth of the rows may be bad: a whole file in CP949 is still refused
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_bytes(
+        "".join(json.dumps({"text": f"좋은 문서 {i}"}, ensure_ascii=False) + "\n" for i in range(50)).encode("cp949")
+    )
+    assert run(ctx) == 1
+    message = ctx.run_dir.read_result("prepare").message
+    assert message.startswith(f"stages.cpt.data ({corpus}): {corpus}:1: invalid UTF-8 at byte 10 of the line (0xc1)")
+    assert "and so are 19 more of its first 20 lines" in message and "iconv -f cp949 -t utf-8" in message
+    assert capsys.readouterr().err.splitlines() == [f"[prepare] error: {message}"]
+    check = subprocess.run(
+        [sys.executable, "-m", "stages", "check-data", "--spec", str(ctx.run_dir.spec_path)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=120,
+    )
+    assert (check.returncode, check.stderr) == (2, f"error: {message}\n")
+    assert not (ctx.dir / "data").exists() and not (ctx.dir / "tokenizer").exists()

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import shlex
 import sys
 from collections.abc import Callable
@@ -405,6 +406,31 @@ def _variant_run_specs(loaded: LoadedPipeline, values: dict[str, str], origin: C
     return specs
 
 
+def check_data(specs: list[PipelineSpec], visible_only: bool = False) -> None:
+    """A usage error, one `error:` line per problem, when the data of a run of `specs` is missing, unreadable, or
+    does not match its format, column mapping or encoding on its first rows (workflows/data_check.py); before
+    anything is written. `visible_only`: data this machine cannot see is the cluster's (--dry-run)."""
+    from workflows.data_check import data_problems
+
+    errors, warnings = data_problems(specs, visible_only)
+    for line in warnings:
+        print(f"warning: {line}", file=sys.stderr)
+    if errors:  # printed by run_cli as "error: " + the message: each line keeps its own "error: "
+        raise CliError("\n".join(errors).removeprefix("error: "), EXIT_USAGE)
+
+
+def prepared_before(run_dir: Path | None, force: bool) -> bool:
+    """Whether --local resumes a run directory whose prepare succeeded (it will not read the data again, so the
+    data is not checked: a resume must not fail on a file moved since)."""
+    if run_dir is None or force:
+        return False
+    try:
+        record = json.loads((run_dir / "prepare" / "stage.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and record.get("status") == "succeeded"
+
+
 def warn_about_plan(loaded: LoadedPipeline) -> None:
     """The plan's warnings (workflows/plan.py), on stderr: what --local prints before it runs, said before a cluster
     run too (stdout may be the YAML of --dry-run)."""
@@ -469,6 +495,9 @@ def main(argv: list[str] | None = None) -> int:
         if not loaded.spec.variants and not args.variants:
             from workflows.local import run_local
 
+            if not prepared_before(args.run_dir, args.force):
+                check_data([loaded.spec])  # before the run directory is made
+
             return run_local(
                 loaded, args.run_dir, args.force, resume=local_command(args), fail_on_gate=args.fail_on_gate
             )
@@ -476,6 +505,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.run_dir is not None and len(chosen) > 1:
             p.error(f"--run-dir holds one run: pick one variant with --variant ({', '.join(chosen)})")
         from workflows.local import run_local_variants
+
+        if not prepared_before(args.run_dir, args.force):
+            check_data([variant.spec for variant in chosen.values()])  # every variant's, before any runs
 
         return run_local_variants(
             chosen, args.run_dir, args.force, resume=local_command(args), fail_on_gate=args.fail_on_gate
@@ -488,6 +520,8 @@ def main(argv: list[str] | None = None) -> int:
     for run_spec in [*selected_variants(args, loaded).values()] or [loaded]:
         check_lm_eval_tasks(run_spec.spec, loaded.source)
     warn_about_plan(loaded)
+    if args.dry_run:  # the data this machine can see (the rest lies on the cluster's volumes; prepare checks it)
+        check_data([run_spec.spec for run_spec in selected_variants(args, loaded).values()] or [loaded.spec], True)
     compiled = compile_loaded(loaded, variant_switches(args, loaded) or None)
     if args.render is not None:
         written = render(compiled.documents(), args.render)
