@@ -204,9 +204,10 @@ def test_a_dataset_that_fails_midway_leaves_nothing_behind(tmp_path: Path) -> No
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     (corpus / "a.jsonl").write_bytes(jsonl([{"text": doc(i)} for i in range(50)]))
-    (corpus / "b.jsonl").write_bytes(jsonl([{"text": doc(i)} for i in range(50, 60)]) + b"{broken\n" * 20)
+    # the bad rows come after the rows the up-front check samples (stages/check_data.py): the workers meet them
+    (corpus / "b.jsonl").write_bytes(jsonl([{"text": doc(i)} for i in range(50, 80)]) + b"{broken\n" * 20)
     ctx, code = prepare(tmp_path, [*ONLY_CPT, f"stages.cpt.data.uri={corpus}", "stages.prepare.num_proc=2"])
-    assert code == 1 and "20 of 80 rows are bad" in ctx.run_dir.read_result("prepare").message
+    assert code == 1 and "20 of 100 rows are bad" in ctx.run_dir.read_result("prepare").message
     left = [p.name for p in (ctx.dir / "data").rglob("*") if p.is_file()] if (ctx.dir / "data").exists() else []
     assert left == [] and not (ctx.dir / "cache").exists()
 
