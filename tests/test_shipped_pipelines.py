@@ -47,6 +47,13 @@ def test_a_shipped_pipeline_runs_locally_as_itself(
     said = capsys.readouterr()
     assert code == 0, said.out[-4000:] + said.err[-4000:]
     assert "[profile local]" in said.out  # the runner said what the profile swapped
+    # No terminal here (as in CI or a pod's log): each training stage's progress lines come as they are printed,
+    # library noise does not, and the summary is one whole line per stage.
+    lines = said.out.splitlines()
+    for stage in (s for s in stages if s in ("cpt", "sft", "rlhf")):
+        assert any(line.startswith(f"[{stage}] step ") and "loss" in line for line in lines), stage
+    assert not any(line.startswith(("{'loss'", "{'train_runtime'")) for line in lines)
+    assert any(line.split()[:2] == ["deploy", "succeeded"] for line in lines if line.startswith("  deploy "))
 
     for stage in stages:
         assert json.loads((run_root / stage / "stage.json").read_text())["status"] == "succeeded", stage

@@ -68,7 +68,7 @@ def test_a_failed_gate_skips_deploy_and_unchanged_data_then_ends_the_next_run(
     assert evaluate["status"] == "succeeded" and evaluate["extra"]["gate"] == "fail"
     assert "skipping deploy: gate fail: not_measured: not measured for the candidate" in out
     assert "deploy: running" not in out and not (runs / "second" / "deploy").exists()
-    deploy_row = next(line for line in out.splitlines() if line.startswith("│ deploy"))
+    deploy_row = next(line for line in out.splitlines() if line.startswith("  deploy "))
     assert "skipped" in deploy_row and "gate fail" in deploy_row
     assert str(client.get_model_version_by_alias("korean-llm", "champion").version) == "1"
     assert str(client.get_model_version_by_alias("korean-llm", "challenger").version) == "1"

@@ -331,6 +331,19 @@ def render(spec: PipelineSpec, run_root: Path, runs: list[StageRun], live: bool 
     return table
 
 
+def print_summary(console: Console, spec: PipelineSpec, run_root: Path, runs: list[StageRun]) -> None:
+    """The run's summary: the table on a terminal; elsewhere (CI, a pod's log, a file) one plain line per stage,
+    never cut or wrapped, so that a gate's reason reads whole."""
+    if console.is_terminal:
+        console.print(render(spec, run_root, runs, live=False))
+        return
+    console.print(f"{spec.name} · {run_root}", markup=False, soft_wrap=True)
+    for run in runs:
+        detail = run.metric or (run.message.splitlines()[0] if run.message else "")
+        line = f"  {run.name:<9} {run.status:<11} {run.elapsed:>7}  {detail}".rstrip()
+        console.print(line, markup=False, soft_wrap=True, highlight=False)
+
+
 def invocation(loaded: LoadedPipeline) -> list[str]:
     """The command that runs `loaded` again, for a caller that did not say how it was started: the pipeline by name
     when it is a shipped one, else by its path, with its --profile (unless the default `local`) and --variant. Its
@@ -477,7 +490,8 @@ def _run_locked(
                 command, launch_env = stage_launch(spec, run.name, run_root, force, gpus, warm is not None)
                 log = run_root / run.name / "logs" / "stage.log"
                 grace = spec.stage(run.name).run_policy.termination_grace_period_seconds
-                run.returncode = run_stage(run, command, {**env, **launch_env}, log, refresh, grace, warm)
+                echo = None if console.is_terminal else lambda line: console.print(line, markup=False, soft_wrap=True)
+                run.returncode = run_stage(run, command, {**env, **launch_env}, log, refresh, grace, warm, echo)
             except (StageInterrupted, KeyboardInterrupt) as exc:
                 # The stage got the signal and has exited (run_stage waited): its record says how it ended, or,
                 # killed before it could say so, the runner does.
@@ -527,7 +541,7 @@ def _run_locked(
             if not console.is_terminal:
                 console.print(f"{run.name}: {run.status} ({run.elapsed})", markup=False)
 
-    console.print(render(spec, run_root, runs, live=False))
+    print_summary(console, spec, run_root, runs)
     if failed is None and spec.retention.enabled:
         exit_code = run_retention(spec, run_root, console)
     if gone:  # no resume command, no tracking hints: the run directory they would name is not this run's
@@ -625,15 +639,19 @@ def run_local_variants(
         outcomes.append((name, str(Path(root).absolute()), code))
         if code >= 128:  # interrupted: the variants left are not started
             break
+    rows = [(name, root, "done" if code == 0 else f"failed (exit {code})") for name, root, code in outcomes]
+    ran = {name for name, _, _ in outcomes}
+    rows += [(name, "", "not run") for name in variants if name not in ran]
+    if not console.is_terminal:  # plain lines, never cut (see print_summary)
+        console.print("variants", markup=False)
+        for name, root, outcome in rows:
+            console.print(f"  {name}  {outcome}  {root}".rstrip(), markup=False, soft_wrap=True, highlight=False)
+        return next((code for _, _, code in outcomes if code), 0)
     table = Table(title="variants", title_justify="left", expand=False)
     for column in ("variant", "run directory", "outcome"):
         table.add_column(column, no_wrap=column != "run directory")
-    ran = {name for name, _, _ in outcomes}
-    for name, root, code in outcomes:
-        outcome = "done" if code == 0 else f"failed (exit {code})"
-        table.add_row(name, root, Text(outcome, style=_STYLE.get("succeeded" if code == 0 else "failed", "")))
-    for name in variants:
-        if name not in ran:
-            table.add_row(name, "", "not run")
+    for name, root, outcome in rows:
+        style = _STYLE.get("succeeded" if outcome == "done" else "failed" if outcome != "not run" else "", "")
+        table.add_row(name, root, Text(outcome, style=style))
     console.print(table)
     return next((code for _, _, code in outcomes if code), 0)

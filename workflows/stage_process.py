@@ -71,9 +71,17 @@ def stage_launch(
     return [sys.executable, "-m", "stages", stage, "--run-dir", str(run_root), *forced], {}
 
 
-def _pump(stream: Any, log_file: Any, run: StageRun) -> None:
-    """Copy a stage's output into its log (secret values masked), remembering the last lines."""
+def own_line(stage: str, line: str) -> bool:
+    """Whether an output line is the stage's own (its progress, `[sft] step 120/500 · loss ... · ETA`, and what it
+    reports) rather than a library's (warnings, MLflow's INFO lines, the Trainer's raw dicts)."""
+    return line.startswith((f"[{stage}]", "error:", "warning:"))
+
+
+def _pump(stream: Any, log_file: Any, run: StageRun, echo: Callable[[str], None] | None = None) -> None:
+    """Copy a stage's output into its log (secret values masked), remembering the last lines; the stage's own
+    lines become the live view's last line, and go to `echo` as they come."""
     secrets = secret_values()
+    stage = run.name.split()[0]  # a trial's row is named `<stage> trial n/N`
     for raw in iter(stream.readline, b""):
         if secrets:
             raw = mask_secrets(raw.decode("utf-8", errors="replace"), secrets).encode()
@@ -82,8 +90,11 @@ def _pump(stream: Any, log_file: Any, run: StageRun) -> None:
         text = raw.decode("utf-8", errors="replace").rstrip()
         line = text.split("\r")[-1].strip() if text else ""
         if line:
-            run.last_line = line
             run.tail.append(line)
+            if own_line(stage, line):
+                run.last_line = line
+                if echo is not None:
+                    echo(line)
 
 
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
@@ -178,12 +189,14 @@ def run_stage(
     refresh: Any,
     grace: float = STOP_GRACE_S,
     warm: WarmStarts | None = None,
+    echo: Callable[[str], None] | None = None,
 ) -> int:
     """Run one stage to completion, its output appended to `log_path`; returns its exit code. Interrupted (SIGTERM
     or Ctrl-C to the runner), it passes the signal on, waits for the stage to exit (at most `grace` seconds, then
     kills it), records its exit code in `run` and raises the interruption again. The stage's output is read until
     it exits, so the stage never dies of a broken pipe while it saves. With `warm`, the stage is forked from the
-    run's warm-start server where it can be (workflows/warm_starts.py), else started as a fresh process."""
+    run's warm-start server where it can be (workflows/warm_starts.py), else started as a fresh process. `echo` gets
+    the stage's own output lines as they come (where no terminal shows the live view)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log_file:
         started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -200,7 +213,7 @@ def run_stage(
                 start_new_session=True,  # a terminal's Ctrl-C reaches the stage through the runner only, once
                 preexec_fn=die_with_runner(),  # only a prctl call runs between fork and exec
             )
-        pump = threading.Thread(target=_pump, args=(process.stdout, log_file, run), daemon=True)
+        pump = threading.Thread(target=_pump, args=(process.stdout, log_file, run, echo), daemon=True)
         try:
             pump.start()
             while process.poll() is None:
