@@ -820,10 +820,12 @@ def load_starting_model(
                 inputs.check("model_base", run_dir.root / base.name, adapter_of=upstream)
             inputs.check("model", adapter_dir)
     # ZeRO-3: the model is created partitioned as it loads, not whole in every process, which needs the DeepSpeed
-    # config the Trainer only makes later (`stages.sharded_loading`). Not for full training after a LoRA stage: the
-    # adapter merges into whole weights.
+    # config the Trainer only makes later (`stages.sharded_loading`). Not for full training after a LoRA stage (the
+    # adapter merges into whole weights), nor for rlhf's full training (its reference model is a copy of the loaded
+    # one: `stages.rlhf.frozen_reference`, `point_grpo_at_reference`).
     zero3 = None
-    if partitions_at_load(section) and not (section.method == "full" and adapter_dir is not None):
+    whole = section.method == "full" and (adapter_dir is not None or stage == "rlhf")
+    if partitions_at_load(section) and not whole:
         zero3 = zero3_loading(stage, section, weights_dtype(spec.model))
     model = load_base(run_dir, spec, base, tokenizer, quantization, once=loads_once(section))
     if quantization is not None and (note := unquantized_experts(model)) is not None:
