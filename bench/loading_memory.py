@@ -17,7 +17,7 @@ which leaves out the page cache the kernel can drop). Modes:
 With `--strategy zero3` the Trainer gets the stage's generated ZeRO-3 config (`stages.distributed.strategy_arguments`)
 instead, and the modes are:
 - every-rank: every rank loads the whole model, DeepSpeed partitions it when the Trainer starts (the stage before
-  `stages.sharded_loading.zero3_loading`);
+  `stages.distributed.zero3_loading`);
 - once: the stage's `zero3_loading` first, so transformers creates the model partitioned (zero.Init) and rank 0
   alone reads the checkpoint.
 Rank 0 writes OUT/<mode>.json (OUT/zero3-<mode>.json): the peaks, the checkpoint's size, and the peaks as copies of
@@ -137,9 +137,8 @@ def load(directory: Path, mode: str, out: Path, strategy: str = "fsdp") -> None:
     from spec.model import ModelSpec
     from spec.training import DistributedSpec
     from stages import modeling
-    from stages.distributed import fsdp_settings, precision_arguments, strategy_arguments
+    from stages.distributed import fsdp_settings, precision_arguments, strategy_arguments, zero3_loading
     from stages.modeling import BaseRef, load_base
-    from stages.sharded_loading import zero3_loading
 
     local_rank, rank = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("RANK", "0"))
     if torch.cuda.is_available():

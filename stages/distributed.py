@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from spec.training import DistributedSpec, TrainingStage
-from stages.modeling import NotSupportedHere
+from stages.contract import NotSupportedHere
 from stages.sharded_loading import loads_once, world_size
 
 
@@ -187,7 +187,7 @@ def strategy_arguments(stage: str, section: TrainingStage, model: Any) -> dict[s
 def zero_init_config(stage: str, section: TrainingStage, model_dtype: torch.dtype | str) -> dict[str, Any]:
     """The stage's DeepSpeed config (`strategy_arguments`: the user's or the generated one, after the accelerate
     config) as DeepSpeed's zero.Init reads it while the model loads, before the Trainer exists to fill its "auto"
-    values (`stages.sharded_loading.zero3_loading`). zero.Init parses the whole config: the batch sizes must agree
+    values (`zero3_loading`). zero.Init parses the whole config: the batch sizes must agree
     with the world size, and bf16/fp16 decide the dtype the partitions are made in. Those, and the gradient
     clipping, are filled as transformers' `HfTrainerDeepSpeedConfig.trainer_config_process` will fill them from
     the stage's Trainer arguments; any other "auto" (the bucket sizes the Trainer derives from the model's hidden
@@ -214,6 +214,20 @@ def zero_init_config(stage: str, section: TrainingStage, model_dtype: torch.dtyp
         if isinstance(node, dict) and node.get(leaf) == "auto":
             node[leaf] = value
     return _without_auto(config)
+
+
+def zero3_loading(stage: str, section: TrainingStage, model_dtype: torch.dtype | str) -> Any:
+    """Make transformers load the stage's model partitioned under ZeRO-3: DeepSpeed's process group (the one the
+    Trainer's accelerate then finds in place), and transformers' `HfDeepSpeedConfig` of the stage's DeepSpeed
+    config with the values zero.Init reads resolved as the Trainer will (`stages.distributed.zero_init_config`).
+    transformers keeps only a weak reference to it (`is_deepspeed_zero3_enabled`): the caller holds the returned
+    object until the Trainer's arguments have made their own, which replaces it."""
+    import deepspeed
+    from transformers.integrations import HfDeepSpeedConfig
+
+    config = zero_init_config(stage, section, model_dtype)
+    deepspeed.init_distributed()  # zero.Init reads the world size from it to check the batch sizes
+    return HfDeepSpeedConfig(config)
 
 
 def _without_auto(config: dict[str, Any]) -> dict[str, Any]:

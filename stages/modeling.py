@@ -47,7 +47,8 @@ from spec.fields import TRAINING_STAGES
 from spec.model import ModelSpec, TinyModelConfig
 from spec.pipeline import PipelineSpec
 from spec.training import TrainingStage
-from stages.contract import StageContext, is_main_process
+from stages.contract import NotSupportedHere, StageContext, is_main_process
+from stages.distributed import zero3_loading
 from stages.sharded_loading import (
     first_rank_placement,
     full_numel,
@@ -58,17 +59,12 @@ from stages.sharded_loading import (
     partitions_at_load,
     skeleton,
     tell_apart,
-    zero3_loading,
 )
 
 ModelKind = Literal["full", "adapter"]
 BaseKind = Literal["from_config", "pretrained", "stage"]
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-class NotSupportedHere(RuntimeError):
-    """The spec asks for something this machine cannot do (e.g. QLoRA without a CUDA GPU)."""
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,9 @@ shards rank 0's weights out to the others by broadcast (`cpu_ram_efficient_loadi
 ZeRO-3: transformers creates the model partitioned (DeepSpeed's `zero.Init`: each rank allocates its 1/N of every
 parameter as the module is built) and loads the checkpoint into the partitions, module by module, from rank 0's
 copy (the other ranks read only the keys and shapes), when it sees a live DeepSpeed config. The Trainer makes that
-config, but only after the stage has loaded its model, so `zero3_loading` makes it first, from the stage's own
-DeepSpeed config (`stages.distributed.zero_init_config`). A partitioned parameter holds an empty tensor; its full
-size is in `ds_numel` and `ds_shape` (`full_numel`, `full_shape`).
+config, but only after the stage has loaded its model, so `stages.distributed.zero3_loading` makes it first, from
+the stage's own DeepSpeed config (`stages.distributed.zero_init_config`). A partitioned parameter holds an empty
+tensor; its full size is in `ds_numel` and `ds_shape` (`full_numel`, `full_shape`).
 
 QLoRA is left out: its 4-bit weights are quantized as each rank loads them onto its GPU (accelerate keeps
 bitsandbytes parameters off the meta device too; the spec refuses QLoRA under ZeRO-3). DDP replicates the whole
@@ -52,25 +52,9 @@ def loads_once(section: TrainingStage) -> bool:
 
 
 def partitions_at_load(section: TrainingStage) -> bool:
-    """Whether this stage's model is created partitioned by DeepSpeed ZeRO-3 as it loads (`zero3_loading`): ZeRO-3
-    over more than one process, not QLoRA."""
+    """Whether this stage's model is created partitioned by DeepSpeed ZeRO-3 as it loads
+    (`stages.distributed.zero3_loading`): ZeRO-3 over more than one process, not QLoRA."""
     return section.distributed.strategy == "deepspeed_zero3" and world_size() > 1 and section.method != "qlora"
-
-
-def zero3_loading(stage: str, section: TrainingStage, model_dtype: torch.dtype | str) -> Any:
-    """Make transformers load the stage's model partitioned under ZeRO-3: DeepSpeed's process group (the one the
-    Trainer's accelerate then finds in place), and transformers' `HfDeepSpeedConfig` of the stage's DeepSpeed
-    config with the values zero.Init reads resolved as the Trainer will (`stages.distributed.zero_init_config`).
-    transformers keeps only a weak reference to it (`is_deepspeed_zero3_enabled`): the caller holds the returned
-    object until the Trainer's arguments have made their own, which replaces it."""
-    import deepspeed
-    from transformers.integrations import HfDeepSpeedConfig
-
-    from stages.distributed import zero_init_config
-
-    config = zero_init_config(stage, section, model_dtype)
-    deepspeed.init_distributed()  # zero.Init reads the world size from it to check the batch sizes
-    return HfDeepSpeedConfig(config)
 
 
 def full_numel(param: Any) -> int:
