@@ -1,7 +1,9 @@
-"""Benchmark (not a test): host memory of a node while an FSDP2 stage loads a checkpoint, one copy per rank or once.
+"""Benchmark (not a test): host memory of a node while an FSDP2 or ZeRO-3 stage loads a checkpoint, one copy per
+rank or once.
 
     python bench/loading_memory.py checkpoint DIR [--shape qwen3-8b]        # random weights in the Hugging Face layout
     torchrun --standalone --nproc-per-node 4 bench/loading_memory.py load DIR --mode once --out OUT
+    torchrun --standalone --nproc-per-node 4 bench/loading_memory.py load DIR --strategy zero3 --mode once --out OUT
 
 `checkpoint` writes a model of the shape (bench/gpu_cases.py SHAPES) as `save_pretrained` does: bf16 safetensors
 in shards of 5 GB with their index, and config.json. `load` loads it as a training stage does
@@ -12,7 +14,14 @@ which leaves out the page cache the kernel can drop). Modes:
 - every-rank: every rank reads the whole checkpoint (the stage before stages/sharded_loading.py);
 - once: rank 0 alone reads it, onto its GPU where it fits, the others build a skeleton on the meta device;
 - once-host: as once, with rank 0 loading into host memory (as it does for a model too big for its GPU).
-Rank 0 writes OUT/<mode>.json: the peaks, the checkpoint's size, and the peaks as copies of it.
+With `--strategy zero3` the Trainer gets the stage's generated ZeRO-3 config (`stages.distributed.strategy_arguments`)
+instead, and the modes are:
+- every-rank: every rank loads the whole model, DeepSpeed partitions it when the Trainer starts (the stage before
+  `stages.distributed.zero3_loading`);
+- once: the stage's `zero3_loading` first, so transformers creates the model partitioned (zero.Init) and rank 0
+  alone reads the checkpoint.
+Rank 0 writes OUT/<mode>.json (OUT/zero3-<mode>.json): the peaks, the checkpoint's size, and the peaks as copies of
+it.
 """
 
 from __future__ import annotations
@@ -105,8 +114,20 @@ def checkpoint(directory: Path, shape: str) -> None:
     print(f"{directory}: {size / GIB:.1f} GiB of safetensors", flush=True)
 
 
-def load(directory: Path, mode: str, out: Path) -> None:
-    """Load `directory` as an FSDP2 stage does in `mode`, train one step, and record the node's memory."""
+def zero3_stage() -> Any:
+    """A training stage under the generated ZeRO-3 config, one row per GPU per step."""
+    from spec.loading import load_pipeline
+    from spec.training import DistributedSpec
+
+    cpt = load_pipeline("korean-llm").spec.stage("cpt")
+    training = cpt.training.model_copy(update={"per_device_batch_size": 1, "gradient_accumulation_steps": 1})
+    return cpt.model_copy(
+        update={"method": "full", "distributed": DistributedSpec(strategy="deepspeed_zero3"), "training": training}
+    )
+
+
+def load(directory: Path, mode: str, out: Path, strategy: str = "fsdp") -> None:
+    """Load `directory` as an FSDP2 or ZeRO-3 stage does in `mode`, train one step, and record the node's memory."""
     import torch
     from datasets import Dataset
     from gpu_cases import VOCAB
@@ -116,7 +137,7 @@ def load(directory: Path, mode: str, out: Path) -> None:
     from spec.model import ModelSpec
     from spec.training import DistributedSpec
     from stages import modeling
-    from stages.distributed import fsdp_settings, precision_arguments
+    from stages.distributed import fsdp_settings, precision_arguments, strategy_arguments, zero3_loading
     from stages.modeling import BaseRef, load_base
 
     local_rank, rank = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("RANK", "0"))
@@ -128,12 +149,19 @@ def load(directory: Path, mode: str, out: Path) -> None:
     if mode == "once-host":
         modeling.first_rank_placement = lambda parameters: {}  # type: ignore[assignment]
     once = mode != "every-rank"
+    zero3 = strategy == "zero3"
     started = time.perf_counter()
+    keep = zero3_loading("cpt", zero3_stage(), torch.bfloat16) if zero3 and once else None  # as load_starting_model
     spec = type("Spec", (), {"model": ModelSpec(name_or_path=str(directory), dtype="bfloat16")})()
-    model = load_base(None, spec, BaseRef("pretrained", str(directory)), fake_tokenizer(VOCAB), once=once)  # type: ignore[arg-type]
+    tokenizer = fake_tokenizer(VOCAB)
+    model = load_base(None, spec, BaseRef("pretrained", str(directory)), tokenizer, once=once and not zero3)  # type: ignore[arg-type]
     loaded_s = time.perf_counter() - started
+    partitioned = sum(hasattr(p, "ds_numel") for p in model.parameters())
     model.config.use_cache = False
-    settings = fsdp_settings(DistributedSpec(strategy="fsdp"), list(model._no_split_modules), True, once=once)
+    if zero3:
+        settings = {"deepspeed": strategy_arguments("cpt", zero3_stage(), model)["deepspeed"]}
+    else:
+        settings = fsdp_settings(DistributedSpec(strategy="fsdp"), list(model._no_split_modules), True, once=once)
     args = TrainingArguments(
         output_dir=str(out / f"trainer-{mode}"),
         per_device_train_batch_size=1,
@@ -146,15 +174,20 @@ def load(directory: Path, mode: str, out: Path) -> None:
     )
     rows = Dataset.from_dict({"input_ids": [list(range(1, 513))] * 8, "labels": [list(range(1, 513))] * 8})
     trainer = Trainer(model=model, args=args, train_dataset=rows)
+    del keep  # the Trainer's arguments made their own DeepSpeed config
     trainer.train()
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     held = [p for group in trainer.optimizer.param_groups for p in group["params"]]
-    optimizer_check = {  # every rank's optimizer steps each sharded parameter once; its state saves
+    optimizer_check: dict[str, Any] = {  # every rank's optimizer steps each sharded parameter once; its state saves
         "optimizer_parameters": len(held),
         "optimizer_distinct": len({id(p) for p in held}),
-        "optimizer_state_entries": len(get_optimizer_state_dict(trainer.model, trainer.optimizer)["state"]),
+        "partitioned_at_load": partitioned,
     }
+    if not zero3:
+        optimizer_check["optimizer_state_entries"] = len(
+            get_optimizer_state_dict(trainer.model, trainer.optimizer)["state"]
+        )
     checks: list[Any] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(checks, optimizer_check)
     torch.distributed.barrier()
@@ -164,6 +197,7 @@ def load(directory: Path, mode: str, out: Path) -> None:
     if rank == 0 and sampler is not None:
         size = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
         result: dict[str, Any] = {
+            "strategy": strategy,
             "mode": mode,
             "ranks_on_node": len(sampler.pids),
             "checkpoint_gib": size / GIB,
@@ -182,7 +216,8 @@ def load(directory: Path, mode: str, out: Path) -> None:
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         }
         out.mkdir(parents=True, exist_ok=True)
-        (out / f"{mode}.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
+        name = f"zero3-{mode}.json" if zero3 else f"{mode}.json"
+        (out / name).write_text(json.dumps(result, indent=1), encoding="utf-8")
         print("RESULT", json.dumps(result), flush=True)
 
 
@@ -192,12 +227,15 @@ def main() -> int:
     parser.add_argument("directory", type=Path)
     parser.add_argument("--shape", default="qwen3-8b")
     parser.add_argument("--mode", default="once", choices=["every-rank", "once", "once-host"])
+    parser.add_argument("--strategy", default="fsdp", choices=["fsdp", "zero3"])
     parser.add_argument("--out", type=Path, default=Path("loading-memory"))
     args = parser.parse_args()
+    if args.strategy == "zero3" and args.mode == "once-host":
+        parser.error("--mode once-host is FSDP2's: under ZeRO-3 rank 0 always reads the checkpoint into host memory")
     if args.command == "checkpoint":
         checkpoint(args.directory, args.shape)
     else:
-        load(args.directory, args.mode, args.out)
+        load(args.directory, args.mode, args.out, args.strategy)
     return 0
 
 

@@ -17,6 +17,7 @@ import re
 from dataclasses import dataclass
 from decimal import Decimal
 
+from spec.fields import TRAINING_STAGES
 from spec.model import TinyModelConfig
 from spec.pipeline import PipelineSpec
 from spec.stage import Resources, StageBase
@@ -106,12 +107,16 @@ def _role(stage_name: str) -> str:
 def derived_size(spec: PipelineSpec, stage_name: str, res: Resources) -> PodSize:
     """The size of a stage's pods when the spec leaves it unset.
 
-    - training (cpt, sft, rlhf): under DDP and DeepSpeed each of the pod's processes loads the weights into host
-      memory before they go to its GPU, so the weights once per GPU. Under FSDP2 over several processes (not
+    - training (cpt, sft, rlhf): under DDP and DeepSpeed ZeRO-2 each of the pod's processes loads the weights into
+      host memory before they go to its GPU, so the weights once per GPU. Under FSDP2 over several processes (not
       QLoRA) rank 0 alone loads them (stages/sharded_loading.py), onto its GPU where they fit, else into host
       memory, where accelerate upcasts the trained ones to float32 before sharding: twice the weights for full
-      training, once for LoRA. Plus optimizer state offloaded to the host (16 bytes a parameter: fp32 master
-      weights, two Adam moments, gradients; shared by the nodes) with `distributed.cpu_offload`.
+      training, once for LoRA. Under ZeRO-3 over several processes the model is created partitioned (zero.Init)
+      and rank 0 alone reads the checkpoint into host memory, from where each module's weights go to the
+      partitions: the weights once (not for full training that merges an upstream stage's adapter, nor for rlhf's
+      full training, whose reference model copies the loaded one: those load whole weights in every process).
+      Plus optimizer state offloaded to the host (16 bytes a parameter: fp32 master weights, two Adam moments,
+      gradients; shared by the nodes) with `distributed.cpu_offload`.
     - evaluate: the model being measured, once and a half (loading, then the generation cache on a CPU pod).
     - deploy: an adapter merged into its base and the merged model loaded again to register it, about 2.5 times
       the weights; MLflow stages the logged model in /tmp first, so ephemeral storage for one copy of it.
@@ -126,7 +131,9 @@ def derived_size(spec: PipelineSpec, stage_name: str, res: Resources) -> PodSize
     cpu = str(max(4, CPU_PER_GPU[role] * res.gpus_per_node))
     overhead = RUNTIME_OVERHEAD_GIB[role] * GIB + shm
     if role == "training":
-        memory = weights * _host_copies(spec.stage(stage_name), res)
+        rlhf_full = stage_name == "rlhf" and spec.stage(stage_name).method == "full"
+        whole = _merges_an_adapter(spec, stage_name) or rlhf_full
+        memory = weights * _host_copies(spec.stage(stage_name), res, whole)
         if getattr(getattr(spec.stage(stage_name), "distributed", None), "cpu_offload", False):
             memory += 16 * model_parameters(spec) / res.nodes
         return PodSize(cpu, _gib(memory + overhead))
@@ -135,15 +142,23 @@ def derived_size(spec: PipelineSpec, stage_name: str, res: Resources) -> PodSize
     return PodSize(cpu, _gib(2.5 * weights + overhead), _gib(weights + SCRATCH_GIB * GIB))
 
 
-def _host_copies(section: StageBase, res: Resources) -> int:
-    """How many times a training pod holds the weights in host memory while its processes load them."""
-    if (
-        isinstance(section, TrainingStage)
-        and section.distributed.strategy == "fsdp"
-        and res.nodes * res.gpus_per_node > 1
-        and section.method != "qlora"
-    ):
-        return 2 if section.method == "full" else 1
+def _merges_an_adapter(spec: PipelineSpec, stage_name: str) -> bool:
+    """Whether a training stage trains in full from the adapter the enabled training stage before it leaves."""
+    before = [s for s in TRAINING_STAGES[: TRAINING_STAGES.index(stage_name)] if spec.stage(s).enabled]
+    if not before or spec.stage(stage_name).method != "full":
+        return False
+    upstream = spec.stage(before[-1])
+    return upstream.method != "full" and not upstream.lora.merge_after
+
+
+def _host_copies(section: StageBase, res: Resources, whole: bool = False) -> int:
+    """How many times a training pod holds the weights in host memory while its processes load them. `whole`: the
+    stage needs whole weights in every process even under ZeRO-3 (`stages.modeling.load_starting_model`)."""
+    if isinstance(section, TrainingStage) and res.nodes * res.gpus_per_node > 1 and section.method != "qlora":
+        if section.distributed.strategy == "fsdp":
+            return 2 if section.method == "full" else 1
+        if section.distributed.strategy == "deepspeed_zero3" and not whole:
+            return 1
     return max(1, res.gpus_per_node)
 
 

@@ -93,6 +93,10 @@ def disk_full_message(exc: BaseException, where: Path) -> str:
     )
 
 
+class NotSupportedHere(RuntimeError):
+    """The spec asks for something this machine cannot do (e.g. QLoRA without a CUDA GPU, DeepSpeed without GPUs)."""
+
+
 def rank() -> int:
     """Global rank under torchrun (0 when not distributed)."""
     return int(os.environ.get("RANK", "0"))

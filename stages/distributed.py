@@ -11,13 +11,14 @@ FSDP and DeepSpeed need GPUs: on CPU the stage stops with an error that names th
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 from typing import Any
 
 import torch
 
 from spec.training import DistributedSpec, TrainingStage
-from stages.modeling import NotSupportedHere
+from stages.contract import NotSupportedHere
 from stages.sharded_loading import loads_once, world_size
 
 
@@ -181,6 +182,61 @@ def strategy_arguments(stage: str, section: TrainingStage, model: Any) -> dict[s
         own_optimizer = any(key in OPTIMIZER_EXTRA_ARGS for key in section.training.extra_args)
         args["deepspeed"] = stage_deepspeed(args["deepspeed"], own_optimizer)
     return args
+
+
+def zero_init_config(stage: str, section: TrainingStage, model_dtype: torch.dtype | str) -> dict[str, Any]:
+    """The stage's DeepSpeed config (`strategy_arguments`: the user's or the generated one, after the accelerate
+    config) as DeepSpeed's zero.Init reads it while the model loads, before the Trainer exists to fill its "auto"
+    values (`zero3_loading`). zero.Init parses the whole config: the batch sizes must agree
+    with the world size, and bf16/fp16 decide the dtype the partitions are made in. Those, and the gradient
+    clipping, are filled as transformers' `HfTrainerDeepSpeedConfig.trainer_config_process` will fill them from
+    the stage's Trainer arguments; any other "auto" (the bucket sizes the Trainer derives from the model's hidden
+    size, the optimizer's and scheduler's settings) is left out: DeepSpeed's defaults, which zero.Init does not
+    use. The Trainer builds its own config from the stage's later on."""
+    args = strategy_arguments(stage, section, model=None)
+    training = section.training
+    precision = precision_arguments(model_dtype)
+    micro, accumulation = training.per_device_batch_size, training.gradient_accumulation_steps
+    trainer_values: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accumulation,
+        "train_batch_size": world_size() * micro * accumulation,
+        "gradient_clipping": args.get("max_grad_norm", training.max_grad_norm),
+        "bf16.enabled": precision["bf16"],
+        "fp16.enabled": precision["fp16"],
+    }
+    config = copy.deepcopy(args["deepspeed"])
+    for key, value in trainer_values.items():
+        *parents, leaf = key.split(".")
+        node = config
+        for parent in parents:
+            node = node.get(parent) if isinstance(node, dict) else None
+        if isinstance(node, dict) and node.get(leaf) == "auto":
+            node[leaf] = value
+    return _without_auto(config)
+
+
+def zero3_loading(stage: str, section: TrainingStage, model_dtype: torch.dtype | str) -> Any:
+    """Make transformers load the stage's model partitioned under ZeRO-3: DeepSpeed's process group (the one the
+    Trainer's accelerate then finds in place), and transformers' `HfDeepSpeedConfig` of the stage's DeepSpeed
+    config with the values zero.Init reads resolved as the Trainer will (`stages.distributed.zero_init_config`).
+    transformers keeps only a weak reference to it (`is_deepspeed_zero3_enabled`): the caller holds the returned
+    object until the Trainer's arguments have made their own, which replaces it."""
+    import deepspeed
+    from transformers.integrations import HfDeepSpeedConfig
+
+    config = zero_init_config(stage, section, model_dtype)
+    deepspeed.init_distributed()  # zero.Init reads the world size from it to check the batch sizes
+    return HfDeepSpeedConfig(config)
+
+
+def _without_auto(config: dict[str, Any]) -> dict[str, Any]:
+    """`config` without its "auto" values, at any depth."""
+    return {
+        key: _without_auto(value) if isinstance(value, dict) else value
+        for key, value in config.items()
+        if value != "auto"
+    }
 
 
 def precision_arguments(model_dtype: torch.dtype | str) -> dict[str, Any]:

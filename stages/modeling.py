@@ -16,7 +16,9 @@ refuses a folder that changed since its producer recorded it, or since its own e
 (`ModelInputs`).
 
 Under FSDP2 over several processes the model loads once per job (`stages.sharded_loading`): rank 0 reads it, the
-other ranks build a skeleton on the meta device that accelerate fills by broadcast.
+other ranks build a skeleton on the meta device that accelerate fills by broadcast. Under DeepSpeed ZeRO-3 over
+several processes it is created partitioned (zero.Init) and rank 0's copy of the checkpoint is loaded into the
+partitions; a partitioned parameter's own tensor is empty, so sizes here read `full_numel` / `full_shape`.
 
 On CPU the weights are float32 and there is no gradient checkpointing and no bf16. Attention is one of the
 implementations that keep packed documents apart through their position ids (see stages/packing.py): sdpa on
@@ -45,12 +47,16 @@ from spec.fields import TRAINING_STAGES
 from spec.model import ModelSpec, TinyModelConfig
 from spec.pipeline import PipelineSpec
 from spec.training import TrainingStage
-from stages.contract import StageContext, is_main_process
+from stages.contract import NotSupportedHere, StageContext, is_main_process
+from stages.distributed import zero3_loading
 from stages.sharded_loading import (
     first_rank_placement,
+    full_numel,
+    full_shape,
     loads_once,
     on_meta,
     parameter_count,
+    partitions_at_load,
     skeleton,
     tell_apart,
 )
@@ -59,10 +65,6 @@ ModelKind = Literal["full", "adapter"]
 BaseKind = Literal["from_config", "pretrained", "stage"]
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-class NotSupportedHere(RuntimeError):
-    """The spec asks for something this machine cannot do (e.g. QLoRA without a CUDA GPU)."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,7 @@ class StartingModel:
     upstream: str | None  # the training stage whose output this continues, if any
     continued_adapter: bool = False  # a LoRA stage that goes on training the upstream stage's adapter
     save_dtype: torch.dtype | None = None  # the loaded dtype, when training upcast the weights to float32 masters
+    zero3_config: Any = None  # transformers' HfDeepSpeedConfig the model loaded partitioned under, kept alive
     inputs: ModelInputs | None = None  # the stage model folders it loaded, fingerprinted (held to again at a merge)
     loaded_config: dict[str, Any] = field(default_factory=dict)  # config values training changed, put back at save
 
@@ -291,7 +294,8 @@ def expert_parameters(model: Any) -> dict[str, torch.nn.Parameter]:
         if not isinstance(count, int):
             continue
         for name, param in module.named_parameters(recurse=False):
-            if param.ndim == 3 and param.shape[0] == count:
+            shape = full_shape(param)  # ZeRO-3 partitioned: the tensor itself is empty
+            if len(shape) == 3 and shape[0] == count:
                 found[f"{module_name}.{name}"] = param
     return found
 
@@ -310,8 +314,8 @@ def unquantized_experts(model: Any) -> str | None:
     experts = expert_parameters(model)
     if not experts:
         return None
-    size = sum(p.numel() * p.element_size() for p in experts.values())
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    size = sum(full_numel(p) * p.element_size() for p in experts.values())
+    total = sum(full_numel(p) * p.element_size() for p in model.parameters())
     dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in experts.values()})
     names = sorted({_in_layer(name) for name in experts})
     return (
@@ -604,7 +608,7 @@ def grow_vocabulary(model: Any, tokenizer: Any, mean_resizing: bool = True) -> N
     """Grow the input embeddings and the LM head to the tokenizer's size when model.chat_template brought tokens
     the model does not have; the new rows start at the mean of the old ones (transformers' mean_resizing), so they
     do not skew the first predictions. A model folder a stage wrote has them already (saved grown)."""
-    have = model.get_input_embeddings().weight.shape[0]
+    have = full_shape(model.get_input_embeddings().weight)[0]
     if len(tokenizer) > have:
         print(f"model: embeddings {have} → {len(tokenizer)} rows for the chat template's new tokens", flush=True)
         model.resize_token_embeddings(len(tokenizer), mean_resizing=mean_resizing)
@@ -815,6 +819,14 @@ def load_starting_model(
             if base.kind == "stage":  # the stage model the upstream adapter applies to
                 inputs.check("model_base", run_dir.root / base.name, adapter_of=upstream)
             inputs.check("model", adapter_dir)
+    # ZeRO-3: the model is created partitioned as it loads, not whole in every process, which needs the DeepSpeed
+    # config the Trainer only makes later (`stages.sharded_loading`). Not for full training after a LoRA stage (the
+    # adapter merges into whole weights), nor for rlhf's full training (its reference model is a copy of the loaded
+    # one: `stages.rlhf.frozen_reference`, `point_grpo_at_reference`).
+    zero3 = None
+    whole = section.method == "full" and (adapter_dir is not None or stage == "rlhf")
+    if partitions_at_load(section) and not whole:
+        zero3 = zero3_loading(stage, section, weights_dtype(spec.model))
     model = load_base(run_dir, spec, base, tokenizer, quantization, once=loads_once(section))
     if quantization is not None and (note := unquantized_experts(model)) is not None:
         print(f"[{stage}] {note}", flush=True)
@@ -837,6 +849,7 @@ def load_starting_model(
             save_dtype=save_dtype,
             inputs=inputs,
             loaded_config=loaded_config,
+            zero3_config=zero3,
         )
     else:
         if quantization is not None:
@@ -854,6 +867,7 @@ def load_starting_model(
             continued_adapter=adapter_dir is not None,
             inputs=inputs,
             loaded_config=loaded_config,
+            zero3_config=zero3,
         )
     start.model.config.use_cache = False  # a KV cache in training would hide the packed-document boundaries
     if on_meta(start.model):
@@ -888,6 +902,6 @@ def load_stage_model(
 
 def describe(model: Any) -> dict[str, int]:
     """Parameter counts (all and trainable), for the log and the tracker."""
-    total = sum(p.numel() for p in model.parameters())
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(full_numel(p) for p in model.parameters())
+    trainable = sum(full_numel(p) for p in model.parameters() if p.requires_grad)
     return {"parameters": total, "trainable_parameters": trainable}

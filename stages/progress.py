@@ -34,14 +34,15 @@ def matmul_parameters(model: Any) -> int:
     import torch
 
     from stages.modeling import expert_parameters
+    from stages.sharded_loading import full_numel
 
-    dense = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    dense = sum(full_numel(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear))
     experts = expert_parameters(model)
     if not experts:
         return dense
     config = model.config.get_text_config()
     share = config.num_experts_per_tok / config.num_experts
-    return dense + int(sum(p.numel() for p in experts.values()) * share)
+    return dense + int(sum(full_numel(p) for p in experts.values()) * share)
 
 
 def gpu_peak_flops() -> float | None:

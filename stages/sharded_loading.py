@@ -1,4 +1,6 @@
-"""Loading a model once per FSDP2 job: rank 0 reads the weights, every other rank builds the model on the meta device.
+"""Loading a model once per job under FSDP2 and DeepSpeed ZeRO-3, not once per process.
+
+FSDP2: rank 0 reads the weights, every other rank builds the model on the meta device.
 
 Under FSDP2 each rank ends up holding 1/N of the weights, but transformers' `from_pretrained` (5.23) reads the whole
 checkpoint in every process first: N copies of the model in a node's memory before the first shard exists
@@ -9,9 +11,16 @@ frequencies are computed, not stored, so rank 0 has nothing to send for them). a
 shards rank 0's weights out to the others by broadcast (`cpu_ram_efficient_loading` in the Trainer's fsdp_config,
 `stages.distributed.fsdp_settings`): accelerate's own path, not one of ours.
 
+ZeRO-3: transformers creates the model partitioned (DeepSpeed's `zero.Init`: each rank allocates its 1/N of every
+parameter as the module is built) and loads the checkpoint into the partitions, module by module, from rank 0's
+copy (the other ranks read only the keys and shapes), when it sees a live DeepSpeed config. The Trainer makes that
+config, but only after the stage has loaded its model, so `stages.distributed.zero3_loading` makes it first, from
+the stage's own DeepSpeed config (`stages.distributed.zero_init_config`). A partitioned parameter holds an empty
+tensor; its full size is in `ds_numel` and `ds_shape` (`full_numel`, `full_shape`).
+
 QLoRA is left out: its 4-bit weights are quantized as each rank loads them onto its GPU (accelerate keeps
-bitsandbytes parameters off the meta device too). DDP replicates the whole model on every rank anyway, and ZeRO-3
-partitions through DeepSpeed's own `zero.Init` when transformers sees the DeepSpeed config.
+bitsandbytes parameters off the meta device too; the spec refuses QLoRA under ZeRO-3). DDP replicates the whole
+model on every rank anyway.
 """
 
 from __future__ import annotations
@@ -40,6 +49,22 @@ def world_size() -> int:
 def loads_once(section: TrainingStage) -> bool:
     """Whether this stage's model loads on rank 0 only: FSDP2 over more than one process, not QLoRA."""
     return section.distributed.strategy == "fsdp" and world_size() > 1 and section.method != "qlora"
+
+
+def partitions_at_load(section: TrainingStage) -> bool:
+    """Whether this stage's model is created partitioned by DeepSpeed ZeRO-3 as it loads
+    (`stages.distributed.zero3_loading`): ZeRO-3 over more than one process, not QLoRA."""
+    return section.distributed.strategy == "deepspeed_zero3" and world_size() > 1 and section.method != "qlora"
+
+
+def full_numel(param: Any) -> int:
+    """A parameter's element count, the whole of it when ZeRO-3 partitioned it (its own tensor is empty)."""
+    return int(getattr(param, "ds_numel", param.numel()))
+
+
+def full_shape(param: Any) -> tuple[int, ...]:
+    """A parameter's shape, the whole of it when ZeRO-3 partitioned it."""
+    return tuple(getattr(param, "ds_shape", param.shape))
 
 
 def skeleton(build: Callable[[], Any]) -> Any:

@@ -1,9 +1,13 @@
-"""FSDP2 loads a model once per job: rank 0 reads the weights, the other ranks build a skeleton on the meta device,
-and accelerate's preparation broadcasts rank 0's weights into every rank's shards (stages/sharded_loading.py).
+"""A model loads once per job, not once per process (stages/sharded_loading.py).
 
-Two CPU processes under torchrun with gloo run the stage's own loading and accelerate's FSDP2 preparation
-(tests/sharded_loading_check.py) for a dense model, one with tied embeddings and a mixture of experts, each saved
-as a Hugging Face checkpoint, in full training and under LoRA."""
+FSDP2: rank 0 reads the weights, the other ranks build a skeleton on the meta device, and accelerate's preparation
+broadcasts rank 0's weights into every rank's shards. Two CPU processes under torchrun with gloo run the stage's own
+loading and accelerate's FSDP2 preparation (tests/sharded_loading_check.py) for a dense model, one with tied
+embeddings and a mixture of experts, each saved as a Hugging Face checkpoint, in full training and under LoRA.
+
+DeepSpeed ZeRO-3: the model is created partitioned (zero.Init) and the checkpoint loaded into the partitions. Two CPU
+processes under torchrun run a whole training stage through its own code on DeepSpeed's CPU accelerator
+(tests/zero3_loading_check.py), full training and LoRA."""
 
 from __future__ import annotations
 
@@ -14,15 +18,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from training_fixtures import child_env, make_run_dir
+import torch
+from safetensors.torch import load_file
+from training_fixtures import REPO, child_env, make_run_dir
 
 from run.run_dir import RunDir
 from spec.loading import load_pipeline
 from spec.training import DistributedSpec
-from stages import sharded_loading
+from stages import distributed, sharded_loading
 from stages.modeling import build_from_config, load_tokenizer
 
 CHECK = Path(__file__).with_name("sharded_loading_check.py")
+ZERO3_CHECK = Path(__file__).with_name("zero3_loading_check.py")
 FAMILIES = {
     "qwen3": [],
     "gemma3": [],  # ties the LM head to the input embeddings
@@ -111,3 +118,102 @@ def test_rank_0_loads_onto_its_gpu_only_when_the_model_and_its_upcast_fit(monkey
     assert sharded_loading.first_rank_placement(30 * 10**9) == {}  # 180 GB: host memory
     monkeypatch.setattr(sharded_loading.torch.cuda, "is_available", lambda: False)
     assert sharded_loading.first_rank_placement(10**6) == {}
+
+
+ZERO3 = [
+    "stages.cpt.distributed.strategy=deepspeed_zero3",
+    "stages.sft.distributed.strategy=deepspeed_zero3",
+    "stages.cpt.training.max_steps=2",
+    "stages.sft.training.max_steps=2",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("stage", "overrides"),
+    [("cpt", []), ("sft", ["stages.cpt.enabled=false", "stages.sft.method=lora"])],
+    ids=["full", "lora"],
+)
+def test_zero3_creates_the_model_partitioned_and_loads_the_checkpoint_into_it(
+    tmp_path: Path, stage: str, overrides: list[str]
+) -> None:
+    run_dir = pretrained_run_dir(tmp_path / "run", "qwen3", [*ZERO3, *overrides])
+    checkpoint = load_file(run_dir.root / "checkpoint" / "model.safetensors")
+    out = tmp_path / "check"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    command += [str(ZERO3_CHECK), str(out), stage, "--run-dir", str(run_dir.root)]
+    env = child_env(DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+
+    for rank in (0, 1):
+        report = json.loads((out / f"rank-{rank}.json").read_text())
+        assert report["zero3_at_load"] == [True], report  # transformers saw ZeRO-3 as the weights loaded
+        # Every weight of the model was created partitioned; only LoRA's adapters (made afterwards) are whole.
+        assert len(report["partitioned"]) == len(checkpoint), report
+        assert all(".lora_" in name for name in report["whole"]), report
+        assert (stage == "sft") == bool(report["whole"])
+        # Each of the two ranks holds half of every weight (DeepSpeed pads a partition to an even split).
+        half = report["model_elements"] / 2
+        assert half <= report["held_elements"] <= half + len(report["partitioned"]), report
+        # Gathered, the partitions are the checkpoint.
+        assert report["checked_weights"] == len(checkpoint) and report["differing_weights"] == [], report
+
+    result = run_dir.read_result(stage)
+    assert result is not None and result.status == "succeeded" and result.metrics["steps"] == 2
+    settings = json.loads((run_dir.stage_dir(stage) / "logs/distributed.json").read_text())
+    assert settings["world_size"] == 2 and settings["deepspeed"]["zero_optimization"]["stage"] == 3
+    model = run_dir.stage_dir(stage) / "model"
+    if stage == "sft":
+        assert (model / "adapter_model.safetensors").is_file()
+        return
+    saved = load_file(model / "model.safetensors")  # ZeRO-3 gathered whole weights to save
+    assert {k: v.shape for k, v in saved.items()} == {k: v.shape for k, v in checkpoint.items()}
+    assert any(not torch.equal(saved[k].float(), checkpoint[k].float()) for k in saved)  # it trained
+
+
+def test_zero3_over_several_processes_loads_partitioned(monkeypatch: pytest.MonkeyPatch) -> None:
+    sft = load_pipeline("korean-llm").spec.stage("sft")
+
+    def stage(strategy: str, method: str = "full") -> Any:
+        return sft.model_copy(update={"method": method, "distributed": DistributedSpec(strategy=strategy)})
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert not sharded_loading.partitions_at_load(stage("deepspeed_zero3"))
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    assert sharded_loading.partitions_at_load(stage("deepspeed_zero3"))
+    assert sharded_loading.partitions_at_load(stage("deepspeed_zero3", "lora"))
+    assert not sharded_loading.partitions_at_load(stage("deepspeed_zero2"))
+    assert not sharded_loading.partitions_at_load(stage("fsdp"))
+    assert not sharded_loading.partitions_at_load(stage("ddp"))
+
+
+def test_zero_init_config_resolves_what_zero_init_reads_as_the_trainer_will(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(distributed, "check_strategy", lambda stage, spec: None)  # no GPU here
+    monkeypatch.setattr(distributed.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    sft = load_pipeline("korean-llm").spec.stage("sft")
+    training = sft.training.model_copy(update={"per_device_batch_size": 2, "gradient_accumulation_steps": 4})
+    section = sft.model_copy(
+        update={"distributed": DistributedSpec(strategy="deepspeed_zero3", cpu_offload=True), "training": training}
+    )
+
+    config = distributed.zero_init_config("sft", section, "auto")
+    assert "auto" not in json.dumps(config)
+    assert config["train_micro_batch_size_per_gpu"] == 2 and config["gradient_accumulation_steps"] == 4
+    assert config["train_batch_size"] == 8 * 2 * 4
+    assert config["gradient_clipping"] == training.max_grad_norm
+    assert config["bf16"] == {"enabled": True} and config["fp16"] == {"enabled": False}  # partitions made in bf16
+    zero = config["zero_optimization"]
+    assert zero["stage"] == 3 and zero["offload_param"]["device"] == "cpu"
+    assert "stage3_prefetch_bucket_size" not in zero  # DeepSpeed's default; the Trainer fills its own later
+    assert distributed.zero_init_config("sft", section, distributed.torch.float16)["fp16"] == {"enabled": True}
+
+    # The user's own config: its numbers kept, its "auto" filled, and the accelerate config's clipping applied.
+    own = {"zero_optimization": {"stage": 3}, "train_batch_size": 64, "train_micro_batch_size_per_gpu": "auto"}
+    user = section.distributed.model_copy(
+        update={"deepspeed_config": own, "accelerate_config": {"deepspeed_config": {"gradient_clipping": 0.5}}}
+    )
+    config = distributed.zero_init_config("sft", section.model_copy(update={"distributed": user}), "auto")
+    assert config["train_batch_size"] == 64 and config["train_micro_batch_size_per_gpu"] == 2
+    assert config["gradient_clipping"] == 0.5

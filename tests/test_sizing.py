@@ -114,3 +114,36 @@ def test_an_fsdp_pod_holds_the_weights_rank_0_loaded() -> None:
     cpt.resources.nodes = cpt.resources.gpus_per_node = 1  # one process loads as any single process does
     spec.stages.cpt = cpt
     assert weights <= memory() < weights + runtime
+
+
+def test_a_zero3_pod_holds_the_weights_once() -> None:
+    """Under ZeRO-3 over several processes the model is created partitioned and rank 0 alone reads the checkpoint
+    (stages/sharded_loading.py): host memory for one copy, in full training and under LoRA; ZeRO-2 loads the whole
+    model in every process."""
+    spec = fresh_spec("korean-llm")  # Qwen3-8B, 2 nodes of 8 GPUs
+    cpt = spec.stages.cpt
+    cpt.resources.memory = cpt.resources.shm_size = None
+    weights, runtime = 8 * 10**9 * 2, quantity("17Gi")
+
+    def with_strategy(strategy: str, method: str = "full") -> Decimal:
+        distributed = cpt.distributed.model_copy(update={"strategy": strategy})
+        spec.stages.cpt = cpt.model_copy(update={"distributed": distributed, "method": method})
+        return quantity(pod_size(spec, "cpt").memory)
+
+    assert weights <= with_strategy("deepspeed_zero3") < weights + runtime
+    assert weights <= with_strategy("deepspeed_zero3", "lora") < weights + runtime
+    assert with_strategy("deepspeed_zero2") >= 8 * weights
+    # Full training from a LoRA stage's adapter merges it into whole weights, in every process.
+    spec.stages.cpt = cpt.model_copy(update={"method": "lora"})
+    zero3 = spec.stages.sft.distributed.model_copy(update={"strategy": "deepspeed_zero3"})
+    spec.stages.sft = spec.stages.sft.model_copy(update={"method": "full", "enabled": True, "distributed": zero3})
+    spec.stages.sft.resources.memory = spec.stages.sft.resources.shm_size = None
+    spec.stages.sft.resources.nodes, spec.stages.sft.resources.gpus_per_node = 1, 8
+    assert quantity(pod_size(spec, "sft").memory) >= 8 * weights
+    spec.stages.cpt = cpt.model_copy(update={"method": "full"})
+    assert weights <= quantity(pod_size(spec, "sft").memory) < weights + runtime
+    # rlhf's full training copies the loaded model for its reference: whole weights too.
+    spec.stages.rlhf = spec.stages.rlhf.model_copy(update={"method": "full", "enabled": True, "distributed": zero3})
+    spec.stages.rlhf.resources.memory = spec.stages.rlhf.resources.shm_size = None
+    spec.stages.rlhf.resources.nodes, spec.stages.rlhf.resources.gpus_per_node = 1, 8
+    assert quantity(pod_size(spec, "rlhf").memory) >= 8 * weights
