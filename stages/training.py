@@ -25,6 +25,8 @@ import importlib.util
 import json
 import math
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -304,12 +306,28 @@ def save_stage_model(
     return {"model_kind": kind, "base": start.base.name, "base_kind": start.base.kind}
 
 
+@contextmanager
+def without_zero3_loading() -> Iterator[None]:
+    """Load whole weights in one process while the Trainer's ZeRO-3 config is alive: transformers would otherwise
+    create the model under `zero.Init`, a collective that the other ranks (done, waiting) never join. transformers
+    keeps that config behind a module-level weak reference; it is put back afterwards."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    alive = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = alive
+
+
 def _merge_adapter(run_dir: RunDir, spec: PipelineSpec, start: StartingModel, adapter_dir: Path, tokenizer: Any) -> Any:
     """The adapter in `adapter_dir` merged into a fresh, unquantized copy of its base. A base that is a stage's
     model folder is read again from disk, hours after training started from it: it must still be what it was."""
     if start.inputs is not None and start.base.kind == "stage":
         start.inputs.check("model", run_dir.root / start.base.name)
-    model = load_base(run_dir, spec, start.base, tokenizer)
+    with without_zero3_loading():
+        model = load_base(run_dir, spec, start.base, tokenizer)
     merged = load_adapter(model, adapter_dir).merge_and_unload()
     merged.config.use_cache = True
     return merged
