@@ -712,3 +712,45 @@ def test_a_stage_interrupted_by_a_signal_ends_its_runs_killed(tmp_path: Path):
     assert client.get_run(ctx.result.mlflow_run_id).info.status == "KILLED"
     parent = client.get_run(tracker.parent_run_id)
     assert parent.info.status == "KILLED" and parent.data.tags["posttrain.end_reason"] == "interrupted"
+
+
+def test_a_new_local_store_is_the_cached_empty_database_with_the_schema_mlflow_makes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """stages/tracking_mlflow_server.py seed_local_store: a new SQLite store is a copy of an empty database made once
+    per MLflow version, at the schema MLflow's own migrations give; an existing store is left as it is."""
+    import sqlite3
+
+    from mlflow import MlflowClient
+
+    from stages.tracking_mlflow_server import seed_local_store
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+    def schema(database: Path) -> list[Any]:
+        """Every table and index with its columns and constraints (in any order: MLflow's migrations order a table's
+        constraints differently from one process to the next), and the schema revision."""
+        with sqlite3.connect(database) as db:
+            objects = db.execute("SELECT type, name, sql FROM sqlite_master").fetchall()
+            revision = db.execute("SELECT * FROM alembic_version").fetchall()
+        parts = [
+            (kind, name, sorted(line.strip().rstrip(",") for line in (sql or "").splitlines()))
+            for kind, name, sql in objects
+        ]
+        return [sorted(parts), revision]
+
+    migrated = tmp_path / "migrated.db"
+    MlflowClient(tracking_uri=f"sqlite:///{migrated}").search_experiments()  # MLflow's own migrations
+    for run in ("first", "second"):  # the template made, then taken from the cache
+        seeded = tmp_path / run / "mlflow.db"
+        seed_local_store(seeded)
+        assert schema(seeded) == schema(migrated)
+        client = MlflowClient(tracking_uri=f"sqlite:///{seeded}", registry_uri=f"sqlite:///{seeded}")
+        experiment = client.create_experiment("x")
+        client.log_metric(client.create_run(experiment).info.run_id, "loss", 1.0)
+        client.create_registered_model("m")
+        assert sorted(e.name for e in client.search_experiments()) == ["Default", "x"]
+    assert [p.name for p in (tmp_path / "cache" / "posttrain").iterdir()] == [f"mlflow-{mlflow.__version__}-store.db"]
+    before = (tmp_path / "first" / "mlflow.db").read_bytes()
+    seed_local_store(tmp_path / "first" / "mlflow.db")
+    assert (tmp_path / "first" / "mlflow.db").read_bytes() == before
