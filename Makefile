@@ -8,9 +8,12 @@ TORCH ?= torch==2.13.0
 .PHONY: local test lint render golden clean
 
 $(VENV)/.installed: pyproject.toml
+	@echo "setting up $(VENV) (first use, or pyproject.toml changed): a few minutes"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
+	@echo "installing $(TORCH) (the CPU build, first, so that no CUDA build is pulled)"
 	$(BIN)/pip install -q $(TORCH)
+	@echo "installing the project with its train and test extras (transformers, TRL, PEFT, MLflow, DeepSpeed, ...)"
 	$(BIN)/pip install -q -e '.[train,test]'
 	touch $@
 
