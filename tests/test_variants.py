@@ -350,7 +350,7 @@ def test_local_runs_both_variants_one_after_the_other(tmp_path: Path) -> None:
     experiment = tracking.get_experiment_by_name("qwen-multi")
     parents = tracking.search_runs([experiment.experiment_id], "tags.`posttrain.kind` = 'pipeline'")
     assert sorted(p.data.tags["posttrain.variant"] for p in parents) == ["qwen-72b", "qwen-7b"]
-    summary = done.stdout[done.stdout.rindex("variants") :]
+    summary = done.stdout[done.stdout.rindex("\nvariants\n") :]  # the plain summary (no terminal here)
     assert "qwen-7b" in summary and "qwen-72b" in summary and summary.count("done") == 2
 
 
