@@ -93,12 +93,18 @@ def test_fsdp_loads_the_weights_on_rank_0_only_and_shards_them_to_the_others(tmp
             assert report["optimizer_state_entries"] == report["trained_parameters"] > 0, report
 
 
-def test_only_fsdp_over_several_processes_loads_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    cpt = load_pipeline("korean-llm").spec.stage("cpt")  # full training under FSDP
+def _section(stage_name: str) -> Any:
+    """korean-llm's `stage_name` section, with a strategy and method of the caller's."""
+    section = load_pipeline("korean-llm").spec.stage(stage_name)
 
     def stage(strategy: str, method: str = "full") -> Any:
-        return cpt.model_copy(update={"method": method, "distributed": DistributedSpec(strategy=strategy)})
+        return section.model_copy(update={"method": method, "distributed": DistributedSpec(strategy=strategy)})
 
+    return stage
+
+
+def test_only_fsdp_over_several_processes_loads_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    stage = _section("cpt")  # full training under FSDP
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert not sharded_loading.loads_once(stage("fsdp"))
     monkeypatch.setenv("WORLD_SIZE", "16")
@@ -175,11 +181,7 @@ def test_zero3_creates_the_model_partitioned_and_loads_the_checkpoint_into_it(
 
 
 def test_zero3_over_several_processes_loads_partitioned(monkeypatch: pytest.MonkeyPatch) -> None:
-    sft = load_pipeline("korean-llm").spec.stage("sft")
-
-    def stage(strategy: str, method: str = "full") -> Any:
-        return sft.model_copy(update={"method": method, "distributed": DistributedSpec(strategy=strategy)})
-
+    stage = _section("sft")
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert not sharded_loading.partitions_at_load(stage("deepspeed_zero3"))
     monkeypatch.setenv("WORLD_SIZE", "8")
