@@ -4,13 +4,17 @@
 
 PREPARED is a run directory prepare finished (the P7 run of `--local --profile gpu`, or any pipeline's). Two copies
 are made under --work (default OUT; checkpoints of real size go there, so keep it off a folder that is shipped), and
-in both the stage's plan becomes --steps optimizer steps with a checkpoint every --kill-after steps and the loss
-logged at every step. Copy A trains without interruption. Copy B starts the same way; once its checkpoint at step
---kill-after is complete (its COMPLETE marker written), local rank 1 gets SIGKILL and torchrun tears the group down,
+in both the stage's plan becomes --steps optimizer steps with the loss logged at every step. Copy A trains without
+interruption and checkpoints only at its end (saving changes no training state, and a full checkpoint of a 1.7B
+model takes half a minute). Copy B checkpoints every --kill-after steps; once its checkpoint at step --kill-after
+is complete (its COMPLETE marker written), local rank 1 gets SIGKILL and torchrun tears the group down,
 as the Training Operator sees a failed replica. The stage is then launched again with the same argv and environment
 (workflows/launch.py: what its pod runs), and resumes from the newest complete checkpoint. OUT/resume.json has both
-loss curves and the largest relative difference of a loss after the checkpoint (target: within 0.1%).
-On CPU (--procs 2) the processes talk over gloo: a smoke run of the bench itself.
+loss curves, the largest relative difference of a loss after the checkpoint (target: within 0.1%), and how the
+two final models' weights differ (bit-identical is the expectation: the losses are logged at bf16's resolution).
+--side-by-side runs both copies at once, A on GPUs 0..procs-1 and B on the next procs; --share-gpus runs both at
+once on the same procs GPUs (a 1.7B model's two FSDP2 copies fit two 80 GB GPUs; the losses do not depend on the
+other copy, only the times do). On CPU (--procs 2) the processes talk over gloo: a smoke run of the bench itself.
 """
 
 from __future__ import annotations
@@ -88,6 +92,27 @@ def losses(root: Path, stage: str) -> dict[int, float]:
     return {entry["step"]: entry["loss"] for entry in history if "loss" in entry}
 
 
+def weight_difference(first: Path, second: Path) -> dict[str, Any]:
+    """How the safetensors weights of two model folders differ: tensors compared, how many are not bit-identical,
+    and the largest absolute difference of an element relative to the largest magnitude in its tensor."""
+    from safetensors import safe_open
+
+    def tensors(folder: Path) -> dict[str, Path]:
+        return {name: path for path in sorted(folder.glob("*.safetensors")) for name in safe_open(path, "pt").keys()}  # noqa: SIM118
+
+    left, right = tensors(first), tensors(second)
+    if left.keys() != right.keys():
+        return {"tensors": len(left), "different_names": sorted(left.keys() ^ right.keys())[:5]}
+    unequal, largest = 0, 0.0
+    for name, path in left.items():
+        a = safe_open(path, "pt").get_tensor(name).float()
+        b = safe_open(right[name], "pt").get_tensor(name).float()
+        if not a.equal(b):
+            unequal += 1
+            largest = max(largest, ((a - b).abs().max() / a.abs().max().clamp_min(1e-12)).item())
+    return {"tensors": len(left), "not_bit_identical": unequal, "max_relative_difference": largest}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run-dir", required=True, type=Path, help="a run directory prepare finished")
@@ -102,6 +127,7 @@ def main() -> int:
         action="store_true",
         help="run the two copies at once, the uninterrupted one on GPUs 0..procs-1 and the other on the next procs",
     )
+    parser.add_argument("--share-gpus", action="store_true", help="run the two copies at once on the same GPUs")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     copies = {}
@@ -109,7 +135,7 @@ def main() -> int:
         root = (args.work or args.out) / name
         shutil.rmtree(root, ignore_errors=True)
         shutil.copytree(args.run_dir, root, ignore=stage_folders(args.run_dir))
-        plan(root, args.stage, args.steps, args.kill_after)
+        plan(root, args.stage, args.steps, args.steps if name == "uninterrupted" else args.kill_after)
         copies[name] = root
 
     first_gpus = second_gpus = None
@@ -117,8 +143,9 @@ def main() -> int:
         first_gpus = ",".join(str(i) for i in range(args.procs))
         second_gpus = ",".join(str(i) for i in range(args.procs, 2 * args.procs))
     started = time.time()
+    together = args.side_by_side or args.share_gpus
     first = launch(copies["uninterrupted"], args.stage, args.procs, args.out / "uninterrupted.log", first_gpus)
-    if not args.side_by_side:
+    if not together:
         first.wait()
     uninterrupted_s: float | None = time.time() - started
 
@@ -138,17 +165,19 @@ def main() -> int:
     relaunched.wait()
     resumed_s = time.time() - started
     first.wait()
-    if args.side_by_side:
+    if together:
         uninterrupted_s = None  # it ran beside the other; its stage.json has its own times
 
     reference, resumed = losses(copies["uninterrupted"], args.stage), losses(killed, args.stage)
     after = [step for step in sorted(reference) if step > args.kill_after]
     differences = {step: abs(resumed[step] - reference[step]) / abs(reference[step]) for step in after}
+    weights = weight_difference(copies["uninterrupted"] / args.stage / "model", killed / args.stage / "model")
     stage_json = json.loads((killed / args.stage / "stage.json").read_text(encoding="utf-8"))
     result = {
         "stage": args.stage,
         "procs": args.procs,
         "steps": args.steps,
+        "copies": "side by side" if args.side_by_side else "sharing the GPUs" if args.share_gpus else "one by one",
         "killed_rank": 1,
         "killed_after_s": killed_at,
         "first_attempt_exit": first_exit,
@@ -161,6 +190,7 @@ def main() -> int:
         "loss_uninterrupted": reference,
         "loss_resumed": resumed,
         "max_relative_difference_after_checkpoint": max(differences.values()) if differences else None,
+        "final_weights": weights,
     }
     (args.out / "resume.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
     print(json.dumps({k: v for k, v in result.items() if not k.startswith("loss_")}, indent=1))
