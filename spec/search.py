@@ -183,7 +183,9 @@ class HpoSpec(StrictModel):
     parallel_trials: Int32 = Field(2, ge=1, description="Trials running at once (each is a job of the stage's shape).")
     max_failed_trials: Int32 = Field(3, ge=0, description="The search fails once this many trials have failed.")
     trial_max_steps: Int64 = Field(50, gt=0, description="Optimizer steps each trial trains (its max_steps).")
-    seed: Seed | None = Field(None, description="Seed of the search algorithm (None: a random one).")
+    seed: Seed | None = Field(
+        0, description="Seed of the search algorithm, so that a rerun tries the same values (None: a random one)."
+    )
 
     @model_validator(mode="after")
     def _coherent(self) -> HpoSpec:

@@ -455,3 +455,21 @@ def test_bayesian_optimization_refuses_a_uniform_parameter() -> None:
     log_only = [p for p in SEARCH["parameters"] if p["type"] != "uniform"]
     spec = with_hpo(fresh_spec("korean-llm"), "sft", algorithm="bayesianoptimization", parameters=log_only)
     assert katib.experiment_manifest(spec, "sft")["spec"]["algorithm"]["algorithmName"] == "bayesianoptimization"
+
+
+def test_a_search_without_a_seed_is_seeded_so_a_rerun_tries_the_same_values() -> None:
+    search = {k: v for k, v in SEARCH.items() if k != "seed"}
+    document = fresh_spec("korean-llm").model_dump(mode="json", by_alias=True)
+    document["stages"]["sft"]["hpo"] = search
+    spec = PipelineSpec.model_validate(document)
+    settings = katib.experiment_manifest(spec, "sft")["spec"]["algorithm"]["algorithmSettings"]
+    assert settings == [{"name": "random_state", "value": "0"}]
+    import optuna
+
+    from workflows.search import sampler
+
+    def proposals() -> list[float]:
+        study = optuna.create_study(sampler=sampler(spec.stages.sft.hpo))  # type: ignore[union-attr]
+        return [study.ask().suggest_float("learning_rate", 1e-5, 1e-3, log=True) for _ in range(3)]
+
+    assert proposals() == proposals()
