@@ -1,7 +1,9 @@
 """Every shipped pipeline runs with --local as itself: its own model family (a tiny random model of it) and its own
-data format and column mapping. korean-llm's run is checked in depth by tests/test_local_dag.py; here the other two:
-llama3-dolly (a Llama with Llama-3's template, dolly-shaped rows read through `columns`) and qwen3-30b-a3b (a
-Qwen3 mixture of experts, ShareGPT rows, full fine-tuning and DPO)."""
+data format and column mapping: llama3-dolly (a Llama with Llama-3's template, dolly-shaped rows read through
+`columns`), qwen3-30b-a3b (a Qwen3 mixture of experts, ShareGPT rows, full fine-tuning and DPO) and korean-llm (whose
+run launched as its pods launch it is checked in depth by tests/test_local_dag.py; qwen-multi's in
+tests/test_variants.py). Then each local gate stops a candidate that learned nothing: the pipeline trained again,
+on the same data, with each learning rate divided by 10,000, against the champion the first run promoted."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
+from worse_candidate import deployed, untrained_overrides
 
 from workflows.submit import main as submit_main
 
@@ -24,8 +27,9 @@ into its base), and merged into full weights by deploy, the folder serving loads
         ("llama3-dolly", "LlamaForCausalLM", ("prepare", "sft", "evaluate", "deploy"), ()),
         ("qwen3-30b-a3b", "Qwen3MoeForCausalLM", ("prepare", "sft", "rlhf", "evaluate", "deploy"), ()),
         ("qwen3-30b-a3b", "Qwen3MoeForCausalLM", ("prepare", "sft", "rlhf", "evaluate", "deploy"), MOE_ADAPTER),
+        ("korean-llm", "Qwen3ForCausalLM", ("prepare", "cpt", "sft", "rlhf", "evaluate", "deploy"), ()),
     ],
-    ids=["llama3-dolly", "qwen3-30b-a3b", "qwen3-30b-a3b-lora-experts"],
+    ids=["llama3-dolly", "qwen3-30b-a3b", "qwen3-30b-a3b-lora-experts", "korean-llm"],
 )
 def test_a_shipped_pipeline_runs_locally_as_itself(
     tmp_path: Path,
@@ -63,6 +67,8 @@ def test_a_shipped_pipeline_runs_locally_as_itself(
         with safe_open(str(run_root / "rlhf" / "model" / "adapter_model.safetensors"), "pt") as f:
             assert any("experts" in key for key in f.keys())  # noqa: SIM118 (safe_open has keys(), no __iter__)
         trained = "deploy"
+    elif pipeline == "korean-llm":
+        trained = "deploy"  # its sft and rlhf train LoRA adapters; deploy's folder is the merged model
     else:
         trained = "rlhf" if "rlhf" in stages else "sft"
     config = json.loads((run_root / trained / "model" / "config.json").read_text())
@@ -78,5 +84,22 @@ def test_a_shipped_pipeline_runs_locally_as_itself(
         assert [t["status"] for t in search["trials"]] == ["succeeded"] * 4
         assert spec["stages"]["sft"]["lora"]["r"] == search["best_values"]["lora.r"]
         assert spec["stages"]["sft"]["training"]["learning_rate"] == search["best_values"]["training.learning_rate"]
-    else:
+    elif pipeline == "qwen3-30b-a3b":
         assert manifest["format"] == "sharegpt" and config["num_local_experts"] == 4  # transformers 5 name
+    if not extra:
+        assert_the_gate_stops_a_candidate_that_learned_nothing(pipeline, spec, tmp_path, capsys)
+
+
+def assert_the_gate_stops_a_candidate_that_learned_nothing(
+    pipeline: str, spec: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The pipeline again in the same folder (so against the champion the first run promoted), with each learning
+    rate divided by 10,000: the gate fails, deploy does not run, --fail-on-gate exits 3."""
+    worse = tmp_path / "worse"
+    code = submit_main([pipeline, "--local", "--run-dir", str(worse), "--fail-on-gate", *untrained_overrides(spec)])
+    said = capsys.readouterr()
+    assert code == 3, said.out[-4000:] + said.err[-4000:]
+    evaluate = json.loads((worse / "evaluate" / "stage.json").read_text())["extra"]
+    assert evaluate["gate"] == "fail" and evaluate["reference"].startswith("champion v"), evaluate["gate_reasons"]
+    assert any("perplexity" in reason and reason.endswith("fails") for reason in evaluate["gate_reasons"])
+    assert not deployed(worse)

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import yaml
+from worse_candidate import deployed, untrained_overrides
 
 from run.tracking import local_store_uri
 from spec import form as spec_form
@@ -352,6 +353,18 @@ def test_local_runs_both_variants_one_after_the_other(tmp_path: Path) -> None:
     assert sorted(p.data.tags["posttrain.variant"] for p in parents) == ["qwen-72b", "qwen-7b"]
     summary = done.stdout[done.stdout.rindex("\nvariants\n") :]  # the plain summary (no terminal here)
     assert "qwen-7b" in summary and "qwen-72b" in summary and summary.count("done") == 2
+
+    # The gate stops a candidate that learned nothing (each learning rate / 10,000) against the champion qwen-7b's
+    # run promoted: --fail-on-gate exits 3 and nothing is deployed.
+    seven = next(run for run in runs if run.name.startswith("qwen-multi-qwen-7b"))
+    seven_spec = json.loads((seven / "spec.json").read_text())
+    worse = tmp_path / "runs" / "worse"
+    variant = ("--variant", "qwen-7b", "--run-dir", str(worse), "--fail-on-gate")
+    done = _submit("qwen-multi", "--local", *variant, *untrained_overrides(seven_spec), cwd=tmp_path, timeout=900)
+    assert done.returncode == 3, done.stdout[-4000:] + done.stderr[-4000:]
+    evaluate = json.loads((worse / "evaluate" / "stage.json").read_text())["extra"]
+    assert evaluate["gate"] == "fail" and evaluate["reference"].startswith("champion v"), evaluate["gate_reasons"]
+    assert not deployed(worse)
 
 
 def test_the_switches_step_checks_each_value_and_outputs_it(tmp_path: Path) -> None:

@@ -1,0 +1,27 @@
+"""A candidate that learned nothing: the --set arguments that train one, for the tests that watch a local gate
+stop it (tests/test_shipped_pipelines.py, tests/test_variants.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def untrained_overrides(spec: dict[str, Any]) -> list[str]:
+    """--set arguments that divide each training stage's learning rate by 10,000 (a search is switched off: it
+    would choose the learning rate again)."""
+    sets = []
+    for stage in ("cpt", "sft", "rlhf"):
+        section = spec["stages"].get(stage)
+        if section and section.get("enabled", True):
+            sets += ["--set", f"stages.{stage}.training.learning_rate={section['training']['learning_rate'] / 1e4:g}"]
+            if section.get("hpo"):
+                sets += ["--set", f"stages.{stage}.hpo=null"]
+    return sets
+
+
+def deployed(run_root: Path) -> bool:
+    """Whether the run's deploy stage succeeded."""
+    record = run_root / "deploy" / "stage.json"
+    return record.is_file() and json.loads(record.read_text())["status"] == "succeeded"
