@@ -4,7 +4,9 @@ The official `kubernetes` client talks to it through a `kubernetes.client.Config
 `FakeKube.configuration` and `FakeKube.api_client`). It holds:
 
 - custom objects by (group, version, plural, namespace, name): list (with `labelSelector`), get, delete (the
-  DeleteOptions body is validated strictly against the Kubernetes schema);
+  DeleteOptions body is validated strictly against the Kubernetes schema); a missing object's 404 names it in its
+  `details`, as the API server's does, and a resource in `unserved` (its CRD not installed) answers every request
+  with the API server's 404 for an unknown resource, which names nothing;
 - pods by (namespace, name): list (with `labelSelector`), and their logs per container:
   `/api/v1/namespaces/{ns}/pods/{name}/log` with `container`, `tailLines` and `follow` (a followed log streams
   until the pod is marked finished with `finish_pod`, as the kubelet ends the stream when the container exits).
@@ -45,9 +47,9 @@ def _delete_options_validator() -> Draft202012Validator:
 class _Answer(Exception):
     """An error answer: status, reason and message of a Kubernetes `Status`."""
 
-    def __init__(self, status: int, reason: str, message: str) -> None:
+    def __init__(self, status: int, reason: str, message: str, details: dict[str, str] | None = None) -> None:
         super().__init__(message)
-        self.status, self.reason, self.message = status, reason, message
+        self.status, self.reason, self.message, self.details = status, reason, message, details
 
 
 @dataclass
@@ -116,6 +118,8 @@ class FakeKube:
     """(namespace, pod, container) → log lines (without newlines)."""
     forbidden: set[tuple[str, str]] = field(default_factory=set)
     """(verb, resource) pairs answered with 403, e.g. ('delete', 'pytorchjobs'), ('list', 'pods')."""
+    unserved: set[str] = field(default_factory=set)
+    """Custom resources (plurals, e.g. 'trainjobs') whose CRD is not installed: every request answers 404."""
     requests: list[Recorded] = field(default_factory=list)
     """Every authenticated request, in order."""
 
@@ -244,6 +248,8 @@ class FakeKube:
                 self.requests.append(Recorded(method, parts.path, query, copy.deepcopy(body)))
             args = m.groupdict()
             verb, resource = verb_of[method], args.get("plural") or args.get("resource", "pods")
+            if args.get("plural") in self.unserved:
+                raise _Answer(404, "NotFound", "the server could not find the requested resource")
             if (verb, resource) in self.forbidden:
                 raise _Answer(
                     403,
@@ -271,11 +277,17 @@ class FakeKube:
     def _custom_key(self, a: dict[str, str]) -> tuple[str, str, str, str, str]:
         return a["group"], a["version"], a["plural"], a["ns"], a["name"]
 
+    @staticmethod
+    def _not_found(a: dict[str, str]) -> _Answer:
+        """The API server's 404 for a missing object: its details name the object, its group and resource."""
+        details = {"name": a["name"], "group": a["group"], "kind": a["plural"]}
+        return _Answer(404, "NotFound", f'{a["plural"]}.{a["group"]} "{a["name"]}" not found', details)
+
     def _get_custom(self, a: dict[str, str], _q: dict[str, str], _b: Any) -> tuple[int, Any]:
         with self._lock:
             obj = self.objects.get(self._custom_key(a))
         if obj is None:
-            raise _Answer(404, "NotFound", f'{a["plural"]}.{a["group"]} "{a["name"]}" not found')
+            raise self._not_found(a)
         return 200, copy.deepcopy(obj)
 
     def _delete_custom(self, a: dict[str, str], _q: dict[str, str], body: Any) -> tuple[int, Any]:
@@ -286,7 +298,7 @@ class FakeKube:
         with self._lock:
             obj = self.objects.pop(self._custom_key(a), None)
         if obj is None:
-            raise _Answer(404, "NotFound", f'{a["plural"]}.{a["group"]} "{a["name"]}" not found')
+            raise self._not_found(a)
         return 200, _status(200, "Success", "", details={"name": a["name"], "kind": a["plural"]}, success=True)
 
     def _list_pods(self, a: dict[str, str], q: dict[str, str], _: Any) -> tuple[int, Any]:
@@ -388,7 +400,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             status, body = self.server_state.handle(self.command, self.path, self.headers.get("Authorization"), raw)
         except _Answer as answer:
-            status, body = answer.status, _status(answer.status, answer.reason, answer.message)
+            status, body = answer.status, _status(answer.status, answer.reason, answer.message, answer.details)
         except json.JSONDecodeError as exc:
             status, body = 400, _status(400, "BadRequest", f"body is not JSON: {exc}")
         if isinstance(body, Iterator):

@@ -85,6 +85,8 @@ def _matches(doc: Doc, kind: str | None, name: str | None) -> bool:
 def _pod_specs(doc: Doc) -> list[Doc]:
     if doc["kind"] in POD_TEMPLATE_KINDS:
         return [doc["spec"]["template"]["spec"]]
+    if doc["kind"] == "CronJob":
+        return [doc["spec"]["jobTemplate"]["spec"]["template"]["spec"]]
     if doc["kind"] == "ServingRuntime":
         return [doc["spec"]]
     if doc["kind"] == "ClusterTrainingRuntime":

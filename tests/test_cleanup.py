@@ -78,7 +78,7 @@ def test_a_job_without_any_condition_yet_is_unfinished() -> None:
 
 def test_nothing_to_delete_exits_0(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     with running() as fake:
-        monkeypatch.setattr("workflows.cleanup._default_api_client", fake.api_client)
+        monkeypatch.setattr("workflows.cleanup.default_api_client", fake.api_client)
         assert main(["--namespace", NS, "--workflow", "korean-llm-x7k2p"]) == 0
     assert capsys.readouterr().out == "no unfinished job of workflow korean-llm-x7k2p\n"
 
@@ -88,7 +88,7 @@ def test_a_refused_delete_is_one_error_line_and_exit_1(
 ) -> None:
     with running(forbidden={("delete", PLURAL)}) as fake:
         _jobs(fake)
-        monkeypatch.setattr("workflows.cleanup._default_api_client", fake.api_client)
+        monkeypatch.setattr("workflows.cleanup.default_api_client", fake.api_client)
         assert main(["--namespace", NS, "--workflow", "korean-llm-x7k2p"]) == 1
         assert len(fake.custom(GROUP, PLURAL)) == 5
     err = capsys.readouterr().err.splitlines()
@@ -175,7 +175,7 @@ def test_the_trainjob_kind_on_the_command_line(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with running(forbidden={("list", "trainjobs")}) as fake:
-        monkeypatch.setattr("workflows.cleanup._default_api_client", fake.api_client)
+        monkeypatch.setattr("workflows.cleanup.default_api_client", fake.api_client)
         assert main(["--namespace", NS, "--workflow", "w", "--kind", "trainjob"]) == 1
     assert (
         capsys.readouterr()

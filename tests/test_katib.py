@@ -412,7 +412,7 @@ def test_cleanup_deletes_the_runs_unfinished_experiments(
             ("korean-llm-sft-ddddd", "korean-llm-zz999", None),
         ]:
             fake.put("kubeflow.org", "v1beta1", "experiments", _experiment(name, workflow, verdict))
-        monkeypatch.setattr("workflows.cleanup._default_api_client", fake.api_client)
+        monkeypatch.setattr("workflows.cleanup.default_api_client", fake.api_client)
         assert main(["--namespace", NS, "--workflow", WORKFLOW, "--experiments"]) == 0
         left = set(fake.custom("kubeflow.org", "experiments"))
         deletes = [r for r in fake.requests if r.method == "DELETE"]
@@ -428,7 +428,7 @@ def test_cleanup_refused_on_experiments_is_one_error_line(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with running(forbidden={("list", "experiments")}) as fake:
-        monkeypatch.setattr("workflows.cleanup._default_api_client", fake.api_client)
+        monkeypatch.setattr("workflows.cleanup.default_api_client", fake.api_client)
         assert main(["--namespace", NS, "--workflow", WORKFLOW, "--experiments"]) == 1
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith(f"error: could not delete the Katib Experiments of workflow {WORKFLOW}") and "403" in line

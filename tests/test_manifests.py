@@ -191,8 +191,9 @@ WRITABLE_ROOT: dict[tuple[str, str], str] = {
 TOKEN_HOLDERS: dict[tuple[str, str], str] = {
     ("ServingRuntime", "kserve-vllm"): "a ServingRuntime has no pod-level automountServiceAccountToken; KServe "
     "builds the predictor pod",
+    ("CronJob", "posttrain-reaper"): "the reaper reads workflows and deletes their jobs through the API",
 }
-"""The kit's pod specs that cannot say whether a token is mounted, each with its reason."""
+"""The kit's pod specs that mount a token or cannot say whether one is mounted, each with its reason."""
 
 
 def test_every_workload_runs_restricted(builds: dict[str, list[Doc]]) -> None:
@@ -228,7 +229,7 @@ def test_services_without_api_access_get_no_token(builds: dict[str, list[Doc]]) 
     for docs in builds.values():
         for doc in docs:
             for pod in _pod_specs(doc):
-                if doc["kind"] != "ServingRuntime":
+                if (doc["kind"], doc["metadata"]["name"]) not in TOKEN_HOLDERS:
                     assert pod.get("automountServiceAccountToken") is False, doc["metadata"]["name"]
 
 
@@ -294,6 +295,43 @@ def test_mlflow_server_settings(builds: dict[str, list[Doc]]) -> None:
         else:
             (mount,) = [m for m in container["volumeMounts"] if m["name"] == "artifacts"]
             assert mount["mountPath"] == destination
+
+
+# --------------------------------------------------------------------------- the reaper
+
+
+def test_the_reaper_runs_its_module_on_a_schedule(
+    builds: dict[str, list[Doc]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CronJob runs `python -m workflows.reaper` for its own namespace (the downward API) every few minutes, one
+    run at a time, bounded in time and history, as its own account, whose token only this pod asks for."""
+    from workflows import reaper
+
+    called: list[tuple[str, bool]] = []
+    monkeypatch.setattr(reaper, "reap", lambda ns, dry_run=False: called.append((ns, dry_run)) or [])
+    for name, docs in builds.items():
+        cronjob = _find(docs, "CronJob", "posttrain-reaper")
+        spec = cronjob["spec"]
+        minutes, *rest = spec["schedule"].split()
+        assert minutes.startswith("*/") and 2 <= int(minutes[2:]) <= 5 and rest == ["*"] * 4, spec["schedule"]
+        assert spec["concurrencyPolicy"] == "Forbid"
+        assert spec["successfulJobsHistoryLimit"] <= 3 and spec["failedJobsHistoryLimit"] <= 3
+        assert 0 < spec["startingDeadlineSeconds"] <= 60 * int(minutes[2:])
+        job = spec["jobTemplate"]["spec"]
+        assert 0 < job["activeDeadlineSeconds"] <= 600 and job["backoffLimit"] == 0
+        (pod,) = _pod_specs(cronjob)
+        assert pod["serviceAccountName"] == "posttrain-reaper" and pod["automountServiceAccountToken"] is True
+        assert _find(docs, "ServiceAccount", "posttrain-reaper")["automountServiceAccountToken"] is False
+        (container,) = pod["containers"]
+        assert container["resources"]["requests"] and container["resources"]["limits"]["memory"]
+        env = {e["name"]: e for e in container["env"]}
+        assert env["POD_NAMESPACE"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+        python, flag, module, *args = container["command"]
+        assert (python, flag, module) == ("python", "-m", "workflows.reaper") and "args" not in container
+        namespace = cronjob["metadata"]["namespace"]
+        called.clear()
+        assert reaper.main([a.replace("$(POD_NAMESPACE)", namespace) for a in args]) == 0, name
+        assert called == [(namespace, False)], name
 
 
 # --------------------------------------------------------------------------- RBAC
@@ -376,7 +414,7 @@ def test_the_runtime_loads_safetensors_only(builds: dict[str, list[Doc]]) -> Non
 
 def test_kit_pods_pull_a_pipeline_image_with_its_pull_secrets(builds: dict[str, list[Doc]]) -> None:
     """A kit workload that runs an image one of its overlay's pipelines pulls with pull secrets has them too;
-    on-prem, TensorBoard runs the private registry's trainer image."""
+    on-prem, TensorBoard and the reaper run the private registry's trainer image."""
     for overlay, pipelines in OVERLAY_PIPELINES.items():
         secrets_for: dict[str, set[str]] = {}
         for pipeline in pipelines:
@@ -390,8 +428,9 @@ def test_kit_pods_pull_a_pipeline_image_with_its_pull_secrets(builds: dict[str, 
                     assert not missing, (
                         f"{overlay}: {doc['metadata']['name']} pulls {container['image']} without {missing}"
                     )
-    (tensorboard,) = _pod_specs(_find(builds["onprem"], "Deployment", "tensorboard"))
-    assert tensorboard["containers"][0]["image"] == load_pipeline("qwen3-30b-a3b").spec.cluster.image
+    for kind, name in (("Deployment", "tensorboard"), ("CronJob", "posttrain-reaper")):
+        (pod,) = _pod_specs(_find(builds["onprem"], kind, name))
+        assert pod["containers"][0]["image"] == load_pipeline("qwen3-30b-a3b").spec.cluster.image, name
 
 
 def test_gke_overlay_uses_workload_identity(builds: dict[str, list[Doc]]) -> None:

@@ -121,6 +121,50 @@ VERB_REASONS: dict[tuple[str, str], dict[Grant, str]] = {
             ALL,
         ): "retention reads the storageUri of each revision the service still names, never pruning a served model",
     },
+    ("Role", "posttrain-reaper"): {
+        (
+            "argoproj.io",
+            "workflows",
+            "get",
+            ALL,
+        ): "the reaper reads a job's workflow: ended (phase, finishedAt), or gone",
+        (
+            "kubeflow.org",
+            "pytorchjobs",
+            "list",
+            ALL,
+        ): "the reaper finds the namespace's unfinished PyTorchJobs by their workflow label",
+        (
+            "kubeflow.org",
+            "pytorchjobs",
+            "delete",
+            ALL,
+        ): "the reaper deletes an ended (e.g. terminated) workflow's unfinished PyTorchJobs, freeing their GPUs",
+        (
+            "trainer.kubeflow.org",
+            "trainjobs",
+            "list",
+            ALL,
+        ): "the reaper finds the namespace's unfinished TrainJobs by their workflow label",
+        (
+            "trainer.kubeflow.org",
+            "trainjobs",
+            "delete",
+            ALL,
+        ): "the reaper deletes an ended workflow's unfinished TrainJobs (their JobSet and pods go with them)",
+        (
+            "kubeflow.org",
+            "experiments",
+            "list",
+            ALL,
+        ): "the reaper finds the namespace's unfinished Katib Experiments by their workflow label",
+        (
+            "kubeflow.org",
+            "experiments",
+            "delete",
+            ALL,
+        ): "the reaper deletes an ended workflow's unfinished search (Katib deletes its trials and their jobs)",
+    },
     ("Role", "posttrain-executor"): {
         (
             "argoproj.io",
@@ -236,6 +280,19 @@ def test_an_extra_verb_fails_the_rbac_check(builds: dict[str, list[Doc]]) -> Non
         "('Role', 'posttrain-submitter'): ('argoproj.io', 'workflowtemplates', 'update', ()) is granted without a "
         "reason",
     ]
+
+
+def test_the_reaper_role_grants_exactly_the_calls_the_reaper_makes(builds: dict[str, list[Doc]]) -> None:
+    """workflows/reaper.py gets workflows and lists and deletes what it reaps: the Role holds that and nothing else,
+    so a kind added to the reaper without its verbs (or a verb left behind) fails here."""
+    from workflows import reaper
+
+    group, _, plural = reaper.WORKFLOW_RESOURCE
+    calls = {(group, plural, "get", ALL)}
+    calls |= {(g, p, verb, ALL) for g, _, p in reaper.RESOURCES for verb in ("list", "delete")}
+    assert _grants(_role(_all_roles(builds), "Role", "posttrain-reaper")) == calls
+    for docs in builds.values():
+        assert _roles_bound_to(docs, "posttrain-reaper") == ["Role/posttrain-reaper"]
 
 
 def test_widening_a_named_resource_rule_fails_the_rbac_check(builds: dict[str, list[Doc]]) -> None:

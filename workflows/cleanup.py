@@ -14,7 +14,8 @@ Experiments too, by the same label: Katib then deletes their trials, and the tri
 
 The exit handler runs it when a workflow did not succeed, and each retry of a training stage runs it for that stage
 before it creates a new job (one job per stage at a time). Argo runs no exit handler when a workflow is terminated
-(`argo terminate`): `python -m workflows.runs stop --terminate NAME` calls `delete_running_jobs` itself.
+(`argo terminate`): the kit's reaper (workflows/reaper.py, a CronJob) deletes its jobs within minutes, and
+`python -m workflows.runs stop --terminate NAME` at once.
 Exit status 0 (also when there was nothing to delete); 1 with one `error:` line when the API refused or could not
 be reached (the exit handler retries); 2 on bad arguments.
 """
@@ -47,7 +48,7 @@ def is_finished(job: dict[str, Any]) -> bool:
     return any(c.get("type") in FINISHED_CONDITIONS and c.get("status") == "True" for c in conditions)
 
 
-def _default_api_client() -> Any:
+def default_api_client() -> Any:
     """An ApiClient from the in-cluster service account, else from the kubeconfig."""
     from kubernetes import client, config
     from kubernetes.config.config_exception import ConfigException
@@ -88,36 +89,53 @@ def _delete_unfinished(
     """Delete the unfinished objects of `resource` (group, version, plural) that `selector` finds in `namespace`
     (named `kind`, default each object's own kind, in the lines it prints); return their names. One deleted
     meanwhile by someone else is not an error."""
+    api_client = api_client or default_api_client()
+    deleted: list[str] = []
+    for item in list_unfinished(api_client, resource, namespace, selector):
+        name = item["metadata"]["name"]
+        if delete_object(api_client, resource, namespace, name):
+            what = kind or item.get("kind", resource[2])
+            print(f"deleted {what} {namespace}/{name} (workflow {workflow})", flush=True)
+            deleted.append(name)
+    return deleted
+
+
+def list_unfinished(
+    api_client: Any, resource: tuple[str, str, str], namespace: str, selector: str
+) -> list[dict[str, Any]]:
+    """The objects of `resource` (group, version, plural) in `namespace` that `selector` finds and that have no
+    verdict yet (`is_finished`)."""
+    from kubernetes import client
+
+    group, version, plural = resource
+    listed = client.CustomObjectsApi(api_client).list_namespaced_custom_object(
+        group, version, namespace, plural, label_selector=selector, _request_timeout=REQUEST_TIMEOUT_S
+    )
+    return [item for item in listed.get("items", []) if not is_finished(item)]
+
+
+def delete_object(api_client: Any, resource: tuple[str, str, str], namespace: str, name: str) -> bool:
+    """Delete one object of `resource` with its dependents (their pods; propagation Background); False when it was
+    already gone."""
     from kubernetes import client
     from kubernetes.client.exceptions import ApiException
 
-    api = client.CustomObjectsApi(api_client or _default_api_client())
     group, version, plural = resource
-    listed = api.list_namespaced_custom_object(
-        group, version, namespace, plural, label_selector=selector, _request_timeout=REQUEST_TIMEOUT_S
-    )
-    deleted: list[str] = []
-    for item in listed.get("items", []):
-        name = item["metadata"]["name"]
-        if is_finished(item):
-            continue
-        try:
-            api.delete_namespaced_custom_object(
-                group,
-                version,
-                namespace,
-                plural,
-                name,
-                body=client.V1DeleteOptions(propagation_policy="Background"),
-                _request_timeout=REQUEST_TIMEOUT_S,
-            )
-        except ApiException as exc:
-            if exc.status == 404:
-                continue
-            raise
-        print(f"deleted {kind or item.get('kind', plural)} {namespace}/{name} (workflow {workflow})", flush=True)
-        deleted.append(name)
-    return deleted
+    try:
+        client.CustomObjectsApi(api_client).delete_namespaced_custom_object(
+            group,
+            version,
+            namespace,
+            plural,
+            name,
+            body=client.V1DeleteOptions(propagation_policy="Background"),
+            _request_timeout=REQUEST_TIMEOUT_S,
+        )
+    except ApiException as exc:
+        if exc.status == 404:
+            return False
+        raise
+    return True
 
 
 EXPERIMENT_RESOURCE = (*katib.API_VERSION.split("/"), katib.PLURAL)
@@ -131,13 +149,14 @@ def delete_running_experiments(namespace: str, workflow: str, api_client: Any = 
     return _delete_unfinished(api_client, EXPERIMENT_RESOURCE, namespace, selector, workflow, "Experiment")
 
 
-def _api_error(exc: Exception, plural: str = "pytorchjobs") -> str:
-    """One line about a failed API call, without the response body's noise."""
+def api_error(exc: Exception, plural: str = "pytorchjobs", verbs: str = "verbs list and delete") -> str:
+    """One line about a failed API call, without the response body's noise; a refusal (403) names the RBAC `verbs`
+    on `plural` the identity lacks."""
     if isinstance(exc, RuntimeError):
         return str(exc)
     status, reason = getattr(exc, "status", None), getattr(exc, "reason", None)
     if status:
-        hint = f" (the identity lacks the RBAC verbs list and delete on {plural})" if status == 403 else ""
+        hint = f" (the identity lacks the RBAC {verbs} on {plural})" if status == 403 else ""
         return f"the Kubernetes API answered {status} {reason}{hint}"
     return f"the Kubernetes API could not be reached ({type(exc).__name__}: {exc})"
 
@@ -168,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             delete_running_experiments(args.namespace, args.workflow)
         except (ApiException, HTTPError, OSError, RuntimeError) as exc:
-            reason = _api_error(exc, EXPERIMENT_RESOURCE[2])
+            reason = api_error(exc, EXPERIMENT_RESOURCE[2])
             print(
                 f"error: could not delete the Katib Experiments of workflow {args.workflow} in namespace "
                 f"{args.namespace}: {reason}",
@@ -182,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ApiException, HTTPError, OSError, RuntimeError) as exc:
         plural = JOB_RESOURCES[args.kind][2]
         what = f"the jobs of workflow {args.workflow}" + (f", stage {args.stage}" if args.stage else "")
-        reason = _api_error(exc, plural)
+        reason = api_error(exc, plural)
         print(f"error: could not delete {what} in namespace {args.namespace}: {reason}", file=sys.stderr)
         return 1
     if not deleted:
