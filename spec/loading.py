@@ -60,10 +60,10 @@ def pipeline_path(name_or_path: str) -> Path:
         return candidate
     shipped = PIPELINES_DIR / f"{name_or_path}.yaml"
     if not shipped.is_file():
-        raise SpecError(
-            f"unknown pipeline {name_or_path!r}; known pipelines: {', '.join(known_pipelines())} "
-            "(or give a path to a YAML file)"
-        )
+        known = known_pipelines()
+        close = difflib.get_close_matches(name_or_path, known, n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]!r}? known pipelines" if close else "; known pipelines"
+        raise SpecError(f"unknown pipeline {name_or_path!r}{hint}: {', '.join(known)} (or give a path to a YAML file)")
     return shipped
 
 

@@ -10,13 +10,12 @@ prepare records the parts in its stage.json (`inputs`), so the next run can say 
 from __future__ import annotations
 
 import json
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from run.config_hash import canonical_hash
+from run.version import git_sha, package_version
 from spec.pipeline import PipelineSpec
-from stages.tracking_mlflow_server import git_sha
 
 CONFIGURED_STAGES = ("prepare", "cpt", "sft", "rlhf", "evaluate")
 """The stages whose configuration shapes the model or the verdict (deploy only publishes it)."""
@@ -30,11 +29,7 @@ MAX_NAMED_FIELDS = 4
 
 def project_version() -> str:
     """The installed project's version and the commit it was built from (POSTTRAIN_GIT_SHA in the image)."""
-    try:
-        version = metadata.version("posttrain")
-    except metadata.PackageNotFoundError:
-        version = "unknown"
-    return f"{version}+{git_sha() or 'unknown'}"
+    return f"{package_version()}+{git_sha() or 'unknown'}"
 
 
 def stage_configuration(section: dict[str, Any]) -> dict[str, Any]:

@@ -71,12 +71,13 @@ from run.exits import EXIT_RETRYABLE, StageInterrupted
 from run.masking import mask_secrets, mask_secrets_in, secret_values
 from run.run_dir import check_still_ours
 from run.tracking import read_tracking_file
+from run.version import git_sha
 from spec.fields import TRAINING_STAGES
 from stages.contract import StageContext, is_main_process
 from stages.langfuse_events import LangfuseEvents
 from stages.tracking_backend import Breaker, TrackingBackend
 from stages.tracking_mlflow import MlflowBackend
-from stages.tracking_mlflow_server import clean_params, git_sha, redact_uri
+from stages.tracking_mlflow_server import clean_params, redact_uri
 from stages.tracking_tensorboard import TensorBoardBackend
 from stages.tracking_wandb import WandbBackend, wandb_mode, wandb_target
 

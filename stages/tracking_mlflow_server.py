@@ -7,7 +7,6 @@ import logging
 import os
 import re
 import shutil
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 from run.masking import mask_secrets, secret_values
 from run.run_dir import write_json_atomic
 from run.tracking import TRACKING_FILE, read_tracking_file, resolve_tracking_uri
+from run.version import git_sha
 from spec.credentials import looks_secret_name
 from spec.pipeline import PipelineSpec
 
@@ -63,25 +63,6 @@ def clean_params(params: dict[str, Any], secrets: set[str] | None = None) -> dic
         safe_key = mask_secrets(re.sub(r"[^A-Za-z0-9_\-. /:]", "_", key)[:250], secrets)
         out[safe_key] = mask_secrets(text, secrets)[:MAX_PARAM_VALUE]
     return out
-
-
-def git_sha() -> str | None:
-    """The source commit: $POSTTRAIN_GIT_SHA or $GIT_SHA, else `git rev-parse HEAD` when in a checkout."""
-    for name in ("POSTTRAIN_GIT_SHA", "GIT_SHA"):
-        if os.environ.get(name):
-            return os.environ[name]
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=5,
-            cwd=Path(__file__).parent,
-            check=False,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else None
 
 
 def run_tags(spec: PipelineSpec, run_root: Path) -> dict[str, str]:

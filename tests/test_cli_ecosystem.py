@@ -4,9 +4,11 @@ fields, training.extra_args and the user's own DeepSpeed / accelerate configs.""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -58,6 +60,59 @@ def test_posttrain_subcommand_delegates(tmp_path: Path) -> None:
     assert bad.returncode == 2
     assert "did you mean 'learning_rate'?" in bad.stderr
     assert _posttrain("nonsense").returncode == 2
+
+
+def test_posttrain_version_names_the_package_version_and_commit() -> None:
+    from run.version import git_sha, package_version
+
+    assert package_version() == metadata.version("posttrain") != "unknown"
+    sha = git_sha()
+    expected = f"posttrain {package_version()}" + (f" (commit {sha[:12]})" if sha else "")
+    for flag in ("--version", "-V"):
+        proc = _posttrain(flag)
+        assert (proc.returncode, proc.stdout, proc.stderr) == (0, expected + "\n", "")
+    for module in (
+        "workflows.submit",
+        "workflows.register",
+        "workflows.runs",
+        "workflows.preflight",
+        "workflows.import",
+    ):
+        proc = subprocess.run(
+            [sys.executable, "-m", module, "--version"], cwd=REPO, capture_output=True, text=True, timeout=120
+        )
+        assert (proc.returncode, proc.stdout) == (0, expected + "\n"), module
+
+
+def test_posttrain_version_commit_comes_from_the_image_variable() -> None:
+    env = {**os.environ, "POSTTRAIN_GIT_SHA": "0123456789abcdef0123"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "workflows.cli", "-V"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.stdout.endswith(" (commit 0123456789ab)\n")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["sumbit", "korean-llm"], "error: unknown command 'sumbit'; did you mean 'submit'?"),
+        (["regster"], "error: unknown command 'regster'; did you mean 'register'?"),
+        (["runs", "lst"], "error: unknown command 'lst'; did you mean 'list'?"),
+        (["runs", "wacth", "korean-llm-x7k2p"], "error: unknown command 'wacth'; did you mean 'watch'?"),
+        (["xyzzy"], "error: unknown command 'xyzzy'; commands: submit, local, register, runs, preflight, import"),
+    ],
+)
+def test_unknown_command_says_which_was_meant(args: list[str], message: str) -> None:
+    proc = _posttrain(*args)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", message + "\n")
+
+
+def test_unknown_pipeline_says_which_was_meant() -> None:
+    proc = _posttrain("submit", "korean-lm", "--dry-run")
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: unknown pipeline 'korean-lm'; did you mean 'korean-llm'? known pipelines: ")
+    far = _posttrain("submit", "zzz", "--dry-run")
+    assert far.returncode == 2 and "did you mean" not in far.stderr and "known pipelines: korean-llm" in far.stderr
 
 
 def test_submit_help_has_examples_and_exit_codes() -> None:

@@ -193,6 +193,32 @@ def test_a_ready_cluster_passes(server: _Server, korean: PipelineSpec) -> None:
     assert "ready" in report.render_text()
 
 
+def test_fix_commands_print_whole_on_a_narrow_console_without_a_terminal(
+    server: _Server, korean: PipelineSpec, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """At 80 columns, and with no terminal (stdout captured), a fix is one line, never broken mid-word by a table
+    cell: `kubectl apply --server-side -k '...'` can be copied as printed."""
+    from rich.console import Console
+
+    routes = copy.deepcopy(ready_cluster(korean))
+    routes.pop("/apis/apiextensions.k8s.io/v1/customresourcedefinitions/pytorchjobs.kubeflow.org")
+    routes.pop(NS)
+    report = _run(server, korean, routes)
+    monkeypatch.setenv("COLUMNS", "80")
+    console = Console()
+    assert (console.width, console.is_terminal) == (80, False)
+    report.show(console)
+    lines = capsys.readouterr().out.splitlines()
+    fixes = [c for c in report.checks if c.status != "ok" and c.fix]
+    assert {c.name for c in fixes} >= {"CRD pytorchjobs.kubeflow.org", "namespace llm-training"}
+    for check in fixes:
+        assert f"fix for {check.name}: {check.fix}" in lines
+    operator = _check(report, "CRD pytorchjobs.kubeflow.org").fix
+    assert "kubectl apply --server-side -k 'github.com/kubeflow/training-operator.git/" in operator
+    assert len(f"fix for CRD pytorchjobs.kubeflow.org: {operator}") > 80  # longer than the console is wide
+    assert all(len(line) <= 80 for line in lines if not line.startswith("fix for "))  # the table still fits
+
+
 def _drop(path: str) -> Callable[[Routes], None]:
     return lambda routes: routes.pop(path)
 

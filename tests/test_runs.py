@@ -172,6 +172,175 @@ def test_unreachable_server_exits_1(monkeypatch: pytest.MonkeyPatch, capsys: pyt
     assert err.startswith("error: cannot reach the Argo server") and err.count("\n") == 1
 
 
+@pytest.mark.parametrize("output", ["json", "yaml"])
+def test_list_and_get_print_json_or_yaml_for_scripts(
+    argo: FakeArgo, capsys: pytest.CaptureFixture[str], output: str
+) -> None:
+    load = json.loads if output == "json" else yaml.safe_load
+    assert runs.main(["list", "--pipeline", PIPELINE, "-o", output]) == 0
+    listed = load(capsys.readouterr().out)
+    assert [r["name"] for r in listed] == [RUN, OTHER]  # newest first, as the table
+    running, failed = listed
+    assert running == {
+        "name": RUN,
+        "namespace": NS,
+        "pipeline": PIPELINE,
+        "phase": "Running",
+        "started": "2026-11-02T02:00:00Z",
+        "finished": None,
+        "duration_s": running["duration_s"],  # up to now
+        "progress": "2/5",
+        "stage": ["sft"],
+        "failed_at": None,
+    }
+    assert running["duration_s"] > 0
+    assert (failed["phase"], failed["failed_at"], failed["stage"]) == ("Failed", "cpt", [])
+
+    assert runs.main(["list", "--limit", "1", "--output", output]) == 0
+    captured = capsys.readouterr()
+    assert [r["name"] for r in load(captured.out)] == [RUN]
+    assert "2 older runs not shown" in captured.err  # stdout stays parseable
+
+    assert runs.main(["get", OTHER, "-o", output]) == 0
+    run = load(capsys.readouterr().out)
+    assert (run["name"], run["phase"], run["message"]) == (OTHER, "Failed", "child failed")
+    assert run["url"].endswith(f"/workflows/{NS}/{OTHER}")
+    assert {s["name"]: s["message"] for s in run["stages"]} == {"prepare": None, "cpt": "PyTorchJob failed: OOMKilled"}
+
+    assert runs.main(["get", RUN, "-o", output]) == 0
+    run = load(capsys.readouterr().out)
+    assert run["training_jobs"] == [f"{RUN}-cpt-q1w2e", f"{RUN}-sft-r4t5y"]
+    stages = {s["name"]: s for s in run["stages"]}
+    assert list(stages)[-1] == "sft"  # by start time
+    assert (stages["prepare"]["phase"], stages["prepare"]["duration_s"]) == ("Succeeded", 60)
+    assert (stages["cpt"]["finished"], stages["cpt"]["duration_s"]) == ("2026-11-02T02:30:00Z", 1800)
+    assert (stages["sft"]["started"], stages["sft"]["finished"]) == ("2026-11-02T02:31:00Z", None)
+    assert stages["sft"]["message"] is None
+
+
+def test_list_output_refuses_an_unknown_format(argo: FakeArgo, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        runs.main(["list", "-o", "wide"])
+    assert exc.value.code == 2
+    assert "invalid choice: 'wide'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("final", "code"), [("Succeeded", 0), ("Failed", 1), ("Error", 1)])
+def test_watch_follows_a_run_until_it_ends(
+    argo: FakeArgo, capsys: pytest.CaptureFixture[str], final: str, code: int
+) -> None:
+    def status(phase: str, sft: str) -> dict[str, Any]:
+        nodes = [_node(RUN, "prepare", "Succeeded", finishedAt="2026-11-02T02:01:00Z"), _node(RUN, "sft", sft)]
+        return _workflow(RUN, phase, nodes, "2026-11-02T02:00:00Z")["status"]
+
+    argo.statuses = [status("Running", "Running"), status("Running", "Running"), status(final, final)]
+    assert runs.main(["watch", RUN, "--interval", "0"]) == code
+    out = capsys.readouterr().out
+    assert all(column in out for column in ("step", "phase", "started (UTC)", "duration"))  # submit --watch's table
+    assert "prepare" in out and "sft" in out
+    assert f"{RUN} {final}: {argo.url}/workflows/{NS}/{RUN}" in out
+    gets = [r for r in argo.requests if r.method == "GET" and r.path.endswith(f"/workflows/{NS}/{RUN}")]
+    assert len(gets) == 3  # until the final phase, no further
+
+
+def test_watch_of_an_unknown_run_is_one_error_line(argo: FakeArgo, capsys: pytest.CaptureFixture[str]) -> None:
+    assert runs.main(["watch", "korean-llm-nope", "--interval", "0"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("error: ") and captured.err.count("\n") == 1 and "korean-llm-nope" in captured.err
+    assert captured.out == ""
+
+
+def test_unknown_command_says_which_was_meant(capsys: pytest.CaptureFixture[str]) -> None:
+    assert runs.main(["lst"]) == 2
+    assert capsys.readouterr().err == "error: unknown command 'lst'; did you mean 'list'?\n"
+    assert runs.main(["wach", RUN]) == 2
+    assert "did you mean 'watch'?" in capsys.readouterr().err
+    assert runs.main(["frobnicate"]) == 2
+    assert "commands: list, get, watch" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- the namespace
+
+
+def _kubeconfig(tmp_path: Path, namespace: str | None, name: str = "kubeconfig") -> Path:
+    context: dict[str, str] = {"cluster": "c", "user": "u"}
+    if namespace is not None:
+        context["namespace"] = namespace
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "c", "cluster": {"server": "https://127.0.0.1:6443"}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+        "contexts": [
+            {"name": "other", "context": {"cluster": "c", "namespace": "wrong"}},
+            {"name": "ctx", "context": context},
+        ],
+        "current-context": "ctx",
+    }
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(config), encoding="utf-8")
+    return path
+
+
+def test_namespace_is_flag_then_argo_namespace_then_kubeconfig_then_posttrain(tmp_path: Path) -> None:
+    from spec.cluster import ClusterSpec
+    from workflows.namespace import DEFAULT_NAMESPACE, resolve_namespace
+
+    assert DEFAULT_NAMESPACE == ClusterSpec().namespace == "posttrain"
+    kubeconfig = str(_kubeconfig(tmp_path, "llm-training"))
+    env = {"KUBECONFIG": kubeconfig, "ARGO_NAMESPACE": "from-env"}
+    assert resolve_namespace("from-flag", env) == "from-flag"
+    assert resolve_namespace(None, env) == "from-env"
+    assert resolve_namespace(None, {"KUBECONFIG": kubeconfig}) == "llm-training"
+    assert resolve_namespace(None, {"KUBECONFIG": str(_kubeconfig(tmp_path, None, "plain"))}) == "posttrain"
+    assert resolve_namespace(None, {"KUBECONFIG": str(tmp_path / "missing")}) == "posttrain"
+    (tmp_path / "broken").write_text("{not yaml", encoding="utf-8")
+    assert resolve_namespace(None, {"KUBECONFIG": str(tmp_path / "broken")}) == "posttrain"
+    # Several files, merged as kubectl merges them: the first current-context, the first definition of it.
+    first = tmp_path / "first"
+    first.write_text(yaml.safe_dump({"current-context": "ctx"}), encoding="utf-8")
+    merged = os.pathsep.join([str(tmp_path / "missing"), str(first), kubeconfig])
+    assert resolve_namespace(None, {"KUBECONFIG": merged}) == "llm-training"
+    # No KUBECONFIG: ~/.kube/config.
+    home = tmp_path / "home"
+    (home / ".kube").mkdir(parents=True)
+    (home / ".kube" / "config").write_text(_kubeconfig(tmp_path, "ml-training").read_text(), encoding="utf-8")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HOME", str(home))
+        assert resolve_namespace(None, {}) == "ml-training"
+
+
+def test_runs_acts_in_the_kubeconfig_contexts_namespace(
+    argo: FakeArgo, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    elsewhere = _workflow("korean-llm-elsew", "Succeeded", [], "2026-11-03T02:00:00Z")
+    elsewhere["metadata"]["namespace"] = "llm-training"
+    argo.put_object("workflows", elsewhere)
+    monkeypatch.delenv("ARGO_NAMESPACE")
+    monkeypatch.setenv("KUBECONFIG", str(_kubeconfig(tmp_path, "llm-training")))
+    assert runs.main(["list", "-o", "json"]) == 0
+    assert [r["name"] for r in json.loads(capsys.readouterr().out)] == ["korean-llm-elsew"]
+    assert "/workflows/llm-training?" in argo.requests[-1].path
+
+    monkeypatch.setenv("ARGO_NAMESPACE", NS)  # the variable beats the kubeconfig
+    assert runs.main(["get", RUN, "-o", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["namespace"] == NS
+    assert runs.main(["get", "korean-llm-elsew", "-n", "llm-training", "-o", "json"]) == 0  # the flag beats both
+    assert json.loads(capsys.readouterr().out)["namespace"] == "llm-training"
+
+    monkeypatch.delenv("ARGO_NAMESPACE")
+    monkeypatch.setenv("KUBECONFIG", str(_kubeconfig(tmp_path, None, "plain")))
+    assert runs.main(["list", "-o", "json"]) == 0
+    assert {r["namespace"] for r in json.loads(capsys.readouterr().out)} == {"posttrain"}
+
+
+def test_runs_help_states_the_namespace_rule(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        runs.main(["list", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "$ARGO_NAMESPACE, else the kubeconfig context's namespace, else posttrain" in help_text
+
+
 # --------------------------------------------------------------------------- logs
 
 

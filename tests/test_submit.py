@@ -41,7 +41,9 @@ def test_render_writes_the_compiled_documents(tmp_path: Path, capsys: pytest.Cap
     for file_name, document in expected.items():
         assert yaml.safe_load((tmp_path / "out" / file_name).read_text(encoding="utf-8")) == document
         assert f"wrote {tmp_path / 'out' / file_name}" in out
-    assert "kubectl apply" in out and "argo submit" in out
+    # Server-side: a client-side apply copies the object into an annotation, which fails over 256 KiB.
+    assert f"next: kubectl apply --server-side -f {tmp_path / 'out' / 'workflowtemplate.yaml'}" in out
+    assert "argo submit" in out
 
 
 def test_render_keeps_unicode_readable(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
+from workflows.commands import unknown_command, version
 from workflows.help_text import epilog
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -32,7 +33,7 @@ def usage() -> str:
     width = max(len(name) for name in SUBCOMMANDS)
     commands = "\n".join(f"  {name:<{width}}  {text}" for name, (_, text) in SUBCOMMANDS.items())
     return (
-        "usage: posttrain COMMAND [ARGS...]\n\n"
+        "usage: posttrain COMMAND [ARGS...]\n       posttrain --version\n\n"
         "LLM post-training pipelines on Kubernetes (Argo Workflows + Kubeflow), or on this machine.\n\n"
         f"commands:\n{commands}\n\n"
         "`posttrain COMMAND --help` shows a command's options.\n\n" + epilog()
@@ -52,9 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help", "help"):
         print(usage())
         return 0
+    if args[0] in ("-V", "--version", "version"):
+        print(version())
+        return 0
     command, rest = args[0], args[1:]
     if command not in SUBCOMMANDS:
-        print(f"error: unknown command {command!r}; commands: {', '.join(SUBCOMMANDS)}", file=sys.stderr)
+        print(f"error: {unknown_command(command, SUBCOMMANDS)}", file=sys.stderr)
         return 2
     module = SUBCOMMANDS[command][0]
     if command == "local":

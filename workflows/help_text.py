@@ -18,7 +18,8 @@ examples:
   posttrain submit my-pipeline.yaml --set stages.sft.training.learning_rate=1e-4 --dry-run
   posttrain local korean-llm                         the same DAG on this machine, tiny and offline
   posttrain register korean-llm                      the template (and schedule) in the Argo UI
-  posttrain runs list                                recent runs
+  posttrain runs list                                recent runs (-o json|yaml for scripts)
+  posttrain runs watch korean-llm-x7k2p              follow a run; exit 0 if it Succeeded, 1 if not
   posttrain preflight korean-llm                     does the cluster have what it needs?
   posttrain import llamafactory llama3_lora_sft.yaml -o my-pipeline.yaml"""
 
@@ -27,10 +28,13 @@ environment variables:
   ARGO_SERVER                  Argo server host:port or URL (submit, register, runs); unset: use --render/--local
   ARGO_SECURE                  with a bare host:port, https (true, the default) or http (false)
   ARGO_TOKEN                   bearer token for the Argo server (never printed)
-  ARGO_NAMESPACE               namespace of the workflows; must equal the spec's cluster.namespace
+  ARGO_NAMESPACE               namespace of the workflows; submit and register: must equal the spec's
+                               cluster.namespace; runs: after --namespace, before the kubeconfig
+                               context's namespace and the default, posttrain
   ARGO_BASE_HREF               path prefix of the Argo server's API and UI (default /)
   ARGO_INSECURE_SKIP_VERIFY    true: do not verify the server's TLS certificate
-  KUBECONFIG                   cluster credentials for preflight and `runs` (default ~/.kube/config)
+  KUBECONFIG                   cluster credentials for preflight and `runs`, and the namespace of `runs`
+                               (its current context's) (default ~/.kube/config)
   MLFLOW_TRACKING_URI          MLflow server when the spec has no tracking.mlflow_tracking_uri
                                (default: runs/mlflow.db beside the run directories, shared by them)
   WANDB_API_KEY, WANDB_MODE    W&B key and mode (disabled, offline, online); unset: online when a key is

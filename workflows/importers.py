@@ -572,6 +572,8 @@ def render_pipeline(imported: Imported, tool: str, recipe_path: Path, schema: st
 
 def parser() -> argparse.ArgumentParser:
     """The command line."""
+    from workflows.commands import add_version_option
+
     p = argparse.ArgumentParser(
         prog="python -m workflows.import",
         description="Turn a LLaMA-Factory or axolotl training recipe into a posttrain pipeline file.",
@@ -582,6 +584,7 @@ def parser() -> argparse.ArgumentParser:
         "exit codes: 0 written, 2 bad input (unreadable recipe, unsupported stage, output exists without --force)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    add_version_option(p)
     p.add_argument("tool", choices=IMPORTERS, help="The trainer the recipe is written for.")
     p.add_argument("recipe", type=Path, help="The recipe YAML.")
     p.add_argument("-o", "--output", type=Path, help="Write the pipeline here (default: print it).")

@@ -1,5 +1,8 @@
 """`python -m workflows.preflight`: is the cluster ready for this pipeline? Every check with the fix for each failure.
 
+The checks are a table; each fix is a line of its own after it (`fix for CHECK: ...`), printed whole at any width
+so that the commands in it can be copied.
+
     python -m workflows.preflight korean-llm
     python -m workflows.preflight qwen3-30b-a3b --profile qlora --set stages.sft.resources.nodes=1
 
@@ -61,7 +64,7 @@ ACCESS_HINT = (
 CRDS: dict[str, tuple[str, str]] = {
     "pytorchjobs.kubeflow.org": (
         "v1",
-        "install the Kubeflow Training Operator (v1.9): kubectl apply -k "
+        "install the Kubeflow Training Operator (v1.9): kubectl apply --server-side -k "
         "'github.com/kubeflow/training-operator.git/manifests/overlays/standalone?ref=v1.9.4'",
     ),
     "trainjobs.trainer.kubeflow.org": (
@@ -125,7 +128,7 @@ class PreflightReport:
         return [c for c in self.checks if c.status == "fail"]
 
     def render(self) -> Any:
-        """A rich Table of the checks, with the fix of each that did not pass."""
+        """A rich Table of the checks; the fixes are lines of their own after it (`fix_lines`, `show`)."""
         from rich.table import Table
         from rich.text import Text
 
@@ -134,17 +137,29 @@ class PreflightReport:
         table.add_column("check", no_wrap=True)
         table.add_column("status", no_wrap=True)
         table.add_column("detail", overflow="fold")
-        table.add_column("fix", overflow="fold")
         for c in self.checks:
-            table.add_row(c.name, Text(c.status, style=styles[c.status]), Text(c.detail), Text(c.fix))
+            table.add_row(c.name, Text(c.status, style=styles[c.status]), Text(c.detail))
         return table
 
+    def fix_lines(self) -> list[str]:
+        """One line per check that did not pass and says how to fix it: 'fix for <check>: <fix>'. Printed whole, never
+        wrapped, so that a command in it can be copied (a table cell would break it mid-word at 80 columns)."""
+        return [f"fix for {c.name}: {' '.join(c.fix.split())}" for c in self.checks if c.status != "ok" and c.fix]
+
+    def show(self, console: Any) -> None:
+        """Print the table, then each fix on a line of its own that no console width wraps or cuts."""
+        from rich.text import Text
+
+        console.print(self.render())
+        for line in self.fix_lines():
+            console.print(Text(line), soft_wrap=True)
+
     def render_text(self, width: int = 200) -> str:
-        """The table and the verdict as plain text."""
+        """The table, the fixes and the verdict as plain text."""
         from rich.console import Console
 
         console = Console(width=width, record=True, file=open(os.devnull, "w"), color_system=None)  # noqa: SIM115
-        console.print(self.render())
+        self.show(console)
         console.print(self.verdict())
         text = console.export_text()
         console.file.close()
@@ -784,10 +799,15 @@ def run_preflight(spec: PipelineSpec, kube_api_client: Any = None, argo_server: 
 
 def parser() -> argparse.ArgumentParser:
     """The command line."""
+    from workflows.commands import add_version_option
+
     p = argparse.ArgumentParser(
         prog="python -m workflows.preflight",
-        description="Check that the cluster has what the pipeline needs; exit 1 when a blocking check fails.",
+        description="Check that the cluster has what the pipeline needs, in the pipeline's cluster.namespace: a table "
+        "of the checks, then one `fix for CHECK: ...` line (never wrapped) per check that did not pass; exit 1 when a "
+        "blocking check fails.",
     )
+    add_version_option(p)
     p.add_argument("pipeline", metavar="NAME|PATH", help="A pipeline of workflows/pipelines/ or a YAML file.")
     p.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE", help="Override a spec field."
@@ -797,7 +817,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the checks, print the table; returns the exit code."""
+    """Run the checks, print the table and the fixes; returns the exit code."""
     from rich.console import Console
 
     from spec.document import SpecError
@@ -814,7 +834,7 @@ def main(argv: list[str] | None = None) -> int:
     console, ok = Console(), True
     for run_spec in list(variant_specs(spec).values()) or [spec]:  # each variant's own GPUs, volumes, model
         report = run_preflight(run_spec)
-        console.print(report.render())
+        report.show(console)
         console.print(report.verdict())
         ok = ok and report.ok
     return 0 if ok else 1

@@ -20,10 +20,13 @@ from workflows.submit import add_pipeline_arguments, argo_client, check_lm_eval_
 
 def parser() -> argparse.ArgumentParser:
     """The command line."""
+    from workflows.commands import add_version_option
+
     p = argparse.ArgumentParser(
         prog="python -m workflows.register",
         description="Create or update a pipeline's WorkflowTemplate and, when scheduled, its CronWorkflow.",
     )
+    add_version_option(p)
     add_pipeline_arguments(p, "Compiled into the shared template, so every later run uses it.")
     return p
 

@@ -1,7 +1,9 @@
 """The runs CLI: commands on runs, through the Argo server, the Kubernetes API and the run directories.
 
     python -m workflows.runs list [--pipeline P] [--phase Running|Succeeded|Failed|Error] [--limit N]
-    python -m workflows.runs get NAME
+    python -m workflows.runs list [...] -o json|yaml                    # machine-readable
+    python -m workflows.runs get NAME [-o json|yaml]
+    python -m workflows.runs watch NAME [--interval SECONDS]
     python -m workflows.runs logs NAME [--stage S] [--rank R] [--follow] [--tail N]
     python -m workflows.runs stop NAME [--terminate] [--message M]
     python -m workflows.runs retry NAME [--restart-successful] [--node-field-selector S]
@@ -9,12 +11,14 @@
     python -m workflows.runs prune --keep-last N [--keep-days D] [--pipeline P] [--dry-run] [--checkpoints DIR]
     python -m workflows.runs sync-tracking runs/korean-llm-20260101-000000
 
-The Argo server is configured as for `workflows.submit` (ARGO_SERVER, ARGO_TOKEN, ARGO_NAMESPACE or --namespace);
-the Kubernetes API (the training jobs, their pods' logs, the InferenceService) from the kubeconfig, or the pod's
-service account in the cluster. `stop` lets Argo run the exit handler, which deletes the run's unfinished training
-jobs; `stop --terminate` skips exit handlers, so this command deletes them itself (`workflows.cleanup`), as
-`delete` does before it deletes the workflow. `prune` deletes old run directories (workflows/retention.py says
-which it never deletes).
+The Argo server is configured as for `workflows.submit` (ARGO_SERVER, ARGO_TOKEN); the namespace is --namespace,
+else ARGO_NAMESPACE, else the current kubeconfig context's, else posttrain (workflows/namespace.py); the Kubernetes
+API (the training jobs, their pods' logs, the InferenceService) from the kubeconfig, or the pod's service account in
+the cluster. `watch` follows a run as `submit --watch` does: exit 0 when it Succeeded, 1 when it Failed or Errored.
+`stop` lets Argo run the exit handler, which deletes the run's unfinished training jobs; `stop --terminate` skips
+exit handlers, so this command deletes them itself (`workflows.cleanup`), as `delete` does before it deletes the
+workflow. `prune` deletes old run directories (workflows/retention.py says which it never deletes). `list` and
+`get` print JSON or YAML with `-o json|yaml`: times in UTC (ISO 8601), durations in seconds.
 
 `sync-tracking DIR` sends to MLflow what the stages of a run directory could not send during an outage (each
 stage's `<stage>/logs/tracking-unsent.jsonl`) and ends the MLflow runs of stage attempts that died without
@@ -41,6 +45,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from run.names import PIPELINE_LABEL, RUN_ROOT, STAGE_LABEL
+from workflows.namespace import DEFAULT_NAMESPACE, RULE, resolve_namespace
 
 if TYPE_CHECKING:
     from hera.workflows.models import NodeStatus, Workflow
@@ -60,8 +65,8 @@ EXIT_FAILED = 1
 """A server refused or could not be reached."""
 EXIT_USAGE = 2
 """Bad input: an unknown workflow or stage, a bad option."""
-DEFAULT_NAMESPACE = "posttrain"
-"""The namespace when neither --namespace nor ARGO_NAMESPACE names one (cluster.namespace's default)."""
+OUTPUTS = ("json", "yaml")
+"""The machine-readable formats of -o/--output (the default is the table)."""
 PHASES = ("Pending", "Running", "Succeeded", "Failed", "Error")
 PHASE_LABEL = "workflows.argoproj.io/phase"
 """The label the workflow controller keeps at the workflow's phase (what --phase selects on)."""
@@ -82,6 +87,8 @@ class RunsError(Exception):
 
 def parser() -> argparse.ArgumentParser:
     """The command line."""
+    from workflows.commands import add_version_option
+
     p = argparse.ArgumentParser(
         prog="python -m workflows.runs",
         description="Commands on runs: list, inspect, follow, stop, retry and delete workflows; prune run "
@@ -89,22 +96,38 @@ def parser() -> argparse.ArgumentParser:
         epilog=EXAMPLE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    add_version_option(p)
     commands = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(name: str, help: str) -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=help, description=help)
-        sub.add_argument(
-            "-n", "--namespace", help="Namespace of the workflows (default: $ARGO_NAMESPACE, else posttrain)."
-        )
+        sub.add_argument("-n", "--namespace", help=f"Namespace of the workflows (default: {RULE}).")
         return sub
+
+    def output(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument(
+            "-o", "--output", choices=OUTPUTS, help="Print JSON or YAML instead of the table (for scripts)."
+        )
 
     listing = command("list", "List runs, newest first: phase, timing, progress and the stage each is in.")
     listing.add_argument("--pipeline", metavar="P", help="Only runs of pipeline P.")
     listing.add_argument("--phase", choices=PHASES, help="Only runs in this phase.")
     listing.add_argument("--limit", type=int, default=20, metavar="N", help="Show at most N runs (default 20).")
+    output(listing)
 
     get = command("get", "A run's phase, message, stages, training jobs and Argo UI link.")
     get.add_argument("name", metavar="NAME", help="The workflow's name.")
+    output(get)
+
+    follow = command(
+        "watch",
+        "Follow a run until it ends, with the table `submit --watch` shows; exit 0 when it Succeeded, 1 when it "
+        "Failed or Errored. Ctrl-C stops watching, not the run.",
+    )
+    follow.add_argument("name", metavar="NAME", help="The workflow's name.")
+    follow.add_argument(
+        "--interval", type=float, default=5.0, metavar="SECONDS", help="Seconds between polls (default 5)."
+    )
 
     logs = command(
         "logs",
@@ -203,14 +226,12 @@ def sync_tracking_command(run_dir: Path) -> int:
 
 
 def argo_client(args: argparse.Namespace) -> ArgoClient:
-    """An ArgoClient from ARGO_* variables; --namespace wins over ARGO_NAMESPACE."""
+    """An ArgoClient from ARGO_* variables, in the namespace workflows/namespace.py picks."""
     from workflows.argo import ArgoClient, ArgoConfig, ArgoError
 
-    env = dict(os.environ)
-    if args.namespace:
-        env["ARGO_NAMESPACE"] = args.namespace
+    namespace = resolve_namespace(args.namespace)
     try:
-        return ArgoClient(ArgoConfig.from_env(DEFAULT_NAMESPACE, env))
+        return ArgoClient(ArgoConfig.from_env(namespace, {**os.environ, "ARGO_NAMESPACE": namespace}))
     except ArgoError as exc:
         raise RunsError(str(exc), EXIT_USAGE) from None
 
@@ -306,14 +327,20 @@ def stage_rows(wf: Workflow, now: datetime) -> list[StageRow]:
     ]
 
 
+def failed_at(wf: Workflow) -> str | None:
+    """The first stage that failed (or errored), if any."""
+    return next((n.display_name or "" for n in stage_nodes(wf) if n.phase in ("Failed", "Error")), None)
+
+
+def current_stages(wf: Workflow) -> list[str]:
+    """The stages running or waiting to start, by start time."""
+    return [n.display_name or "" for n in stage_nodes(wf) if n.phase in ("Running", "Pending")]
+
+
 def where(wf: Workflow) -> str:
     """The stage a run is in, or failed at: 'sft', 'failed at sft', '' when neither."""
-    tasks = stage_nodes(wf)
-    failed = [n.display_name for n in tasks if n.phase in ("Failed", "Error")]
-    if failed:
-        return f"failed at {failed[0]}"
-    running = [n.display_name or "" for n in tasks if n.phase in ("Running", "Pending")]
-    return ", ".join(running)
+    failed = failed_at(wf)
+    return f"failed at {failed}" if failed is not None else ", ".join(current_stages(wf))
 
 
 def job_names(wf: Workflow) -> list[str]:
@@ -324,6 +351,69 @@ def job_names(wf: Workflow) -> list[str]:
             if param.name == "job-name" and param.value and param.value not in names:
                 names.append(str(param.value))
     return names
+
+
+# --------------------------------------------------------------------------- machine-readable output
+
+
+def _iso(moment: datetime | None) -> str | None:
+    return moment.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ") if moment is not None else None
+
+
+def _seconds(started: datetime | None, finished: datetime | None, now: datetime) -> int | None:
+    return None if started is None else max(0, round(((finished or now) - started).total_seconds()))
+
+
+def _timing(started_at: Any, finished_at: Any, now: datetime) -> dict[str, Any]:
+    """started and finished (ISO 8601, UTC), duration_s (up to now while it runs)."""
+    from workflows.watch import _time
+
+    started, finished = _time(started_at), _time(finished_at)
+    return {"started": _iso(started), "finished": _iso(finished), "duration_s": _seconds(started, finished, now)}
+
+
+def run_record(wf: Workflow, now: datetime) -> dict[str, Any]:
+    """One run as `list -o json|yaml` prints it: the table's columns as values (times in UTC, durations in
+    seconds), `stage` the stages running or pending, `failed_at` the stage that failed."""
+    status = wf.status
+    return {
+        "name": wf.metadata.name,
+        "namespace": wf.metadata.namespace,
+        "pipeline": (wf.metadata.labels or {}).get(PIPELINE_LABEL),
+        "phase": _phase(wf),
+        **_timing(status.started_at if status else None, status.finished_at if status else None, now),
+        "progress": (status.progress if status is not None else None) or None,
+        "stage": current_stages(wf),
+        "failed_at": failed_at(wf),
+    }
+
+
+def run_detail(wf: Workflow, now: datetime, url: str) -> dict[str, Any]:
+    """One run as `get -o json|yaml` prints it: its record, message, a row per stage, training jobs and UI link."""
+    status = wf.status
+    stages = [
+        {
+            "name": n.display_name or n.name or "",
+            "phase": n.phase or "Pending",
+            **_timing(n.started_at, n.finished_at, now),
+            "message": " ".join((n.message or "").split()) or None,
+        }
+        for n in stage_nodes(wf)
+    ]
+    message = " ".join(((status.message if status is not None else None) or "").split()) or None
+    return {**run_record(wf, now), "message": message, "stages": stages, "training_jobs": job_names(wf), "url": url}
+
+
+def print_output(data: Any, output: str) -> None:
+    """`data` as JSON or YAML on stdout."""
+    import json
+
+    import yaml
+
+    if output == "json":
+        print(json.dumps(data, indent=2, ensure_ascii=False))
+    else:
+        sys.stdout.write(yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=120))
 
 
 # --------------------------------------------------------------------------- commands
@@ -346,6 +436,11 @@ def list_command(args: argparse.Namespace) -> int:
         workflows = client.list_workflows(",".join(selector))
         namespace = client.namespace
     now = datetime.now(timezone.utc)
+    if args.output:
+        print_output([run_record(wf, now) for wf in workflows[: args.limit]], args.output)
+        if len(workflows) > args.limit:
+            print(f"{len(workflows) - args.limit} older runs not shown (--limit)", file=sys.stderr)
+        return 0
     table = Table(title=f"runs in {namespace}", title_justify="left")
     shown = workflows[: args.limit]
     # Names are what the other commands take: never shortened.
@@ -389,6 +484,9 @@ def get_command(args: argparse.Namespace) -> int:
         wf = client.get_workflow(args.name)
         url = client.ui_url(args.name)
     now = datetime.now(timezone.utc)
+    if args.output:
+        print_output(run_detail(wf, now, url), args.output)
+        return 0
     status = wf.status
     phase = _phase(wf)
     started = _time(status.started_at) if status is not None else None
@@ -414,6 +512,17 @@ def get_command(args: argparse.Namespace) -> int:
         console.print("training jobs: " + ", ".join(jobs), soft_wrap=True)
     console.print(url, soft_wrap=True)
     return 0
+
+
+def watch_command(args: argparse.Namespace) -> int:
+    """`watch`: follow a run with `submit --watch`'s table until it ends; 0 when it Succeeded, 1 otherwise."""
+    from workflows.watch import watch
+
+    if args.interval < 0:
+        raise RunsError("--interval must be zero or more seconds", EXIT_USAGE)
+    with argo(args) as client:
+        client.get_workflow(args.name)  # an unknown run is one error line, before any table is drawn
+        return watch(client, args.name, interval=args.interval)
 
 
 def _training_job(api_client: Any, namespace: str, workflow: str, stage: str) -> str | None:
@@ -590,16 +699,16 @@ def delete_command(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- prune
 
 
-def _phases(pipeline: str | None) -> dict[str, str] | None:
-    """Workflow name → phase from the Argo server when ARGO_SERVER is set and it answers; else None (the stage
-    records decide)."""
+def _phases(pipeline: str | None, namespace: str) -> dict[str, str] | None:
+    """Workflow name → phase (of the workflows in `namespace`) from the Argo server when ARGO_SERVER is set and it
+    answers; else None (the stage records decide)."""
     from workflows.argo import ArgoClient, ArgoConfig, ArgoError
 
     if not os.environ.get("ARGO_SERVER"):
         return None
     selector = f"{PIPELINE_LABEL}={pipeline}" if pipeline else PIPELINE_LABEL
     try:
-        with ArgoClient(ArgoConfig.from_env(DEFAULT_NAMESPACE)) as client:
+        with ArgoClient(ArgoConfig.from_env(namespace, {**os.environ, "ARGO_NAMESPACE": namespace})) as client:
             return {wf.metadata.name or "": _phase(wf) for wf in client.list_workflows(selector)}
     except ArgoError as exc:
         print(f"note: the Argo server did not answer ({exc}); the stage records decide which runs ended")
@@ -675,7 +784,7 @@ def prune_command(args: argparse.Namespace) -> int:
         runs,
         args.keep_last,
         args.keep_days,
-        phases=_phases(args.pipeline),
+        phases=_phases(args.pipeline, resolve_namespace(args.namespace)),
         aliased=aliased,
         served=served,
         current=args.current or os.environ.get("ARGO_WORKFLOW_NAME"),
@@ -703,6 +812,7 @@ def prune_command(args: argparse.Namespace) -> int:
 COMMANDS = {
     "list": list_command,
     "get": get_command,
+    "watch": watch_command,
     "logs": logs_command,
     "stop": stop_command,
     "retry": retry_command,
@@ -714,7 +824,13 @@ COMMANDS = {
 def main(argv: list[str] | None = None) -> int:
     """Parse the command line and do what it asks; returns the exit status."""
     p = parser()
-    args = p.parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    if words and not words[0].startswith("-") and words[0] not in (*COMMANDS, "sync-tracking"):
+        from workflows.commands import unknown_command
+
+        print(f"error: {unknown_command(words[0], [*COMMANDS, 'sync-tracking'])}", file=sys.stderr)
+        return EXIT_USAGE
+    args = p.parse_args(words)
     if args.command == "sync-tracking":
         return sync_tracking_command(args.run_dir)
     try:

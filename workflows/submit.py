@@ -21,8 +21,10 @@ replaces the plain template; runs keep the generateName `<pipeline>-`.
 
 --render and --dry-run write standalone documents and accept any --set: the values are compiled into the
 template (and the schedule), and workflow.yaml references that template with the form's defaults, so the three
-files agree with each other. Applied with `kubectl apply`, a template rendered with --set replaces the shared one
-of that name, which the schedule runs. --dry-run prints that workflow.yaml, not the Workflow a submission sends.
+files agree with each other. Applied with `kubectl apply --server-side` (a client-side apply stores the whole object
+in an annotation, which fails over 256 KiB), a template rendered with --set replaces the shared one of that name,
+which the schedule runs; over a template `workflows.register` wrote, add --force-conflicts. --dry-run prints that
+workflow.yaml, not the Workflow a submission sends.
 
 Expected failures (unknown pipeline, invalid spec or --set, server unreachable, 401/403, conflicts) print one
 message that says what to fix and exit non-zero; the Argo client, rich and the runner are imported only when used.
@@ -213,6 +215,7 @@ def render(documents: dict[str, dict[str, Any]], out_dir: Path) -> list[Path]:
 
 def parser() -> argparse.ArgumentParser:
     """The command line."""
+    from workflows.commands import add_version_option
     from workflows.help_text import epilog
 
     p = argparse.ArgumentParser(
@@ -221,6 +224,7 @@ def parser() -> argparse.ArgumentParser:
         epilog=epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    add_version_option(p)
     add_pipeline_arguments(
         p,
         "Submitted, it changes this run only, through the form's overrides; --render and --dry-run compile it in.",
@@ -288,8 +292,8 @@ def preflight(spec: PipelineSpec) -> None:
 
     report = run_preflight(spec)
     if not report.ok:
-        Console(stderr=True).print(report.render())
-        raise CliError(f"preflight: {report.verdict()}. Fix what the table says, or pass --skip-preflight.")
+        report.show(Console(stderr=True))
+        raise CliError(f"preflight: {report.verdict()}. Fix what the lines above say, or pass --skip-preflight.")
     print(f"preflight: {report.verdict()}")
 
 
@@ -528,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
         for path in written:
             print(f"wrote {path}")
         to_apply = " ".join(f"-f {path}" for path in written if path.name != "workflow.yaml")
-        print(f"next: kubectl apply {to_apply} && argo submit {args.render / 'workflow.yaml'}")
+        print(f"next: kubectl apply --server-side {to_apply} && argo submit {args.render / 'workflow.yaml'}")
         return 0
     sys.stdout.write(to_yaml(compiled.documents()["workflow.yaml"]))
     return 0
