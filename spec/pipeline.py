@@ -370,6 +370,7 @@ class PipelineSpec(StrictModel):
             self._rdma_env_agrees(stage)
             self._trainjob_can_say(stage)
             self._search_space(stage)
+            self._adapter_trl_can_train(stage)
         self._serving_fits_model()
         self._variants_fit()
         return self
@@ -435,6 +436,23 @@ class PipelineSpec(StrictModel):
                 f"cluster.secrets.{given} is set but tracking.langfuse_host is not: name the Langfuse server the keys "
                 "are for",
             )
+
+    def _adapter_trl_can_train(self, stage: str) -> None:
+        """No adapter on the LM head where TRL trains it: SFT and DPO compute log-probabilities from
+        `lm_head.weight` directly and refuse such an adapter when they start; cpt's adapter counts when a later
+        sft or rlhf continues it (cpt without merge_after)."""
+        section = self.stage(stage)
+        modules = section.lora.target_modules if section.enabled and section.method != "full" else "all-linear"
+        if isinstance(modules, str) or not any(m == "lm_head" or m.endswith(".lm_head") for m in modules):
+            return
+        later = [s for s in ("sft", "rlhf") if s != stage and getattr(self.stages, s).enabled]
+        if stage == "cpt" and (section.lora.merge_after or not later):
+            return
+        why = (
+            f"{stage} trains with TRL" if stage != "cpt" else f"{later[0]} continues cpt's adapter with TRL"
+        ) + ", which computes log-probabilities from lm_head.weight directly and refuses an adapter on lm_head"
+        fix = "remove 'lm_head'" + (" or set stages.cpt.lora.merge_after: true" if stage == "cpt" else "")
+        raise FieldError(("stages", stage, "lora", "target_modules"), f"{why}: {fix}")
 
     def _search_space(self, stage: str) -> None:
         """A search varies fields the stage has, with values the stage accepts, towards a metric it records."""

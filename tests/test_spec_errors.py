@@ -265,6 +265,10 @@ _GRPO = (
             (*_DPO, "stages.rlhf.algorithm=orpo", "stages.rlhf.beta=0"),
             ("stages.rlhf", "beta must be greater than 0 for orpo"),
         ),
+        (
+            ("stages.sft.method=lora", "stages.sft.lora.target_modules=[q_proj, lm_head]"),
+            ("stages.sft.lora.target_modules", "refuses an adapter on lm_head", "remove 'lm_head'"),
+        ),
     ],
     ids=[
         "qlora-with-zero3",
@@ -276,6 +280,7 @@ _GRPO = (
         "grpo-without-rewards",
         "dpo-with-zero-beta",
         "orpo-with-zero-beta",
+        "sft-adapter-on-lm-head",
     ],
 )
 def test_cross_field_rules(overrides: tuple[str, ...], fragments: tuple[str, ...], tmp_path: Path) -> None:
@@ -286,6 +291,14 @@ def test_cross_field_rules(overrides: tuple[str, ...], fragments: tuple[str, ...
     assert re.match(rf"^({where}): ", message), message
     for fragment in fragments:
         assert fragment in message, message
+
+
+def test_a_cpt_adapter_on_lm_head_is_refused_only_where_trl_continues_it() -> None:
+    cpt = ("stages.cpt.method=lora", "stages.cpt.lora.target_modules=[q_proj, lm_head]")
+    message = _error("korean-llm", overrides=cpt)  # its sft continues cpt's adapter
+    assert "stages.cpt.lora.target_modules: sft continues cpt's adapter with TRL" in message, message
+    assert "merge_after: true" in message
+    load_pipeline("korean-llm", None, (*cpt, "stages.cpt.lora.merge_after=true"))  # merged: sft starts anew
 
 
 # --------------------------------------------------------------------------- --set overrides
