@@ -148,12 +148,15 @@ def test_trainer_sets_writable_home_and_labels() -> None:
         assert f"org.opencontainers.image.{label}=" in text
 
 
-def test_the_image_knows_its_commit() -> None:
-    """stages/tracking_mlflow_server.py tags MLflow runs with POSTTRAIN_GIT_SHA: the image sets it from the REVISION
-    build arg."""
+def test_the_image_knows_its_commit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The project's commit (run/version.py: MLflow's run tags, `posttrain --version`, the cron rule's fingerprint)
+    is POSTTRAIN_GIT_SHA where it is set: the image sets it from the REVISION build arg (an image has no .git)."""
     envs = [rest for word, rest in instructions(IMAGES / "trainer" / "Dockerfile") if word == "ENV"]
     assert any(re.search(r"(^|\s)POSTTRAIN_GIT_SHA=\$\{?REVISION\}?(\s|$)", env) for env in envs)
-    assert "POSTTRAIN_GIT_SHA" in (ROOT / "stages" / "tracking_mlflow_server.py").read_text(encoding="utf-8")
+    from run.version import git_sha
+
+    monkeypatch.setenv("POSTTRAIN_GIT_SHA", "0123abcd")
+    assert git_sha() == "0123abcd"
 
 
 # --------------------------------------------------------------------------- the lock file
