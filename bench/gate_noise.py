@@ -31,23 +31,21 @@ from spec.loading import load_pipeline  # noqa: E402
 from spec.variants import variant_specs  # noqa: E402
 
 
-def training_stages(pipeline: str, profile: str, variant: str | None) -> dict[str, float]:
-    """Training stage → its learning rate, as the profile (and variant) resolve them."""
+def training_stages(pipeline: str, profile: str, variant: str | None) -> tuple[dict[str, float], list[str]]:
+    """Training stage → its learning rate, as the profile (and variant) resolve them, and the stages that search
+    their hyperparameters first (the untrained run switches that off: the search would choose the learning rate
+    again)."""
     spec = load_pipeline(pipeline, profile=profile).spec
     if variant is not None:
         spec = variant_specs(spec)[variant]
-    rates = {}
+    rates, searched = {}, []
     for name in ("cpt", "sft", "rlhf"):
         stage = getattr(spec.stages, name, None)
         if stage is not None and getattr(stage, "enabled", True):
             rates[name] = stage.training.learning_rate
-    return rates
-
-
-def searched(pipeline: str, profile: str, stage: str) -> bool:
-    """Whether the stage searches its hyperparameters first (the untrained run switches that off: the search would
-    choose the learning rate again)."""
-    return getattr(getattr(load_pipeline(pipeline, profile=profile).spec.stages, stage), "hpo", None) is not None
+            if getattr(stage, "hpo", None) is not None:
+                searched.append(name)
+    return rates, searched
 
 
 def run_once(pipeline: str, folder: Path, sets: list[str], variant: str | None) -> dict[str, Any]:
@@ -108,7 +106,7 @@ def main() -> int:
     parser.add_argument("--work", type=Path, help="where the runs go (default: OUT/work)")
     args = parser.parse_args()
     work = args.work or args.out / "work"
-    rates = training_stages(args.pipeline, args.profile, args.variant)
+    rates, searched = training_stages(args.pipeline, args.profile, args.variant)
     name = args.pipeline + (f"-{args.variant}" if args.variant else "") + ("-set" if args.sets else "")
     seeded = []
     for seed in args.seeds:
@@ -116,7 +114,7 @@ def main() -> int:
         seeded.append({"seed": seed, **run_once(args.pipeline, work / name / f"seed-{seed}", sets, args.variant)})
         print(json.dumps(seeded[-1].get("candidate", seeded[-1]))[:300], flush=True)
     sets = [*args.sets, *(f"stages.{stage}.training.learning_rate={rate / 10_000:g}" for stage, rate in rates.items())]
-    sets += [f"stages.{stage}.hpo=null" for stage in rates if searched(args.pipeline, args.profile, stage)]
+    sets += [f"stages.{stage}.hpo=null" for stage in searched]
     untrained = run_once(args.pipeline, work / name / "untrained", sets, args.variant)
     result = {
         "pipeline": args.pipeline,

@@ -270,17 +270,23 @@ def test_kinds_whose_crd_is_not_installed_have_nothing_to_reap(
     assert capsys.readouterr().out.splitlines() == [f"deleted {line}" for line in REAPED if "pytorchjob" in line]
 
 
-def test_without_argo_workflows_served_nothing_counts_as_deleted(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A 404 that names no Workflow (the API does not serve Workflows: Argo's CRD is missing, or another version)
-    is an error, never a reason to delete a job."""
-    with running(unserved={"workflows"}) as fake:
+def _refused_run(monkeypatch: pytest.MonkeyPatch, **api: Any) -> None:
+    """The reaper over the namespace's objects against an API that refuses (`running`'s arguments): exit 1, nothing
+    deleted."""
+    with running(**api) as fake:
         _namespace(fake)
         before = _left(fake)
         monkeypatch.setattr("workflows.cleanup.default_api_client", fake.api_client)
         assert main(["--namespace", NS]) == 1
         assert _left(fake) == before
+
+
+def test_without_argo_workflows_served_nothing_counts_as_deleted(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 404 that names no Workflow (the API does not serve Workflows: Argo's CRD is missing, or another version)
+    is an error, never a reason to delete a job."""
+    _refused_run(monkeypatch, unserved={"workflows"})
     out, err = capsys.readouterr()
     assert out == ""
     assert err.splitlines() == [
@@ -312,12 +318,7 @@ def test_without_argo_workflows_served_nothing_counts_as_deleted(
 def test_an_api_refusal_is_one_error_line_and_exit_1(
     forbidden: tuple[str, str], error: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    with running(forbidden={forbidden}) as fake:
-        _namespace(fake)
-        before = _left(fake)
-        monkeypatch.setattr("workflows.cleanup.default_api_client", fake.api_client)
-        assert main(["--namespace", NS]) == 1
-        assert _left(fake) == before
+    _refused_run(monkeypatch, forbidden={forbidden})
     out, err = capsys.readouterr()
     assert (out, err.splitlines()) == ("", [f"error: {error}"])
 

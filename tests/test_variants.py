@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import yaml
-from worse_candidate import deployed, untrained_overrides
+from worse_candidate import assert_the_gate_stopped_it, untrained_overrides
 
 from run.tracking import local_store_uri
 from spec import form as spec_form
@@ -362,9 +362,7 @@ def test_local_runs_both_variants_one_after_the_other(tmp_path: Path) -> None:
     variant = ("--variant", "qwen-7b", "--run-dir", str(worse), "--fail-on-gate")
     done = _submit("qwen-multi", "--local", *variant, *untrained_overrides(seven_spec), cwd=tmp_path, timeout=900)
     assert done.returncode == 3, done.stdout[-4000:] + done.stderr[-4000:]
-    evaluate = json.loads((worse / "evaluate" / "stage.json").read_text())["extra"]
-    assert evaluate["gate"] == "fail" and evaluate["reference"].startswith("champion v"), evaluate["gate_reasons"]
-    assert not deployed(worse)
+    assert_the_gate_stopped_it(worse)
 
 
 def test_the_switches_step_checks_each_value_and_outputs_it(tmp_path: Path) -> None:

@@ -21,7 +21,11 @@ def untrained_overrides(spec: dict[str, Any]) -> list[str]:
     return sets
 
 
-def deployed(run_root: Path) -> bool:
-    """Whether the run's deploy stage succeeded."""
+def assert_the_gate_stopped_it(run_root: Path) -> None:
+    """The untrained candidate's run: its gate failed against the champion an earlier run promoted, on
+    perplexity, and deploy did not succeed."""
+    evaluate = json.loads((run_root / "evaluate" / "stage.json").read_text())["extra"]
+    assert evaluate["gate"] == "fail" and evaluate["reference"].startswith("champion v"), evaluate["gate_reasons"]
+    assert any("perplexity" in reason and reason.endswith("fails") for reason in evaluate["gate_reasons"])
     record = run_root / "deploy" / "stage.json"
-    return record.is_file() and json.loads(record.read_text())["status"] == "succeeded"
+    assert not record.is_file() or json.loads(record.read_text())["status"] != "succeeded"
