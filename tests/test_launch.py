@@ -4,17 +4,28 @@ container, torchrun's node variables as the Training Operator sets them, and the
 
 from __future__ import annotations
 
+import shutil
+import socket
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from training_fixtures import child_env, make_run_dir
 
 from spec.fields import TRAINING_STAGES
 from spec.loading import known_pipelines, load_pipeline
-from workflows import pytorchjob, trainjob
-from workflows.launch import CLUSTER_PATHS, LOCAL_TORCHRUN, container_env, local_launch, operator_env
-from workflows.stage_process import stage_launch
+from workflows import launch, pytorchjob, trainjob
+from workflows.launch import (
+    CLUSTER_PATHS,
+    LOCAL_PORTS,
+    LOCAL_TORCHRUN,
+    container_env,
+    free_port,
+    local_launch,
+    operator_env,
+)
+from workflows.stage_process import StageRun, launch_stage, port_was_taken, stage_launch
 
 SHIPPED = [(name, profile) for name in known_pipelines() for profile in (None, "local", "gpu")]
 
@@ -99,3 +110,45 @@ def test_which_stages_start_as_their_pod(tmp_path: Path) -> None:
         )
     command, _ = stage_launch(spec, "cpt", tmp_path, force=True, gpus=2, forked=False)
     assert command[-1] == "--force"  # the runner's own flag, after the pod's argv
+
+
+def test_the_local_master_port_is_below_the_ephemeral_range() -> None:
+    # Outgoing connections take ports of 32768-60999 at any moment; the master's port is never one of them.
+    ports = {free_port() for _ in range(20)}
+    assert all(port in LOCAL_PORTS and port < 32768 for port in ports)
+    assert len(ports) > 1  # drawn at random: runners started together do not try the same port
+
+
+def test_a_stage_whose_master_port_was_taken_is_launched_again_on_another(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The port the runner chose is taken (a listener) before torchrun binds it: torchrun cannot start its store, and
+    # the runner launches again on another port, where the stage runs (and fails for its own reason: no tokenizer).
+    run_dir = make_run_dir(tmp_path / "run", n_text=20, n_chat=20)
+    shutil.rmtree(run_dir.root / "prepare" / "tokenizer")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        ports = iter([taken.getsockname()[1]])
+        monkeypatch.setattr(launch, "free_port", lambda: next(ports, None) or free_port())
+        run = StageRun("sft")
+        log = run_dir.root / "sft" / "logs" / "stage.log"
+        code = launch_stage(run, run_dir.load_spec(), "sft", run_dir.root, child_env(), log, lambda: None)
+    text = log.read_text(encoding="utf-8")
+    assert code != 0 and run.returncode == code
+    assert text.count("torch.distributed.run --module stages sft") == 2, text
+    first, second = text.split("launching again")
+    assert "EADDRINUSE" in first and "prepare/tokenizer" not in first
+    assert "prepare/tokenizer" in second and "EADDRINUSE" not in second
+
+
+def test_a_stage_that_ran_is_not_launched_again() -> None:
+    # A stage that printed its own lines has run: whatever it said later, launching it again is not the runner's call.
+    run = StageRun("sft", returncode=1)
+    run.tail.extend(["[sft] step 1/4 · loss 9.1", "RuntimeError: address already in use"])
+    assert not port_was_taken(run, "sft")
+    run.tail.clear()
+    run.tail.append("DistNetworkError: ... port: 42121 ... EADDRINUSE, message: address already in use")
+    assert port_was_taken(run, "sft")
+    run.returncode = 0
+    assert not port_was_taken(run, "sft")

@@ -17,6 +17,7 @@ Kubernetes Secrets and the local runner from the user's own environment.
 
 from __future__ import annotations
 
+import random
 import socket
 import sys
 from pathlib import Path
@@ -124,9 +125,26 @@ def container_env(spec: PipelineSpec, stage_name: str) -> dict[str, str]:
     }
 
 
+LOCAL_PORTS = range(20000, 32768)
+"""Where the local master's port is drawn from: below Linux's ephemeral range (32768-60999), which the kernel hands
+out to outgoing connections and to bind(port 0) at any moment, so that no connection takes the port between the
+runner choosing it and torchrun binding it. Another process choosing the same port then is still possible: the
+runner launches again on another port when torchrun says the port is taken (workflows/stage_process.py)."""
+
+
 def free_port() -> int:
-    """A TCP port nothing listens on now, for the local master."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+    """A TCP port nothing listens on now, for the local master: a random one of LOCAL_PORTS that binds (random so
+    that runners started together do not try the same ports in the same order)."""
+    draw = random.SystemRandom()
+    for _ in range(64):
+        port = draw.choice(LOCAL_PORTS)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((LOCAL_MASTER, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:  # all tried were taken: any the kernel gives
         probe.bind((LOCAL_MASTER, 0))
         return int(probe.getsockname()[1])
 

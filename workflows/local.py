@@ -84,7 +84,7 @@ from spec.loading import PIPELINES_DIR, REPLACES_DATA
 from spec.pipeline import PipelineSpec
 from workflows.plan import plan_warnings, prepared_warnings
 from workflows.search import search_in_runner, search_needed
-from workflows.stage_process import StageRun, record_interrupted, run_stage, stage_launch
+from workflows.stage_process import StageRun, launch_stage, record_interrupted
 from workflows.warm_starts import warm_starts
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -487,11 +487,10 @@ def _run_locked(
                         run.ended, run.status, run.message = time.monotonic(), "failed", why
                         failed, exit_code = run, 1
                         continue
-                command, launch_env = stage_launch(spec, run.name, run_root, force, gpus, warm is not None)
                 log = run_root / run.name / "logs" / "stage.log"
                 grace = spec.stage(run.name).run_policy.termination_grace_period_seconds
                 echo = None if console.is_terminal else lambda line: console.print(line, markup=False, soft_wrap=True)
-                run.returncode = run_stage(run, command, {**env, **launch_env}, log, refresh, grace, warm, echo)
+                launch_stage(run, spec, run.name, run_root, env, log, refresh, grace, warm, echo, force, gpus)
             except (StageInterrupted, KeyboardInterrupt) as exc:
                 # The stage got the signal and has exited (run_stage waited): its record says how it ended, or,
                 # killed before it could say so, the runner does.

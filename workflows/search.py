@@ -41,7 +41,7 @@ from run.run_dir import write_json_atomic
 from run.search import finished_search, read_search, search_dir, search_fingerprint, trials_dir, value_at
 from spec.pipeline import PipelineSpec
 from spec.search import HpoSpec, SearchParameter, SearchValue
-from workflows.stage_process import StageRun, run_stage, stage_launch
+from workflows.stage_process import StageRun, launch_stage
 
 
 def stage_search(spec: PipelineSpec, stage: str) -> HpoSpec | None:
@@ -323,11 +323,9 @@ def search_in_runner(
     def run_trial(number: int, name: str, args: list[str]) -> int:
         row = add_row(number)
         row.status, row.started = "running", time.monotonic()
-        command, launch_env = stage_launch(spec, stage, run_root, force, gpus, warm is not None)
-        command = [*command, *args]
         log = trials_dir(run_root, stage) / name / stage / "logs" / "stage.log"
         try:
-            row.returncode = run_stage(row, command, {**env, **launch_env}, log, refresh, warm=warm)
+            launch_stage(row, spec, stage, run_root, env, log, refresh, warm=warm, force=force, gpus=gpus, args=args)
         except (StageInterrupted, KeyboardInterrupt):
             row.ended, row.status = time.monotonic(), "interrupted"
             raise

@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -226,3 +226,51 @@ def run_stage(
             raise
         pump.join(timeout=30)
         return process.returncode
+
+
+PORT_TAKEN = ("EADDRINUSE", "address already in use")
+"""What torchrun's store prints when it cannot bind the master's port."""
+
+LAUNCH_ATTEMPTS = 3
+"""How often the runner launches a training stage whose master port another process took in the meantime."""
+
+
+def port_was_taken(run: StageRun, stage: str) -> bool:
+    """Whether the stage's process failed because torchrun could not bind the master's port (another process took it
+    after the runner chose it), before the stage printed anything of its own: then nothing of the stage ran."""
+    lines = list(run.tail)
+    return (
+        run.returncode not in (0, None)
+        and any(marker in line for line in lines for marker in PORT_TAKEN)
+        and not any(own_line(stage, line) for line in lines)
+    )
+
+
+def launch_stage(
+    run: StageRun,
+    spec: PipelineSpec,
+    stage: str,
+    run_root: Path,
+    env: dict[str, str],
+    log_path: Path,
+    refresh: Any,
+    grace: float = STOP_GRACE_S,
+    warm: WarmStarts | None = None,
+    echo: Callable[[str], None] | None = None,
+    force: bool = False,
+    gpus: int = 0,
+    args: Sequence[str] = (),
+) -> int:
+    """Start a stage as `stage_launch` says, over the runner's `env`, and run it to completion (`run_stage`); `args`
+    are extra arguments of its command (a trial's). A training stage whose master port was taken before torchrun
+    bound it (`port_was_taken`) is launched again on another port, up to LAUNCH_ATTEMPTS times. Returns the exit
+    code, also recorded in `run`."""
+    for attempt in range(1, LAUNCH_ATTEMPTS + 1):
+        command, launch_env = stage_launch(spec, stage, run_root, force, gpus, warm is not None)
+        run.tail.clear()
+        run.returncode = run_stage(run, [*command, *args], {**env, **launch_env}, log_path, refresh, grace, warm, echo)
+        if attempt == LAUNCH_ATTEMPTS or not port_was_taken(run, stage):
+            break
+        with open(log_path, "ab") as log_file:
+            log_file.write(b"===== the master's port was taken before torchrun bound it: launching again\n")
+    return run.returncode
