@@ -69,6 +69,7 @@ class Case:
     reshard_after_forward: bool | None = None  # FSDP2: None keeps the stage's setting
     pure_bf16: bool = False  # full fine-tuning: bf16 weights and optimizer state instead of float32 master weights
     lora_experts: bool = False  # LoRA on the experts too (lora.target_experts), not only attention and dense MLPs
+    low_rank_experts: bool = True  # experts' adapters as low-rank grouped products (stages/expert_lora.py), else PEFT's
     lora_dropout: float | None = None  # None: the spec's default (lora.dropout)
     peft_input_casts: bool = False  # keep PEFT's cast of each LoRA input to float32 (before adapter_inputs_uncast)
     warmup: int = 4
@@ -489,8 +490,17 @@ CASES: list[Case] = [
         name="b5_stage_experts",
         lora_experts=True,
         gradient_checkpointing=True,
-        note="as b5_stage with LoRA on the experts too (lora.target_experts) and gradient checkpointing (without "
-        "it the experts' adapters run out of memory on 141 GB)",
+        note="as b5_stage with LoRA on the experts too (lora.target_experts) and gradient checkpointing, the "
+        "experts' adapters applied as low-rank grouped products beside the base grouped GEMM",
+    ),
+    replace(
+        B5,
+        name="b5_stage_experts_merged",
+        lora_experts=True,
+        low_rank_experts=False,
+        gradient_checkpointing=True,
+        note="baseline of b5_stage_experts: PEFT's path, the adapter merged into the whole expert stack on every "
+        "forward (without checkpointing it ran out of memory on 141 GB)",
     ),
     # B6: full fine-tuning of the 8B shape under FSDP2 on every GPU of the node (torchrun), rows of 4096.
     B6,

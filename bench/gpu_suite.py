@@ -253,6 +253,7 @@ def build_model(ctx: SimpleNamespace, tokenizer: Any, case: Case, tmp: Path) -> 
         float32_masters,
         load_pretrained,
         lora_config,
+        low_rank_experts,
         on_gpu,
         packed_attention,
         prepare_for_kbit_training,
@@ -279,6 +280,8 @@ def build_model(ctx: SimpleNamespace, tokenizer: Any, case: Case, tmp: Path) -> 
         use_attention(model, switch)
     if case.method != "full":
         model = get_peft_model(model, lora_config(ctx.section, model))
+        if case.low_rank_experts:
+            low_rank_experts(model, ctx.stage)
         if case.kind == "stage_sft" and not case.peft_input_casts:
             adapter_inputs_uncast(model, ctx.stage)
     else:

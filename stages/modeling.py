@@ -284,6 +284,19 @@ def _fused_experts(model: Any) -> Any:
     return model
 
 
+def low_rank_experts(model: Any, stage: str) -> None:
+    """Where the experts run as grouped GEMMs (`experts_implementation`), a LoRA model's adapters on them are
+    applied as low-rank grouped products beside the base's instead of PEFT's merged weights (stages/expert_lora.py:
+    nothing of the expert stack's size made per step). On CPU the per-expert loop keeps PEFT's path."""
+    if experts_implementation() != "grouped_mm" or not expert_parameters(model):
+        return
+    from stages.expert_lora import use_low_rank_experts
+
+    switched = use_low_rank_experts(model)
+    if switched:
+        print(f"[{stage}] lora: {switched} expert adapters applied as low-rank grouped products", flush=True)
+
+
 def expert_parameters(model: Any) -> dict[str, torch.nn.Parameter]:
     """A mixture-of-experts model's expert weights, by name: transformers 5 stacks each layer's experts into 3-D
     parameters ([experts, out, in]) of a module that counts them in `num_experts` (qwen3_moe:
@@ -858,6 +871,7 @@ def load_starting_model(
             model = load_adapter(model, adapter_dir, is_trainable=True)
         else:
             model = get_peft_model(model, lora_config(section, model, template_token_ids(spec, tokenizer)))
+        low_rank_experts(model, stage)
         adapter_inputs_uncast(model, stage)
         start = StartingModel(
             model=model,

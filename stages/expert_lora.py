@@ -1,0 +1,167 @@
+"""LoRA on a mixture-of-experts model's stacked experts, computed as low-rank grouped products beside the base's.
+
+transformers 5 keeps each layer's experts as 3-D parameters (qwen3_moe: `gate_up_proj` [experts, 2 x moe width,
+hidden] and `down_proj` [experts, hidden, moe width]) and runs them as one grouped GEMM over the tokens sorted by
+expert ('grouped_mm'). PEFT reaches them through `target_parameters`: its ParamWrapper puts the adapter into the
+weight itself on every forward (W + s * B @ A for all experts at once, a tensor the size of the whole expert stack,
+and its gradient of the same size in the backward), which is what made LoRA on the experts 4x slower than LoRA on
+attention alone (issue 35: 2,896 tok/s on an H200).
+
+Here the adapter is applied to the tokens instead, with the same routing: for the tokens of expert e,
+`x @ W_e^T + s * (x @ A_e^T) @ B_e^T`, as two more grouped GEMMs of rank r beside the base grouped GEMM. Nothing
+of the expert stack's size is made, and the frozen base weights get no gradient. The adapter's parameters,
+its initialisation, saving, loading and merging stay PEFT's: only where its factors are multiplied changes
+(`use_low_rank_experts` swaps the ParamWrapper's weight parametrization for handing the factors to the experts'
+forward, `low_rank_experts_forward`, registered with transformers' ExpertsInterface as LOW_RANK_EXPERTS).
+
+The path is taken where it can be exact and fast: one active adapter, no expert parallelism, weights in a dtype
+PEFT does not upcast, and a rank whose rows fill the 16 bytes CUDA's grouped GEMM aligns to; anything else keeps
+PEFT's own path. tests/test_expert_lora.py checks the loss and every gradient against PEFT's merged weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import MethodType
+from typing import Any
+
+import torch
+
+# _grouped_linear and _grouped_mm are private, but they are the dispatcher the stock 'grouped_mm' experts run through
+# (torch's grouped_mm where the device and dtype have it, else transformers' per-expert loop): both multiply alike.
+from transformers.integrations.moe import (
+    ALL_EXPERTS_FUNCTIONS,
+    _grouped_linear,
+    _grouped_mm,
+    grouped_mm_experts_forward,
+)
+
+LOW_RANK_EXPERTS = "grouped_mm_low_rank"
+"""The experts implementation that applies LoRA factors as grouped low-rank products (without factors: the stock
+'grouped_mm')."""
+
+FACTORS = "_lora_factors"
+"""The experts module's attribute that holds, while its adapters are active, parameter name → (lhs, rhs, scaling)
+with lhs @ rhs the shape of the parameter (PEFT's `get_delta_factors`)."""
+
+ALIGNMENT_BYTES = 16
+"""CUDA's grouped GEMM wants each row of its operands to start on 16 bytes: the rank's row of the low-rank product
+(r x element size) must fill it."""
+
+
+def low_rank_experts_forward(
+    self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """transformers' grouped_mm experts forward (`grouped_mm_experts_forward`, without expert parallelism), each
+    projection plus its adapter's low-rank product where the module has factors (FACTORS)."""
+    factors: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = getattr(self, FACTORS, {})
+    if not factors:
+        return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    num_top_k = top_k_index.size(-1)
+    num_tokens, hidden_dim = hidden_states.size(0), hidden_states.size(-1)
+    sample_weights = top_k_weights.reshape(-1)
+    expert_ids = top_k_index.reshape(-1)
+    # The tokens sorted by expert, and where each expert's run ends (as the stock forward counts them).
+    expert_ids_g, perm = torch.sort(expert_ids)
+    selected = hidden_states[perm // num_top_k]
+    sample_weights_g = sample_weights[perm]
+    device = hidden_states.device
+    histc_input = expert_ids_g.float() if device.type in ("cpu", "mps") else expert_ids_g.int()
+    tokens_per_expert = torch.histc(histc_input, bins=self.num_experts, min=0, max=self.num_experts - 1)
+    offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
+
+    up_name = "gate_up_proj" if self.has_gate else "up_proj"
+    up_bias = getattr(self, f"{up_name}_bias")[expert_ids_g] if self.has_bias else None
+    out = _projection(self, up_name, selected, offsets, up_bias, factors)
+    out = self._apply_gate(out) if self.has_gate else self.act_fn(out)
+    down_bias = self.down_proj_bias[expert_ids_g] if self.has_bias else None
+    out = _projection(self, "down_proj", out, offsets, down_bias, factors)
+    if self.has_post_expert_norm:
+        out = self.post_expert_norm(out)
+
+    weighted = out * sample_weights_g.unsqueeze(-1)
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.size(0), device=device)
+    # reshape + sum, not index_add_: deterministic on CUDA, and accumulated in fp32 (the stock forward's reasons)
+    return weighted[inverse].view(num_tokens, num_top_k, hidden_dim).sum(dim=1).to(hidden_states.dtype)
+
+
+def _projection(
+    experts: torch.nn.Module,
+    name: str,
+    tokens: torch.Tensor,
+    offsets: torch.Tensor,
+    bias: torch.Tensor | None,
+    factors: dict[str, tuple[torch.Tensor, torch.Tensor, float]],
+) -> torch.Tensor:
+    """One grouped projection of the sorted tokens through parameter `name`, plus its adapter's low-rank product
+    (scaling x tokens @ (lhs @ rhs) in the layout the experts multiply the parameter in)."""
+    weight = getattr(experts, name)
+    out = _grouped_linear(tokens, weight, offsets, bias=bias, is_transposed=experts.is_transposed)
+    if name not in factors:
+        return out
+    lhs, rhs, scaling = factors[name]
+    # contiguous, then transposed: a column-major operand is one grouped_mm takes; PEFT's permuted view is not.
+    lhs, rhs = lhs.contiguous(), rhs.contiguous()
+    if experts.is_transposed:  # the parameter is [experts, in, out]: tokens @ lhs @ rhs
+        first, second = lhs, rhs
+    else:  # [experts, out, in], used transposed: tokens @ rhs^T @ lhs^T
+        first, second = rhs.transpose(-2, -1), lhs.transpose(-2, -1)
+    low = _grouped_mm(tokens, first, offsets) * scaling
+    return out + _grouped_mm(low, second, offsets)
+
+
+ALL_EXPERTS_FUNCTIONS.register(LOW_RANK_EXPERTS, low_rank_experts_forward)
+
+
+def low_rank_possible(experts: torch.nn.Module, wrapper: Any, adapters: list[str]) -> bool:
+    """Whether the low-rank path computes what PEFT's would, fast: the experts run LOW_RANK_EXPERTS without expert
+    parallelism, one adapter is active, the weights are in a dtype PEFT adds to as it is (not an upcast
+    low-precision one), and the rank's rows are aligned for the grouped GEMM."""
+    if getattr(getattr(experts, "config", None), "_experts_implementation", None) != LOW_RANK_EXPERTS:
+        return False
+    if getattr(experts, "_is_expert_parallel", False) or len(adapters) != 1 or wrapper.num_experts <= 1:
+        return False
+    weight = wrapper.get_param()
+    if weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    return wrapper.r[adapters[0]] * weight.element_size() % ALIGNMENT_BYTES == 0
+
+
+@contextmanager
+def _activate_low_rank(self: Any, active_adapters: list[str]) -> Iterator[None]:
+    """A ParamWrapper's `_activate_lora` for experts: the active adapter's factors handed to the experts' forward
+    (FACTORS) for the duration of the call, or PEFT's own parametrization where the low-rank path does not apply."""
+    adapters = [a for a in active_adapters or [] if a in self.lora_A]
+    experts = self.get_base_layer()
+    if not adapters or not low_rank_possible(experts, self, adapters):
+        with type(self)._activate_lora(self, active_adapters):
+            yield
+        return
+    held = experts.__dict__.setdefault(FACTORS, {})
+    held[self.parameter_name] = self.get_delta_factors(adapters[0])
+    try:
+        yield
+    finally:
+        held.pop(self.parameter_name, None)
+
+
+def use_low_rank_experts(model: Any) -> int:
+    """Switch `model`'s adapters on stacked experts (PEFT ParamWrappers over a module with `num_experts`) to the
+    low-rank path, and its experts to LOW_RANK_EXPERTS. Returns how many adapted parameters switched; 0 leaves the
+    model as it was."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    wrappers = [
+        m
+        for m in model.modules()
+        if isinstance(m, ParamWrapper) and isinstance(getattr(m.get_base_layer(), "num_experts", None), int)
+    ]
+    if not wrappers:
+        return 0
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.set_experts_implementation(LOW_RANK_EXPERTS)
+    for wrapper in wrappers:
+        wrapper._activate_lora = MethodType(_activate_low_rank, wrapper)
+    return len(wrappers)

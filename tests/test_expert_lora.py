@@ -1,0 +1,128 @@
+"""LoRA on stacked experts as low-rank grouped products (stages/expert_lora.py): the same loss and the same gradient
+for every trained parameter as PEFT's merged weights, with and without activation checkpointing; PEFT's path where
+the low-rank one does not apply; nothing of it saved with the model."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from test_model_families import packed_batch, tiny
+
+from stages import expert_lora, modeling
+from stages.expert_lora import FACTORS, LOW_RANK_EXPERTS, use_low_rank_experts
+
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def adapted(r: int = 4, experts_implementation: str = "grouped_mm") -> Any:
+    """A tiny qwen3_moe with adapters on attention and on both expert matrices, B not zero (as after training), so
+    that every adapter changes the output; its experts run as the stock grouped GEMM (PEFT's merged weights)."""
+    torch.manual_seed(0)
+    model = tiny("qwen3_moe")
+    config = LoraConfig(
+        r=r, lora_alpha=2 * r, target_modules=["q_proj", "v_proj"], target_parameters=EXPERTS, init_lora_weights=False
+    )
+    model = get_peft_model(model, config)
+    model.get_base_model().set_experts_implementation(experts_implementation)
+    return model
+
+
+def loss_and_grads(model: Any, checkpointing: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    model.train()
+    loss = model(**packed_batch()).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_low_rank_experts_give_peft_s_loss_and_gradients(checkpointing: bool) -> None:
+    reference = adapted()
+    low_rank = copy.deepcopy(reference)
+    assert use_low_rank_experts(low_rank) == 4  # two matrices in each of two layers
+    assert low_rank.get_base_model().config._experts_implementation == LOW_RANK_EXPERTS
+
+    calls = []
+    original = expert_lora._projection
+    counted = lambda *args: calls.append(args[1]) or original(*args)  # noqa: E731
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(expert_lora, "_projection", counted)
+        loss, grads = loss_and_grads(low_rank, checkpointing)
+    expected_loss, expected_grads = loss_and_grads(reference, checkpointing)
+
+    assert calls.count("gate_up_proj") >= 2 and calls.count("down_proj") >= 2  # the low-rank path ran
+    torch.testing.assert_close(loss, expected_loss, atol=1e-6, rtol=1e-6)
+    assert grads.keys() == expected_grads.keys()
+    assert sum(".mlp.experts." in n for n in grads) == 8  # A and B of both matrices, both layers
+    for name, grad in grads.items():
+        assert grad.abs().sum() > 0, name
+        torch.testing.assert_close(grad, expected_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+    for module in low_rank.modules():  # the factors are the call's only
+        assert not getattr(module, FACTORS, {})
+
+
+def test_the_eager_loop_agrees_too() -> None:
+    # transformers' per-expert loop (the CPU default) over PEFT's merged weights: the same model.
+    eager = adapted(experts_implementation="eager")
+    low_rank = copy.deepcopy(eager)
+    use_low_rank_experts(low_rank)
+    loss, grads = loss_and_grads(low_rank)
+    expected_loss, expected_grads = loss_and_grads(eager)
+    torch.testing.assert_close(loss, expected_loss, atol=1e-6, rtol=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_a_rank_the_grouped_gemm_cannot_align_keeps_peft_s_path() -> None:
+    # r = 2 in fp32: a row of the low-rank product is 8 bytes, not the 16 CUDA's grouped GEMM aligns to.
+    reference = adapted(r=2)
+    low_rank = copy.deepcopy(reference)
+    use_low_rank_experts(low_rank)
+    calls = []
+    original = expert_lora._projection
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(expert_lora, "_projection", lambda *args: calls.append(args) or original(*args))
+        loss, _ = loss_and_grads(low_rank)
+    assert not calls
+    torch.testing.assert_close(loss, loss_and_grads(reference)[0])
+
+
+def test_a_model_without_expert_adapters_is_left_as_it_is() -> None:
+    model = get_peft_model(tiny("qwen3_moe"), LoraConfig(r=4, target_modules=["q_proj"]))
+    before = model.get_base_model().config._experts_implementation
+    assert use_low_rank_experts(model) == 0
+    assert model.get_base_model().config._experts_implementation == before
+
+
+def test_what_is_saved_names_no_low_rank_path(tmp_path: Path) -> None:
+    # The adapter and the merged model are PEFT's and transformers' own: vLLM and a plain transformers load them.
+    model = adapted()
+    use_low_rank_experts(model)
+    model.save_pretrained(tmp_path / "adapter")
+    model.merge_and_unload().save_pretrained(tmp_path / "merged")
+    for path in (tmp_path / "adapter").iterdir():
+        if path.suffix == ".json":
+            assert LOW_RANK_EXPERTS not in path.read_text(encoding="utf-8"), path
+    config = json.loads((tmp_path / "merged" / "config.json").read_text(encoding="utf-8"))
+    assert LOW_RANK_EXPERTS not in json.dumps(config)
+
+
+def test_a_lora_stage_on_grouped_experts_takes_the_low_rank_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    # What the stages do where the experts run grouped (a GPU; here the choice is forced): the new adapter's expert
+    # wrappers switch; on CPU's per-expert loop they stay PEFT's.
+    model = adapted(experts_implementation="eager")
+    modeling.low_rank_experts(model, "sft")
+    assert model.get_base_model().config._experts_implementation == "eager"
+    monkeypatch.setattr(modeling, "experts_implementation", lambda: "grouped_mm")
+    modeling.low_rank_experts(model, "sft")
+    assert model.get_base_model().config._experts_implementation == LOW_RANK_EXPERTS
+    wrappers = [m for m in model.modules() if "_activate_lora" in m.__dict__]
+    assert len(wrappers) == 4
