@@ -99,6 +99,16 @@ class CleaningSpec(StrictModel):
         "words in Korean.",
     )
 
+    pii: Literal["mask", "drop", "off"] = Field(
+        "mask",
+        description="Korean personal data in every text field of a row (stages/pii.py): resident and alien "
+        "registration numbers (with their check digit, or written with the hyphen), mobile and landline numbers, "
+        "card numbers (Luhn), bank accounts beside a bank word, e-mail addresses and passport numbers. 'mask' "
+        "replaces each with its kind's tag ([주민등록번호], [전화번호], ...), 'drop' drops the row, 'off' keeps them "
+        "as they are. Counted per kind in prepare's record; with mask or drop the values reach neither the prepared "
+        "data nor the quarantine nor the logs.",
+    )
+
     @model_validator(mode="after")
     def _coherent(self) -> CleaningSpec:
         if self.max_chars is not None and self.max_chars <= self.min_chars:

@@ -10,8 +10,10 @@ over processes:
   `NearDuplicates` (near duplicates), or both at once in `Deduplication`; and the `CleaningCounts` of the stage.
 
 A row is dropped for the first of these reasons, checked in this order (cheap checks first; a row dropped by a
-worker never reaches the parent's state): too_short, too_long, low_hangul, contaminated (worker); duplicate,
-near_duplicate (parent). Only kept rows are remembered, so "duplicate" means "of a kept row".
+worker never reaches the parent's state): pii (with cleaning.pii 'drop'), too_short, too_long, low_hangul,
+contaminated (worker); duplicate, near_duplicate (parent). With cleaning.pii 'mask' (the default), the personal data
+of every string is masked first (`mask_row`, stages/pii.py), and the checks see the masked row. Only kept rows are
+remembered, so "duplicate" means "of a kept row".
 
 Normalizations, each for its purpose:
 - the row itself: every string NFC (Hangul jamo composed into syllables), nothing else changed;
@@ -24,16 +26,18 @@ from __future__ import annotations
 
 import hashlib
 import unicodedata
+from collections import Counter
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, fields
 from functools import cache
 from typing import Any
 
 import numpy as np
 
 from spec.data import CleaningSpec
+from stages.pii import MASKS, mask
 
-DROP_REASONS = ("too_short", "too_long", "low_hangul", "contaminated", "duplicate", "near_duplicate")
+DROP_REASONS = ("pii", "too_short", "too_long", "low_hangul", "contaminated", "duplicate", "near_duplicate")
 """Why a row is dropped, in the order the checks run."""
 
 SHINGLE_CHARS = 4
@@ -101,6 +105,25 @@ def _nfc_value(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _nfc_value(v) for k, v in value.items()}
     return value
+
+
+def _masked_value(value: Any, found: Counter[str]) -> Any:
+    if isinstance(value, str):
+        text, counts = mask(value)
+        found.update(counts)
+        return text
+    if isinstance(value, list):
+        return [_masked_value(v, found) for v in value]
+    if isinstance(value, dict):
+        return {k: _masked_value(v, found) for k, v in value.items()}
+    return value
+
+
+def mask_row(row: dict[str, Any]) -> tuple[dict[str, Any], Counter[str]]:
+    """The canonical row with the personal data of every string value masked (stages/pii.py), at any depth (message
+    contents, tool calls' arguments, reasoning); keys and other values unchanged. Also how many of each kind."""
+    found: Counter[str] = Counter()
+    return {key: _masked_value(value, found) for key, value in row.items()}, found
 
 
 def nfc_row(row: dict[str, Any]) -> dict[str, Any]:
@@ -365,6 +388,8 @@ class CheckedRow:
     reason: str | None
     key: bytes | None = None
     signature: np.ndarray | None = None
+    pii: dict[str, int] = field(default_factory=dict)
+    """Personal data found in the row, by kind (stages/pii.py), masked or the reason it is dropped."""
 
 
 def check_row(row: dict[str, Any], cleaning: CleaningSpec, contamination: Contamination | None) -> CheckedRow:
@@ -374,6 +399,12 @@ def check_row(row: dict[str, Any], cleaning: CleaningSpec, contamination: Contam
     functions one by one, with the text normalized once."""
     if cleaning.unicode_nfc:
         row = nfc_row(row)
+    pii: dict[str, int] = {}
+    if cleaning.pii != "off":
+        row, found = mask_row(row)
+        pii = dict(found)
+        if pii and cleaning.pii == "drop":
+            return CheckedRow(row, "pii", pii=pii)
     text = _nfc(row_text(row))
     reason = filter_reason(text, cleaning)
     folded = text.casefold()
@@ -383,9 +414,9 @@ def check_row(row: dict[str, Any], cleaning: CleaningSpec, contamination: Contam
     if reason is None and check and contamination._contains(words):
         reason = "contaminated"
     if reason is not None:
-        return CheckedRow(row, reason)
+        return CheckedRow(row, reason, pii=pii)
     key = _key_of_folded(folded) if cleaning.dedup else None
-    return CheckedRow(row, None, key, _signature(words, cleaning.near_dedup_num_perm) if near else None)
+    return CheckedRow(row, None, key, _signature(words, cleaning.near_dedup_num_perm) if near else None, pii)
 
 
 # --------------------------------------------------------------------------- across rows (the parent process)
@@ -494,19 +525,25 @@ class Deduplication:
 
 @dataclass
 class CleaningCounts:
-    """Rows of one stage read, kept, and dropped per reason (read = kept + every drop)."""
+    """Rows of one stage read, kept, and dropped per reason (read = kept + every drop); and the personal data found
+    in them, by kind."""
 
     read: int = 0
     kept: int = 0
+    pii: int = 0
     too_short: int = 0
     too_long: int = 0
     low_hangul: int = 0
     contaminated: int = 0
     duplicate: int = 0
     near_duplicate: int = 0
+    pii_found: dict[str, int] = field(default_factory=dict)
+    """Identifiers found (masked, or in dropped rows), by kind (stages/pii.MASKS)."""
 
-    def record(self, reason: str | None) -> None:
-        """Count one row: kept when `reason` is None, else dropped for it."""
+    def record(self, reason: str | None, pii: dict[str, int] | None = None) -> None:
+        """Count one row: kept when `reason` is None, else dropped for it; and the personal data found in it."""
+        for kind, n in (pii or {}).items():
+            self.pii_found[kind] = self.pii_found.get(kind, 0) + n
         self.read += 1
         if reason is None:
             self.kept += 1
@@ -517,12 +554,20 @@ class CleaningCounts:
 
     def merge(self, other: CleaningCounts) -> None:
         """Add the counts of `other` (e.g. a worker's) to these."""
-        for name, value in asdict(other).items():
-            setattr(self, name, getattr(self, name) + value)
+        for counter in fields(self):
+            if counter.name != "pii_found":
+                setattr(self, counter.name, getattr(self, counter.name) + getattr(other, counter.name))
+        for kind, n in other.pii_found.items():
+            self.pii_found[kind] = self.pii_found.get(kind, 0) + n
 
     def as_dict(self) -> dict[str, Any]:
-        """{read, kept, dropped: {reason: rows}} for stage.json."""
-        return {"read": self.read, "kept": self.kept, "dropped": {r: getattr(self, r) for r in DROP_REASONS}}
+        """{read, kept, dropped: {reason: rows}, pii: {kind: found}} for stage.json (kinds in MASKS' order)."""
+        return {
+            "read": self.read,
+            "kept": self.kept,
+            "dropped": {r: getattr(self, r) for r in DROP_REASONS},
+            "pii": {kind: self.pii_found[kind] for kind in MASKS if kind in self.pii_found},
+        }
 
 
 # --------------------------------------------------------------------------- evaluation texts

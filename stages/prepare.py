@@ -54,9 +54,13 @@ from stages.workers import default_num_proc
 
 
 def dropped_note(cleaning: dict[str, Any]) -> str:
-    """', dropped: 3 duplicate, 1 too_short' for the log line of a stage's data ('' when cleaning dropped none)."""
+    """', dropped: 3 duplicate, 1 too_short; personal data: 2 phone, 1 email' for the log line of a stage's data
+    ('' when cleaning dropped none and found no personal data)."""
     dropped = [f"{n} {reason}" for reason, n in cleaning.get("dropped", {}).items() if n]
-    return f", dropped: {', '.join(dropped)}" if dropped else ""
+    found = [f"{n} {kind}" for kind, n in cleaning.get("pii", {}).items() if n]
+    return (f", dropped: {', '.join(dropped)}" if dropped else "") + (
+        f"; personal data: {', '.join(found)}" if found else ""
+    )
 
 
 def write_stage_data(
@@ -376,6 +380,7 @@ def run(ctx: StageContext) -> int:
     for stage, c in counts.items():
         metrics.update({f"{stage}_rows": c["rows"], f"{stage}_quarantined": c["quarantined"]})
         metrics.update({f"{stage}_dropped_{reason}": n for reason, n in c["cleaning"]["dropped"].items()})
+        metrics.update({f"{stage}_pii_{kind}": n for kind, n in c["cleaning"]["pii"].items()})
     with StageTracker(ctx) as tracker:
         if skip_reason:  # no stage runs after this one: close the pipeline's MLflow run, saying why
             tracker.end_pipeline_run("skipped", skip_reason)

@@ -34,7 +34,7 @@ from typing import IO, Any
 
 from run.config_hash import canonical_hash
 from run.run_dir import check_still_ours, write_json_atomic
-from spec.data import DataSpec
+from spec.data import CleaningSpec, DataSpec
 from spec.pipeline import PipelineSpec
 from spec.quoting import quoted
 from stages.cleaning import CheckedRow, CleaningCounts, Contamination, Deduplication, check_row
@@ -55,6 +55,7 @@ from stages.data import (
     parse_row,
 )
 from stages.normalize import ColumnMap, FieldError, MissingField, _normalize
+from stages.pii import mask
 from stages.source_rows import read_source
 from stages.workers import ordered_map
 
@@ -114,12 +115,13 @@ def process_row(raw: RawRow, job: RowJob) -> RowResult:
     raw = parse_row(raw, job.limit, job.data.encoding)
     result = RowResult(raw.file, raw.line)
     if raw.error is not None:
-        result.error = raw.error
+        result.error = _scrubbed(raw.error, job.data.cleaning)
         return result
     try:
         row = _normalize(raw.value, job.mapping)
     except FieldError as exc:
-        result.error = RowError(raw.file, raw.line, exc.field, exc.error, _excerpt(raw.value), exc.mapping)
+        error = RowError(raw.file, raw.line, exc.field, exc.error, _excerpt(raw.value), exc.mapping)
+        result.error = _scrubbed(error, job.data.cleaning)
         result.field = exc.field
         result.present = exc.present if isinstance(exc, MissingField) else None
         return result
@@ -129,6 +131,14 @@ def process_row(raw: RawRow, job: RowJob) -> RowResult:
         result.row = json.dumps(checked.row, ensure_ascii=False)
         result.split = int(canonical_hash(checked.row)[: SPLIT_KEY_BITS // 4], 16) / 2**SPLIT_KEY_BITS
     return result
+
+
+def _scrubbed(error: RowError, cleaning: CleaningSpec) -> RowError:
+    """A bad row's error with the personal data of its excerpt and message masked (unless cleaning.pii is off): the
+    quarantine and the error lines must not carry what the prepared data may not."""
+    if cleaning.pii == "off":
+        return error
+    return replace(error, error=mask(error.error)[0], raw=mask(error.raw)[0])
 
 
 # --------------------------------------------------------------------------- the parent's part
@@ -192,7 +202,7 @@ class DatasetReader:
                     origin = f"{quoted(result.file)}:{result.line}"  # one line of the .origins file, whatever the name
                     assert result.checked is not None
                     reason = dedup.reason(result.checked, origin)
-                    self.counts.record(reason)
+                    self.counts.record(reason, result.checked.pii)
                     if reason is not None:
                         continue
                     kept += 1

@@ -80,7 +80,7 @@ def _clean(rows: list[dict], cleaning: CleaningSpec, contamination: Contaminatio
     dedup = Deduplication(cleaning)
     for i, row in enumerate(rows):
         checked = pickle.loads(pickle.dumps(check_row(row, cleaning, contamination)))  # it crosses processes
-        counts.record(dedup.reason(checked, f"train.jsonl:{i + 1}"))
+        counts.record(dedup.reason(checked, f"train.jsonl:{i + 1}"), checked.pii)
     return counts
 
 
@@ -115,7 +115,8 @@ def test_a_duplicate_differing_only_in_normalization_case_or_whitespace_is_exact
     assert normalized_key(article.replace(" ", "", 1)) != key  # so does a missing space
 
     counts = _clean([{"text": t} for t in [article, *variants, "다른 문서"]], CleaningSpec())
-    assert counts.as_dict() == {"read": 5, "kept": 2, "dropped": {**dict.fromkeys(DROP_REASONS, 0), "duplicate": 3}}
+    dropped = {**dict.fromkeys(DROP_REASONS, 0), "duplicate": 3}
+    assert counts.as_dict() == {"read": 5, "kept": 2, "dropped": dropped, "pii": {}}
 
 
 def test_row_text_of_each_form_and_preference_duplicates_ignore_the_rejected_answer() -> None:
@@ -321,6 +322,7 @@ def test_every_reason_counted_once_in_check_order() -> None:
         "read": 11,
         "kept": 3,
         "dropped": {
+            "pii": 0,
             "too_short": 2,
             "too_long": 1,
             "low_hangul": 1,
@@ -328,6 +330,7 @@ def test_every_reason_counted_once_in_check_order() -> None:
             "duplicate": 2,
             "near_duplicate": 1,
         },
+        "pii": {},
     }
     total = CleaningCounts()
     total.merge(counts)
@@ -386,5 +389,48 @@ def test_cleaning_defaults() -> None:
     assert (cleaning.unicode_nfc, cleaning.dedup, cleaning.decontaminate) == (True, True, True)
     assert (cleaning.near_dedup_threshold, cleaning.min_chars, cleaning.max_chars) == (None, 0, None)
     assert (cleaning.min_hangul_ratio, cleaning.decontamination_ngram, cleaning.near_dedup_num_perm) == (0.0, 13, 128)
+    assert cleaning.pii == "mask"
     with pytest.raises(ValidationError, match="max_chars"):
         CleaningSpec(min_chars=10, max_chars=5)
+
+
+# --------------------------------------------------------------------------- personal data
+
+
+PHONE, EMAIL = "010-2345-6789", "minji.kim@example.co.kr"
+
+
+def test_personal_data_is_masked_in_every_string_of_every_row_form() -> None:
+    rows = [
+        {"text": f"문의는 {PHONE} 또는 {EMAIL}로 해 주세요."},
+        {"messages": [{"role": "user", "content": f"{PHONE} 저장해 줘"}, {"role": "assistant", "content": "네"}]},
+        {
+            "prompt": [{"role": "user", "content": "연락처?"}],
+            "chosen": [{"role": "assistant", "content": f"{EMAIL}입니다"}],
+            "rejected": [{"role": "assistant", "content": f"{PHONE}입니다"}],  # not the checks' text, masked too
+        },
+    ]
+    for row in rows:
+        checked = check_row(row, CleaningSpec(), None)
+        assert checked.reason is None and checked.pii
+        assert PHONE not in str(checked.row) and EMAIL not in str(checked.row)
+        assert "[전화번호]" in str(checked.row) or "[이메일]" in str(checked.row)
+    assert check_row(rows[0], CleaningSpec(), None).pii == {"phone": 1, "email": 1}
+    assert check_row(rows[2], CleaningSpec(), None).pii == {"email": 1, "phone": 1}
+
+
+def test_pii_drop_drops_the_row_and_off_keeps_it() -> None:
+    row = {"text": f"문의는 {PHONE}로 해 주세요."}
+    dropped = check_row(row, CleaningSpec(pii="drop"), None)
+    assert dropped.reason == "pii" and dropped.pii == {"phone": 1}
+    kept = check_row(row, CleaningSpec(pii="off"), None)
+    assert kept.reason is None and kept.row == row and not kept.pii
+    counts = _clean([row, {"text": "개인정보가 없는 문서입니다."}], CleaningSpec(pii="drop"))
+    assert counts.as_dict()["dropped"]["pii"] == 1 and counts.kept == 1 and counts.as_dict()["pii"] == {"phone": 1}
+
+
+def test_masked_rows_deduplicate_as_masked() -> None:
+    # Two rows differing only in the phone number are one row once masked.
+    rows = [{"text": f"연락처는 {number}입니다. 감사합니다."} for number in (PHONE, "010-9876-5432")]
+    counts = _clean(rows, CleaningSpec())
+    assert (counts.kept, counts.duplicate, counts.pii_found) == (1, 1, {"phone": 2})

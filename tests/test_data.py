@@ -556,3 +556,23 @@ def test_a_hub_dataset_goes_through_the_same_mapping(monkeypatch: pytest.MonkeyP
     assert dataset.rows == [
         {"messages": [{"role": "user", "content": "q\n\nc"}, {"role": "assistant", "content": "a"}]}
     ]
+
+
+def test_personal_data_reaches_neither_the_splits_nor_the_quarantine(tmp_path: Path):
+    spec = load_pipeline("korean-llm", profile="local").spec
+    phone, rrn = "010-2345-6789", "900101-1234567"
+    source = write_lines(
+        tmp_path / "rows.jsonl",
+        [
+            *(json.dumps({"text": f"{i}번 고객 {phone}, 주민번호 {rrn}"}, ensure_ascii=False) for i in range(30)),
+            json.dumps({"body": f"잘못된 열 {phone}"}, ensure_ascii=False),  # bad: no 'text', quarantined
+        ],
+    )
+    data = DataSpec(uri=str(source), format="text", eval_fraction=0.1, max_bad_row_fraction=0.1)
+    out, quarantine = tmp_path / "out", tmp_path / "quarantine.jsonl"
+    counts = prepare_split(out, quarantine, "cpt", data, spec, tmp_path, 1)
+    written = "".join(path.read_text(encoding="utf-8") for path in [*out.iterdir(), quarantine] if path.is_file())
+    assert phone not in written and rrn not in written
+    assert "[전화번호]" in written and "[주민등록번호]" in written
+    assert counts["cleaning"]["pii"] == {"rrn": 30, "phone": 30}  # the valid rows; the bad one is only masked
+    assert counts["quarantined"] == 1
