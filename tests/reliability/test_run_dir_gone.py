@@ -19,7 +19,7 @@ from run.exits import EXIT_FAILED
 from run.run_dir import LOCK_FILE, RunDir, RunDirGone, check_still_ours, write_json_atomic
 from spec.loading import load_pipeline
 from stages.contract import StageContext
-from workflows import local
+from workflows import local, stage_process
 
 STEPS = 6
 OVERRIDES = [
@@ -154,7 +154,7 @@ def test_the_runner_reports_failure_when_the_run_directory_is_deleted_under_a_st
     def fake(spec: Any, stage: str, root: Path, force: bool, gpus: int, forked: bool) -> tuple[list[str], dict]:
         return [sys.executable, "-c", _FAKE_STAGE, stage, str(root)], {}
 
-    monkeypatch.setattr(local, "stage_launch", fake)
+    monkeypatch.setattr(stage_process, "stage_launch", fake)
     overrides = [f"stages.{s}.enabled=false" for s in ("sft", "rlhf", "deploy")] + ["tracking.wandb_project=null"]
     assert local.run_local(load_pipeline("korean-llm", "local", overrides), run_root) == EXIT_FAILED
     output = capsys.readouterr().out
