@@ -46,12 +46,9 @@ from stages.data import (
     _excerpt,
     _UnmappedColumn,
     check_stage_format,
-    jsonl_lines,
     max_row_bytes,
-    parquet_rows,
     parse_row,
     resolve_path,
-    unreadable,
 )
 from stages.normalize import ColumnMap, FieldError, MissingField, _normalize
 
@@ -176,7 +173,7 @@ def _sample(objects: list[SourceObject], data: DataSpec) -> list[_FileSample]:
             break
         wanted = SAMPLE_ROWS if budget is None else min(SAMPLE_ROWS, budget)
         sample = _FileSample(obj.uri)
-        raws = _first_rows(obj, wanted + 1, limit)  # one more: whether the file ends within the sample
+        raws = _first_rows(obj, wanted + 1, limit, data.encoding)  # one more: whether the file ends within the sample
         sample.ended = len(raws) <= wanted
         for raw in raws[:wanted]:
             _see(sample, parse_row(raw, limit, data.encoding), mapping)
@@ -188,21 +185,17 @@ def _sample(objects: list[SourceObject], data: DataSpec) -> list[_FileSample]:
     return samples
 
 
-def _first_rows(obj: SourceObject, n: int, limit: int) -> list[RawRow]:
+def _first_rows(obj: SourceObject, n: int, limit: int, encoding: str) -> list[RawRow]:
     """The first `n` raw rows of a file or object, read as prepare reads them."""
     import tempfile
 
-    from stages.sources import open_parquet, open_stream
+    from stages.file_formats import object_rows
 
-    if obj.kind == "parquet":
-        with open_parquet(obj, Path(tempfile.gettempdir())) as parquet:
-            return list(islice(parquet_rows(parquet, obj.uri, limit, obj.size), n))
+    rows = object_rows(obj, limit, encoding, Path(tempfile.gettempdir()))
     try:
-        with open_stream(obj) as stream:
-            lines = list(islice(jsonl_lines(stream, limit), n))
-    except OSError as exc:
-        raise unreadable(obj.uri, exc) from None
-    return [RawRow(obj.uri, number, raw=raw, size=size if size > len(raw) else 0) for number, raw, size in lines]
+        return list(islice(rows, n))
+    finally:
+        rows.close()
 
 
 def _see(sample: _FileSample, raw: RawRow, mapping: ColumnMap) -> None:

@@ -20,13 +20,10 @@ from stages.data import (
     DataError,
     RawRow,
     SourceFile,
-    jsonl_lines,
     max_inflation,
     max_row_bytes,
-    parquet_rows,
     sha256_file,
     sha256_rows,
-    unreadable,
 )
 
 HUB_PREFIXES = ("hf://datasets/", "hf://")
@@ -92,7 +89,8 @@ def read_source(
         return read_builtin(uri)
     if uri.startswith("hf://"):
         return read_hub(uri, data.split)
-    from stages.sources import list_objects, open_parquet, open_stream
+    from stages.file_formats import hashed_as_read, object_rows
+    from stages.sources import list_objects
 
     limit = max_row_bytes()
     max_inflation()  # a bad $POSTTRAIN_MAX_INFLATION fails here, before anything is read
@@ -102,24 +100,16 @@ def read_source(
     def rows() -> Iterator[RawRow]:
         for obj, source in zip(objects, sources, strict=True):
             count = 0
-            if obj.kind == "parquet":
-                with open_parquet(obj, staging or Path(tempfile.gettempdir())) as parquet:
-                    for row in parquet_rows(parquet, obj.uri, limit, obj.size):
-                        count += 1
-                        yield row
-                source.fingerprint = (
-                    f"{obj.version}:size={obj.size}" if obj.version else sha256_file(obj.path)  # type: ignore[arg-type]
-                )
+            digest = hashlib.sha256() if hashed_as_read(obj) else None
+            for row in object_rows(obj, limit, data.encoding, staging or Path(tempfile.gettempdir()), digest):
+                count += 1
+                yield row
+            if digest is not None:
+                source.fingerprint = f"sha256:{digest.hexdigest()}"
+            elif obj.version:
+                source.fingerprint = f"{obj.version}:size={obj.size}"
             else:
-                digest = hashlib.sha256() if not obj.version else None
-                try:
-                    with open_stream(obj) as stream:
-                        for number, raw, size in jsonl_lines(stream, limit, digest):
-                            count += 1
-                            yield RawRow(obj.uri, number, raw=raw, size=size if size > len(raw) else 0)
-                except OSError as exc:
-                    raise unreadable(obj.uri, exc) from None
-                source.fingerprint = f"sha256:{digest.hexdigest()}" if digest else f"{obj.version}:size={obj.size}"
+                source.fingerprint = sha256_file(obj.path)  # type: ignore[arg-type]
             if count == 0:
                 raise DataError(f"{quoted(obj.uri)}: empty file: no rows (an export that failed?)")
 

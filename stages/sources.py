@@ -41,10 +41,21 @@ if TYPE_CHECKING:
 
     from spec.pipeline import PipelineSpec
 
-DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
+TEXT_KINDS = {".jsonl": "jsonl", ".json": "json", ".csv": "csv", ".tsv": "tsv"}
+"""Text files by suffix (stages/file_formats.py), each also read compressed (.gz, .zst)."""
+
+DATA_SUFFIXES = (
+    *(suffix + compressed for suffix in TEXT_KINDS for compressed in ("", ".gz", ".zst")),
+    ".parquet",
+    ".arrow",
+)
 """The names a directory, prefix or glob is read for."""
 
-SUFFIX_LIST = ".jsonl, .jsonl.gz, .jsonl.zst or .parquet"
+SUFFIX_LIST = ".jsonl, .json, .csv, .tsv, their .gz and .zst, .parquet or .arrow"
+
+METADATA_NAMES = frozenset({"dataset_info.json", "dataset_dict.json", "state.json"})
+"""JSON files that describe a dataset rather than hold its rows (LLaMA-Factory's dataset_info.json; `datasets`'
+save_to_disk metadata): a directory's listing skips them."""
 
 WILDCARDS = "*?["
 
@@ -83,20 +94,24 @@ class SourceObject:
     compression: str
     """'' | 'gzip' | 'zstd', from the name (.gz, .zst)."""
     kind: str
-    """'jsonl' | 'parquet'."""
+    """'jsonl' | 'json' | 'csv' | 'tsv' | 'parquet' | 'arrow' (stages/file_formats.py)."""
     path: Path | None = None
     """Local files only."""
 
 
 def is_data_name(name: str) -> bool:
     """Whether a file or object name is one a directory, prefix or glob is read for."""
-    return name.endswith(DATA_SUFFIXES)
+    return name.endswith(DATA_SUFFIXES) and name.rsplit("/", 1)[-1] not in METADATA_NAMES
 
 
 def _format_of(name: str) -> tuple[str, str]:
-    """(compression, kind) of a file or object name."""
+    """(compression, kind) of a file or object name: a kind of TEXT_KINDS, 'parquet' or 'arrow'; any other name
+    is read as JSONL."""
     compression = "gzip" if name.endswith(".gz") else "zstd" if name.endswith(".zst") else ""
-    return compression, "parquet" if name.endswith(".parquet") else "jsonl"
+    stem = name.removesuffix(".gz").removesuffix(".zst")
+    if stem.endswith((".parquet", ".arrow")) and not compression:
+        return "", stem.rsplit(".", 1)[-1]
+    return compression, next((kind for suffix, kind in TEXT_KINDS.items() if stem.endswith(suffix)), "jsonl")
 
 
 def has_wildcards(text: str) -> bool:

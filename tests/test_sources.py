@@ -159,10 +159,19 @@ def test_the_rules_of_local_paths_are_kept(tmp_path: Path) -> None:
     (tmp_path / "empty" / "notes.txt").write_text("x", encoding="utf-8")
     with pytest.raises(DataError, match=rf"empty: the directory has no {SUFFIXES} files$"):
         list_objects(str(tmp_path / "empty"))
-    named = tmp_path / "export.json"  # named exactly: read whatever its name, as JSONL
+    named = tmp_path / "export.txt"  # named exactly: read whatever its name, as JSONL
     named.write_bytes(b"".join(rows("n", 1)))
     [obj] = list_objects(str(named))
     assert (obj.kind, obj.compression) == ("jsonl", "") and read_lines(obj) == rows("n", 1)
+    for name, kind in {
+        "a.json": ("json", ""),
+        "b.csv.gz": ("csv", "gzip"),
+        "c.tsv": ("tsv", ""),
+        "d.arrow": ("arrow", ""),
+    }.items():
+        (tmp_path / name).write_bytes(b"x")
+        [obj] = list_objects(str(tmp_path / name))
+        assert (obj.kind, obj.compression) == kind
     (tmp_path / "loop").mkdir()
     (tmp_path / "loop" / "a.jsonl").write_bytes(b"".join(rows("a", 1)))
     (tmp_path / "loop" / "x-1.jsonl").symlink_to("x-2.jsonl")
