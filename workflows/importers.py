@@ -109,16 +109,6 @@ def _find(value: str, recipe_dir: Path) -> Path:
     return (recipe_dir / path).absolute()
 
 
-def _local_data(imported: Imported, key: str, path: Path) -> str:
-    """data.uri for a local file; a JSON array file (both tools read them) is named as the JSONL file prepare reads,
-    with a note on how to convert it."""
-    if path.suffix == ".json":
-        jsonl = path.with_suffix(".jsonl")
-        imported.skip(key, str(path), f"prepare reads JSONL: convert it (jq -c '.[]' {path} > {jsonl}); uri is {jsonl}")
-        return str(jsonl)
-    return str(path)
-
-
 def _put_data(imported: Imported, section: str, data: dict[str, Any]) -> None:
     """stages.<section>.data, keeping what the hyperparameters put there (eval_fraction, max_samples)."""
     stage = imported.document["stages"][section]
@@ -260,7 +250,7 @@ def _llamafactory_dataset(
         else:
             data = {"uri": f"hf://datasets/{first}"}
     elif entry.get("file_name"):
-        data = {"uri": _local_data(imported, f"dataset_info.{first}.file_name", info_dir / entry["file_name"])}
+        data = {"uri": str(info_dir / entry["file_name"])}  # any kind prepare reads, JSON arrays included
     elif entry.get("hf_hub_url"):
         data = {"uri": f"hf://datasets/{entry['hf_hub_url']}"}
     else:
@@ -385,7 +375,7 @@ def _axolotl_dataset(imported: Imported, datasets: list[Any], section: str, pref
         raise ImportError_(f"datasets[0] has no path: {first!r}")
     path = str(first["path"])
     local = first.get("ds_type") in ("json", "parquet") or path.startswith((".", "/")) or Path(path).suffix
-    uri = _local_data(imported, "datasets[0].path", _find(path, recipe_dir)) if local else f"hf://datasets/{path}"
+    uri = str(_find(path, recipe_dir)) if local else f"hf://datasets/{path}"
     data: dict[str, Any] = {"uri": uri}
     if first.get("split"):
         data["split"] = first["split"]
@@ -449,9 +439,7 @@ def _axolotl_dataset(imported: Imported, datasets: list[Any], section: str, pref
         imported.skip(f"datasets[0].{key}", first[key], "no pipeline field for it")
     if first.get("data_files"):
         files = first["data_files"]
-        data["uri"] = _local_data(
-            imported, "datasets[0].data_files", _find(files if isinstance(files, str) else files[0], recipe_dir)
-        )
+        data["uri"] = str(_find(files if isinstance(files, str) else files[0], recipe_dir))
     _put_data(imported, section, data)
 
 
