@@ -123,7 +123,8 @@ class DataSpec(StrictModel):
     """One dataset a stage reads."""
 
     uri: OneLine = Field(
-        description="Where the data is: a JSONL (.jsonl, .jsonl.gz, .jsonl.zst) or Parquet file, a folder of them "
+        description="Where the data is: a JSONL (.jsonl), JSON array (.json), CSV or TSV (.csv, .tsv, with a header "
+        "row) file, each optionally .gz or .zst, a Parquet or Arrow (.arrow) file, a folder of them "
         "(read at every level, in sorted order), or a glob ('*' and '?' within a folder, '**' across folders), on a "
         "mounted volume (a path, 'file://', 'pvc://<claim>/<path>'), in S3 or an S3-compatible store "
         "('s3://bucket/<key, prefix or glob>'; keys and endpoint from cluster.secrets, or IRSA), or in GCS "
