@@ -43,7 +43,8 @@ _REGISTRATION = re.compile(
     r"(?!\d)"
 )
 _PHONE = re.compile(
-    r"(?<![\d\w.+-])(?:\+82[\s.-]?(?:0)?|0)(?:1[016789]|2|[3-6][1-5]|70)[\s.-]?\d{3,4}[\s.-]?\d{4}" + _NOT_DIGIT_AFTER
+    r"(?<![0-9A-Za-z.+-])(?:\+82[\s.-]?(?:0)?|0)(?:1[016789]|2|[3-6][1-5]|70)[\s.-]?\d{3,4}[\s.-]?\d{4}"
+    + _NOT_DIGIT_AFTER
 )
 _CARD = re.compile(
     _NOT_DIGIT_BEFORE + r"(?:\d{4}(?:[\s-]?\d{4}){2}[\s-]?\d{1,7}|\d{4}[\s-]?\d{6}[\s-]?\d{5})" + _NOT_DIGIT_AFTER

@@ -58,7 +58,8 @@ def generated(draw: random.Random) -> list[tuple[str, str]]:
     ]
 
 
-SENTENCES = ["제 번호는 {}입니다.", "연락처: {} (평일만)", "{}", "신청인 홍길동({})", "확인 바랍니다.\n{}\n감사합니다."]
+SENTENCES = ["제 번호는 {}입니다.", "연락처{}로 주세요", "연락처: {} (평일만)", "{}", "신청인 홍길동({})"]
+SENTENCES.append("확인 바랍니다.\n{}\n감사합니다.")  # Hangul right before an identifier, above, too
 
 
 @pytest.mark.parametrize("seed", range(40))
