@@ -78,7 +78,7 @@ from stages.registry import (
     registered_model_name,
     registry_client,
 )
-from stages.report import loss_curves, stderr_name, write_report
+from stages.report import loss_curves, prepared_data_counts, stderr_name, write_report
 from stages.scores import ScoreCache, base_identity, champion_identity
 
 # --------------------------------------------------------------------------- the stage
@@ -200,6 +200,7 @@ def evaluate(ctx: StageContext) -> int:
             "base_generations": base.generations,
             "errors": errors,
             "loss_curves": loss_curves(run_dir, spec),
+            "data": prepared_data_counts(run_dir),
         }
         report_dir = ctx.dir / "report"
         for path in write_report(report_dir, facts):

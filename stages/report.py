@@ -101,6 +101,26 @@ def with_stderr(metric: str, values: dict[str, float]) -> str:
 # --------------------------------------------------------------------------- loss curves
 
 
+def prepared_data_counts(run_dir: RunDir) -> dict[str, dict[str, Any]]:
+    """Each stage's data as prepare recorded it (its stage.json, extra.data): where it is, the rows kept, the rows
+    quarantined, the rows dropped by reason and the personal data masked by kind; {} without a prepare record."""
+    try:
+        result = run_dir.read_result("prepare")
+    except ValueError:  # a record that does not parse: the report goes on without it
+        return {}
+    counts = {}
+    for stage, data in ((result.extra.get("data") if result else None) or {}).items():
+        cleaning = data.get("cleaning", {})
+        counts[stage] = {
+            "uri": data.get("uri", ""),
+            "rows": data.get("rows", 0),
+            "quarantined": data.get("quarantined", 0),
+            "dropped": cleaning.get("dropped", {}),
+            "pii": cleaning.get("pii", {}),
+        }
+    return counts
+
+
 def loss_curves(run_dir: RunDir, spec: PipelineSpec) -> dict[str, dict[str, Any]]:
     """Each enabled training stage's training loss: {steps, losses, title, ylabel, note, and for DPO the baseline
     its loss starts from}, from its logged history
@@ -359,6 +379,19 @@ def write_report(out_dir: Path, facts: dict[str, Any]) -> list[Path]:
         list(r) for r in zip(facts["prompts"], facts["base_generations"], facts["candidate_generations"], strict=True)
     ]
 
+    data_header = ["stage", "data", "rows", "quarantined", "dropped", "personal data masked"]
+    data_rows = [
+        [
+            stage,
+            str(counts.get("uri", "")),
+            f"{counts.get('rows', 0):,}",
+            f"{counts.get('quarantined', 0):,}",
+            ", ".join(f"{n:,} {why}" for why, n in counts.get("dropped", {}).items() if n) or "none",
+            ", ".join(f"{n:,} {kind}" for kind, n in counts.get("pii", {}).items() if n) or "none",
+        ]
+        for stage, counts in facts.get("data", {}).items()
+    ]
+
     def md_table(header: list[str], rows: list[list[str]]) -> list[str]:
         return [
             "| " + " | ".join(header) + " |",
@@ -375,6 +408,9 @@ def write_report(out_dir: Path, facts: dict[str, Any]) -> list[Path]:
         md += ["", "Errors while measuring:", "", *[f"- {_md(e)}" for e in facts["errors"]]]
     if gens:
         md += ["", "## Generations", "", *md_table(["prompt", "base", "candidate"], gens)]
+    if data_rows:
+        md += ["", "## Training data", "", "What prepare kept of each stage's data (prepare's stage.json).", ""]
+        md += md_table(data_header, data_rows)
     if loss_lines:
         md += ["", "## Training loss", "", "One panel per stage: their losses measure different things.", ""]
         md += [f"- {_md(line)}" for line in loss_lines]
@@ -406,6 +442,7 @@ td,th{{border:1px solid #ccc;padding:4px 8px;text-align:left;vertical-align:top;
 <h2>Metrics</h2>{table(metric_header, metric_rows)}
 {"".join(f"<p class='fail'>{html.escape(e)}</p>" for e in facts["errors"])}
 <h2>Generations</h2>{table(["prompt", "base", "candidate"], gens) if gens else "<p>No prompts.</p>"}
+<h2>Training data</h2>{table(data_header, data_rows) if data_rows else "<p>No prepare record.</p>"}
 <h2>Training loss</h2><ul>{"".join(f"<li>{html.escape(line)}</li>" for line in loss_lines)}</ul>
 <h2>Plots</h2>{images}
 </body></html>

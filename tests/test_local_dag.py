@@ -135,4 +135,7 @@ def test_the_report_is_written(dag: RunDir) -> None:
     assert "**Gate: PASS**" in markdown and "- lm-eval tasks: ko_constitution_mc" in markdown
     assert "| ko_constitution_mc/acc | higher |" in markdown  # its gate rule
     assert "| ko_constitution_mc/acc | " in markdown.split("## Metrics", 1)[1]
+    # What prepare kept of each stage's data, and the personal data it masked (the bills' office contacts).
+    data = markdown.split("## Training data", 1)[1].split("##", 1)[0]
+    assert "| cpt | builtin:korean-corpus |" in data and "4 email, 4 phone |" in data, data
     assert (report / "report.html").stat().st_size > 0
