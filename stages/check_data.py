@@ -51,6 +51,7 @@ from stages.data import (
     resolve_path,
 )
 from stages.normalize import ColumnMap, FieldError, MissingField, _normalize
+from stages.pii import mask
 
 if TYPE_CHECKING:
     from spec.data import DataSpec
@@ -244,6 +245,8 @@ def _problems(samples: list[_FileSample], data: DataSpec, stage: str, where: str
     if len(problems) > MAX_PROBLEMS:
         more = len(problems) - MAX_PROBLEMS + 1
         problems = [*problems[: MAX_PROBLEMS - 1], f"{where}: and {more} more problems in the first rows of its files"]
+    if data.cleaning.pii != "off":  # a value an error quotes is masked as prepare masks it (stages/pii.py)
+        problems = [mask(line)[0] for line in problems]
     return problems
 
 

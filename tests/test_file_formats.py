@@ -130,3 +130,14 @@ def test_the_up_front_check_reads_every_kind(tmp_path: Path) -> None:
         problems = check_stage_data(SPEC, "sft", data)
         assert problems and "응답" in problems[0], problems
         assert not check_stage_data(SPEC, "sft", alpaca(path))
+
+
+def test_the_up_front_check_masks_personal_data_in_its_lines(tmp_path: Path) -> None:
+    # A role the format does not know, quoted in the error line: a phone number there is masked as prepare masks it.
+    path = tmp_path / "chats.json"
+    bad = [{"messages": [{"role": "010-2345-6789", "content": "안녕"}, {"role": "assistant", "content": "네"}]}]
+    path.write_text(json.dumps(bad, ensure_ascii=False), encoding="utf-8")
+    problems = check_stage_data(SPEC, "sft", DataSpec(uri=str(path), format="messages"))
+    assert problems and "[전화번호]" in problems[0] and "010-2345-6789" not in "".join(problems), problems
+    off = DataSpec(uri=str(path), format="messages", cleaning={"pii": "off"})
+    assert "010-2345-6789" in "".join(check_stage_data(SPEC, "sft", off))
