@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import codecs
 import csv
-import io
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,27 +42,10 @@ if TYPE_CHECKING:
     from stages.sources import SourceObject
 
 CHUNK_CHARS = 1 << 20
-"""Characters decoded per read of a JSON array or a table."""
+"""Bytes read (and decoded) at a time from a JSON array or a table."""
 
 _SCANNER = json.JSONDecoder()
 _CHECKER = json.JSONDecoder(object_pairs_hook=_keys_once)
-
-
-class _Hashed(io.RawIOBase):
-    """A binary stream whose bytes go into `digest` as they are read."""
-
-    def __init__(self, stream: BinaryIO, digest: Any) -> None:
-        self.stream, self.digest = stream, digest
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        data = self.stream.read(len(buffer))
-        if self.digest is not None:
-            self.digest.update(data)
-        buffer[: len(data)] = data
-        return len(data)
 
 
 def _decoded(stream: BinaryIO, name: str, encoding: str, digest: Any) -> Iterator[str]:
