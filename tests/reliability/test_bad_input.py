@@ -234,7 +234,7 @@ CASES = [
          ("field 'messages': no assistant turn",), code=1),
     Case("data-empty-file", "stages", bad_data("cpt", "text", ""), ("empty file",), code=1),
     Case("data-dir-without-data", "stages", bad_data("cpt", "text", None, "corpus"),
-         ("the directory has no .jsonl, .jsonl.gz, .jsonl.zst or .parquet files",), code=1),
+         ("the directory has no .jsonl, .json, .csv, .tsv, their .gz and .zst, .parquet or .arrow files",), code=1),
     Case("data-missing", "stages",
          with_run_dir([*only("cpt"), "stages.cpt.data.uri=/nonexistent/corpus.jsonl"], stage="prepare"),
          ("/nonexistent/corpus.jsonl: no such file or directory",), code=1),
