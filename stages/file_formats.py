@@ -28,13 +28,12 @@ from spec.quoting import quoted
 from stages.data import (
     RAW_EXCERPT_CHARS,
     DataError,
-    DuplicateKey,
     RawRow,
     RowError,
-    _keys_once,
     _too_long,
     jsonl_lines,
     parquet_rows,
+    parse_jsonl_line,
     unreadable,
 )
 
@@ -45,7 +44,6 @@ CHUNK_CHARS = 1 << 20
 """Bytes read (and decoded) at a time from a JSON array or a table."""
 
 _SCANNER = json.JSONDecoder()
-_CHECKER = json.JSONDecoder(object_pairs_hook=_keys_once)
 
 
 def _decoded(stream: BinaryIO, name: str, encoding: str, digest: Any) -> Iterator[str]:
@@ -138,18 +136,9 @@ def json_array_rows(stream: BinaryIO, name: str, limit: int, encoding: str, dige
 
 
 def _element_row(element: str, name: str, line: int, limit: int) -> RawRow:
-    """One JSON element as a row, checked as a JSONL line is."""
-    excerpt = element[:RAW_EXCERPT_CHARS]
-    size = len(element.encode("utf-8", "surrogatepass"))
-    if size > limit:
-        return RawRow(name, line, error=_too_long(name, line, size, limit, excerpt))
-    try:
-        return RawRow(name, line, value=_CHECKER.decode(element))
-    except DuplicateKey as exc:
-        error = f"key {exc.key!r} given twice in one object (which one is meant?)"
-    except (RecursionError, ValueError) as exc:
-        error = f"not readable JSON ({type(exc).__name__})"
-    return RawRow(name, line, error=RowError(name, line, "", error, excerpt))
+    """One JSON element as a row, checked exactly as a JSONL line is (`parse_jsonl_line`: size, a key given twice,
+    nesting, numbers too long to read)."""
+    return parse_jsonl_line(element.encode("utf-8", "surrogatepass"), name, line, limit)
 
 
 class _Lines:
