@@ -582,6 +582,13 @@ def run_case(case: Case, tiny: bool, tmp: Path) -> dict[str, Any]:
         weight, before = probe
         result["updated_fraction"] = (weight.detach().to(torch.float32) != before).float().mean().item()
     result["train_s"] = time.perf_counter() - started
+    # a figure of a run that trained on NaN gradients is no figure: say so beside it (the stages stop there)
+    history = trainer.state.log_history
+    result["losses"] = [e["loss"] for e in history if "loss" in e]
+    result["grad_norms"] = [e["grad_norm"] for e in history if "grad_norm" in e]
+    keys = ("loss", "grad_norm", "train_loss")
+    bad = [e["step"] for e in history if any(not math.isfinite(e.get(k, 0.0)) for k in keys)]
+    result["non_finite_from_step"] = bad[0] if bad else None
     if profiler is not None:
         result["profile"] = profiler.tables
 
@@ -751,6 +758,8 @@ def print_table(results: dict[str, Any]) -> None:
         if "error" in r:
             print(f"{name:22s} ERROR {r['error'][:300]}")
             continue
+        if r.get("non_finite_from_step") is not None:
+            print(f"{name:22s} NOT FINITE: loss or grad_norm NaN/inf from step {r['non_finite_from_step']}")
         mfu = f"{r['mfu'] * 100:5.1f}%" if r.get("mfu") else "   -  "
         print(
             f"{name:22s} {r.get('tokens_per_s') or 0:10.0f} tok/s  mfu {mfu}  "

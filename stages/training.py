@@ -11,7 +11,8 @@ Each stage module reads as the recipe; the pieces here keep it short:
                                                       and the spec's training.extra_args
     write_distributed_config(ctx, args)               what the Trainer (and accelerate) got, in logs/
     resume = resume_checkpoint(ctx)                   newest valid checkpoint (torn ones set aside)
-    trained = train_to_plan(trainer, resume, stage)   never a step past the plan (0 when resume ends it)
+    trained = train_to_plan(trainer, resume, stage)   never a step past the plan (0 when resume ends it), and
+                                                      never on after a NaN or infinite loss or gradient norm
     model_info = save_stage_model(trainer, ...)       the model folder (rank 0 writes; FSDP/ZeRO-3 gather)
     metrics = summary_metrics(trainer)
     extra = {**resume_details(resume, trained), **output_fingerprint(ctx)}
@@ -37,7 +38,7 @@ from run.run_dir import RunDir, StageRefused, check_still_ours, write_json_atomi
 from spec.pipeline import PipelineSpec
 from spec.training import TrainingStage
 from stages.checkpoints import checkpoint_step, newest_valid_checkpoint, set_aside_torn
-from stages.contract import StageContext, is_main_process
+from stages.contract import ExplainedFailure, StageContext, is_main_process
 from stages.distributed import precision_arguments, strategy_arguments
 from stages.modeling import (
     FINGERPRINT,
@@ -244,6 +245,37 @@ class StopAtPlannedEnd(TrainerCallback):
         return control
 
 
+class TrainingDiverged(ExplainedFailure):
+    """The loss or the gradient norm the Trainer logged is NaN or infinite."""
+
+
+class StopOnNonFinite(TrainerCallback):
+    """Fails the stage at the first logged loss or gradient norm that is NaN or infinite, as Megatron's
+    `check_for_nan_in_loss_and_grad` does: the Trainer itself trains on (and its default `logging_nan_inf_filter`
+    even hides a NaN loss), so a diverged run would end "succeeded" with NaN weights that evaluate then scores.
+    Every rank logs the same reduced values, so every rank stops together. Under fp16 an infinite gradient norm is
+    the loss scaler's overflow, a step it skips itself, so only the loss counts there."""
+
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> TrainerControl:
+        keys = ("loss",) if args.fp16 else ("loss", "grad_norm")
+        for key in keys:
+            value = (logs or {}).get(key)
+            if isinstance(value, int | float) and not math.isfinite(value):
+                raise TrainingDiverged(
+                    f"{key} is {value} at step {state.global_step}: training diverged (a learning rate too high for "
+                    "the model, or a numerical fault in the precision or a kernel); lower training.learning_rate, "
+                    "or look at the first steps' losses in the stage's log"
+                )
+        return control
+
+
 def train_to_plan(trainer: Any, checkpoint: Path | None, stage: str) -> int:
     """`trainer.train`, resumed from `checkpoint`, never past the planned end; returns the optimizer steps this
     attempt trained. A checkpoint already at the planned end (the attempt before was stopped after its last
@@ -252,8 +284,9 @@ def train_to_plan(trainer: Any, checkpoint: Path | None, stage: str) -> int:
     before the first batch; the stage then evaluates, saves and records the checkpoint's weights as they are.
     (Loading the weights without `train()` is not enough: under FSDP2 and ZeRO-2, `evaluate()` and the save need
     the model accelerate prepared together with its optimizer, which only `train()` does.)"""
-    guard = StopAtPlannedEnd()
-    trainer.add_callback(guard)
+    guards = [StopAtPlannedEnd(), StopOnNonFinite()]
+    for guard in guards:
+        trainer.add_callback(guard)
     start = (checkpoint_step(checkpoint) or 0) if checkpoint is not None else 0
     try:
         trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint is not None else None)
@@ -266,7 +299,8 @@ def train_to_plan(trainer: Any, checkpoint: Path | None, stage: str) -> int:
         )
         return 0
     finally:
-        trainer.remove_callback(guard)
+        for guard in guards:
+            trainer.remove_callback(guard)
     return trainer.state.global_step - start
 
 
