@@ -502,6 +502,40 @@ CASES: list[Case] = [
         note="baseline of b5_stage_experts: PEFT's path, the adapter merged into the whole expert stack on every "
         "forward (without checkpointing it ran out of memory on 141 GB)",
     ),
+    # Both experts cases trained on NaN gradients on 2 x H200 (2026-11-28): these take away one suspect each.
+    replace(
+        B5,
+        name="b5_stage_experts_sdpa",
+        lora_experts=True,
+        gradient_checkpointing=True,
+        attn="sdpa",
+        note="as b5_stage_experts with sdpa instead of flex attention",
+    ),
+    replace(
+        B5,
+        name="b5_stage_experts_noliger",
+        lora_experts=True,
+        gradient_checkpointing=True,
+        liger=False,
+        note="as b5_stage_experts without Liger's kernels",
+    ),
+    replace(
+        B5,
+        name="b5_stage_experts_b4",
+        lora_experts=True,
+        gradient_checkpointing=True,
+        per_device_batch_size=4,
+        note="as b5_stage_experts with 4 rows per step (where b5_stage_b4_ckpt reached 11,253 tok/s)",
+    ),
+    replace(
+        B5,
+        name="b5_stage_experts_merged_b4",
+        lora_experts=True,
+        low_rank_experts=False,
+        gradient_checkpointing=True,
+        per_device_batch_size=4,
+        note="baseline of b5_stage_experts_b4",
+    ),
     # B6: full fine-tuning of the 8B shape under FSDP2 on every GPU of the node (torchrun), rows of 4096.
     B6,
     replace(B6, name="b6_fsdp_8b_b4", per_device_batch_size=4, note="as b6_fsdp_8b with 4 rows per GPU"),
