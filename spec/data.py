@@ -14,7 +14,7 @@ DataFormat = Literal["text", "messages", "alpaca", "sharegpt", "preference"]
 
 FORMAT_COLUMNS: dict[str, tuple[str, ...]] = {
     "text": ("text",),
-    "messages": ("messages", "role", "content"),
+    "messages": ("messages", "role", "content", "tools"),
     "alpaca": ("instruction", "input", "output", "system", "history"),
     "sharegpt": ("conversations", "system", "from", "value"),
     "preference": ("prompt", "chosen", "rejected", "system"),
@@ -30,7 +30,7 @@ MESSAGE_KEYS = frozenset({"role", "content", "from", "value"})
 """The keys of FORMAT_COLUMNS that name a key inside each message, not a column of the row."""
 
 
-ROLE_NAMES = ("user", "assistant", "system")
+ROLE_NAMES = ("user", "assistant", "system", "tool")
 
 
 """The canonical roles `data.roles` maps to the tags a dataset uses."""
@@ -134,7 +134,8 @@ class DataSpec(StrictModel):
         min_length=1,
     )
     format: DataFormat = Field(
-        description="Row format: text ({'text'}), messages (OpenAI chat), alpaca (instruction/input/output), "
+        description="Row format: text ({'text'}), messages (OpenAI chat: tool calls too, i.e. a row's 'tools', "
+        "assistant 'tool_calls' and 'tool' messages, and 'reasoning_content'), alpaca (instruction/input/output), "
         "sharegpt (conversations/from/value), preference (prompt/chosen/rejected)."
     )
     split: str = Field("train", description="Split to read for hub datasets.")
@@ -146,14 +147,14 @@ class DataSpec(StrictModel):
         description="Where the format's fields are in the dataset: the format's name → the dataset's column (or "
         "message key), as LLaMA-Factory's dataset_info 'columns'. text: text; alpaca: instruction, input, output, "
         "system, history (earlier [instruction, response] pairs); sharegpt: conversations, system, and the message "
-        "keys from, value; messages: messages, and the message keys role, content; preference: prompt, chosen, "
+        "keys from, value; messages: messages, tools, and the message keys role, content; preference: prompt, chosen, "
         "rejected, system. E.g. {input: context, output: response} reads databricks-dolly-15k as alpaca. Names not "
         "given keep the format's own.",
     )
     roles: dict[str, str] = Field(
         default_factory=dict,
-        description="The role tags the messages use (sharegpt and messages only): user, assistant or system → the "
-        "dataset's tag, as LLaMA-Factory's user_tag/assistant_tag/system_tag, e.g. {user: human, assistant: gpt}. "
+        description="The role tags the messages use (sharegpt and messages only): user, assistant, system or tool → "
+        "the dataset's tag, as LLaMA-Factory's user_tag/assistant_tag/system_tag, e.g. {user: human, assistant: gpt}. "
         "A role given here accepts only its tag; one not given accepts the defaults (sharegpt: human or user, gpt "
         "or assistant, system; messages: the role's own name).",
     )

@@ -131,17 +131,47 @@ def has_generation_tags(template: str) -> bool:
 
 
 def render(
-    tokenizer: Any, messages: list[dict[str, Any]], generation_prompt: bool = False, enable_thinking: bool = False
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    generation_prompt: bool = False,
+    enable_thinking: bool = False,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
-    """The conversation as the tokenizer's template writes it; ConversationError when the template refuses it."""
+    """The conversation as the tokenizer's template writes it (with the functions `tools` offers, where given);
+    ConversationError when the template refuses it."""
     from jinja2.exceptions import TemplateError as JinjaError
 
     try:
         return tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=generation_prompt, enable_thinking=enable_thinking
+            messages,
+            tools=tools,
+            tokenize=False,
+            add_generation_prompt=generation_prompt,
+            enable_thinking=enable_thinking,
         )
     except JinjaError as exc:
         raise ConversationError(f"the chat template rejects this conversation: {exc}") from None
+
+
+def check_tools_rendered(text: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> None:
+    """ConversationError when the template left out a tool call, a tool's answer or an offered function: a
+    template without tool syntax (Gemma 3's, Llama 3's original one) drops them silently, and the model would
+    learn answers to questions it never saw."""
+    names = [t["function"]["name"] for t in tools or []]
+    names += [c["function"]["name"] for m in messages for c in m.get("tool_calls", [])]
+    answers = [m["content"] for m in messages if m["role"] == "tool"]
+    missing = [repr(n) for n in dict.fromkeys(names) if n not in text]
+    missing += [f"the tool answer {a[:30]!r}" for a in answers if a not in text]
+    if missing:
+        raise ConversationError(
+            f"the chat template does not render tools ({', '.join(missing[:3])} left out): {_TOOL_SYNTAX}"
+        )
+
+
+_TOOL_SYNTAX = (
+    "train tool calls on a model whose template has tool syntax (Qwen2.5, Qwen3), or set model.chat_template to such "
+    "a template"
+)
 
 
 def _common_prefix(a: str, b: str) -> int:
@@ -185,11 +215,15 @@ def _ends_turn(tokenizer: Any, said: str) -> bool:
 
 
 def assistant_spans(
-    tokenizer: Any, messages: list[dict[str, Any]], enable_thinking: bool = False
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    enable_thinking: bool = False,
+    tools: list[dict[str, Any]] | None = None,
 ) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character spans of what the assistant generates in it (each turn's
-    content, its reasoning where the template renders it into the turn, and its end-of-turn token)."""
-    text = render(tokenizer, messages, enable_thinking=enable_thinking)
+    content, its tool calls and its reasoning where the template renders them into the turn, and its end-of-turn
+    token)."""
+    text = render(tokenizer, messages, enable_thinking=enable_thinking, tools=tools)
     spans: list[tuple[int, int]] = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
@@ -198,14 +232,14 @@ def assistant_spans(
             raise ConversationError("an assistant message first: there is no prompt it answers")
         # A turn that reasons was generated in thinking mode: its generation prompt holds no (empty) thinking block.
         thinking = enable_thinking or "</think>" in message["content"]
-        prompt = render(tokenizer, messages[:i], generation_prompt=True, enable_thinking=thinking)
+        prompt = render(tokenizer, messages[:i], generation_prompt=True, enable_thinking=thinking, tools=tools)
         last = i == len(messages) - 1 and thinking == enable_thinking
-        turn = text if last else render(tokenizer, messages[: i + 1], enable_thinking=thinking)  # the last: the whole
+        turn = text if last else render(tokenizer, messages[: i + 1], enable_thinking=thinking, tools=tools)
         said = turn[len(prompt) :].rstrip(" \n") if turn.startswith(prompt) else ""
         if said and text.startswith(turn[: len(prompt) + len(said)]) and _ends_turn(tokenizer, said):
             start, end = len(prompt), len(prompt) + len(said)  # a prefix-preserving template (most of them)
         else:
-            start, end = _located_turn(tokenizer, messages, i, text, prompt, thinking)
+            start, end = _located_turn(tokenizer, messages, i, text, prompt, thinking, tools)
         if spans and start < spans[-1][1]:
             raise ConversationError(f"the chat template renders assistant message {i} before the one ahead of it")
         spans.append((start, end))
@@ -215,24 +249,37 @@ def assistant_spans(
 
 
 def _located_turn(
-    tokenizer: Any, messages: list[dict[str, Any]], i: int, text: str, prompt: str, enable_thinking: bool
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    i: int,
+    text: str,
+    prompt: str,
+    enable_thinking: bool,
+    tools: list[dict[str, Any]] | None,
 ) -> tuple[int, int]:
     """Turn i's span in `text` for a template that renders it differently in the whole conversation: the end
     of its content (where a marker appended to it shows up) and the end-of-turn token after it; the start,
     after the message before it, where `text` stops following the generation prompt."""
-    content_end = _common_prefix(text, render(tokenizer, _marked(messages, i), enable_thinking=enable_thinking))
-    end = _turn_end(tokenizer, text, content_end)
+    content_end = _common_prefix(text, render(tokenizer, _marked(messages, i), False, enable_thinking, tools))
+    if "tool_calls" in messages[i]:  # the calls follow the content: the turn ends at the next end-of-turn token
+        ends = [(at, token) for token in _stop_tokens(tokenizer) if (at := text.find(token, content_end)) >= 0]
+        end = min(at + len(token) for at, token in ends) if ends else None
+    else:
+        end = _turn_end(tokenizer, text, content_end)
     if end is None:
         raise ConversationError(
             f"the chat template closes assistant message {i} with no end-of-turn token: the model would never "
             "learn to stop (set model.chat_template to a template that ends each assistant turn with one)"
         )
-    before_in_text = _common_prefix(text, render(tokenizer, _marked(messages, i - 1), enable_thinking=enable_thinking))
-    marked_prompt = render(tokenizer, _marked(messages[:i], i - 1), True, enable_thinking)
+    before_in_text = _common_prefix(text, render(tokenizer, _marked(messages, i - 1), False, enable_thinking, tools))
+    marked_prompt = render(tokenizer, _marked(messages[:i], i - 1), True, enable_thinking, tools)
     before_in_prompt = _common_prefix(prompt, marked_prompt)
     header = prompt[before_in_prompt:]  # the closing of message i-1 and the generation prompt
     start = before_in_text + _common_prefix(text[before_in_text:], header)
-    if not before_in_text <= start < content_end:
+    calls_only = "tool_calls" in messages[i] and not messages[i]["content"]
+    if calls_only:  # the turn starts where its (empty) content is: the header may share a prefix with the calls
+        start = min(start, content_end)
+    if not before_in_text <= start < content_end + calls_only:
         raise ConversationError(f"the chat template renders assistant message {i} where it cannot be found")
     return start, end
 
@@ -245,17 +292,26 @@ def tokenize_conversation(
     messages: list[dict[str, Any]],
     enable_thinking: bool = False,
     assistant_only_loss: bool = True,
+    tools: list[dict[str, Any]] | None = None,
 ) -> tuple[list[int], list[int]]:
-    """Token ids and labels of a conversation rendered with the tokenizer's chat template: labels are the ids on
-    the assistant's tokens (see the module docstring) and -100 elsewhere; every token is labelled when not
-    `assistant_only_loss`. ConversationError when the template refuses it or it has no assistant turn."""
+    """Token ids and labels of a conversation (offering the functions `tools`, where given) rendered with the
+    tokenizer's chat template: labels are the ids on the assistant's tokens, its tool calls included (see the
+    module docstring), and -100 elsewhere, the tools' answers included; every token is labelled when not
+    `assistant_only_loss`. ConversationError when the template refuses it, leaves its tools out, or it has no
+    assistant turn."""
     template = tokenizer.chat_template
     if template is None:
         raise TemplateError("the tokenizer has no chat template: set model.chat_template (e.g. chatml or llama3)")
+    if tools or any(m["role"] == "tool" or "tool_calls" in m for m in messages):
+        try:
+            text = render(tokenizer, messages, enable_thinking=enable_thinking, tools=tools)
+        except ConversationError as exc:
+            raise ConversationError(f"{exc} (a conversation with tools: {_TOOL_SYNTAX})") from None
+        check_tools_rendered(text, messages, tools)
     if has_generation_tags(template):
-        ids, mask = _generation_mask(tokenizer, messages, enable_thinking)
+        ids, mask = _generation_mask(tokenizer, messages, enable_thinking, tools)
     else:
-        text, spans = assistant_spans(tokenizer, messages, enable_thinking)
+        text, spans = assistant_spans(tokenizer, messages, enable_thinking, tools)
         encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
         mask = [0] * len(ids)
@@ -270,7 +326,7 @@ def tokenize_conversation(
 
 
 def _generation_mask(
-    tokenizer: Any, messages: list[dict[str, Any]], enable_thinking: bool
+    tokenizer: Any, messages: list[dict[str, Any]], enable_thinking: bool, tools: list[dict[str, Any]] | None = None
 ) -> tuple[list[int], list[int]]:
     """transformers' assistant mask of a `{% generation %}`-tagged template, without the whitespace tokens that
     follow an end-of-turn token inside the tagged block (nothing the model generates)."""
@@ -279,6 +335,7 @@ def _generation_mask(
     try:
         out = tokenizer.apply_chat_template(
             messages,
+            tools=tools,
             tokenize=True,
             return_dict=True,
             return_assistant_tokens_mask=True,

@@ -25,6 +25,7 @@ Normalizations, each for its purpose:
 from __future__ import annotations
 
 import hashlib
+import json
 import unicodedata
 from collections import Counter
 from collections.abc import Iterable
@@ -132,7 +133,11 @@ def nfc_row(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def _contents(messages: list[dict[str, Any]]) -> list[str]:
-    return [message["content"] for message in messages]
+    """Each message's content, and the tool calls it makes (rows that call differently are not duplicates)."""
+    return [
+        message["content"] + (json.dumps(message["tool_calls"], ensure_ascii=False) if "tool_calls" in message else "")
+        for message in messages
+    ]
 
 
 def row_text(row: dict[str, Any]) -> str:

@@ -69,7 +69,9 @@ def encode_row(tokenizer: Any, row: dict[str, Any], enable_thinking: bool = Fals
         ids = tokenize_document(tokenizer, row["text"])
         return ids, list(ids)
     messages = row.get("messages") or [*row["prompt"], *row["chosen"]]
-    return tokenize_conversation(tokenizer, messages, enable_thinking=enable_thinking, assistant_only_loss=True)
+    return tokenize_conversation(
+        tokenizer, messages, enable_thinking=enable_thinking, assistant_only_loss=True, tools=row.get("tools")
+    )
 
 
 def perplexity(

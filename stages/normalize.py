@@ -3,8 +3,11 @@
 Canonical forms, what every later stage reads:
 
     text        {"text": str}
-    chat        {"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}
-                (formats messages, alpaca and sharegpt)
+    chat        {"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": str}, ...]}
+                (formats messages, alpaca and sharegpt); with format messages an assistant message may also
+                have "tool_calls": [{"type": "function", "function": {"name": str, "arguments": {...}}}], a
+                "tool" message answers them, and the row may have "tools" (the functions offered, as JSON
+                schemas): the form transformers' chat templates read
     preference  {"prompt": [messages...], "chosen": [{"role": "assistant", "content": str}],
                  "rejected": [{"role": "assistant", "content": str}]}
 
@@ -17,6 +20,7 @@ tags the messages use. Every source (JSONL, Parquet, hub, builtin) goes through 
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,7 +28,7 @@ from typing import Any
 
 from spec.data import FORMAT_COLUMNS, MESSAGE_KEYS, DataSpec
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
 
 """The role tags a sharegpt dataset may use when `data.roles` does not say (tag → role)."""
@@ -202,15 +206,82 @@ def _message_list(
         role = roles[role]
         if role == "system" and i != 0:
             raise FieldError(f"{where}.{role_key}", "a system message may only come first")
-        if content_key not in message:
+        calls = message.get("tool_calls")
+        if content_key not in message and not calls:
             raise MissingField(f"{where}.{content_key}", "missing", sorted(str(k) for k in message))
-        content = _string(message[content_key], f"{where}.{content_key}")
+        if calls is not None and role != "assistant":
+            raise FieldError(f"{where}.tool_calls", f"only an assistant message calls tools, this one is {role!r}")
+        calls = _tool_calls(calls, f"{where}.tool_calls") if calls else None
+        if calls and message.get(content_key) is None:
+            content = ""  # a turn that only calls tools
+        else:
+            content = _string(message[content_key], f"{where}.{content_key}", allow_empty=calls is not None)
         reasoning = message.get("reasoning_content")
         if role == "assistant" and reasoning is not None:
             reasoning = _string(reasoning, f"{where}.reasoning_content", allow_empty=True)
             content = f"<think>\n{reasoning.strip()}\n</think>\n\n{content.lstrip()}"
-        out.append({"role": role, "content": content})
+        entry: dict[str, Any] = {"role": role, "content": content}
+        if calls:
+            entry["tool_calls"] = calls
+        if role == "tool":  # which call it answers, where the data says (templates that need it read it)
+            entry |= {k: _string(message[k], f"{where}.{k}") for k in ("name", "tool_call_id") if message.get(k)}
+        out.append(entry)
     return out
+
+
+def _tool_calls(value: Any, path: str) -> list[dict[str, Any]]:
+    """An assistant message's tool calls as chat templates read them: `{"type": "function", "function": {"name",
+    "arguments": {...}}}` each. OpenAI's form (the arguments as a JSON string) and a bare `{"name", "arguments"}`
+    are taken too."""
+    if not isinstance(value, list):
+        raise FieldError(path, f"expected a list of tool calls, got {_type_name(value)}")
+    calls = []
+    for i, call in enumerate(value):
+        where = f"{path}[{i}]"
+        if not isinstance(call, dict):
+            raise FieldError(where, f"expected an object with a function's name and arguments, got {_type_name(call)}")
+        function, at = (call["function"], f"{where}.function") if "function" in call else (call, where)
+        if not isinstance(function, dict):
+            raise FieldError(at, f"expected an object with 'name' and 'arguments', got {_type_name(function)}")
+        if "name" not in function:
+            raise MissingField(f"{at}.name", "missing", sorted(str(k) for k in function))
+        name = _string(function["name"], f"{at}.name")
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except ValueError as exc:
+                raise FieldError(f"{at}.arguments", f"a string that is not JSON ({exc})") from None
+        if not isinstance(arguments, dict):
+            raise FieldError(f"{at}.arguments", f"expected an object of arguments, got {_type_name(arguments)}")
+        entry: dict[str, Any] = {"type": "function", "function": {"name": name, "arguments": arguments}}
+        if isinstance(call.get("id"), str):
+            entry["id"] = call["id"]
+        calls.append(entry)
+    return calls
+
+
+def _tools(row: dict[str, Any], cm: ColumnMap) -> list[dict[str, Any]] | None:
+    """The functions a row offers the model (its tools column: JSON schemas, a list or, as LLaMA-Factory keeps
+    them, a JSON string of one), each as `{"type": "function", "function": {"name", ...}}`; None without any."""
+    column = cm.name("tools")
+    value = row.get(column)
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else None
+        except ValueError as exc:
+            raise FieldError(column, f"a string that is not JSON ({exc})") from None
+    if value is None or value == []:
+        return None
+    if not isinstance(value, list):
+        raise FieldError(column, f"expected a list of function schemas, got {_type_name(value)}")
+    tools = []
+    for i, tool in enumerate(value):
+        function = tool.get("function", tool) if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise FieldError(f"{column}[{i}]", "expected a function schema with a 'name' (and 'parameters')")
+        tools.append({"type": "function", "function": function})
+    return tools
 
 
 def _conversation(messages: list[dict[str, str]], path: str, role_key: str = "role") -> list[dict[str, str]]:
@@ -226,6 +297,11 @@ def _conversation(messages: list[dict[str, str]], path: str, role_key: str = "ro
     if turns[-1]["role"] != "assistant":
         last = len(messages) - 1
         raise FieldError(f"{path}[{last}].{role_key}", "the conversation must end with an assistant turn")
+    for i, message in enumerate(messages):
+        if message["role"] == "tool" and not (messages[i - 1]["role"] == "tool" or "tool_calls" in messages[i - 1]):
+            raise FieldError(
+                f"{path}[{i}].{role_key}", "a tool message answers tool calls: the message before it has none"
+            )
     return messages
 
 
@@ -266,7 +342,11 @@ def _normalize_text(row: dict[str, Any], cm: ColumnMap) -> dict[str, Any]:
 def _normalize_messages(row: dict[str, Any], cm: ColumnMap) -> dict[str, Any]:
     path, role_key = cm.name("messages"), cm.name("role")
     messages = _message_list(_required(row, "messages", cm), path, role_key, cm.name("content"), cm.roles)
-    return {"messages": _conversation(messages, path, role_key)}
+    out: dict[str, Any] = {"messages": _conversation(messages, path, role_key)}
+    tools = _tools(row, cm)
+    if tools is not None:
+        out["tools"] = tools
+    return out
 
 
 def _normalize_alpaca(row: dict[str, Any], cm: ColumnMap) -> dict[str, Any]:

@@ -468,7 +468,11 @@ def _tokenize_batch(lines: list[tuple[int, str]]) -> TokenizedBatch:
     for (line, _), record in zip(lines, records, strict=True):
         try:
             ids, labels = tokenize_conversation(
-                tokenizer, record["messages"], settings["enable_thinking"], settings["assistant_only_loss"]
+                tokenizer,
+                record["messages"],
+                settings["enable_thinking"],
+                settings["assistant_only_loss"],
+                tools=record.get("tools"),
             )
         except ConversationError as exc:
             batch.problems.append((line, str(exc)))

@@ -199,7 +199,7 @@ def check_conversations(ctx: StageContext, tokenizer: Any, stage: str) -> None:
                 conversations = [[*row["prompt"], *row["chosen"]], [*row["prompt"], *row["rejected"]]]
             try:
                 for messages in conversations:
-                    tokenize_conversation(tokenizer, messages)
+                    tokenize_conversation(tokenizer, messages, tools=row.get("tools"))
             except ConversationError as exc:
                 total += 1
                 if len(failed) + len(problems) < MAX_LISTED_ERRORS:

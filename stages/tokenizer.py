@@ -14,6 +14,7 @@ A tokenizer without a pad token pads with its eos token; one without an eos toke
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,9 @@ def render_for_training(row: dict[str, Any]) -> str:
     if "text" in row:
         return row["text"]
     messages = row.get("messages") or [*row["prompt"], *row["chosen"], *row["rejected"]]
-    return "\n".join(m["content"] for m in messages)
+    calls = [json.dumps(m["tool_calls"], ensure_ascii=False) for m in messages if "tool_calls" in m]
+    tools = [json.dumps(row["tools"], ensure_ascii=False)] if "tools" in row else []
+    return "\n".join([*tools, *(m["content"] for m in messages), *calls])
 
 
 def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, model_max_length: int, template: str = "qwen3") -> Any:

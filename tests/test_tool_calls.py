@@ -1,0 +1,159 @@
+"""Conversations with tools (issue 36, item 3): `format: messages` takes the functions a row offers (`tools`),
+assistant `tool_calls` and `tool` answers, in OpenAI's form or transformers'; the model's own chat template renders
+them; the loss covers the assistant's calls and answers, never the tools' answers or the function schemas; a
+template without tool syntax is refused with a message instead of silently dropping them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_chat_templates import tokenizer_for
+
+from stages.chat import ConversationError, tokenize_conversation
+from stages.cleaning import mask_row, row_text
+from stages.normalize import FieldError, normalize_row
+from stages.packing import IGNORE_INDEX
+
+WEATHER = {
+    "name": "get_weather",
+    "description": "도시의 현재 날씨",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+ANSWER = '{"city": "서울", "temp_c": 3}'
+FINAL = "서울은 지금 3도입니다."
+
+# As an OpenAI export has it: tools as schemas, the call's arguments a JSON string, content null.
+OPENAI_ROW = {
+    "tools": [{"type": "function", "function": WEATHER}],
+    "messages": [
+        {"role": "user", "content": "서울 날씨 알려줘"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "서울"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": ANSWER},
+        {"role": "assistant", "content": FINAL},
+    ],
+}
+
+
+def canonical() -> dict[str, Any]:
+    return normalize_row(OPENAI_ROW, "messages")
+
+
+def test_openai_and_transformers_forms_give_one_canonical_row() -> None:
+    row = canonical()
+    call = row["messages"][1]
+    assert call == {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "서울"}}, "id": "call_1"}
+        ],
+    }
+    assert row["messages"][2] == {"role": "tool", "content": ANSWER, "tool_call_id": "call_1"}
+    assert row["tools"] == [{"type": "function", "function": WEATHER}]
+    # transformers' form (arguments an object, bare schemas) and LLaMA-Factory's tools string: the same row
+    bare = json.loads(json.dumps(OPENAI_ROW))
+    bare["tools"] = json.dumps([WEATHER], ensure_ascii=False)
+    bare["messages"][1]["tool_calls"] = [{"id": "call_1", "name": "get_weather", "arguments": {"city": "서울"}}]
+    assert normalize_row(bare, "messages") == row
+    # renamed columns reach it too
+    renamed = {"functions": OPENAI_ROW["tools"], "dialog": OPENAI_ROW["messages"]}
+    assert normalize_row(renamed, "messages", columns={"tools": "functions", "messages": "dialog"}) == row
+
+
+@pytest.mark.parametrize(
+    ("change", "field", "error"),
+    [
+        (
+            lambda r: r["messages"][1]["tool_calls"][0]["function"].update(arguments="{city: 서울"),
+            "messages[1].tool_calls[0].function.arguments",
+            "not JSON",
+        ),
+        (
+            lambda r: r["messages"][1]["tool_calls"][0]["function"].pop("name"),
+            "messages[1].tool_calls[0].function.name",
+            "missing",
+        ),
+        (lambda r: r["messages"][0].update(tool_calls=[{"name": "x"}]), "messages[0].tool_calls", "only an assistant"),
+        (lambda r: r["messages"].pop(1), "messages[1].role", "answers tool calls"),
+        (lambda r: r.update(tools=[{"description": "no name"}]), "tools[0]", "a 'name'"),
+        (lambda r: r.update(tools="[not json"), "tools", "not JSON"),
+    ],
+)
+def test_malformed_tool_data_names_the_field(change: Any, field: str, error: str) -> None:
+    row = json.loads(json.dumps(OPENAI_ROW))
+    change(row)
+    with pytest.raises(FieldError) as caught:
+        normalize_row(row, "messages")
+    assert caught.value.field == field and error in str(caught.value)
+
+
+@pytest.mark.parametrize("template", ["qwen2_5", "qwen3"])
+def test_the_loss_covers_the_calls_and_answers_not_the_tools_output(template: str) -> None:
+    tokenizer = tokenizer_for(template)
+    row = canonical()
+    ids, labels = tokenize_conversation(tokenizer, row["messages"], tools=row["tools"])
+    text = tokenizer.decode(ids)
+    trained = tokenizer.decode([t for t, label in zip(ids, labels, strict=True) if label != IGNORE_INDEX])
+    assert "get_weather" in text and WEATHER["description"] in text  # the schema is in the prompt
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "서울"}}\n</tool_call><|im_end|>' in trained
+    assert trained.endswith(f"{FINAL}<|im_end|>")
+    assert ANSWER in text and ANSWER not in trained  # the tool's answer is input, not output
+    assert WEATHER["description"] not in trained and "서울 날씨 알려줘" not in trained
+
+
+@pytest.mark.parametrize("template", ["llama3", "gemma3", "mistral", "chatml"])
+def test_a_template_without_tool_syntax_is_refused(template: str) -> None:
+    tokenizer = tokenizer_for(template)
+    row = canonical()
+    with pytest.raises(ConversationError, match="whose template has tool syntax"):
+        tokenize_conversation(tokenizer, row["messages"], tools=row["tools"])
+
+
+def test_cleaning_sees_the_calls() -> None:
+    row = canonical()
+    row["messages"][1]["tool_calls"][0]["function"]["arguments"]["phone"] = "010-1234-5678"
+    masked, found = mask_row(row)
+    assert found["phone"] == 1 and "010-1234-5678" not in json.dumps(masked, ensure_ascii=False)
+    # two rows that differ only in what they call are not duplicates
+    other = json.loads(json.dumps(canonical()))
+    other["messages"][1]["tool_calls"][0]["function"]["arguments"]["city"] = "부산"
+    assert row_text(other) != row_text(canonical())
+
+
+def test_a_parquet_file_of_tool_conversations_reads_and_tokenizes(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from spec.data import DataSpec
+    from stages.prepared_data import read_dataset
+
+    # as a data platform exports it: nested columns, missing keys as nulls, the tools a JSON string
+    rows = [{"tools": json.dumps([WEATHER], ensure_ascii=False), "dialog": OPENAI_ROW["messages"]} for _ in range(3)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "tools.parquet")
+    spec = DataSpec(uri=str(tmp_path / "tools.parquet"), format="messages", columns={"messages": "dialog"})
+    read = read_dataset(spec.model_copy(update={"eval_fraction": 0.0})).rows
+    assert read == [canonical()]  # the same rows, exact duplicates dropped as any row
+    ids, labels = tokenize_conversation(tokenizer_for("qwen3"), read[0]["messages"], tools=read[0]["tools"])
+    assert any(label != IGNORE_INDEX for label in labels) and len(ids) == len(labels)
+
+
+@pytest.mark.parametrize("template", ["qwen2_5", "qwen3"])
+def test_a_turn_that_says_something_and_calls_trains_both(template: str) -> None:
+    row = canonical()
+    row["messages"][1]["content"] = "날씨를 확인해 볼게요."
+    ids, labels = tokenize_conversation(tokenizer_for(template), row["messages"], tools=row["tools"])
+    trained = tokenizer_for(template).decode([t for t, label in zip(ids, labels, strict=True) if label != IGNORE_INDEX])
+    assert "날씨를 확인해 볼게요." in trained and '"name": "get_weather"' in trained and ANSWER not in trained
