@@ -29,12 +29,13 @@ Exit 0 when nothing is wrong; 2 with one `error:` line per problem on stderr. pr
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from run.exits import EXIT_OK, EXIT_USAGE
 from spec.document import SpecError
@@ -104,6 +105,8 @@ class _FileSample:
     """The whole file was read."""
     groups: dict[tuple[str, str], _Group] = field(default_factory=dict)
     unmapped: _UnmappedColumn = field(default_factory=_UnmappedColumn)
+    with_tools: int | None = None
+    """The line of the first valid row with tools, tool calls or tool answers."""
 
 
 def check_data(
@@ -147,7 +150,56 @@ def check_stage_data(
         samples = _sample(objects[:MAX_SAMPLED_FILES], data)
     except DataError as exc:
         return [f"stages.{stage}.data: {exc}"]
-    return _problems(samples, data, stage, where)
+    return _problems(samples, data, stage, where) + _tools_problem(samples, spec, where)
+
+
+def uses_tools(row: dict[str, Any]) -> bool:
+    """Whether a canonical chat row offers functions, calls one or answers a call."""
+    messages = row.get("messages") or []
+    return "tools" in row or any(m["role"] == "tool" or "tool_calls" in m for m in messages)
+
+
+def _tools_problem(samples: list[_FileSample], spec: PipelineSpec, where: str) -> list[str]:
+    """One line when the data has tool calls and the model's chat template, known before the run, has no tool
+    syntax (prepare finds it too, with the tokenizer, for a model whose template only the hub has)."""
+    first = next((s for s in samples if s.with_tools is not None), None)
+    if first is None:
+        return []
+    name, text = known_template(spec)
+    if text is None or "tool_calls" in text:
+        return []
+    return [
+        f"{where}: {quoted(first.uri)}:{first.with_tools}: a conversation with tools, and the model's chat template "
+        f"({name}) has no tool syntax: it would drop the calls or refuse them; train tool calls on a model whose "
+        "template has it (Qwen2.5, Qwen3), or set model.chat_template to such a template"
+    ]
+
+
+def known_template(spec: PipelineSpec) -> tuple[str, str | None]:
+    """The model's chat template as this machine can know it before the run: model.chat_template, the family
+    template of a model built from config, or a local model folder's own; (name, None) when only the hub has it."""
+    from stages.chat import FAMILY_TEMPLATE, TemplateError, template_text
+
+    model = spec.model
+    name = model.chat_template or (FAMILY_TEMPLATE[model.from_config.architecture] if model.from_config else None)
+    if name is not None:
+        try:
+            return name, template_text(name)
+        except TemplateError:
+            return name, None  # a template file that is not here: the stage says so
+    try:
+        folder = resolve_path(model.name_or_path, spec)
+    except DataError:
+        return model.name_or_path, None
+    for candidate in (folder / "chat_template.jinja", folder / "tokenizer_config.json"):
+        try:
+            text = candidate.read_text(encoding="utf-8")
+            if candidate.suffix == ".json":
+                text = json.loads(text).get("chat_template")
+        except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+            continue
+        return f"{model.name_or_path}'s own", text if isinstance(text, str) else None
+    return model.name_or_path, None
 
 
 def _visible(uri: str, spec: PipelineSpec) -> bool:
@@ -205,7 +257,9 @@ def _see(sample: _FileSample, raw: RawRow, mapping: ColumnMap) -> None:
     error, present = raw.error, None
     if error is None:
         try:
-            _normalize(raw.value, mapping)
+            row = _normalize(raw.value, mapping)
+            if sample.with_tools is None and uses_tools(row):
+                sample.with_tools = raw.line
         except FieldError as exc:
             error = RowError(raw.file, raw.line, exc.field, exc.error, _excerpt(raw.value), exc.mapping)
             present = exc.present if isinstance(exc, MissingField) else None

@@ -157,3 +157,27 @@ def test_a_turn_that_says_something_and_calls_trains_both(template: str) -> None
     ids, labels = tokenize_conversation(tokenizer_for(template), row["messages"], tools=row["tools"])
     trained = tokenizer_for(template).decode([t for t, label in zip(ids, labels, strict=True) if label != IGNORE_INDEX])
     assert "날씨를 확인해 볼게요." in trained and '"name": "get_weather"' in trained and ANSWER not in trained
+
+
+@pytest.mark.parametrize(("profile", "refused"), [("local", True), ("qwen3", False)])
+def test_submit_says_when_the_model_s_template_has_no_tool_syntax(tmp_path: Path, profile: str, refused: bool) -> None:
+    from spec.loading import load_pipeline
+    from stages.check_data import check_data
+
+    # llama3-dolly's local profile builds a Llama-3 model (its template has no tool syntax); the same pipeline
+    # with a Qwen3 model passes
+    path = tmp_path / "tools.jsonl"
+    path.write_text(json.dumps(OPENAI_ROW, ensure_ascii=False) + "\n", encoding="utf-8")
+    overrides = [f"stages.sft.data.uri={path}", "stages.sft.data.format=messages", "stages.sft.data.columns={}"]
+    if profile == "qwen3":
+        overrides.append("model.from_config.architecture=qwen3")
+    spec = load_pipeline("llama3-dolly", profile="local", overrides=overrides).spec
+    problems = check_data(spec)
+    if refused:
+        assert problems == [
+            f"stages.sft.data ({path}): {path}:1: a conversation with tools, and the model's chat template (llama3) "
+            "has no tool syntax: it would drop the calls or refuse them; train tool calls on a model whose template "
+            "has it (Qwen2.5, Qwen3), or set model.chat_template to such a template"
+        ]
+    else:
+        assert problems == []
