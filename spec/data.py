@@ -16,7 +16,7 @@ FORMAT_COLUMNS: dict[str, tuple[str, ...]] = {
     "text": ("text",),
     "messages": ("messages", "role", "content", "tools"),
     "alpaca": ("instruction", "input", "output", "system", "history"),
-    "sharegpt": ("conversations", "system", "from", "value"),
+    "sharegpt": ("conversations", "system", "tools", "from", "value"),
     "preference": ("prompt", "chosen", "rejected", "system"),
 }
 
@@ -30,10 +30,11 @@ MESSAGE_KEYS = frozenset({"role", "content", "from", "value"})
 """The keys of FORMAT_COLUMNS that name a key inside each message, not a column of the row."""
 
 
-ROLE_NAMES = ("user", "assistant", "system", "tool")
+ROLE_NAMES = ("user", "assistant", "system", "tool", "function_call")
 
 
-"""The canonical roles `data.roles` maps to the tags a dataset uses."""
+"""The canonical roles `data.roles` maps to the tags a dataset uses (function_call: LLaMA-Factory's sharegpt turn whose
+value is the assistant's call, as JSON)."""
 
 
 FORMATS_WITH_ROLES = ("messages", "sharegpt")
@@ -147,14 +148,17 @@ class DataSpec(StrictModel):
         description="Where the format's fields are in the dataset: the format's name → the dataset's column (or "
         "message key), as LLaMA-Factory's dataset_info 'columns'. text: text; alpaca: instruction, input, output, "
         "system, history (earlier [instruction, response] pairs); sharegpt: conversations, system, and the message "
-        "keys from, value; messages: messages, tools, and the message keys role, content; preference: prompt, chosen, "
-        "rejected, system. E.g. {input: context, output: response} reads databricks-dolly-15k as alpaca. Names not "
+        "keys from, value; messages: messages, and the message keys role, content; sharegpt and messages also tools "
+        "(the functions offered); preference: prompt, chosen, rejected, system. E.g. {input: context, output: "
+        "response} reads databricks-dolly-15k as alpaca. Names not "
         "given keep the format's own.",
     )
     roles: dict[str, str] = Field(
         default_factory=dict,
         description="The role tags the messages use (sharegpt and messages only): user, assistant, system or tool → "
-        "the dataset's tag, as LLaMA-Factory's user_tag/assistant_tag/system_tag, e.g. {user: human, assistant: gpt}. "
+        "the dataset's tag, as LLaMA-Factory's user_tag/assistant_tag/system_tag/observation_tag, e.g. {user: human, "
+        "assistant: gpt}; and, for sharegpt, function_call → LLaMA-Factory's function_tag (a turn whose value is the "
+        "assistant's call as JSON). "
         "A role given here accepts only its tag; one not given accepts the defaults (sharegpt: human or user, gpt "
         "or assistant, system; messages: the role's own name).",
     )

@@ -29,7 +29,16 @@ from typing import Any
 from spec.data import FORMAT_COLUMNS, MESSAGE_KEYS, DataSpec
 
 ROLES = ("system", "user", "assistant", "tool")
-SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "function_call": "function_call",  # LLaMA-Factory's: an assistant turn whose value is its tool call(s), as JSON
+    "observation": "tool",  # LLaMA-Factory's tool answer
+    "tool": "tool",
+}
 
 """The role tags a sharegpt dataset may use when `data.roles` does not say (tag → role)."""
 
@@ -206,6 +215,17 @@ def _message_list(
         role = roles[role]
         if role == "system" and i != 0:
             raise FieldError(f"{where}.{role_key}", "a system message may only come first")
+        if role == "function_call":  # the call as LLaMA-Factory writes it: {"name", "arguments"} or a list of them
+            if content_key not in message:
+                raise MissingField(f"{where}.{content_key}", "missing", sorted(str(k) for k in message))
+            value = _string(message[content_key], f"{where}.{content_key}")
+            try:
+                call = json.loads(value)
+            except ValueError as exc:
+                raise FieldError(f"{where}.{content_key}", f"a function call that is not JSON ({exc})") from None
+            calls = _tool_calls(call if isinstance(call, list) else [call], f"{where}.{content_key}")
+            out.append({"role": "assistant", "content": "", "tool_calls": calls})
+            continue
         calls = message.get("tool_calls")
         if content_key not in message and not calls:
             raise MissingField(f"{where}.{content_key}", "missing", sorted(str(k) for k in message))
@@ -363,7 +383,11 @@ def _normalize_sharegpt(row: dict[str, Any], cm: ColumnMap) -> dict[str, Any]:
     messages = _message_list(_required(row, "conversations", cm), path, role_key, cm.name("value"), cm.roles)
     # checked before the system column is put in front, so that error paths index the row's own list
     messages = _conversation(messages, path, role_key)
-    return {"messages": _system(row, cm, messages, path)}
+    out: dict[str, Any] = {"messages": _system(row, cm, messages, path)}
+    tools = _tools(row, cm)
+    if tools is not None:
+        out["tools"] = tools
+    return out
 
 
 def _completion(value: Any, path: str) -> list[dict[str, str]]:

@@ -482,8 +482,9 @@ SPEC_ERRORS = [
     ("alpaca", {"columns": {"answer": "response"}}, r"format 'alpaca' has no column 'answer'; it has instruction, "
      r"input, output, system, history"),
     ("sharegpt", {"columns": {"role": "speaker"}}, r"format 'sharegpt' has no column 'role'; it has conversations, "
-     r"system, from, value"),
-    ("sharegpt", {"roles": {"bot": "gpt"}}, r"'bot' is not a role; roles maps user, assistant, system"),
+     r"system, tools, from, value"),
+    ("sharegpt", {"roles": {"bot": "gpt"}}, r"'bot' is not a role; roles maps user, assistant, system, tool, "
+     r"function_call"),
     ("alpaca", {"roles": {"user": "human"}}, r"format 'alpaca' has no role tags; roles applies to messages and "
      r"sharegpt"),
     ("text", {"roles": {"user": "human"}}, r"format 'text' has no role tags"),

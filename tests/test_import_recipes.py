@@ -92,6 +92,13 @@ DATASET_INFO = {
         "columns": {"messages": "dialog", "system": "sys"},
         "tags": {"role_tag": "speaker", "content_tag": "text", "user_tag": "customer", "assistant_tag": "agent"},
     },
+    # LLaMA-Factory's function-calling layout (its glaive_toolcall data): a tools column, call and answer tags
+    "my_tools": {
+        "file_name": "tools.json",
+        "formatting": "sharegpt",
+        "columns": {"messages": "conversations", "tools": "functions"},
+        "tags": {"function_tag": "call", "observation_tag": "result"},
+    },
 }
 
 DEEPSPEED_Z3 = {
@@ -274,6 +281,18 @@ def test_llamafactory_sharegpt_columns_and_tags_map_to_columns_and_roles(llamafa
     assert data.roles == {"user": "customer", "assistant": "agent"}
 
 
+def test_llamafactory_tool_calls_map_to_the_tools_column_and_roles(llamafactory: Path) -> None:
+    recipe = llamafactory / "tools.yaml"
+    recipe.write_text("model_name_or_path: Qwen/Qwen3-8B\nstage: sft\nfinetuning_type: lora\ndataset: my_tools\n")
+    proc = _import(llamafactory, "llamafactory", str(recipe), "-o", str(llamafactory / "tools-pipeline.yaml"))
+    assert proc.returncode == 0, proc.stderr
+    assert "functions" not in proc.stderr  # nothing left unmapped
+    data = load_pipeline(str(llamafactory / "tools-pipeline.yaml")).spec.stages.sft.data
+    assert data.format == "sharegpt" and data.uri == str(llamafactory / "data" / "tools.json")
+    assert data.columns == {"tools": "functions"}  # conversations is the format's own name
+    assert data.roles == {"function_call": "call", "tool": "result"}
+
+
 def test_axolotl_lora(tmp_path: Path) -> None:
     (tmp_path / "examples" / "llama-3").mkdir(parents=True)
     (tmp_path / "examples" / "llama-3" / "lora-1b.yml").write_text(AXOLOTL_LORA, encoding="utf-8")
@@ -318,6 +337,18 @@ def test_axolotl_chat_template_qlora_and_deepspeed(tmp_path: Path) -> None:
     assert sft.data.columns == {"messages": "conversations", "role": "from", "content": "value"}
     assert sft.data.roles == {"user": "human", "assistant": "gpt"}
     assert sft.distributed.strategy == "deepspeed_zero2"
+
+    # axolotl's tool-calling chat_template datasets: field_tools and the tool role
+    tools = AXOLOTL_CHAT.replace("zero3_bf16", "zero2").replace(
+        "    field_messages: conversations\n", "    field_messages: conversations\n    field_tools: functions\n"
+    )
+    (tmp_path / "chat.yml").write_text(
+        tools.replace('      assistant: ["gpt"]', '      assistant: ["gpt"]\n      tool: ["ipython"]')
+    )
+    proc = _import(tmp_path, "axolotl", "chat.yml", "-o", str(out), "--force")
+    assert proc.returncode == 0, proc.stderr
+    sft = load_pipeline(str(out)).spec.stages.sft
+    assert sft.data.columns["tools"] == "functions" and sft.data.roles["tool"] == "ipython"
 
 
 def test_unsupported_recipe_is_one_error_line(tmp_path: Path) -> None:

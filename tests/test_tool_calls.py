@@ -181,3 +181,25 @@ def test_submit_says_when_the_model_s_template_has_no_tool_syntax(tmp_path: Path
         ]
     else:
         assert problems == []
+
+
+def test_llamafactory_sharegpt_function_calls_are_the_same_conversation() -> None:
+    # LLaMA-Factory's glaive_toolcall layout: the call a turn of its own (function_call), the answer an observation
+    row = {
+        "conversations": [
+            {"from": "human", "value": "서울 날씨 알려줘"},
+            {"from": "function_call", "value": '{"name": "get_weather", "arguments": {"city": "서울"}}'},
+            {"from": "observation", "value": ANSWER},
+            {"from": "gpt", "value": FINAL},
+        ],
+        "tools": json.dumps([WEATHER], ensure_ascii=False),
+    }
+    expected = canonical()
+    del expected["messages"][1]["tool_calls"][0]["id"], expected["messages"][2]["tool_call_id"]
+    assert normalize_row(row, "sharegpt") == expected
+    # its own tag names, through data.roles
+    renamed = json.loads(json.dumps(row).replace('"function_call"', '"call"').replace('"observation"', '"result"'))
+    assert normalize_row(renamed, "sharegpt", roles={"function_call": "call", "tool": "result"}) == expected
+    row["conversations"][1]["value"] = "get_weather(서울)"
+    with pytest.raises(FieldError, match="a function call that is not JSON"):
+        normalize_row(row, "sharegpt")

@@ -231,6 +231,8 @@ _ALPACA_COLUMNS = {
     "history": "history",
 }
 _PREFERENCE_COLUMNS = {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected", "system": "system"}
+_LLAMAFACTORY_TOOL_TAGS = {"function_call": "function_tag", "tool": "observation_tag"}
+"""data.roles → the dataset_info tag that names it, for sharegpt rows with tool calls."""
 
 
 def _llamafactory_dataset(
@@ -275,13 +277,17 @@ def _llamafactory_dataset(
         mapped.update(
             {t: tags[f"{t2}_tag"] for t, t2 in (("from", "role"), ("value", "content")) if f"{t2}_tag" in tags}
         )
+        if "tools" in columns:
+            mapped["tools"] = columns["tools"]
         roles = {role: tags[f"{role}_tag"] for role in ("user", "assistant", "system") if f"{role}_tag" in tags}
+        roles |= {ours: tags[theirs] for ours, theirs in _LLAMAFACTORY_TOOL_TAGS.items() if theirs in tags}
         if roles:
             data["roles"] = roles
     else:
         data["format"] = "alpaca"
         mapped = {_ALPACA_COLUMNS[k]: v for k, v in columns.items() if k in _ALPACA_COLUMNS}
-    for key in set(columns) - {"prompt", "query", "response", "system", "history", "messages", "chosen", "rejected"}:
+    known = {"prompt", "query", "response", "system", "history", "messages", "chosen", "rejected"}
+    for key in set(columns) - known - ({"tools"} if data["format"] == "sharegpt" else set()):
         imported.skip(f"dataset_info.{first}.columns.{key}", columns[key], "no such column in the spec's formats")
     data["columns"] = {k: v for k, v in mapped.items() if k != v}
     if not data["columns"]:
@@ -398,6 +404,8 @@ def _axolotl_dataset(imported: Imported, datasets: list[Any], section: str, pref
         columns = {}
         if first.get("field_messages"):
             columns["messages"] = first["field_messages"]
+        if first.get("field_tools"):
+            columns["tools"] = first["field_tools"]
         mappings = first.get("message_property_mappings") or {}
         for ours in ("role", "content"):
             column = mappings.get(ours) or first.get(f"message_field_{ours}")
@@ -409,7 +417,7 @@ def _axolotl_dataset(imported: Imported, datasets: list[Any], section: str, pref
                 del data["columns"]
         roles = {}
         for role, tags in (first.get("roles") or {}).items():
-            if role in ("user", "assistant", "system") and tags:
+            if role in ("user", "assistant", "system", "tool") and tags:
                 roles[role] = tags[0] if isinstance(tags, list) else tags
                 if isinstance(tags, list) and len(tags) > 1:
                     imported.skip(f"datasets[0].roles.{role}", tags, f"one tag per role: {tags[0]!r} kept")
@@ -429,6 +437,7 @@ def _axolotl_dataset(imported: Imported, datasets: list[Any], section: str, pref
         "ds_type",
         "field",
         "field_messages",
+        "field_tools",
         "roles",
         "message_property_mappings",
         "message_field_role",
