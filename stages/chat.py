@@ -37,6 +37,7 @@ from weakref import WeakKeyDictionary
 IGNORE_INDEX = -100
 
 _MARK = "\ue000"  # a private-use character: not whitespace (trim keeps it), not in any template's syntax
+_OPEN, _CLOSE = "\ue001", "\ue002"  # around each assistant content, for `_bracketed_spans`
 
 
 class ConversationError(ValueError):
@@ -248,6 +249,74 @@ def assistant_spans(
     return text, spans
 
 
+def _bracketed_spans(
+    tokenizer: Any, messages: list[dict[str, Any]], enable_thinking: bool, tools: list[dict[str, Any]] | None
+) -> tuple[str, list[tuple[int, int]]] | None:
+    """`assistant_spans` in two renders instead of 1 + 2 per assistant turn: the conversation as it is, and once
+    more with each assistant content between two private-use characters. Where the second, without them, is the
+    first character for character (the template wrote each content where it is, unchanged), a turn is its content
+    and the end-of-turn token after it (after its tool calls, where it makes some), from where the generation prompt
+    ends (`_gap`). None where that does not hold (a template that trims, splits or moves a content: Qwen3's
+    reasoning turns, Mistral's system text), or a turn does not end with an end-of-turn token: `assistant_spans`
+    decides those, and tests/test_chat_templates.py holds the two to the same labels."""
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if not turns or turns[0] == 0 or any(_OPEN in m["content"] or _CLOSE in m["content"] for m in messages):
+        return None
+    gap = _gap(tokenizer, enable_thinking)
+    if gap is None:
+        return None
+    bracketed = [dict(m) for m in messages]
+    for i in turns:
+        bracketed[i]["content"] = f"{_OPEN}{messages[i]['content']}{_CLOSE}"
+    text = render(tokenizer, messages, enable_thinking=enable_thinking, tools=tools)
+    marked = render(tokenizer, bracketed, enable_thinking=enable_thinking, tools=tools)
+    if marked.count(_OPEN) != len(turns) or marked.count(_CLOSE) != len(turns):
+        return None
+    if marked.replace(_OPEN, "").replace(_CLOSE, "") != text:
+        return None
+    spans: list[tuple[int, int]] = []
+    removed = 0  # bracket characters before the position, in `marked`
+    at = 0
+    for i in turns:
+        opened = marked.index(_OPEN, at)
+        closed = marked.index(_CLOSE, opened)
+        start, content_end = opened - removed - len(gap), closed - removed - 1
+        removed += 2
+        at = closed + 1
+        if text[start : start + len(gap)] != gap:
+            return None
+        if "tool_calls" in messages[i]:  # its calls follow the content: the turn ends at the next end-of-turn token
+            found = [(j, t) for t in _stop_tokens(tokenizer) if (j := text.find(t, content_end)) >= 0]
+            end = min(j + len(t) for j, t in found) if found else None
+        else:
+            end = _turn_end(tokenizer, text, content_end)
+        if end is None or (spans and start < spans[-1][1]):
+            return None
+        spans.append((start, end))
+    return text, spans
+
+
+def _gap(tokenizer: Any, enable_thinking: bool) -> str | None:
+    """What the model generates between the generation prompt and an answer's content in this template (Mistral's
+    space after `[/INST]`; Qwen3's empty thinking block in thinking mode; mostly nothing), found once per tokenizer
+    on a one-turn conversation by `assistant_spans`; None when that conversation cannot be rendered so."""
+    gaps = _GAPS.setdefault(tokenizer, {})
+    if enable_thinking not in gaps:
+        content = "\ue003"
+        probe = [{"role": "user", "content": "1"}, {"role": "assistant", "content": content}]
+        try:
+            text, [(start, _)] = assistant_spans(tokenizer, probe, enable_thinking)
+        except (ConversationError, TemplateError, ValueError):
+            gaps[enable_thinking] = None
+        else:
+            at = text.find(content, start)
+            gaps[enable_thinking] = text[start:at] if at >= 0 else None
+    return gaps[enable_thinking]
+
+
+_GAPS: WeakKeyDictionary[Any, dict[bool, str | None]] = WeakKeyDictionary()
+
+
 def _located_turn(
     tokenizer: Any,
     messages: list[dict[str, Any]],
@@ -311,7 +380,8 @@ def tokenize_conversation(
     if has_generation_tags(template):
         ids, mask = _generation_mask(tokenizer, messages, enable_thinking, tools)
     else:
-        text, spans = assistant_spans(tokenizer, messages, enable_thinking, tools)
+        bracketed = _bracketed_spans(tokenizer, messages, enable_thinking, tools)
+        text, spans = bracketed or assistant_spans(tokenizer, messages, enable_thinking, tools)
         encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
         mask = [0] * len(ids)

@@ -1,0 +1,74 @@
+"""The two-render labelling (`stages.chat._bracketed_spans`) gives exactly the labels of the prefix-rendering one
+(`assistant_spans`) for every family's template, on conversations of every shape prepare meets (system prompts,
+one to three turns, contents with edge whitespace, reasoning turns, tool calls), and it is the path most rows take:
+it is what makes conversations tokenize at the library's speed (bench/prepare_corpus.py)."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+from test_chat_templates import tokenizer_for
+from test_tool_calls import canonical
+
+from stages import chat
+from stages.chat import ConversationError, tokenize_conversation
+
+SENTENCES = ["서울은 크고 넓습니다.", "부산은 바다가 아름답습니다.", "짧게 답하세요.", "네, 알겠습니다.", "왜요?"]
+
+
+def conversations(seed: int = 0, count: int = 40) -> list[list[dict[str, Any]]]:
+    rng = random.Random(seed)
+    out = []
+    for n in range(count):
+        messages: list[dict[str, Any]] = []
+        if n % 3 == 0:
+            messages.append({"role": "system", "content": rng.choice(SENTENCES)})
+        for _ in range(1 + n % 3):
+            messages.append({"role": "user", "content": " ".join(rng.sample(SENTENCES, 2))})
+            answer = rng.choice(SENTENCES)
+            if n % 5 == 1:
+                answer = f"\n{answer}  "  # edge whitespace: templates that trim it must fall back
+            if n % 7 == 2:
+                answer = f"<think>\n{rng.choice(SENTENCES)}\n</think>\n\n{answer}"
+            messages.append({"role": "assistant", "content": answer})
+        out.append(messages)
+    return out
+
+
+def labels_both_ways(tokenizer: Any, messages: list[dict[str, Any]], **kwargs: Any) -> tuple[Any, Any, bool]:
+    fast_used = chat._bracketed_spans(tokenizer, messages, kwargs.get("enable_thinking", False), kwargs.get("tools"))
+    fast = tokenize_conversation(tokenizer, messages, **kwargs)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(chat, "_bracketed_spans", lambda *args: None)
+        slow = tokenize_conversation(tokenizer, messages, **kwargs)
+    return fast, slow, fast_used is not None
+
+
+@pytest.mark.parametrize("template", ["chatml", "qwen2_5", "qwen3", "llama3", "gemma3", "exaone4", "mistral"])
+@pytest.mark.parametrize("enable_thinking", [False, True])
+def test_the_same_labels_as_prefix_rendering(template: str, enable_thinking: bool) -> None:
+    tokenizer = tokenizer_for(template)
+    taken = total = 0
+    for messages in conversations():
+        try:
+            fast, slow, used = labels_both_ways(tokenizer, messages, enable_thinking=enable_thinking)
+        except ConversationError:
+            continue  # a template that refuses the shape (Gemma's system text, say) refuses it both ways
+        assert fast == slow, messages
+        taken, total = taken + used, total + 1
+    assert total >= 20
+    if not (template == "qwen3" and enable_thinking):  # Qwen3 thinks only in its last turn
+        assert taken >= total * 0.6, (taken, total)  # most rows take the two-render path
+
+
+@pytest.mark.parametrize("template", ["qwen2_5", "qwen3"])
+def test_tool_calls_label_alike_both_ways(template: str) -> None:
+    row = canonical()
+    fast, slow, used = labels_both_ways(tokenizer_for(template), row["messages"], tools=row["tools"])
+    assert fast == slow
+    assert not used  # a turn of calls alone has no content to bracket the way it renders: prefix rendering decides
+    row["messages"][1]["content"] = "확인해 볼게요."
+    fast, slow, used = labels_both_ways(tokenizer_for(template), row["messages"], tools=row["tools"])
+    assert fast == slow and used
