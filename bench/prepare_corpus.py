@@ -266,7 +266,7 @@ def write_corpus(
 
     name = f"{kind}-{tokens}-s{seed}-g{GENERATOR_VERSION}-{tokenizer_path.name}-{shards}x{zst_shards}"
     directory = workdir / "corpora" / name
-    record = directory / "corpus.json"
+    record = directory.parent / f"{name}.json"  # beside the data folder: a .json file in it would be data
     if record.is_file():
         return json.loads(record.read_text())
     shutil.rmtree(directory, ignore_errors=True)

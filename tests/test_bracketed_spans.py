@@ -72,3 +72,20 @@ def test_tool_calls_label_alike_both_ways(template: str) -> None:
     row["messages"][1]["content"] = "확인해 볼게요."
     fast, slow, used = labels_both_ways(tokenizer_for(template), row["messages"], tools=row["tools"])
     assert fast == slow and used
+
+
+def test_the_span_mask_by_bisection_is_the_token_by_token_one() -> None:
+    rng = random.Random(3)
+    for _ in range(200):
+        # a byte-level BPE's offsets: growing, several tokens of one character sharing theirs, zero-width ones
+        offsets, at = [], 0
+        for _ in range(rng.randint(1, 40)):
+            width = rng.choice([0, 1, 1, 2, 3])
+            offsets += [(at, at + width)] * rng.choice([1, 1, 2])
+            at += width
+        spans = sorted({tuple(sorted(rng.sample(range(at + 2), 2))) for _ in range(rng.randint(1, 3))})
+        spans = [s for i, s in enumerate(spans) if i == 0 or s[0] >= spans[i - 1][1]]
+        expected = [int(any(e > a and s < b for a, b in spans)) for s, e in offsets]
+        assert chat._span_mask(offsets, spans)[0] == expected
+        shuffled = offsets[::-1]  # not growing: the token-by-token path
+        assert chat._span_mask(shuffled, spans)[0] == [int(any(e > a and s < b for a, b in spans)) for s, e in shuffled]
