@@ -834,10 +834,12 @@ def load_starting_model(
             inputs.check("model", adapter_dir)
     # ZeRO-3: the model is created partitioned as it loads, not whole in every process, which needs the DeepSpeed
     # config the Trainer only makes later (`stages.sharded_loading`). Not for full training after a LoRA stage (the
-    # adapter merges into whole weights), nor for rlhf's full training (its reference model is a copy of the loaded
-    # one: `stages.rlhf.frozen_reference`, `point_grpo_at_reference`).
+    # adapter merges into whole weights), nor for GRPO's full training (its reference model is read from a copy of
+    # the starting weights that `stages.rlhf.point_grpo_at_reference` saves). DPO's and KTO's reference is loaded
+    # partitioned too (`stages.rlhf.frozen_reference`).
     zero3 = None
-    whole = section.method == "full" and (adapter_dir is not None or stage == "rlhf")
+    grpo = stage == "rlhf" and getattr(section, "algorithm", None) == "grpo"
+    whole = section.method == "full" and (adapter_dir is not None or grpo)
     if partitions_at_load(section) and not whole:
         zero3 = zero3_loading(stage, section, weights_dtype(spec.model))
     model = load_base(run_dir, spec, base, tokenizer, quantization, once=loads_once(section))

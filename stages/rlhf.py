@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from datasets import Dataset, load_dataset
-from transformers import TrainingArguments
+from transformers import TrainingArguments, set_seed
 
 from spec.training import RlhfStage
 from stages.checkpoints import CheckpointMarker, SigtermCheckpoint
@@ -44,6 +44,7 @@ from stages.modeling import (
     NotSupportedHere,
     StartingModel,
     describe,
+    load_base,
     load_starting_model,
     load_tokenizer,
     stage_output,
@@ -293,7 +294,7 @@ def make_trainer(
     if section.algorithm == "dpo":
         from trl import DPOTrainer
 
-        return DPOTrainer(**common, eval_dataset=eval_rows, ref_model=frozen_reference(section, start))
+        return DPOTrainer(**common, eval_dataset=eval_rows, ref_model=frozen_reference(ctx, start, tokenizer))
     if section.algorithm == "orpo":
         from trl.experimental.orpo import ORPOTrainer
 
@@ -301,7 +302,7 @@ def make_trainer(
     if section.algorithm == "kto":
         from trl import KTOTrainer
 
-        return KTOTrainer(**common, eval_dataset=eval_rows, ref_model=frozen_reference(section, start))
+        return KTOTrainer(**common, eval_dataset=eval_rows, ref_model=frozen_reference(ctx, start, tokenizer))
     from trl import GRPOTrainer
 
     from stages.chat import stop_token_ids
@@ -315,13 +316,24 @@ def make_trainer(
     return GRPOTrainer(**common, reward_funcs=rewards)
 
 
-def frozen_reference(section: RlhfStage, start: StartingModel) -> Any | None:
+def frozen_reference(ctx: StageContext, start: StartingModel, tokenizer: Any) -> Any | None:
     """DPO/KTO's reference model for full training: a frozen copy of the starting model. None when TRL needs none:
     with an adapter (TRL keeps a frozen copy of the starting adapter), or when the reference log-probabilities are
-    precomputed (TRL computes them with the policy itself before the first step, i.e. with the starting weights)."""
+    precomputed (TRL computes them with the policy itself before the first step, i.e. with the starting weights).
+
+    Under ZeRO-3 over several processes the policy was created partitioned (`stages.sharded_loading`): a copy of it
+    would be a copy of the partitions, and a whole copy would put the model in every process' memory twice. The
+    reference is then loaded a second time the way the policy was, partitioned too (the same weights: the same
+    checkpoint, or a model built from config from the same seed), and TRL wraps it in its own inference engine."""
+    section: RlhfStage = ctx.section
     if start.kind == "adapter" or section.precompute_ref_log_probs:
         return None
-    reference = copy.deepcopy(start.model).eval()
+    if start.zero3_config is not None:
+        set_seed(section.training.seed)  # a model built from config draws the policy's weights again
+        reference = load_base(ctx.run_dir, ctx.spec, start.base, tokenizer)
+    else:
+        reference = copy.deepcopy(start.model)
+    reference.eval()
     reference.requires_grad_(False)
     return reference
 

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file
-from training_fixtures import REPO, child_env, make_run_dir
+from training_fixtures import EVAL_ROWS, REPO, child_env, make_run_dir, preference_rows, write_jsonl
 
 from run.run_dir import RunDir
 from spec.loading import load_pipeline
@@ -126,11 +126,14 @@ def test_rank_0_loads_onto_its_gpu_only_when_the_model_and_its_upcast_fit(monkey
     assert sharded_loading.first_rank_placement(10**6) == {}
 
 
+NO_PRECOMPUTE = "stages.rlhf.precompute_ref_log_probs=false"  # a reference model, not log-probabilities made ahead
 ZERO3 = [
     "stages.cpt.distributed.strategy=deepspeed_zero3",
     "stages.sft.distributed.strategy=deepspeed_zero3",
+    "stages.rlhf.distributed.strategy=deepspeed_zero3",
     "stages.cpt.training.max_steps=2",
     "stages.sft.training.max_steps=2",
+    "stages.rlhf.training.max_steps=2",
 ]
 
 
@@ -138,13 +141,22 @@ ZERO3 = [
 @pytest.mark.parametrize(
     ("stage", "overrides"),
     # the LoRA stage merges its adapter as it ends (lora.merge_after): rank 0 alone reloads the base, whole
-    [("cpt", []), ("sft", ["stages.cpt.enabled=false", "stages.sft.method=lora", "stages.sft.lora.merge_after=true"])],
-    ids=["full", "lora"],
+    [
+        ("cpt", []),
+        ("sft", ["stages.cpt.enabled=false", "stages.sft.method=lora", "stages.sft.lora.merge_after=true"]),
+        # full DPO: the policy and its frozen reference both created partitioned, from the same checkpoint
+        ("rlhf", ["stages.cpt.enabled=false", "stages.sft.enabled=false", "stages.rlhf.method=full", NO_PRECOMPUTE]),
+    ],
+    ids=["full", "lora", "dpo-full"],
 )
 def test_zero3_creates_the_model_partitioned_and_loads_the_checkpoint_into_it(
     tmp_path: Path, stage: str, overrides: list[str]
 ) -> None:
     run_dir = pretrained_run_dir(tmp_path / "run", "qwen3", [*ZERO3, *overrides])
+    if stage == "rlhf":
+        rows = preference_rows(24 + EVAL_ROWS)
+        write_jsonl(run_dir.root / "prepare/data/rlhf/train.jsonl", rows[EVAL_ROWS:])
+        write_jsonl(run_dir.root / "prepare/data/rlhf/eval.jsonl", rows[:EVAL_ROWS])
     checkpoint = load_file(run_dir.root / "checkpoint" / "model.safetensors")
     out = tmp_path / "check"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
@@ -157,7 +169,8 @@ def test_zero3_creates_the_model_partitioned_and_loads_the_checkpoint_into_it(
         report = json.loads((out / f"rank-{rank}.json").read_text())
         # transformers saw ZeRO-3 as the weights loaded; rank 0's merge reloaded the base whole, without it
         merged = [False] if stage == "sft" and rank == 0 else []
-        assert report["zero3_at_load"] == [True, *merged], report
+        again = [True] if stage == "rlhf" else []  # the reference loaded again, partitioned as well
+        assert report["zero3_at_load"] == [True, *again, *merged], report
         # Every weight of the model was created partitioned; only LoRA's adapters (made afterwards) are whole.
         assert len(report["partitioned"]) == len(checkpoint), report
         assert all(".lora_" in name for name in report["whole"]), report
@@ -167,6 +180,13 @@ def test_zero3_creates_the_model_partitioned_and_loads_the_checkpoint_into_it(
         assert half <= report["held_elements"] <= half + len(report["partitioned"]), report
         # Gathered, the partitions are the checkpoint.
         assert report["checked_weights"] == len(checkpoint) and report["differing_weights"] == [], report
+        if stage == "rlhf":  # the reference too: partitioned, half on each rank, the checkpoint's weights
+            reference = report["reference"]
+            assert len(reference["partitioned"]) == len(checkpoint) and reference["whole"] == [], reference
+            assert half <= reference["held_elements"] <= half + len(checkpoint), reference
+            assert reference["differing_weights"] == [], reference
+        else:
+            assert "reference" not in report
 
     result = run_dir.read_result(stage)
     assert result is not None and result.status == "succeeded" and result.metrics["steps"] == 2

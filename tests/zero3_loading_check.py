@@ -34,6 +34,7 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 
 import stages.distributed
 import stages.modeling
+import stages.rlhf
 import stages.training
 
 OUT = Path(sys.argv[1])
@@ -73,13 +74,16 @@ def checkpoint_name(name: str) -> str:
     return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
 
 
-def watched_start(run_dir: Any, spec: Any, stage: str, *args: Any, **kwargs: Any) -> Any:
-    start = load_starting_model(run_dir, spec, stage, *args, **kwargs)
-    params = dict(start.model.named_parameters())
-    report["partitioned"] = sorted(name for name, p in params.items() if hasattr(p, "ds_numel"))
-    report["whole"] = sorted(name for name, p in params.items() if not hasattr(p, "ds_numel"))
-    report["held_elements"] = sum(p.ds_tensor.numel() for p in params.values() if hasattr(p, "ds_numel"))
-    report["model_elements"] = sum(p.ds_numel for p in params.values() if hasattr(p, "ds_numel"))
+def describe_load(model: Any, spec: Any) -> dict[str, Any]:
+    """Which parameters of `model` are partitioned, the elements this rank holds, and, gathered, which differ from
+    the base checkpoint."""
+    params = dict(model.named_parameters())
+    out: dict[str, Any] = {
+        "partitioned": sorted(name for name, p in params.items() if hasattr(p, "ds_numel")),
+        "whole": sorted(name for name, p in params.items() if not hasattr(p, "ds_numel")),
+        "held_elements": sum(p.ds_tensor.numel() for p in params.values() if hasattr(p, "ds_numel")),
+        "model_elements": sum(p.ds_numel for p in params.values() if hasattr(p, "ds_numel")),
+    }
     source = Path(spec.model.name_or_path) / "model.safetensors"
     if source.is_file():
         saved = load_file(source)
@@ -90,14 +94,32 @@ def watched_start(run_dir: Any, spec: Any, stage: str, *args: Any, **kwargs: Any
                 with deepspeed.zero.GatheredParameters([param]):
                     if not torch.equal(param.data.float(), saved[key].float()):
                         differing.append(name)
-        report["checked_weights"] = sum(checkpoint_name(name) in saved for name in params)
-        report["differing_weights"] = differing
+        out["checked_weights"] = sum(checkpoint_name(name) in saved for name in params)
+        out["differing_weights"] = differing
+    return out
+
+
+def watched_start(run_dir: Any, spec: Any, stage: str, *args: Any, **kwargs: Any) -> Any:
+    start = load_starting_model(run_dir, spec, stage, *args, **kwargs)
+    report.update(describe_load(start.model, spec))
     return start
 
 
-for module in ("stages.cpt", "stages.sft"):
+frozen_reference = stages.rlhf.frozen_reference
+
+
+def watched_reference(ctx: Any, start: Any, tokenizer: Any) -> Any:
+    """rlhf's reference model, described as the starting model is (`reference` in the report)."""
+    reference = frozen_reference(ctx, start, tokenizer)
+    if reference is not None:
+        report["reference"] = describe_load(reference, ctx.spec)
+    return reference
+
+
+for module in ("stages.cpt", "stages.sft", "stages.rlhf"):
     __import__(module)
     sys.modules[module].load_starting_model = watched_start  # type: ignore[attr-defined]
+stages.rlhf.frozen_reference = watched_reference
 
 from stages.__main__ import main  # noqa: E402  (after the patches)
 
