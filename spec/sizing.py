@@ -113,8 +113,9 @@ def derived_size(spec: PipelineSpec, stage_name: str, res: Resources) -> PodSize
       memory, where accelerate upcasts the trained ones to float32 before sharding: twice the weights for full
       training, once for LoRA. Under ZeRO-3 over several processes the model is created partitioned (zero.Init)
       and rank 0 alone reads the checkpoint into host memory, from where each module's weights go to the
-      partitions: the weights once (not for full training that merges an upstream stage's adapter, nor for rlhf's
-      full training, whose reference model copies the loaded one: those load whole weights in every process).
+      partitions: the weights once (rlhf's full DPO and KTO load their reference that way too, one after the
+      other; not for full training that merges an upstream stage's adapter, nor for GRPO's full training, whose
+      reference is read from a saved copy of the starting weights: those load whole weights in every process).
       Plus optimizer state offloaded to the host (16 bytes a parameter: fp32 master weights, two Adam moments,
       gradients; shared by the nodes) with `distributed.cpu_offload`.
     - evaluate: the model being measured, once and a half (loading, then the generation cache on a CPU pod).
@@ -131,8 +132,9 @@ def derived_size(spec: PipelineSpec, stage_name: str, res: Resources) -> PodSize
     cpu = str(max(4, CPU_PER_GPU[role] * res.gpus_per_node))
     overhead = RUNTIME_OVERHEAD_GIB[role] * GIB + shm
     if role == "training":
-        rlhf_full = stage_name == "rlhf" and spec.stage(stage_name).method == "full"
-        whole = _merges_an_adapter(spec, stage_name) or rlhf_full
+        section = spec.stage(stage_name)
+        grpo_full = stage_name == "rlhf" and section.method == "full" and getattr(section, "algorithm", "") == "grpo"
+        whole = _merges_an_adapter(spec, stage_name) or grpo_full
         memory = weights * _host_copies(spec.stage(stage_name), res, whole)
         if getattr(getattr(spec.stage(stage_name), "distributed", None), "cpu_offload", False):
             memory += 16 * model_parameters(spec) / res.nodes

@@ -142,8 +142,12 @@ def test_a_zero3_pod_holds_the_weights_once() -> None:
     assert quantity(pod_size(spec, "sft").memory) >= 8 * weights
     spec.stages.cpt = cpt.model_copy(update={"method": "full"})
     assert weights <= quantity(pod_size(spec, "sft").memory) < weights + runtime
-    # rlhf's full training copies the loaded model for its reference: whole weights too.
+    # rlhf's full DPO loads its reference partitioned too, after the policy: one copy at a time
     spec.stages.rlhf = spec.stages.rlhf.model_copy(update={"method": "full", "enabled": True, "distributed": zero3})
     spec.stages.rlhf.resources.memory = spec.stages.rlhf.resources.shm_size = None
     spec.stages.rlhf.resources.nodes, spec.stages.rlhf.resources.gpus_per_node = 1, 8
+    assert weights <= quantity(pod_size(spec, "rlhf").memory) < weights + runtime
+    # GRPO's full training reads its reference from a saved copy of the whole starting weights: whole in every process
+    grpo = {"algorithm": "grpo", "reward_functions": [{"name": "hangul_ratio"}]}
+    spec.stages.rlhf = type(spec.stages.rlhf).model_validate({**spec.stages.rlhf.model_dump(), **grpo})
     assert quantity(pod_size(spec, "rlhf").memory) >= 8 * weights
