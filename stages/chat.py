@@ -216,6 +216,15 @@ def _turn_end(tokenizer: Any, text: str, at: int) -> int | None:
     return None
 
 
+def _content_turn_end(tokenizer: Any, text: str, content_end: int, calls: bool) -> int | None:
+    """Where the turn whose content ends at `content_end` ends: after the end-of-turn token that follows it, or,
+    for a turn that calls tools (its calls come after the content), after the next end-of-turn token."""
+    if not calls:
+        return _turn_end(tokenizer, text, content_end)
+    found = [at + len(token) for token in _stop_tokens(tokenizer) if (at := text.find(token, content_end)) >= 0]
+    return min(found) if found else None
+
+
 def _ends_turn(tokenizer: Any, said: str) -> bool:
     """Whether `said` ends with an end-of-turn token."""
     return any(said.endswith(token) for token in _stop_tokens(tokenizer))
@@ -291,11 +300,7 @@ def _bracketed_spans(
         at = closed + 1
         if text[start : start + len(gap)] != gap:
             return None
-        if "tool_calls" in messages[i]:  # its calls follow the content: the turn ends at the next end-of-turn token
-            found = [(j, t) for t in _stop_tokens(tokenizer) if (j := text.find(t, content_end)) >= 0]
-            end = min(j + len(t) for j, t in found) if found else None
-        else:
-            end = _turn_end(tokenizer, text, content_end)
+        end = _content_turn_end(tokenizer, text, content_end, "tool_calls" in messages[i])
         if end is None or (spans and start < spans[-1][1]):
             return None
         spans.append((start, end))
@@ -336,11 +341,7 @@ def _located_turn(
     of its content (where a marker appended to it shows up) and the end-of-turn token after it; the start,
     after the message before it, where `text` stops following the generation prompt."""
     content_end = _common_prefix(text, render(tokenizer, _marked(messages, i), False, enable_thinking, tools))
-    if "tool_calls" in messages[i]:  # the calls follow the content: the turn ends at the next end-of-turn token
-        ends = [(at, token) for token in _stop_tokens(tokenizer) if (at := text.find(token, content_end)) >= 0]
-        end = min(at + len(token) for at, token in ends) if ends else None
-    else:
-        end = _turn_end(tokenizer, text, content_end)
+    end = _content_turn_end(tokenizer, text, content_end, "tool_calls" in messages[i])
     if end is None:
         raise ConversationError(
             f"the chat template closes assistant message {i} with no end-of-turn token: the model would never "
