@@ -4,10 +4,11 @@ Canonical forms, what every later stage reads:
 
     text        {"text": str}
     chat        {"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": str}, ...]}
-                (formats messages, alpaca and sharegpt); with format messages an assistant message may also
-                have "tool_calls": [{"type": "function", "function": {"name": str, "arguments": {...}}}], a
-                "tool" message answers them, and the row may have "tools" (the functions offered, as JSON
-                schemas): the form transformers' chat templates read
+                (formats messages, alpaca and sharegpt); with formats messages and sharegpt an assistant
+                message may also have "tool_calls": [{"type": "function", "function": {"name": str,
+                "arguments": {...}}}], a "tool" message answers them, and the row may have "tools" (the
+                functions offered, as JSON schemas): the form transformers' chat templates read. sharegpt's
+                `function_call` turn (LLaMA-Factory's) becomes an assistant message with its tool_calls
     preference  {"prompt": [messages...], "chosen": [{"role": "assistant", "content": str}],
                  "rejected": [{"role": "assistant", "content": str}]}
 
