@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -99,6 +100,32 @@ DATASET_INFO = {
         "columns": {"messages": "conversations", "tools": "functions"},
         "tags": {"function_tag": "call", "observation_tag": "result"},
     },
+}
+
+DATA_FILES: dict[str, list[dict[str, Any]]] = {
+    "identity.json": [{"instruction": "너는 누구니?", "input": "", "output": "저는 도우미입니다."}],
+    "alpaca_en_demo.json": [{"instruction": "Say hi.", "input": "", "output": "Hi."}],
+    "dpo_en_demo.json": [{"instruction": "인사해 줘.", "chosen": "안녕하세요.", "rejected": "Hello."}],
+    "chats.jsonl": [
+        {
+            "sys": "짧게 답하세요.",
+            "dialog": [
+                {"speaker": "customer", "text": "배송은 언제 오나요?"},
+                {"speaker": "agent", "text": "내일 도착합니다."},
+            ],
+        }
+    ],
+    "tools.json": [
+        {
+            "functions": json.dumps([{"name": "get_weather", "parameters": {"type": "object"}}]),
+            "conversations": [
+                {"from": "human", "value": "서울 날씨?"},
+                {"from": "call", "value": json.dumps({"name": "get_weather", "arguments": {"city": "서울"}})},
+                {"from": "result", "value": '{"temp": 3}'},
+                {"from": "gpt", "value": "3도입니다."},
+            ],
+        }
+    ],
 }
 
 DEEPSPEED_Z3 = {
@@ -216,6 +243,9 @@ def llamafactory(tmp_path: Path) -> Path:
     (tmp_path / "examples" / "train_lora" / "qwen2_5_lora_dpo.yaml").write_text(LLAMAFACTORY_DPO, encoding="utf-8")
     (tmp_path / "examples" / "deepspeed" / "ds_z3_config.json").write_text(json.dumps(DEEPSPEED_Z3), encoding="utf-8")
     (tmp_path / "data" / "dataset_info.json").write_text(json.dumps(DATASET_INFO), encoding="utf-8")
+    for name, rows in DATA_FILES.items():  # the files dataset_info.json names, in LLaMA-Factory's own layouts
+        text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows) if name.endswith(".jsonl") else ""
+        (tmp_path / "data" / name).write_text(text or json.dumps(rows, ensure_ascii=False), encoding="utf-8")
     return tmp_path
 
 
@@ -329,6 +359,14 @@ def test_axolotl_chat_template_qlora_and_deepspeed(tmp_path: Path) -> None:
         json.dumps({**DEEPSPEED_Z3, "zero_optimization": {"stage": 2}}), encoding="utf-8"
     )
     proc = _import(tmp_path, "axolotl", "chat.yml", "-o", str(out))
+    # written, but its data file is not there yet: exit 3, saying so
+    assert proc.returncode == 3, proc.stderr
+    assert f"not runnable: stages.sft.data: {tmp_path / 'data' / 'chats.jsonl'}: no such file" in proc.stderr
+    assert out.is_file()
+    (tmp_path / "data").mkdir()
+    row = {"conversations": [{"from": "human", "value": "안녕?"}, {"from": "gpt", "value": "안녕하세요."}]}
+    (tmp_path / "data" / "chats.jsonl").write_text(json.dumps(row, ensure_ascii=False) + "\n", encoding="utf-8")
+    proc = _import(tmp_path, "axolotl", "chat.yml", "-o", str(out), "--force")
     assert proc.returncode == 0, proc.stderr
     spec = load_pipeline(str(out)).spec
     sft = spec.stages.sft

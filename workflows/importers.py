@@ -20,13 +20,16 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from spec.document import SpecError, load_json, load_yaml
 from spec.loading import load_pipeline
 from spec.model import KNOWN_CHAT_TEMPLATES
+
+if TYPE_CHECKING:
+    from spec.pipeline import PipelineSpec
 
 EXIT_USAGE = 2
 
@@ -578,7 +581,9 @@ def parser() -> argparse.ArgumentParser:
         "  python -m workflows.import llamafactory examples/train_lora/llama3_lora_sft.yaml -o my-sft.yaml\n"
         "  python -m workflows.import axolotl examples/llama-3/lora-1b.yml > my-sft.yaml\n\n"
         "What could not be mapped is listed on stderr (and in the file's header) as `key: value → why`.\n"
-        "exit codes: 0 written, 2 bad input (unreadable recipe, unsupported stage, output exists without --force)",
+        "exit codes: 0 written and runnable as it is; 3 written, but its data cannot be read as the pipeline\n"
+        "says (the `not runnable:` lines say why: a dataset file that is not there, a column it lacks); 2 bad input\n"
+        "(unreadable recipe, unsupported stage, output exists without --force)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_version_option(p)
@@ -595,7 +600,11 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _validate(text: str, out_dir: Path, shown: str) -> None:
+EXIT_NOT_RUNNABLE = 3
+"""Written, but the pipeline cannot run as it is: the data check (`python -m stages check-data`) refused its data."""
+
+
+def _validate(text: str, out_dir: Path, shown: str) -> PipelineSpec:
     """Load the pipeline as submit would (its relative paths resolved from `out_dir`); SpecError, naming the file
     as `shown`, if it fails."""
     import tempfile
@@ -603,11 +612,21 @@ def _validate(text: str, out_dir: Path, shown: str) -> None:
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", dir=out_dir, delete=False, encoding="utf-8") as tmp:
         tmp.write(text)
     try:
-        load_pipeline(tmp.name)
+        return load_pipeline(tmp.name).spec
     except SpecError as exc:
         raise SpecError(str(exc).replace(tmp.name, shown)) from None
     finally:
         os.unlink(tmp.name)
+
+
+def not_runnable(spec: PipelineSpec) -> list[str]:
+    """Why the imported pipeline cannot run as it is: the data check's problems with the data this machine can read
+    (a dataset file the recipe names and that is not there, a column the rows lack, an encoding). Data on the hub
+    or in a bucket is prepare's to check."""
+    from workflows.data_check import data_problems
+
+    errors, _ = data_problems([spec])
+    return [line.removeprefix("error: ") for line in errors]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -626,7 +645,7 @@ def main(argv: list[str] | None = None) -> int:
                 Path(__file__).resolve().parent.parent / "docs" / "pipeline.schema.json", out_dir.resolve()
             )
         text = render_pipeline(imported, args.tool, args.recipe, schema)
-        _validate(text, out_dir, str(output or "the imported pipeline"))
+        spec = _validate(text, out_dir, str(output or "the imported pipeline"))
     except SpecError as exc:
         lines = str(exc).splitlines()
         print(
@@ -637,11 +656,15 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     for key, value, why in imported.unmapped:
         print(f"not mapped: {key}: {json.dumps(value, default=str)} → {why}", file=sys.stderr)
+    problems = not_runnable(spec)
+    for problem in problems:
+        print(f"not runnable: {problem}", file=sys.stderr)
+    code = EXIT_NOT_RUNNABLE if problems else 0
     if output is None:
         sys.stdout.write(text)
-        return 0
+        return code
     tmp = output.with_name(f".{output.name}.tmp")
     tmp.write_text(text, encoding="utf-8")
     tmp.replace(output)
-    print(f"wrote {output}", file=sys.stderr)
-    return 0
+    print(f"wrote {output}" + (": fix what is not runnable, then submit it" if problems else ""), file=sys.stderr)
+    return code
