@@ -203,3 +203,55 @@ def test_llamafactory_sharegpt_function_calls_are_the_same_conversation() -> Non
     row["conversations"][1]["value"] = "get_weather(서울)"
     with pytest.raises(FieldError, match="a function call that is not JSON"):
         normalize_row(row, "sharegpt")
+
+
+AGENT = """\
+name: agent-sft
+model:
+  name_or_path: tiny-qwen3-agent
+  revision: null
+  from_config: { architecture: qwen3, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, vocab_size: 2048 }
+stages:
+  sft:
+    enabled: true
+    data: { uri: tools.jsonl, format: messages, eval_fraction: 0.2 }
+    training: { max_steps: 4, learning_rate: 1.0e-3 }
+"""
+
+
+def agent_rows(n: int) -> list[dict[str, Any]]:
+    """Tool-call conversations as an OpenAI export has them, each with its own city and answer."""
+    cities = ["서울", "부산", "대구", "인천", "광주", "대전", "울산", "수원"]
+    rows = []
+    for i in range(n):
+        city, temp = cities[i % len(cities)], i - 5
+        row = json.loads(json.dumps(OPENAI_ROW))
+        row["messages"][0]["content"] = f"{city} 날씨 알려줘 ({i}번째 질문)"
+        row["messages"][1]["tool_calls"][0]["function"]["arguments"] = json.dumps({"city": city}, ensure_ascii=False)
+        row["messages"][2]["content"] = json.dumps({"city": city, "temp_c": temp}, ensure_ascii=False)
+        row["messages"][3]["content"] = f"{city}은 지금 {temp}도입니다."
+        rows.append(row)
+    return rows
+
+
+def test_a_tool_call_dataset_trains_through_local(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from training_fixtures import write_jsonl
+
+    from workflows.submit import main as submit_main
+
+    for name in ("MLFLOW_TRACKING_URI", "WANDB_API_KEY", "WANDB_MODE"):  # as test_shipped_pipelines runs the runner
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.chdir(tmp_path)
+    write_jsonl(tmp_path / "tools.jsonl", agent_rows(40))
+    (tmp_path / "agent.yaml").write_text(AGENT, encoding="utf-8")
+    run = tmp_path / "run"
+    code = submit_main(["agent.yaml", "--local", "--run-dir", str(run)])
+    said = capsys.readouterr()
+    assert code == 0, said.out[-4000:] + said.err[-4000:]
+    train = [json.loads(line) for line in (run / "prepare/data/sft/train.jsonl").read_text().splitlines()]
+    assert train and all("tools" in row and "tool_calls" in row["messages"][1] for row in train)
+    record = json.loads((run / "sft/stage.json").read_text())
+    assert record["status"] == "succeeded" and record["metrics"]["steps"] == 4
