@@ -55,6 +55,8 @@ exit codes:
   0        done (the watched or local run succeeded)
   1        failed: the server refused, a blocking preflight check failed, or the run/stage failed
   2        bad input: unknown pipeline, invalid spec, --set or option (one `error:` line says what to fix)
+  3        --local --fail-on-gate: every stage ran, the gate failed, deploy was skipped; import: the pipeline
+           was written, but its data cannot be read as it says (`not runnable:` lines)
   75       a stage was interrupted (SIGTERM, preemption) after saving a checkpoint: rerun to resume
   130/143  interrupted by Ctrl-C (SIGINT) / SIGTERM (128 + the signal's number)"""
 
