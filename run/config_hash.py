@@ -44,9 +44,10 @@ def stage_config(spec: PipelineSpec, stage: str) -> dict[str, Any]:
     if stage == "prepare":
         # prepare reads and normalizes every enabled stage's data: their data sections shape its outputs.
         config["data"] = {
-            s: data.model_dump(mode="json")
+            s: section["data"]
             for s in STAGE_ORDER
-            if spec.stage(s).enabled and (data := getattr(spec.stage(s), "data", None)) is not None
+            if spec.stage(s).enabled
+            and (section := spec.stage(s).model_dump(mode="json", include={"data"})).get("data") is not None
         }
         include = spec.stages.evaluate.lm_eval_include_path
         if spec.stages.evaluate.enabled and include is not None and include.startswith("builtin:"):

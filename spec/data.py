@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from spec.fields import FieldError, Int64, OneLine, StrictModel
 
@@ -140,6 +140,14 @@ class DataSpec(StrictModel):
         "sharegpt (conversations/from/value), preference (prompt/chosen/rejected)."
     )
     split: str = Field("train", description="Split to read for hub datasets.")
+    revision: OneLine | None = Field(
+        None,
+        description="For a hub dataset (hf://): the commit, tag or branch to read, as `datasets.load_dataset` takes "
+        "it. A commit sha pins the rows: a scheduled run trains on the same data until the pipeline names another, "
+        "and an offline machine (HF_HUB_OFFLINE=1) reads the copy cached in HF_HOME at that commit. None: the "
+        "dataset's main branch as it is when prepare runs.",
+        min_length=1,
+    )
     text_field: str = Field(
         "text", min_length=1, description="Field holding the text for the 'text' format (the same as columns.text)."
     )
@@ -163,6 +171,16 @@ class DataSpec(StrictModel):
         "or assistant, system; messages: the role's own name).",
     )
     max_samples: Int64 | None = Field(None, gt=0, description="Use at most this many rows (after validation).")
+    weight: float | None = Field(
+        None,
+        gt=0,
+        description="In a list of datasets (a mixture), this dataset's share of the stage's training rows, relative "
+        "to the other datasets' weights (LLaMA-Factory's interleave_probs): the stage trains on as many rows as its "
+        "datasets' training rows add up to, and this dataset makes up weight / (sum of weights) of them, a sample of "
+        "its rows drawn with the stage's training.seed when it has more, its rows repeated (whole passes, then a "
+        "sample) when it has fewer. Set on every dataset of the list or on none (none: every row of each, "
+        "concatenated). Held-out rows are never resampled.",
+    )
     eval_fraction: float = Field(
         0.02, ge=0.0, lt=0.5, description="Fraction of rows held out for evaluation (perplexity, eval loss)."
     )
@@ -222,6 +240,8 @@ class DataSpec(StrictModel):
                         f"{names[0]} and {names[1]} both read {column!r}; map each to its own column",
                     )
                 seen[column] = key
+        if self.revision is not None and not self.uri.startswith("hf://"):
+            raise FieldError(("revision",), "revision names a hub dataset's commit: it applies to hf:// URIs only")
         if self.roles and self.format not in FORMATS_WITH_ROLES:
             raise FieldError(
                 ("roles",),
@@ -237,3 +257,63 @@ class DataSpec(StrictModel):
                 raise FieldError(("roles", role), f"roles.{role} and roles.{tags[tag]} are both {tag!r}")
             tags[tag] = role
         return self
+
+
+def _one_or_many(value: Any) -> str:
+    return "tagged-datasets" if isinstance(value, list) else "tagged-dataset"
+
+
+# The tag names start with "tagged-", which the spec's error lines leave out of a field's path (spec/loading.py).
+StageData = Annotated[
+    Annotated[DataSpec, Tag("tagged-dataset")] | Annotated[list[DataSpec], Tag("tagged-datasets")],
+    Discriminator(_one_or_many),
+]
+"""A stage's data: one dataset, or a list of datasets (a mixture, each with its own uri, format, columns, cleaning
+and weight)."""
+
+
+def datasets(data: DataSpec | list[DataSpec] | None) -> list[DataSpec]:
+    """A stage's datasets as a list ([] when it has none)."""
+    if data is None:
+        return []
+    return list(data) if isinstance(data, list) else [data]
+
+
+def dataset_field(data: DataSpec | list[DataSpec], index: int) -> str:
+    """The spec path of a stage's dataset within `stages.<stage>.`: 'data' for a single dataset, 'data.1' in a list
+    (the path `--set` and the form's overrides take)."""
+    return f"data.{index}" if isinstance(data, list) else "data"
+
+
+def dataset_loc(data: DataSpec | list[DataSpec], index: int) -> tuple[str | int, ...]:
+    """The location of a stage's dataset within the stage's section, as FieldError takes it."""
+    return ("data", index) if isinstance(data, list) else ("data",)
+
+
+def check_mixture(data: DataSpec | list[DataSpec] | None, weighted: bool = True) -> None:
+    """FieldError for a stage's data that is no mixture a stage can read: an empty list, weights on some datasets
+    only, or a weight outside a list (or on any dataset when `weighted` is False: the evaluate stage's data)."""
+    if data is None:
+        return
+    if not isinstance(data, list):
+        if data.weight is not None:
+            raise FieldError(
+                ("data", "weight"), "weight is a dataset's share in a list of datasets; a single dataset has no share"
+            )
+        return
+    if not data:
+        raise FieldError(("data",), "an empty list of datasets; give one dataset or several")
+    weights = [d.weight is not None for d in data]
+    if not weighted and any(weights):
+        at = weights.index(True)
+        raise FieldError(
+            ("data", at, "weight"),
+            "held-out data is never resampled: every row of each dataset is evaluated; remove the weight",
+        )
+    if any(weights) and not all(weights):
+        at = weights.index(False)
+        raise FieldError(
+            ("data", at, "weight"),
+            "weights set on some datasets of the list only: set a weight on every dataset, or on none to take every "
+            "row of each",
+        )

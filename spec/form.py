@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -154,6 +155,11 @@ def check_extra_args_kept(document: dict, spec: PipelineSpec, lines: list[tuple[
             )
 
 
+def _index(parameter: str) -> int:
+    """The dataset index at the end of a `<stage>-data-<index>` parameter."""
+    return int(parameter.rsplit("-", 1)[1])
+
+
 def resolve_parameters(
     document: dict, values: dict[str, str], line_origin: Callable[[int], str] = form_line
 ) -> PipelineSpec:
@@ -178,6 +184,9 @@ def resolve_parameters(
     for stage in OPTIONAL_STAGES:
         if f"{stage}-data" in known:
             put(["stages", stage, "data", "uri"], values[f"{stage}-data"].strip(), f"parameter {stage}-data")
+        for name in sorted((n for n in known if re.fullmatch(rf"{stage}-data-\d+", n)), key=_index):
+            index = name.rsplit("-", 1)[1]
+            put(["stages", stage, "data", index, "uri"], values[name].strip(), f"parameter {name}")
         if f"run-{stage}" in known:
             raw = values[f"run-{stage}"].strip()
             if raw not in ("true", "false"):

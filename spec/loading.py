@@ -265,12 +265,19 @@ def _profile_overlay(
         own = own_stages.get(stage)
         own_data = own.get("data") if isinstance(own, dict) else None
         data = section.get("data") if isinstance(section, dict) else None
-        if isinstance(data, dict) and "uri" in data and isinstance(own_data, dict) and own_data.get("uri"):
+        own_uris = _data_uris(own_data)
+        if any(_data_uris(data)) and own_uris and all(own_uris):
             profile_stages[stage] = {k: v for k, v in section.items() if k != "data"}
             dropped.append(("stages", stage, "data"))
-            origins.data_kept[stage] = str(own_data["uri"])
+            origins.data_kept[stage] = ", ".join(own_uris)
     overlay["stages"] = profile_stages
     return overlay, dropped
+
+
+def _data_uris(data: Any) -> list[str]:
+    """The URIs a stage's data section (one dataset or a list) names; '' for a dataset without one."""
+    items = data if isinstance(data, list) else [data] if isinstance(data, dict) else []
+    return [str(d.get("uri") or "") if isinstance(d, dict) else "" for d in items]
 
 
 def override(doc: dict[str, Any], origins: Origins, keys: list[str], value: Any, where: str) -> None:

@@ -9,7 +9,7 @@ from pydantic import Field, field_validator, model_validator
 
 from spec import validation
 from spec.cluster import ClusterSpec
-from spec.data import DataSpec
+from spec.data import DataSpec, datasets
 from spec.fields import (
     STAGE_ORDER,
     TRAINING_STAGES,
@@ -488,7 +488,7 @@ class PipelineSpec(StrictModel):
                 f"stage {stage} does not record {metric!r}; it records {', '.join(recorded)}",
             )
         held_out = metric.startswith("eval_") or metric == "perplexity"
-        if held_out and section.data is not None and section.data.eval_fraction == 0:
+        if held_out and section.data is not None and not any(d.eval_fraction > 0 for d in datasets(section.data)):
             raise FieldError(
                 (*at, "objective", "metric"),
                 f"{metric} is measured on held-out rows and stages.{stage}.data.eval_fraction is 0: hold rows out "

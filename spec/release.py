@@ -6,7 +6,7 @@ import re
 
 from pydantic import Field, field_validator, model_validator
 
-from spec.data import DataSpec
+from spec.data import StageData, check_mixture
 from spec.fields import _DNS_SUBDOMAIN, FieldError, Int64, OneLine, StrictModel
 from spec.serving import ServingSpec
 from spec.stage import StageBase
@@ -86,7 +86,11 @@ class GateRule(StrictModel):
 class EvaluateStage(StageBase):
     """Evaluate the candidate against the base model and the registered champion."""
 
-    data: DataSpec | None = Field(None, description="Held-out text or chat data for perplexity.")
+    data: StageData | None = Field(
+        None,
+        description="Held-out text or chat data for perplexity: one dataset, or a list of datasets (every row of "
+        "each is evaluated; no weights).",
+    )
     lm_eval_tasks: list[str] = Field(
         default_factory=list, description="lm-eval-harness tasks (e.g. kobest_boolq, kmmlu, haerae)."
     )
@@ -113,6 +117,11 @@ class EvaluateStage(StageBase):
         "the form may add rules, lower a rule's max_regression or max_regression_relative, or raise its "
         "min_significance (tighten the gate), never remove, relax or reverse one.",
     )
+
+    @model_validator(mode="after")
+    def _datasets(self) -> EvaluateStage:
+        check_mixture(self.data, weighted=False)
+        return self
 
 
 class DeployStage(StageBase):

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from spec.data import DataSpec
+from spec.data import StageData, check_mixture, dataset_loc, datasets
 from spec.fields import FieldError, Int64, Seed, StrictModel
 from spec.search import HpoSpec
 from spec.stage import RunPolicy, StageBase
@@ -314,7 +314,9 @@ class TrainingStage(StageBase):
     """A stage that trains (cpt, sft, rlhf): a PyTorchJob."""
 
     method: Literal["full", "lora", "qlora"] = Field("full", description="Full fine-tuning, LoRA, or QLoRA (4-bit).")
-    data: DataSpec | None = Field(None, description="Training data.")
+    data: StageData | None = Field(
+        None, description="Training data: one dataset, or a list of datasets (a mixture, each with its weight)."
+    )
     training: TrainingSpec = Field(default_factory=TrainingSpec, description="Hyperparameters.")
     lora: LoraSpec = Field(default_factory=LoraSpec, description="Adapter settings for lora/qlora.")
     distributed: DistributedSpec = Field(default_factory=DistributedSpec, description="Distributed strategy.")
@@ -331,7 +333,9 @@ class TrainingStage(StageBase):
             raise ValueError("an enabled training stage needs 'data'")
         if self.method == "qlora" and self.distributed.strategy == "deepspeed_zero3":
             raise ValueError("qlora cannot be sharded with deepspeed_zero3; use ddp or fsdp")
-        if self.training.eval_steps is not None and self.data is not None and self.data.eval_fraction == 0:
+        check_mixture(self.data)
+        held_out = any(d.eval_fraction > 0 for d in datasets(self.data))
+        if self.training.eval_steps is not None and self.data is not None and not held_out:
             raise FieldError(
                 ("training", "eval_steps"),
                 "training.eval_steps evaluates held-out rows, and data.eval_fraction is 0: hold rows out "
@@ -345,8 +349,12 @@ class CptStage(TrainingStage):
 
     @model_validator(mode="after")
     def _text_data(self) -> CptStage:
-        if self.data is not None and self.data.format != "text":
-            raise ValueError(f"cpt trains on raw text: data.format must be 'text', got {self.data.format!r}")
+        for i, data in enumerate(datasets(self.data)):
+            if data.format != "text":
+                raise FieldError(
+                    (*dataset_loc(self.data, i), "format"),
+                    f"cpt trains on raw text: the format must be 'text', got {data.format!r}",
+                )
         return self
 
 
@@ -360,10 +368,12 @@ class SftStage(TrainingStage):
 
     @model_validator(mode="after")
     def _chat_data(self) -> SftStage:
-        if self.data is not None and self.data.format not in ("messages", "alpaca", "sharegpt"):
-            raise ValueError(
-                f"sft reads messages, alpaca or sharegpt: data.format {self.data.format!r} is not one of them"
-            )
+        for i, data in enumerate(datasets(self.data)):
+            if data.format not in ("messages", "alpaca", "sharegpt"):
+                raise FieldError(
+                    (*dataset_loc(self.data, i), "format"),
+                    f"sft reads messages, alpaca or sharegpt: {data.format!r} is not one of them",
+                )
         return self
 
 
@@ -456,6 +466,11 @@ class RlhfStage(TrainingStage):
         if self.algorithm == "grpo":
             if self.enabled and not self.reward_functions:
                 raise ValueError("grpo needs at least one entry in reward_functions")
-        elif self.data is not None and self.data.format != "preference":
-            raise ValueError(f"{self.algorithm} reads preference data: data.format must be 'preference'")
+        else:
+            for i, data in enumerate(datasets(self.data)):
+                if data.format != "preference":
+                    raise FieldError(
+                        (*dataset_loc(self.data, i), "format"),
+                        f"{self.algorithm} reads preference data: the format must be 'preference'",
+                    )
         return self

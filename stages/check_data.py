@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from run.exits import EXIT_OK, EXIT_USAGE
+from spec.data import datasets
 from spec.document import SpecError
 from spec.quoting import quoted
 from stages.data import (
@@ -47,6 +48,7 @@ from stages.data import (
     _excerpt,
     _UnmappedColumn,
     check_stage_format,
+    data_field,
     max_row_bytes,
     parse_row,
     resolve_path,
@@ -75,15 +77,20 @@ REMOTE_PREFIXES = ("s3://", "gs://")
 SKIPPED_PREFIXES = ("hf://", "builtin:")
 
 
-def data_specs(spec: PipelineSpec) -> dict[str, DataSpec]:
-    """The data section of every enabled stage that has one."""
+def data_specs(spec: PipelineSpec) -> dict[str, list[DataSpec]]:
+    """The datasets of every enabled stage that has data (one, or the list of a mixture)."""
     out = {}
     for stage in DATA_STAGES:
         section = spec.stage(stage)
         data = getattr(section, "data", None)
         if section.enabled and data is not None:
-            out[stage] = data
+            out[stage] = datasets(data)
     return out
+
+
+def dataset_index(spec: PipelineSpec, stage: str, index: int) -> int | None:
+    """The index that names a stage's dataset in the spec: its place in the stage's list, None for a single one."""
+    return index if isinstance(getattr(spec.stage(stage), "data", None), list) else None
 
 
 @dataclass
@@ -116,8 +123,12 @@ def check_data(
     `run_root`: the run directory that will read it (in the cluster, data must lie on its volumes); `remote`:
     sample buckets too; `visible_only`: skip local paths that do not exist on this machine."""
     problems: list[str] = []
-    for stage, data in data_specs(spec).items():
-        problems += check_stage_data(spec, stage, data, run_root, remote=remote, visible_only=visible_only)
+    for stage, mixture in data_specs(spec).items():
+        for i, data in enumerate(mixture):
+            index = dataset_index(spec, stage, i)
+            problems += check_stage_data(
+                spec, stage, data, run_root, remote=remote, visible_only=visible_only, index=index
+            )
     return problems
 
 
@@ -129,14 +140,16 @@ def check_stage_data(
     *,
     remote: bool = False,
     visible_only: bool = False,
+    index: int | None = None,
 ) -> list[str]:
-    """The problems of one stage's data (see the module docstring)."""
+    """The problems of one dataset of a stage (see the module docstring; `index`: its place in the stage's list)."""
     uri = spec.data_uri(data)
-    where = f"stages.{stage}.data ({quoted(uri)})"
+    field = data_field(stage, index)
+    where = f"{field} ({quoted(uri)})"
     if uri.startswith(SKIPPED_PREFIXES) or (uri.startswith(REMOTE_PREFIXES) and not remote):
         return []
     try:
-        check_stage_format(stage, data.format)
+        check_stage_format(stage, data.format, index)
     except DataError as exc:
         return [str(exc)]
     try:
@@ -149,8 +162,8 @@ def check_stage_data(
             objects = objects[:1]  # a request per object: the first shows a wrong format, mapping or encoding
         samples = _sample(objects[:MAX_SAMPLED_FILES], data)
     except DataError as exc:
-        return [f"stages.{stage}.data: {exc}"]
-    return _problems(samples, data, stage, where) + _tools_problem(samples, spec, where)
+        return [f"{field}: {exc}"]
+    return _problems(samples, data, field, where) + _tools_problem(samples, spec, where)
 
 
 def uses_tools(row: dict[str, Any]) -> bool:
@@ -280,7 +293,7 @@ def _see(sample: _FileSample, raw: RawRow, mapping: ColumnMap) -> None:
         group.lines.append(error.line)
 
 
-def _problems(samples: list[_FileSample], data: DataSpec, stage: str, where: str) -> list[str]:
+def _problems(samples: list[_FileSample], data: DataSpec, field: str, where: str) -> list[str]:
     """The lines to print for a stage's sampled files: only what prepare would fail on (module docstring)."""
     whole = all(s.ended for s in samples) and bool(samples)  # the dataset was read whole here
     rows, bad = sum(s.rows for s in samples), sum(s.bad for s in samples)
@@ -290,12 +303,12 @@ def _problems(samples: list[_FileSample], data: DataSpec, stage: str, where: str
         if not sample.bad:
             continue
         if sample.unmapped.rows:  # every sampled row lacks the same mapped column: the mapping is wrong
-            problems.append(str(sample.unmapped.error(where, stage, every=sample.ended)))
+            problems.append(str(sample.unmapped.error(where, field, every=sample.ended)))
             continue
         for group in sample.groups.values():
             alike = len(group.lines) + 1 == sample.rows  # every sampled row of the file fails this way
             if strict or alike:
-                problems.append(f"{where}: {_group_line(group, sample, stage)}")
+                problems.append(f"{where}: {_group_line(group, sample, field)}")
     if len(problems) > MAX_PROBLEMS:
         more = len(problems) - MAX_PROBLEMS + 1
         problems = [*problems[: MAX_PROBLEMS - 1], f"{where}: and {more} more problems in the first rows of its files"]
@@ -304,14 +317,14 @@ def _problems(samples: list[_FileSample], data: DataSpec, stage: str, where: str
     return problems
 
 
-def _group_line(group: _Group, sample: _FileSample, stage: str) -> str:
+def _group_line(group: _Group, sample: _FileSample, field: str) -> str:
     """One line for rows of a file that fail alike: the first, and how many more."""
     first = group.first
     if first.undecodable is not None:
         others = len(group.lines)
         of = "its first" if not sample.ended else "its"
         more = f", and so are {others} more of {of} {sample.rows} lines" if others else ""
-        message = first.undecodable.message(first.file, f"stages.{stage}.data.encoding", more)
+        message = first.undecodable.message(first.file, f"{field}.encoding", more)
         return f"{quoted(first.file)}:{first.line}: {message}"
     if not group.lines:
         return str(first)

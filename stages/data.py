@@ -520,11 +520,17 @@ def parse_row(raw: RawRow, limit: int, encoding: str) -> RawRow:
 # --------------------------------------------------------------------------- datasets
 
 
-def check_stage_format(stage: str, fmt: str) -> None:
-    """DataError when `stage` cannot use data of format `fmt`."""
+def data_field(stage: str, index: int | None = None) -> str:
+    """The spec path of a stage's data ('stages.sft.data'), or of one dataset of its list ('stages.sft.data.1', as
+    `--set` takes it)."""
+    return f"stages.{stage}.data" + (f".{index}" if index is not None else "")
+
+
+def check_stage_format(stage: str, fmt: str, index: int | None = None) -> None:
+    """DataError when `stage` cannot use data of format `fmt` (`index`: the dataset's in the stage's list)."""
     allowed = STAGE_FORMATS.get(stage)
     if allowed is not None and fmt not in allowed:
-        raise DataError(f"stages.{stage}.data.format is {fmt!r}, but {stage} reads {' or '.join(allowed)}")
+        raise DataError(f"{data_field(stage, index)}.format is {fmt!r}, but {stage} reads {' or '.join(allowed)}")
 
 
 def _excerpt(value: Any) -> str:
@@ -564,7 +570,7 @@ class _UnmappedColumn:
         """A row has the column, or fails for another reason: the mapping is not what is wrong."""
         self.stopped, self.rows = True, 0
 
-    def error(self, where: str, stage: str | None, every: bool) -> DataError:
+    def error(self, where: str, field: str | None, every: bool) -> DataError:
         """The dataset error: the mapping names a column the data does not have, and what the data has."""
         assert self.first is not None
         nested = "." in self.first.field
@@ -576,7 +582,7 @@ class _UnmappedColumn:
         lacking = f"no message has ({scope};" if nested else f"no row has ({scope};"
         present = sorted(self.present)
         listed = ", ".join(repr(k) for k in present[:30]) + (", ..." if len(present) > 30 else "")
-        fix = (f"stages.{stage}.data." if stage else "data.") + self.source
+        fix = f"{field or 'data'}.{self.source}"
         return DataError(
             f"{where}: {self.source} names {'message key' if nested else 'column'} {name!r}, which {lacking} "
             f"they have {listed or 'no keys'}): fix {fix}. The first row: {self.first}"

@@ -38,6 +38,7 @@ import torch
 
 from run.config_hash import canonical_hash
 from run.run_dir import RunDir, write_json_atomic
+from spec.data import datasets
 from spec.pipeline import PipelineSpec
 from spec.training import TrainingSpec
 from stages.chat import IGNORE_INDEX, ConversationError, tokenize_conversation
@@ -304,7 +305,7 @@ def cache_settings(run_dir: RunDir, spec: PipelineSpec, stage: str) -> dict[str,
     training = section.training
     settings: dict[str, Any] = {
         "format": CACHE_FORMAT,
-        "kind": "text" if section.data is not None and section.data.format == "text" else "chat",
+        "kind": "text" if any(d.format == "text" for d in datasets(section.data)) else "chat",
         "data": {split: split_sha256(run_dir, stage, split) for split in ("train", "eval")},
         "tokenizer": tokenizer_hash(tokenizer_dir(run_dir)),
         "max_seq_length": training.max_seq_length,
@@ -449,6 +450,8 @@ class TokenizedBatch:
     truncated: int = 0
     dropped: int = 0
     problems: list[tuple[int, str]] = field(default_factory=list)
+    lines: np.ndarray | None = None
+    """The line number of each kept document in the split (for a mixture's tokens per dataset)."""
 
 
 def _tokenize_batch(lines: list[tuple[int, str]]) -> TokenizedBatch:
@@ -460,10 +463,12 @@ def _tokenize_batch(lines: list[tuple[int, str]]) -> TokenizedBatch:
         docs = [[*ids, tokenizer.eos_token_id] for ids in encoded]
         lengths = np.asarray([len(d) for d in docs], dtype=np.int64)
         ids = np.fromiter((t for d in docs for t in d), dtype=np.uint32, count=int(lengths.sum()))
-        return TokenizedBatch(ids, None, lengths, int(lengths.sum()) - len(docs), len(docs))
+        numbers = np.asarray([line for line, _ in lines], dtype=np.int64)
+        return TokenizedBatch(ids, None, lengths, int(lengths.sum()) - len(docs), len(docs), lines=numbers)
     max_len = settings["max_seq_length"]
     kept_ids: list[list[int]] = []
     kept_loss: list[list[int]] = []
+    kept_lines: list[int] = []
     batch = TokenizedBatch(np.empty(0, np.uint32), None, np.empty(0, np.int64), 0, len(records))
     for (line, _), record in zip(lines, records, strict=True):
         try:
@@ -486,10 +491,12 @@ def _tokenize_batch(lines: list[tuple[int, str]]) -> TokenizedBatch:
             continue
         kept_ids.append(ids)
         kept_loss.append(loss)
+        kept_lines.append(line)
         batch.label_tokens += sum(loss[1:])
     batch.lengths = np.asarray([len(ids) for ids in kept_ids], dtype=np.int64)
     batch.ids = np.fromiter((t for ids in kept_ids for t in ids), dtype=np.uint32, count=int(batch.lengths.sum()))
     batch.loss = np.fromiter((m for loss in kept_loss for m in loss), dtype=np.uint8, count=len(batch.ids))
+    batch.lines = np.asarray(kept_lines, dtype=np.int64)
     return batch
 
 
@@ -512,15 +519,25 @@ def _line_batches(path: Path) -> Iterator[list[tuple[int, str]]]:
         yield batch
 
 
-def write_split(path: Path, out: Path, tokenizer_path: Path, settings: dict[str, Any], num_proc: int) -> dict[str, int]:
-    """Tokenize a prepared split in `num_proc` workers and write its packed rows into `out`; returns the counts.
-    ConversationRowsError (listing the first few, with their line numbers) when the chat template refuses some
-    conversations."""
+def write_split(
+    path: Path,
+    out: Path,
+    tokenizer_path: Path,
+    settings: dict[str, Any],
+    num_proc: int,
+    spans: list[list[int]] | None = None,
+) -> dict[str, Any]:
+    """Tokenize a prepared split in `num_proc` workers and write its packed rows into `out`; returns the counts
+    (with `spans`, a mixture's [first, last] line of each dataset in the split, also `dataset_tokens`: the tokens
+    of each dataset's kept documents). ConversationRowsError (listing the first few, with their line numbers) when
+    the chat template refuses some conversations."""
     chat = settings["kind"] == "chat"
     max_len, packing = settings["max_seq_length"], settings["packing"]
     writer = SplitWriter(out, chat)
     packer = StreamPacker(max_len)
-    stats = {"documents": 0, "truncated": 0, "dropped": 0, "label_tokens": 0}
+    stats: dict[str, Any] = {"documents": 0, "truncated": 0, "dropped": 0, "label_tokens": 0}
+    firsts = np.asarray([first for first, _ in spans or []], dtype=np.int64)
+    dataset_tokens = np.zeros(len(firsts), dtype=np.int64)
     problems: list[tuple[int, str]] = []
     n_problems = 0
     try:
@@ -531,6 +548,9 @@ def write_split(path: Path, out: Path, tokenizer_path: Path, settings: dict[str,
                 stats[key] += getattr(batch, key)
             n_problems += len(batch.problems)
             problems += batch.problems[: MAX_LISTED_ERRORS - len(problems)]
+            if len(firsts) and batch.lines is not None and len(batch.lines):
+                owner = np.searchsorted(firsts, batch.lines, side="right") - 1
+                np.add.at(dataset_tokens, owner, batch.lengths)
             start = writer.append(batch.ids, batch.loss)
             starts = start + np.cumsum(batch.lengths) - batch.lengths
             if chat:
@@ -557,6 +577,8 @@ def write_split(path: Path, out: Path, tokenizer_path: Path, settings: dict[str,
     rows = TokenRows(out)
     stats["rows"] = len(rows)
     stats["tokens"] = int((rows.segments[:, 1] - rows.segments[:, 0]).sum()) if len(rows) else 0
+    if spans:
+        stats["dataset_tokens"] = dataset_tokens.tolist()
     return stats
 
 
@@ -579,9 +601,11 @@ def build_token_cache(run_dir: RunDir, spec: PipelineSpec, stage: str, num_proc:
     staging = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
     try:
         meta: dict[str, Any] = {"stage": stage, "settings": settings}
+        mixture = _mixture_spans(data_dir(run_dir, stage))
         for split in ("train", "eval"):
             source = data_dir(run_dir, stage) / f"{split}.jsonl"
-            meta[split] = write_split(source, staging / split, tokenizer_dir(run_dir), settings, num_proc)
+            spans = [d[f"{split}_lines"] for d in mixture] if mixture else None
+            meta[split] = write_split(source, staging / split, tokenizer_dir(run_dir), settings, num_proc, spans)
         write_json_atomic(staging / META_JSON, meta)
         try:
             os.replace(staging, path)
@@ -591,6 +615,16 @@ def build_token_cache(run_dir: RunDir, spec: PipelineSpec, stage: str, num_proc:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return path
+
+
+def _mixture_spans(directory: Path) -> list[dict[str, Any]]:
+    """A mixture's datasets as prepare's manifest records them (where each one's rows lie in the splits); [] for a
+    stage of one dataset."""
+    try:
+        manifest = json.loads((directory / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    return list(manifest.get("datasets") or [])
 
 
 @dataclass

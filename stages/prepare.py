@@ -40,7 +40,7 @@ from typing import Any
 from run.config_hash import canonical_hash
 from run.exits import EXIT_OK
 from run.run_dir import RunDir, StageRefused
-from spec.data import DataSpec
+from spec.data import DataSpec, datasets
 from spec.fields import STAGE_ORDER, TRAINING_STAGES
 from spec.pipeline import PipelineSpec
 from stages.check_data import check_data, data_specs
@@ -64,11 +64,12 @@ def dropped_note(cleaning: dict[str, Any]) -> str:
 
 
 def write_stage_data(
-    ctx: StageContext, stage: str, data: DataSpec, num_proc: int, contamination: Any = None
+    ctx: StageContext, stage: str, data: DataSpec | list[DataSpec], num_proc: int, contamination: Any = None
 ) -> dict[str, Any]:
-    """Stream a stage's dataset into its normalized splits, origins, quarantine and manifest
-    (`stages.prepared_data.prepare_split`), record its inputs and log its counts; return the counts for
-    stage.json."""
+    """Stream a stage's data (one dataset, or a mixture's list) into its normalized splits, origins, quarantine
+    and manifest (`stages.prepared_data.prepare_split`; `contamination` applies to the datasets that
+    decontaminate), record its inputs and log its counts; return the counts for stage.json."""
+    training = getattr(ctx.spec.stage(stage), "training", None)
     c = prepare_split(
         ctx.dir / "data" / stage,
         ctx.dir / "quarantine" / f"{stage}.jsonl",
@@ -78,17 +79,43 @@ def write_stage_data(
         ctx.run_dir.root,
         num_proc,
         contamination,
+        seed=training.seed if training is not None else 0,
     )
     for source in c["sources"]:
         ctx.add_input(f"{stage}:{source['uri']}", source["uri"], source["fingerprint"])
     print(
         f"[prepare] {stage}: {c['train_rows']} train + {c['eval_rows']} eval rows, {c['quarantined']} quarantined"
-        f"{dropped_note(c['cleaning'])} ({c['uri']}, {data.format}"
-        + "".join(f", {key}←{column}" for key, column in data.columns.items())
-        + ")",
+        f"{dropped_note(c['cleaning'])} ({_described(c, data)})",
         flush=True,
     )
+    for d, dataset in zip(c.get("datasets", []), datasets(data), strict=False):  # a mixture's, one line each
+        weight = f", weight {dataset.weight:g}" if dataset.weight is not None else ""
+        if stage == "evaluate":
+            rows = f"{d['eval_rows']} eval rows ({d['share']:.1%} of the stage's)"
+        else:
+            rows = (
+                f"{d['train_rows']} train rows ({d['share']:.1%} of the stage's{weight}; it has "
+                f"{d['read_train_rows']}) + {d['eval_rows']} eval"
+            )
+        print(
+            f"[prepare] {stage} data.{d['index']}: {rows}, {d['quarantined']} quarantined"
+            f"{dropped_note(d['cleaning'])} ({_described(d, dataset)})",
+            flush=True,
+        )
     return c
+
+
+def _described(counts: dict[str, Any], data: DataSpec | list[DataSpec]) -> str:
+    """'uri, format, key←column, ...' of one dataset; the URIs of a mixture."""
+    if isinstance(data, list):
+        return f"{len(data)} datasets"
+    return f"{counts['uri']}, {data.format}" + "".join(f", {key}←{column}" for key, column in data.columns.items())
+
+
+def data_label(spec: PipelineSpec, stage: str) -> str:
+    """'stages.sft.data (uri)' for errors about a stage's data as a whole (a mixture: every dataset's URI)."""
+    uris = ", ".join(spec.data_uri(d) for d in datasets(spec.stage(stage).data))
+    return f"stages.{stage}.data ({uris})"
 
 
 def evaluation_texts(ctx: StageContext) -> Any:
@@ -98,7 +125,8 @@ def evaluation_texts(ctx: StageContext) -> Any:
     from stages.cleaning import Contamination, lm_eval_texts, row_text
 
     spec = ctx.spec
-    wanted = [s for s, d in data_specs(spec).items() if s != "evaluate" and d.cleaning.decontaminate]
+    mixtures = data_specs(spec)
+    wanted = [s for s, ds in mixtures.items() if s != "evaluate" and any(d.cleaning.decontaminate for d in ds)]
     section = spec.stages.evaluate
     if not wanted or not section.enabled:
         return None
@@ -117,7 +145,7 @@ def evaluation_texts(ctx: StageContext) -> Any:
             )
     if not texts:
         return None
-    ngram = min(spec.stage(s).data.cleaning.decontamination_ngram for s in wanted)
+    ngram = min(d.cleaning.decontamination_ngram for s in wanted for d in mixtures[s] if d.cleaning.decontaminate)
     print(f"[prepare] decontamination: {len(texts)} evaluation texts, {ngram}-word spans", flush=True)
     return Contamination(texts, ngram)
 
@@ -167,9 +195,7 @@ def build_token_caches(run_dir: RunDir, spec: PipelineSpec, stages: list[str], n
         except ConversationRowsError as exc:
             where = origins_of(exc.path, [line for line, _ in exc.problems])
             rows = [(where.get(line, f"{exc.path}:{line}"), problem) for line, problem in exc.problems]
-            raise StageRefused(
-                f"stages.{stage}.data ({spec.data_uri(spec.stage(stage).data)}): {conversation_errors(rows, exc.total)}"
-            ) from None
+            raise StageRefused(f"{data_label(spec, stage)}: {conversation_errors(rows, exc.total)}") from None
     return caches
 
 
@@ -207,8 +233,7 @@ def check_conversations(ctx: StageContext, tokenizer: Any, stage: str) -> None:
         where = origins_of(path, [line for line, _ in failed])
         problems += [(where.get(line, f"{path}:{line}"), problem) for line, problem in failed]
     if total:
-        uri = ctx.spec.data_uri(ctx.spec.stage(stage).data)
-        raise StageRefused(f"stages.{stage}.data ({uri}): {conversation_errors(problems, total)}")
+        raise StageRefused(f"{data_label(ctx.spec, stage)}: {conversation_errors(problems, total)}")
 
 
 def needs_chat_template(counts: dict[str, dict[str, Any]]) -> bool:
@@ -246,6 +271,20 @@ def build_tokenizer_and_caches(
             check_conversations(ctx, tokenizer, stage)
     packed = [s for s in training if counts[s]["kind"] in ("text", "chat")]
     return tokenizer_dir, tokenizer, tok_hash, build_token_caches(ctx.run_dir, ctx.spec, packed, num_proc)
+
+
+def count_tokens(counts: dict[str, Any], cache: Path) -> None:
+    """Add a stage's tokens, as its token cache counted them, to its counts: the split's tokens, and a mixture's
+    tokens and token share per dataset."""
+    meta = json.loads((cache / "meta.json").read_text(encoding="utf-8"))
+    counts["tokens"] = {split: meta[split]["tokens"] for split in ("train", "eval")}
+    for split in ("train", "eval"):
+        per_dataset = meta[split].get("dataset_tokens") or []
+        total = sum(per_dataset) or 1
+        for d, tokens in zip(counts.get("datasets", []), per_dataset, strict=False):
+            d[f"{split}_tokens"] = tokens
+            if split == "train":
+                d["token_share"] = tokens / total
 
 
 def _done(record: dict[str, Any] | None) -> bool:
@@ -324,14 +363,13 @@ def run(ctx: StageContext) -> int:
     try:
         tasks = write_builtin_tasks(ctx)
         check_lm_eval_tasks(ctx)
-        specs = data_specs(spec)
+        specs = {stage: spec.stage(stage).data for stage in data_specs(spec)}
         if "evaluate" in specs:
             counts["evaluate"] = write_stage_data(ctx, "evaluate", specs["evaluate"], num_proc)
         contamination = evaluation_texts(ctx)
         for stage, data in specs.items():
             if stage != "evaluate":
-                checked = contamination if data.cleaning.decontaminate else None
-                counts[stage] = write_stage_data(ctx, stage, data, num_proc, checked)
+                counts[stage] = write_stage_data(ctx, stage, data, num_proc, contamination)
         counts = {s: counts[s] for s in specs}  # DAG order
     except DataError as exc:
         print(f"[prepare] error: {exc}", file=sys.stderr, flush=True)
@@ -365,6 +403,8 @@ def run(ctx: StageContext) -> int:
     tokenizer_dir, tokenizer, tok_hash, caches = None, None, "", {}
     if not skip_reason:
         tokenizer_dir, tokenizer, tok_hash, caches = build_tokenizer_and_caches(ctx, counts, num_proc)
+        for stage, cache in caches.items():
+            count_tokens(counts[stage], cache)
 
     # 5. Tracking: the pipeline run's parent run (W&B group) and prepare's own run.
     outputs: dict[str, Path] = {"tokenizer": tokenizer_dir} if tokenizer_dir else {}
@@ -381,6 +421,13 @@ def run(ctx: StageContext) -> int:
         metrics.update({f"{stage}_rows": c["rows"], f"{stage}_quarantined": c["quarantined"]})
         metrics.update({f"{stage}_dropped_{reason}": n for reason, n in c["cleaning"]["dropped"].items()})
         metrics.update({f"{stage}_pii_{kind}": n for kind, n in c["cleaning"]["pii"].items()})
+        if "tokens" in c:
+            metrics[f"{stage}_train_tokens"] = c["tokens"]["train"]
+        for d in c.get("datasets", []):
+            at = f"{stage}_data{d['index']}"  # not '..._rows': the run's summary lists those as the stages' rows
+            metrics.update({f"{at}_rows_in_stage": d["rows"], f"{at}_share": d["share"]})
+            if "train_tokens" in d:
+                metrics[f"{stage}_data{d['index']}_train_tokens"] = d["train_tokens"]
     with StageTracker(ctx) as tracker:
         if skip_reason:  # no stage runs after this one: close the pipeline's MLflow run, saying why
             tracker.end_pipeline_run("skipped", skip_reason)

@@ -25,12 +25,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
-from contextlib import ExitStack, suppress
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any
+
+import numpy as np
 
 from run.config_hash import canonical_hash
 from run.run_dir import check_still_ours, write_json_atomic
@@ -49,6 +52,7 @@ from stages.data import (
     _excerpt,
     _UnmappedColumn,
     check_stage_format,
+    data_field,
     dataset_fingerprint,
     kind_of,
     max_row_bytes,
@@ -161,13 +165,16 @@ class DatasetReader:
         contamination: Contamination | None = None,
         quarantine: IO[str] | None = None,
         staging: Path | None = None,
+        index: int | None = None,
     ) -> None:
         self.data = data
         self.uri = spec.data_uri(data) if spec is not None else data.uri
         self.stage = stage
+        self.field = data_field(stage, index) if stage is not None else None
+        """The spec path of the dataset ('stages.sft.data', or 'stages.sft.data.1' in a list)."""
         if stage is not None:
-            check_stage_format(stage, data.format)
-        self.where = f"stages.{stage}.data ({quoted(self.uri)})" if stage else quoted(self.uri)
+            check_stage_format(stage, data.format, index)
+        self.where = f"{self.field} ({quoted(self.uri)})" if stage else quoted(self.uri)
         self.spec, self.run_root, self.num_proc, self.staging = spec, run_root, num_proc, staging
         self.job = RowJob(ColumnMap.of(data), max_row_bytes(), data, contamination)
         self.quarantine = quarantine
@@ -229,13 +236,13 @@ class DatasetReader:
         else:
             unmapped.stop()
         if unmapped.rows >= MAPPING_PROBE_ROWS:
-            raise unmapped.error(self.where, self.stage, every=False)
+            raise unmapped.error(self.where, self.field, every=False)
 
     def _check(self, unmapped: _UnmappedColumn, kept: int) -> None:
         if self.total == 0:
             raise DataError(f"{self.where}: no rows")
         if unmapped.rows:  # every row lacks the mapped column
-            raise unmapped.error(self.where, self.stage, every=True)
+            raise unmapped.error(self.where, self.field, every=True)
         if self.n_errors and self.n_errors / self.total > self.data.max_bad_row_fraction:
             lines = self._error_lines()
             listed = "\n".join(f"  {line}" for line in lines[:MAX_LISTED_ERRORS])
@@ -251,7 +258,7 @@ class DatasetReader:
             hint = ""
             if self.counts.contaminated and self.stage:
                 hint = (
-                    f"; its rows are evaluation data too: evaluate on other data, or set stages.{self.stage}.data."
+                    f"; its rows are evaluation data too: evaluate on other data, or set {self.field}."
                     "cleaning.decontaminate: false to train on them anyway"
                 )
             raise DataError(
@@ -261,7 +268,7 @@ class DatasetReader:
     def _error_lines(self) -> list[str]:
         """The bad rows to list: one line for each file with lines not in data.encoding (the first of them, and how
         many more), then the other bad rows, one a line."""
-        setting = f"stages.{self.stage}.data.encoding" if self.stage else "data.encoding"
+        setting = f"{self.field or 'data'}.encoding"
         lines = []
         for file, (first, count) in self.undecodable.items():
             assert first.undecodable is not None
@@ -319,57 +326,227 @@ def prepare_split(
     out_dir: Path,
     quarantine_path: Path,
     stage: str,
-    data: DataSpec,
+    mixture: DataSpec | list[DataSpec],
     spec: PipelineSpec,
     run_root: Path,
     num_proc: int,
     contamination: Contamination | None = None,
+    seed: int = 0,
 ) -> dict[str, Any]:
-    """Read a stage's dataset and write its train and eval splits, their origins, the quarantine and the
-    manifest (see the module docstring); returns the stage's counts for stage.json. The evaluate stage's rows all
-    go to eval. DataError for an unusable dataset, with nothing written."""
+    """Read a stage's data, one dataset or the list of a mixture, and write its train and eval splits, their
+    origins, the quarantine and the manifest (see the module docstring); returns the stage's counts for stage.json.
+    The evaluate stage's rows all go to eval. DataError for an unusable dataset, with nothing written.
+
+    A mixture's datasets are each read and split on their own (their own cleaning, eval_fraction, bad-row budget),
+    then written one after the other: eval rows as they are, training rows by `weight` (`mix_counts`, the sample
+    drawn with `seed`). Each row's origin names its dataset (`data.1 "file.csv":12`), and the counts have a record
+    per dataset (`datasets`: rows, share, and where its rows lie in each split)."""
     splits = ("eval",) if stage == "evaluate" else ("train", "eval")
-    with ExitStack() as stack:
-        files = {s: _HashedFile(out_dir / f"{s}.jsonl") for s in splits}
-        origins = {s: _HashedFile(out_dir / f"{s}.origins") for s in splits}
-        quarantine = _HashedFile(quarantine_path)
-        everything = [*files.values(), *origins.values(), quarantine]
-        stack.callback(_remove_empty, [out_dir, out_dir.parent, quarantine_path.parent])
-        stack.callback(lambda: [f.discard() for f in everything])
-        reader = DatasetReader(
-            data, spec, stage, run_root, num_proc, contamination, quarantine.file, out_dir / ".staging"
+    if not isinstance(mixture, list):
+        with ExitStack() as stack:
+            files, origins, quarantine = _split_files(stack, out_dir, splits, quarantine_path)
+            checked = contamination if mixture.cleaning.decontaminate else None
+            reader = DatasetReader(
+                mixture, spec, stage, run_root, num_proc, checked, quarantine.file, out_dir / ".staging"
+            )
+            _write_dataset(reader, stage, files, origins)
+            records = _commit(stack, files, origins, quarantine, quarantine_path, reader.n_errors)
+        counts = _counts(reader, stage, files)
+        return _finish(out_dir, stage, counts, records)
+
+    parts = out_dir / ".parts"
+    shutil.rmtree(parts, ignore_errors=True)
+    with ExitStack() as stack, _removed(parts):
+        files, origins, quarantine = _split_files(stack, out_dir, splits, quarantine_path)
+        readers, part_files = [], []
+        for i, data in enumerate(mixture):  # each dataset split on its own, into its part files
+            checked = contamination if data.cleaning.decontaminate else None
+            reader = DatasetReader(
+                data, spec, stage, run_root, num_proc, checked, quarantine.file, parts / "staging", index=i
+            )
+            part = {s: _HashedFile(parts / str(i) / f"{s}.jsonl") for s in splits}
+            part_origins = {s: _HashedFile(parts / str(i) / f"{s}.origins") for s in splits}
+            _write_dataset(reader, stage, part, part_origins)
+            for f in (*part.values(), *part_origins.values()):
+                f.file.close()
+            readers.append(reader)
+            part_files.append((part, part_origins))
+        train_counts = [part["train"].lines if "train" in part else 0 for part, _ in part_files]
+        target = mix_counts(train_counts, [d.weight for d in mixture])
+        records_of: list[dict[str, Any]] = []
+        for i, (part, part_origins) in enumerate(part_files):
+            record: dict[str, Any] = {"index": i}
+            for split in splits:
+                first = files[split].lines
+                n = target[i] if split == "train" else part[split].lines
+                _copy_rows(
+                    part[split].tmp, part_origins[split].tmp, files[split], origins[split], f"data.{i} ", n, seed, i
+                )
+                record[f"{split}_lines"] = [first + 1, files[split].lines]
+            records_of.append(record)
+        records = _commit(stack, files, origins, quarantine, quarantine_path, sum(r.n_errors for r in readers))
+    per_dataset = []
+    total_train = sum(target) or 1
+    for i, (reader, record) in enumerate(zip(readers, records_of, strict=True)):
+        c = _counts(reader, stage, {s: _Lines(record[f"{s}_lines"]) for s in splits})
+        c.update(record, index=i, weight=mixture[i].weight, read_train_rows=train_counts[i])
+        c["share"] = (
+            c["train_rows"] / total_train if stage != "evaluate" else c["eval_rows"] / max(files["eval"].lines, 1)
         )
-        # For a dataset too small for the keys to give both sides a row: the row of each side nearest the other.
-        nearest: dict[str, tuple[float, str, str]] = {}
-        for origin, line, split in reader.rows():
-            side = "eval" if stage == "evaluate" or split < data.eval_fraction else "train"
-            files[side].write_line(line)
-            origins[side].write_line(origin)
-            key = split if side == "train" else -split
-            if side not in nearest or key < nearest[side][0]:
-                nearest[side] = (key, line, origin)
-        if stage != "evaluate":
-            train, held = files["train"].lines, files["eval"].lines
-            if not train and held:  # training needs a row; held-out rows are optional
-                _move_row(nearest["eval"], files["eval"], origins["eval"], files["train"], origins["train"])
-            elif data.eval_fraction > 0 and not held and train > 1:  # a non-zero fraction holds out at least one
-                _move_row(nearest["train"], files["train"], origins["train"], files["eval"], origins["eval"])
-        records = {s: f.commit() for s, f in files.items()}
-        for f in origins.values():
-            f.commit()
-        if reader.n_errors:
-            quarantine.commit()
-        else:
-            quarantine.discard()
-            quarantine_path.unlink(missing_ok=True)
-        stack.pop_all()
-    if stage == "evaluate":
-        (out_dir / "train.jsonl").unlink(missing_ok=True)
-        (out_dir / "train.origins").unlink(missing_ok=True)
+        per_dataset.append(c)
     counts = {
+        "uri": ", ".join(c["uri"] for c in per_dataset),
+        "format": "+".join(dict.fromkeys(d.format for d in mixture)),
+        "kind": kind_of(mixture[0].format),
+        "rows": sum(f.lines for f in files.values()),
+        "train_rows": files["train"].lines if "train" in files else 0,
+        "eval_rows": files["eval"].lines,
+        "quarantined": sum(c["quarantined"] for c in per_dataset),
+        "read_rows": sum(c["read_rows"] for c in per_dataset),
+        "cleaning": _summed([c["cleaning"] for c in per_dataset]),
+        "fingerprint": "sha256:" + canonical_hash([c["fingerprint"] for c in per_dataset] + [seed, target]),
+        "sources": [source for c in per_dataset for source in c["sources"]],
+        "datasets": per_dataset,
+    }
+    return _finish(out_dir, stage, counts, records)
+
+
+@contextmanager
+def _removed(directory: Path) -> Iterator[None]:
+    """Remove `directory` (a mixture's part files) when the block ends, however it ends."""
+    try:
+        yield
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@dataclass
+class _Lines:
+    """A split's line range [first, last] in the stage's file (for a mixture's per-dataset counts)."""
+
+    span: list[int]
+
+    @property
+    def lines(self) -> int:
+        return self.span[1] - self.span[0] + 1
+
+
+def mix_counts(available: list[int], weights: list[float | None]) -> list[int]:
+    """The training rows each dataset of a mixture contributes: every row of each without weights; with weights,
+    the stage's total (the sum of what they have) split by weight, rounded by largest remainder so that the counts
+    add up to the total exactly."""
+    if any(w is None for w in weights):
+        return list(available)
+    total = sum(available)
+    wanted = [total * float(w or 0) / sum(float(w or 0) for w in weights) for w in weights]
+    counts = [int(x) for x in wanted]
+    by_remainder = sorted(range(len(wanted)), key=lambda i: (counts[i] - wanted[i], i))
+    for i in by_remainder[: total - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+def _copy_rows(
+    rows: Path, origins: Path, to: _HashedFile, to_origins: _HashedFile, prefix: str, n: int, seed: int, index: int
+) -> None:
+    """Write `n` rows of a part file into the stage's split: every row once per whole pass, then a sample of the
+    rest drawn with (`seed`, `index`) in file order (a weight asking more rows than the dataset has repeats it)."""
+    available = sum(1 for _ in rows.open(encoding="utf-8"))
+    if available == 0 or n == 0:
+        return
+    passes, rest = divmod(n, available)
+    chosen = np.sort(np.random.default_rng([seed, index]).choice(available, size=rest, replace=False))
+    for repeat in range(passes + (1 if rest else 0)):
+        sample = chosen if repeat == passes else None
+        at = 0
+        with rows.open(encoding="utf-8") as lines, origins.open(encoding="utf-8") as where:
+            for number, (line, origin) in enumerate(zip(lines, where, strict=True)):
+                if sample is not None:
+                    if at >= len(sample):
+                        break
+                    if sample[at] != number:
+                        continue
+                    at += 1
+                to.write_line(line.rstrip("\n"))
+                to_origins.write_line(prefix + origin.rstrip("\n"))
+
+
+def _summed(cleanings: list[dict[str, Any]]) -> dict[str, Any]:
+    """The cleaning counts of a mixture's datasets added up, kind by kind."""
+    out: dict[str, Any] = {}
+    for cleaning in cleanings:
+        for key, value in cleaning.items():
+            if isinstance(value, dict):
+                into = out.setdefault(key, {})
+                for k, n in value.items():
+                    into[k] = into.get(k, 0) + n
+            elif isinstance(value, int | float):
+                out[key] = out.get(key, 0) + value
+    return out
+
+
+def _split_files(
+    stack: ExitStack, out_dir: Path, splits: tuple[str, ...], quarantine_path: Path
+) -> tuple[dict[str, _HashedFile], dict[str, _HashedFile], _HashedFile]:
+    """The temporary files of a stage's splits, their origins and its quarantine, discarded unless committed."""
+    files = {s: _HashedFile(out_dir / f"{s}.jsonl") for s in splits}
+    origins = {s: _HashedFile(out_dir / f"{s}.origins") for s in splits}
+    quarantine = _HashedFile(quarantine_path)
+    everything = [*files.values(), *origins.values(), quarantine]
+    stack.callback(_remove_empty, [out_dir, out_dir.parent, quarantine_path.parent])
+    stack.callback(lambda: [f.discard() for f in everything])
+    return files, origins, quarantine
+
+
+def _write_dataset(
+    reader: DatasetReader, stage: str, files: dict[str, _HashedFile], origins: dict[str, _HashedFile]
+) -> None:
+    """Stream one dataset's rows into its split files by their split keys (see the module docstring)."""
+    data = reader.data
+    # For a dataset too small for the keys to give both sides a row: the row of each side nearest the other.
+    nearest: dict[str, tuple[float, str, str]] = {}
+    for origin, line, split in reader.rows():
+        side = "eval" if stage == "evaluate" or split < data.eval_fraction else "train"
+        files[side].write_line(line)
+        origins[side].write_line(origin)
+        key = split if side == "train" else -split
+        if side not in nearest or key < nearest[side][0]:
+            nearest[side] = (key, line, origin)
+    if stage != "evaluate":
+        train, held = files["train"].lines, files["eval"].lines
+        if not train and held:  # training needs a row; held-out rows are optional
+            _move_row(nearest["eval"], files["eval"], origins["eval"], files["train"], origins["train"])
+        elif data.eval_fraction > 0 and not held and train > 1:  # a non-zero fraction holds out at least one
+            _move_row(nearest["train"], files["train"], origins["train"], files["eval"], origins["eval"])
+
+
+def _commit(
+    stack: ExitStack,
+    files: dict[str, _HashedFile],
+    origins: dict[str, _HashedFile],
+    quarantine: _HashedFile,
+    quarantine_path: Path,
+    bad_rows: int,
+) -> dict[str, Any]:
+    """Rename a stage's files into place (the quarantine only when rows were bad); the splits' records."""
+    records = {s: f.commit() for s, f in files.items()}
+    for f in origins.values():
+        f.commit()
+    if bad_rows:
+        quarantine.commit()
+    else:
+        quarantine.discard()
+        quarantine_path.unlink(missing_ok=True)
+    stack.pop_all()
+    return records
+
+
+def _counts(reader: DatasetReader, stage: str, files: dict[str, Any]) -> dict[str, Any]:
+    """One dataset's counts for stage.json."""
+    return {
         "uri": reader.uri,
-        "format": data.format,
-        "kind": kind_of(data.format),
+        "format": reader.data.format,
+        "kind": kind_of(reader.data.format),
         "rows": sum(f.lines for f in files.values()),
         "train_rows": files["train"].lines if "train" in files else 0,
         "eval_rows": files["eval"].lines,
@@ -379,6 +556,13 @@ def prepare_split(
         "fingerprint": reader.fingerprint,
         "sources": [{"uri": f.uri, "fingerprint": f.fingerprint} for f in reader.files],
     }
+
+
+def _finish(out_dir: Path, stage: str, counts: dict[str, Any], records: dict[str, Any]) -> dict[str, Any]:
+    """Remove what the evaluate stage has no use for, write the manifest; the counts."""
+    if stage == "evaluate":
+        (out_dir / "train.jsonl").unlink(missing_ok=True)
+        (out_dir / "train.origins").unlink(missing_ok=True)
     write_json_atomic(out_dir / "manifest.json", {**counts, "files": records})
     return counts
 

@@ -110,15 +110,40 @@ def prepared_data_counts(run_dir: RunDir) -> dict[str, dict[str, Any]]:
         return {}
     counts = {}
     for stage, data in ((result.extra.get("data") if result else None) or {}).items():
-        cleaning = data.get("cleaning", {})
-        counts[stage] = {
-            "uri": data.get("uri", ""),
-            "rows": data.get("rows", 0),
-            "quarantined": data.get("quarantined", 0),
-            "dropped": cleaning.get("dropped", {}),
-            "pii": cleaning.get("pii", {}),
-        }
+        counts[stage] = _data_counts(data)
+        # a mixture: a line per dataset too, with its share of the stage's training rows and tokens
+        for d in data.get("datasets") or []:
+            counts[f"{stage} · data.{d.get('index')}"] = _data_counts(d)
     return counts
+
+
+def _data_counts(data: dict[str, Any]) -> dict[str, Any]:
+    """What the report shows of one stage's data, or of one dataset of a mixture."""
+    cleaning = data.get("cleaning", {})
+    out = {
+        "uri": data.get("uri", ""),
+        "rows": data.get("rows", 0),
+        "quarantined": data.get("quarantined", 0),
+        "dropped": cleaning.get("dropped", {}),
+        "pii": cleaning.get("pii", {}),
+    }
+    tokens = data.get("tokens", {}).get("train") if isinstance(data.get("tokens"), dict) else data.get("train_tokens")
+    if tokens is not None:
+        out["train_tokens"] = tokens
+    if "share" in data:
+        out["share"] = data["share"]
+        out["token_share"] = data.get("token_share")
+        out["weight"] = data.get("weight")
+    return out
+
+
+def _share(counts: dict[str, Any]) -> str:
+    """'49.2% of rows, 12.6% of tokens (weight 2)' for a dataset of a mixture; '' for a stage."""
+    if "share" not in counts:
+        return ""
+    tokens = f", {counts['token_share']:.1%} of tokens" if counts.get("token_share") is not None else ""
+    weight = f" (weight {counts['weight']:g})" if counts.get("weight") is not None else ""
+    return f"{counts['share']:.1%} of rows{tokens}{weight}"
 
 
 def loss_curves(run_dir: RunDir, spec: PipelineSpec) -> dict[str, dict[str, Any]]:
@@ -379,12 +404,23 @@ def write_report(out_dir: Path, facts: dict[str, Any]) -> list[Path]:
         list(r) for r in zip(facts["prompts"], facts["base_generations"], facts["candidate_generations"], strict=True)
     ]
 
-    data_header = ["stage", "data", "rows", "quarantined", "dropped", "personal data masked"]
+    data_header = [
+        "stage",
+        "data",
+        "rows",
+        "training tokens",
+        "share (rows, tokens)",
+        "quarantined",
+        "dropped",
+        "personal data masked",
+    ]
     data_rows = [
         [
             stage,
             str(counts.get("uri", "")),
             f"{counts.get('rows', 0):,}",
+            f"{counts['train_tokens']:,}" if counts.get("train_tokens") is not None else "",
+            _share(counts),
             f"{counts.get('quarantined', 0):,}",
             ", ".join(f"{n:,} {why}" for why, n in counts.get("dropped", {}).items() if n) or "none",
             ", ".join(f"{n:,} {kind}" for kind, n in counts.get("pii", {}).items() if n) or "none",

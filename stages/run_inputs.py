@@ -35,8 +35,11 @@ def project_version() -> str:
 def stage_configuration(section: dict[str, Any]) -> dict[str, Any]:
     """A stage's section (as spec.json holds it) without what does not shape its result."""
     config = {key: value for key, value in section.items() if key not in NOT_CONFIGURATION}
-    if isinstance(config.get("data"), dict):
-        config["data"] = {key: value for key, value in config["data"].items() if key != "uri"}
+    data = config.get("data")
+    if isinstance(data, dict):
+        config["data"] = {key: value for key, value in data.items() if key != "uri"}
+    elif isinstance(data, list):  # a mixture: each dataset without its URI
+        config["data"] = [{k: v for k, v in d.items() if k != "uri"} if isinstance(d, dict) else d for d in data]
     return config
 
 

@@ -38,26 +38,28 @@ def hub_name(uri: str) -> str:
     return uri
 
 
-def read_hub(uri: str, split: str) -> tuple[list[SourceFile], Iterator[RawRow]]:
-    """Rows of a hub dataset (split `split`), through `datasets`: downloaded once into HF_HOME (on the checkpoints
-    volume in the cluster, with HF_TOKEN from cluster.secrets.hf_token) and read from its memory-mapped Arrow
-    files, never whole into memory."""
+def read_hub(uri: str, split: str, revision: str | None = None) -> tuple[list[SourceFile], Iterator[RawRow]]:
+    """Rows of a hub dataset (split `split`, at `revision`: a commit pins them), through `datasets`: downloaded
+    once into HF_HOME (on the checkpoints volume in the cluster, with HF_TOKEN from cluster.secrets.hf_token) and
+    read from its memory-mapped Arrow files, never whole into memory."""
     name = hub_name(uri)
+    at = f" at revision {revision!r}" if revision else ""
     try:
         import datasets
 
-        hub = datasets.load_dataset(name, split=split)
+        hub = datasets.load_dataset(name, split=split, revision=revision)
     except ImportError:
         raise DataError(f"{quoted(uri)}: reading hub datasets needs the 'datasets' package") from None
     except Exception as exc:  # offline, gated, missing: datasets raises many kinds
         offline = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("HF_DATASETS_OFFLINE")
         hint = " (this machine is offline: HF_HUB_OFFLINE is set)" if offline else ""
         raise DataError(
-            f"{quoted(uri)}: could not load split {split!r} from the Hugging Face hub{hint}: {type(exc).__name__}: "
+            f"{quoted(uri)}: could not load split {split!r}{at} from the Hugging Face hub{hint}: {type(exc).__name__}: "
             f"{str(exc).splitlines()[0] if str(exc) else ''}. Without network access, download the dataset to "
             "the datasets volume and use its path instead."
         ) from None
-    source = SourceFile(uri, "hf:" + canonical_hash({"name": name, "split": split, "fp": hub._fingerprint}))
+    described = {"name": name, "split": split, "fp": hub._fingerprint, **({"revision": revision} if revision else {})}
+    source = SourceFile(uri, "hf:" + canonical_hash(described))
     display = f"{quoted(uri)}[{split}]"
     return [source], (RawRow(display, i, value=row) for i, row in enumerate(hub, start=1))
 
@@ -88,7 +90,7 @@ def read_source(
     if uri.startswith("builtin:"):
         return read_builtin(uri)
     if uri.startswith("hf://"):
-        return read_hub(uri, data.split)
+        return read_hub(uri, data.split, data.revision)
     from stages.file_formats import hashed_as_read, object_rows
     from stages.sources import list_objects
 

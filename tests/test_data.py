@@ -548,7 +548,10 @@ def test_a_hub_dataset_goes_through_the_same_mapping(monkeypatch: pytest.MonkeyP
     datasets = pytest.importorskip("datasets")
     null_response = {"instruction": "q2", "context": "", "response": None, "category": "open_qa"}
     hub = datasets.Dataset.from_list([dolly_row("q", "c", "a"), null_response])
-    monkeypatch.setattr(datasets, "load_dataset", lambda name, split: hub)
+    asked: list[tuple[str, str, str | None]] = []
+    monkeypatch.setattr(
+        datasets, "load_dataset", lambda name, split, revision: asked.append((name, split, revision)) or hub
+    )
     spec = DataSpec(uri="hf://databricks/databricks-dolly-15k", format="alpaca", columns=DOLLY)
     expected = r"databricks-dolly-15k\[train\]:2: field 'response' \(columns\.output\): expected a string, got null"
     with pytest.raises(DataError, match=expected):
@@ -557,6 +560,14 @@ def test_a_hub_dataset_goes_through_the_same_mapping(monkeypatch: pytest.MonkeyP
     assert dataset.rows == [
         {"messages": [{"role": "user", "content": "q\n\nc"}, {"role": "assistant", "content": "a"}]}
     ]
+    assert asked[-1] == ("databricks/databricks-dolly-15k", "train", None)
+    # a pinned commit is what datasets is asked for, and part of what the rows are known by
+    sha = "bdd27f4d94b9c1f951818a7da7fd7aeea5dbff1a"
+    pinned = read_dataset(DataSpec(**{**spec.model_dump(), "max_bad_row_fraction": 0.5, "revision": sha}))
+    assert asked[-1] == ("databricks/databricks-dolly-15k", "train", sha)
+    assert pinned.rows == dataset.rows and pinned.fingerprint != dataset.fingerprint
+    with pytest.raises(ValueError, match="revision names a hub dataset's commit: it applies to hf:// URIs only"):
+        DataSpec(uri="rows.jsonl", format="text", revision=sha)
 
 
 def test_personal_data_reaches_neither_the_splits_nor_the_quarantine(tmp_path: Path):

@@ -267,11 +267,15 @@ def test_llamafactory_lora_sft(llamafactory: Path) -> None:
         "cosine",
         {"ddp_timeout": 180000000},
     )
-    assert sft.data.uri == str(llamafactory / "data" / "identity.json") and sft.data.format == "alpaca"  # as it is
-    assert sft.data.max_samples == 1000
+    # both datasets, as a mixture that takes every row of each (LLaMA-Factory's default mix_strategy, concat)
+    assert isinstance(sft.data, list) and [d.uri for d in sft.data] == [
+        str(llamafactory / "data" / "identity.json"),  # JSON arrays as they are
+        str(llamafactory / "data" / "alpaca_en_demo.json"),
+    ]
+    assert [(d.format, d.max_samples, d.weight) for d in sft.data] == [("alpaca", 1000, None)] * 2
     assert sft.distributed.strategy == "deepspeed_zero3" and sft.distributed.deepspeed_config == DEEPSPEED_Z3
-    # What did not map, with why: the second dataset, the tool's own options.
-    assert 'not mapped: dataset: "alpaca_en_demo" → a stage reads one dataset' in proc.stderr
+    # What did not map, with why: the tool's own options.
+    assert "dataset" not in proc.stderr
     assert "convert it" not in proc.stderr and "jq" not in proc.stderr
     assert 'not mapped: output_dir: "saves/llama3-8b/lora/sft" → outputs go to the run directory' in proc.stderr
     assert "# Not mapped:" in out.read_text(encoding="utf-8")

@@ -130,8 +130,8 @@ FILE_CASES = [
     FileCase(
         "sft-with-preference-data",
         BASE.replace("format: messages", "format: preference"),
-        "sft:",
-        ("stages.sft", "data.format 'preference'"),
+        "format: preference",
+        ("stages.sft.data.format", "sft reads messages, alpaca or sharegpt: 'preference'"),
     ),
     FileCase(
         "bad-storage-uri",
@@ -243,7 +243,7 @@ _GRPO = (
         (("stages.cpt.enabled=true",), ("stages.cpt", "needs 'data'")),
         (
             ("stages.cpt.data.uri=/mnt/datasets/chat.jsonl", "stages.cpt.data.format=messages"),
-            ("stages.cpt", "data.format must be 'text'"),
+            ("stages.cpt.data.format", "cpt trains on raw text: the format must be 'text'"),
         ),
         (("stages.evaluate.enabled=false",), ("stages.deploy needs stages.evaluate",)),
         (("stages.sft.enabled=false",), ("stages.evaluate needs at least one training stage",)),

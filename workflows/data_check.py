@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from run.exits import EXIT_USAGE
 from run.masking import mask_secrets
+from spec.data import datasets
 
 if TYPE_CHECKING:
     from spec.pipeline import PipelineSpec
@@ -52,7 +53,7 @@ def readable_here(uri: str, visible_only: bool) -> bool:
 def data_uris(spec: PipelineSpec) -> list[str]:
     """The data URI of every enabled stage that reads data."""
     sections = [spec.stage(name) for name in spec.stages.enabled()]
-    return [spec.data_uri(section.data) for section in sections if getattr(section, "data", None) is not None]
+    return [spec.data_uri(data) for section in sections for data in datasets(getattr(section, "data", None))]
 
 
 def check_command(spec_file: Path, visible_only: bool) -> list[str]:

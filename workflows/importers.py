@@ -3,10 +3,11 @@
     python -m workflows.import llamafactory examples/train_lora/llama3_lora_sft.yaml -o my-pipeline.yaml
     python -m workflows.import axolotl examples/llama-3/lora-1b.yml              # the pipeline on stdout
 
-What maps: the model, the first dataset (a local file or a hub id; LLaMA-Factory's dataset_info.json columns and
+What maps: the model, each dataset (a local file or a hub id; LLaMA-Factory's dataset_info.json columns and
 tags become data.columns and data.roles, axolotl's datasets[].type alpaca / chat_template / sharegpt /
-completion the format), the chat template, the method (stage or rl; LoRA, QLoRA or full), the LoRA settings, the
-hyperparameters, the precision and the DeepSpeed config. Every key that does not map is listed (key: value → why)
+completion the format; several datasets become a list, LLaMA-Factory's interleave_probs their weights), the chat
+template, the method (stage or rl; LoRA, QLoRA or full), the LoRA settings, the hyperparameters, the precision and
+the DeepSpeed config. Every key that does not map is listed (key: value → why)
 on stderr; the written file is validated with `spec.loading.load_pipeline` first, and an existing output is
 never overwritten without --force.
 """
@@ -112,10 +113,13 @@ def _find(value: str, recipe_dir: Path) -> Path:
     return (recipe_dir / path).absolute()
 
 
-def _put_data(imported: Imported, section: str, data: dict[str, Any]) -> None:
-    """stages.<section>.data, keeping what the hyperparameters put there (eval_fraction, max_samples)."""
+def _put_data(imported: Imported, section: str, data: list[dict[str, Any]]) -> None:
+    """stages.<section>.data, one dataset or the list of a mixture, each keeping what the hyperparameters put
+    there (eval_fraction, max_samples)."""
     stage = imported.document["stages"][section]
-    stage["data"] = {**data, **stage.get("data", {})}
+    hyperparameters = stage.get("data", {})
+    mixture = [{**d, **hyperparameters} for d in data]
+    stage["data"] = mixture[0] if len(mixture) == 1 else mixture
 
 
 def _deepspeed(imported: Imported, section: str, value: str, recipe_dir: Path, out_dir: Path) -> None:
@@ -238,14 +242,41 @@ _LLAMAFACTORY_TOOL_TAGS = {"function_call": "function_tag", "tool": "observation
 """data.roles → the dataset_info tag that names it, for sharegpt rows with tool calls."""
 
 
-def _llamafactory_dataset(
-    imported: Imported, names: str | list[str], info: dict[str, Any], info_dir: Path, section: str, kind: str | None
-) -> None:
-    """data from the first dataset (the others are reported): dataset_info.json's entry, else a hub id."""
+def _llamafactory_datasets(imported: Imported, recipe: dict[str, Any], info: dict[str, Any], info_dir: Path) -> None:
+    """data from the recipe's `dataset` (one name or several, comma-separated: a mixture) with their
+    dataset_info.json entries (else hub ids); `mix_strategy` and `interleave_probs` become the datasets' weights."""
+    section = imported.document["_section"]
+    kind = imported.document["stages"][section].get("algorithm")
+    names = recipe["dataset"]
     listed = [n.strip() for n in names.split(",")] if isinstance(names, str) else [str(n) for n in names]
-    first, rest = listed[0], listed[1:]
-    for other in rest:
-        imported.skip("dataset", other, "a stage reads one dataset; merge the files or import them one at a time")
+    data = [_llamafactory_dataset(imported, name, info, info_dir, kind) for name in listed if name]
+    strategy = str(recipe.get("mix_strategy") or "concat")
+    probs = recipe.get("interleave_probs")
+    if strategy.startswith("interleave") and len(data) > 1:
+        weights = [float(p) for p in str(probs).split(",")] if probs is not None else [1.0] * len(data)
+        if isinstance(probs, list):
+            weights = [float(p) for p in probs]
+        if len(weights) != len(data):
+            imported.skip("interleave_probs", probs, f"{len(weights)} probabilities for {len(data)} datasets")
+        else:
+            for dataset, weight in zip(data, weights, strict=True):
+                dataset["weight"] = weight
+        if strategy != "interleave_over":
+            imported.skip(
+                "mix_strategy",
+                strategy,
+                "the stage keeps as many training rows as its datasets have in all, split by weight, repeating a "
+                "dataset that has fewer (interleave_over's way), instead of stopping at the first exhausted one",
+            )
+    elif strategy not in ("concat", "interleave_under", "interleave_over"):
+        imported.skip("mix_strategy", strategy, "concat, interleave_under or interleave_over; read as concat")
+    _put_data(imported, section, data)
+
+
+def _llamafactory_dataset(
+    imported: Imported, first: str, info: dict[str, Any], info_dir: Path, kind: str | None
+) -> dict[str, Any]:
+    """One dataset of the recipe: dataset_info.json's entry, else a hub id."""
     entry = info.get(first)
     data: dict[str, Any] = {}
     if entry is None:
@@ -295,7 +326,7 @@ def _llamafactory_dataset(
     data["columns"] = {k: v for k, v in mapped.items() if k != v}
     if not data["columns"]:
         del data["columns"]
-    _put_data(imported, section, data)
+    return data
 
 
 def from_llamafactory(recipe: dict[str, Any], recipe_path: Path, out_dir: Path, dataset_info: Path | None) -> Imported:
@@ -314,7 +345,17 @@ def from_llamafactory(recipe: dict[str, Any], recipe_path: Path, out_dir: Path, 
     doc["stages"][section] = stage_doc
     if algorithm:
         stage_doc["algorithm"] = algorithm
-    used = {"model_name_or_path", "stage", "finetuning_type", "quantization_bit", "dataset", "template", "deepspeed"}
+    used = {
+        "model_name_or_path",
+        "stage",
+        "finetuning_type",
+        "quantization_bit",
+        "dataset",
+        "template",
+        "deepspeed",
+        "mix_strategy",
+        "interleave_probs",
+    }
     if recipe.get("trust_remote_code"):
         doc["model"]["trust_remote_code"] = True
     used.add("trust_remote_code")
@@ -347,7 +388,7 @@ def from_llamafactory(recipe: dict[str, Any], recipe_path: Path, out_dir: Path, 
     if info_path.is_file():
         info = json.loads(info_path.read_text(encoding="utf-8"))
     if recipe.get("dataset"):
-        _llamafactory_dataset(imported, recipe["dataset"], info, info_path.parent.absolute(), section, algorithm)
+        _llamafactory_datasets(imported, recipe, info, info_path.parent.absolute())
     else:
         raise ImportError_(f"{recipe_path}: no dataset")
     if recipe.get("deepspeed"):
@@ -376,24 +417,34 @@ AXOLOTL_HYPERPARAMETERS = {
 AXOLOTL_RL = {"dpo": "dpo", "orpo": "orpo", "kto": "kto", "grpo": "grpo"}
 
 
-def _axolotl_dataset(imported: Imported, datasets: list[Any], section: str, preference: bool, recipe_dir: Path) -> None:
-    first, rest = datasets[0], datasets[1:]
-    for other in rest:
-        imported.skip("datasets", other, "a stage reads one dataset; merge the files or import them one at a time")
+def _axolotl_datasets(
+    imported: Imported, datasets: list[Any], section: str, preference: bool, recipe_dir: Path
+) -> None:
+    """data from the config's `datasets`: one dataset, or the list of a mixture (axolotl concatenates them, as a
+    list without weights does)."""
+    data = [_axolotl_dataset(imported, d, i, preference, recipe_dir) for i, d in enumerate(datasets)]
+    _put_data(imported, section, data)
+
+
+def _axolotl_dataset(imported: Imported, first: Any, index: int, preference: bool, recipe_dir: Path) -> dict[str, Any]:
+    """One entry of the config's `datasets`."""
+    at = f"datasets[{index}]"
     if not isinstance(first, dict) or not first.get("path"):
-        raise ImportError_(f"datasets[0] has no path: {first!r}")
+        raise ImportError_(f"{at} has no path: {first!r}")
     path = str(first["path"])
     local = first.get("ds_type") in ("json", "parquet") or path.startswith((".", "/")) or Path(path).suffix
     uri = str(_find(path, recipe_dir)) if local else f"hf://datasets/{path}"
     data: dict[str, Any] = {"uri": uri}
     if first.get("split"):
         data["split"] = first["split"]
+    if first.get("revision") and not local:
+        data["revision"] = str(first["revision"])  # a hub dataset's commit: pinned rows
     kind = first.get("type")
     type_name = kind if isinstance(kind, str) else ""
     if preference:
         data["format"] = "preference"
         if kind is not None:
-            imported.skip("datasets[0].type", kind, "preference rows are read as prompt/chosen/rejected columns")
+            imported.skip(f"{at}.type", kind, "preference rows are read as prompt/chosen/rejected columns")
     elif type_name in ("alpaca", "alpaca_chat"):
         data["format"] = "alpaca"
     elif type_name == "completion":
@@ -423,15 +474,15 @@ def _axolotl_dataset(imported: Imported, datasets: list[Any], section: str, pref
             if role in ("user", "assistant", "system", "tool") and tags:
                 roles[role] = tags[0] if isinstance(tags, list) else tags
                 if isinstance(tags, list) and len(tags) > 1:
-                    imported.skip(f"datasets[0].roles.{role}", tags, f"one tag per role: {tags[0]!r} kept")
+                    imported.skip(f"{at}.roles.{role}", tags, f"one tag per role: {tags[0]!r} kept")
         if roles:
             data["roles"] = roles
         if first.get("chat_template"):
-            imported.skip("datasets[0].chat_template", first["chat_template"], "the model's chat_template is used")
+            imported.skip(f"{at}.chat_template", first["chat_template"], "the model's chat_template is used")
     else:
         data["format"] = "alpaca"
         imported.skip(
-            "datasets[0].type", kind, "not a known type (alpaca, chat_template, sharegpt, completion): read as alpaca"
+            f"{at}.type", kind, "not a known type (alpaca, chat_template, sharegpt, completion): read as alpaca"
         )
     for key in set(first) - {
         "path",
@@ -447,12 +498,13 @@ def _axolotl_dataset(imported: Imported, datasets: list[Any], section: str, pref
         "message_field_content",
         "chat_template",
         "data_files",
+        "revision",
     }:
-        imported.skip(f"datasets[0].{key}", first[key], "no pipeline field for it")
+        imported.skip(f"{at}.{key}", first[key], "no pipeline field for it")
     if first.get("data_files"):
         files = first["data_files"]
         data["uri"] = str(_find(files if isinstance(files, str) else files[0], recipe_dir))
-    _put_data(imported, section, data)
+    return data
 
 
 def from_axolotl(recipe: dict[str, Any], recipe_path: Path, out_dir: Path) -> Imported:
@@ -521,7 +573,7 @@ def from_axolotl(recipe: dict[str, Any], recipe_path: Path, out_dir: Path) -> Im
     if not datasets:
         raise ImportError_(f"{recipe_path}: no datasets")
     listed = datasets if isinstance(datasets, list) else [datasets]
-    _axolotl_dataset(imported, listed, section, bool(rl), recipe_path.parent)
+    _axolotl_datasets(imported, listed, section, bool(rl), recipe_path.parent)
     if recipe.get("deepspeed"):
         _deepspeed(imported, section, str(recipe["deepspeed"]), recipe_path.parent, out_dir)
     if recipe.get("fsdp") or recipe.get("fsdp_config"):

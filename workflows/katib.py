@@ -30,6 +30,7 @@ import math
 from typing import Any
 
 from run.names import katib_parameter_name
+from spec.data import datasets
 from spec.pipeline import PipelineSpec
 from spec.search import SearchParameter, recorded_metrics
 from spec.training import TrainingStage
@@ -109,7 +110,7 @@ def additional_metrics(spec: PipelineSpec, stage_name: str) -> list[str]:
     """The metrics besides the objective a trial records: held-out ones only when the stage holds rows out."""
     stage: TrainingStage = spec.stage(stage_name)  # type: ignore[assignment]
     assert stage.hpo is not None
-    held_out = stage.data is not None and stage.data.eval_fraction > 0
+    held_out = any(d.eval_fraction > 0 for d in datasets(stage.data))
     metrics = recorded_metrics(stage_name, getattr(stage, "algorithm", None))
     return [
         m

@@ -79,6 +79,7 @@ from run.release import GATE_PASS
 from run.run_dir import RunDir, still_locked, try_lock
 from run.search import apply_selections
 from run.tracking import local_store_uri
+from spec.data import datasets
 from spec.document import LoadedPipeline
 from spec.loading import PIPELINES_DIR, REPLACES_DATA
 from spec.pipeline import PipelineSpec
@@ -270,7 +271,7 @@ def effective_plan(loaded: LoadedPipeline) -> list[str]:
     kept = loaded.origins.data_kept
     by_profile = f" [profile {loaded.profile}]"
 
-    def mark(*keys: str) -> str:
+    def mark(*keys: str | int) -> str:
         if loaded.origins.by_path.get(keys) == "--set":
             return " [--set]"
         if keys[:1] == ("stages",) and keys[2:3] == ("data",) and keys[1] in kept:
@@ -302,9 +303,18 @@ def effective_plan(loaded: LoadedPipeline) -> list[str]:
         data = getattr(section, "data", None)
         if data is None:
             continue
-        mapping = ", ".join(f"{key}←{column}" for key, column in data.columns.items())
-        described = f"{spec.data_uri(data)} ({data.format}{'; ' + mapping if mapping else ''})"
-        line = f"{name}: data {described}{mark('stages', name, 'data', 'uri') or mark('stages', name, 'data')}"
+        described = []
+        for i, dataset in enumerate(datasets(data)):
+            mapping = ", ".join(f"{key}←{column}" for key, column in dataset.columns.items())
+            weight = f", weight {dataset.weight:g}" if dataset.weight is not None else ""
+            at = ("stages", name, "data", i) if isinstance(data, list) else ("stages", name, "data")
+            described.append(
+                f"{spec.data_uri(dataset)} ({dataset.format}{'; ' + mapping if mapping else ''}{weight})"
+                + (mark(*at, "uri") or mark(*at))
+            )
+        line = f"{name}: data {' + '.join(described)}"
+        if isinstance(data, list) and not any(mark("stages", name, "data", i) for i in range(len(data))):
+            line += mark("stages", name, "data")
         if name in kept:
             line += f" [the pipeline file's; profile {loaded.profile}'s data left out: it has no replaces_data: true]"
         training = getattr(section, "training", None)

@@ -50,9 +50,20 @@ def ui_parameters(spec: PipelineSpec) -> list[UIParameter]:
     ]
     for stage in _data_stages(spec):
         data = spec.stage(stage).data
-        params.append(
-            UIParameter(f"{stage}-data", data.uri, f"{stage} data ({data.format}): path, hf://, gs://, s3://.")
-        )
+        if not isinstance(data, list):
+            params.append(
+                UIParameter(f"{stage}-data", data.uri, f"{stage} data ({data.format}): path, hf://, gs://, s3://.")
+            )
+            continue
+        for i, dataset in enumerate(data):  # a mixture: one parameter per dataset, by its index in the list
+            weight = f", weight {dataset.weight:g}" if dataset.weight is not None else ""
+            params.append(
+                UIParameter(
+                    f"{stage}-data-{i}",
+                    dataset.uri,
+                    f"{stage} dataset {i} of {len(data)} ({dataset.format}{weight}): path, hf://, gs://, s3://.",
+                )
+            )
     for stage in _switchable_stages(spec):
         params.append(UIParameter(f"run-{stage}", "true", f"Run the {stage} stage.", ("true", "false")))
     file_only = [".".join(path) for path in PIPELINE_FILE_ONLY]

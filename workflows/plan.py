@@ -18,6 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from spec.data import datasets
 from spec.document import LoadedPipeline
 from spec.fields import TRAINING_STAGES
 from spec.loading import REPLACES_DATA
@@ -59,7 +60,12 @@ def expected_eval_rows(rows: int, eval_fraction: float) -> int:
 
 
 def small_eval_warning(
-    stage: str, eval_rows: int, rows: int | None, eval_fraction: float | None, estimated: bool = True
+    stage: str,
+    eval_rows: int,
+    rows: int | None,
+    eval_fraction: float | None,
+    estimated: bool = True,
+    mixture: bool = False,
 ) -> str:
     """The warning for a stage whose eval split holds (about, when `estimated`) `eval_rows` rows, under
     MIN_EVAL_ROWS."""
@@ -71,9 +77,10 @@ def small_eval_warning(
     of = f" of the {rows} rows" if rows is not None else " rows"
     fraction = f" (eval_fraction {eval_fraction:g})" if eval_fraction is not None else ""
     about = "about " if estimated else ""
+    where = f"the eval_fraction of stages.{stage}.data's datasets" if mixture else f"stages.{stage}.data.eval_fraction"
     return (
         f"{stage}: {about}{eval_rows}{of} are held out for eval{fraction}, under {MIN_EVAL_ROWS}: its eval_loss "
-        f"is noise; raise stages.{stage}.data.eval_fraction or add rows"
+        f"is noise; raise {where} or add rows"
     )
 
 
@@ -87,8 +94,13 @@ def profile_swapped_data(loaded: LoadedPipeline) -> set[str]:
     return {
         name
         for name, section in stages.items()
-        if isinstance(section, dict) and isinstance(section.get("data"), dict) and "uri" in section["data"]
+        if isinstance(section, dict)
+        and any(isinstance(d, dict) and "uri" in d for d in _as_list(section.get("data")))
     }
+
+
+def _as_list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else [value]
 
 
 def plan_warnings(loaded: LoadedPipeline) -> list[str]:
@@ -108,15 +120,19 @@ def plan_warnings(loaded: LoadedPipeline) -> list[str]:
                 f"trains {training.max_steps} optimizer steps, as max_steps does in transformers, LLaMA-Factory and "
                 f"Axolotl; to train the epochs instead: --set stages.{name}.training.max_steps=null"
             )
-        data = getattr(section, "data", None)
-        if data is None:
+        mixture = datasets(getattr(section, "data", None))
+        counted = [(data, _local_rows(spec.data_uri(data))) for data in mixture]
+        if not counted or any(rows is None for _, rows in counted):
             continue
-        rows = _local_rows(spec.data_uri(data))
-        if rows is None:
-            continue
-        held = rows if name == "evaluate" else expected_eval_rows(rows, data.eval_fraction)
+        rows = sum(n or 0 for _, n in counted)
+        if name == "evaluate":
+            held = rows
+        else:
+            held = sum(expected_eval_rows(n or 0, data.eval_fraction) for data, n in counted)
         if 0 < held < MIN_EVAL_ROWS:
-            warnings.append(small_eval_warning(name, held, rows, None if name == "evaluate" else data.eval_fraction))
+            fraction = None if name == "evaluate" or len(mixture) > 1 else mixture[0].eval_fraction
+            listed = isinstance(getattr(section, "data", None), list)
+            warnings.append(small_eval_warning(name, held, rows, fraction, mixture=listed))
     if (unrelated := unrelated_evaluation(spec)) is not None:
         warnings.append(unrelated)
     return warnings
@@ -127,18 +143,20 @@ def unrelated_evaluation(spec: PipelineSpec) -> str | None:
     evaluate = spec.stages.evaluate
     if not evaluate.enabled or evaluate.data is None:
         return None
-    measured = spec.data_uri(evaluate.data)
+    measured = datasets(evaluate.data)
     own = [
         (name, spec.data_uri(data), data.format)
         for name in spec.stages.enabled()
-        if name in TRAINING_STAGES and (data := getattr(spec.stage(name), "data", None)) is not None
+        if name in TRAINING_STAGES
+        for data in datasets(getattr(spec.stage(name), "data", None))
         if not spec.data_uri(data).startswith(BUILTIN_PREFIX)
     ]
-    if not measured.startswith(BUILTIN_PREFIX) or not own:
+    if not all(spec.data_uri(d).startswith(BUILTIN_PREFIX) for d in measured) or not own:
         return None
     trained = ", ".join(f"{name} on {uri} ({fmt})" for name, uri, fmt in own)
+    described = ", ".join(f"{spec.data_uri(d)} ({d.format})" for d in measured)
     return (
-        f"evaluate: measures {measured} ({evaluate.data.format}), built-in data unrelated to what the model trains "
+        f"evaluate: measures {described}, built-in data unrelated to what the model trains "
         f"on ({trained}); the gate compares the models on it. Point stages.evaluate.data at held-out rows of your "
         "own (e.g. --set stages.evaluate.data.uri=heldout.jsonl), or remove stages.evaluate.data to measure the "
         "candidate stage's own held-out split"
@@ -155,5 +173,5 @@ def prepared_warnings(prepare_extra: dict[str, Any], already: frozenset[str] | s
         held = int(counts.get("eval_rows") or 0)
         if 0 < held < MIN_EVAL_ROWS:
             rows = int(counts.get("rows") or 0) or None
-            warnings.append(small_eval_warning(stage, held, rows, None, estimated=False))
+            warnings.append(small_eval_warning(stage, held, rows, None, estimated=False, mixture="datasets" in counts))
     return warnings
