@@ -94,8 +94,7 @@ def profile_swapped_data(loaded: LoadedPipeline) -> set[str]:
     return {
         name
         for name, section in stages.items()
-        if isinstance(section, dict)
-        and any(isinstance(d, dict) and "uri" in d for d in _as_list(section.get("data")))
+        if isinstance(section, dict) and any(isinstance(d, dict) and "uri" in d for d in _as_list(section.get("data")))
     }
 
 
