@@ -41,7 +41,7 @@ from run.run_dir import RunDir, write_json_atomic
 from spec.data import datasets
 from spec.pipeline import PipelineSpec
 from spec.training import TrainingSpec
-from stages.chat import IGNORE_INDEX, ConversationError, tokenize_conversation
+from stages.chat import IGNORE_INDEX, ConversationError, conversation_masks, tokenize_conversation
 from stages.workers import default_num_proc, ordered_map
 
 __all__ = ["IGNORE_INDEX", "tokenize_conversation"]  # re-exported: where the rows' labels come from
@@ -466,36 +466,32 @@ def _tokenize_batch(lines: list[tuple[int, str]]) -> TokenizedBatch:
         numbers = np.asarray([line for line, _ in lines], dtype=np.int64)
         return TokenizedBatch(ids, None, lengths, int(lengths.sum()) - len(docs), len(docs), lines=numbers)
     max_len = settings["max_seq_length"]
-    kept_ids: list[list[int]] = []
-    kept_loss: list[list[int]] = []
+    kept_ids: list[np.ndarray] = []
+    kept_loss: list[np.ndarray] = []
     kept_lines: list[int] = []
     batch = TokenizedBatch(np.empty(0, np.uint32), None, np.empty(0, np.int64), 0, len(records))
-    for (line, _), record in zip(lines, records, strict=True):
-        try:
-            ids, labels = tokenize_conversation(
-                tokenizer,
-                record["messages"],
-                settings["enable_thinking"],
-                settings["assistant_only_loss"],
-                tools=record.get("tools"),
-            )
-        except ConversationError as exc:
-            batch.problems.append((line, str(exc)))
+    conversations = [(record["messages"], record.get("tools")) for record in records]
+    tokenized = conversation_masks(tokenizer, conversations, settings["enable_thinking"])
+    for (line, _), result in zip(lines, tokenized, strict=True):
+        if isinstance(result, ConversationError):
+            batch.problems.append((line, str(result)))
             continue
+        ids, mask = result
         if len(ids) > max_len:
             batch.truncated += 1
-            ids, labels = ids[:max_len], labels[:max_len]
-        loss = [label != IGNORE_INDEX for label in labels]
-        if not any(loss[1:]):
+            ids, mask = ids[:max_len], mask[:max_len]
+        loss = np.asarray(mask, dtype=np.uint8) if settings["assistant_only_loss"] else np.ones(len(ids), np.uint8)
+        learned = int(loss[1:].sum())
+        if not learned:
             batch.dropped += 1  # truncation left no assistant token to learn from
             continue
-        kept_ids.append(ids)
+        kept_ids.append(np.asarray(ids, dtype=np.uint32))
         kept_loss.append(loss)
         kept_lines.append(line)
-        batch.label_tokens += sum(loss[1:])
+        batch.label_tokens += learned
     batch.lengths = np.asarray([len(ids) for ids in kept_ids], dtype=np.int64)
-    batch.ids = np.fromiter((t for ids in kept_ids for t in ids), dtype=np.uint32, count=int(batch.lengths.sum()))
-    batch.loss = np.fromiter((m for loss in kept_loss for m in loss), dtype=np.uint8, count=len(batch.ids))
+    batch.ids = np.concatenate(kept_ids) if kept_ids else np.empty(0, np.uint32)
+    batch.loss = np.concatenate(kept_loss) if kept_loss else np.empty(0, np.uint8)
     batch.lines = np.asarray(kept_lines, dtype=np.int64)
     return batch
 

@@ -89,3 +89,21 @@ def test_the_span_mask_by_bisection_is_the_token_by_token_one() -> None:
         assert chat._span_mask(offsets, spans)[0] == expected
         shuffled = offsets[::-1]  # not growing: the token-by-token path
         assert chat._span_mask(shuffled, spans)[0] == [int(any(e > a and s < b for a, b in spans)) for s, e in shuffled]
+
+
+@pytest.mark.parametrize("template", ["qwen3", "llama3", "mistral"])
+def test_many_conversations_at_once_are_each_one_alone(template: str) -> None:
+    """prepare renders a batch, then encodes it, then masks it (`conversation_masks`, for the CPU's caches): each
+    conversation gets what it gets alone, and one the template refuses is an error in its place, not the batch's."""
+    tokenizer = tokenizer_for(template)
+    batch = [(messages, None) for messages in conversations(seed=3, count=12)]
+    batch.insert(5, ([{"role": "assistant", "content": "먼저 말함"}], None))  # no prompt before it: refused
+    together = chat.conversation_masks(tokenizer, batch)
+    assert len(together) == len(batch) and isinstance(together[5], ConversationError)
+    for (messages, _), result in zip(batch, together, strict=True):
+        try:
+            alone = chat.conversation_mask(tokenizer, messages)
+        except ConversationError as exc:
+            assert isinstance(result, ConversationError) and str(result) == str(exc)
+            continue
+        assert result == alone
