@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from test_tool_calls import agent_rows
 
+from spec.data import DataSpec
 from spec.document import SpecError
 from spec.form import resolve_parameters
 from spec.loading import load_pipeline
@@ -319,3 +320,50 @@ def test_a_mixture_of_a_json_array_a_csv_and_parquet_tool_calls_trains_through_l
     for path in (run / "prepare").rglob("*"):
         if path.is_file() and path.suffix in (".jsonl", ".json", ".origins", ".log", ".txt"):
             assert PHONE not in path.read_text(encoding="utf-8", errors="replace"), path
+
+
+def test_a_mixture_pipeline_renders_a_form_argo_accepts_and_prepare_resolves(tmp_path: Path) -> None:
+    from schema_validation import require_schemas, validate_argo
+
+    from spec.form import resolve_params_dir
+    from workflows.compile import compile_pipeline
+
+    require_schemas()
+    spec = _spec(write_mixture(tmp_path))
+    documents = compile_pipeline(spec).documents()
+    for document in documents.values():
+        validate_argo(document)
+    template = documents["workflowtemplate.yaml"]
+    form = {p["name"]: p.get("value") for p in template["spec"]["arguments"]["parameters"]}
+    assert [form[f"sft-data-{i}"] for i in range(3)] == ["own.json", "extra.csv", "tools.parquet"]
+    # what Argo lays out for prepare: the raw artifacts of the prepare step, one form value changed
+    prepare = next(t for t in template["spec"]["templates"] if t["name"] == "prepare")
+    params = tmp_path / "params"
+    params.mkdir()
+    for artifact in prepare["inputs"]["artifacts"]:
+        data = artifact["raw"]["data"]
+        if data.startswith("{{workflow.parameters."):
+            name = data.removeprefix("{{workflow.parameters.").removesuffix("}}")
+            data = "/mnt/datasets/helpdesk/v2.csv" if name == "sft-data-1" else form[name]
+        (params / Path(artifact["path"]).name).write_text(data, encoding="utf-8")
+    resolved = resolve_params_dir(params)
+    assert [d.uri for d in resolved.stages.sft.data] == ["own.json", "/mnt/datasets/helpdesk/v2.csv", "tools.parquet"]
+
+
+def test_the_evaluate_stage_reads_every_row_of_each_of_its_datasets(tmp_path: Path) -> None:
+    spec = _spec(write_mixture(tmp_path))
+    for name, n in (("a.jsonl", 5), ("b.jsonl", 3)):
+        lines = [json.dumps({"text": f"{name} 평가 문장 {i}번입니다."}, ensure_ascii=False) for i in range(n)]
+        (tmp_path / name).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    data = [
+        DataSpec(uri=str(tmp_path / "a.jsonl"), format="text"),
+        DataSpec(uri=str(tmp_path / "b.jsonl"), format="text"),
+    ]
+    out = tmp_path / "evaluate"
+    counts = prepare_split(out, tmp_path / "quarantine.jsonl", "evaluate", data, spec, tmp_path, 1)
+    assert counts["eval_rows"] == 8 and counts["train_rows"] == 0 and not (out / "train.jsonl").exists()
+    assert [(d["eval_rows"], round(d["share"], 3)) for d in counts["datasets"]] == [(5, 0.625), (3, 0.375)]
+    assert [line.split(" ")[0] for line in (out / "eval.origins").read_text(encoding="utf-8").splitlines()] == [
+        *["data.0"] * 5,
+        *["data.1"] * 3,
+    ]
