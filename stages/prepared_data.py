@@ -17,7 +17,9 @@ One pass, in bounded memory, whatever the size of the corpus:
 `.origins` file (the user's `<file>:<line>` of every row, for errors found later, when tokenizing), the quarantine
 (`prepare/quarantine/<stage>.jsonl`) and `manifest.json` (counts, and the sha256, size and mtime of each file,
 which the token cache's key reads instead of hashing the file again). Everything is written to temporary files
-and renamed at the end: a dataset that fails leaves nothing a rerun would trust.
+and renamed at the end: a dataset that fails leaves nothing a rerun would trust. A stage's list of datasets (a
+mixture) is read dataset by dataset, each split on its own, then written into the stage's files by weight
+(`prepare_split`, `mix_counts`).
 """
 
 from __future__ import annotations
