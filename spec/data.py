@@ -279,12 +279,6 @@ def datasets(data: DataSpec | list[DataSpec] | None) -> list[DataSpec]:
     return list(data) if isinstance(data, list) else [data]
 
 
-def dataset_field(data: DataSpec | list[DataSpec], index: int) -> str:
-    """The spec path of a stage's dataset within `stages.<stage>.`: 'data' for a single dataset, 'data.1' in a list
-    (the path `--set` and the form's overrides take)."""
-    return f"data.{index}" if isinstance(data, list) else "data"
-
-
 def dataset_loc(data: DataSpec | list[DataSpec], index: int) -> tuple[str | int, ...]:
     """The location of a stage's dataset within the stage's section, as FieldError takes it."""
     return ("data", index) if isinstance(data, list) else ("data",)

@@ -381,9 +381,7 @@ def prepare_split(
             for split in splits:
                 first = files[split].lines
                 n = target[i] if split == "train" else part[split].lines
-                _copy_rows(
-                    part[split].tmp, part_origins[split].tmp, files[split], origins[split], f"data.{i} ", n, seed, i
-                )
+                _copy_rows(part[split], part_origins[split], files[split], origins[split], f"data.{i} ", n, seed, i)
                 record[f"{split}_lines"] = [first + 1, files[split].lines]
             records_of.append(record)
         records = _commit(stack, files, origins, quarantine, quarantine_path, sum(r.n_errors for r in readers))
@@ -449,11 +447,18 @@ def mix_counts(available: list[int], weights: list[float | None]) -> list[int]:
 
 
 def _copy_rows(
-    rows: Path, origins: Path, to: _HashedFile, to_origins: _HashedFile, prefix: str, n: int, seed: int, index: int
+    part: _HashedFile,
+    part_origins: _HashedFile,
+    to: _HashedFile,
+    to_origins: _HashedFile,
+    prefix: str,
+    n: int,
+    seed: int,
+    index: int,
 ) -> None:
     """Write `n` rows of a part file into the stage's split: every row once per whole pass, then a sample of the
     rest drawn with (`seed`, `index`) in file order (a weight asking more rows than the dataset has repeats it)."""
-    available = sum(1 for _ in rows.open(encoding="utf-8"))
+    rows, origins, available = part.tmp, part_origins.tmp, part.lines
     if available == 0 or n == 0:
         return
     passes, rest = divmod(n, available)

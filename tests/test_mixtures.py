@@ -8,12 +8,12 @@ from __future__ import annotations
 import csv
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from test_import_recipes import _import
+from test_parameters import _params_dir
 from test_tool_calls import agent_rows
 
 from spec.data import DataSpec
@@ -232,12 +232,6 @@ def test_a_bad_dataset_is_named_by_its_index(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- the importers
 
 
-def _import(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    command = [sys.executable, "-m", "workflows.import", *args]
-    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
-
-
 def test_llamafactory_interleave_probs_become_weights(tmp_path: Path) -> None:
     write_mixture(tmp_path)
     (tmp_path / "data").mkdir()
@@ -337,15 +331,7 @@ def test_a_mixture_pipeline_renders_a_form_argo_accepts_and_prepare_resolves(tmp
     form = {p["name"]: p.get("value") for p in template["spec"]["arguments"]["parameters"]}
     assert [form[f"sft-data-{i}"] for i in range(3)] == ["own.json", "extra.csv", "tools.parquet"]
     # what Argo lays out for prepare: the raw artifacts of the prepare step, one form value changed
-    prepare = next(t for t in template["spec"]["templates"] if t["name"] == "prepare")
-    params = tmp_path / "params"
-    params.mkdir()
-    for artifact in prepare["inputs"]["artifacts"]:
-        data = artifact["raw"]["data"]
-        if data.startswith("{{workflow.parameters."):
-            name = data.removeprefix("{{workflow.parameters.").removesuffix("}}")
-            data = "/mnt/datasets/helpdesk/v2.csv" if name == "sft-data-1" else form[name]
-        (params / Path(artifact["path"]).name).write_text(data, encoding="utf-8")
+    params = _params_dir(tmp_path, {"sft-data-1": "/mnt/datasets/helpdesk/v2.csv"}, str(tmp_path / "mixed.yaml"))
     resolved = resolve_params_dir(params)
     assert [d.uri for d in resolved.stages.sft.data] == ["own.json", "/mnt/datasets/helpdesk/v2.csv", "tools.parquet"]
 
