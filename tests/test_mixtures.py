@@ -260,6 +260,14 @@ def test_llamafactory_interleave_probs_become_weights(tmp_path: Path) -> None:
     proc = _import(tmp_path, "llamafactory", "recipe.yaml", "-o", "under.yaml")
     assert proc.returncode == 0 and 'not mapped: mix_strategy: "interleave_under"' in proc.stderr
 
+    # the probabilities as a YAML list, as LLaMA-Factory takes them too; ones that cannot be weights are listed
+    (tmp_path / "recipe.yaml").write_text(recipe.replace("0.8,0.2", "[0.8, 0.2]"), encoding="utf-8")
+    proc = _import(tmp_path, "llamafactory", "recipe.yaml", "-o", "listed.yaml")
+    assert [d.weight for d in load_pipeline(str(tmp_path / "listed.yaml")).spec.stages.sft.data] == [0.8, 0.2]
+    (tmp_path / "recipe.yaml").write_text(recipe.replace("0.8,0.2", "high,low"), encoding="utf-8")
+    proc = _import(tmp_path, "llamafactory", "recipe.yaml", "-o", "words.yaml")
+    assert proc.returncode == 0 and 'not mapped: interleave_probs: "high,low" → not 2 positive' in proc.stderr
+
 
 def test_axolotl_datasets_become_a_list(tmp_path: Path) -> None:
     write_mixture(tmp_path)

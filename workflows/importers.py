@@ -253,11 +253,13 @@ def _llamafactory_datasets(imported: Imported, recipe: dict[str, Any], info: dic
     strategy = str(recipe.get("mix_strategy") or "concat")
     probs = recipe.get("interleave_probs")
     if strategy.startswith("interleave") and len(data) > 1:
-        weights = [float(p) for p in str(probs).split(",")] if probs is not None else [1.0] * len(data)
-        if isinstance(probs, list):
-            weights = [float(p) for p in probs]
-        if len(weights) != len(data):
-            imported.skip("interleave_probs", probs, f"{len(weights)} probabilities for {len(data)} datasets")
+        listed_probs = probs if isinstance(probs, list) else str(probs).split(",") if probs is not None else None
+        try:
+            weights = [float(p) for p in listed_probs] if listed_probs is not None else [1.0] * len(data)
+        except (TypeError, ValueError):
+            weights = []  # not numbers: said below, as a count that does not match
+        if len(weights) != len(data) or any(w <= 0 for w in weights):
+            imported.skip("interleave_probs", probs, f"not {len(data)} positive probabilities, one per dataset")
         else:
             for dataset, weight in zip(data, weights, strict=True):
                 dataset["weight"] = weight
