@@ -31,14 +31,18 @@ support) raises ConversationError with the template's own message, for prepare t
 from __future__ import annotations
 
 import bisect
+import json
 import os
 import re
+import unicodedata
 from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
 from weakref import WeakKeyDictionary
+
+import numpy as np
 
 IGNORE_INDEX = -100
 
@@ -414,19 +418,25 @@ def conversation_masks(
             results.append(_rendered(tokenizer, messages, enable_thinking, tools, tagged))
         except ConversationError as exc:
             results.append(exc)
-    encoded = [_encode(tokenizer, r[0]) if isinstance(r, tuple) and isinstance(r[0], str) else None for r in results]
+    texts = [r[0] for r in results if isinstance(r, tuple) and isinstance(r[0], str)]
+    encoded = iter(_encode_many(tokenizer, texts))
     out: list[tuple[list[int], list[int]] | ConversationError] = []
-    for result, ids_offsets in zip(results, encoded, strict=True):
+    for result in results:
         if isinstance(result, ConversationError):
             out.append(result)
             continue
         try:
-            if ids_offsets is None:  # a {% generation %}-tagged template: transformers' mask
+            if not isinstance(result[0], str):  # a {% generation %}-tagged template: transformers' mask
                 ids, mask = result
                 _check_turns_end(tokenizer, ids, mask, range(len(ids)))
             else:
-                ids, offsets = ids_offsets
-                mask, last_tokens = _span_mask(offsets, result[1])
+                text, spans = result
+                ids, ends = next(encoded)
+                masked = _byte_span_mask(tokenizer, text, ends, spans) if ends is not None else None
+                if masked is None:  # not a byte-level tokenizer, or its bytes do not add up: the encoder's offsets
+                    ids, offsets = _encode(tokenizer, text)
+                    masked = _span_mask(offsets, spans)
+                mask, last_tokens = masked
                 _check_turns_end(tokenizer, ids, mask, last_tokens)
         except ConversationError as exc:
             out.append(exc)
@@ -495,6 +505,102 @@ def _encode(tokenizer: Any, text: str) -> tuple[list[int], list[tuple[int, int]]
         return encoded["input_ids"], encoded["offset_mapping"]
     encoding = backend.encode(text, add_special_tokens=False)
     return encoding.ids, encoding.offsets
+
+
+def encode_texts(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    """Token ids of each text, no special tokens added: what `tokenizer(texts, add_special_tokens=False)` gives,
+    from the fast tokenizer's encoder without the offsets it would compute and drop (`encode_batch_fast`)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not hasattr(backend, "encode_batch_fast"):
+        return tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
+    return [encoding.ids for encoding in backend.encode_batch_fast(texts, add_special_tokens=False)]
+
+
+def _encode_many(tokenizer: Any, texts: list[str]) -> list[tuple[list[int], np.ndarray | None]]:
+    """Token ids of each text, no special tokens added, and where the tokenizer is byte-level (`_byte_lengths`) the
+    UTF-8 byte at which each token ends: the encoder without its offsets (`encode_batch_fast`), which measured a
+    third less CPU per conversation than with them turned into Python tuples (2,000 bench conversations, 0.54
+    against 0.94 ms, medians of 7 alternating runs). Others get no ends: `_encode` gives them offsets."""
+    lengths = _byte_lengths(tokenizer)
+    if lengths is None:
+        return [(ids, None) for ids in (_encode(tokenizer, text)[0] for text in texts)]
+    encodings = tokenizer.backend_tokenizer.encode_batch_fast(texts, add_special_tokens=False)
+    out = []
+    for encoding in encodings:
+        ids = encoding.ids
+        out.append((ids, np.cumsum(lengths[np.asarray(ids, dtype=np.int64)])))
+    return out
+
+
+def _byte_lengths(tokenizer: Any) -> np.ndarray | None:
+    """The UTF-8 length of each token id where the tokenizer is a byte-level BPE (Qwen's, Llama 3's, EXAONE's, the
+    tiny models'): its tokens are the text's bytes, one character of the vocabulary per byte, so their ends are the
+    running sum of these lengths. None for any other tokenizer (Gemma's and Mistral's SentencePiece pieces), one
+    that normalizes other than by NFC, adds a prefix space, falls back to bytes or strips around added tokens."""
+    if tokenizer in _BYTE_LENGTHS:
+        return _BYTE_LENGTHS[tokenizer]
+    _BYTE_LENGTHS[tokenizer] = None
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not hasattr(backend, "encode_batch_fast"):
+        return None
+    config = json.loads(backend.to_str())
+    model, pre, normalizer = config.get("model") or {}, config.get("pre_tokenizer") or {}, config.get("normalizer")
+    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    byte_level = [step for step in steps if step.get("type") == "ByteLevel"]
+    if (
+        model.get("type") != "BPE"
+        or model.get("byte_fallback")
+        or len(byte_level) != 1
+        or byte_level[0].get("add_prefix_space")
+        or normalizer not in (None, {"type": "NFC"})
+        or any(token.get("lstrip") or token.get("rstrip") for token in config.get("added_tokens", []))
+    ):
+        return None
+    alphabet = set(_byte_alphabet())
+    lengths = np.zeros(backend.get_vocab_size(with_added_tokens=True), dtype=np.int64)
+    for piece, index in backend.get_vocab(with_added_tokens=False).items():
+        if not set(piece) <= alphabet:
+            return None
+        lengths[index] = len(piece)
+    for index, token in backend.get_added_tokens_decoder().items():
+        lengths[index] = len(token.content.encode("utf-8"))
+    _BYTE_LENGTHS[tokenizer] = lengths
+    _NFC[tokenizer] = normalizer is not None
+    return lengths
+
+
+_BYTE_LENGTHS: WeakKeyDictionary[Any, np.ndarray | None] = WeakKeyDictionary()
+_NFC: WeakKeyDictionary[Any, bool] = WeakKeyDictionary()
+
+
+def _byte_alphabet() -> list[str]:
+    from tokenizers import pre_tokenizers
+
+    return pre_tokenizers.ByteLevel.alphabet()
+
+
+def _byte_span_mask(
+    tokenizer: Any, text: str, ends: np.ndarray, spans: list[tuple[int, int]]
+) -> tuple[list[int], list[int]] | None:
+    """`_span_mask` from the tokens' byte ends instead of the encoder's offsets: 1 on each token that overlaps a
+    span's bytes. None where the tokens' bytes are not the text's (an NFC normalizer meeting text that is not NFC):
+    the caller asks the encoder for offsets."""
+    data = text.encode("utf-8")
+    if (len(ends) and int(ends[-1]) != len(data)) or (
+        _NFC.get(tokenizer) and not unicodedata.is_normalized("NFC", text)
+    ):
+        return None
+    ascii_text = len(data) == len(text)
+    starts = np.concatenate(([0], ends[:-1]))
+    mask = np.zeros(len(ends), dtype=np.int8)
+    last_tokens = []
+    for start, end in spans:
+        if not ascii_text:
+            start, end = len(text[:start].encode("utf-8")), len(text[:end].encode("utf-8"))
+        lo, hi = int(np.searchsorted(ends, start, "right")), int(np.searchsorted(starts, end, "left"))
+        mask[lo:hi] = 1
+        last_tokens.append(hi - 1)
+    return mask.tolist(), last_tokens
 
 
 def _span_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:

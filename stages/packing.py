@@ -41,7 +41,7 @@ from run.run_dir import RunDir, write_json_atomic
 from spec.data import datasets
 from spec.pipeline import PipelineSpec
 from spec.training import TrainingSpec
-from stages.chat import IGNORE_INDEX, ConversationError, conversation_masks, tokenize_conversation
+from stages.chat import IGNORE_INDEX, ConversationError, conversation_masks, encode_texts, tokenize_conversation
 from stages.workers import default_num_proc, ordered_map
 
 __all__ = ["IGNORE_INDEX", "tokenize_conversation"]  # re-exported: where the rows' labels come from
@@ -459,7 +459,7 @@ def _tokenize_batch(lines: list[tuple[int, str]]) -> TokenizedBatch:
     tokenizer, settings = _WORKER["tokenizer"], _WORKER["settings"]
     records = [json.loads(line) for _, line in lines]
     if settings["kind"] == "text":
-        encoded = tokenizer([r["text"] for r in records], add_special_tokens=False, verbose=False)["input_ids"]
+        encoded = encode_texts(tokenizer, [r["text"] for r in records])
         docs = [[*ids, tokenizer.eos_token_id] for ids in encoded]
         lengths = np.asarray([len(d) for d in docs], dtype=np.int64)
         ids = np.fromiter((t for d in docs for t in d), dtype=np.uint32, count=int(lengths.sum()))

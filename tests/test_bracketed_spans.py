@@ -6,6 +6,7 @@ it is what makes conversations tokenize at the library's speed (bench/prepare_co
 from __future__ import annotations
 
 import random
+import unicodedata
 from typing import Any
 
 import pytest
@@ -107,3 +108,78 @@ def test_many_conversations_at_once_are_each_one_alone(template: str) -> None:
             assert isinstance(result, ConversationError) and str(result) == str(exc)
             continue
         assert result == alone
+
+
+def masks_both_ways(tokenizer: Any, batch: list[tuple[list[dict[str, Any]], Any]]) -> tuple[list[Any], list[Any]]:
+    """`conversation_masks` from the tokens' byte lengths (byte-level tokenizers) and from the encoder's offsets."""
+    by_bytes = chat.conversation_masks(tokenizer, batch)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(chat, "_byte_lengths", lambda tokenizer: None)
+        by_offsets = chat.conversation_masks(tokenizer, batch)
+    return by_bytes, by_offsets
+
+
+EDGE_TEXT = ["이모지 😀👍🏽 와 한자 漢字", "e\u0301 조합 문자", "tab\tand ~`^ ascii", "ｆｕｌｌ　ｗｉｄｔｈ"]
+
+
+@pytest.mark.parametrize("template", ["qwen3", "llama3", "gemma3", "exaone4", "mistral"])
+def test_byte_ends_label_what_the_encoders_offsets_label(template: str) -> None:
+    """prepare finds each token's place from its bytes (no offsets from the encoder, a third of the CPU): the same
+    masks as the offsets give, with tokens that split a Korean syllable or an emoji between them (512 tokens of
+    vocabulary: most characters are several tokens)."""
+    tokenizer = tokenizer_for(template)
+    assert chat._byte_lengths(tokenizer) is not None  # the tiny tokenizers are byte-level, as Qwen's and Llama's
+    batch = [(messages, None) for messages in conversations(seed=5, count=30)]
+    for text in EDGE_TEXT:
+        batch.append(([{"role": "user", "content": text}, {"role": "assistant", "content": f"{text} {text}"}], None))
+    by_bytes, by_offsets = masks_both_ways(tokenizer, batch)
+    assert [str(r) if isinstance(r, ConversationError) else r for r in by_bytes] == [
+        str(r) if isinstance(r, ConversationError) else r for r in by_offsets
+    ]
+    assert sum(not isinstance(r, ConversationError) for r in by_bytes) >= 20
+
+
+def test_text_an_nfc_normalizer_changes_takes_the_offsets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen's tokenizer normalizes to NFC: text that is not NFC has tokens whose bytes are not the text's, and is
+    labelled from the encoder's offsets, as right as NFC text is from its bytes."""
+    from tokenizers import normalizers
+
+    tokenizer = tokenizer_for("qwen3")
+    tokenizer.backend_tokenizer.normalizer = normalizers.NFC()
+    decomposed = unicodedata.normalize("NFD", "서울은 크고 넓습니다.")
+    # Three angstrom signs lose a byte each to NFC before the answer, and a Devanagari qa after it gains three: the
+    # same number of bytes in all, each token after the first sign out of place.
+    shifted = [{"role": "user", "content": "\u212b\u212b\u212b 질문"}, {"role": "assistant", "content": "답 \u0958"}]
+    batch = [
+        ([{"role": "user", "content": "질문"}, {"role": "assistant", "content": decomposed}], None),
+        ([{"role": "user", "content": "질문"}, {"role": "assistant", "content": "서울은 크고 넓습니다."}], None),
+        (shifted, None),
+    ]
+    offsets_used = []
+    encode = chat._encode
+    monkeypatch.setattr(chat, "_encode", lambda tok, text: offsets_used.append(text) or encode(tok, text))
+    by_bytes = chat.conversation_masks(tokenizer, batch)
+    assert offsets_used == [chat.render(tokenizer, batch[0][0]), chat.render(tokenizer, shifted)]  # not NFC
+    monkeypatch.setattr(chat, "_byte_lengths", lambda tokenizer: None)
+    assert by_bytes == chat.conversation_masks(tokenizer, batch)
+    ids, mask = by_bytes[0]
+    assert tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m]) == "서울은 크고 넓습니다.<|im_end|>"
+
+
+def test_a_sentencepiece_style_tokenizer_labels_from_offsets() -> None:
+    """Gemma's and Mistral's tokenizers are not byte-level (pieces with ▁, bytes only as a fallback): no byte
+    lengths, and the encoder's offsets label them."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Metaspace()
+    specials = ["<unk>", "<|im_start|>", "<|im_end|>"]
+    backend.train_from_iterator(SENTENCES * 20, trainers.BpeTrainer(vocab_size=300, special_tokens=specials))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<|im_end|>")
+    tokenizer.chat_template = chat.template_text("chatml")
+    assert chat._byte_lengths(tokenizer) is None
+    [(ids, mask)] = chat.conversation_masks(tokenizer, [(conversations(count=1)[0], None)])
+    assert tokenizer.convert_ids_to_tokens([t for t, m in zip(ids, mask, strict=True) if m])[-1] == "<|im_end|>"
+    assert 0 < sum(mask) < len(ids)

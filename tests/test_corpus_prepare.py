@@ -279,3 +279,15 @@ def test_workers_default_to_the_prepare_pods_cpu_request_in_the_cluster(monkeypa
     assert workers.default_num_proc(spec, in_cluster=True) == 1
     spec.stages.prepare.num_proc = 32
     assert workers.default_num_proc(spec, in_cluster=True) == 16  # never more than this process may use
+
+
+@pytest.mark.parametrize("template", ["qwen3", "gemma3"])
+def test_documents_encode_as_the_tokenizer_call_does(template: str) -> None:
+    """CPT documents are encoded without offsets (`encode_texts`, the tokenizer's `encode_batch_fast`): the ids the
+    tokenizer's own call gives, Korean, emoji and long documents alike."""
+    from stages.chat import encode_texts
+    from stages.tokenizer import train_bpe_tokenizer
+
+    texts = ["서울은 크고 넓습니다. " * 50, "이모지 😀👍🏽 漢字", "", "e\u0301 ascii\ttabs"]
+    tokenizer = train_bpe_tokenizer(texts * 10, 400, 1024, template)
+    assert encode_texts(tokenizer, texts) == tokenizer(texts, add_special_tokens=False)["input_ids"]
