@@ -183,3 +183,54 @@ def test_a_sentencepiece_style_tokenizer_labels_from_offsets() -> None:
     [(ids, mask)] = chat.conversation_masks(tokenizer, [(conversations(count=1)[0], None)])
     assert tokenizer.convert_ids_to_tokens([t for t, m in zip(ids, mask, strict=True) if m])[-1] == "<|im_end|>"
     assert 0 < sum(mask) < len(ids)
+
+
+@pytest.mark.parametrize("template", sorted(chat.KNOWN_TEMPLATES))
+@pytest.mark.parametrize("enable_thinking", [False, True])
+def test_a_shipped_template_writes_plain_contents_as_they_are(template: str, enable_thinking: bool) -> None:
+    """For the templates this project ships, a conversation whose assistant contents are plain (no edge whitespace,
+    no thinking tags) is rendered once, bracketed: its brackets removed, it is the conversation as rendered without
+    them. Checked here on every shape, system prompts and several turns included, so a template change that starts
+    testing or cutting contents fails here."""
+    tokenizer = tokenizer_for(template)
+    checked = 0
+    for messages in conversations(seed=11, count=40):
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if not chat._plain_contents(tokenizer, messages, turns):
+            assert any(messages[i]["content"] != messages[i]["content"].strip() or "think>" in messages[i]["content"]
+                       for i in turns)  # fmt: skip
+            continue
+        bracketed = [dict(m) for m in messages]
+        for i in turns:
+            bracketed[i]["content"] = f"{chat._OPEN}{messages[i]['content']}{chat._CLOSE}"
+        try:
+            plain = chat.render(tokenizer, messages, enable_thinking=enable_thinking)
+        except ConversationError:
+            continue  # a shape the template refuses (Gemma's system text, say)
+        marked = chat.render(tokenizer, bracketed, enable_thinking=enable_thinking)
+        assert marked.replace(chat._OPEN, "").replace(chat._CLOSE, "") == plain
+        checked += 1
+    assert checked >= 15
+
+
+def test_a_template_of_the_users_own_is_rendered_twice_to_compare(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A template that is not one of the shipped ones (here chatml cutting each answer's last character) may do
+    anything with a content: both renders, and the labels of what it really writes."""
+    messages = conversations(seed=2, count=3)[0]
+    known = tokenizer_for("chatml")
+    own = tokenizer_for("chatml")
+    own.chat_template = known.chat_template.replace("message['content']", "message['content'][:-1]")
+    chat._gap(known, False), chat._gap(own, False)  # found once per tokenizer, in renders of their own
+    renders = []
+    real_render = chat.render
+    monkeypatch.setattr(chat, "render", lambda *a, **k: renders.append(1) or real_render(*a, **k))
+    chat._bracketed_spans(known, messages, False, None)
+    assert len(renders) == 1
+    renders.clear()
+    assert chat._bracketed_spans(own, messages, False, None) is None  # the bracket moved: prefix rendering decides
+    assert len(renders) == 2
+    fast, slow, _ = labels_both_ways(own, messages)
+    assert fast == slow
+    _, labels = fast
+    trained = own.decode([t for t in labels if t != chat.IGNORE_INDEX])
+    assert messages[1]["content"][:-1] + "<|im_end|>" in trained and messages[1]["content"] not in trained
