@@ -214,23 +214,25 @@ def test_a_shipped_template_writes_plain_contents_as_they_are(template: str, ena
 
 
 def test_a_template_of_the_users_own_is_rendered_twice_to_compare(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A template that is not one of the shipped ones (here chatml cutting each answer's last character) may do
-    anything with a content: both renders, and the labels of what it really writes."""
+    """A template that is not one of the shipped ones may do anything with a content: its conversation is rendered
+    both ways and compared, even where it is a shipped one's copy (here with a comment added); one that cuts each
+    answer's last character is labelled on what it really writes."""
     messages = conversations(seed=2, count=3)[0]
-    known = tokenizer_for("chatml")
-    own = tokenizer_for("chatml")
-    own.chat_template = known.chat_template.replace("message['content']", "message['content'][:-1]")
-    chat._gap(known, False), chat._gap(own, False)  # found once per tokenizer, in renders of their own
+    known, copy, cutting = tokenizer_for("chatml"), tokenizer_for("chatml"), tokenizer_for("chatml")
+    copy.chat_template = known.chat_template + "{#- a user's copy -#}"
+    cutting.chat_template = known.chat_template.replace("message['content']", "message['content'][:-1]")
+    chat._gap(known, False), chat._gap(copy, False)  # found once per tokenizer, in renders of their own
     renders = []
     real_render = chat.render
     monkeypatch.setattr(chat, "render", lambda *a, **k: renders.append(1) or real_render(*a, **k))
-    chat._bracketed_spans(known, messages, False, None)
+    assert chat._bracketed_spans(known, messages, False, None) is not None
     assert len(renders) == 1
     renders.clear()
-    assert chat._bracketed_spans(own, messages, False, None) is None  # the bracket moved: prefix rendering decides
-    assert len(renders) == 2
-    fast, slow, _ = labels_both_ways(own, messages)
+    assert chat._bracketed_spans(copy, messages, False, None) == chat._bracketed_spans(known, messages, False, None)
+    assert len(renders) == 3  # the copy twice, the shipped one once
+    monkeypatch.undo()
+    fast, slow, _ = labels_both_ways(cutting, messages)
     assert fast == slow
     _, labels = fast
-    trained = own.decode([t for t in labels if t != chat.IGNORE_INDEX])
-    assert messages[1]["content"][:-1] + "<|im_end|>" in trained and messages[1]["content"] not in trained
+    trained = cutting.decode([t for t in labels if t != chat.IGNORE_INDEX])
+    assert messages[-1]["content"][:-1] + "<|im_end|>" in trained and messages[-1]["content"] not in trained
