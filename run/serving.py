@@ -33,6 +33,17 @@ KIND = "InferenceService"
 MODEL_FORMAT = "vllm"
 LOAD_FORMAT_ARG = "--load-format=safetensors"
 """vLLM loads the weights from safetensors only (a pickle can run code when it is loaded)."""
+SERVER_COMMAND = ["python3", "-m", "vllm.entrypoints.openai.api_server"]
+"""The kserve-vllm runtime's command: vLLM's OpenAI-compatible server (manifests/components/kserve-vllm/)."""
+RUNTIME_PORT = 8080
+RUNTIME_MODEL_DIR = "/mnt/models"
+"""Where KServe's storage initializer puts the model in the predictor pod."""
+LOCAL_SERVE_VARIABLE = "POSTTRAIN_LOCAL_SERVE"
+"""Set to 1 by the local runner for deploy when its serve step follows (workflows/local_serving.py): champion then
+moves after vLLM answered, as in the cluster (where ARGO_WORKFLOW_NAME says a serve step follows)."""
+RUNTIME_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+"""Environment the runtime gives vLLM, besides HOME and HF_HOME (writable folders of the pod): no download from
+the Hub, no usage report."""
 RUN_LABEL = "posttrain.dev/run"
 REGISTERED_MODEL_ANNOTATION = "posttrain.dev/registered-model"
 MODEL_VERSION_ANNOTATION = "posttrain.dev/model-version"
@@ -81,18 +92,12 @@ def inference_service(
     annotation when known."""
     deploy = spec.stages.deploy
     serving = deploy.serving
-    # Safetensors only, never pickles, whatever runtime serves it (the kit's appends the same flag).
-    args: list[str] = [LOAD_FORMAT_ARG]
-    if serving.max_model_len is not None:
-        args.append(f"--max-model-len={serving.max_model_len}")
-    if serving.gpus > 1:
-        args.append(f"--tensor-parallel-size={serving.gpus}")
     model: dict[str, Any] = {
         "modelFormat": {"name": MODEL_FORMAT},
         "runtime": serving.runtime,
         "storageUri": storage_uri,
     }
-    model["args"] = args
+    model["args"] = predictor_args(spec)
     if serving.gpus > 0:
         gpus = str(serving.gpus)
         model["resources"] = {"requests": {"nvidia.com/gpu": gpus}, "limits": {"nvidia.com/gpu": gpus}}
@@ -133,6 +138,35 @@ def inference_service(
         manifest["spec"]["predictor"]["scaleMetric"] = serving.autoscaling.metric
         manifest["spec"]["predictor"]["scaleTarget"] = serving.autoscaling.target
     return manifest
+
+
+def predictor_args(spec: PipelineSpec) -> list[str]:
+    """vLLM's arguments for this pipeline's model, which the InferenceService appends to the runtime's: safetensors
+    only (whatever runtime serves it), the context length, the GPUs to shard over, the dtype, and the tool-call
+    parser that turns the model's tool-call syntax into OpenAI `tool_calls`."""
+    serving = spec.stages.deploy.serving
+    args = [LOAD_FORMAT_ARG]
+    if serving.max_model_len is not None:
+        args.append(f"--max-model-len={serving.max_model_len}")
+    if serving.gpus > 1:
+        args.append(f"--tensor-parallel-size={serving.gpus}")
+    if serving.dtype != "auto":
+        args.append(f"--dtype={serving.dtype}")
+    if serving.tool_call_parser is not None:
+        args += ["--enable-auto-tool-choice", f"--tool-call-parser={serving.tool_call_parser}"]
+    return args
+
+
+def runtime_args(model_dir: str, served_name: str, port: int) -> list[str]:
+    """The arguments the kserve-vllm runtime gives vLLM before the InferenceService's (there: port 8080, the model
+    in /mnt/models, served under the InferenceService's name; tests/test_serving.py holds the runtime to this)."""
+    return [f"--port={port}", f"--model={model_dir}", f"--served-model-name={served_name}", LOAD_FORMAT_ARG]
+
+
+def server_argv(spec: PipelineSpec, python: str, model_dir: str, served_name: str, port: int) -> list[str]:
+    """The whole vLLM command line of the predictor pod, with `python` for the runtime's python3: what the local
+    serve step runs (workflows/local_serving.py), so that the model is served here as KServe will serve it."""
+    return [python, *SERVER_COMMAND[1:], *runtime_args(model_dir, served_name, port), *predictor_args(spec)]
 
 
 def with_canary_traffic(manifest: dict[str, Any], percent: int | None) -> dict[str, Any]:

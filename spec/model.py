@@ -40,7 +40,11 @@ class TinyModelConfig(StrictModel):
     num_hidden_layers: Int64 = Field(2, gt=0, description="Number of decoder layers.")
     num_attention_heads: Int64 = Field(4, gt=0, description="Attention heads.")
     num_key_value_heads: Int64 = Field(2, gt=0, description="Key/value heads (grouped-query attention).")
-    head_dim: Int64 = Field(16, gt=0, description="Per-head dimension.")
+    head_dim: Int64 = Field(
+        32,
+        gt=0,
+        description="Per-head dimension (vLLM's CPU attention serves 32, 64, 80, 96, 112, 128 and up; not 16).",
+    )
     max_position_embeddings: Int64 = Field(2048, gt=0, description="Longest position the model supports.")
     num_experts: Int64 | None = Field(
         None, gt=0, description="qwen3_moe only: experts in each mixture-of-experts layer. None: 8."

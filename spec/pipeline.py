@@ -372,6 +372,7 @@ class PipelineSpec(StrictModel):
             self._search_space(stage)
             self._adapter_trl_can_train(stage)
         self._serving_fits_model()
+        self._serving_context_fits_model()
         self._variants_fit()
         return self
 
@@ -546,6 +547,19 @@ class PipelineSpec(StrictModel):
             f"vLLM cannot split {self.model.name_or_path} over {serving.gpus} GPUs: {problem}; use one of "
             f"{', '.join(map(str, fits))}",
         )
+
+    def _serving_context_fits_model(self) -> None:
+        """vLLM refuses a --max-model-len above the model's max_position_embeddings (its positions end there)."""
+        serving, config = self.stages.deploy.serving, self.model.from_config
+        if not (self.stages.deploy.enabled and serving.enabled) or config is None or serving.max_model_len is None:
+            return
+        if serving.max_model_len > config.max_position_embeddings:
+            raise FieldError(
+                ("stages", "deploy", "serving", "max_model_len"),
+                f"{serving.max_model_len} is above model.from_config.max_position_embeddings "
+                f"({config.max_position_embeddings}): vLLM refuses to serve a context longer than the model's "
+                "positions; set it to at most that, or null for the model's own",
+            )
 
     def data_uri(self, data: DataSpec) -> str:
         """The data URI with '{data_version}' replaced."""

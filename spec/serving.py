@@ -8,6 +8,9 @@ from pydantic import Field, field_validator, model_validator
 
 from spec.fields import FieldError, Int32, Int64, KubernetesName, Seconds, StrictModel
 
+ToolCallParser = Literal["hermes", "llama3_json", "mistral", "pythonic"]
+"""vLLM tool-call parsers for the families this project trains (vllm/tool_parsers/)."""
+
 
 class SmokeCheckSpec(StrictModel):
     """Real chat requests to the new model's vLLM server before it keeps traffic or becomes champion."""
@@ -65,6 +68,15 @@ class ServingSpec(StrictModel):
     runtime: KubernetesName = Field("kserve-vllm", description="ServingRuntime name.")
     gpus: Int32 = Field(1, ge=0, description="GPUs for the predictor.")
     max_model_len: Int32 | None = Field(None, gt=0, description="vLLM --max-model-len.")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="vLLM --dtype; auto: the model's own (vLLM serves float32 weights as half precision)."
+    )
+    tool_call_parser: ToolCallParser | None = Field(
+        None,
+        description="vLLM's parser for the model's tool-call syntax (--enable-auto-tool-choice --tool-call-parser), "
+        "so that answers carry OpenAI tool_calls: hermes for Qwen2.5 and Qwen3, llama3_json for Llama 3, mistral "
+        "for Mistral. None: tool calls come back as text.",
+    )
     min_replicas: Int32 = Field(1, ge=0, description="Predictor minReplicas.")
     max_replicas: Int32 = Field(1, ge=1, description="Predictor maxReplicas.")
     service_account: KubernetesName | None = Field(

@@ -25,7 +25,8 @@ Reads top to bottom:
    version of the registered model (deploy.registered_model, else the pipeline name) is created from it with
    lineage tags, alias `challenger` points at it, and `champion` moves to it only when the gate passed. In the
    cluster with serving on, `champion` moves later, in the serve step, once the served model answered its smoke
-   check (workflows/rollout.py); here it moves only where nothing is served.
+   check (workflows/rollout.py), and under --local likewise where vLLM serves it (workflows/local_serving.py);
+   here it moves only where nothing is served.
 5. `deploy/inferenceservice.yaml`: the KServe InferenceService for the vLLM runtime at the model's storage.
 6. Outside the cluster (no ARGO_WORKFLOW_NAME): the model is loaded back from the registry by alias with
    `mlflow.pyfunc.load_model` (`models:/<name>@champion`, or `@challenger` when not promoted) and answers one chat
@@ -45,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 from run.names import RUN_ROOT
 from run.release import CHALLENGER, CHAMPION, GATE_PASS, GATE_SKIPPED
 from run.run_dir import RunDir, StageRefused
-from run.serving import inference_service, model_storage_uri, to_yaml
+from run.serving import LOCAL_SERVE_VARIABLE, inference_service, model_storage_uri, to_yaml
 from spec.fields import STAGE_ORDER
 from spec.pipeline import PipelineSpec
 from stages.contract import StageContext
@@ -515,8 +516,10 @@ def deploy(ctx: StageContext) -> int:
         print(f"[deploy] {message}", flush=True)
         return ctx.finish(status="skipped", message=message, extra={"promoted": "false"})
     promote = evaluated.get("gate") == GATE_PASS
-    # In the cluster the serve step moves champion after its smoke check; it moves here only when nothing is served.
-    served = bool(os.environ.get("ARGO_WORKFLOW_NAME")) and spec.stages.deploy.serving.enabled
+    # The serve step (the cluster's rollout, or the local one with vLLM) moves champion after its smoke check; it
+    # moves here only when nothing is served.
+    serve_follows = os.environ.get("ARGO_WORKFLOW_NAME") or os.environ.get(LOCAL_SERVE_VARIABLE) == "1"
+    served = bool(serve_follows) and spec.stages.deploy.serving.enabled
     promote_here = promote and not served
     stage = evaluated["candidate_stage"]
     evaluate_result = run_dir.read_result("evaluate")

@@ -78,14 +78,16 @@ from run.names import RUN_ROOT
 from run.release import GATE_PASS
 from run.run_dir import RunDir, still_locked, try_lock
 from run.search import apply_selections
+from run.serving import LOCAL_SERVE_VARIABLE
 from run.tracking import local_store_uri
 from spec.data import datasets
 from spec.document import LoadedPipeline
 from spec.loading import PIPELINES_DIR, REPLACES_DATA
 from spec.pipeline import PipelineSpec
+from workflows.local_serving import ENV_DIR, vllm_python
 from workflows.plan import plan_warnings, prepared_warnings
 from workflows.search import search_in_runner, search_needed
-from workflows.stage_process import StageRun, launch_stage, record_interrupted
+from workflows.stage_process import StageRun, launch_stage, record_interrupted, run_stage
 from workflows.warm_starts import warm_starts
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -378,10 +380,13 @@ def rerun_hint(loaded: LoadedPipeline, run_root: Path, stage: str, resume: list[
     repeat = ""
     if resume is None and any(applied.startswith("--set") for applied in loaded.origins.applied):
         repeat = "   (with the same --set options)"
+    alone = ["python", "-m", "stages", stage, "--run-dir", str(run_root)]
+    if stage == SERVE_ROW:
+        alone = ["python", "-m", "workflows.local_serving", "--run-dir", str(run_root)]
     return (
         "Resume (completed stages are no-ops):\n"
         f"  {shlex.join(argv)}{repeat}\n"
-        f"  or this stage alone: {shlex.join(['python', '-m', 'stages', stage, '--run-dir', str(run_root)])}"
+        f"  or this stage alone: {shlex.join(alone)}"
     )
 
 
@@ -445,6 +450,10 @@ def _run_locked(
     runs = [StageRun(name) for name in stages]
     gpus = gpu_count()
     env = stage_env(run_root)
+    if "deploy" in stages and spec.stages.deploy.serving.enabled:
+        runs.append(StageRun(SERVE_ROW))
+        if vllm_python() is not None:
+            env[LOCAL_SERVE_VARIABLE] = "1"  # deploy leaves champion to the serve step, as in the cluster
     plural = "s" if gpus != 1 else ""
     header = f"{spec.name} → {run_root} ({gpus} GPU{plural}; stages: {', '.join(stages)})"
     console.print(header, markup=False, soft_wrap=True)
@@ -470,6 +479,15 @@ def _run_locked(
                 continue
             if run.name == "deploy" and gate_reason:  # deploy runs only after gate=pass, as in the cluster
                 run.status, run.message = "skipped", gate_reason
+                continue
+            if run.name == SERVE_ROW:
+                echo = None if console.is_terminal else lambda line: console.print(line, markup=False, soft_wrap=True)
+                failed_serve = serve_row(run, runs, run_root, env, lambda: live.update(render(spec, run_root, runs))
+                                         if console.is_terminal else None, echo)  # fmt: skip
+                if failed_serve:
+                    failed, exit_code = run, 1
+                if not console.is_terminal:
+                    console.print(f"{run.name}: {run.status} ({run.elapsed})", markup=False)
                 continue
             if not stage_module_exists(run.name):
                 run.status, run.message = "missing", f"stages/{run.name}.py does not exist yet"
@@ -559,6 +577,8 @@ def _run_locked(
     if failed is not None:
         if failed.tail:
             log_path = run_root / failed.name / "logs" / "stage.log"
+            if failed.name == SERVE_ROW:
+                log_path = run_root / "deploy" / "logs" / "serve.log"
             console.print(
                 Text(f"{failed.name} {failed.status}; last lines of {log_path}:", style="bold red"), soft_wrap=True
             )
@@ -576,6 +596,47 @@ def _run_locked(
     for line in where_to_look(spec, run_root, uri):
         console.print(line, markup=False, soft_wrap=True)
     return exit_code
+
+
+SERVE_ROW = "serve"
+"""The row of the local serve step (workflows/local_serving.py), after deploy, where the cluster's rollout runs."""
+
+
+def serve_row(
+    run: StageRun,
+    runs: list[StageRun],
+    run_root: Path,
+    env: dict[str, str],
+    refresh: Any,
+    echo: Any,
+) -> bool:
+    """Run the local serve step after a deploy that succeeded: vLLM serves the deployed model and answers the
+    smoke check (`python -m workflows.local_serving`, its output in `deploy/logs/serve.log`). Skipped, with the
+    reason on its row, where deploy did not run or no serving environment is set up. True when it failed."""
+    deploy = next(r for r in runs if r.name == "deploy")
+    if deploy.status not in ("succeeded", "done before"):
+        run.status, run.message = "skipped", "nothing deployed"
+        return False
+    if vllm_python() is None:
+        run.status = "skipped"
+        run.message = f"no vLLM serving environment ({ENV_DIR.name}: `make local` sets it up)"
+        return False
+    served = ((read_stage_json(run_root, "deploy") or {}).get("extra") or {}).get("served")
+    if deploy.status == "done before" and served:
+        run.status, run.metric = "done before", f"vLLM {served.get('engine_version', '')}"
+        return False
+    command = [sys.executable, "-m", "workflows.local_serving", "--run-dir", str(run_root)]
+    run.status, run.started = "running", time.monotonic()
+    run.returncode = run_stage(run, command, env, run_root / "deploy" / "logs" / "serve.log", refresh or (lambda: None),
+                               echo=echo)  # fmt: skip
+    run.ended = time.monotonic()
+    if run.returncode == 0:
+        served = ((read_stage_json(run_root, "deploy") or {}).get("extra") or {}).get("served") or {}
+        run.status, run.metric = "succeeded", f"vLLM {served.get('engine_version', '')}"
+        return False
+    run.status = "failed"
+    run.message = next((line for line in reversed(run.tail) if "error:" in line), f"exit code {run.returncode}")
+    return True
 
 
 def where_to_look(spec: PipelineSpec, run_root: Path, uri: str) -> list[str]:
