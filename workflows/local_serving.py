@@ -5,10 +5,10 @@
 Under `--local` it runs after deploy, where the cluster DAG runs workflows/rollout.py:
 
 1. Start vLLM's OpenAI-compatible server from the serving environment (`.venv-vllm/bin/python` of this checkout,
-   which `make local` sets up, or `$POSTTRAIN_VLLM_PYTHON`) with the command line of the predictor pod
-   (`run.serving.server_argv`, the same function that renders the InferenceService's arguments), on a free port
-   of 127.0.0.1 and the model deploy wrote in `<run>/deploy/model`. vLLM pins its own transformers, so it lives
-   in an environment of its own, as it has a pod of its own.
+   which `make local` sets up, or `$POSTTRAIN_VLLM_PYTHON`; `off` serves nothing) with the command line of the
+   predictor pod (`run.serving.server_argv`, the same function that renders the InferenceService's arguments), on
+   a free port of 127.0.0.1 and the model deploy wrote in `<run>/deploy/model`. vLLM pins its own transformers,
+   so it lives in an environment of its own, as it has a pod of its own.
 2. Wait for `/health`, within stages.deploy.serving.smoke_check.ready_timeout_seconds; a server that exits
    first fails the step with the last lines of its log (`<run>/deploy/logs/vllm.log`).
 3. The cluster rollout's smoke check (workflows/rollout.py `smoke_check`): the same prompts and rules.
@@ -63,8 +63,10 @@ LOG_LINES = 15
 
 def vllm_python() -> Path | None:
     """The serving environment's python: $POSTTRAIN_VLLM_PYTHON, else `.venv-vllm/bin/python` of this checkout;
-    None when neither exists."""
+    None when neither exists, or the variable says `off` (local runs that need no serving)."""
     named = os.environ.get(VLLM_PYTHON_VARIABLE)
+    if named == "off":
+        return None
     if named:
         return Path(named) if Path(named).is_file() else None
     python = ENV_DIR / "bin" / "python"
@@ -133,6 +135,15 @@ class Server:
             pass
 
 
+def cpu_binding(shards: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for vLLM's CPU build serving over `shards` tensor-parallel workers (the pod's
+    --tensor-parallel-size, kept here): this machine's cores split between them (`0|1` on two), since its automatic
+    binding wants a NUMA node per worker. The GPU build ignores it."""
+    cores = sorted(os.sched_getaffinity(0))
+    groups = [cores[i::shards] or cores[i % len(cores) :][:1] for i in range(shards)]
+    return "|".join(",".join(map(str, group)) for group in groups)
+
+
 def engine_version(base_url: str) -> str:
     try:
         return str(requests.get(f"{base_url}/version", timeout=5).json()["version"])
@@ -150,6 +161,8 @@ def serve(spec: PipelineSpec, run_dir: Path, python: Path) -> dict[str, Any]:
     argv = [*server_argv(spec, str(python), str(model_dir), name, port), f"--host={HOST}"]
     env = {**os.environ, **RUNTIME_ENV}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
+    if (shards := spec.stages.deploy.serving.gpus) > 1:
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(shards))
     base_url = f"http://{HOST}:{port}"
     print(f"[serve] starting vLLM: {' '.join(argv)}", flush=True)
     server = Server(argv, env, RunDir(run_dir).stage_dir("deploy") / "logs" / "vllm.log")

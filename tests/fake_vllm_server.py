@@ -1,0 +1,66 @@
+"""A stand-in for vLLM's OpenAI server, for the faults the real one cannot be made to show on cue.
+
+Started as the local serve step starts vLLM (`<python> -m vllm.entrypoints.openai.api_server --port=N ...`, this
+file in the python's place through a wrapper script); $FAKE_VLLM picks the behaviour:
+- `good`: /health, /version (`fake-0`) and chat answers;
+- `empty`: chat answers of whitespace only;
+- `crash`: says why on stderr and exits 1 before it listens;
+- `never`: never listens (a load that hangs).
+It writes its pid to $FAKE_VLLM_PID_FILE and its argv to $FAKE_VLLM_ARGV_FILE, so that a test can check that the
+step stopped it and what it was started with.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+BEHAVIOUR = os.environ.get("FAKE_VLLM", "good")
+
+
+class Handler(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        if self.path == "/health":
+            return self._send(200, {})
+        if self.path == "/version":
+            return self._send(200, {"version": "fake-0"})
+        return self._send(404, {"error": self.path})
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        text = "  " if BEHAVIOUR == "empty" else f"{body['model']} 모델의 답입니다."
+        self._send(200, {"choices": [{"index": 0, "message": {"role": "assistant", "content": text}}]})
+
+    def _send(self, code: int, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *_: Any) -> None:
+        pass
+
+
+def main() -> int:
+    Path(os.environ["FAKE_VLLM_PID_FILE"]).write_text(str(os.getpid()))
+    Path(os.environ["FAKE_VLLM_ARGV_FILE"]).write_text(json.dumps(sys.argv[1:]))
+    options = dict(arg[2:].split("=", 1) for arg in sys.argv[1:] if arg.startswith("--") and "=" in arg)
+    if BEHAVIOUR == "crash":
+        print("ValueError: the model's head size is not supported", file=sys.stderr, flush=True)
+        return 1
+    if BEHAVIOUR == "never":
+        while True:
+            time.sleep(1)
+    ThreadingHTTPServer((options["host"], int(options["port"])), Handler).serve_forever()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""The local serve step (workflows/local_serving.py): vLLM started with the predictor pod's command line, the
+rollout's smoke check against it, its record in deploy's stage.json, champion moved only after it answered.
+
+The command line is held to the kserve-vllm ServingRuntime and the InferenceService deploy renders. Faults the real
+engine cannot be made to show on cue (a crash before it listens, a load that never ends, empty answers) come from
+tests/fake_vllm_server.py; the real engine serves each shipped pipeline's model in tests/test_shipped_pipelines.py
+and tests/test_variants.py, and a deploy folder here."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from test_rollout import NAME, champion, deploy_run, make_spec
+
+from run.serving import (
+    RUNTIME_ENV,
+    RUNTIME_MODEL_DIR,
+    RUNTIME_PORT,
+    SERVER_COMMAND,
+    inference_service,
+    predictor_args,
+    runtime_args,
+    server_argv,
+)
+from spec.loading import SpecError, load_pipeline
+from workflows import local_serving
+
+REPO = Path(__file__).resolve().parents[1]
+RUNTIME = REPO / "manifests" / "components" / "kserve-vllm" / "servingruntime.yaml"
+FAKE = Path(__file__).resolve().parent / "fake_vllm_server.py"
+
+
+def test_the_pods_command_line_is_the_runtimes_and_the_inference_services() -> None:
+    """What the local step runs is what KServe runs: the runtime's command and arguments (there with /mnt/models and
+    the InferenceService's name), then the InferenceService's arguments, which come from the same function."""
+    container = yaml.safe_load(RUNTIME.read_text())["spec"]["containers"][0]
+    assert container["command"] == SERVER_COMMAND
+    assert container["args"] == runtime_args(RUNTIME_MODEL_DIR, "{{.Name}}", RUNTIME_PORT)
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert RUNTIME_ENV.items() <= env.items()
+    spec = load_pipeline("korean-llm").spec
+    isvc_args = inference_service(spec, "pvc://c/m", "run-1")["spec"]["predictor"]["model"]["args"]
+    pod = [*container["command"], *container["args"], *isvc_args]
+    assert server_argv(spec, "python3", RUNTIME_MODEL_DIR, "{{.Name}}", RUNTIME_PORT) == pod
+
+
+def test_dtype_and_the_tool_call_parser_reach_vllm() -> None:
+    spec = load_pipeline(
+        "qwen3-30b-a3b",
+        overrides=["stages.deploy.serving.dtype=bfloat16", "stages.deploy.serving.tool_call_parser=hermes"],
+    ).spec
+    args = predictor_args(spec)
+    assert args == [
+        "--load-format=safetensors",
+        "--max-model-len=16384",
+        "--tensor-parallel-size=2",
+        "--dtype=bfloat16",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser=hermes",
+    ]
+    assert inference_service(spec, "pvc://c/m", "r")["spec"]["predictor"]["model"]["args"] == args
+    with pytest.raises(SpecError, match="tool_call_parser"):
+        load_pipeline("korean-llm", overrides=["stages.deploy.serving.tool_call_parser=qwen"])
+
+
+def test_a_context_longer_than_the_models_positions_is_refused_before_anything_runs() -> None:
+    with pytest.raises(SpecError) as info:
+        load_pipeline("korean-llm", profile="local", overrides=["stages.deploy.serving.max_model_len=4096"])
+    message = str(info.value)
+    assert "stages.deploy.serving.max_model_len" in message and "max_position_embeddings (2048)" in message
+    unserved = ["stages.deploy.serving.enabled=false", "stages.deploy.serving.max_model_len=4096"]
+    served = load_pipeline("korean-llm", profile="local", overrides=unserved)
+    assert served.spec.stages.deploy.serving.max_model_len == 4096  # nothing served: nothing to refuse
+
+
+# --------------------------------------------------------------------------- the step, against the fake
+
+
+@pytest.fixture
+def deployed(tmp_path: Path) -> tuple[Path, object]:
+    """A run directory as deploy leaves it under --local with a serve step to follow: version 2 registered as
+    challenger (gate passed), champion on version 1, the model folder in deploy/model."""
+    spec = make_spec(tmp_path)
+    deploy_run(tmp_path, spec, "run-1", "1")
+    from test_rollout import registry
+
+    registry(spec).set_registered_model_alias(NAME, "champion", "1")
+    run_dir = deploy_run(tmp_path, spec, "run-2", "2")
+    (run_dir / "deploy" / "model").mkdir()
+    (run_dir / "deploy" / "model" / "config.json").write_text("{}")
+    return run_dir, spec
+
+
+def fake_python(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, behaviour: str) -> Path:
+    wrapper = tmp_path / "vllm-python"
+    wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} {FAKE} "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("POSTTRAIN_VLLM_PYTHON", str(wrapper))
+    monkeypatch.setenv("FAKE_VLLM", behaviour)
+    monkeypatch.setenv("FAKE_VLLM_PID_FILE", str(tmp_path / "vllm.pid"))
+    monkeypatch.setenv("FAKE_VLLM_ARGV_FILE", str(tmp_path / "vllm.argv"))
+    return wrapper
+
+
+def assert_stopped(tmp_path: Path) -> None:
+    pid = int((tmp_path / "vllm.pid").read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def served_record(run_dir: Path) -> dict | None:
+    return json.loads((run_dir / "deploy" / "stage.json").read_text())["extra"].get("served")
+
+
+def test_a_good_server_is_checked_recorded_stopped_and_its_model_promoted(
+    tmp_path: Path, deployed: tuple[Path, object], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir, spec = deployed
+    python = fake_python(tmp_path, monkeypatch, "good")
+    assert local_serving.main(["--run-dir", str(run_dir)]) == 0
+    assert champion(spec) == "2"
+    served = served_record(run_dir)
+    assert served["engine"] == "vllm" and served["engine_version"] == "fake-0"
+    assert [a["prompt"] for a in served["answers"]] == spec.stages.evaluate.prompts
+    assert all(a["answer"] == f"{NAME} 모델의 답입니다." for a in served["answers"])
+    # The predictor pod's command line, with the run's model and a port of 127.0.0.1.
+    argv = served["argv"]
+    port = next(int(a.split("=")[1]) for a in argv if a.startswith("--port="))
+    model = str(run_dir / "deploy" / "model")
+    assert argv == [*server_argv(spec, str(python), model, NAME, port), "--host=127.0.0.1"]
+    assert json.loads((tmp_path / "vllm.argv").read_text()) == argv[1:]
+    assert_stopped(tmp_path)
+    assert "[serve] smoke check:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("behaviour", "said"),
+    [
+        ("crash", "vLLM exited with 1 before it was ready"),
+        ("never", "vLLM was not ready within ready_timeout_seconds=3"),
+        ("empty", "smoke check: the answer to '한국의 수도는 어디인가요?' is empty"),
+    ],
+)
+def test_a_server_that_fails_leaves_champion_where_it_was(
+    tmp_path: Path,
+    deployed: tuple[Path, object],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    behaviour: str,
+    said: str,
+) -> None:
+    run_dir, spec = deployed
+    spec.stages.deploy.serving.smoke_check.ready_timeout_seconds = 3
+    from run.run_dir import RunDir
+
+    RunDir(run_dir).write_spec(spec)
+    fake_python(tmp_path, monkeypatch, behaviour)
+    assert local_serving.main(["--run-dir", str(run_dir)]) == 1
+    err = capsys.readouterr().err
+    assert said in err and f"{NAME} v2 was not promoted" in err and "champion 1" in err
+    if behaviour == "crash":  # the server's own last lines, from deploy/logs/vllm.log
+        assert "ValueError: the model's head size is not supported" in err
+    assert champion(spec) == "1" and served_record(run_dir) is None
+    assert_stopped(tmp_path)
+
+
+def test_without_a_serving_environment_the_step_says_so_in_one_line(
+    deployed: tuple[Path, object], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir, spec = deployed
+    monkeypatch.setenv("POSTTRAIN_VLLM_PYTHON", str(run_dir / "no-such-python"))
+    assert local_serving.main(["--run-dir", str(run_dir)]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and out[0].startswith("[serve] skipped: no vLLM serving environment")
+    assert served_record(run_dir) is None and champion(spec) == "1"
