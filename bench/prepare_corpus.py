@@ -469,7 +469,12 @@ def write_run_dir(root: Path, kind: str, corpus_dir: str, tokenizer_path: Path, 
         overrides.append(f"stages.{stage}.data.cleaning.near_dedup_threshold={args.near_dedup}")
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
-    RunDir(root).write_spec(load_pipeline("korean-llm", profile="local", overrides=overrides).spec)
+    spec = load_pipeline("korean-llm", profile="local", overrides=overrides).spec
+    if args.mixture:  # each file of the corpus a dataset of its own: prepare's mixture pass, every row kept
+        data = getattr(spec.stages, stage).data
+        files = sorted(str(path) for path in Path(corpus_dir).iterdir())
+        getattr(spec.stages, stage).data = [data.model_copy(update={"uri": file}) for file in files]
+    RunDir(root).write_spec(spec)
 
 
 def cache_meta(root: Path, stage: str) -> dict[str, Any] | None:
@@ -715,7 +720,7 @@ def suite(args: argparse.Namespace) -> int:
     sizes = [(s, parse_size(s)) for s in args.sizes.split(",")]
     kinds = args.kinds.split(",")
     environment = {"argv": sys.argv, "num_proc": args.num_proc, "seq_length": args.seq_length,
-                   "near_dedup": args.near_dedup, **versions()}  # fmt: skip
+                   "near_dedup": args.near_dedup, "mixture": args.mixture, **versions()}  # fmt: skip
     print(json.dumps(environment), flush=True)
     tokenizer_path = build_tokenizer(workdir, args.vocab_size, args.seed)
     results: list[dict[str, Any]] = []
@@ -775,6 +780,7 @@ def main(argv: list[str] | None = None) -> int:
         "--vocab-size", type=int, default=2048, help="entries of the BPE tokenizer (the local profile's 2048)"
     )
     parser.add_argument("--near-dedup", type=float, default=None, help="data.cleaning.near_dedup_threshold")
+    parser.add_argument("--mixture", action="store_true", help="each corpus file a dataset of its own (a mixture)")
     parser.add_argument("--shards", type=int, default=4, help="files per corpus")
     parser.add_argument("--zst-shards", type=int, default=1, help="how many of them are .jsonl.zst")
     parser.add_argument("--read-rows", type=int, default=300, help="random rows a training rank reads")

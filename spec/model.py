@@ -66,6 +66,14 @@ class TinyModelConfig(StrictModel):
                 f"num_key_value_heads ({self.num_key_value_heads}) must divide num_attention_heads "
                 f"({self.num_attention_heads}): each key/value head serves a whole group of query heads",
             )
+        if self.architecture == "qwen2" and self.head_dim * self.num_attention_heads != self.hidden_size:
+            raise FieldError(
+                ("head_dim",),
+                f"a qwen2 model's heads are hidden_size / num_attention_heads = "
+                f"{self.hidden_size / self.num_attention_heads:g} wide (vLLM and Qwen2.5's configs derive it), not "
+                f"head_dim {self.head_dim}: set hidden_size to {self.head_dim * self.num_attention_heads}, or "
+                "num_attention_heads to match",
+            )
         return self
 
     @model_validator(mode="after")

@@ -178,3 +178,14 @@ def test_without_a_serving_environment_the_step_says_so_in_one_line(
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and out[0].startswith("[serve] skipped: no vLLM serving environment")
     assert served_record(run_dir) is None and champion(spec) == "1"
+
+
+def test_a_qwen2_stand_in_is_sized_as_vllm_sizes_its_heads() -> None:
+    """vLLM's Qwen2 (as Qwen2.5's own configs) takes a head as hidden_size / num_attention_heads wide, whatever
+    head_dim says: a stand-in where the two differ trains with one width and would be served with another."""
+    shape = "model.from_config={architecture: qwen2, hidden_size: 64, num_attention_heads: 4, head_dim: 32}"
+    with pytest.raises(SpecError) as info:
+        load_pipeline("korean-llm", profile="local", overrides=[shape])
+    assert "model.from_config.head_dim" in str(info.value) and "hidden_size to 128" in str(info.value)
+    fitting = shape.replace("num_attention_heads: 4", "num_attention_heads: 2, num_key_value_heads: 1")
+    assert load_pipeline("korean-llm", profile="local", overrides=[fitting]).spec.model.from_config.head_dim == 32
