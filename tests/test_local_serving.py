@@ -189,3 +189,26 @@ def test_a_qwen2_stand_in_is_sized_as_vllm_sizes_its_heads() -> None:
     assert "model.from_config.head_dim" in str(info.value) and "hidden_size to 128" in str(info.value)
     fitting = shape.replace("num_attention_heads: 4", "num_attention_heads: 2, num_key_value_heads: 1")
     assert load_pipeline("korean-llm", profile="local", overrides=[fitting]).spec.model.from_config.head_dim == 32
+
+
+def test_sigterm_to_the_step_stops_the_server_it_started(
+    tmp_path: Path, deployed: tuple[Path, object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The runner passes an interrupt on as SIGTERM: the step stops vLLM (in a session of its own, which no signal to
+    the step's group reaches) before it exits, and champion stays."""
+    import signal
+    import subprocess
+    import time
+
+    run_dir, spec = deployed
+    fake_python(tmp_path, monkeypatch, "never")
+    step = subprocess.Popen([sys.executable, "-m", "workflows.local_serving", "--run-dir", str(run_dir)], cwd=REPO)
+    pid_file = tmp_path / "vllm.pid"
+    for _ in range(200):
+        if pid_file.is_file() and pid_file.read_text():
+            break
+        time.sleep(0.1)
+    step.send_signal(signal.SIGTERM)
+    assert step.wait(60) != 0
+    assert_stopped(tmp_path)
+    assert champion(spec) == "1" and served_record(run_dir) is None

@@ -62,6 +62,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -469,6 +470,12 @@ def _run_locked(
     skip_reason = ""
     gate_reason = ""
     live = Live(render(spec, run_root, runs), console=console, refresh_per_second=4, transient=True)
+
+    def redraw() -> None:
+        if console.is_terminal:
+            live.update(render(spec, run_root, runs))
+
+    echo = None if console.is_terminal else lambda line: console.print(line, markup=False, soft_wrap=True)
     with live if console.is_terminal else _Quiet(), warm_starts(env, gpus) as warm:
         for run in list(runs):  # a search adds a row per trial to `runs`
             if failed is not None:
@@ -481,10 +488,7 @@ def _run_locked(
                 run.status, run.message = "skipped", gate_reason
                 continue
             if run.name == SERVE_ROW:
-                echo = None if console.is_terminal else lambda line: console.print(line, markup=False, soft_wrap=True)
-                failed_serve = serve_row(run, runs, run_root, env, lambda: live.update(render(spec, run_root, runs))
-                                         if console.is_terminal else None, echo)  # fmt: skip
-                if failed_serve:
+                if serve_row(run, runs, run_root, env, redraw, echo):
                     failed, exit_code = run, 1
                 if not console.is_terminal:
                     console.print(f"{run.name}: {run.status} ({run.elapsed})", markup=False)
@@ -517,7 +521,6 @@ def _run_locked(
                         continue
                 log = run_root / run.name / "logs" / "stage.log"
                 grace = spec.stage(run.name).run_policy.termination_grace_period_seconds
-                echo = None if console.is_terminal else lambda line: console.print(line, markup=False, soft_wrap=True)
                 launch_stage(run, spec, run.name, run_root, env, log, refresh, grace, warm, echo, force, gpus)
             except (StageInterrupted, KeyboardInterrupt) as exc:
                 # The stage got the signal and has exited (run_stage waited): its record says how it ended, or,
@@ -607,8 +610,8 @@ def serve_row(
     runs: list[StageRun],
     run_root: Path,
     env: dict[str, str],
-    refresh: Any,
-    echo: Any,
+    refresh: Callable[[], None],
+    echo: Callable[[str], None] | None,
 ) -> bool:
     """Run the local serve step after a deploy that succeeded: vLLM serves the deployed model and answers the
     smoke check (`python -m workflows.local_serving`, its output in `deploy/logs/serve.log`). Skipped, with the
@@ -627,8 +630,7 @@ def serve_row(
         return False
     command = [sys.executable, "-m", "workflows.local_serving", "--run-dir", str(run_root)]
     run.status, run.started = "running", time.monotonic()
-    run.returncode = run_stage(run, command, env, run_root / "deploy" / "logs" / "serve.log", refresh or (lambda: None),
-                               echo=echo)  # fmt: skip
+    run.returncode = run_stage(run, command, env, run_root / "deploy" / "logs" / "serve.log", refresh, echo=echo)
     run.ended = time.monotonic()
     if run.returncode == 0:
         served = ((read_stage_json(run_root, "deploy") or {}).get("extra") or {}).get("served") or {}

@@ -51,6 +51,7 @@ from workflows.rollout import (
     smoke_check,
     smoke_prompts,
 )
+from workflows.stage_process import die_with_runner
 
 VLLM_PYTHON_VARIABLE = "POSTTRAIN_VLLM_PYTHON"
 ENV_DIR = Path(__file__).resolve().parent.parent / ".venv-vllm"
@@ -93,7 +94,13 @@ class Server:
         log.parent.mkdir(parents=True, exist_ok=True)
         with log.open("wb") as out:
             self.process = subprocess.Popen(
-                argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+                argv,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=die_with_runner(),  # SIGTERM to vLLM if this step dies before it can stop it
             )
 
     def tail(self) -> str:
@@ -190,10 +197,16 @@ def record(run_dir: Path, served: dict[str, Any]) -> None:
     run.write_result(StageResult(**{**result.model_dump(), "extra": {**result.extra, "served": served}}))
 
 
+def _interrupted(signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m workflows.local_serving", description=__doc__.splitlines()[0])
     parser.add_argument("--run-dir", required=True, type=Path, help="The run directory (deploy has run in it).")
     args = parser.parse_args(argv)
+    # SIGTERM (the runner passing an interrupt on) unwinds like Ctrl-C, so that the server is stopped on the way out.
+    signal.signal(signal.SIGTERM, _interrupted)
     try:
         spec, deployed, _ = read_run(args.run_dir)
         python = vllm_python()
