@@ -25,6 +25,7 @@ Control plane: no torch; vLLM runs in its own process and environment.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import socket
@@ -72,11 +73,6 @@ def vllm_python() -> Path | None:
         return Path(named) if Path(named).is_file() else None
     python = ENV_DIR / "bin" / "python"
     return python if python.is_file() else None
-
-
-def serve_follows(spec: PipelineSpec) -> bool:
-    """Whether a local run serves its deployed model (and deploy leaves champion to this step)."""
-    return spec.stages.deploy.enabled and spec.stages.deploy.serving.enabled and vllm_python() is not None
 
 
 def free_port() -> int:
@@ -130,16 +126,17 @@ class Server:
         )
 
     def stop(self, grace: float = 20) -> None:
-        if self.process.poll() is not None:
-            return
+        """SIGTERM to the server's session, SIGKILL to what is left of it after `grace` seconds (vLLM's engine
+        core and workers are processes of their own, which may outlive the API server)."""
         try:
             os.killpg(self.process.pid, signal.SIGTERM)
-            self.process.wait(grace)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
         except ProcessLookupError:
-            pass
+            return
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(grace)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
 
 
 def cpu_binding(shards: int) -> str:
