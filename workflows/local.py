@@ -632,9 +632,8 @@ def serve_row(
     run.status, run.started = "running", time.monotonic()
     run.returncode = run_stage(run, command, env, run_root / "deploy" / "logs" / "serve.log", refresh, echo=echo)
     run.ended = time.monotonic()
-    if run.returncode == 0:
-        served = ((read_stage_json(run_root, "deploy") or {}).get("extra") or {}).get("served") or {}
-        run.status, run.metric = "succeeded", f"vLLM {served.get('engine_version', '')}"
+    if run.returncode == 0:  # its last line says what answered and where champion is
+        run.status, run.metric = "succeeded", run.last_line.removeprefix("[serve] ")
         return False
     run.status = "failed"
     run.message = next((line for line in reversed(run.tail) if "error:" in line), f"exit code {run.returncode}")
