@@ -464,10 +464,11 @@ def conversation_masks(
                 _check_turns_end(tokenizer, ids, mask, range(len(ids)))
             else:
                 text, spans = result
-                ids, ends = next(encoded)
+                ids, ends, offsets = next(encoded)
                 masked = _byte_span_mask(tokenizer, text, ends, spans) if ends is not None else None
                 if masked is None:  # not a byte-level tokenizer, or its bytes do not add up: the encoder's offsets
-                    ids, offsets = _encode(tokenizer, text)
+                    if offsets is None:
+                        ids, offsets = _encode(tokenizer, text)
                     masked = _span_mask(offsets, spans)
                 mask, last_tokens = masked
                 _check_turns_end(tokenizer, ids, mask, last_tokens)
@@ -550,20 +551,19 @@ def encode_texts(tokenizer: Any, texts: list[str]) -> list[list[int]]:
     return [encoding.ids for encoding in backend.encode_batch_fast(texts, add_special_tokens=False)]
 
 
-def _encode_many(tokenizer: Any, texts: list[str]) -> list[tuple[list[int], np.ndarray | None]]:
-    """Token ids of each text, no special tokens added, and where the tokenizer is byte-level (`_byte_lengths`) the
-    UTF-8 byte at which each token ends: the encoder without its offsets (`encode_batch_fast`), which measured a
-    third less CPU per conversation than with them turned into Python tuples (2,000 bench conversations, 0.54
-    against 0.94 ms, medians of 7 alternating runs). Others get no ends: `_encode` gives them offsets."""
+def _encode_many(
+    tokenizer: Any, texts: list[str]
+) -> list[tuple[list[int], np.ndarray | None, list[tuple[int, int]] | None]]:
+    """Token ids of each text, no special tokens added, with where each token ends: for a byte-level tokenizer
+    (`_byte_lengths`) the UTF-8 byte at which each token ends, from the encoder without its offsets
+    (`encode_batch_fast`), which measured a third less CPU per conversation than with them turned into Python tuples
+    (2,000 bench conversations, 0.54 against 0.94 ms, medians of 7 alternating runs); for any other, the encoder's
+    character offsets (`_encode`). (ids, byte ends, None) or (ids, None, offsets)."""
     lengths = _byte_lengths(tokenizer)
     if lengths is None:
-        return [(ids, None) for ids in (_encode(tokenizer, text)[0] for text in texts)]
+        return [(ids, None, offsets) for ids, offsets in (_encode(tokenizer, text) for text in texts)]
     encodings = tokenizer.backend_tokenizer.encode_batch_fast(texts, add_special_tokens=False)
-    out = []
-    for encoding in encodings:
-        ids = encoding.ids
-        out.append((ids, np.cumsum(lengths[np.asarray(ids, dtype=np.int64)])))
-    return out
+    return [(e.ids, np.cumsum(lengths[np.asarray(e.ids, dtype=np.int64)]), None) for e in encodings]
 
 
 def _byte_lengths(tokenizer: Any) -> np.ndarray | None:

@@ -23,18 +23,8 @@ from typing import Any
 BEHAVIOUR = os.environ.get("FAKE_VLLM", "good")
 
 
-class Handler(BaseHTTPRequestHandler):
-    def do_GET(self) -> None:
-        if self.path == "/health":
-            return self._send(200, {})
-        if self.path == "/version":
-            return self._send(200, {"version": "fake-0"})
-        return self._send(404, {"error": self.path})
-
-    def do_POST(self) -> None:
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        text = "  " if BEHAVIOUR == "empty" else f"{body['model']} 모델의 답입니다."
-        self._send(200, {"choices": [{"index": 0, "message": {"role": "assistant", "content": text}}]})
+class JsonHandler(BaseHTTPRequestHandler):
+    """JSON answers, no access log (tests/test_rollout.py's fake vLLM is one too)."""
 
     def _send(self, code: int, body: dict[str, Any]) -> None:
         data = json.dumps(body).encode()
@@ -46,6 +36,20 @@ class Handler(BaseHTTPRequestHandler):
 
     def log_message(self, *_: Any) -> None:
         pass
+
+
+class Handler(JsonHandler):
+    def do_GET(self) -> None:
+        if self.path == "/health":
+            return self._send(200, {})
+        if self.path == "/version":
+            return self._send(200, {"version": "fake-0"})
+        return self._send(404, {"error": self.path})
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        text = "  " if BEHAVIOUR == "empty" else f"{body['model']} 모델의 답입니다."
+        self._send(200, {"choices": [{"index": 0, "message": {"role": "assistant", "content": text}}]})
 
 
 def main() -> int:

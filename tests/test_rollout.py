@@ -21,6 +21,7 @@ from urllib.parse import parse_qs, urlparse
 import pytest
 import yaml
 from conftest import fresh_spec
+from fake_vllm_server import JsonHandler
 from kubernetes import client
 from schema_validation import validate_custom_resource
 
@@ -41,7 +42,7 @@ still shows the previous revision, ready with all the traffic."""
 # --------------------------------------------------------------------------- fake vLLM (OpenAI chat completions)
 
 
-class VllmHandler(BaseHTTPRequestHandler):
+class VllmHandler(JsonHandler):
     """`/<behaviour>/v1/chat/completions`: good, empty, echo or slow answers, as one model's server would give."""
 
     requests_seen: list[tuple[str, dict[str, Any]]]
@@ -67,17 +68,6 @@ class VllmHandler(BaseHTTPRequestHandler):
             200,
             {"object": "chat.completion", "choices": [{"index": 0, "message": {"role": "assistant", "content": text}}]},
         )
-
-    def _send(self, code: int, body: dict[str, Any]) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *_: Any) -> None:
-        pass
 
 
 class VllmServer(ThreadingHTTPServer):

@@ -47,6 +47,7 @@ from workflows.rollout import (
     EXIT_OK,
     BadInput,
     RolloutFailed,
+    not_promoted,
     promote,
     read_run,
     smoke_check,
@@ -86,7 +87,7 @@ class Server:
     stops both)."""
 
     def __init__(self, argv: list[str], env: dict[str, str], log: Path) -> None:
-        self.argv, self.log = argv, log
+        self.log = log
         log.parent.mkdir(parents=True, exist_ok=True)
         with log.open("wb") as out:
             self.process = subprocess.Popen(
@@ -157,7 +158,8 @@ def engine_version(base_url: str) -> str:
 
 def serve(spec: PipelineSpec, run_dir: Path, python: Path) -> dict[str, Any]:
     """Start vLLM on the deployed model, check it as the rollout does, stop it; the record of what answered."""
-    model_dir = RunDir(run_dir).stage_dir("deploy") / "model"
+    deploy_dir = RunDir(run_dir).stage_dir("deploy")
+    model_dir = deploy_dir / "model"
     if not (model_dir / "config.json").is_file():
         raise BadInput(f"{model_dir} holds no model: deploy writes it")
     name = inference_service_name(spec)
@@ -169,7 +171,7 @@ def serve(spec: PipelineSpec, run_dir: Path, python: Path) -> dict[str, Any]:
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(shards))
     base_url = f"http://{HOST}:{port}"
     print(f"[serve] starting vLLM: {' '.join(argv)}", flush=True)
-    server = Server(argv, env, RunDir(run_dir).stage_dir("deploy") / "logs" / "vllm.log")
+    server = Server(argv, env, deploy_dir / "logs" / "vllm.log")
     try:
         ready = server.wait_ready(base_url, spec.stages.deploy.serving.smoke_check.ready_timeout_seconds)
         version = engine_version(base_url)
@@ -220,9 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[serve] error: {exc}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
     except RolloutFailed as exc:
-        message = f"{deployed['registered_model']} v{deployed['model_version']} was not promoted: {exc}"
-        before = deployed.get("champion_before") or "unchanged"
-        print(f"[serve] error: {message}; champion {before}", file=sys.stderr, flush=True)
+        print(not_promoted(deployed, exc), file=sys.stderr, flush=True)
         return EXIT_FAILED
     record(args.run_dir, served)
     if deployed.get("promoted") == "true":  # deploy moved it already: nothing was to be served when it ran

@@ -420,6 +420,13 @@ def promote(spec: PipelineSpec, run_dir: Path, deployed: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------- the step
 
 
+def not_promoted(deployed: dict[str, Any], failure: RolloutFailed) -> str:
+    """The serve step's error line when the model did not answer as it must: champion stays where it was."""
+    before = deployed.get("champion_before") or "unchanged"
+    version = f"{deployed['registered_model']} v{deployed['model_version']}"
+    return f"[serve] error: {version} was not promoted: {failure}; champion {before}"
+
+
 def read_run(run_dir: Path) -> tuple[PipelineSpec, dict[str, Any], dict[str, Any]]:
     """The resolved spec, deploy's record (its extra) and the InferenceService deploy rendered."""
     from run.run_dir import RunDir, StageRefused
@@ -456,12 +463,10 @@ def main(argv: list[str] | None = None, api_client: Any = None, sleep: Callable[
         return EXIT_BAD_INPUT
     services = InferenceServices(api_client or default_api_client(), manifest["metadata"]["namespace"])
     rollout = Rollout(services, spec, manifest, sleep=sleep)
-    champion_before = deployed.get("champion_before") or "unchanged"
     try:
         revision = rollout.run()
     except RolloutFailed as exc:
-        message = f"{deployed['registered_model']} v{deployed['model_version']} was not promoted: {exc}"
-        print(f"[serve] error: {message}; champion {champion_before}", file=sys.stderr, flush=True)
+        print(not_promoted(deployed, exc), file=sys.stderr, flush=True)
         return EXIT_FAILED
     promoted = promote(spec, args.run_dir, deployed)
     print(f"[serve] revision {revision} serves; {promoted}", flush=True)
