@@ -130,6 +130,7 @@ def measure_paths(run: Path, out: Path, shape_name: str) -> dict[str, Any]:
     from gpu_cases import SHAPES
 
     import stages.measures as measures
+    import stages.measuring as measuring
     from run.run_dir import RunDir
     from stages.data import BUILTIN_TASKS_DIR, sha256_file
     from stages.modeling import load_base, load_stage_model, load_tokenizer, spec_base
@@ -215,7 +216,7 @@ def measure_paths(run: Path, out: Path, shape_name: str) -> dict[str, Any]:
 
     def base_numbers(identity: str | None) -> Any:
         parts = ["heldout", "lm_eval", "generations"]
-        return measures.measure_cached(ctx, "base", parts, load, rows, cache, keys, identity=lambda: identity)
+        return measuring.measure_cached(ctx, "base", parts, load, rows, cache, keys, identity=lambda: identity)
 
     for label in ("cache_cold", "cache_warm"):
         phases = {}

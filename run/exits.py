@@ -7,9 +7,12 @@ StageInterrupted inside `interrupts_raise()`, in a stage and in the local runner
 
 from __future__ import annotations
 
+import ctypes
+import os
 import signal
+import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
 
@@ -56,3 +59,26 @@ def interrupts_raise() -> Iterator[None]:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+
+
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def die_with_runner() -> Callable[[], None] | None:
+    """A `preexec_fn` that makes the stage process get SIGTERM when the runner dies, however it dies (Linux
+    `prctl(PR_SET_PDEATHSIG)`; None elsewhere). The signal comes when the thread that started the stage ends, which
+    is the runner's main thread. A runner that died before the call leaves the stage to exit at once."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: after fork, only the call runs
+    except (OSError, AttributeError):
+        return None
+    runner = os.getpid()
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != runner:  # the runner is already gone
+            os._exit(EXIT_RETRYABLE)
+
+    return preexec

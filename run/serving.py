@@ -36,6 +36,9 @@ LOAD_FORMAT_ARG = "--load-format=safetensors"
 SERVER_COMMAND = ["python3", "-m", "vllm.entrypoints.openai.api_server"]
 """The kserve-vllm runtime's command: vLLM's OpenAI-compatible server (manifests/components/kserve-vllm/)."""
 RUNTIME_PORT = 8080
+LOCAL_HOST = "127.0.0.1"
+"""Where a server this project starts itself listens (the local serve step, evaluate's vLLM backend): not reachable
+from other machines."""
 RUNTIME_MODEL_DIR = "/mnt/models"
 """Where KServe's storage initializer puts the model in the predictor pod."""
 LOCAL_SERVE_VARIABLE = "POSTTRAIN_LOCAL_SERVE"
@@ -182,3 +185,26 @@ def with_canary_traffic(manifest: dict[str, Any], percent: int | None) -> dict[s
 def to_yaml(manifest: dict[str, Any]) -> str:
     """The manifest as a YAML document."""
     return yaml.safe_dump(manifest, sort_keys=False, allow_unicode=True)
+
+
+def evaluation_server_argv(
+    python: str,
+    model_dir: str,
+    served_name: str,
+    port: int,
+    *,
+    max_model_len: int,
+    dtype: str,
+    tensor_parallel: int,
+    seed: int,
+) -> list[str]:
+    """vLLM's command line for evaluate's vLLM backend (stages/vllm_measures.py): the runtime's server and loading
+    rule (safetensors only) on the folder evaluate saved, on 127.0.0.1, the length a scored row and a generation
+    need, the dtype evaluate loads models in, its GPUs, and the candidate stage's seed."""
+    argv = [python, *SERVER_COMMAND[1:], *runtime_args(model_dir, served_name, port), f"--host={LOCAL_HOST}"]
+    argv += [f"--max-model-len={max_model_len}", f"--seed={seed}"]
+    if dtype != "auto":
+        argv.append(f"--dtype={dtype}")
+    if tensor_parallel > 1:
+        argv.append(f"--tensor-parallel-size={tensor_parallel}")
+    return argv

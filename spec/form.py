@@ -33,6 +33,7 @@ PIPELINE_FILE_ONLY: dict[tuple[str, ...], str] = {
     ("model", "trust_remote_code"): "it lets code from the model's repository run in the pods",
     ("tracking", "mlflow_tracking_uri"): "the pods send their MLflow credentials to that server",
     ("stages", "evaluate", "lm_eval_include_path"): "lm-eval task files there can import and run Python code",
+    ("stages", "evaluate", "backend"): "it decides which engine runs the models whose numbers the gate compares",
     ("stages", "deploy", "storage_uri"): "deploy uploads the model there with the pods' cloud credentials",
     ("stages", "rlhf", "reward_modules"): "they name the Python modules a reward function may import and run",
     ("stages", "deploy", "registered_model"): "it decides whose champion and challenger aliases a run moves",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -104,6 +105,15 @@ class EvaluateStage(StageBase):
     limit: Int64 | None = Field(None, gt=0, description="Examples per lm-eval task (None: all).")
     prompts: list[str] = Field(default_factory=list, description="Prompts for the sampled-generation table.")
     max_new_tokens: Int64 = Field(128, gt=0, description="Tokens generated per prompt.")
+    backend: Literal["transformers", "vllm"] = Field(
+        "transformers",
+        description="What measures each model: 'transformers' loads it in the evaluate process (held-out loss from "
+        "its logits, lm-eval through lm-eval's HFLM, generate()); 'vllm' starts vLLM's OpenAI-compatible server on "
+        "it (the engine KServe serves with) and measures through the API: held-out loss from the prompt logprobs, "
+        "lm-eval through its local-completions model, greedy completions. Same rows, prompts and tokenizer; "
+        "within bf16 noise of each other (docs/stages.md). Needs vLLM's environment: the trainer image's, or "
+        "`.venv-vllm` under --local (`make local`). Pipeline file only.",
+    )
     cache_scores: bool = Field(
         True,
         description="Reuse the base model's and the champion's numbers that an earlier run of the pipeline measured "

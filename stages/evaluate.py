@@ -22,6 +22,8 @@ Reads top to bottom:
      `<task>/<metric>_stderr` where it has one, and `<task>/n_samples`, the examples the task was measured on;
    - greedy generations for `stages.evaluate.prompts` (through the chat template when sft or rlhf ran), in one
      batch.
+   With `backend: vllm` each model is instead saved, freed and measured the same way through vLLM's server, the
+   engine KServe serves it with (`stages/vllm_measures.py`); stage.json says what measured each (`engines`).
    The base model's numbers come from the score cache (`stages/scores.py`, `cache_scores`) where an earlier run
    measured the same model (by content) the same way; then the base model is not even loaded. The candidate is
    always measured.
@@ -62,13 +64,11 @@ from stages.measures import (
     HELDOUT_METRICS,
     candidate_stage,
     include_dir,
-    measure,
-    measure_cached,
     placement,
     read_rows,
-    release,
     score_keys,
 )
+from stages.measuring import measure_cached, measure_loaded
 from stages.registry import (
     EVALUATE_DATA_TAG,
     HELDOUT_TAG,
@@ -80,6 +80,7 @@ from stages.registry import (
 )
 from stages.report import loss_curves, prepared_data_counts, stderr_name, write_report
 from stages.scores import ScoreCache, base_identity, champion_identity
+from stages.vllm_measures import check_environment
 
 # --------------------------------------------------------------------------- the stage
 
@@ -102,6 +103,7 @@ def evaluate(ctx: StageContext) -> int:
         print(f"[evaluate] skipped: {reason}", flush=True)
         return ctx.finish(status="skipped", message=reason, extra={"gate": GATE_SKIPPED, "gate_reasons": [reason]})
     include_dir(spec, run_dir.root)  # a task folder off the volumes fails here, before any model loads
+    check_environment(ctx)  # so does backend: vllm without vLLM
     data_path = perplexity_data(run_dir, stage)
     rows = read_rows(data_path) if data_path is not None else []
     heldout_fingerprint = _sha256(data_path) if data_path is not None else ""
@@ -123,11 +125,17 @@ def evaluate(ctx: StageContext) -> int:
         tokenizer = load_tokenizer(run_dir, spec.model)
         # Fingerprinted as it loads, held to its stage's record, recorded as the input `candidate` (and
         # `candidate_base`): deploy registers only a model with these fingerprints.
-        model = load_stage_model(
-            run_dir, spec, stage, tokenizer, ModelInputs(ctx), name="candidate", placement=placement()
+        candidate = measure_loaded(
+            ctx,
+            "candidate",
+            lambda: (
+                load_stage_model(
+                    run_dir, spec, stage, tokenizer, ModelInputs(ctx), name="candidate", placement=placement()
+                ),
+                tokenizer,
+            ),
+            rows,
         )
-        candidate = measure(ctx, model, tokenizer, rows, "candidate")
-        release(model)
         keys = score_keys(ctx, heldout_fingerprint)
         cache = ScoreCache(run_dir.root.parent) if keys is not None else None
         wanted = {"heldout": rows, "lm_eval": section.lm_eval_tasks, "generations": section.prompts}
@@ -194,6 +202,8 @@ def evaluate(ctx: StageContext) -> int:
             "base_model": spec.model.name_or_path,
             "perplexity_data": run_dir.relative(data_path) if data_path else "",
             "lm_eval_tasks": list(section.lm_eval_tasks),
+            "backend": section.backend,
+            "engines": {who: m.engine for who, m in (("candidate", candidate), ("base", base)) if m.engine},
             "limit": section.limit,
             "prompts": list(section.prompts),
             "candidate_generations": candidate.generations,

@@ -2,7 +2,7 @@
 
 evaluate (stages/evaluate.py) measures the candidate, the base model and, where needed, the champion with these; the
 numbers of a part an earlier run measured on the same model the same way come from the score cache
-(`stages/scores.py`, `measure_cached`).
+(`stages/scores.py`, `stages.measuring.measure_cached`).
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,6 @@ from spec.pipeline import PipelineSpec
 from stages.contract import StageContext
 from stages.data import BUILTIN_TASKS_DIR, DataError, confine, resolve_path, within
 from stages.report import SAMPLES_METRIC
-from stages.scores import ScoreCache
 
 HELDOUT_METRICS = ("eval_loss", "perplexity", "eval_rows", "eval_tokens", "eval_rows_truncated")
 """What `perplexity` measures: numbers that only compare over the same held-out rows."""
@@ -82,9 +80,7 @@ def perplexity(
     import torch
     import torch.nn.functional as F
 
-    encoded = [encode_row(tokenizer, row, enable_thinking) for row in rows]
-    truncated = sum(1 for ids, _ in encoded if len(ids) > max_len)
-    encoded = sorted(((ids[:max_len], labels[:max_len]) for ids, labels in encoded), key=lambda e: len(e[0]))
+    encoded, truncated = scored_rows(tokenizer, rows, max_len, enable_thinking)
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     total_nll, total_tokens = 0.0, 0
@@ -116,13 +112,27 @@ def perplexity(
     if batch:
         nll, tokens = score(batch)
         total_nll, total_tokens = total_nll + nll, total_tokens + tokens
+    return heldout_numbers(total_nll, total_tokens, len(rows), truncated)
+
+
+def scored_rows(
+    tokenizer: Any, rows: list[dict[str, Any]], max_len: int, enable_thinking: bool = False
+) -> tuple[list[tuple[list[int], list[int]]], int]:
+    """Each row's ids and labels (`encode_row`) cut to `max_len` tokens, shortest first, and how many were cut."""
+    encoded = [encode_row(tokenizer, row, enable_thinking) for row in rows]
+    truncated = sum(1 for ids, _ in encoded if len(ids) > max_len)
+    return sorted(((ids[:max_len], labels[:max_len]) for ids, labels in encoded), key=lambda e: len(e[0])), truncated
+
+
+def heldout_numbers(total_nll: float, total_tokens: int, rows: int, truncated: int) -> dict[str, float]:
+    """The held-out metrics from the summed negative log-likelihood of the scored tokens."""
     if total_tokens == 0:
         raise ValueError("the held-out rows have no scored tokens")
     loss = total_nll / total_tokens
     return {
         "eval_loss": loss,
         "perplexity": math.exp(min(loss, 50.0)),
-        "eval_rows": float(len(rows)),
+        "eval_rows": float(rows),
         "eval_tokens": float(total_tokens),
         "eval_rows_truncated": float(truncated),
     }
@@ -178,17 +188,27 @@ def lm_eval_metrics(
 ) -> dict[str, float]:
     """Run lm-eval-harness tasks on an already loaded model; `include_path` adds a folder of task YAMLs."""
     import torch
-    from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
-    if include_path is not None and not Path(include_path).is_dir():
-        raise FileNotFoundError(f"stages.evaluate.lm_eval_include_path {include_path} is not a directory")
+    check_include_path(include_path)
     lm = HFLM(
         pretrained=model,
         tokenizer=tokenizer,
         batch_size="auto" if torch.cuda.is_available() else 4,
         max_length=max_len,
     )
+    return run_lm_eval(lm, tasks, include_path, limit)
+
+
+def check_include_path(include_path: str | None) -> None:
+    if include_path is not None and not Path(include_path).is_dir():
+        raise FileNotFoundError(f"stages.evaluate.lm_eval_include_path {include_path} is not a directory")
+
+
+def run_lm_eval(lm: Any, tasks: list[str], include_path: str | None, limit: int | None) -> dict[str, float]:
+    """lm-eval-harness's tasks on `lm` (an lm-eval model: HFLM, or local-completions through vLLM), flattened."""
+    from lm_eval import simple_evaluate
+
     results = simple_evaluate(
         model=lm,
         tasks=list(tasks),
@@ -214,23 +234,12 @@ def generate(model: Any, tokenizer: Any, prompts: list[str], max_new_tokens: int
     assistant turn: Gemma's <end_of_turn> is not its eos)."""
     import torch
 
-    from stages.chat import stop_token_ids
-
     if not prompts:
         return []
     device = next(model.parameters()).device
-    stops = stop_token_ids(tokenizer) if chat else [tokenizer.eos_token_id]
+    stops = generation_stops(tokenizer, chat)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    if chat:
-        texts = [
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True, enable_thinking=False
-            )
-            for prompt in prompts
-        ]
-    else:
-        texts = list(prompts)
-    encoded = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+    encoded = prompt_ids(tokenizer, prompts, chat)
     width = max(len(ids) for ids in encoded)
     ids = torch.full((len(encoded), width), pad, dtype=torch.long)
     mask = torch.zeros((len(encoded), width), dtype=torch.long)
@@ -244,14 +253,40 @@ def generate(model: Any, tokenizer: Any, prompts: list[str], max_new_tokens: int
             max_new_tokens=max_new_tokens,
             do_sample=False,
             pad_token_id=pad,
-            eos_token_id=[s for s in stops if s is not None],
+            eos_token_id=stops,
         )
-    outputs = []
-    for row in out[:, width:].tolist():
-        ends = [i for i, token in enumerate(row) if token in stops]
-        text = tokenizer.decode(row[: ends[0]] if ends else row, skip_special_tokens=True)
-        outputs.append("".join(c for c in text if c.isprintable() or c in "\n\t").strip())
-    return outputs
+    return [answer_text(tokenizer, row, stops) for row in out[:, width:].tolist()]
+
+
+def generation_stops(tokenizer: Any, chat: bool) -> list[int]:
+    """The tokens that end an answer: eos, and under the chat template the end of an assistant turn."""
+    from stages.chat import stop_token_ids
+
+    stops = stop_token_ids(tokenizer) if chat else [tokenizer.eos_token_id]
+    return [s for s in stops if s is not None]
+
+
+def prompt_ids(tokenizer: Any, prompts: list[str], chat: bool) -> list[list[int]]:
+    """The token ids each prompt is answered from: a user turn through the chat template (with the generation
+    prompt, no thinking) when `chat`, else the prompt's own text."""
+    if chat:
+        texts = [
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True, enable_thinking=False
+            )
+            for prompt in prompts
+        ]
+    else:
+        texts = list(prompts)
+    return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+
+
+def answer_text(tokenizer: Any, new_ids: list[int], stops: list[int]) -> str:
+    """An answer's text from its new token ids: up to the first stop token, special tokens and unprintable
+    characters left out, trimmed."""
+    ends = [i for i, token in enumerate(new_ids) if token in stops]
+    text = tokenizer.decode(new_ids[: ends[0]] if ends else new_ids, skip_special_tokens=True)
+    return "".join(c for c in text if c.isprintable() or c in "\n\t").strip()
 
 
 # --------------------------------------------------------------------------- one model, measured
@@ -266,6 +301,7 @@ class Measured:
     errors: list[str] = field(default_factory=list)
     failed: set[str] = field(default_factory=set)  # the parts ('heldout', 'lm_eval') whose measurement failed
     cached: dict[str, str] = field(default_factory=dict)  # part -> the run that measured it (the score cache)
+    engine: str = ""  # what measured it: 'transformers <version>' or 'vllm <version>' ('' when all came from cache)
 
 
 def include_dir(spec: PipelineSpec, run_root: Path) -> str | None:
@@ -315,7 +351,7 @@ def measure(
     if torch.cuda.is_available() and getattr(model, "hf_device_map", None) is None:
         model.to("cuda")  # built from config; a loaded model is already placed over the GPUs (`placement`)
     print(f"[evaluate] {who}: {where(model)}", flush=True)
-    out = Measured()
+    out = Measured(engine=f"transformers {transformers_version()}")
     if rows:
         try:
             out.metrics.update(perplexity(model, tokenizer, rows, max_length(spec, stage), thinking(spec)))
@@ -345,6 +381,12 @@ def measure(
     return out
 
 
+def transformers_version() -> str:
+    import importlib.metadata
+
+    return importlib.metadata.version("transformers")
+
+
 def thinking(spec: PipelineSpec) -> bool:
     """Whether chat rows render with thinking tags (as sft trained them)."""
     return spec.stages.sft.enabled and spec.stages.sft.enable_thinking
@@ -356,11 +398,16 @@ def fmt_metrics(metrics: dict[str, float]) -> str:
 
 def release(model: Any) -> None:
     """Free a model's memory before the next one is loaded."""
+    del model
+    free_memory()
+
+
+def free_memory() -> None:
+    """Collect what no longer has a reference, and give the GPU memory it held back."""
     import gc
 
     import torch
 
-    del model
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -414,6 +461,8 @@ def score_keys(ctx: StageContext, heldout_fingerprint: str) -> dict[str, dict[st
         "device": "cuda" if torch.cuda.is_available() else "cpu",
         "transformers": importlib.metadata.version("transformers"),
     }
+    if section.backend != "transformers":  # keys of the default backend stay as earlier runs filed them
+        common["backend"] = section.backend
     lm_eval = {
         "tasks": list(section.lm_eval_tasks),
         "include": task_folder_fingerprint(Path(include)) if include else None,
@@ -452,58 +501,3 @@ def part_value(part: str, measured: Measured) -> Any:
         return measured.generations
     heldout = part == "heldout"
     return {k: v for k, v in measured.metrics.items() if (k in HELDOUT_METRICS) == heldout}
-
-
-def measure_cached(
-    ctx: StageContext,
-    who: str,
-    parts: list[str],
-    load: Callable[[], tuple[Any, Any]],
-    rows: list[dict[str, Any]],
-    cache: ScoreCache | None,
-    keys: dict[str, dict[str, Any]] | None,
-    identity: Callable[[], str | None],
-) -> Measured:
-    """The `parts` of a model's numbers: from the score cache where it holds them for this model (`identity`,
-    asked before loading) and these keys; the rest measured on the model `load` returns (model, tokenizer), which
-    is loaded only then, and filed in the cache (a model known only once loaded, a hub model downloaded by it, is
-    filed under the identity asked for again). A part whose measurement failed is not filed."""
-    out = Measured()
-    model_id = identity() if cache is not None and keys is not None else None
-    todo = []
-    for part in parts:
-        entry = cache.lookup(model_id, part, keys[part]) if cache is not None and keys and model_id else None
-        if entry is None:
-            todo.append(part)
-            continue
-        out.cached[part] = entry.run
-        if part == "generations":
-            out.generations = [str(g) for g in entry.value]
-        else:
-            out.metrics.update({k: float(v) for k, v in entry.value.items()})
-    if out.cached:
-        runs = ", ".join(f"{part} from run {run}" for part, run in out.cached.items())
-        print(f"[evaluate] {who}: numbers from the score cache ({runs})", flush=True)
-    if not todo:
-        return out
-    model, tokenizer = load()
-    fresh = measure(
-        ctx,
-        model,
-        tokenizer,
-        rows if "heldout" in todo else [],
-        who,
-        lm_eval="lm_eval" in todo,
-        generations="generations" in todo,
-    )
-    release(model)
-    out.metrics.update(fresh.metrics)
-    out.errors += fresh.errors
-    out.failed |= fresh.failed
-    if "generations" in todo:
-        out.generations = fresh.generations
-    if cache is not None and keys is not None and (model_id := model_id or identity()):
-        for part in todo:
-            if part not in fresh.failed:
-                cache.store(model_id, part, keys[part], part_value(part, fresh), ctx.run_dir.root.name)
-    return out

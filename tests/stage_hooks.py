@@ -73,7 +73,7 @@ def install() -> None:
     save_rest, on_save = Trainer._save_optimizer_and_scheduler, checkpoints.CheckpointMarker.on_save
     step_end = checkpoints.CheckpointMarker.on_step_end
     handle, write_result = checkpoints.SigtermCheckpoint._handle, RunDir.write_result
-    measure = stages.evaluate.measure
+    measure = stages.evaluate.measure_loaded
     process_rows = stages.prepared_data.process_rows
     woken: list[int] = []
     started_batches: dict[int, int] = {}  # per process: forked workers start from their parent's count
@@ -133,7 +133,7 @@ def install() -> None:
     checkpoints.CheckpointMarker.on_save = held_on_save
     checkpoints.SigtermCheckpoint._handle = waking_handle
     RunDir.write_result = full_disk_write_result
-    stages.evaluate.measure = held_measure
+    stages.evaluate.measure_loaded = held_measure
     stages.prepared_data.process_rows = killed_process_rows
 
 

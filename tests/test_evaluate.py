@@ -535,3 +535,98 @@ def test_a_candidate_changed_after_its_stage_recorded_it_is_refused(trained: Run
     assert result.status == "failed" and result.message == str(refused.value)
     assert "candidate" not in result.inputs and not (run_dir.stage_dir("evaluate") / "report").exists()
     assert not (tmp_path / "outputs" / "gate").exists()
+
+
+# --------------------------------------------------------------------------- the vLLM backend
+
+LOSS_TOLERANCE = 5e-3
+"""How far vLLM's held-out loss (nats per token) may lie from transformers' on the same bf16 tiny model: measured
+4e-4 (docs/stages.md, "Evaluate through vLLM"); bf16 kernels differ, the rows and tokens do not."""
+
+
+def test_the_vllm_backend_measures_what_transformers_measures(
+    trained: RunDir, task_dir: Path, tmp_path: Path, real_vllm: Path
+) -> None:
+    """backend: vllm saves each model, serves it with the real engine and measures it through the API: the same
+    rows, tokens and lm-eval questions as the transformers backend, the loss within bf16 noise, the same answers to
+    the multiple-choice questions, greedy generations that start alike."""
+    spec = spec_of(trained)
+    section = spec.stages.evaluate
+    section.lm_eval_tasks, section.lm_eval_include_path = ["tiny_ko"], str(task_dir)
+    section.cache_scores = False
+    section.gate = [GateRule(metric="tiny_ko/acc", higher_is_better=True, max_regression=1.0)]
+    local = run_evaluate(trained, spec, tmp_path / "transformers").extra
+    section.backend = "vllm"
+    served = run_evaluate(trained, spec, tmp_path / "vllm").extra
+
+    assert local["engines"] == {"candidate": "transformers 5.23.0", "base": "transformers 5.23.0"}
+    assert served["engines"] == {"candidate": "vllm 0.32.0", "base": "vllm 0.32.0"} and served["backend"] == "vllm"
+    for who in ("candidate", "base"):
+        ours, theirs = local[who], served[who]
+        assert {k: theirs[k] for k in ("eval_rows", "eval_tokens", "tiny_ko/n_samples")} == {
+            k: ours[k] for k in ("eval_rows", "eval_tokens", "tiny_ko/n_samples")
+        }
+        assert abs(theirs["eval_loss"] - ours["eval_loss"]) <= LOSS_TOLERANCE, (who, theirs, ours)
+        assert theirs["eval_loss"] != ours["eval_loss"]  # measured by another engine, not copied
+        assert theirs["tiny_ko/acc"] == ours["tiny_ko/acc"], who
+        pairs = list(zip(local[f"{who}_generations"], served[f"{who}_generations"], strict=True))
+        assert all(vllm[:3] == mine[:3] for mine, vllm in pairs), (who, pairs)
+    assert any(mine for mine in local["base_generations"])  # the random base model does not stop at once
+    evaluate_dir = trained.stage_dir("evaluate")
+    log = (evaluate_dir / "logs" / "vllm-candidate.log").read_text(encoding="utf-8")
+    assert "'load_format': 'safetensors'" in log and "'dtype': 'bfloat16'" in log  # as the argv asked
+    assert not any((evaluate_dir / "vllm").iterdir())  # each saved model is deleted once measured
+
+
+def test_a_vllm_that_does_not_start_fails_the_gate_with_its_log(
+    trained: RunDir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server exits before it is ready: the models' metrics are missing, the errors hold the end of vLLM's
+    log, the gate fails; no saved model is left behind."""
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho 'CUDA error: no kernel image is available'\nexit 3\n", encoding="utf-8")
+    fake.chmod(0o755)
+    monkeypatch.setenv("POSTTRAIN_VLLM_PYTHON", str(fake))
+    spec = spec_of(trained)
+    spec.stages.evaluate.backend = "vllm"
+    spec.stages.evaluate.cache_scores = False
+    result = run_evaluate(trained, spec, tmp_path / "outputs")
+
+    extra = result.extra
+    assert extra["gate"] == "fail" and (tmp_path / "outputs" / "gate").read_text() == "fail"
+    assert "perplexity" not in extra["candidate"] and extra["engines"] == {}
+    assert any(
+        e.startswith("candidate: vLLM did not serve the model: vLLM exited with 3 before it was ready")
+        and "no kernel image" in e
+        for e in extra["errors"]
+    ), extra["errors"]
+    assert extra["candidate_generations"] == ["", ""]
+    assert not any((trained.stage_dir("evaluate") / "vllm").iterdir())
+
+
+def test_the_vllm_backend_without_vllm_is_refused_before_a_model_loads(
+    trained: RunDir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("POSTTRAIN_VLLM_PYTHON", "off")
+    spec = spec_of(trained)
+    spec.stages.evaluate.backend = "vllm"
+    trained.write_spec(spec)
+    ctx = StageContext(trained, "evaluate", spec, force=True, outputs_dir=tmp_path / "outputs")
+    assert evaluate.run(ctx) == 1
+    result = trained.read_result("evaluate")
+    assert result is not None and result.status == "failed"
+    assert result.message.startswith(
+        "stages.evaluate.backend is 'vllm' but there is no vLLM environment at POSTTRAIN_VLLM_PYTHON=off: "
+    )
+    assert not (tmp_path / "outputs" / "gate").exists() and "candidate" not in result.inputs
+
+
+def test_one_backends_numbers_are_never_the_others_in_the_score_cache(trained: RunDir) -> None:
+    """The cache keys of backend: vllm name it; those of transformers are what earlier runs filed (still found)."""
+    spec = spec_of(trained)
+    keys = measures.score_keys(StageContext(trained, "evaluate", spec), "sha256:rows")
+    spec.stages.evaluate.backend = "vllm"
+    served = measures.score_keys(StageContext(trained, "evaluate", spec), "sha256:rows")
+    assert keys is not None and served is not None and set(keys) == set(served) == {"heldout", "lm_eval", "generations"}
+    for part, key in keys.items():
+        assert "backend" not in key and served[part] == {**key, "backend": "vllm"}

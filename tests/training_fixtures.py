@@ -23,13 +23,13 @@ from typing import Any
 import environment
 import stage_hooks
 
+from run.exits import die_with_runner
 from run.names import METRICS_PORT_ENV
 from run.run_dir import RunDir
 from spec.loading import load_pipeline
 from stages.tokenizer import build_tokenizer, render_for_training
 from stages.trials import METRICS_FILE_ENV
 from workflows import warm_starts
-from workflows.stage_process import die_with_runner
 from workflows.warm_starts import WarmProcess, WarmStarts
 
 REPO = Path(__file__).resolve().parents[1]

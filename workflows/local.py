@@ -81,11 +81,11 @@ from run.run_dir import RunDir, still_locked, try_lock
 from run.search import apply_selections
 from run.serving import LOCAL_SERVE_VARIABLE
 from run.tracking import local_store_uri
+from run.vllm_server import ENV_DIR, vllm_python, where_expected
 from spec.data import datasets
 from spec.document import LoadedPipeline
 from spec.loading import PIPELINES_DIR, REPLACES_DATA
 from spec.pipeline import PipelineSpec
-from workflows.local_serving import ENV_DIR, vllm_python
 from workflows.plan import plan_warnings, prepared_warnings
 from workflows.search import search_in_runner, search_needed
 from workflows.stage_process import StageRun, launch_stage, record_interrupted, run_stage
@@ -403,6 +403,16 @@ def run_local(
     `resume` is how the user started it (without --variant, --run-dir and --force), for the hint (rerun_hint)."""
     spec = loaded.spec
     console = Console()
+    if spec.stages.evaluate.enabled and spec.stages.evaluate.backend == "vllm" and vllm_python() is None:
+        console.print(
+            Text(
+                f"error: stages.evaluate.backend is 'vllm' but there is no vLLM environment at {where_expected()}: "
+                "`make local` sets up .venv-vllm; or set stages.evaluate.backend=transformers",
+                style="bold red",
+            ),
+            soft_wrap=True,
+        )
+        return EXIT_USAGE
     run_root = Path(run_dir or default_run_dir(spec)).absolute()
     try:
         lock = lock_run_dir(run_root)

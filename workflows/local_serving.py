@@ -25,21 +25,22 @@ Control plane: no torch; vLLM runs in its own process and environment.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import signal
-import socket
-import subprocess
 import sys
-import time
-from collections import deque
 from pathlib import Path
 from typing import Any
 
-import requests
-
 from run.run_dir import RunDir, StageResult
-from run.serving import RUNTIME_ENV, inference_service_name, server_argv
+from run.serving import LOCAL_HOST, RUNTIME_ENV, inference_service_name, server_argv
+from run.vllm_server import (
+    Server,
+    ServerFailed,
+    engine_version,
+    free_port,
+    server_env,
+    vllm_python,
+    where_expected,
+)
 from spec.pipeline import PipelineSpec
 from workflows.rollout import (
     EXIT_BAD_INPUT,
@@ -53,107 +54,6 @@ from workflows.rollout import (
     smoke_check,
     smoke_prompts,
 )
-from workflows.stage_process import die_with_runner
-
-VLLM_PYTHON_VARIABLE = "POSTTRAIN_VLLM_PYTHON"
-ENV_DIR = Path(__file__).resolve().parent.parent / ".venv-vllm"
-HOST = "127.0.0.1"
-"""The pod's server listens on all of its own interfaces; here it must not be reachable from other machines."""
-CPU_KV_CACHE_GIB = "1"
-"""VLLM_CPU_KVCACHE_SPACE where unset: vLLM's CPU build otherwise reserves most of the machine's memory."""
-LOG_LINES = 15
-
-
-def vllm_python() -> Path | None:
-    """The serving environment's python: $POSTTRAIN_VLLM_PYTHON, else `.venv-vllm/bin/python` of this checkout;
-    None when neither exists, or the variable says `off` (local runs that need no serving)."""
-    named = os.environ.get(VLLM_PYTHON_VARIABLE)
-    if named == "off":
-        return None
-    if named:
-        return Path(named) if Path(named).is_file() else None
-    python = ENV_DIR / "bin" / "python"
-    return python if python.is_file() else None
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
-
-
-class Server:
-    """vLLM's server process, in a session of its own (its engine core is a child process: stopping the session
-    stops both)."""
-
-    def __init__(self, argv: list[str], env: dict[str, str], log: Path) -> None:
-        self.log = log
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with log.open("wb") as out:
-            self.process = subprocess.Popen(
-                argv,
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-                preexec_fn=die_with_runner(),  # SIGTERM to vLLM if this step dies before it can stop it
-            )
-
-    def tail(self) -> str:
-        try:
-            with self.log.open(encoding="utf-8", errors="replace") as f:
-                return "\n".join(line.rstrip() for line in deque(f, LOG_LINES))
-        except OSError:
-            return ""
-
-    def wait_ready(self, base_url: str, timeout: float) -> float:
-        """Seconds until /health answered 200; RolloutFailed when the server exits or the time is up."""
-        started = time.monotonic()
-        while time.monotonic() - started < timeout:
-            if self.process.poll() is not None:
-                raise RolloutFailed(
-                    f"vLLM exited with {self.process.returncode} before it was ready; last lines of {self.log}:\n"
-                    + self.tail()
-                )
-            try:
-                if requests.get(f"{base_url}/health", timeout=5).status_code == 200:
-                    return time.monotonic() - started
-            except requests.RequestException:
-                pass
-            time.sleep(1)
-        raise RolloutFailed(
-            f"vLLM was not ready within ready_timeout_seconds={timeout:g}; last lines of {self.log}:\n" + self.tail()
-        )
-
-    def stop(self, grace: float = 20) -> None:
-        """SIGTERM to the server's session, SIGKILL to what is left of it after `grace` seconds (vLLM's engine
-        core and workers are processes of their own, which may outlive the API server)."""
-        try:
-            os.killpg(self.process.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.process.wait(grace)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait()
-
-
-def cpu_binding(shards: int) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND for vLLM's CPU build serving over `shards` tensor-parallel workers (the pod's
-    --tensor-parallel-size, kept here): this machine's cores split between them (`0|1` on two), since its automatic
-    binding wants a NUMA node per worker. The GPU build ignores it."""
-    cores = sorted(os.sched_getaffinity(0))
-    groups = [cores[i::shards] or cores[i % len(cores) :][:1] for i in range(shards)]
-    return "|".join(",".join(map(str, group)) for group in groups)
-
-
-def engine_version(base_url: str) -> str:
-    try:
-        return str(requests.get(f"{base_url}/version", timeout=5).json()["version"])
-    except (requests.RequestException, ValueError, KeyError, TypeError):
-        return "unknown"
 
 
 def serve(spec: PipelineSpec, run_dir: Path, python: Path) -> dict[str, Any]:
@@ -164,16 +64,17 @@ def serve(spec: PipelineSpec, run_dir: Path, python: Path) -> dict[str, Any]:
         raise BadInput(f"{model_dir} holds no model: deploy writes it")
     name = inference_service_name(spec)
     port = free_port()
-    argv = [*server_argv(spec, str(python), str(model_dir), name, port), f"--host={HOST}"]
-    env = {**os.environ, **RUNTIME_ENV}
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
-    if (shards := spec.stages.deploy.serving.gpus) > 1:
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(shards))
-    base_url = f"http://{HOST}:{port}"
+    argv = [*server_argv(spec, str(python), str(model_dir), name, port), f"--host={LOCAL_HOST}"]
+    env = server_env(RUNTIME_ENV, spec.stages.deploy.serving.gpus)
+    base_url = f"http://{LOCAL_HOST}:{port}"
     print(f"[serve] starting vLLM: {' '.join(argv)}", flush=True)
     server = Server(argv, env, deploy_dir / "logs" / "vllm.log")
     try:
-        ready = server.wait_ready(base_url, spec.stages.deploy.serving.smoke_check.ready_timeout_seconds)
+        ready = server.wait_ready(
+            base_url,
+            spec.stages.deploy.serving.smoke_check.ready_timeout_seconds,
+            "stages.deploy.serving.smoke_check.ready_timeout_seconds",
+        )
         version = engine_version(base_url)
         print(f"[serve] vLLM {version} ready on {base_url} after {ready:.0f}s", flush=True)
         answers = smoke_check(base_url, name, smoke_prompts(spec), spec.stages.deploy.serving)
@@ -210,9 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         spec, deployed, _ = read_run(args.run_dir)
         python = vllm_python()
         if python is None:
-            where = os.environ.get(VLLM_PYTHON_VARIABLE) or ENV_DIR
             print(
-                f"[serve] skipped: no vLLM serving environment at {where} (`make local` sets it up); deploy "
+                f"[serve] skipped: no vLLM serving environment at {where_expected()} (`make local` sets it up); deploy "
                 "promoted the model itself",
                 flush=True,
             )
@@ -221,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     except BadInput as exc:
         print(f"[serve] error: {exc}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
-    except RolloutFailed as exc:
+    except (RolloutFailed, ServerFailed) as exc:
         print(not_promoted(deployed, exc), file=sys.stderr, flush=True)
         return EXIT_FAILED
     record(args.run_dir, served)

@@ -420,7 +420,7 @@ def promote(spec: PipelineSpec, run_dir: Path, deployed: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------- the step
 
 
-def not_promoted(deployed: dict[str, Any], failure: RolloutFailed) -> str:
+def not_promoted(deployed: dict[str, Any], failure: Exception) -> str:
     """The serve step's error line when the model did not answer as it must: champion stays where it was."""
     before = deployed.get("champion_before") or "unchanged"
     version = f"{deployed['registered_model']} v{deployed['model_version']}"

