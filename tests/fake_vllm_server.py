@@ -2,8 +2,8 @@
 
 Started as the local serve step starts vLLM (`<python> -m vllm.entrypoints.openai.api_server --port=N ...`, this
 file in the python's place through a wrapper script); $FAKE_VLLM picks the behaviour:
-- `good`: /health, /version (`fake-0`) and chat answers;
-- `empty`: chat answers of whitespace only;
+- `empty`: /health, /version (`fake-0`) and chat answers of whitespace only (a good server is the real one:
+  tests/test_local_serving.py, tests/test_shipped_pipelines.py);
 - `crash`: says why on stderr and exits 1 before it listens;
 - `never`: never listens (a load that hangs).
 It writes its pid to $FAKE_VLLM_PID_FILE and its argv to $FAKE_VLLM_ARGV_FILE, so that a test can check that the
@@ -20,7 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-BEHAVIOUR = os.environ.get("FAKE_VLLM", "good")
+BEHAVIOUR = os.environ.get("FAKE_VLLM", "empty")
 
 
 class JsonHandler(BaseHTTPRequestHandler):
@@ -47,9 +47,8 @@ class Handler(JsonHandler):
         return self._send(404, {"error": self.path})
 
     def do_POST(self) -> None:
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        text = "  " if BEHAVIOUR == "empty" else f"{body['model']} 모델의 답입니다."
-        self._send(200, {"choices": [{"index": 0, "message": {"role": "assistant", "content": text}}]})
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self._send(200, {"choices": [{"index": 0, "message": {"role": "assistant", "content": "  "}}]})
 
 
 def main() -> int:

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
 import pytest
+import requests
 import yaml
 from test_rollout import NAME, champion, deploy_run, make_spec
 
@@ -139,23 +141,32 @@ def served_record(run_dir: Path) -> dict | None:
 
 
 def test_a_good_server_is_checked_recorded_stopped_and_its_model_promoted(
-    tmp_path: Path, deployed: tuple[Path, object], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, deployed: tuple[Path, object], real_vllm: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """The real engine on a tiny model as deploy writes it: the rollout's smoke check answered through the qwen3
+    template, the record, the server gone, champion moved."""
+    from training_fixtures import write_tiny_model
+
+    from run.run_dir import RunDir
+
     run_dir, spec = deployed
-    python = fake_python(tmp_path, monkeypatch, "good")
+    shutil.rmtree(run_dir / "deploy" / "model")
+    shutil.move(write_tiny_model(tmp_path / "tiny"), run_dir / "deploy" / "model")
+    spec.stages.deploy.serving.max_model_len = 2048  # the tiny model's positions
+    RunDir(run_dir).write_spec(spec)
     assert local_serving.main(["--run-dir", str(run_dir)]) == 0
     assert champion(spec) == "2"
     served = served_record(run_dir)
-    assert served["engine"] == "vllm" and served["engine_version"] == "fake-0"
+    assert served["engine"] == "vllm" and served["engine_version"] == "0.32.0"
     assert [a["prompt"] for a in served["answers"]] == spec.stages.evaluate.prompts
-    assert all(a["answer"] == f"{NAME} 모델의 답입니다." for a in served["answers"])
+    assert all(a["answer"].strip() and a["answer"] != a["prompt"] for a in served["answers"])
     # The predictor pod's command line, with the run's model and a port of 127.0.0.1.
     argv = served["argv"]
     port = next(int(a.split("=")[1]) for a in argv if a.startswith("--port="))
     model = str(run_dir / "deploy" / "model")
-    assert argv == [*server_argv(spec, str(python), model, NAME, port), "--host=127.0.0.1"]
-    assert json.loads((tmp_path / "vllm.argv").read_text()) == argv[1:]
-    assert_stopped(tmp_path)
+    assert argv == [*server_argv(spec, str(real_vllm), model, NAME, port), "--host=127.0.0.1"]
+    with pytest.raises(requests.ConnectionError):  # stopped: nothing listens there any more
+        requests.get(f"http://127.0.0.1:{port}/health", timeout=5)
     assert "[serve] smoke check:" in capsys.readouterr().out
 
 

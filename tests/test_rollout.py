@@ -1,6 +1,7 @@
 """The serving rollout (workflows/rollout.py) against a fake Kubernetes API that answers as KServe in Knative mode
-does (stale status right after an apply, revisions, canary traffic and its rollback bookkeeping), a fake vLLM
-OpenAI server, and a real MLflow registry on SQLite.
+does (stale status right after an apply, revisions, canary traffic and its rollback bookkeeping), the real vLLM
+engine serving a tiny model for the good answers, a fake vLLM OpenAI server for the bad ones (empty, echoed, slow),
+and a real MLflow registry on SQLite.
 
 The fake's status follows KServe's own code: ksvc_reconciler.go (the traffic targets it gives Knative for a
 canaryTrafficPercent) and inference_service_status.go PropagateStatus (latestRolledoutRevision and the rollback
@@ -20,13 +21,14 @@ from urllib.parse import parse_qs, urlparse
 
 import pytest
 import yaml
-from conftest import fresh_spec
+from conftest import fresh_spec, require_real_vllm
 from fake_vllm_server import JsonHandler
 from kubernetes import client
 from schema_validation import validate_custom_resource
 
 from run.run_dir import RunDir
-from run.serving import inference_service, model_storage_uri, to_yaml
+from run.serving import LOCAL_HOST, RUNTIME_ENV, inference_service, model_storage_uri, server_argv, to_yaml
+from run.vllm_server import Server, free_port, server_env
 from spec.pipeline import PipelineSpec
 from stages.contract import StageContext
 from workflows import rollout
@@ -43,7 +45,8 @@ still shows the previous revision, ready with all the traffic."""
 
 
 class VllmHandler(JsonHandler):
-    """`/<behaviour>/v1/chat/completions`: good, empty, echo or slow answers, as one model's server would give."""
+    """`/<behaviour>/v1/chat/completions`: empty, echo or slow answers, as a broken model's server would give, or
+    a fresh one (a good answer from one revision's server, to tell which revision answered)."""
 
     requests_seen: list[tuple[str, dict[str, Any]]]
     slow_seconds = 3.0
@@ -61,7 +64,8 @@ class VllmHandler(JsonHandler):
         if not valid:
             return self._send(400, {"error": {"message": f"bad request {route} {body}"}})
         prompt = body["messages"][0]["content"]
-        text = {"good": "서울은 대한민국의 수도입니다.", "empty": "  ", "echo": prompt}.get(behaviour, "늦은 답입니다.")
+        answers = {"empty": "  ", "echo": prompt, "fresh": "서울은 대한민국의 수도입니다."}
+        text = answers.get(behaviour, "늦은 답입니다.")
         if behaviour == "slow":
             time.sleep(self.slow_seconds)
         self._send(
@@ -101,14 +105,18 @@ class FakeKServe:
     the status still shows the previous revision, ready), is ready at READY_AGE or fails, and traffic follows the
     canaryTrafficPercent in the spec. `models` maps a storageUri to the behaviour of its vLLM server."""
 
-    def __init__(self, vllm: ThreadingHTTPServer, models: dict[str, str]) -> None:
-        self.vllm, self.models = vllm, models
+    def __init__(self, vllm: ThreadingHTTPServer, models: dict[str, str], good: str) -> None:
+        self.vllm, self.models, self.good = vllm, models, good
         self.obj: dict[str, Any] | None = None
         self.revisions: list[dict[str, Any]] = []  # name, storage, age, fails
         self.template: str = ""
         self.status: dict[str, Any] = {}
         self.applied: list[dict[str, Any]] = []
         self.lock = threading.Lock()
+
+    def url(self, behaviour: str) -> str:
+        """Where a revision's model answers: the real engine for good answers, the fake for the others."""
+        return self.good if behaviour == "good" else vllm_url(self.vllm, behaviour)
 
     # Knative: the revision side.
     def _latest_ready(self) -> str:
@@ -142,7 +150,7 @@ class FakeKServe:
         for target in traffic:
             if "tag" in target:  # a tagged target's own address
                 storage = next(r["storage"] for r in self.revisions if r["name"] == target["revisionName"])
-                target["url"] = vllm_url(self.vllm, self.models[storage])
+                target["url"] = self.url(self.models[storage])
         # inference_service_status.go PropagateStatus: rolled-out bookkeeping, rollback included.
         shares: dict[str, int] = {}
         for target in traffic:
@@ -165,7 +173,7 @@ class FakeKServe:
         )
         main = max(traffic, key=lambda t: t["percent"])["revisionName"] if traffic else ""
         main_storage = next((r["storage"] for r in self.revisions if r["name"] == main), "")
-        component["address"] = {"url": vllm_url(self.vllm, self.models.get(main_storage, "none"))}
+        component["address"] = {"url": self.url(self.models.get(main_storage, "none"))}
         failed = latest_created["fails"] and latest_created["age"] >= READY_AGE
         ready = bool(latest_ready) and latest_created["name"] == latest_ready
         self.status["conditions"] = [
@@ -295,18 +303,43 @@ def champion(spec: PipelineSpec) -> str:
     return str(registry(spec).get_registered_model(NAME).aliases.get("champion", ""))
 
 
+@pytest.fixture(scope="module")
+def real_model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The real vLLM engine serving a tiny korean-llm model under the service's name, with the predictor pod's
+    command line: the model built from the local profile's config with a run's tokenizer (the qwen3 template), saved
+    as deploy saves it. The good answers come from it; the fake above gives only what the real engine cannot be
+    made to give on cue (empty, echoed and slow answers, a server that routes by revision)."""
+    from training_fixtures import write_tiny_model
+
+    python = require_real_vllm()
+    root = tmp_path_factory.mktemp("served")
+    model = write_tiny_model(root)
+    spec = fresh_spec("korean-llm", "local")
+    port = free_port()
+    argv = [*server_argv(spec, str(python), str(model), NAME, port), f"--host={LOCAL_HOST}"]
+    server = Server(argv, server_env(RUNTIME_ENV, spec.stages.deploy.serving.gpus), root / "vllm.log")
+    url = f"http://{LOCAL_HOST}:{port}"
+    try:
+        server.wait_ready(url, 600)
+        yield url
+    finally:
+        server.stop()
+
+
 @pytest.fixture
 def serving(
-    tmp_path: Path, kube: ThreadingHTTPServer, vllm: ThreadingHTTPServer
+    tmp_path: Path, kube: ThreadingHTTPServer, vllm: ThreadingHTTPServer, real_model: str
 ) -> Iterator[tuple[ThreadingHTTPServer, FakeKServe]]:
     """The service as a first run left it: revision 1 serving model `run-1` (champion v1)."""
-    kserve = FakeKServe(vllm, {})
+    kserve = FakeKServe(vllm, {}, good=real_model)
     kube.kserve = kserve  # type: ignore[attr-defined]
     yield vllm, kserve
 
 
-def first_run(tmp_path: Path, kube: ThreadingHTTPServer, kserve: FakeKServe, spec: PipelineSpec) -> None:
-    kserve.models[model_storage_uri(spec, "run-1")] = "good"
+def first_run(
+    tmp_path: Path, kube: ThreadingHTTPServer, kserve: FakeKServe, spec: PipelineSpec, behaviour: str = "good"
+) -> None:
+    kserve.models[model_storage_uri(spec, "run-1")] = behaviour
     assert rollout_main(deploy_run(tmp_path, spec, "run-1", "1"), kube) == 0
     assert champion(spec) == "1"
 
@@ -364,11 +397,12 @@ def test_a_stale_ready_status_is_not_taken_for_the_new_revision(tmp_path: Path) 
 def test_canary_steps_up_and_promotes_on_good_answers(
     tmp_path: Path, kube: ThreadingHTTPServer, serving: tuple[ThreadingHTTPServer, FakeKServe]
 ) -> None:
-    _, kserve = serving
+    vllm, kserve = serving
     spec = make_spec(tmp_path, rollout="canary", canary_traffic_percent=[10, 50])
     first_run(tmp_path, kube, kserve, spec)
     kserve.models[model_storage_uri(spec, "run-2")] = "good"
     assert rollout_main(deploy_run(tmp_path, spec, "run-2", "2"), kube) == 0
+    assert vllm.requests_seen == []  # type: ignore[attr-defined]  # every answer came from the real engine
     percents = [a["spec"]["predictor"].get("canaryTrafficPercent") for a in kserve.applied[1:]]
     assert percents == [10, 50, None]
     assert kserve.applied[-1]["metadata"]["annotations"]["serving.kserve.io/enable-tag-routing"] == "true"
@@ -415,7 +449,7 @@ def test_replace_rolls_back_a_revision_that_took_all_traffic(
     """After a full switch KServe's rollback takes two reconciles (latestRolledoutRevision goes back first)."""
     _, kserve = serving
     spec = make_spec(tmp_path, smoke_check={"expected_substrings": ["수도"]})
-    first_run(tmp_path, kube, kserve, spec)
+    first_run(tmp_path, kube, kserve, spec, "fresh")  # the real tiny model cannot be made to say it on cue
     kserve.models[model_storage_uri(spec, "run-2")] = "echo"  # answers without the expected word
     assert rollout_main(deploy_run(tmp_path, spec, "run-2", "2"), kube) == rollout.EXIT_FAILED
     component = kserve.get()["status"]["components"]["predictor"]  # type: ignore[index]

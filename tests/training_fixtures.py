@@ -89,6 +89,19 @@ def make_run_dir(
     return run_dir
 
 
+def write_tiny_model(root: Path) -> Path:
+    """`root/model`: a tiny korean-llm model as deploy writes it (the local profile's config, built with a run's
+    tokenizer and its qwen3 chat template, saved as safetensors with that tokenizer), for the real vLLM engine."""
+    from stages.modeling import build_from_config, load_tokenizer
+
+    run_dir = make_run_dir(root / "run", n_text=40, n_chat=40)
+    spec = run_dir.load_spec()
+    tokenizer = load_tokenizer(run_dir, spec.model)
+    build_from_config(spec.model, tokenizer).save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    return root / "model"
+
+
 def stage_script(directory: Path) -> Path:
     """A script that runs `python -m stages` with the test hooks (tests/stage_hooks.py); usable by torchrun."""
     path = directory / "run_stage.py"
