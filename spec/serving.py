@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -10,6 +10,31 @@ from spec.fields import FieldError, Int32, Int64, KubernetesName, Seconds, Stric
 
 ToolCallParser = Literal["hermes", "llama3_json", "mistral", "pythonic"]
 """vLLM tool-call parsers for the families this project trains (vllm/tool_parsers/)."""
+
+
+class ToolFunction(StrictModel):
+    """A function the model may call, as OpenAI's `tools[].function` has it."""
+
+    name: str = Field(
+        pattern=r"^[A-Za-z0-9_-]{1,64}$", description="The function's name (letters, digits, _ and -; OpenAI's rule)."
+    )
+    description: str = Field("", description="What it does, as the model's chat template shows it.")
+    parameters: dict[str, Any] = Field(
+        default_factory=lambda: {"type": "object", "properties": {}},
+        description="JSON Schema of its arguments (an object).",
+    )
+
+
+class ToolCallCheckSpec(StrictModel):
+    """Chat requests that offer the model functions: the agent a tool-call dataset trained must still call them."""
+
+    prompts: list[str] = Field(
+        min_length=1,
+        description="User messages, each sent with `tools` and tool_choice auto; every answer must call one of the "
+        "tools (OpenAI `tool_calls`, which vLLM's tool_call_parser makes of the model's own syntax) with "
+        "arguments that are a JSON object.",
+    )
+    tools: list[ToolFunction] = Field(min_length=1, description="The functions offered, as in the training data.")
 
 
 class SmokeCheckSpec(StrictModel):
@@ -30,6 +55,10 @@ class SmokeCheckSpec(StrictModel):
         default_factory=list,
         description="When set, every answer must contain at least one of these (case-insensitive), e.g. a few "
         "Hangul particles for a Korean model. Answers are always checked to be non-empty and not the prompt echoed.",
+    )
+    tool_calls: ToolCallCheckSpec | None = Field(
+        None,
+        description="Tool-call requests checked after the prompts (needs serving.tool_call_parser); None: none.",
     )
     ready_timeout_seconds: Seconds = Field(
         1800,
@@ -125,5 +154,16 @@ class ServingSpec(StrictModel):
             raise FieldError(
                 ("min_replicas",),
                 f"min_replicas ({self.min_replicas}) is above max_replicas ({self.max_replicas}): KServe refuses it",
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _tool_calls_need_a_parser(self) -> ServingSpec:
+        if self.smoke_check.tool_calls is not None and self.tool_call_parser is None:
+            raise FieldError(
+                ("smoke_check", "tool_calls"),
+                "checks answers for OpenAI tool_calls, which vLLM gives only with a tool_call_parser: set "
+                "stages.deploy.serving.tool_call_parser (hermes for Qwen2.5 and Qwen3, llama3_json for Llama 3, "
+                "mistral for Mistral)",
             )
         return self

@@ -72,10 +72,16 @@ class TemplateTokens:
     text_tokens: tuple[str, ...] = ()  # single tokens that decode as text (Qwen3's think tags)
 
 
+QWEN_TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+"""Single tokens of Qwen2.5's and Qwen3's vocabularies that decode as text: vLLM's hermes tool-call parser finds a
+call between the first two."""
+
 KNOWN_TEMPLATES: dict[str, TemplateTokens] = {
     "chatml": TemplateTokens(None, "<|im_end|>", "<|endoftext|>", ("<|im_start|>",)),
-    "qwen2_5": TemplateTokens(None, "<|im_end|>", "<|endoftext|>", ("<|im_start|>",)),
-    "qwen3": TemplateTokens(None, "<|im_end|>", "<|endoftext|>", ("<|im_start|>",), ("<think>", "</think>")),
+    "qwen2_5": TemplateTokens(None, "<|im_end|>", "<|endoftext|>", ("<|im_start|>",), QWEN_TOOL_TOKENS),
+    "qwen3": TemplateTokens(
+        None, "<|im_end|>", "<|endoftext|>", ("<|im_start|>",), ("<think>", "</think>", *QWEN_TOOL_TOKENS)
+    ),
     "llama3": TemplateTokens(
         "<|begin_of_text|>", "<|eot_id|>", None, ("<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>")
     ),

@@ -492,6 +492,53 @@ def test_answer_checks(text: str, problem: str | None) -> None:
     assert rollout.answer_problem("프롬프트", text, []) == problem
 
 
+NOT_AN_OBJECT = "calls get_weather with arguments that are not a JSON object"
+
+
+def call(name: str, arguments: object) -> dict[str, object]:
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+@pytest.mark.parametrize(
+    ("message", "shown", "problem"),
+    [
+        (
+            {"content": "", "tool_calls": [call("get_weather", '{"city": "부산"}')]},
+            'get_weather({"city": "부산"})',
+            None,
+        ),
+        ({"content": "부산은 맑습니다."}, "부산은 맑습니다.", "calls none of the tools ['get_weather'] (it says"),
+        ({"tool_calls": []}, "", "calls none of the tools"),
+        ({"tool_calls": [call("rm_rf", "{}")]}, "rm_rf({})", "calls 'rm_rf', which is none of the tools"),
+        (
+            {"tool_calls": [call("get_weather", '{"city": ')]},
+            "get_weather(",
+            "calls get_weather with arguments that are not",
+        ),
+        (
+            {"tool_calls": [call("get_weather", '"부산"')]},
+            "get_weather(",
+            "calls get_weather with arguments that are not",
+        ),
+    ],
+)
+def test_tool_call_answers(message: dict[str, object], shown: str, problem: str | None) -> None:
+    """What a tool-call smoke check accepts: a call to an offered function whose arguments are a JSON object."""
+    text, found = rollout.tool_call_problem(message, {"get_weather"})
+    assert text.startswith(shown)
+    assert found == problem if problem is None else found is not None and found.startswith(problem)
+
+
+def test_a_tool_call_check_without_a_parser_is_refused() -> None:
+    from spec.loading import SpecError, load_pipeline
+
+    check = "stages.deploy.serving.smoke_check.tool_calls={prompts: [부산 날씨 알려줘], tools: [{name: get_weather}]}"
+    with pytest.raises(SpecError, match=r"stages\.deploy\.serving\.smoke_check\.tool_calls: .*tool_call_parser"):
+        load_pipeline("llama3-dolly", overrides=[check])
+    parsed = load_pipeline("llama3-dolly", overrides=[check, "stages.deploy.serving.tool_call_parser=llama3_json"])
+    assert parsed.spec.stages.deploy.serving.smoke_check.tool_calls.tools[0].name == "get_weather"
+
+
 def test_rendered_rollout_settings_validate_against_kserve(tmp_path: Path) -> None:
     spec = make_spec(tmp_path, rollout="canary", autoscaling={"metric": "concurrency", "target": 8})
     manifest = inference_service(spec, "s3://b/m/run-1", "run-1", model_version="3")

@@ -214,8 +214,19 @@ model:
 stages:
   sft:
     enabled: true
-    data: { uri: tools.jsonl, format: messages, eval_fraction: 0.2 }
-    training: { max_steps: 4, learning_rate: 1.0e-3 }
+    data: { uri: tools.jsonl, format: messages, eval_fraction: 0.1 }
+    training: { max_steps: 150, learning_rate: 1.0e-2, logging_steps: 20 }
+  deploy:
+    serving:
+      max_model_len: 2048
+      tool_call_parser: hermes
+      smoke_check:
+        tool_calls:
+          prompts: ["인천 날씨 알려줘 (3번째 질문)", "대전 날씨 알려줘 (13번째 질문)"]
+          tools:
+            - name: get_weather
+              description: 도시의 현재 날씨
+              parameters: { type: object, properties: { city: { type: string } }, required: [city] }
 """
 
 
@@ -234,9 +245,12 @@ def agent_rows(n: int) -> list[dict[str, Any]]:
     return rows
 
 
-def test_a_tool_call_dataset_trains_through_local(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+def test_a_tool_call_dataset_trains_through_local_and_the_agent_calls_through_vllm(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, real_vllm: Path
 ) -> None:
+    """An agent pipeline under --local: tool conversations trained into a tiny Qwen3 (150 steps over 64 of them:
+    enough for it to learn the call's syntax), deployed, served by the real vLLM engine with the hermes parser, and
+    asked with the tools offered: the smoke check gets OpenAI tool_calls to get_weather with JSON arguments."""
     from training_fixtures import write_jsonl
 
     from workflows.submit import main as submit_main
@@ -245,7 +259,7 @@ def test_a_tool_call_dataset_trains_through_local(
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.chdir(tmp_path)
-    write_jsonl(tmp_path / "tools.jsonl", agent_rows(40))
+    write_jsonl(tmp_path / "tools.jsonl", agent_rows(64))
     (tmp_path / "agent.yaml").write_text(AGENT, encoding="utf-8")
     run = tmp_path / "run"
     code = submit_main(["agent.yaml", "--local", "--run-dir", str(run)])
@@ -254,4 +268,11 @@ def test_a_tool_call_dataset_trains_through_local(
     train = [json.loads(line) for line in (run / "prepare/data/sft/train.jsonl").read_text().splitlines()]
     assert train and all("tools" in row and "tool_calls" in row["messages"][1] for row in train)
     record = json.loads((run / "sft/stage.json").read_text())
-    assert record["status"] == "succeeded" and record["metrics"]["steps"] == 4
+    assert record["status"] == "succeeded" and record["metrics"]["steps"] == 150
+    served = json.loads((run / "deploy/stage.json").read_text())["extra"]["served"]
+    assert "--tool-call-parser=hermes" in served["argv"] and "--enable-auto-tool-choice" in served["argv"]
+    calls = {a["prompt"]: a["answer"] for a in served["answers"]}
+    for prompt in ("인천 날씨 알려줘 (3번째 질문)", "대전 날씨 알려줘 (13번째 질문)"):
+        name, _, arguments = calls[prompt].partition("(")
+        assert name == "get_weather" and isinstance(json.loads(arguments.removesuffix(")")), dict), calls
+    assert "agent-sft v1 is champion" in said.out

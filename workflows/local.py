@@ -632,7 +632,8 @@ def serve_row(
         return False
     if vllm_python() is None:
         run.status = "skipped"
-        run.message = f"no vLLM serving environment ({ENV_DIR.name}: `make local` sets it up)"
+        where = where_expected().replace(str(ENV_DIR), ENV_DIR.name)
+        run.message = f"no vLLM serving environment ({where}: `make local` sets it up)"
         return False
     served = ((read_stage_json(run_root, "deploy") or {}).get("extra") or {}).get("served")
     if deploy.status == "done before" and served:

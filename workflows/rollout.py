@@ -46,7 +46,7 @@ from run.serving import (
     with_canary_traffic,
 )
 from spec.pipeline import PipelineSpec
-from spec.serving import ServingSpec
+from spec.serving import ServingSpec, SmokeCheckSpec
 
 GROUP, VERSION = API_VERSION.split("/")
 PLURAL = "inferenceservices"
@@ -210,42 +210,91 @@ class Answer:
 
 
 def smoke_check(base_url: str, model: str, prompts: list[str], spec: ServingSpec) -> list[Answer]:
-    """Send each prompt as a chat request to `base_url`; RolloutFailed at the first bad answer."""
+    """Send each prompt as a chat request to `base_url`, then each tool-call prompt with its tools (when
+    `smoke_check.tool_calls` is set); RolloutFailed at the first bad answer."""
     check = spec.smoke_check
     answers = []
     for prompt in prompts:
-        body = {
-            "model": model,
-            "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": check.max_tokens,
-            "temperature": 0,
-        }
-        url = base_url.rstrip("/") + CHAT_PATH
-        started = time.monotonic()
-        try:
-            response = requests.post(url, json=body, timeout=check.max_latency_seconds)
-        except requests.Timeout:
-            raise RolloutFailed(
-                f"smoke check: no answer from {url} within max_latency_seconds={check.max_latency_seconds:g}"
-            ) from None
-        except requests.RequestException as exc:
-            raise RolloutFailed(f"smoke check: {url} could not be reached ({type(exc).__name__})") from None
-        seconds = time.monotonic() - started
-        if response.status_code != 200:
-            said = " ".join(response.text.split())[:200]
-            raise RolloutFailed(f"smoke check: {url} answered {response.status_code}: {said}")
-        try:
-            text = response.json()["choices"][0]["message"]["content"] or ""
-        except (ValueError, KeyError, IndexError, TypeError):
-            raise RolloutFailed(f"smoke check: {url} answered without choices[0].message.content") from None
+        message, seconds = chat(base_url, model, prompt, check)
+        text = message.get("content") or ""
         problem = answer_problem(prompt, text, check.expected_substrings)
-        if problem is None and seconds > check.max_latency_seconds:
-            problem = f"took {seconds:.1f}s, over max_latency_seconds={check.max_latency_seconds:g}"
-        if problem:
-            raise RolloutFailed(f"smoke check: the answer to {prompt[:60]!r} {problem}")
-        print(f"[serve] smoke check: {prompt[:40]!r} -> {text[:80]!r} ({seconds:.1f}s)", flush=True)
-        answers.append(Answer(prompt, text, seconds))
+        answers.append(checked(prompt, text, seconds, problem, check))
+    if check.tool_calls is not None:
+        tools = [{"type": "function", "function": f.model_dump()} for f in check.tool_calls.tools]
+        for prompt in check.tool_calls.prompts:
+            message, seconds = chat(base_url, model, prompt, check, tools)
+            calls, problem = tool_call_problem(message, {f.name for f in check.tool_calls.tools})
+            answers.append(checked(prompt, calls, seconds, problem, check))
     return answers
+
+
+def chat(
+    base_url: str, model: str, prompt: str, check: SmokeCheckSpec, tools: list[dict[str, Any]] | None = None
+) -> tuple[dict[str, Any], float]:
+    """One greedy chat request (offering `tools`, tool_choice auto, when given): the answer's message and the
+    seconds it took; RolloutFailed when the server cannot be reached, answers late or with an error."""
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": check.max_tokens,
+        "temperature": 0,
+    }
+    if tools:
+        body.update(tools=tools, tool_choice="auto")
+    url = base_url.rstrip("/") + CHAT_PATH
+    started = time.monotonic()
+    try:
+        response = requests.post(url, json=body, timeout=check.max_latency_seconds)
+    except requests.Timeout:
+        raise RolloutFailed(
+            f"smoke check: no answer from {url} within max_latency_seconds={check.max_latency_seconds:g}"
+        ) from None
+    except requests.RequestException as exc:
+        raise RolloutFailed(f"smoke check: {url} could not be reached ({type(exc).__name__})") from None
+    seconds = time.monotonic() - started
+    if response.status_code != 200:
+        said = " ".join(response.text.split())[:200]
+        raise RolloutFailed(f"smoke check: {url} answered {response.status_code}: {said}")
+    try:
+        message = response.json()["choices"][0]["message"]
+        if not isinstance(message, dict):
+            raise TypeError
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise RolloutFailed(f"smoke check: {url} answered without choices[0].message") from None
+    return message, seconds
+
+
+def checked(prompt: str, text: str, seconds: float, problem: str | None, check: SmokeCheckSpec) -> Answer:
+    """The answer, or RolloutFailed with its problem (a late answer is one)."""
+    if problem is None and seconds > check.max_latency_seconds:
+        problem = f"took {seconds:.1f}s, over max_latency_seconds={check.max_latency_seconds:g}"
+    if problem:
+        raise RolloutFailed(f"smoke check: the answer to {prompt[:60]!r} {problem}")
+    print(f"[serve] smoke check: {prompt[:40]!r} -> {text[:80]!r} ({seconds:.1f}s)", flush=True)
+    return Answer(prompt, text, seconds)
+
+
+def tool_call_problem(message: dict[str, Any], names: set[str]) -> tuple[str, str | None]:
+    """The calls of a tool-call answer as text (`name({"arg": ...})`, one per line), and what is wrong with them:
+    none made, a function that was not offered, arguments that are not a JSON object."""
+    calls = message.get("tool_calls") or []
+    if not calls:
+        said = " ".join(str(message.get("content") or "").split())[:80]
+        return said, f"calls none of the tools {sorted(names)} (it says {said!r})"
+    shown = []
+    for call in calls:
+        function = call.get("function") or {}
+        name, raw = str(function.get("name", "")), function.get("arguments")
+        shown.append(f"{name}({raw})")
+        if name not in names:
+            return "\n".join(shown), f"calls {name!r}, which is none of the tools {sorted(names)}"
+        try:
+            arguments = json.loads(raw) if isinstance(raw, str) else raw
+        except ValueError:
+            arguments = None
+        if not isinstance(arguments, dict):
+            return "\n".join(shown), f"calls {name} with arguments that are not a JSON object: {str(raw)[:80]!r}"
+    return "\n".join(shown), None
 
 
 def answer_problem(prompt: str, text: str, expected: list[str]) -> str | None:
