@@ -521,6 +521,13 @@ CASES: list[Case] = [
     ),
     replace(
         B5,
+        name="b5_stage_experts_nockpt",
+        lora_experts=True,
+        gradient_checkpointing=False,
+        note="as b5_stage_experts without gradient checkpointing (the low-rank path builds no merged weights)",
+    ),
+    replace(
+        B5,
         name="b5_stage_experts_b4",
         lora_experts=True,
         gradient_checkpointing=True,

@@ -188,6 +188,45 @@ def step_profiler(warmup: int, steps: int = 2) -> Any:
     return StepProfiler()
 
 
+def nonfinite_probe() -> Any:
+    """A TrainerCallback that watches the first step's gradients as the backward pass accumulates them (before
+    clipping, which spreads one NaN to every gradient): the parameters whose gradient first holds NaN or inf, in
+    the order the backward reached them, where a case's grad_norm is not finite."""
+    import torch
+    from transformers import TrainerCallback
+
+    class NonFiniteProbe(TrainerCallback):
+        def __init__(self) -> None:
+            self.found: dict[str, Any] | None = None
+            self.order: list[dict[str, Any]] = []
+            self.seen = 0
+            self.handles: list[Any] = []
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+            for name, parameter in (model.named_parameters() if model is not None else []):
+                if parameter.requires_grad:
+                    self.handles.append(parameter.register_post_accumulate_grad_hook(self._hook(name)))
+
+        def _hook(self, name: str) -> Any:
+            def check(parameter: Any) -> None:
+                self.seen += 1
+                grad = parameter.grad.detach()
+                nans, infs = int(torch.isnan(grad).sum()), int(torch.isinf(grad).sum())
+                if (nans or infs) and len(self.order) < 24:
+                    entry = {"name": name, "nan": nans, "inf": infs, "numel": grad.numel(), "reached": self.seen}
+                    self.order.append(entry)
+
+            return check
+
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if self.found is None:
+                self.found = {"reached": self.seen, "first": list(self.order)}
+                for handle in self.handles:
+                    handle.remove()
+
+    return NonFiniteProbe()
+
+
 def gpu_peak() -> float:
     import torch
 
@@ -462,6 +501,8 @@ def run_case(case: Case, tiny: bool, tmp: Path) -> dict[str, Any]:
     timer = step_timer(case.warmup)
     profiler = step_profiler(case.warmup) if os.environ.get("BENCH_PROFILE") == "1" and gpu else None
     callbacks = [timer] if profiler is None else [timer, profiler]
+    probe_grads = nonfinite_probe()
+    callbacks.append(probe_grads)
     started = time.perf_counter()
     result: dict[str, Any] = {"case": asdict(case), "world_size": world}
 
@@ -589,6 +630,7 @@ def run_case(case: Case, tiny: bool, tmp: Path) -> dict[str, Any]:
     keys = ("loss", "grad_norm", "train_loss")
     bad = [e["step"] for e in history if any(not math.isfinite(e.get(k, 0.0)) for k in keys)]
     result["non_finite_from_step"] = bad[0] if bad else None
+    result["first_step_grads"] = probe_grads.found
     if profiler is not None:
         result["profile"] = profiler.tables
 

@@ -66,7 +66,7 @@ def test_lm_eval_is_asked_for_standard_errors() -> None:
     import stages.measures as measures
 
     assert measures.BOOTSTRAP_ITERS > 0
-    assert "bootstrap_iters=BOOTSTRAP_ITERS" in inspect.getsource(measures.lm_eval_metrics)
+    assert "bootstrap_iters=BOOTSTRAP_ITERS" in inspect.getsource(measures.run_lm_eval)  # both backends call it
 
 
 # --------------------------------------------------------------------------- significance

@@ -116,7 +116,13 @@ def test_serving_settings_reach_the_predictor() -> None:
         "modelFormat": {"name": "vllm"},
         "runtime": "kserve-vllm",
         "storageUri": "gs://bucket/models/run-1",
-        "args": ["--load-format=safetensors", "--max-model-len=8192", "--tensor-parallel-size=2"],
+        "args": [
+            "--load-format=safetensors",
+            "--max-model-len=8192",
+            "--tensor-parallel-size=2",
+            "--enable-auto-tool-choice",  # the pipeline's hermes parser: Qwen3's <tool_call> syntax as tool_calls
+            "--tool-call-parser=hermes",
+        ],
         "resources": {"requests": {"nvidia.com/gpu": "2"}, "limits": {"nvidia.com/gpu": "2"}},
     }
     assert (predictor["minReplicas"], predictor["maxReplicas"]) == (0, 3)
@@ -136,7 +142,7 @@ def test_serving_settings_reach_the_predictor() -> None:
     }
     assert "scaleMetric" not in predictor and "canaryTrafficPercent" not in predictor
 
-    serving.gpus, serving.max_model_len = 0, None
+    serving.gpus, serving.max_model_len, serving.tool_call_parser = 0, None, None
     model = inference_service(spec, "gs://bucket/m", "run-1")["spec"]["predictor"]["model"]
     assert "resources" not in model and model["args"] == ["--load-format=safetensors"]
 
