@@ -203,7 +203,7 @@ def nonfinite_probe() -> Any:
             self.handles: list[Any] = []
 
         def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
-            for name, parameter in (model.named_parameters() if model is not None else []):
+            for name, parameter in model.named_parameters() if model is not None else []:
                 if parameter.requires_grad:
                     self.handles.append(parameter.register_post_accumulate_grad_hook(self._hook(name)))
 
