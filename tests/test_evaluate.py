@@ -541,7 +541,7 @@ def test_a_candidate_changed_after_its_stage_recorded_it_is_refused(trained: Run
 
 LOSS_TOLERANCE = 5e-3
 """How far vLLM's held-out loss (nats per token) may lie from transformers' on the same bf16 tiny model: measured
-4e-4 (docs/stages.md, "Evaluate through vLLM"); bf16 kernels differ, the rows and tokens do not."""
+8e-5 and 4e-4 (docs/stages.md, "evaluate: through vLLM"); bf16 kernels differ, the rows and tokens do not."""
 
 
 def test_the_vllm_backend_measures_what_transformers_measures(
