@@ -30,7 +30,7 @@ from typing import Any
 
 import requests
 
-from run.serving import RUNTIME_ENV, evaluation_server_argv
+from run.serving import LOCAL_HOST, RUNTIME_ENV, evaluation_server_argv
 from run.vllm_server import Server, ServerFailed, engine_version, free_port, server_env, vllm_python, where_expected
 from stages.contract import StageContext
 from stages.data import DataError
@@ -184,7 +184,7 @@ def served(ctx: StageContext, who: str, folder: Path, positions: int | None, hea
         tensor_parallel=shards,
         seed=spec.stage(stage).training.seed,
     )
-    base_url = f"http://127.0.0.1:{port}"
+    base_url = f"http://{LOCAL_HOST}:{port}"
     print(f"[evaluate] {who}: starting vLLM: {' '.join(argv)}", flush=True)
     server = Server(argv, server_env(RUNTIME_ENV, shards), ctx.dir / "logs" / f"vllm-{who}.log")
     try:
