@@ -202,10 +202,38 @@ def nonfinite_probe() -> Any:
             self.seen = 0
             self.handles: list[Any] = []
 
+            self.experts: dict[str, dict[str, Any]] = {}  # per MoE layer: its forward output, its gradients
+
         def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
             for name, parameter in model.named_parameters() if model is not None else []:
                 if parameter.requires_grad:
                     self.handles.append(parameter.register_post_accumulate_grad_hook(self._hook(name)))
+            for name, module in model.named_modules() if model is not None else []:
+                if name.endswith("mlp.experts"):
+                    self.handles.append(module.register_forward_hook(self._experts_hook(name.split(".layers.")[-1])))
+
+        def _experts_hook(self, layer: str) -> Any:
+            """The experts' output and, once the backward reaches them, the gradient of their output, of the tokens
+            they got and of the routing weights: finite or not, and the largest finite magnitude."""
+
+            def stats(tensor: Any) -> dict[str, Any]:
+                values = tensor.detach().float()
+                finite = torch.isfinite(values)
+                largest = values[finite].abs().max().item() if finite.any() else None
+                return {"non_finite": int((~finite).sum()), "max_abs": largest}
+
+            def grad_hook(key: str) -> Any:
+                return lambda grad: self.experts.setdefault(layer, {}).__setitem__(key, stats(grad))
+
+            def forward(module: Any, inputs: tuple[Any, ...], output: Any) -> None:
+                if self.found is not None:
+                    return
+                self.experts.setdefault(layer, {})["output"] = stats(output)
+                for key, tensor in (("grad_output", output), ("grad_tokens", inputs[0]), ("grad_weights", inputs[2])):
+                    if torch.is_tensor(tensor) and tensor.requires_grad:
+                        tensor.register_hook(grad_hook(key))
+
+            return forward
 
         def _hook(self, name: str) -> Any:
             def check(parameter: Any) -> None:
@@ -220,7 +248,7 @@ def nonfinite_probe() -> Any:
 
         def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             if self.found is None:
-                self.found = {"reached": self.seen, "first": list(self.order)}
+                self.found = {"reached": self.seen, "first": list(self.order), "experts": dict(self.experts)}
                 for handle in self.handles:
                     handle.remove()
 
