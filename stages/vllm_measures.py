@@ -62,7 +62,8 @@ LM_EVAL_BATCH = 8
 
 
 def check_environment(ctx: StageContext) -> None:
-    """DataError (bad input: exit 2, before any model loads) when the section asks for vLLM and there is none."""
+    """DataError (the stage's one `error:` line, before any model loads) when the section asks for vLLM and there is
+    none; `--local` refuses such a pipeline before anything starts (workflows/local.py)."""
     if ctx.section.backend == "vllm" and vllm_python() is None:
         raise DataError(
             f"stages.evaluate.backend is 'vllm' but there is no vLLM environment at {where_expected()}: "
