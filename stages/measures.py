@@ -459,7 +459,7 @@ def score_keys(ctx: StageContext, heldout_fingerprint: str) -> dict[str, dict[st
         "dtype": spec.model.dtype,
         "attention": spec.model.attn_implementation,
         "device": "cuda" if torch.cuda.is_available() else "cpu",
-        "transformers": importlib.metadata.version("transformers"),
+        "transformers": transformers_version(),
     }
     if section.backend != "transformers":  # keys of the default backend stay as earlier runs filed them
         common["backend"] = section.backend

@@ -81,7 +81,7 @@ from run.run_dir import RunDir, still_locked, try_lock
 from run.search import apply_selections
 from run.serving import LOCAL_SERVE_VARIABLE
 from run.tracking import local_store_uri
-from run.vllm_server import ENV_DIR, vllm_python, where_expected
+from run.vllm_server import ENV_DIR, VLLM_PYTHON_VARIABLE, vllm_python, where_expected
 from spec.data import datasets
 from spec.document import LoadedPipeline
 from spec.loading import PIPELINES_DIR, REPLACES_DATA
@@ -632,7 +632,7 @@ def serve_row(
         return False
     if vllm_python() is None:
         run.status = "skipped"
-        where = where_expected().replace(str(ENV_DIR), ENV_DIR.name)
+        where = where_expected() if os.environ.get(VLLM_PYTHON_VARIABLE) else ENV_DIR.name
         run.message = f"no vLLM serving environment ({where}: `make local` sets it up)"
         return False
     served = ((read_stage_json(run_root, "deploy") or {}).get("extra") or {}).get("served")
