@@ -16,7 +16,8 @@ stage without the variables runs exactly as in the product. Each `<step>`:
     KILL_PREPARE_WORKER     (a batch number) a worker process of prepare (never the stage's own process) kills itself
                             with SIGKILL, as the OOM killer would, when it starts that batch of rows of its own; each
                             worker writes `<FAULT_DIR>/worker-<pid>` at its first batch, the killed one
-                            `<FAULT_DIR>/killed-<pid>` just before it dies
+                            `<FAULT_DIR>/killed-<pid>` just before it dies, once a second worker has written its
+                            file (at most 60 s)
 
 The HOLD_*_SAVE and HOLD_IN_SAVE pauses write `<FAULT_DIR>/held-<what>-<step>` and wait, at most 300 s, for
 `<FAULT_DIR>/release-<what>-<step>` (or to be killed).
@@ -124,7 +125,12 @@ def install() -> None:
             if started == 1:
                 (Path(os.environ.get("FAULT_DIR", ".")) / f"worker-{os.getpid()}").touch()
             if started == _step("KILL_PREPARE_WORKER"):
-                (Path(os.environ.get("FAULT_DIR", ".")) / f"killed-{os.getpid()}").touch()
+                # a worker fast enough to reach its batch before a sibling starts waits for one (at most 60 s), so
+                # that the test knows every worker, to find none left behind
+                fault_dir, deadline = Path(os.environ.get("FAULT_DIR", ".")), time.monotonic() + 60
+                while len(list(fault_dir.glob("worker-*"))) < 2 and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                (fault_dir / f"killed-{os.getpid()}").touch()
                 os.kill(os.getpid(), signal.SIGKILL)
         return process_rows(batch)
 
