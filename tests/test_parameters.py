@@ -42,7 +42,7 @@ def prepare_step(run: Path, params_dir: Path) -> subprocess.CompletedProcess[str
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,  # a hang guard: a loaded 2-core machine took over 120 s
     )
 
 
