@@ -3,6 +3,7 @@ LoRA on the experts, checked against a float32 reference: the one-call GPU check
 
     python bench/experts_backward.py --out DIR                 # on a CUDA GPU: bf16, grouped_mm, full shape
     python bench/experts_backward.py --tiny --out DIR          # a smoke run of the script itself, on CPU
+    python bench/experts_backward.py --stack 4 --out DIR       # the stage's way: a model of 4 full layers, a loss
 
 Why (docs/performance.md, B5, "Bisected on one H200"): with adapters on the experts every B5 case trains on NaN
 gradients from step 1, the forward finite. The probe of 2026-12-02 recorded, per MoE layer, the largest gradient of
@@ -22,6 +23,13 @@ backward meets memory the caching allocator recycled). Reported per variant and 
 largest magnitude, the relative error of the token gradient against the same block in float32 with the per-expert
 loop (`experts_implementation='eager'`, the reference) and how the token gradient scaled when g did (1000 when it
 is linear). The adapters' B factors are set to small random values (not PEFT's zeros), so that they take part.
+
+`--stack N` builds the model as the sft stage does instead (N decoder layers at the full width and vocabulary, bf16
+weights, PEFT's float32 adapters with its own initialisation, LoRA on attention, the step under bf16 autocast) and
+takes one loss's backward over a row of 4096 tokens: per decoder layer, the largest gradient of its output (the
+residual stream), of the experts' output and of the experts' tokens. PEFT starts B at zero, so an adapter on the
+experts changes neither the forward nor the gradient the tokens get: the residual stream's gradients of `merged` and
+`low_rank` must equal `frozen`'s, and of the per-expert loop (`eager`) in bf16 as well.
 """
 
 from __future__ import annotations
@@ -147,6 +155,100 @@ def run_variant(shape: dict[str, int], variant: str, device: str, dtype: Any, se
     return result
 
 
+def run_stack(
+    layers: int, variant: str, implementation: str, device: str, seed: int, aux_loss: float = 0.0
+) -> dict[str, Any]:
+    """One loss's backward through a model of `layers` full-width decoder layers, built and adapted as the sft stage
+    does it; the per-layer largest gradients."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    shape = dict(FULL) if device == "cuda" else dict(TINY)
+    config = Qwen3MoeConfig(
+        vocab_size=151936 if device == "cuda" else 512,
+        hidden_size=shape["hidden_size"],
+        intermediate_size=6144 if device == "cuda" else 128,
+        num_hidden_layers=layers,
+        num_attention_heads=32 if device == "cuda" else 4,
+        num_key_value_heads=4 if device == "cuda" else 2,
+        head_dim=128 if device == "cuda" else 16,
+        num_experts=shape["num_experts"],
+        num_experts_per_tok=shape["num_experts_per_tok"],
+        moe_intermediate_size=shape["moe_intermediate_size"],
+        tie_word_embeddings=False,
+        # the router's load-balancing loss, as TRL's SFTTrainer turns it on for a model whose config has one
+        output_router_logits=aux_loss != 0,
+        router_aux_loss_coef=aux_loss,
+    )
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    torch.manual_seed(seed)
+    with torch.device(device):  # built where it runs, as the bench builds it (and fast)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.set_experts_implementation(implementation)
+    attention = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if variant != "frozen" else None
+    # the whole head trains, as the stage's LoRA trains an untied head (lora_config)
+    adapter = LoraConfig(
+        r=16, lora_alpha=32, target_modules=attention, target_parameters=experts, modules_to_save=["lm_head"]
+    )
+    model = get_peft_model(model, adapter)
+    if variant == "low_rank":
+        from stages.expert_lora import use_low_rank_experts
+
+        use_low_rank_experts(model)
+    model.config.use_cache = False
+    records: dict[str, dict[int, float | None]] = {"layer_output": {}, "experts_output": {}, "experts_tokens": {}}
+
+    def largest(kind: str, index: int) -> Any:
+        def hook(grad: Any) -> None:
+            value = grad.detach().float()
+            finite = torch.isfinite(value)
+            records[kind][index] = value.abs().max().item() if bool(finite.all()) else None
+
+        return hook
+
+    base = model.get_base_model()
+    handles = []
+    for index, layer in enumerate(base.model.layers):
+
+        def after_layer(module: Any, args: Any, output: Any, index: int = index) -> None:
+            (output[0] if isinstance(output, tuple) else output).register_hook(largest("layer_output", index))
+
+        def before_experts(module: Any, args: Any, index: int = index) -> Any:
+            tokens = args[0].view_as(args[0])
+            tokens.register_hook(largest("experts_tokens", index))
+            return (tokens, *args[1:])
+
+        def after_experts(module: Any, args: Any, output: Any, index: int = index) -> None:
+            output.register_hook(largest("experts_output", index))
+
+        handles.append(layer.register_forward_hook(after_layer))
+        handles.append(layer.mlp.experts.register_forward_pre_hook(before_experts))
+        handles.append(layer.mlp.experts.register_forward_hook(after_experts))
+    generator = torch.Generator().manual_seed(seed + 2)
+    ids = torch.randint(0, config.vocab_size, (1, 4096 if device == "cuda" else 64), generator=generator).to(device)
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    result = {
+        "variant": variant,
+        "experts_implementation": implementation,
+        "layers": layers,
+        "router_aux_loss_coef": aux_loss,
+        "loss": loss.item(),
+        "non_finite_grads": sum(int((~torch.isfinite(g)).sum()) for g in grads),
+        **{kind: [values.get(i) for i in range(layers)] for kind, values in records.items()},
+    }
+    for handle in handles:
+        handle.remove()
+    del model, grads
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="a directory: results.json")
@@ -154,6 +256,11 @@ def main() -> int:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--tokens", type=int, default=None, help="tokens in the block's batch (default: the shape's)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stack", type=int, default=0, help="N: the stage's way, a model of N layers (see above)")
+    parser.add_argument(
+        "--implementations", default="grouped_mm,eager", help="--stack: the experts implementations to compare"
+    )
+    parser.add_argument("--aux-loss", type=float, default=0.0, help="--stack: the router's load-balancing loss coef")
     args = parser.parse_args()
     import torch
     import transformers
@@ -175,6 +282,20 @@ def main() -> int:
         },
         "results": [],
     }
+    if args.stack:
+        for implementation in args.implementations.split(","):
+            for variant in args.variants.split(","):
+                started = time.perf_counter()
+                try:
+                    result = run_stack(args.stack, variant, implementation, device, args.seed, args.aux_loss)
+                except Exception:
+                    result = {"variant": variant, "experts_implementation": implementation}
+                    result["error"] = traceback.format_exc()[-3000:]
+                result["seconds"] = round(time.perf_counter() - started, 1)
+                record["results"].append(result)
+                (out / "results.json").write_text(json.dumps(record, indent=1))
+                print(json.dumps(result), flush=True)
+        return 0
     for variant in args.variants.split(","):
         started = time.perf_counter()
         try:

@@ -324,6 +324,7 @@ def build_model(ctx: SimpleNamespace, tokenizer: Any, case: Case, tmp: Path) -> 
         on_gpu,
         packed_attention,
         prepare_for_kbit_training,
+        router_aux_loss,
         use_attention,
     )
 
@@ -342,6 +343,7 @@ def build_model(ctx: SimpleNamespace, tokenizer: Any, case: Case, tmp: Path) -> 
             device_map={"": torch.cuda.current_device()},
         )
         model = prepare_for_kbit_training(model, case.gradient_checkpointing)
+    router_aux_loss(model, ctx.stage, ctx.section)
     switch = packed_attention(ctx.spec.model, ctx.stage, ctx.section)
     if switch is not None and case.kind == "stage_sft":
         use_attention(model, switch)
@@ -538,6 +540,7 @@ def run_case(case: Case, tiny: bool, tmp: Path) -> dict[str, Any]:
         from datasets import Dataset
 
         from stages.packing import PackedCollator, batch_width_multiple, example_row, pack_best_fit
+        from stages.router_loss import mask_router_loss
 
         examples = sft_examples(4000 if not tiny else 400, seed=rank, vocab=vocab, max_len=case.max_seq_length)
         if case.packing:
@@ -577,7 +580,11 @@ def run_case(case: Case, tiny: bool, tmp: Path) -> dict[str, Any]:
             )
             multiple = batch_width_multiple(ctx.section.training)
             collator = CountingCollator(
-                PackedCollator(pad_token_id=tokenizer.pad_token_id, pad_to_multiple_of=multiple)
+                PackedCollator(
+                    pad_token_id=tokenizer.pad_token_id,
+                    pad_to_multiple_of=multiple,
+                    mark_padding=mask_router_loss(model),
+                )
             )
             trainer = SFTTrainer(
                 model=model,

@@ -26,6 +26,7 @@ from stages.modeling import (
 )
 from stages.packing import PackedCollator, batch_width_multiple, load_token_cache
 from stages.progress import ProgressLog
+from stages.router_loss import mask_router_loss
 from stages.tracking import StageTracker
 from stages.training import (
     build_config,
@@ -88,6 +89,7 @@ def train(ctx: StageContext, sigterm: SigtermCheckpoint) -> int:
             data_collator=PackedCollator(
                 pad_token_id=tokenizer.pad_token_id,
                 pad_to_multiple_of=batch_width_multiple(ctx.section.training),
+                mark_padding=mask_router_loss(start.model),  # the router's balance counts no padding
             ),
             train_dataset=cache.train,
             eval_dataset=cache.eval,

@@ -42,6 +42,7 @@ from spec.data import datasets
 from spec.pipeline import PipelineSpec
 from spec.training import TrainingSpec
 from stages.chat import IGNORE_INDEX, ConversationError, conversation_masks, encode_texts, tokenize_conversation
+from stages.router_loss import TOKEN_MASK
 from stages.workers import default_num_proc, ordered_map
 
 __all__ = ["IGNORE_INDEX", "tokenize_conversation"]  # re-exported: where the rows' labels come from
@@ -220,22 +221,33 @@ def pack_best_fit(examples: list[tuple[list[int], list[int]]], max_seq_length: i
 
 @dataclass
 class PackedCollator:
-    """Stacks rows into a batch, right-padding to the longest row (rounded up to `pad_to_multiple_of`). The
-    padding is a segment of its own (its positions restart at 0) with no labels, and no attention_mask is passed,
-    so attention stays inside each document through the position ids."""
+    """Stacks rows into a batch, right-padding to the longest row (rounded up to `pad_to_multiple_of`). No
+    attention_mask is passed, so attention stays inside each document through the position ids. The padding has no
+    labels and continues the row's last document (its positions run on): causal attention keeps it out of every
+    real token's output, and it is never a segment of its own. On its own it would attend to nothing but padding:
+    where the pad token's embedding row is zero (a model built from config) its hidden states would be exactly zero
+    in every layer, and RMSNorm's backward at zero multiplies whatever gradient reaches them by 1/sqrt(eps) (1000)
+    at each norm, which overflowed bf16 on Qwen3-30B-A3B's 48 layers (docs/performance.md, B5)."""
 
     pad_token_id: int
     pad_to_multiple_of: int = 1
+    mark_padding: bool = False
+    """Add the padding's mask (stages.router_loss.TOKEN_MASK: 1 for a row's tokens, 0 for padding), for a model
+    whose router load-balancing loss must not count the padding (`mask_router_loss` takes it out again)."""
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         width = max(len(row["input_ids"]) for row in rows)
         width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
-        batch: dict[str, list[list[int]]] = {"input_ids": [], "labels": [], "position_ids": []}
+        batch: dict[str, list[list[int]]] = {"input_ids": [], "labels": [], "position_ids": [], TOKEN_MASK: []}
         for row in rows:
             pad = width - len(row["input_ids"])
             batch["input_ids"].append([*row["input_ids"], *[self.pad_token_id] * pad])
             batch["labels"].append([*row["labels"], *[IGNORE_INDEX] * pad])
-            batch["position_ids"].append([*row["position_ids"], *range(pad)])
+            last = row["position_ids"][-1] + 1
+            batch["position_ids"].append([*row["position_ids"], *range(last, last + pad)])
+            batch[TOKEN_MASK].append([1] * len(row["input_ids"]) + [0] * pad)
+        if not self.mark_padding:
+            del batch[TOKEN_MASK]
         return {key: torch.tensor(value, dtype=torch.long) for key, value in batch.items()}
 
 

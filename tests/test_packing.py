@@ -65,7 +65,7 @@ def test_best_fit_packs_whole_examples_within_the_row_length() -> None:
     assert sorted(seen) == list(range(len(lengths)))
 
 
-def test_collator_pads_as_a_segment_of_its_own_without_attention_mask() -> None:
+def test_collator_pads_as_the_last_document_running_on_without_attention_mask() -> None:
     batch = PackedCollator(pad_token_id=0)(
         [
             {"input_ids": [5, 6, 7], "labels": [-100, 6, 7], "position_ids": [0, 1, 2]},
@@ -75,7 +75,7 @@ def test_collator_pads_as_a_segment_of_its_own_without_attention_mask() -> None:
     assert "attention_mask" not in batch
     assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
     assert batch["labels"].tolist() == [[-100, 6, 7], [-100, -100, -100]]
-    assert batch["position_ids"].tolist() == [[0, 1, 2], [0, 0, 1]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2], [0, 1, 2]]
 
 
 @pytest.fixture(scope="module")
