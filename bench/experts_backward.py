@@ -14,6 +14,9 @@ gradient is not computed from their output gradient (the grouped GEMM's backward
 gradients: the one thing adapters on the experts add), or the recorded output gradient is not the one the experts
 read. This script tells the two apart on one block, in seconds, without training.
 
+Run on one H200 on 2026-12-02: the block is linear and right, and the stage's way (`--stack 48`) is finite; the NaN
+was the stage's padding (docs/performance.md, B5, "Found and fixed").
+
 For each variant (`frozen`: the experts frozen, as with LoRA on attention only; `merged`: PEFT's adapters on the
 experts' 3-D weights, merged into the weight on every forward; `low_rank`: the same adapters applied as low-rank
 grouped products, stages/expert_lora.py) it builds one Qwen3-MoE layer's sparse block (router + experts, random
