@@ -277,6 +277,23 @@ def test_the_router_loss_counts_no_padding() -> None:
     assert 0 < counted_at[12:].abs().max() < 1e3 * at_tokens.abs().max()
 
 
+def test_the_router_loss_mask_reaches_through_the_adapter_wrapper() -> None:
+    """As the stages hook it: on the PEFT model the trainer calls, with the mask in the batch the collator makes."""
+    row = {"input_ids": list(range(5, 17)), "labels": [-100, *range(6, 17)], "position_ids": list(range(12))}
+    section = moe_section(target_experts=True)
+
+    def aux(width: int) -> float:
+        model = tiny("qwen3_moe")
+        router_aux_loss(model, "sft", section)
+        model = get_peft_model(model, lora_config(section, model))
+        batch = PackedCollator(Tokenizer.pad_token_id, pad_to_multiple_of=width, mark_padding=mask_router_loss(model))
+        with torch.no_grad():
+            return model(**batch([row])).aux_loss.item()
+
+    assert aux(width=32) == pytest.approx(aux(width=1), rel=1e-6)
+    assert not mask_router_loss(tiny("llama"))  # no router: nothing to mask, and the collator marks nothing
+
+
 def test_the_saved_model_keeps_its_own_router_settings(tmp_path: Path) -> None:
     """The coefficient a stage trained with is a training setting: the model it saves has its config's own."""
     import json
