@@ -243,7 +243,7 @@ class PackedCollator:
             pad = width - len(row["input_ids"])
             batch["input_ids"].append([*row["input_ids"], *[self.pad_token_id] * pad])
             batch["labels"].append([*row["labels"], *[IGNORE_INDEX] * pad])
-            last = row["position_ids"][-1] + 1
+            last = row["position_ids"][-1] + 1 if row["position_ids"] else 0
             batch["position_ids"].append([*row["position_ids"], *range(last, last + pad)])
             batch[TOKEN_MASK].append([1] * len(row["input_ids"]) + [0] * pad)
         if not self.mark_padding:

@@ -38,11 +38,6 @@ def _balancing_loss(model: Any) -> tuple[Any, Callable[..., torch.Tensor]] | Non
     return base, function
 
 
-def counts_router_loss(model: Any) -> bool:
-    """Whether `model` adds a router load-balancing loss that a packed batch's mask must narrow (`TOKEN_MASK`)."""
-    return _balancing_loss(model) is not None
-
-
 def mask_router_loss(model: Any) -> bool:
     """Hook `model` (the one the trainer calls) so that a batch's TOKEN_MASK narrows its load-balancing loss to the
     marked tokens. Returns whether it was hooked (False: the model has no such loss, and the collator marks
