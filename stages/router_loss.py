@@ -11,7 +11,10 @@ layer: see PackedCollator.)
 So the collator marks its padding (`TOKEN_MASK` in the batch: 1 for a row's own tokens, 0 for padding) where the model
 has such a loss, and `mask_router_loss` hooks the model: the mask is taken out of the forward's inputs, and the
 load-balancing loss is taken again over the marked tokens only (the family's own function, with the mask as its
-attention mask); the forward's loss, where it has one, is corrected by coef x the difference.
+attention mask, over the router logits the decoder returned); the forward's loss, where it has one, is corrected by
+coef x the difference. That covers both forwards a stage's trainer runs: the model's own (transformers' Trainer, cpt)
+and TRL's fused LM head (`add_fused_lm_head`, SFTTrainer), which takes the same loss without a mask and returns no
+router logits of its own.
 """
 
 from __future__ import annotations
@@ -46,19 +49,25 @@ def mask_router_loss(model: Any) -> bool:
     if found is None:
         return False
     base, function = found
-    held: dict[str, torch.Tensor | None] = {"mask": None}
+    held: dict[str, Any] = {"mask": None, "router_logits": None}
 
     def take_mask(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         held["mask"] = kwargs.pop(TOKEN_MASK, None)
+        held["router_logits"] = None
         return args, kwargs
 
+    def keep_router_logits(module: Any, args: tuple[Any, ...], output: Any) -> None:
+        if held["mask"] is not None:
+            held["router_logits"] = getattr(output, "router_logits", None)
+
     def narrow(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
-        mask, held["mask"] = held["mask"], None
-        if mask is None or getattr(output, "router_logits", None) is None or output.aux_loss is None:
+        mask, router_logits = held["mask"], held["router_logits"]
+        held["mask"] = held["router_logits"] = None
+        if mask is None or router_logits is None or getattr(output, "aux_loss", None) is None:
             return output
         config = base.config.get_text_config()
         experts = getattr(config, "num_experts", None) or config.num_local_experts
-        aux = function(output.router_logits, experts, config.num_experts_per_tok, mask)
+        aux = function(router_logits, experts, config.num_experts_per_tok, mask)
         if output.loss is not None:
             coef = getattr(base, "router_aux_loss_coef", config.router_aux_loss_coef)  # the copy the forward reads
             output.loss = output.loss + coef * (aux - output.aux_loss).to(output.loss.device)
@@ -66,5 +75,6 @@ def mask_router_loss(model: Any) -> bool:
         return output
 
     model.register_forward_pre_hook(take_mask, with_kwargs=True)
+    base.get_decoder().register_forward_hook(keep_router_logits)  # the decoder under either forward
     model.register_forward_hook(narrow, with_kwargs=True)
     return True

@@ -277,20 +277,29 @@ def test_the_router_loss_counts_no_padding() -> None:
     assert 0 < counted_at[12:].abs().max() < 1e3 * at_tokens.abs().max()
 
 
-def test_the_router_loss_mask_reaches_through_the_adapter_wrapper() -> None:
-    """As the stages hook it: on the PEFT model the trainer calls, with the mask in the batch the collator makes."""
+@pytest.mark.parametrize("fused", [False, True], ids=["model_forward", "trl_fused_head"])
+def test_the_router_loss_mask_reaches_through_the_adapter_wrapper(fused: bool) -> None:
+    """As the stages hook it: on the PEFT model the trainer calls, with the mask in the batch the collator makes,
+    through the model's own forward (cpt's Trainer) and TRL's fused LM head (sft's SFTTrainer), which takes the
+    load-balancing loss itself, without a mask."""
+    from trl.trainer.utils import add_fused_lm_head
+
     row = {"input_ids": list(range(5, 17)), "labels": [-100, *range(6, 17)], "position_ids": list(range(12))}
     section = moe_section(target_experts=True)
 
-    def aux(width: int) -> float:
+    def losses(width: int) -> tuple[float, float]:
         model = tiny("qwen3_moe")
         router_aux_loss(model, "sft", section)
         model = get_peft_model(model, lora_config(section, model))
+        if fused:
+            add_fused_lm_head(model.get_base_model())  # as SFTTrainer does
         batch = PackedCollator(Tokenizer.pad_token_id, pad_to_multiple_of=width, mark_padding=mask_router_loss(model))
         with torch.no_grad():
-            return model(**batch([row])).aux_loss.item()
+            out = model(**batch([row]), **({"fused_lm_head": True} if fused else {}))
+        return out.loss.item(), out.aux_loss.item()
 
-    assert aux(width=32) == pytest.approx(aux(width=1), rel=1e-6)
+    padded, alone = losses(width=32), losses(width=1)
+    assert padded == pytest.approx(alone, rel=1e-6)
     assert not mask_router_loss(tiny("llama"))  # no router: nothing to mask, and the collator marks nothing
 
 
