@@ -238,16 +238,16 @@ class PackedCollator:
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         width = max(len(row["input_ids"]) for row in rows)
         width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
-        batch: dict[str, list[list[int]]] = {"input_ids": [], "labels": [], "position_ids": [], TOKEN_MASK: []}
+        keys = ["input_ids", "labels", "position_ids", *([TOKEN_MASK] if self.mark_padding else [])]
+        batch: dict[str, list[list[int]]] = {key: [] for key in keys}
         for row in rows:
             pad = width - len(row["input_ids"])
             batch["input_ids"].append([*row["input_ids"], *[self.pad_token_id] * pad])
             batch["labels"].append([*row["labels"], *[IGNORE_INDEX] * pad])
             last = row["position_ids"][-1] + 1 if row["position_ids"] else 0
             batch["position_ids"].append([*row["position_ids"], *range(last, last + pad)])
-            batch[TOKEN_MASK].append([1] * len(row["input_ids"]) + [0] * pad)
-        if not self.mark_padding:
-            del batch[TOKEN_MASK]
+            if self.mark_padding:
+                batch[TOKEN_MASK].append([1] * len(row["input_ids"]) + [0] * pad)
         return {key: torch.tensor(value, dtype=torch.long) for key, value in batch.items()}
 
 
