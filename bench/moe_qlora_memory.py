@@ -1,24 +1,23 @@
 """Benchmark (not a test): GPU memory of QLoRA on a mixture-of-experts model of Qwen3-30B-A3B's shape, random weights.
 
-    python bench/moe_qlora_memory.py --layers 4,8 --out DIR     # on a CUDA GPU with bitsandbytes: DIR/results.json
+    python bench/moe_qlora_memory.py --layers 4,8,48 --out DIR  # on a CUDA GPU with bitsandbytes: DIR/results.json
     python bench/moe_qlora_memory.py --tiny --out DIR           # a smoke run of the script itself, on CPU
 
 The shape is Qwen3-30B-A3B's (hidden 2048, 32 heads, 4 key/value heads, head_dim 128, 128 experts, 8 active,
-moe_intermediate 768, vocabulary 151936) with fewer layers: a 48-layer model would first have to be written to disk
-in bf16 (61 GB) for bitsandbytes to quantize it as it loads. Per layer count, the model is built once with
-`model.from_config` (build_from_config, on the GPU) and saved; then each case loads it in a process of its own as
-the qlora stage does (load_pretrained with the stage's NF4 BitsAndBytesConfig, router_aux_loss, QLoRA's preparation,
-lora_config → get_peft_model; r 16, alpha 32) and trains two steps on one packed row of 4096 tokens (8 documents of
-512, position ids restarting at each, no attention mask: what PackedCollator gives for a full row), in bf16 autocast
-with gradient checkpointing, AdamW on the adapter. Reported: peak GPU memory (torch.cuda.max_memory_allocated) up to
-the end of loading (adapter included) and over the two steps, and what stays allocated after them.
+moe_intermediate 768, vocabulary 151936), with the layers asked for: 48 is the model's own. The model is built once
+with `model.from_config` (build_from_config, on the GPU) at the most layers and saved in bf16 (61 GB at 48 layers:
+the save goes to the first of --work and /dev/shm with room for it); bitsandbytes quantizes it as it loads. Each
+case loads it in a process of its own as the qlora stage does (load_pretrained with a 4-bit NF4 config,
+router_aux_loss, prepare_for_kbit_training, lora_config → get_peft_model inside shaped_experts, low_rank_experts; r
+16, alpha 32) and trains two steps on one packed row of 4096 tokens (8 documents of 512, position ids restarting at
+each, no attention mask: what PackedCollator gives for a full row), in bf16 autocast with gradient checkpointing,
+AdamW on the adapter. Reported: peak GPU memory (torch.cuda.max_memory_allocated) up to the end of loading (adapter
+included) and over the two steps, what stays allocated, and the step times.
 
-Cases: LoRA on the attention projections, or on attention + experts (`lora.target_experts`), with the experts in
-bf16 as bitsandbytes leaves them; `peft_prepare`: PEFT's own prepare_model_for_kbit_training, which casts the bf16
-experts to float32 (what the stage avoids); `experts_4bit`: the experts quantized to NF4 after loading with
-bitsandbytes' experimental `bitsandbytes.nn.parametrize.replace_parameter_4bit` (transformers does not use it), LoRA
-on attention only. Memory grows linearly with the layers: the 48-layer figure is fixed + 48 × per layer, both fitted
-from the two smallest layer counts measured (the summary says which).
+Cases: the stage's config (stages/experts_quantizer.py: the stacked experts 4-bit too), with LoRA on the attention
+projections or on attention + experts (`lora.target_experts`); and the in-run baseline, transformers' own
+BitsAndBytesConfig with the same settings (nn.Linear layers only: the experts stay bf16), the same two ways. A fit
+of fixed + per layer × layers through the two smallest layer counts gives 48 layers where they were not measured.
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -45,13 +45,15 @@ SHAPE["max_position_embeddings"] = 40960  # Qwen3-30B-A3B's config.json
 TINY = dict(SHAPE, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)  # fmt: skip
 
-# name → (experts, LoRA targets, preparation)
-CASES: dict[str, tuple[str, str, str]] = {
-    "attention": ("bf16", "attention", "stage"),
-    "attention_experts": ("bf16", "attention+experts", "stage"),
-    "experts_4bit": ("4bit", "attention", "stage"),
-    "peft_prepare": ("bf16", "attention+experts", "peft"),
+# name → (quantization config, LoRA targets)
+CASES: dict[str, tuple[str, str]] = {
+    "attention": ("stage", "attention"),
+    "attention_experts": ("stage", "attention+experts"),
+    "bnb_attention": ("bitsandbytes", "attention"),
+    "bnb_attention_experts": ("bitsandbytes", "attention+experts"),
 }
+BF16_BYTES_PER_LAYER = 1.16 * 2**30  # a layer's weights in bf16, 128 experts included (the save's size per layer)
+BF16_BYTES_FIXED = 1.2 * 2**30  # embeddings and head
 
 
 class Tokenizer:
@@ -123,51 +125,38 @@ def packed_row(tokens: int, vocab: int, document: int = 512) -> dict[str, Any]:
     return {"input_ids": ids, "labels": labels, "position_ids": positions[None]}
 
 
-def quantize_experts(model: Any) -> int:
-    """bitsandbytes' experimental route to 4-bit experts: each stacked expert tensor is quantized to NF4 in place
-    and dequantized whenever it is read (a torch parametrization). Returns how many tensors it quantized."""
-    import torch
-    from bitsandbytes.nn.parametrize import replace_parameter_4bit
-
-    from stages.modeling import expert_parameters
-
-    names = list(expert_parameters(model))
-    for name in names:
-        module, param = name.rsplit(".", 1)
-        replace_parameter_4bit(model.get_submodule(module), param, compress_statistics=True, quant_type="nf4")
-    torch.cuda.empty_cache()
-    return len(names)
-
-
 def run_case(name: str, model_dir: Path, layers: int, tiny: bool, tokens: int) -> dict[str, Any]:
     """Load the saved model as the qlora stage does, add the adapter, train two steps; the memory along the way."""
     import torch
-    from peft import get_peft_model, prepare_model_for_kbit_training
+    from peft import get_peft_model
 
     from stages import modeling
+    from stages.quantized_experts import quantized_experts, shaped_experts
 
-    experts, targets, preparation = CASES[name]
-    # 4-bit experts are hidden in a parametrization, where lora_config does not see them: on a model it takes
-    # for dense, PEFT would widen 'all-linear' to the experts and the router. The attention projections by name.
-    names = ["q_proj", "k_proj", "v_proj", "o_proj"] if experts == "4bit" else "all-linear"
-    model_spec, section = specs(layers, tiny, targets == "attention+experts", names)
+    config, targets = CASES[name]
+    model_spec, section = specs(layers, tiny, targets == "attention+experts")
     gpu = torch.cuda.is_available()
-    result: dict[str, Any] = {"case": name, "layers": layers, "tokens": tokens, "experts": experts, "lora": targets}
+    result: dict[str, Any] = {"case": name, "layers": layers, "tokens": tokens, "quantization": config, "lora": targets}
     started = time.perf_counter()
-    quantization = modeling._quantization_config(section, model_spec) if gpu else None
-    extra = {"quantization_config": quantization, "device_map": {"": 0}} if gpu else {}
+    quantization = modeling._quantization_config(section, model_spec)  # on CPU (--tiny): bitsandbytes' CPU backend
+    if config == "bitsandbytes":  # the baseline: transformers' own config, the same settings
+        from transformers import BitsAndBytesConfig
+
+        settings = quantization.to_dict()
+        settings.pop("quant_method")
+        quantization = BitsAndBytesConfig(**settings)
+    extra = {"quantization_config": quantization, "device_map": {"": 0 if gpu else "cpu"}}
     model = modeling.load_pretrained(model_dir, model_spec, num_hidden_layers=layers, **extra)
-    result["unquantized_experts"] = modeling.unquantized_experts(model)
+    result["experts_note"] = modeling.experts_note(model)
+    result["experts_4bit"] = len(quantized_experts(model))
     result["experts_implementation"] = model.config._experts_implementation
     result["attention"] = model.config._attn_implementation
+    result["loaded"] = memory()
     modeling.router_aux_loss(model, "sft", section)
-    if experts == "4bit":
-        result["experts_quantized"] = quantize_experts(model)
-    if preparation == "peft":
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=True)
-    else:
-        model = modeling.prepare_for_kbit_training(model, True)
-    model = get_peft_model(model, modeling.lora_config(section, model))
+    model = modeling.prepare_for_kbit_training(model, True)
+    with shaped_experts(model):  # as load_starting_model
+        model = get_peft_model(model, modeling.lora_config(section, model))
+    modeling.low_rank_experts(model, "sft")
     model.config.use_cache = False
     result["load_s"] = round(time.perf_counter() - started, 1)
     result["after_load"] = memory()
@@ -220,9 +209,10 @@ def suite(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + args.budget_s
     layer_counts = [int(n) for n in args.layers.split(",")]
     names = args.cases.split(",") if args.cases else list(CASES)
-    work = Path(args.work)
     results: list[dict[str, Any]] = []
     environment = {"argv": sys.argv, **versions()}
+    work = work_dir(args, max(layer_counts))
+    environment["saved_to"] = str(work)
     print(json.dumps(environment), flush=True)
     saved = work / f"model-{max(layer_counts)}"
     if not (saved / "config.json").is_file():  # one model of the most layers; fewer load from it (from_pretrained
@@ -249,6 +239,16 @@ def suite(args: argparse.Namespace) -> int:
                                                   "fits": summary}, indent=2))  # fmt: skip
     print(json.dumps(summary, indent=2), flush=True)
     return 0
+
+
+def work_dir(args: argparse.Namespace, layers: int) -> Path:
+    """Where the bf16 model of `layers` layers is saved: --work, else /dev/shm, whichever has room for it."""
+    needed = BF16_BYTES_FIXED + layers * BF16_BYTES_PER_LAYER
+    for candidate in (Path(args.work), Path("/dev/shm") / "moe-qlora-bench"):
+        existing = next((p for p in (candidate, *candidate.parents) if p.exists()), Path("/"))
+        if args.tiny or shutil.disk_usage(existing).free > needed * 1.05:
+            return candidate
+    raise SystemExit(f"no room for {needed / 2**30:.0f} GiB of bf16 weights in {args.work} or /dev/shm")
 
 
 def child(command: list[str], args: argparse.Namespace) -> int:
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("name", nargs="?", help="the case, for the 'case' command")
     parser.add_argument("--out", default="bench-results", help="where results.json goes")
     parser.add_argument("--work", default="/tmp/moe-qlora-bench", help="where the random model is saved")
-    parser.add_argument("--layers", default="4,8", help="comma-separated layer counts")
+    parser.add_argument("--layers", default="4,8,48", help="comma-separated layer counts")
     parser.add_argument("--cases", default="", help=f"comma-separated cases (default: all of {', '.join(CASES)})")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens in the packed row")
     parser.add_argument("--budget-s", type=float, default=480.0, help="skip cases that would start after this")

@@ -28,14 +28,11 @@ from typing import Any
 
 import torch
 
-# _grouped_linear and _grouped_mm are private, but they are the dispatcher the stock 'grouped_mm' experts run through
-# (torch's grouped_mm where the device and dtype have it, else transformers' per-expert loop): both multiply alike.
-from transformers.integrations.moe import (
-    ALL_EXPERTS_FUNCTIONS,
-    _grouped_linear,
-    _grouped_mm,
-    grouped_mm_experts_forward,
-)
+# _grouped_mm is private, but it is the dispatcher the stock 'grouped_mm' experts run through
+# (torch's grouped_mm where the device and dtype have it, else transformers' per-expert loop).
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, _grouped_mm, grouped_mm_experts_forward
+
+from stages.quantized_experts import grouped_projection, is_quantized, shaped, weight_dtype
 
 LOW_RANK_EXPERTS = "grouped_mm_low_rank"
 """The experts implementation that applies LoRA factors as grouped low-rank products (without factors: the stock
@@ -54,9 +51,10 @@ def low_rank_experts_forward(
     self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
     """transformers' grouped_mm experts forward (`grouped_mm_experts_forward`, without expert parallelism), each
-    projection plus its adapter's low-rank product where the module has factors (FACTORS)."""
+    projection plus its adapter's low-rank product where the module has factors (FACTORS), and through 4-bit
+    weights where they are (stages/quantized_experts.py)."""
     factors: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = getattr(self, FACTORS, {})
-    if not factors:
+    if not factors and not is_quantized(self.down_proj):
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     num_top_k = top_k_index.size(-1)
     num_tokens, hidden_dim = hidden_states.size(0), hidden_states.size(-1)
@@ -95,10 +93,12 @@ def _projection(
     bias: torch.Tensor | None,
     factors: dict[str, tuple[torch.Tensor, torch.Tensor, float]],
 ) -> torch.Tensor:
-    """One grouped projection of the sorted tokens through parameter `name`, plus its adapter's low-rank product
-    (scaling x tokens @ (lhs @ rhs) in the layout the experts multiply the parameter in)."""
-    weight = getattr(experts, name)
-    out = _grouped_linear(tokens, weight, offsets, bias=bias, is_transposed=experts.is_transposed)
+    """One grouped projection of the sorted tokens through parameter `name` (4-bit or not: quantized_experts),
+    plus its adapter's low-rank product (scaling x tokens @ (lhs @ rhs) in the layout the experts multiply the
+    parameter in)."""
+    out = grouped_projection(experts, getattr(experts, name), tokens, offsets)
+    if bias is not None:
+        out = out + bias
     if name not in factors:
         return out
     lhs, rhs, scaling = factors[name]
@@ -123,10 +123,10 @@ def low_rank_possible(experts: torch.nn.Module, wrapper: Any, adapters: list[str
         return False
     if getattr(experts, "_is_expert_parallel", False) or len(adapters) != 1 or wrapper.num_experts <= 1:
         return False
-    weight = wrapper.get_param()
-    if weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    dtype = weight_dtype(wrapper.get_param())  # a 4-bit stack computes in the dtype it was quantized from
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False
-    return wrapper.r[adapters[0]] * weight.element_size() % ALIGNMENT_BYTES == 0
+    return wrapper.r[adapters[0]] * dtype.itemsize % ALIGNMENT_BYTES == 0
 
 
 @contextmanager
@@ -135,12 +135,20 @@ def _activate_low_rank(self: Any, active_adapters: list[str]) -> Iterator[None]:
     (FACTORS) for the duration of the call, or PEFT's own parametrization where the low-rank path does not apply."""
     adapters = [a for a in active_adapters or [] if a in self.lora_A]
     experts = self.get_base_layer()
+    if adapters and is_quantized(self.get_param()) and not low_rank_possible(experts, self, adapters):
+        # PEFT's path adds the adapter to the weight itself, which a 4-bit stack cannot take.
+        raise ValueError(
+            f"LoRA on 4-bit experts ({self.parameter_name}) runs only as low-rank grouped products: one active "
+            f"adapter, no expert parallelism, and lora.r x {weight_dtype(self.get_param()).itemsize} bytes a "
+            f"multiple of {ALIGNMENT_BYTES} (lora.r is {self.r[adapters[0]]}; a multiple of 8 always fits)"
+        )
     if not adapters or not low_rank_possible(experts, self, adapters):
         with type(self)._activate_lora(self, active_adapters):
             yield
         return
     held = experts.__dict__.setdefault(FACTORS, {})
-    held[self.parameter_name] = self.get_delta_factors(adapters[0])
+    with shaped(experts, self.parameter_name):  # PEFT casts the factors to the parameter's dtype
+        held[self.parameter_name] = self.get_delta_factors(adapters[0])
     try:
         yield
     finally:

@@ -27,8 +27,8 @@ CPU; on a GPU flash-attention 2 where installed, else flex attention for the pac
 Mixture-of-experts models (transformers 5 stacks each layer's experts into 3-D parameters): on a GPU their experts
 run as one grouped GEMM (`experts_implementation`); LoRA reaches the experts through PEFT's target_parameters
 (`lora_config`, `lora.target_experts`); the router's load-balancing loss is set from
-`training.router_aux_loss_coef` (`router_aux_loss`); under QLoRA the experts stay bf16, as the log says
-(`prepare_for_kbit_training`, `unquantized_experts`).
+`training.router_aux_loss_coef` (`router_aux_loss`); under QLoRA the experts are 4-bit too, quantized as they load
+and dequantized inside the grouped path (stages/quantized_experts.py, `experts_note`).
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ from spec.pipeline import PipelineSpec
 from spec.training import TrainingStage
 from stages.contract import NotSupportedHere, StageContext, is_main_process
 from stages.distributed import zero3_loading
+from stages.quantized_experts import is_quantized, quantized_experts, shaped_experts
 from stages.sharded_loading import (
     first_rank_placement,
     full_numel,
@@ -279,7 +280,7 @@ def _fused_experts(model: Any) -> Any:
     """`model`, its experts switched to `experts_implementation()` when it is a mixture-of-experts model (a dense
     model refuses the setting)."""
     choice = experts_implementation()
-    if choice is not None and expert_parameters(model):
+    if choice is not None and expert_parameters(model) and not quantized_experts(model):  # 4-bit: the quantizer's
         model.set_experts_implementation(choice)
     return model
 
@@ -287,8 +288,9 @@ def _fused_experts(model: Any) -> Any:
 def low_rank_experts(model: Any, stage: str) -> None:
     """Where the experts run as grouped GEMMs (`experts_implementation`), a LoRA model's adapters on them are
     applied as low-rank grouped products beside the base's instead of PEFT's merged weights (stages/expert_lora.py:
-    nothing of the expert stack's size made per step). On CPU the per-expert loop keeps PEFT's path."""
-    if experts_implementation() != "grouped_mm" or not expert_parameters(model):
+    nothing of the expert stack's size made per step). On CPU the per-expert loop keeps PEFT's path, except on
+    4-bit experts, which have no other."""
+    if not quantized_experts(model) and (experts_implementation() != "grouped_mm" or not expert_parameters(model)):
         return
     from stages.expert_lora import use_low_rank_experts
 
@@ -300,14 +302,15 @@ def low_rank_experts(model: Any, stage: str) -> None:
 def expert_parameters(model: Any) -> dict[str, torch.nn.Parameter]:
     """A mixture-of-experts model's expert weights, by name: transformers 5 stacks each layer's experts into 3-D
     parameters ([experts, out, in]) of a module that counts them in `num_experts` (qwen3_moe:
-    `model.layers.N.mlp.experts.gate_up_proj` and `.down_proj`). Empty for a dense model."""
+    `model.layers.N.mlp.experts.gate_up_proj` and `.down_proj`), 4-bit ones included. Empty for a dense model."""
     found: dict[str, torch.nn.Parameter] = {}
     for module_name, module in model.named_modules():
         count = getattr(module, "num_experts", None)
         if not isinstance(count, int):
             continue
         for name, param in module.named_parameters(recurse=False):
-            shape = full_shape(param)  # ZeRO-3 partitioned: the tensor itself is empty
+            # ZeRO-3 partitioned: the tensor itself is empty; 4-bit: it is the packed bytes
+            shape = param.quant_state.shape if is_quantized(param) else full_shape(param)
             if len(shape) == 3 and shape[0] == count:
                 found[f"{module_name}.{name}"] = param
     return found
@@ -320,21 +323,25 @@ def _in_layer(name: str) -> str:
     return ".".join(parts[numbers[-1] + 1 :]) if numbers else name
 
 
-def unquantized_experts(model: Any) -> str | None:
-    """What QLoRA leaves unquantized on a mixture-of-experts model, for the log (None for a dense model).
-    bitsandbytes quantizes nn.Linear modules only; the stacked experts are parameters of their own and stay in the
-    dtype they loaded in, which is most of such a model (Qwen3-30B-A3B: 29.0 of its 30.5 billion weights)."""
+def experts_note(model: Any) -> str | None:
+    """What QLoRA did with a mixture-of-experts model's stacked experts, for the log (None for a dense model):
+    4-bit, or the dtype they stayed in (a model loaded without stages.quantized_experts' quantizer)."""
     experts = expert_parameters(model)
     if not experts:
         return None
-    size = sum(full_numel(p) * p.element_size() for p in experts.values())
+    names = ", ".join(sorted({_in_layer(name) for name in experts}))
     total = sum(full_numel(p) * p.element_size() for p in model.parameters())
+    size = sum(full_numel(p) * p.element_size() for p in experts.values())
+    four_bit = quantized_experts(model)
+    if len(four_bit) == len(experts):
+        return (
+            f"QLoRA: this mixture-of-experts model's {len(experts)} stacked expert tensors ({names} of every layer) "
+            f"are 4-bit NF4: {size / 2**30:.2f} GiB of the {total / 2**30:.2f} GiB its weights take"
+        )
     dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in experts.values()})
-    names = sorted({_in_layer(name) for name in experts})
     return (
-        f"QLoRA: bitsandbytes quantizes nn.Linear layers only; this mixture-of-experts model's {len(experts)} "
-        f"stacked expert tensors ({', '.join(names)} of every layer) stay {'/'.join(dtypes)}: "
-        f"{size / 2**30:.2f} GiB of the {total / 2**30:.2f} GiB its weights take"
+        f"QLoRA: this mixture-of-experts model's {len(experts) - len(four_bit)} stacked expert tensors ({names}) "
+        f"stay {'/'.join(dtypes)}: {size / 2**30:.2f} GiB of the {total / 2**30:.2f} GiB its weights take"
     )
 
 
@@ -423,12 +430,12 @@ def _has(module: str) -> bool:
 
 
 def _quantization_config(section: TrainingStage, model_spec: ModelSpec) -> Any:
-    """4-bit NF4 quantization for QLoRA."""
-    from transformers import BitsAndBytesConfig
+    """4-bit NF4 quantization for QLoRA: bitsandbytes' settings, the stacked experts of a mixture-of-experts model
+    included (stages/quantized_experts.py; a dense model loads as with bitsandbytes' own config)."""
+    from stages.experts_quantizer import ExpertsBitsAndBytesConfig
 
     compute = _DTYPES.get(model_spec.dtype, torch.bfloat16)
-    return BitsAndBytesConfig(
-        load_in_4bit=True,
+    return ExpertsBitsAndBytesConfig(
         bnb_4bit_quant_type="nf4",
         bnb_4bit_use_double_quant=True,
         bnb_4bit_compute_dtype=compute if compute != torch.float32 else torch.bfloat16,
@@ -574,7 +581,8 @@ def load_base(
     other rank gets the same model as a skeleton on the meta device (`stages.sharded_loading`)."""
     extra: dict[str, Any] = dict(placement or {})
     if quantization is not None:
-        extra = {"quantization_config": quantization, "device_map": {"": torch.cuda.current_device()}}
+        device = torch.cuda.current_device() if on_gpu() else "cpu"  # CPU: bitsandbytes' CPU backend (tests)
+        extra = {"quantization_config": quantization, "device_map": {"": device}}
     if base.kind == "from_config":
         if quantization is not None:
             raise NotSupportedHere(
@@ -756,7 +764,7 @@ def prepare_for_kbit_training(model: Any, gradient_checkpointing: bool) -> Any:
     handed an empty tensor in their place while it casts."""
     from peft import prepare_model_for_kbit_training
 
-    experts = list(expert_parameters(model).values())
+    experts = [param for param in expert_parameters(model).values() if not is_quantized(param)]
     kept = [param.data for param in experts]
     for param in experts:
         param.data = torch.empty(0, dtype=param.dtype, device=param.device)
@@ -843,7 +851,7 @@ def load_starting_model(
     if partitions_at_load(section) and not whole:
         zero3 = zero3_loading(stage, section, weights_dtype(spec.model))
     model = load_base(run_dir, spec, base, tokenizer, quantization, once=loads_once(section))
-    if quantization is not None and (note := unquantized_experts(model)) is not None:
+    if quantization is not None and (note := experts_note(model)) is not None:
         print(f"[{stage}] {note}", flush=True)
     loaded_config = router_aux_loss(model, stage, section)
     switch = packed_attention(spec.model, stage, section)
@@ -869,10 +877,11 @@ def load_starting_model(
     else:
         if quantization is not None:
             model = prepare_for_kbit_training(model, section.training.gradient_checkpointing)
-        if adapter_dir is not None:  # continue the upstream adapter (its own r/alpha/targets)
-            model = load_adapter(model, adapter_dir, is_trainable=True)
-        else:
-            model = get_peft_model(model, lora_config(section, model, template_token_ids(spec, tokenizer)))
+        with shaped_experts(model):  # PEFT sizes adapters on 4-bit experts from their shape
+            if adapter_dir is not None:  # continue the upstream adapter (its own r/alpha/targets)
+                model = load_adapter(model, adapter_dir, is_trainable=True)
+            else:
+                model = get_peft_model(model, lora_config(section, model, template_token_ids(spec, tokenizer)))
         low_rank_experts(model, stage)
         adapter_inputs_uncast(model, stage)
         start = StartingModel(

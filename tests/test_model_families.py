@@ -1,6 +1,6 @@
 """Tiny models of every family `model.from_config` builds, and mixture-of-experts training done right: LoRA on
 the stacked experts (trained, saved, loaded, merged), the router's auxiliary loss, the fused experts kernel on a
-GPU, and QLoRA leaving the experts in bf16."""
+GPU, and QLoRA's preparation leaving unquantized experts in bf16 (4-bit experts: tests/test_quantized_experts.py)."""
 
 from __future__ import annotations
 
@@ -22,11 +22,11 @@ from stages import modeling
 from stages.modeling import (
     build_from_config,
     expert_parameters,
+    experts_note,
     load_adapter,
     lora_config,
     prepare_for_kbit_training,
     router_aux_loss,
-    unquantized_experts,
 )
 from stages.packing import PackedCollator
 from stages.router_loss import mask_router_loss
@@ -385,9 +385,10 @@ def test_adapter_inputs_skip_peft_float32_cast_only_where_autocast_runs(
         logits(adapter, batch)
 
 
-def test_qlora_preparation_keeps_the_experts_in_bf16() -> None:
+def test_qlora_preparation_keeps_unquantized_experts_in_bf16() -> None:
+    # Experts that did not load in 4-bit (stages/experts_quantizer.py) are not cast to float32 by PEFT's preparation.
     model = tiny("qwen3_moe").to(torch.bfloat16)
-    note = unquantized_experts(model)
+    note = experts_note(model)
     experts = sum(p.numel() * 2 for p in expert_parameters(model).values())
     assert note is not None and "4 stacked expert tensors" in note and "stay bfloat16" in note
     assert f"{experts / 2**30:.2f} GiB" in note
@@ -397,7 +398,7 @@ def test_qlora_preparation_keeps_the_experts_in_bf16() -> None:
     others = [p for name, p in model.named_parameters() if name not in expert_parameters(model)]
     assert {p.dtype for p in others} == {torch.float32}  # PEFT's float32 cast, everywhere else
     assert not any(p.requires_grad for p in model.parameters())
-    assert unquantized_experts(tiny("qwen3")) is None
+    assert experts_note(tiny("qwen3")) is None
 
 
 # --------------------------------------------------------------------------- the sft stage
