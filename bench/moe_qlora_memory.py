@@ -8,11 +8,11 @@ moe_intermediate 768, vocabulary 151936), with the layers asked for: 48 is the m
 with `model.from_config` (build_from_config, on the GPU) at the most layers and saved in bf16 (61 GB at 48 layers:
 the save goes to the first of --work and /dev/shm with room for it); bitsandbytes quantizes it as it loads. Each
 case loads it in a process of its own as the qlora stage does (load_pretrained with a 4-bit NF4 config,
-router_aux_loss, prepare_for_kbit_training, lora_config → get_peft_model inside shaped_experts, low_rank_experts; r
-16, alpha 32) and trains two steps on one packed row of 4096 tokens (8 documents of 512, position ids restarting at
-each, no attention mask: what PackedCollator gives for a full row), in bf16 autocast with gradient checkpointing,
-AdamW on the adapter. Reported: peak GPU memory (torch.cuda.max_memory_allocated) up to the end of loading (adapter
-included) and over the two steps, what stays allocated, and the step times.
+router_aux_loss, prepare_for_kbit_training, lora_config → get_peft_model inside shaped_experts, low_rank_experts;
+r 16, alpha 32, or --rank) and trains two steps on one packed row of 4096 tokens (or --rows of --tokens; documents
+of 512, position ids restarting at each, no attention mask: what PackedCollator gives for a full row), in bf16
+autocast with gradient checkpointing, AdamW on the adapter. Reported: peak GPU memory (torch.cuda.max_memory_allocated)
+up to the end of loading (adapter included) and over the two steps, what stays allocated, and the step times.
 
 Cases: the stage's config (stages/experts_quantizer.py: the stacked experts 4-bit too), with LoRA on the attention
 projections or on attention + experts (`lora.target_experts`); and the in-run baseline, transformers' own
@@ -69,7 +69,7 @@ class Tokenizer:
         return self.size
 
 
-def specs(layers: int, tiny: bool, target_experts: bool, targets: Any = "all-linear") -> tuple[Any, Any]:
+def specs(layers: int, tiny: bool, target_experts: bool, rank: int = 16) -> tuple[Any, Any]:
     """The ModelSpec of the shape with `layers` layers, and an sft stage with method qlora (lora without a GPU)."""
     from spec.model import ModelSpec
     from spec.training import SftStage
@@ -80,7 +80,7 @@ def specs(layers: int, tiny: bool, target_experts: bool, targets: Any = "all-lin
         {
             "enabled": False,
             "method": "lora" if tiny else "qlora",
-            "lora": {"r": 16, "alpha": 32, "target_experts": target_experts, "target_modules": targets},
+            "lora": {"r": rank, "alpha": 2 * rank, "target_experts": target_experts},
             "training": {"max_seq_length": 4096, "gradient_checkpointing": True},
         }
     )
@@ -112,20 +112,20 @@ def save_model(layers: int, tiny: bool, path: Path) -> None:
     model.save_pretrained(path)
 
 
-def packed_row(tokens: int, vocab: int, document: int = 512) -> dict[str, Any]:
-    """One full packed row: documents of `document` tokens, positions restarting at each, no label on a document's
-    first token, no attention mask."""
+def packed_rows(rows: int, tokens: int, vocab: int, document: int = 512) -> dict[str, Any]:
+    """`rows` full packed rows of `tokens`: documents of `document` tokens, positions restarting at each, no label on
+    a document's first token, no attention mask."""
     import torch
 
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, min(vocab, PAD_ID), (1, tokens), generator=generator)  # text, no special tokens
+    ids = torch.randint(0, min(vocab, PAD_ID), (rows, tokens), generator=generator)  # text, no special tokens
     positions = torch.arange(tokens) % document
     labels = ids.clone()
     labels[0, positions == 0] = -100
     return {"input_ids": ids, "labels": labels, "position_ids": positions[None]}
 
 
-def run_case(name: str, model_dir: Path, layers: int, tiny: bool, tokens: int) -> dict[str, Any]:
+def run_case(name: str, model_dir: Path, layers: int, tiny: bool, tokens: int, rows: int = 1, rank: int = 16) -> Any:
     """Load the saved model as the qlora stage does, add the adapter, train two steps; the memory along the way."""
     import torch
     from peft import get_peft_model
@@ -134,9 +134,10 @@ def run_case(name: str, model_dir: Path, layers: int, tiny: bool, tokens: int) -
     from stages.quantized_experts import quantized_experts, shaped_experts
 
     config, targets = CASES[name]
-    model_spec, section = specs(layers, tiny, targets == "attention+experts")
+    model_spec, section = specs(layers, tiny, targets == "attention+experts", rank)
     gpu = torch.cuda.is_available()
-    result: dict[str, Any] = {"case": name, "layers": layers, "tokens": tokens, "quantization": config, "lora": targets}
+    result: dict[str, Any] = {"case": name, "layers": layers, "rows": rows, "tokens": tokens, "r": rank}
+    result.update(quantization=config, lora=targets)
     started = time.perf_counter()
     quantization = modeling._quantization_config(section, model_spec)  # on CPU (--tiny): bitsandbytes' CPU backend
     if config == "bitsandbytes":  # the baseline: transformers' own config, the same settings
@@ -165,7 +166,7 @@ def run_case(name: str, model_dir: Path, layers: int, tiny: bool, tokens: int) -
     result["expert_dtypes"] = sorted({str(p.dtype) for p in experts_now.values()})
 
     device = torch.device("cuda", 0) if gpu else torch.device("cpu")
-    batch = {key: value.to(device) for key, value in packed_row(tokens, model.config.vocab_size).items()}
+    batch = {key: value.to(device) for key, value in packed_rows(rows, tokens, model.config.vocab_size).items()}
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     model.train()
     if gpu:
@@ -254,7 +255,8 @@ def work_dir(args: argparse.Namespace, layers: int) -> Path:
 def child(command: list[str], args: argparse.Namespace) -> int:
     """Run this script's `command` in a process of its own (a clean GPU and a clean peak)."""
     extra = ["--tiny"] if args.tiny else []
-    argv = [sys.executable, str(Path(__file__).resolve()), *command, "--tokens", str(args.tokens), *extra]
+    sizes = ["--tokens", str(args.tokens), "--rows", str(args.rows), "--rank", str(args.rank)]
+    argv = [sys.executable, str(Path(__file__).resolve()), *command, *sizes, *extra]
     return subprocess.run(argv, env={**os.environ, "PYTHONUNBUFFERED": "1"}, check=False).returncode
 
 
@@ -284,7 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", default="/tmp/moe-qlora-bench", help="where the random model is saved")
     parser.add_argument("--layers", default="4,8,48", help="comma-separated layer counts")
     parser.add_argument("--cases", default="", help=f"comma-separated cases (default: all of {', '.join(CASES)})")
-    parser.add_argument("--tokens", type=int, default=4096, help="tokens in the packed row")
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens in a packed row")
+    parser.add_argument("--rows", type=int, default=1, help="packed rows per step")
+    parser.add_argument("--rank", type=int, default=16, help="LoRA r (alpha is 2r)")
     parser.add_argument("--budget-s", type=float, default=480.0, help="skip cases that would start after this")
     parser.add_argument("--model-dir", help="the saved model ('case', 'save')")
     parser.add_argument("--record", help="where 'case' writes its result")
@@ -297,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "case":
         try:
-            result = run_case(args.name, Path(args.model_dir), int(args.layers), args.tiny, args.tokens)
+            sizes = (args.tokens, args.rows, args.rank)
+            result = run_case(args.name, Path(args.model_dir), int(args.layers), args.tiny, *sizes)
         except Exception as exc:  # recorded, so the suite goes on with the next case
             traceback.print_exc()
             result = {"case": args.name, "layers": int(args.layers), "error": f"{type(exc).__name__}: {exc}"[:2000]}

@@ -341,7 +341,8 @@ def experts_note(model: Any) -> str | None:
     dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in experts.values()})
     return (
         f"QLoRA: this mixture-of-experts model's {len(experts) - len(four_bit)} stacked expert tensors ({names}) "
-        f"stay {'/'.join(dtypes)}: {size / 2**30:.2f} GiB of the {total / 2**30:.2f} GiB its weights take"
+        f"stay {'/'.join(dtypes)}: {size / 2**30:.2f} GiB of the {total / 2**30:.2f} GiB its weights take (4-bit "
+        "under any distributed.strategy but fsdp)"
     )
 
 
@@ -431,11 +432,17 @@ def _has(module: str) -> bool:
 
 def _quantization_config(section: TrainingStage, model_spec: ModelSpec) -> Any:
     """4-bit NF4 quantization for QLoRA: bitsandbytes' settings, the stacked experts of a mixture-of-experts model
-    included (stages/quantized_experts.py; a dense model loads as with bitsandbytes' own config)."""
+    included (stages/quantized_experts.py; a dense model loads as with bitsandbytes' own config). Under FSDP the
+    experts stay bf16, as bitsandbytes leaves them: FSDP2 replaces each parameter it shards by a DTensor, and a
+    4-bit expert stack's quantization state (bitsandbytes' Params4bit) would not survive it."""
+    from transformers import BitsAndBytesConfig
+
     from stages.experts_quantizer import ExpertsBitsAndBytesConfig
 
+    config = BitsAndBytesConfig if section.distributed.strategy == "fsdp" else ExpertsBitsAndBytesConfig
     compute = _DTYPES.get(model_spec.dtype, torch.bfloat16)
-    return ExpertsBitsAndBytesConfig(
+    return config(
+        load_in_4bit=True,
         bnb_4bit_quant_type="nf4",
         bnb_4bit_use_double_quant=True,
         bnb_4bit_compute_dtype=compute if compute != torch.float32 else torch.bfloat16,

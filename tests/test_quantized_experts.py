@@ -221,3 +221,19 @@ def test_float32_tokens_meet_a_bf16_stack_in_bf16_as_the_stock_product_does() ->
     (expected_grad,) = torch.autograd.grad(expected.float().sum(), tokens)
     assert grad.dtype == torch.float32
     torch.testing.assert_close(grad, expected_grad, atol=1e-6, rtol=1e-3)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "deepspeed_zero2", "fsdp"])
+def test_the_experts_are_4bit_except_under_fsdp(strategy: str) -> None:
+    # FSDP2 replaces each parameter it shards by a DTensor, which drops a 4-bit stack's quantization state.
+    from transformers import BitsAndBytesConfig
+
+    from spec.model import ModelSpec
+    from spec.training import SftStage
+    from stages.modeling import _quantization_config
+
+    section = SftStage.model_validate({"enabled": False, "method": "qlora", "distributed": {"strategy": strategy}})
+    config = _quantization_config(section, ModelSpec(name_or_path="Qwen/Qwen3-30B-A3B-Base"))
+    assert config.load_in_4bit and config.bnb_4bit_quant_type == "nf4" and config.bnb_4bit_use_double_quant
+    assert isinstance(config, ExpertsBitsAndBytesConfig) == (strategy != "fsdp")
+    assert isinstance(config, BitsAndBytesConfig)
