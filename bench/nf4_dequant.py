@@ -6,7 +6,7 @@
 For one layer's expert stacks (gate_up_proj [128, 1536, 2048], down_proj [128, 2048, 768], bf16, quantized to NF4
 with double quantization as stages/experts_quantizer.py does):
 - dequantization alone: bitsandbytes' `dequantize_4bit` (what stages/quantized_experts.py calls) and
-  `quantized_experts.dequantize_compiled` (the same arithmetic in torch, compiled into one kernel), in ms and GB/s
+  `dequantize_compiled` here (the same arithmetic in torch, compiled into one kernel), in ms and GB/s
   of bytes read and written;
 - one expert block forward + backward (the up, gate and down grouped products over 4096 tokens x 8 experts, routed
   at random), through bf16 weights (the baseline: the stock grouped GEMM) and through the 4-bit ones.
@@ -43,11 +43,49 @@ def timed(fn: Any, repeats: int, device: str) -> float:
     return round(sorted(times)[len(times) // 2], 3)
 
 
+def dequantize_compiled(weight: Any, dtype: Any) -> Any:
+    """bitsandbytes' dequantization as torch arithmetic, compiled into one kernel on a GPU (eager on CPU): each
+    byte's two NF4 codes looked up in the code table and scaled by their block's absmax in float32, as bitsandbytes
+    does, then cast. The double-quantized absmax is bitsandbytes' own (`dequantize_blockwise`, a small tensor). The
+    alternative measured against the stage's `quantized_experts.dequantize`."""
+    import bitsandbytes.functional as F
+
+    from stages.quantized_experts import dequantize
+
+    state = weight.quant_state
+    numel = state.shape.numel()
+    if state.quant_type != "nf4" or numel % state.blocksize:
+        return dequantize(weight, dtype)
+    absmax = state.absmax
+    if state.nested:
+        absmax = (F.dequantize_blockwise(state.absmax, state.state2) + state.offset).float()
+    run = _nf4_kernel() if weight.device.type == "cuda" else _nf4_values
+    return run(weight.data.view(-1), absmax, state.code, state.blocksize, dtype).view(state.shape)
+
+
+def _nf4_values(packed: Any, absmax: Any, code: Any, blocksize: int, dtype: Any) -> Any:
+    import torch
+
+    codes = torch.stack((packed >> 4, packed & 0xF), dim=-1).view(-1).long()  # the high nibble is the first
+    return (code[codes].view(-1, blocksize) * absmax.view(-1, 1)).view(-1).to(dtype)
+
+
+_compiled: list[Any] = []
+
+
+def _nf4_kernel() -> Any:
+    import torch
+
+    if not _compiled:
+        _compiled.append(torch.compile(_nf4_values, fullgraph=True, dynamic=False))
+    return _compiled[0]
+
+
 def main(argv: list[str] | None = None) -> int:
     import bitsandbytes as bnb
     import torch
 
-    from stages.quantized_experts import NF4GroupedLinear, dequantize, dequantize_compiled
+    from stages.quantized_experts import NF4GroupedLinear, dequantize
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="bench-results")

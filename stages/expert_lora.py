@@ -155,6 +155,20 @@ def _activate_low_rank(self: Any, active_adapters: list[str]) -> Iterator[None]:
         held.pop(self.parameter_name, None)
 
 
+def unfit_adapters(model: Any) -> list[str]:
+    """The 4-bit expert stacks (by parameter name) whose active adapter the low-rank path cannot apply; PEFT's path
+    cannot either (it adds the adapter to the weight itself)."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    unfit = set()
+    for wrapper in model.modules():
+        if isinstance(wrapper, ParamWrapper) and is_quantized(wrapper.get_param()):
+            adapters = [a for a in wrapper.active_adapters if a in wrapper.lora_A]
+            if adapters and not low_rank_possible(wrapper.get_base_layer(), wrapper, adapters):
+                unfit.add(wrapper.parameter_name)
+    return sorted(unfit)
+
+
 def use_low_rank_experts(model: Any) -> int:
     """Switch `model`'s adapters on stacked experts (PEFT ParamWrappers over a module with `num_experts`) to the
     low-rank path, and its experts to LOW_RANK_EXPERTS. Returns how many adapted parameters switched; 0 leaves the

@@ -292,11 +292,17 @@ def low_rank_experts(model: Any, stage: str) -> None:
     4-bit experts, which have no other."""
     if not quantized_experts(model) and (experts_implementation() != "grouped_mm" or not expert_parameters(model)):
         return
-    from stages.expert_lora import use_low_rank_experts
+    from stages.expert_lora import ALIGNMENT_BYTES, unfit_adapters, use_low_rank_experts
 
     switched = use_low_rank_experts(model)
     if switched:
         print(f"[{stage}] lora: {switched} expert adapters applied as low-rank grouped products", flush=True)
+    if unfit := unfit_adapters(model):
+        raise NotSupportedHere(
+            f"stages.{stage}.lora.r: LoRA on 4-bit experts ({', '.join(unfit)}) runs only as low-rank grouped "
+            f"products, one adapter at a time, whose rank rows must fill {ALIGNMENT_BYTES} bytes: r a multiple of 8 "
+            "(in bf16). Choose such an r, or lora.target_experts: false"
+        )
 
 
 def expert_parameters(model: Any) -> dict[str, torch.nn.Parameter]:
@@ -325,7 +331,7 @@ def _in_layer(name: str) -> str:
 
 def experts_note(model: Any) -> str | None:
     """What QLoRA did with a mixture-of-experts model's stacked experts, for the log (None for a dense model):
-    4-bit, or the dtype they stayed in (a model loaded without stages.quantized_experts' quantizer)."""
+    4-bit, or the dtype they stayed in (loaded without stages.experts_quantizer's config: under FSDP)."""
     experts = expert_parameters(model)
     if not experts:
         return None

@@ -60,37 +60,6 @@ def dequantize(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return F.dequantize_4bit(weight.data, weight.quant_state).to(dtype)
 
 
-def dequantize_compiled(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`dequantize` as torch arithmetic, compiled into one kernel on a GPU (eager on CPU): each byte's two NF4 codes
-    looked up in the code table and scaled by their block's absmax in float32, as bitsandbytes does, then cast.
-    The double-quantized absmax is bitsandbytes' own (`dequantize_blockwise`, a small tensor)."""
-    import bitsandbytes.functional as F
-
-    state = weight.quant_state
-    numel = state.shape.numel()
-    if state.quant_type != "nf4" or numel % state.blocksize:
-        return dequantize(weight, dtype)
-    absmax = state.absmax
-    if state.nested:
-        absmax = (F.dequantize_blockwise(state.absmax, state.state2) + state.offset).float()
-    run = _nf4_kernel() if weight.device.type == "cuda" else _nf4_values
-    return run(weight.data.view(-1), absmax, state.code, state.blocksize, dtype).view(state.shape)
-
-
-def _nf4_values(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, blocksize: int, dtype: torch.dtype):
-    codes = torch.stack((packed >> 4, packed & 0xF), dim=-1).view(-1).long()  # the high nibble is the first
-    return (code[codes].view(-1, blocksize) * absmax.view(-1, 1)).view(-1).to(dtype)
-
-
-_compiled: list[Any] = []
-
-
-def _nf4_kernel() -> Any:
-    if not _compiled:
-        _compiled.append(torch.compile(_nf4_values, fullgraph=True, dynamic=False))
-    return _compiled[0]
-
-
 class NF4GroupedLinear(torch.autograd.Function):
     """The grouped linear layer over a frozen 4-bit expert stack: forward and backward each dequantize it, and
     nothing of the dequantized size is kept between them. The weight is dequantized to the dtype it was quantized

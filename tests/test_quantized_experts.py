@@ -153,11 +153,19 @@ def test_nothing_of_the_dequantized_size_is_kept_for_the_backward(
 def test_a_rank_the_grouped_product_cannot_take_is_refused_by_name(
     saved: tuple[Path, dict[str, torch.Tensor]],
 ) -> None:
+    # Neither path can apply it to a 4-bit stack: the stage says so before training, naming the field; the
+    # forward refuses too, should a model reach it another way.
+    from stages.contract import NotSupportedHere
+    from stages.modeling import low_rank_experts
+
     model = load_4bit(saved[0])
     config = LoraConfig(r=3, target_modules=["q_proj"], target_parameters=EXPERTS)
     with shaped_experts(model):
         model = get_peft_model(model, config)
-    use_low_rank_experts(model)
+    with pytest.raises(
+        NotSupportedHere, match=r"stages\.sft\.lora\.r: LoRA on 4-bit experts \(down_proj, gate_up_proj\)"
+    ):
+        low_rank_experts(model, "sft")
     with pytest.raises(ValueError, match=r"4-bit experts \((gate_up|down)_proj\).*lora.r is 3"):
         model(**packed_batch())
 
