@@ -13,6 +13,7 @@ import bitsandbytes as bnb
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
+from test_expert_lora import loss_and_grads
 from test_model_families import packed_batch, tiny
 from transformers import AutoModelForCausalLM
 
@@ -94,16 +95,6 @@ def with_adapter(model: Any, experts: bool) -> Any:
     if quantized_experts(model):  # as modeling.low_rank_experts on CPU: the plain copy keeps PEFT's path
         use_low_rank_experts(model)
     return model
-
-
-def loss_and_grads(model: Any, checkpointing: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
-    model.train()
-    loss = model(**packed_batch()).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
 @pytest.mark.parametrize("experts", [False, True], ids=["attention", "attention+experts"])
