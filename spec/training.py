@@ -227,6 +227,17 @@ class DistributedSpec(StrictModel):
     activation_checkpointing: bool = Field(
         False, description="FSDP activation checkpointing (in addition to gradient_checkpointing)."
     )
+    expert_parallel: Int64 = Field(
+        1,
+        ge=1,
+        le=16,
+        description="Expert parallelism for a mixture-of-experts model: each layer's experts are split over this "
+        "many ranks of a node, which exchange the routed tokens (all-to-all), while FSDP2 shards everything else "
+        "over all ranks; transformers' own expert-parallel plan, applied as the model loads. 1: every rank holds "
+        "every expert. For cpt and sft, full or LoRA (adapters on attention: lora.target_experts false); needs "
+        "strategy 'fsdp'; must divide resources.gpus_per_node and the model's expert count. A run of one process "
+        "trains unsharded.",
+    )
     deepspeed_config: dict[str, Any] | str | None = Field(
         None,
         description="Your own DeepSpeed config instead of the generated one (strategy deepspeed_zero2/3, the same "
@@ -333,6 +344,7 @@ class TrainingStage(StageBase):
             raise ValueError("an enabled training stage needs 'data'")
         if self.method == "qlora" and self.distributed.strategy == "deepspeed_zero3":
             raise ValueError("qlora cannot be sharded with deepspeed_zero3; use ddp or fsdp")
+        self._expert_parallel_fits()
         check_mixture(self.data)
         held_out = any(d.eval_fraction > 0 for d in datasets(self.data))
         if self.training.eval_steps is not None and self.data is not None and not held_out:
@@ -342,6 +354,42 @@ class TrainingStage(StageBase):
                 "(data.eval_fraction: 0.02) or drop eval_steps",
             )
         return self
+
+    def _expert_parallel_fits(self) -> None:
+        """Expert parallelism goes with FSDP2 (transformers shards the dense part itself), bf16 experts, and
+        groups of ranks inside one node (the all-to-all stays on NVLink)."""
+        ep = self.distributed.expert_parallel
+        if ep == 1:
+            return
+        at = ("distributed", "expert_parallel")
+        if self.distributed.strategy != "fsdp":
+            raise FieldError(
+                at,
+                f"expert_parallel {ep} shards the rest of the model with FSDP2: set distributed.strategy to 'fsdp' "
+                f"(it is {self.distributed.strategy!r}), or expert_parallel to 1",
+            )
+        if self.method == "qlora":
+            raise FieldError(at, "expert_parallel shards bf16 experts; qlora's are 4-bit: use method 'lora' or 1")
+        if self.distributed.cpu_offload or self.distributed.accelerate_config is not None:
+            what = "cpu_offload" if self.distributed.cpu_offload else "accelerate_config"
+            raise FieldError(
+                ("distributed", what),
+                f"with expert_parallel the model is sharded by transformers as it loads, not by accelerate: "
+                f"distributed.{what} does not apply; remove it or set expert_parallel to 1",
+            )
+        if self.method == "lora" and self.lora.target_experts:
+            raise FieldError(
+                ("lora", "target_experts"),
+                f"with expert_parallel {ep} the adapters go on attention and any dense layers: the experts' own "
+                "adapters are not split over the ranks yet. Set lora.target_experts: false, or expert_parallel: 1",
+            )
+        gpus = self.resources.gpus_per_node
+        if gpus and gpus % ep:
+            raise FieldError(
+                at,
+                f"expert_parallel {ep} must divide resources.gpus_per_node ({gpus}): its groups of ranks stay "
+                "inside one node",
+            )
 
 
 class CptStage(TrainingStage):
@@ -463,6 +511,7 @@ class RlhfStage(TrainingStage):
                     f"{reward.name!r}: module {module!r} is not in stages.rlhf.reward_modules; a reward runs code, "
                     "so its module must be listed there, in the pipeline file",
                 )
+        self._expert_parallel_reference()
         if self.algorithm == "grpo":
             if self.enabled and not self.reward_functions:
                 raise ValueError("grpo needs at least one entry in reward_functions")
@@ -474,3 +523,14 @@ class RlhfStage(TrainingStage):
                         f"{self.algorithm} reads preference data: the format must be 'preference'",
                     )
         return self
+
+    def _expert_parallel_reference(self) -> None:
+        """Expert parallelism is for cpt and sft: TRL's preference trainers copy or hash the whole policy (its
+        reference, its precomputed log-probabilities), which a model sharded as it loads does not allow (seen with
+        TRL 1.16: DPOTrainer's hash_module reads every weight with .numpy(), which a DTensor refuses)."""
+        if self.distributed.expert_parallel > 1:
+            raise FieldError(
+                ("distributed", "expert_parallel"),
+                f"rlhf ({self.algorithm}) does not run with expert_parallel yet (TRL copies or hashes the whole "
+                "policy): set it to 1, with strategy deepspeed_zero3 or fsdp to shard the model",
+            )

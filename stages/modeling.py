@@ -49,6 +49,7 @@ from spec.pipeline import PipelineSpec
 from spec.training import TrainingStage
 from stages.contract import NotSupportedHere, StageContext, is_main_process
 from stages.distributed import zero3_loading
+from stages.expert_parallel import check_fits, expert_parallel_size, load_sharded, shard_whole
 from stages.quantized_experts import is_quantized, quantized_experts, shaped_experts
 from stages.sharded_loading import (
     first_rank_placement,
@@ -317,7 +318,9 @@ def expert_parameters(model: Any) -> dict[str, torch.nn.Parameter]:
         for name, param in module.named_parameters(recurse=False):
             # ZeRO-3 partitioned: the tensor itself is empty; 4-bit: it is the packed bytes
             shape = param.quant_state.shape if is_quantized(param) else full_shape(param)
-            if len(shape) == 3 and shape[0] == count:
+            # expert parallelism: the module counts its own experts, the DTensor's shape is every rank's
+            local = param.to_local().shape if hasattr(param, "to_local") else shape
+            if len(shape) == 3 and count in (shape[0], local[0]):
                 found[f"{module_name}.{name}"] = param
     return found
 
@@ -618,6 +621,37 @@ def load_base(
     return model
 
 
+def load_expert_parallel(
+    run_dir: RunDir, spec: PipelineSpec, stage: str, base: BaseRef, tokenizer: Any, merge: Path | None = None
+) -> Any:
+    """The weights `base` names sharded for expert parallelism (`stages.expert_parallel`): each rank reads its
+    shards from the checkpoint folder; a model that must change before it trains (built from config, a vocabulary
+    to grow, the upstream adapter in `merge` to merge in for full training) is made whole in each process first."""
+    from transformers import AutoConfig
+
+    section: TrainingStage = spec.stage(stage)  # type: ignore[assignment]
+    settings = {
+        "dtype": weights_dtype(spec.model),
+        "attn_implementation": attention_implementation(spec.model),
+        "trust_remote_code": spec.model.trust_remote_code,
+    }
+    if base.kind != "from_config" and merge is None:
+        source, revision = (
+            (run_dir.root / base.name, None) if base.kind == "stage" else (spec.model.name_or_path, spec.model.revision)
+        )
+        config = AutoConfig.from_pretrained(
+            str(source), revision=revision, trust_remote_code=settings["trust_remote_code"]
+        )
+        check_fits(stage, section, config)
+        if len(tokenizer) <= config.get_text_config().vocab_size:
+            return _fused_experts(load_sharded(source, revision, section, use_safetensors=True, **settings))
+    whole = load_base(run_dir, spec, base, tokenizer)
+    if merge is not None:
+        whole = load_adapter(whole, merge).merge_and_unload()
+    check_fits(stage, section, whole.config)
+    return _fused_experts(shard_whole(whole, section, **settings))
+
+
 def model_skeleton(source: str | Path, model_spec: ModelSpec, revision: str | None = None) -> Any:
     """The model a checkpoint holds, built from its config alone with its parameters on the meta device, in the dtype
     `load_pretrained` would give them ('auto': the checkpoint's own)."""
@@ -863,7 +897,11 @@ def load_starting_model(
     whole = section.method == "full" and (adapter_dir is not None or grpo)
     if partitions_at_load(section) and not whole:
         zero3 = zero3_loading(stage, section, weights_dtype(spec.model))
-    model = load_base(run_dir, spec, base, tokenizer, quantization, once=loads_once(section))
+    if expert_parallel_size(section) > 1:
+        merge = adapter_dir if section.method == "full" else None
+        model = load_expert_parallel(run_dir, spec, stage, base, tokenizer, merge)
+    else:
+        model = load_base(run_dir, spec, base, tokenizer, quantization, once=loads_once(section))
     if quantization is not None and (note := experts_note(model)) is not None:
         print(f"[{stage}] {note}", flush=True)
     loaded_config = router_aux_loss(model, stage, section)
@@ -873,7 +911,7 @@ def load_starting_model(
 
     if section.method == "full":
         # Full training after a LoRA stage merges its adapter first (a skeleton has the merged shape already).
-        if adapter_dir is not None and not on_meta(model):
+        if adapter_dir is not None and not on_meta(model) and expert_parallel_size(section) == 1:
             model = load_adapter(model, adapter_dir).merge_and_unload()
             model.requires_grad_(True)  # PEFT loaded the base frozen; full training trains every weight
         save_dtype = float32_masters(model, section)

@@ -40,6 +40,7 @@ from spec.training import TrainingStage
 from stages.checkpoints import checkpoint_step, newest_valid_checkpoint, set_aside_torn
 from stages.contract import ExplainedFailure, StageContext, is_main_process
 from stages.distributed import precision_arguments, strategy_arguments
+from stages.expert_parallel import checkpoint_sharded, is_sharded_at_load
 from stages.modeling import (
     FINGERPRINT,
     ModelKind,
@@ -284,6 +285,8 @@ def train_to_plan(trainer: Any, checkpoint: Path | None, stage: str) -> int:
     before the first batch; the stage then evaluates, saves and records the checkpoint's weights as they are.
     (Loading the weights without `train()` is not enough: under FSDP2 and ZeRO-2, `evaluate()` and the save need
     the model accelerate prepared together with its optimizer, which only `train()` does.)"""
+    if is_sharded_at_load(trainer.model):  # expert parallelism: checkpoints with the optimizer's shards
+        checkpoint_sharded(trainer)
     guards = [StopAtPlannedEnd(), StopOnNonFinite()]
     for guard in guards:
         trainer.add_callback(guard)

@@ -1,0 +1,183 @@
+"""Expert parallelism: a mixture-of-experts model sharded by transformers as it loads, and its checkpoints.
+
+`stages.<stage>.distributed.expert_parallel: N` (with strategy fsdp) splits each layer's experts over groups of N
+ranks; within a group the routed tokens go to the rank that holds their expert and back (all-to-all), and FSDP2
+shards every other weight over all ranks. This is transformers' own expert-parallel plan (`DistributedConfig(
+fsdp_size=world, ep_size=N)`, the model class's `base_model_ep_plan`), applied by `from_pretrained` as the
+weights load: each rank reads only its shards. Routing is the model's own (no forced balance). The Trainer
+sees a model sharded at load time and leaves it to transformers (no accelerate FSDP wrapping); a LoRA adapter
+added afterwards is replicated, broadcast from rank 0 and its gradients averaged by the Trainer.
+
+Where the weights are not one checkpoint folder as they must train (a model built from `model.from_config`, a
+vocabulary grown for the chat template's tokens, an upstream adapter merged for full training) the whole model is
+made in each process first and handed to `from_pretrained` as a state dict: memory for a whole copy per rank, as
+plain DDP needs.
+
+Checkpoints: transformers cannot checkpoint such a model's optimizer (the Trainer refuses unless it saves the
+model only). The stage's checkpoints hold the whole weights as safetensors, as every strategy's do, plus the
+model's and optimizer's shards in torch's distributed checkpoint format (`sharded/`, each rank writes its own)
+with the scheduler and every rank's RNG state; resuming loads the shards into the freshly sharded model and its
+optimizer (`resume_sharded`), so a run that was stopped goes on from exactly where it was.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from spec.training import TrainingStage
+from stages.contract import NotSupportedHere
+from stages.sharded_loading import world_size
+
+SHARDED_DIR = "sharded"
+"""A checkpoint's folder of the model's and the optimizer's shards (torch.distributed.checkpoint)."""
+
+SCHEDULER_FILE = "scheduler.pt"
+
+
+def expert_parallel_size(section: TrainingStage) -> int:
+    """Ranks per expert group in this run: the spec's expert_parallel under torchrun with several processes, 1
+    (every expert on the one process) otherwise."""
+    return section.distributed.expert_parallel if world_size() > 1 else 1
+
+
+def expert_count(config: Any) -> int | None:
+    """The routed experts per layer a model config names (num_experts, num_local_experts or n_routed_experts,
+    as the families call it); None for a dense model."""
+    text = config.get_text_config()
+    for name in ("num_experts", "num_local_experts", "n_routed_experts"):
+        count = getattr(text, name, None)
+        if isinstance(count, int) and count > 0:
+            return count
+    return None
+
+
+def check_fits(stage: str, section: TrainingStage, config: Any) -> None:
+    """Refuse, naming `stages.<stage>.distributed.expert_parallel`, what expert parallelism cannot shard: a dense
+    model, an expert count or a world size that the group size does not divide."""
+    ep = expert_parallel_size(section)
+    where = f"stages.{stage}.distributed.expert_parallel"
+    experts = expert_count(config)
+    if experts is None or not getattr(type(config.get_text_config()), "base_model_ep_plan", None):
+        raise NotSupportedHere(
+            f"{where} is {ep}, but {config.model_type} has no experts transformers can shard (no expert-parallel "
+            "plan): set it to 1"
+        )
+    if experts % ep:
+        raise NotSupportedHere(f"{where} is {ep}, which does not divide the model's {experts} experts per layer")
+    if world_size() % ep:
+        raise NotSupportedHere(
+            f"{where} is {ep}, which does not divide this run's {world_size()} processes (one per GPU)"
+        )
+
+
+def distributed_config(section: TrainingStage) -> Any:
+    """transformers' DistributedConfig for the stage: FSDP2 over all ranks, experts over groups of expert_parallel."""
+    from transformers.distributed import DistributedConfig
+
+    return DistributedConfig(fsdp_size=world_size(), ep_size=expert_parallel_size(section))
+
+
+def load_sharded(source: str | Path, revision: str | None, section: TrainingStage, **kwargs: Any) -> Any:
+    """The model in the checkpoint folder or hub id `source`, each rank reading only its shards. `kwargs` are
+    `from_pretrained`'s (dtype, attention). The loading draws nothing from the seeded random streams (the adapter
+    drawn after it is the one a single process draws)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.random.fork_rng(devices=_devices()):
+        return AutoModelForCausalLM.from_pretrained(
+            str(source), revision=revision, distributed_config=distributed_config(section), **kwargs
+        )
+
+
+def shard_whole(model: Any, section: TrainingStage, **kwargs: Any) -> Any:
+    """`model` (whole, in this process's memory) sharded as `load_sharded` shards a checkpoint. `kwargs` are
+    `from_pretrained`'s (dtype, attention)."""
+    state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
+    kwargs.pop("trust_remote_code", None)  # the class is the model's own, remote code or not
+    with torch.random.fork_rng(devices=_devices()):
+        sharded = type(model).from_pretrained(
+            None, config=model.config, state_dict=state, distributed_config=distributed_config(section), **kwargs
+        )
+    # saved in the layout the whole model would be saved in (a checkpoint's own; a built model's the family's
+    # original, per-expert), not the stacked one the state dict holds
+    sharded._weight_conversions = getattr(model, "_weight_conversions", None)
+    return sharded
+
+
+def _devices() -> list[int]:
+    return [torch.cuda.current_device()] if torch.cuda.is_available() else []
+
+
+def is_sharded_at_load(model: Any) -> bool:
+    """Whether transformers sharded `model` (or the model a PEFT wrapper holds) as it loaded."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return bool(getattr(base, "is_distributed_loading_by_transformers", False))
+
+
+def expert_parallel_arguments(section: TrainingStage) -> dict[str, Any]:
+    """Trainer arguments for a model sharded at load time: the Trainer's own checkpoints hold the model only (it
+    cannot save such a model's optimizer; `checkpoint_sharded` adds it). FSDP's activation checkpointing
+    (`distributed.activation_checkpointing`) is the Trainer's gradient checkpointing here, on a GPU."""
+    args: dict[str, Any] = {"save_only_model": True}
+    if section.distributed.activation_checkpointing and torch.cuda.is_available():
+        args["gradient_checkpointing"] = True
+    return args
+
+
+def checkpoint_sharded(trainer: Any) -> None:
+    """Make `trainer` (whose model transformers sharded) write and resume whole checkpoints: after the Trainer's
+    own save (the whole weights, the trainer state), every rank writes its shards of the model and the optimizer
+    (`sharded/`), rank 0 the scheduler, each rank its RNG state; the checkpoint's completeness marker comes after
+    all of them (`stages.checkpoints.CheckpointMarker`, on_save). Resuming loads those instead of the whole
+    weights. The Trainer's methods are replaced on this instance only."""
+    save_model_only = trainer._save_checkpoint
+
+    def save_checkpoint(model: Any, trial: Any = None) -> None:
+        save_model_only(model, trial)
+        folder = Path(trainer._get_output_dir(trial=trial)) / f"checkpoint-{trainer.state.global_step}"
+        save_shards(trainer, folder)
+
+    trainer._save_checkpoint = save_checkpoint
+    trainer._load_from_checkpoint = lambda checkpoint, model=None: None  # the shards load with the optimizer
+    trainer._load_optimizer_and_scheduler = lambda checkpoint: resume_sharded(trainer, checkpoint)
+
+
+def save_shards(trainer: Any, folder: Path) -> None:
+    """Every rank: the model's and optimizer's shards into `folder/sharded`, the scheduler (rank 0), the RNG."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optimizer_state = get_state_dict(trainer.model, _optimizer(trainer))
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(folder / SHARDED_DIR))
+    if trainer.args.should_save:
+        torch.save(trainer.lr_scheduler.state_dict(), folder / SCHEDULER_FILE)
+    trainer._save_rng_state(str(folder))
+
+
+def resume_sharded(trainer: Any, checkpoint: str | None) -> None:
+    """Load a checkpoint's shards into the sharded model and its optimizer, and its scheduler (every rank)."""
+    if checkpoint is None:
+        return
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    folder = Path(checkpoint)
+    if not (folder / SHARDED_DIR).is_dir():
+        raise NotSupportedHere(
+            f"{folder} has no {SHARDED_DIR}/ (the model's and optimizer's shards): it was not written by a run "
+            "with expert_parallel; rerun the stage with --force to start over"
+        )
+    optimizer = _optimizer(trainer)
+    model_state, optimizer_state = get_state_dict(trainer.model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=str(folder / SHARDED_DIR))
+    set_state_dict(trainer.model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    trainer.lr_scheduler.load_state_dict(torch.load(folder / SCHEDULER_FILE, weights_only=True))
+
+
+def _optimizer(trainer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer under accelerate's wrapper."""
+    return getattr(trainer.optimizer, "optimizer", trainer.optimizer)

@@ -1,0 +1,162 @@
+"""Expert parallelism (`distributed.expert_parallel`): a tiny qwen3_moe's experts split over two CPU processes
+under torchrun (gloo has the all-to-all), the rest FSDP2-sharded, trains as one process does on the same global
+batch, full and with LoRA; a run killed after a checkpoint resumes from its shards to the same model; and the spec
+refuses what the sharding cannot run, naming the field."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file
+from training_fixtures import child_env, make_run_dir, run_stage, stage_script, wait_for_file
+
+from run.run_dir import RunDir
+from spec.document import SpecError
+from spec.loading import load_pipeline
+from stages.checkpoints import MARKER
+from stages.contract import NotSupportedHere
+from stages.training import read_log_history
+
+# Four experts (two routed per token) of a tiny qwen3_moe; the router's load-balancing loss off, because it is
+# computed over each process's own tokens (as under DDP) and would differ from one process's by design.
+MOE = [
+    "model.from_config.architecture=qwen3_moe",
+    "model.from_config.num_experts=4",
+    "model.from_config.num_experts_per_tok=2",
+    "model.from_config.moe_intermediate_size=32",
+]
+
+
+def settings(stage: str, processes: int) -> list[str]:
+    """Four steps of a global batch of 4 rows, checkpoints every 2; on `processes` ranks with expert parallelism."""
+    common = [
+        *MOE,
+        f"stages.{stage}.training.max_steps=4",
+        f"stages.{stage}.training.save_steps=2",
+        f"stages.{stage}.training.logging_steps=1",
+        f"stages.{stage}.training.router_aux_loss_coef=0",
+        f"stages.{stage}.training.per_device_batch_size={4 // processes}",
+    ]
+    if processes > 1:
+        common += [f"stages.{stage}.distributed.strategy=fsdp", f"stages.{stage}.distributed.expert_parallel=2"]
+    if stage == "sft":
+        common += ["stages.cpt.enabled=false", "stages.sft.lora.target_experts=false"]
+    return common
+
+
+def torchrun(run_dir: RunDir, stage: str, hold_after_checkpoint: int | None = None) -> subprocess.Popen[str]:
+    """The stage as its pod launches it, two processes of one node; paused after a checkpoint if asked
+    (tests/stage_hooks.py)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    command += [str(stage_script(run_dir.root)), stage, "--run-dir", str(run_dir.root)]
+    log = (run_dir.root / f"{stage}.torchrun.log").open("a")
+    hold = str(hold_after_checkpoint) if hold_after_checkpoint else None
+    env = child_env(OMP_NUM_THREADS="1", HOLD_AFTER_CHECKPOINT=hold)
+    return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+
+
+def losses(run_dir: RunDir, stage: str) -> list[float]:
+    history = read_log_history(run_dir.stage_dir(stage) / "logs/log_history.json")
+    return [entry["loss"] for entry in history if "loss" in entry]
+
+
+def assert_same_weights(one: Path, two: Path) -> None:
+    a, b = load_file(one), load_file(two)
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_full_training_with_experts_over_two_processes_matches_one_and_resumes_from_its_shards(tmp_path: Path) -> None:
+    single = make_run_dir(tmp_path / "one", settings("cpt", 1), 160, 10)
+    done = run_stage(single, "cpt", OMP_NUM_THREADS="1")
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    sharded = make_run_dir(tmp_path / "two", settings("cpt", 2), 160, 10)
+    checkpoints = sharded.stage_dir("cpt") / "checkpoints"
+    first = torchrun(sharded, "cpt", hold_after_checkpoint=2)
+    wait_for_file(checkpoints / "checkpoint-2" / MARKER, first)  # type: ignore[arg-type]
+    ranks = psutil.Process(first.pid).children(recursive=True)  # torchrun starts each in a session of its own
+    for process in [psutil.Process(first.pid), *ranks]:  # the node is lost: every rank at once
+        process.send_signal(signal.SIGKILL)
+    psutil.wait_procs(ranks, timeout=60)
+    first.wait(timeout=60)
+    assert (checkpoints / "checkpoint-2" / "sharded").is_dir()  # the model's and optimizer's shards
+
+    again = torchrun(sharded, "cpt")
+    assert again.wait(timeout=600) == 0, (sharded.root / "cpt.torchrun.log").read_text()[-4000:]
+    result = sharded.read_result("cpt")
+    assert result is not None and result.status == "succeeded"
+    assert result.extra["resumed_from"] == "checkpoint-2"
+
+    one, two = losses(single, "cpt"), losses(sharded, "cpt")
+    assert len(one) == len(two) == 4 and one[-1] < one[0]
+    torch.testing.assert_close(torch.tensor(two), torch.tensor(one), rtol=1e-5, atol=1e-5)
+    # the whole model, saved in the checkpoint's own layout, is the one process's model
+    assert_same_weights(
+        single.stage_dir("cpt") / "model/model.safetensors", sharded.stage_dir("cpt") / "model/model.safetensors"
+    )
+
+
+@pytest.mark.slow
+def test_lora_with_experts_over_two_processes_matches_one(tmp_path: Path) -> None:
+    single = make_run_dir(tmp_path / "one", settings("sft", 1), 10, 160)
+    done = run_stage(single, "sft", OMP_NUM_THREADS="1")
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    sharded = make_run_dir(tmp_path / "two", settings("sft", 2), 10, 160)
+    process = torchrun(sharded, "sft")
+    assert process.wait(timeout=600) == 0, (sharded.root / "sft.torchrun.log").read_text()[-4000:]
+
+    one, two = losses(single, "sft"), losses(sharded, "sft")
+    assert len(one) == len(two) == 4
+    torch.testing.assert_close(torch.tensor(two), torch.tensor(one), rtol=1e-5, atol=1e-5)
+    adapter = "model/adapter_model.safetensors"
+    assert_same_weights(single.stage_dir("sft") / adapter, sharded.stage_dir("sft") / adapter)
+
+
+def spec_error(overrides: list[str], pipeline: str = "qwen3-30b-a3b") -> str:
+    with pytest.raises(SpecError) as caught:
+        load_pipeline(pipeline, overrides=overrides)
+    return str(caught.value)
+
+
+def test_the_spec_refuses_what_expert_parallelism_cannot_shard() -> None:
+    ep = "stages.sft.distributed.expert_parallel=4"
+    assert "set distributed.strategy to 'fsdp'" in spec_error([ep])  # the pipeline's ZeRO-3
+    fsdp = "stages.sft.distributed.strategy=fsdp"
+    assert "must divide resources.gpus_per_node (8)" in spec_error(["stages.sft.distributed.expert_parallel=3", fsdp])
+    assert "lora.target_experts: false" in spec_error([ep, fsdp, "stages.sft.method=lora"])
+    assert "qlora's are 4-bit" in spec_error([ep, fsdp, "stages.sft.method=qlora"])
+    rlhf = ["stages.rlhf.distributed.expert_parallel=2", "stages.rlhf.distributed.strategy=fsdp"]
+    assert "rlhf (dpo) does not run with expert_parallel" in spec_error(rlhf)
+    spec = load_pipeline("qwen3-30b-a3b", overrides=[ep, fsdp]).spec
+    assert spec.stages.sft.distributed.expert_parallel == 4
+
+
+def test_a_model_the_group_cannot_split_is_refused_naming_the_field(monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
+    from stages.expert_parallel import check_fits
+
+    section = load_pipeline(
+        "qwen3-30b-a3b", overrides=["stages.sft.distributed.strategy=fsdp", "stages.sft.distributed.expert_parallel=4"]
+    ).spec.stages.sft
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    check_fits("sft", section, Qwen3MoeConfig(num_experts=128))
+    with pytest.raises(
+        NotSupportedHere, match=r"stages\.sft\.distributed\.expert_parallel is 4, which does not divide the model's 6"
+    ):
+        check_fits("sft", section, Qwen3MoeConfig(num_experts=6))
+    with pytest.raises(NotSupportedHere, match="qwen3 has no experts"):
+        check_fits("sft", section, Qwen3Config())
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    with pytest.raises(NotSupportedHere, match="does not divide this run's 6 processes"):
+        check_fits("sft", section, Qwen3MoeConfig(num_experts=128))
