@@ -10,7 +10,7 @@ import yaml
 from conftest import fresh_spec
 
 from spec.pipeline import PipelineSpec
-from spec.sizing import model_parameters, pod_size, quantity
+from spec.sizing import _host_copies, model_parameters, pod_size, quantity
 from workflows.compile import compile_pipeline
 
 
@@ -114,6 +114,22 @@ def test_an_fsdp_pod_holds_the_weights_rank_0_loaded() -> None:
     cpt.resources.nodes = cpt.resources.gpus_per_node = 1  # one process loads as any single process does
     spec.stages.cpt = cpt
     assert weights <= memory() < weights + runtime
+
+
+def test_an_expert_parallel_pod_holds_the_weights_once() -> None:
+    """With expert parallelism each rank reads its own shards (stages/expert_parallel.py); full training after an
+    upstream adapter merges it into whole weights in every process first."""
+    spec = fresh_spec("qwen3-30b-a3b")  # sft: full training, 2 nodes of 8 GPUs
+    sft = spec.stages.sft
+    sft.resources.memory = sft.resources.shm_size = None
+    weights, runtime = 30 * 10**9 * 2, quantity("17Gi")
+    distributed = sft.distributed.model_copy(update={"strategy": "fsdp", "expert_parallel": 8})
+    spec.stages.sft = sft.model_copy(update={"distributed": distributed})
+    assert weights <= quantity(pod_size(spec, "sft").memory) < weights + runtime
+    spec.stages.sft.distributed.expert_parallel = 1  # FSDP2 alone: rank 0 loads, and upcasts for full training
+    assert quantity(pod_size(spec, "sft").memory) >= 2 * weights
+    spec.stages.sft.distributed.expert_parallel = 8
+    assert _host_copies(spec.stages.sft, spec.stages.sft.resources, whole=True) == 8
 
 
 def test_a_zero3_pod_holds_the_weights_once() -> None:
