@@ -73,11 +73,24 @@ def check_fits(stage: str, section: TrainingStage, config: Any) -> None:
         )
 
 
+def trains_float32_masters(section: TrainingStage) -> bool:
+    """Whether the stage keeps float32 master weights under expert parallelism: full fine-tuning on a GPU, unless
+    `training.pure_bf16`. The weights then load in float32 and FSDP2 casts each layer to bf16 as it gathers it,
+    reducing gradients in float32 (its mixed-precision policy): what accelerate's FSDP2 does for the other
+    strategies' full fine-tuning (`stages.modeling.float32_masters`)."""
+    return torch.cuda.is_available() and section.method == "full" and not section.training.pure_bf16
+
+
 def distributed_config(section: TrainingStage) -> Any:
-    """transformers' DistributedConfig for the stage: FSDP2 over all ranks, experts over groups of expert_parallel."""
+    """transformers' DistributedConfig for the stage: FSDP2 over all ranks, experts over groups of expert_parallel,
+    computing in bf16 over float32 masters where `trains_float32_masters`."""
     from transformers.distributed import DistributedConfig
 
-    return DistributedConfig(fsdp_size=world_size(), ep_size=expert_parallel_size(section))
+    return DistributedConfig(
+        fsdp_size=world_size(),
+        ep_size=expert_parallel_size(section),
+        fsdp_mixed_precision=trains_float32_masters(section),
+    )
 
 
 def load_sharded(source: str | Path, revision: str | None, section: TrainingStage, **kwargs: Any) -> Any:

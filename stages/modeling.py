@@ -49,7 +49,13 @@ from spec.pipeline import PipelineSpec
 from spec.training import TrainingStage
 from stages.contract import NotSupportedHere, StageContext, is_main_process
 from stages.distributed import zero3_loading
-from stages.expert_parallel import check_fits, expert_parallel_size, load_sharded, shard_whole
+from stages.expert_parallel import (
+    check_fits,
+    expert_parallel_size,
+    load_sharded,
+    shard_whole,
+    trains_float32_masters,
+)
 from stages.quantized_experts import is_quantized, quantized_experts, shaped_experts
 from stages.sharded_loading import (
     first_rank_placement,
@@ -623,15 +629,18 @@ def load_base(
 
 def load_expert_parallel(
     run_dir: RunDir, spec: PipelineSpec, stage: str, base: BaseRef, tokenizer: Any, merge: Path | None = None
-) -> Any:
-    """The weights `base` names sharded for expert parallelism (`stages.expert_parallel`): each rank reads its
-    shards from the checkpoint folder; a model that must change before it trains (built from config, a vocabulary
-    to grow, the upstream adapter in `merge` to merge in for full training) is made whole in each process first."""
+) -> tuple[Any, torch.dtype | None]:
+    """The weights `base` names sharded for expert parallelism (`stages.expert_parallel`), and the dtype to save the
+    trained model in when it trains float32 masters (None otherwise). Each rank reads its shards from the
+    checkpoint folder; a model that must change before it trains (built from config, a vocabulary to grow, the
+    upstream adapter in `merge` to merge in for full training) is made whole in each process first."""
     from transformers import AutoConfig
 
     section: TrainingStage = spec.stage(stage)  # type: ignore[assignment]
+    dtype = weights_dtype(spec.model)
+    masters = trains_float32_masters(section)
     settings = {
-        "dtype": weights_dtype(spec.model),
+        "dtype": torch.float32 if masters else dtype,
         "attn_implementation": attention_implementation(spec.model),
         "trust_remote_code": spec.model.trust_remote_code,
     }
@@ -644,12 +653,22 @@ def load_expert_parallel(
         )
         check_fits(stage, section, config)
         if len(tokenizer) <= config.get_text_config().vocab_size:
-            return _fused_experts(load_sharded(source, revision, section, use_safetensors=True, **settings))
+            saved = getattr(config.get_text_config(), "dtype", None) if dtype == "auto" else dtype
+            model = load_sharded(source, revision, section, use_safetensors=True, **settings)
+            return _fused_experts(model), (_as_dtype(saved) if masters else None)
     whole = load_base(run_dir, spec, base, tokenizer)
     if merge is not None:
         whole = load_adapter(whole, merge).merge_and_unload()
     check_fits(stage, section, whole.config)
-    return _fused_experts(shard_whole(whole, section, **settings))
+    saved = next(whole.parameters()).dtype
+    return _fused_experts(shard_whole(whole, section, **settings)), (saved if masters else None)
+
+
+def _as_dtype(value: Any) -> torch.dtype:
+    """A config's dtype (a torch dtype or its name; none: bf16) as a torch dtype."""
+    if isinstance(value, torch.dtype):
+        return value
+    return getattr(torch, str(value).removeprefix("torch.")) if value else torch.bfloat16
 
 
 def model_skeleton(source: str | Path, model_spec: ModelSpec, revision: str | None = None) -> Any:
@@ -899,9 +918,9 @@ def load_starting_model(
         zero3 = zero3_loading(stage, section, weights_dtype(spec.model))
     if expert_parallel_size(section) > 1:
         merge = adapter_dir if section.method == "full" else None
-        model = load_expert_parallel(run_dir, spec, stage, base, tokenizer, merge)
+        model, ep_save_dtype = load_expert_parallel(run_dir, spec, stage, base, tokenizer, merge)
     else:
-        model = load_base(run_dir, spec, base, tokenizer, quantization, once=loads_once(section))
+        model, ep_save_dtype = load_base(run_dir, spec, base, tokenizer, quantization, once=loads_once(section)), None
     if quantization is not None and (note := experts_note(model)) is not None:
         print(f"[{stage}] {note}", flush=True)
     loaded_config = router_aux_loss(model, stage, section)
@@ -914,7 +933,7 @@ def load_starting_model(
         if adapter_dir is not None and not on_meta(model) and expert_parallel_size(section) == 1:
             model = load_adapter(model, adapter_dir).merge_and_unload()
             model.requires_grad_(True)  # PEFT loaded the base frozen; full training trains every weight
-        save_dtype = float32_masters(model, section)
+        save_dtype = ep_save_dtype if expert_parallel_size(section) > 1 else float32_masters(model, section)
         start = StartingModel(
             model=model,
             kind="full",
