@@ -72,6 +72,8 @@ class Case:
     low_rank_experts: bool = True  # experts' adapters as low-rank grouped products (stages/expert_lora.py), else PEFT's
     lora_dropout: float | None = None  # None: the spec's default (lora.dropout)
     peft_input_casts: bool = False  # keep PEFT's cast of each LoRA input to float32 (before adapter_inputs_uncast)
+    expert_parallel: int = 1  # distributed.expert_parallel: experts split over this many ranks (B7 cases: all)
+    layers: int | None = None  # decoder layers, when fewer than the shape's
     warmup: int = 4
     steps: int = 20
     max_seq_length: int = 2048
@@ -558,7 +560,38 @@ CASES: list[Case] = [
     ),
 ]
 
-MULTI_GPU_GROUPS = ("B3", "B6")
+# B7: expert parallelism (issue 35, item 3) over every GPU of the node (torchrun), Qwen3-30B-A3B's shape, rows of
+# 4096; in-run baselines: b5_plain_peft and b5_stage on one GPU of the same machine.
+B7 = Case(
+    "b7_ep_lora",
+    "B7",
+    "qwen3-30b-a3b",
+    method="lora",
+    strategy="fsdp",
+    expert_parallel=0,  # 0: every process of the run
+    per_device_batch_size=2,
+    gradient_checkpointing=True,
+    max_seq_length=4096,
+    warmup=3,
+    steps=8,
+    note="sft stage, LoRA on attention, all 48 layers, experts split over every GPU (distributed.expert_parallel), "
+    "FSDP2 for the rest (transformers' own plan), 2 packed rows of 4096 per GPU, gradient checkpointing",
+)
+CASES += [
+    B7,
+    replace(B7, name="b7_ep_lora_b4", per_device_batch_size=4, note="as b7_ep_lora with 4 rows per GPU"),
+    replace(
+        B7,
+        name="b7_ep_full",
+        method="full",
+        layers=20,
+        per_device_batch_size=1,
+        note="full fine-tuning (float32 masters, bf16 compute) of 20 of the 48 layers, experts split over every "
+        "GPU, 1 row of 4096 per GPU, gradient checkpointing",
+    ),
+]
+
+MULTI_GPU_GROUPS = ("B3", "B6", "B7")
 """Groups whose cases run under torchrun over every GPU of the node."""
 
 

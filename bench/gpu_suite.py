@@ -272,10 +272,17 @@ def shape_of(case: Case, tiny: bool) -> str:
     return "tiny-moe" if SHAPES[case.shape].get("architecture") == "qwen3_moe" else "tiny"
 
 
+def layers_of(case: Case, shape: dict[str, Any]) -> dict[str, Any]:
+    """The shape with the case's layer count, where it sets one below the shape's."""
+    if case.layers is None or case.layers >= shape["num_hidden_layers"]:
+        return shape
+    return {**shape, "num_hidden_layers": case.layers}
+
+
 def stage_context(case: Case, tmp: Path, tiny: bool) -> SimpleNamespace:
     """What trainer_arguments / trainer_config read from a StageContext: the stage's section and the model spec."""
     from spec.model import ModelSpec, TinyModelConfig
-    from spec.training import DistributedSpec, RlhfStage, SftStage, TrainingSpec
+    from spec.training import DistributedSpec, LoraSpec, RlhfStage, SftStage, TrainingSpec
 
     training = TrainingSpec(
         per_device_batch_size=case.per_device_batch_size,
@@ -289,16 +296,16 @@ def stage_context(case: Case, tmp: Path, tiny: bool) -> SimpleNamespace:
         pure_bf16=case.pure_bf16,
     )
     cls = RlhfStage if case.kind == "stage_dpo" else SftStage
-    section = cls(
-        enabled=False, method=case.method, training=training, distributed=DistributedSpec(strategy=case.strategy)
-    )
-    section.lora.target_experts = case.lora_experts
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    distributed = DistributedSpec(strategy=case.strategy, expert_parallel=case.expert_parallel or world)
+    lora = LoraSpec(target_experts=case.lora_experts)
+    section = cls(enabled=False, method=case.method, training=training, distributed=distributed, lora=lora)
     if case.lora_dropout is not None:
         section.lora.dropout = case.lora_dropout
     model = ModelSpec(
         name_or_path=f"Qwen/{case.shape}",
         attn_implementation=case.attn,
-        from_config=TinyModelConfig(**SHAPES[shape_of(case, tiny)], max_position_embeddings=4096),
+        from_config=TinyModelConfig(**layers_of(case, SHAPES[shape_of(case, tiny)]), max_position_embeddings=4096),
     )
     return SimpleNamespace(
         section=section,
@@ -313,9 +320,12 @@ def build_model(ctx: SimpleNamespace, tokenizer: Any, case: Case, tmp: Path) -> 
     import torch
     from peft import get_peft_model
 
+    from stages.expert_parallel import expert_parallel_size, shard_whole, trains_float32_masters
     from stages.modeling import (
+        _fused_experts,
         _quantization_config,
         adapter_inputs_uncast,
+        attention_implementation,
         build_from_config,
         float32_masters,
         load_pretrained,
@@ -331,6 +341,14 @@ def build_model(ctx: SimpleNamespace, tokenizer: Any, case: Case, tmp: Path) -> 
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu() else torch.device("cpu")
     with device:
         model = build_from_config(ctx.spec.model, tokenizer)
+    if expert_parallel_size(ctx.section) > 1:  # as load_expert_parallel shards a model built from config
+        masters = trains_float32_masters(ctx.section)
+        dtype = torch.float32 if masters else next(model.parameters()).dtype
+        model = _fused_experts(
+            shard_whole(model, ctx.section, dtype=dtype, attn_implementation=attention_implementation(ctx.spec.model))
+        )
+        if on_gpu():
+            torch.cuda.empty_cache()
     if case.method == "qlora":  # QLoRA quantizes saved weights: save the random model, load it back in 4 bits
         model.save_pretrained(tmp / "base")
         del model
@@ -680,12 +698,16 @@ def run_case(case: Case, tiny: bool, tmp: Path) -> dict[str, Any]:
     if world > 1:  # FSDP shards the Linear weights: count the full model's from its config
         c = config
         per_layer = c.hidden_size * c.head_dim * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
-        per_layer += 3 * c.hidden_size * c.intermediate_size
+        experts = getattr(c, "num_experts", None)
+        if experts:  # a mixture of experts: the active experts' matmuls and the router's
+            per_layer += c.num_experts_per_tok * 3 * c.hidden_size * c.moe_intermediate_size + c.hidden_size * experts
+        else:
+            per_layer += 3 * c.hidden_size * c.intermediate_size
         n_mm = c.num_hidden_layers * per_layer + c.hidden_size * c.vocab_size
     attention = 6 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * squares
     flops = 6 * n_mm * tokens + attention
     if world > 1:
-        totals = torch.tensor([tokens, flops], dtype=torch.float64, device="cuda")
+        totals = torch.tensor([tokens, flops], dtype=torch.float64, device="cuda" if gpu else "cpu")
         dist.all_reduce(totals)
         tokens, flops = int(totals[0].item()), float(totals[1].item())
     seconds = (timer.end or 0.0) - (timer.start or 0.0)
