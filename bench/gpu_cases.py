@@ -72,6 +72,7 @@ class Case:
     low_rank_experts: bool = True  # experts' adapters as low-rank grouped products (stages/expert_lora.py), else PEFT's
     lora_dropout: float | None = None  # None: the spec's default (lora.dropout)
     peft_input_casts: bool = False  # keep PEFT's cast of each LoRA input to float32 (before adapter_inputs_uncast)
+    stock_experts: bool = False  # transformers' own grouped_mm experts forward, not the stages' (plain kinds: always)
     expert_parallel: int = 1  # distributed.expert_parallel: experts split over this many ranks (B7 cases: all)
     layers: int | None = None  # decoder layers, when fewer than the shape's
     warmup: int = 4
@@ -486,6 +487,16 @@ CASES: list[Case] = [
         name="b5_stage_sdpa",
         attn="sdpa",
         note="as b5_stage with sdpa (a dense block-diagonal mask from the position ids) instead of flex attention",
+    ),
+    replace(
+        B5,
+        name="b5_stage_b4_ckpt_stock",
+        per_device_batch_size=4,
+        gradient_checkpointing=True,
+        steps=8,
+        stock_experts=True,
+        note="baseline of b5_stage_b4_ckpt: transformers' own grouped_mm experts forward (the routing weight on "
+        "the hidden-wide output in float32, indexing's scatter-add backward)",
     ),
     replace(
         B5,

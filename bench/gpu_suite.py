@@ -327,6 +327,7 @@ def build_model(ctx: SimpleNamespace, tokenizer: Any, case: Case, tmp: Path) -> 
         adapter_inputs_uncast,
         attention_implementation,
         build_from_config,
+        expert_parameters,
         float32_masters,
         load_pretrained,
         lora_config,
@@ -341,6 +342,8 @@ def build_model(ctx: SimpleNamespace, tokenizer: Any, case: Case, tmp: Path) -> 
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu() else torch.device("cpu")
     with device:
         model = build_from_config(ctx.spec.model, tokenizer)
+    if (case.stock_experts or case.kind not in ("stage_sft", "stage_dpo")) and on_gpu() and expert_parameters(model):
+        model.set_experts_implementation("grouped_mm")  # transformers' own experts forward: the baselines'
     if expert_parallel_size(ctx.section) > 1:  # as load_expert_parallel shards a model built from config
         masters = trains_float32_masters(ctx.section)
         dtype = torch.float32 if masters else next(model.parameters()).dtype
@@ -666,6 +669,7 @@ def run_case(case: Case, tiny: bool, tmp: Path) -> dict[str, Any]:
         trainer.data_collator = collator
 
     result["attn_implementation"] = getattr(trainer.model.config, "_attn_implementation", None)
+    result["experts_implementation"] = getattr(trainer.model.config, "_experts_implementation", None)
     result["use_liger_kernel"] = bool(getattr(trainer.args, "use_liger_kernel", False))
     result["gradient_checkpointing"] = bool(trainer.args.gradient_checkpointing)
     result["optim"] = str(trainer.args.optim)

@@ -1,4 +1,4 @@
-"""LoRA on a mixture-of-experts model's stacked experts, computed as low-rank grouped products beside the base's.
+"""The stages' experts forward on a GPU: grouped GEMMs with cheaper routing, and LoRA on stacked experts beside them.
 
 transformers 5 keeps each layer's experts as 3-D parameters (qwen3_moe: `gate_up_proj` [experts, 2 x moe width,
 hidden] and `down_proj` [experts, hidden, moe width]) and runs them as one grouped GEMM over the tokens sorted by
@@ -12,11 +12,15 @@ Here the adapter is applied to the tokens instead, with the same routing: for th
 of the expert stack's size is made, and the frozen base weights get no gradient. The adapter's parameters,
 its initialisation, saving, loading and merging stay PEFT's: only where its factors are multiplied changes
 (`use_low_rank_experts` swaps the ParamWrapper's weight parametrization for handing the factors to the experts'
-forward, `low_rank_experts_forward`, registered with transformers' ExpertsInterface as LOW_RANK_EXPERTS).
+forward, `low_rank_experts_forward`, registered with transformers' ExpertsInterface as GROUPED_EXPERTS).
 
 The path is taken where it can be exact and fast: one active adapter, no expert parallelism, weights in a dtype
 PEFT does not upcast, and a rank whose rows fill the 16 bytes CUDA's grouped GEMM aligns to; anything else keeps
 PEFT's own path. tests/test_expert_lora.py checks the loss and every gradient against PEFT's merged weights.
+
+The same forward runs a mixture of experts on a GPU without adapters too (`stages.modeling.experts_implementation`),
+as transformers' grouped_mm with its routing made cheaper: the routing weight on the intermediate activation, and
+gathers whose backward gathers (1.09-1.14x the stock forward for B5 on an H200; docs/performance.md).
 """
 
 from __future__ import annotations
@@ -34,9 +38,9 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, _grouped_mm, gr
 
 from stages.quantized_experts import grouped_projection, is_quantized, shaped, weight_dtype
 
-LOW_RANK_EXPERTS = "grouped_mm_low_rank"
-"""The experts implementation that applies LoRA factors as grouped low-rank products (without factors: the stock
-'grouped_mm')."""
+GROUPED_EXPERTS = "grouped_mm_routed"
+"""The experts implementation the stages run on a GPU (`low_rank_experts_forward`): transformers' grouped_mm with
+cheaper routing, plus LoRA factors as grouped low-rank products where the experts have adapters."""
 
 FACTORS = "_lora_factors"
 """The experts module's attribute that holds, while its adapters are active, parameter name → (lhs, rhs, scaling)
@@ -50,20 +54,29 @@ ALIGNMENT_BYTES = 16
 def low_rank_experts_forward(
     self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
-    """transformers' grouped_mm experts forward (`grouped_mm_experts_forward`, without expert parallelism), each
-    projection plus its adapter's low-rank product where the module has factors (FACTORS), and through 4-bit
-    weights where they are (stages/quantized_experts.py)."""
-    factors: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = getattr(self, FACTORS, {})
-    if not factors and not is_quantized(self.down_proj):
+    """transformers' grouped_mm experts forward (`grouped_mm_experts_forward`), each projection plus its adapter's
+    low-rank product where the module has factors (FACTORS), through 4-bit weights where they are
+    (stages/quantized_experts.py), and with the routing made cheaper (measured in docs/performance.md, B5):
+
+    - each token's routing weight multiplies its expert's intermediate activation (the moe width, 768 for
+      Qwen3-30B-A3B) before the down projection, not the projection's output (the hidden width, 2048) in float32:
+      the same product, as the down projection is linear (not for experts with biases or a norm after them);
+    - the tokens are sorted by expert and back by gathers whose backward is a gather too (`Gather`), not the
+      scatter-add that indexing's backward is.
+
+    With expert parallelism (transformers' token dispatch marks padding rows) it is the stock forward."""
+    if getattr(self, "_is_expert_parallel", False):
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    factors: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = getattr(self, FACTORS, {})
     num_top_k = top_k_index.size(-1)
     num_tokens, hidden_dim = hidden_states.size(0), hidden_states.size(-1)
-    sample_weights = top_k_weights.reshape(-1)
     expert_ids = top_k_index.reshape(-1)
     # The tokens sorted by expert, and where each expert's run ends (as the stock forward counts them).
     expert_ids_g, perm = torch.sort(expert_ids)
-    selected = hidden_states[perm // num_top_k]
-    sample_weights_g = sample_weights[perm]
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.size(0), device=perm.device)
+    selected = Gather.apply(hidden_states, perm // num_top_k, inverse, num_top_k)
+    sample_weights_g = top_k_weights.reshape(-1)[perm]
     device = hidden_states.device
     histc_input = expert_ids_g.float() if device.type in ("cpu", "mps") else expert_ids_g.int()
     tokens_per_expert = torch.histc(histc_input, bins=self.num_experts, min=0, max=self.num_experts - 1)
@@ -73,16 +86,42 @@ def low_rank_experts_forward(
     up_bias = getattr(self, f"{up_name}_bias")[expert_ids_g] if self.has_bias else None
     out = _projection(self, up_name, selected, offsets, up_bias, factors)
     out = self._apply_gate(out) if self.has_gate else self.act_fn(out)
+    linear_down = not self.has_bias and not self.has_post_expert_norm
+    if linear_down:
+        out = out * sample_weights_g.to(out.dtype).unsqueeze(-1)
     down_bias = self.down_proj_bias[expert_ids_g] if self.has_bias else None
     out = _projection(self, "down_proj", out, offsets, down_bias, factors)
     if self.has_post_expert_norm:
         out = self.post_expert_norm(out)
+    if not linear_down:
+        out = out * sample_weights_g.unsqueeze(-1)
+    # Back to token order, each token's top-k rows summed (accumulated in float32 by the reduction).
+    tokens = Gather.apply(out, inverse, perm, 1)
+    return tokens.view(num_tokens, num_top_k, hidden_dim).sum(dim=1).to(hidden_states.dtype)
 
-    weighted = out * sample_weights_g.unsqueeze(-1)
-    inverse = torch.empty_like(perm)
-    inverse[perm] = torch.arange(perm.size(0), device=device)
-    # reshape + sum, not index_add_: deterministic on CUDA, and accumulated in fp32 (the stock forward's reasons)
-    return weighted[inverse].view(num_tokens, num_top_k, hidden_dim).sum(dim=1).to(hidden_states.dtype)
+
+class Gather(torch.autograd.Function):
+    """`source[index]`, with a backward that gathers too. `index` reads every row of `source` `copies` times
+    (the tokens, once per routed expert) or once (a permutation); `inverse` holds, for each row of the result in
+    `source`'s order (copies consecutive), where it went. The gradient of a row of `source` is then the sum of its
+    copies' gradients, read with `inverse`: a gather and a reduction, where indexing's own backward scatter-adds
+    (measured: 11% of B5's step on an H200)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, source: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, copies: int
+    ) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        ctx.copies = copies
+        return source[index]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+        (inverse,) = ctx.saved_tensors
+        rows = grad[inverse]
+        if ctx.copies > 1:
+            rows = rows.view(-1, ctx.copies, grad.size(-1)).sum(dim=1)
+        return rows, None, None, None
 
 
 def _projection(
@@ -112,14 +151,14 @@ def _projection(
     return out + _grouped_mm(low, second, offsets)
 
 
-ALL_EXPERTS_FUNCTIONS.register(LOW_RANK_EXPERTS, low_rank_experts_forward)
+ALL_EXPERTS_FUNCTIONS.register(GROUPED_EXPERTS, low_rank_experts_forward)
 
 
 def low_rank_possible(experts: torch.nn.Module, wrapper: Any, adapters: list[str]) -> bool:
-    """Whether the low-rank path computes what PEFT's would, fast: the experts run LOW_RANK_EXPERTS without expert
+    """Whether the low-rank path computes what PEFT's would, fast: the experts run GROUPED_EXPERTS without expert
     parallelism, one adapter is active, the weights are in a dtype PEFT adds to as it is (not an upcast
     low-precision one), and the rank's rows are aligned for the grouped GEMM."""
-    if getattr(getattr(experts, "config", None), "_experts_implementation", None) != LOW_RANK_EXPERTS:
+    if getattr(getattr(experts, "config", None), "_experts_implementation", None) != GROUPED_EXPERTS:
         return False
     if getattr(experts, "_is_expert_parallel", False) or len(adapters) != 1 or wrapper.num_experts <= 1:
         return False
@@ -171,7 +210,7 @@ def unfit_adapters(model: Any) -> list[str]:
 
 def use_low_rank_experts(model: Any) -> int:
     """Switch `model`'s adapters on stacked experts (PEFT ParamWrappers over a module with `num_experts`) to the
-    low-rank path, and its experts to LOW_RANK_EXPERTS. Returns how many adapted parameters switched; 0 leaves the
+    low-rank path, and its experts to GROUPED_EXPERTS. Returns how many adapted parameters switched; 0 leaves the
     model as it was."""
     from peft.tuners.lora.layer import ParamWrapper
 
@@ -183,7 +222,7 @@ def use_low_rank_experts(model: Any) -> int:
     if not wrappers:
         return 0
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    base.set_experts_implementation(LOW_RANK_EXPERTS)
+    base.set_experts_implementation(GROUPED_EXPERTS)
     for wrapper in wrappers:
         wrapper._activate_lora = MethodType(_activate_low_rank, wrapper)
     return len(wrappers)

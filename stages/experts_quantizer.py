@@ -6,7 +6,7 @@ modules only. `ExpertsBitsAndBytesConfig` (the qlora stages' config) selects `Ex
 transformers' quantizer registry: every nn.Linear as bitsandbytes does it, and each expert stack as it arrives from
 the checkpoint, into bitsandbytes' `Params4bit` with the same NF4 settings, on the device it loads to, so no bf16
 copy of the experts is ever whole there. The model is then a bitsandbytes model to transformers, PEFT and the
-Trainer (`quantization_method`), and its experts run the LOW_RANK_EXPERTS forward, which reads 4-bit stacks
+Trainer (`quantization_method`), and its experts run the GROUPED_EXPERTS forward, which reads 4-bit stacks
 through `quantized_experts.grouped_projection`.
 """
 
@@ -60,11 +60,11 @@ class ExpertsBnb4BitQuantizer(Bnb4BitHfQuantizer):
         return ExpertsQuantize(self)
 
     def _process_model_after_weight_loading(self, model: Any, **kwargs: Any) -> Any:
-        from stages.expert_lora import LOW_RANK_EXPERTS
+        from stages.expert_lora import GROUPED_EXPERTS
 
         model = super()._process_model_after_weight_loading(model, **kwargs)
         if quantized_experts(model):
-            model.set_experts_implementation(LOW_RANK_EXPERTS)
+            model.set_experts_implementation(GROUPED_EXPERTS)
         return model
 
 

@@ -49,6 +49,7 @@ from spec.pipeline import PipelineSpec
 from spec.training import TrainingStage
 from stages.contract import NotSupportedHere, StageContext, is_main_process
 from stages.distributed import zero3_loading
+from stages.expert_lora import GROUPED_EXPERTS
 from stages.expert_parallel import (
     check_fits,
     expert_parallel_size,
@@ -277,10 +278,11 @@ def attention_implementation(model_spec: ModelSpec) -> str:
 
 
 def experts_implementation() -> str | None:
-    """How a mixture-of-experts model runs its experts: on a CUDA GPU 'grouped_mm', torch's grouped GEMM (one
-    kernel for the tokens of all experts, about 8× faster than the per-expert loop of transformers' 'eager'); on
-    CPU None, transformers' own default."""
-    return "grouped_mm" if on_gpu() else None
+    """How a mixture-of-experts model runs its experts: on a CUDA GPU torch's grouped GEMM (one kernel for the
+    tokens of all experts, about 8× faster than the per-expert loop of transformers' 'eager'), through the stages'
+    own experts forward (GROUPED_EXPERTS, stages/expert_lora.py: transformers' 'grouped_mm' with cheaper routing);
+    on CPU None, transformers' own default."""
+    return GROUPED_EXPERTS if on_gpu() else None
 
 
 def _fused_experts(model: Any) -> Any:
@@ -297,7 +299,7 @@ def low_rank_experts(model: Any, stage: str) -> None:
     applied as low-rank grouped products beside the base's instead of PEFT's merged weights (stages/expert_lora.py:
     nothing of the expert stack's size made per step). On CPU the per-expert loop keeps PEFT's path, except on
     4-bit experts, which have no other."""
-    if not quantized_experts(model) and (experts_implementation() != "grouped_mm" or not expert_parameters(model)):
+    if not quantized_experts(model) and (experts_implementation() != GROUPED_EXPERTS or not expert_parameters(model)):
         return
     from stages.expert_lora import ALIGNMENT_BYTES, unfit_adapters, use_low_rank_experts
 

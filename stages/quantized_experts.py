@@ -11,7 +11,7 @@ memory). Here they are 4-bit too:
   storage as its Linear4bit layers), so no bf16 copy of the experts is ever whole on the GPU.
 - **Forward** (`NF4GroupedLinear`): the grouped GEMM over the dequantized weight, which autograd does not keep:
   the backward dequantizes again (what bitsandbytes' own 4-bit matmul does for Linear4bit), so a layer's bf16
-  experts exist only while it computes. The experts run expert_lora's LOW_RANK_EXPERTS forward, which reads each
+  experts exist only while it computes. The experts run expert_lora's GROUPED_EXPERTS forward, which reads each
   weight through `grouped_projection` here.
 - **Adapters on the 4-bit experts** (`lora.target_experts`): PEFT's own, created while `shaped_experts` shows it
   each stack's shape (a packed 4-bit tensor has none), applied as expert_lora's low-rank grouped products.

@@ -1,6 +1,8 @@
-"""LoRA on stacked experts as low-rank grouped products (stages/expert_lora.py): the same loss and the same gradient
-for every trained parameter as PEFT's merged weights, with and without activation checkpointing; PEFT's path where
-the low-rank one does not apply; nothing of it saved with the model."""
+"""The stages' experts forward (stages/expert_lora.py): without adapters, transformers' grouped_mm forward's loss and
+gradients for every weight (the routing weight moved onto the intermediate, gathers whose backward gathers); LoRA on
+stacked experts as low-rank grouped products with the same loss and the same gradient for every trained parameter
+as PEFT's merged weights, with and without activation checkpointing; PEFT's path where the low-rank one does not
+apply; nothing of it saved with the model."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from peft import LoraConfig, get_peft_model
 from test_model_families import packed_batch, tiny
 
 from stages import expert_lora, modeling
-from stages.expert_lora import FACTORS, LOW_RANK_EXPERTS, use_low_rank_experts
+from stages.expert_lora import FACTORS, GROUPED_EXPERTS, use_low_rank_experts
 
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
@@ -43,12 +45,52 @@ def loss_and_grads(model: Any, checkpointing: bool = False) -> tuple[torch.Tenso
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
+def full_loss_and_grads(
+    experts_implementation: str, checkpointing: bool
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Full fine-tuning's loss and gradients (router and experts included) of a tiny qwen3_moe."""
+    torch.manual_seed(0)
+    model = tiny("qwen3_moe")
+    model.set_experts_implementation(experts_implementation)
+    return loss_and_grads(model, checkpointing)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_the_stage_experts_forward_gives_grouped_mm_s_loss_and_gradients(checkpointing: bool) -> None:
+    loss, grads = full_loss_and_grads(GROUPED_EXPERTS, checkpointing)
+    expected_loss, expected_grads = full_loss_and_grads("grouped_mm", checkpointing)
+    torch.testing.assert_close(loss, expected_loss, atol=1e-6, rtol=1e-6)
+    assert grads.keys() == expected_grads.keys()
+    assert any(".mlp.gate." in n for n in grads) and any(".mlp.experts." in n for n in grads)
+    for name, grad in grads.items():
+        assert grad.abs().sum() > 0, name
+        torch.testing.assert_close(grad, expected_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_gather_s_backward_sums_each_row_s_copies() -> None:
+    # Three tokens, each routed to two experts, sorted by expert: the backward of the gather that sorts them is
+    # the scatter-add indexing's backward would do, as a gather and a sum.
+    tokens = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    experts = torch.tensor([[2, 0], [1, 2], [0, 1]])
+    _, perm = torch.sort(experts.reshape(-1))
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.numel())
+    upstream = torch.randn(6, 4, dtype=torch.float64)
+    (expert_lora.Gather.apply(tokens, perm // 2, inverse, 2) * upstream).sum().backward()
+    expected = torch.zeros(3, 4, dtype=torch.float64).index_add_(0, perm // 2, upstream)
+    torch.testing.assert_close(tokens.grad, expected)
+    # and back to token order: a permutation, whose backward is the inverse permutation
+    rows = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    (expert_lora.Gather.apply(rows, inverse, perm, 1) * upstream).sum().backward()
+    torch.testing.assert_close(rows.grad, upstream[perm])
+
+
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_low_rank_experts_give_peft_s_loss_and_gradients(checkpointing: bool) -> None:
     reference = adapted()
     low_rank = copy.deepcopy(reference)
     assert use_low_rank_experts(low_rank) == 4  # two matrices in each of two layers
-    assert low_rank.get_base_model().config._experts_implementation == LOW_RANK_EXPERTS
+    assert low_rank.get_base_model().config._experts_implementation == GROUPED_EXPERTS
 
     calls = []
     original = expert_lora._projection
@@ -91,7 +133,7 @@ def test_a_rank_the_grouped_gemm_cannot_align_keeps_peft_s_path() -> None:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(expert_lora, "_projection", lambda *args: calls.append(args) or original(*args))
         loss, _ = loss_and_grads(low_rank)
-    assert not calls
+    assert calls and not any(factors for *_, factors in calls)  # grouped products, none with factors
     torch.testing.assert_close(loss, loss_and_grads(reference)[0])
 
 
@@ -110,9 +152,9 @@ def test_what_is_saved_names_no_low_rank_path(tmp_path: Path) -> None:
     model.merge_and_unload().save_pretrained(tmp_path / "merged")
     for path in (tmp_path / "adapter").iterdir():
         if path.suffix == ".json":
-            assert LOW_RANK_EXPERTS not in path.read_text(encoding="utf-8"), path
+            assert GROUPED_EXPERTS not in path.read_text(encoding="utf-8"), path
     config = json.loads((tmp_path / "merged" / "config.json").read_text(encoding="utf-8"))
-    assert LOW_RANK_EXPERTS not in json.dumps(config)
+    assert GROUPED_EXPERTS not in json.dumps(config)
 
 
 def test_a_lora_stage_on_grouped_experts_takes_the_low_rank_path(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -121,8 +163,8 @@ def test_a_lora_stage_on_grouped_experts_takes_the_low_rank_path(monkeypatch: py
     model = adapted(experts_implementation="eager")
     modeling.low_rank_experts(model, "sft")
     assert model.get_base_model().config._experts_implementation == "eager"
-    monkeypatch.setattr(modeling, "experts_implementation", lambda: "grouped_mm")
+    monkeypatch.setattr(modeling, "experts_implementation", lambda: GROUPED_EXPERTS)
     modeling.low_rank_experts(model, "sft")
-    assert model.get_base_model().config._experts_implementation == LOW_RANK_EXPERTS
+    assert model.get_base_model().config._experts_implementation == GROUPED_EXPERTS
     wrappers = [m for m in model.modules() if "_activate_lora" in m.__dict__]
     assert len(wrappers) == 4

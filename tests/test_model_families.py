@@ -19,6 +19,7 @@ from spec.loading import load_pipeline
 from spec.model import ModelSpec
 from spec.training import SftStage
 from stages import modeling
+from stages.expert_lora import GROUPED_EXPERTS
 from stages.modeling import (
     build_from_config,
     expert_parameters,
@@ -333,12 +334,12 @@ def test_the_saved_model_keeps_its_own_router_settings(tmp_path: Path) -> None:
 def test_experts_run_as_a_grouped_gemm_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     assert modeling.experts_implementation() is None  # CPU: transformers' default
     monkeypatch.setattr(modeling, "on_gpu", lambda: True)
-    assert modeling.experts_implementation() == "grouped_mm"
+    assert modeling.experts_implementation() == GROUPED_EXPERTS  # the grouped GEMM, through the stages' experts forward
     switched: list[str] = []
     moe = tiny("qwen3_moe")
     monkeypatch.setattr(moe, "set_experts_implementation", switched.append)
     modeling._fused_experts(moe)
-    assert switched == ["grouped_mm"]
+    assert switched == [GROUPED_EXPERTS]
     modeling._fused_experts(tiny("llama"))  # a dense model refuses the setting: it is not asked
 
 

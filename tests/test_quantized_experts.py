@@ -18,7 +18,7 @@ from test_model_families import packed_batch, tiny
 from transformers import AutoModelForCausalLM
 
 from stages import expert_lora
-from stages.expert_lora import LOW_RANK_EXPERTS, use_low_rank_experts
+from stages.expert_lora import GROUPED_EXPERTS, use_low_rank_experts
 from stages.experts_quantizer import ExpertsBitsAndBytesConfig
 from stages.modeling import expert_parameters, experts_note, prepare_for_kbit_training
 from stages.quantized_experts import dequantize, is_quantized, quantized_experts, shaped_experts
@@ -60,7 +60,7 @@ def test_the_experts_load_in_4bit(saved: tuple[Path, dict[str, torch.Tensor]]) -
         error = (restored - original[name]).abs().mean() / original[name].abs().mean()
         assert 0 < error < 0.15, name  # NF4's rounding, not another tensor
     assert isinstance(model.model.layers[0].self_attn.q_proj, bnb.nn.Linear4bit)  # bitsandbytes' own, as before
-    assert model.config._experts_implementation == LOW_RANK_EXPERTS
+    assert model.config._experts_implementation == GROUPED_EXPERTS
     assert model.quantization_method == "bitsandbytes"  # a bitsandbytes model to the Trainer and PEFT
     note = experts_note(model)
     assert note is not None and "4 stacked expert tensors" in note and "4-bit NF4" in note
@@ -186,7 +186,7 @@ def test_the_qlora_stage_loads_4bit_experts_and_puts_its_adapters_on_them(
     assert len(quantized_experts(model)) == 4
     wrapped = [n for n, p in model.named_parameters() if p.requires_grad and ".mlp.experts." in n and "lora_" in n]
     assert len(wrapped) == 8  # A and B on both stacks of both layers
-    assert model.get_base_model().config._experts_implementation == LOW_RANK_EXPERTS
+    assert model.get_base_model().config._experts_implementation == GROUPED_EXPERTS
     ids = torch.tensor([tokenizer("안녕하세요. 반갑습니다.")["input_ids"]])
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
