@@ -500,6 +500,28 @@ CASES: list[Case] = [
     ),
     replace(
         B5,
+        name="b5_full_8l",
+        method="full",
+        layers=8,
+        per_device_batch_size=2,
+        gradient_checkpointing=True,
+        steps=8,
+        note="sft stage, full fine-tuning (float32 masters, the router trained) of 8 of the 48 layers, 2 rows, "
+        "checkpointing, the stages' experts forward",
+    ),
+    replace(
+        B5,
+        name="b5_full_8l_stock",
+        method="full",
+        layers=8,
+        per_device_batch_size=2,
+        gradient_checkpointing=True,
+        steps=8,
+        stock_experts=True,
+        note="baseline of b5_full_8l: transformers' own grouped_mm experts forward",
+    ),
+    replace(
+        B5,
         name="b5_stage_experts",
         lora_experts=True,
         gradient_checkpointing=True,
