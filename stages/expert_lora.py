@@ -36,7 +36,7 @@ import torch
 # (torch's grouped_mm where the device and dtype have it, else transformers' per-expert loop).
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, _grouped_mm, grouped_mm_experts_forward
 
-from stages.quantized_experts import grouped_projection, is_quantized, shaped, weight_dtype
+from stages.quantized_experts import autocast_weight, grouped_projection, is_quantized, shaped, weight_dtype
 
 GROUPED_EXPERTS = "grouped_mm_routed"
 """The experts implementation the stages run on a GPU (`low_rank_experts_forward`): transformers' grouped_mm with
@@ -142,7 +142,7 @@ def _projection(
         return out
     lhs, rhs, scaling = factors[name]
     # contiguous, then transposed: a column-major operand is one grouped_mm takes; PEFT's permuted view is not.
-    lhs, rhs = lhs.contiguous(), rhs.contiguous()
+    lhs, rhs = autocast_weight(lhs).contiguous(), autocast_weight(rhs).contiguous()
     if experts.is_transposed:  # the parameter is [experts, in, out]: tokens @ lhs @ rhs
         first, second = lhs, rhs
     else:  # [experts, out, in], used transposed: tokens @ rhs^T @ lhs^T

@@ -168,3 +168,25 @@ def test_a_lora_stage_on_grouped_experts_takes_the_low_rank_path(monkeypatch: py
     assert model.get_base_model().config._experts_implementation == GROUPED_EXPERTS
     wrappers = [m for m in model.modules() if "_activate_lora" in m.__dict__]
     assert len(wrappers) == 4
+
+
+def test_float32_experts_multiply_in_autocast_s_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Full fine-tuning's float32 master weights under the Trainer's bf16 autocast: the grouped GEMM (which autocast
+    # does not cast) gets the experts in bf16, and their gradient reaches the float32 weights.
+    from transformers.integrations import moe
+
+    dtypes: list[torch.dtype] = []
+    original = moe._grouped_linear
+    monkeypatch.setattr(moe, "_grouped_linear", lambda x, w, *a, **k: dtypes.append(w.dtype) or original(x, w, *a, **k))
+    torch.manual_seed(0)
+    model = tiny("qwen3_moe")
+    model.set_experts_implementation(GROUPED_EXPERTS)
+    expected = model(**packed_batch()).loss.detach()
+    dtypes.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(**packed_batch()).loss
+    loss.backward()
+    assert dtypes and set(dtypes) == {torch.bfloat16}
+    torch.testing.assert_close(loss.float(), expected, rtol=2e-2, atol=0)
+    experts = [p for n, p in model.named_parameters() if ".mlp.experts." in n]
+    assert experts and all(p.dtype == torch.float32 and p.grad is not None and p.grad.abs().sum() > 0 for p in experts)
