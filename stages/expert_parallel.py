@@ -101,7 +101,11 @@ def load_sharded(source: str | Path, revision: str | None, section: TrainingStag
 
     with torch.random.fork_rng(devices=_devices()):
         return AutoModelForCausalLM.from_pretrained(
-            str(source), revision=revision, distributed_config=distributed_config(section), **kwargs
+            str(source),
+            revision=revision,
+            use_safetensors=True,  # never a pickled checkpoint
+            distributed_config=distributed_config(section),
+            **kwargs,
         )
 
 

@@ -651,12 +651,12 @@ def load_expert_parallel(
             (run_dir.root / base.name, None) if base.kind == "stage" else (spec.model.name_or_path, spec.model.revision)
         )
         config = AutoConfig.from_pretrained(
-            str(source), revision=revision, trust_remote_code=settings["trust_remote_code"]
+            str(source), revision=revision, trust_remote_code=spec.model.trust_remote_code
         )
         check_fits(stage, section, config)
         if len(tokenizer) <= config.get_text_config().vocab_size:
             saved = getattr(config.get_text_config(), "dtype", None) if dtype == "auto" else dtype
-            model = load_sharded(source, revision, section, use_safetensors=True, **settings)
+            model = load_sharded(source, revision, section, **settings)
             return _fused_experts(model), (_as_dtype(saved) if masters else None)
     whole = load_base(run_dir, spec, base, tokenizer)
     if merge is not None:

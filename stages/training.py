@@ -40,7 +40,7 @@ from spec.training import TrainingStage
 from stages.checkpoints import checkpoint_step, newest_valid_checkpoint, set_aside_torn
 from stages.contract import ExplainedFailure, StageContext, is_main_process
 from stages.distributed import precision_arguments, strategy_arguments
-from stages.expert_parallel import checkpoint_sharded, is_sharded_at_load
+from stages.expert_parallel import checkpoint_sharded, expert_parallel_size, is_sharded_at_load
 from stages.modeling import (
     FINGERPRINT,
     ModelKind,
@@ -139,11 +139,13 @@ def record_inputs(ctx: StageContext, cache: Any) -> None:
 def write_distributed_config(ctx: StageContext, args: Any) -> Path:
     """Rank 0: `<stage>/logs/distributed.json`, the distributed settings generated from
     `stages.<stage>.distributed` as the Trainer received them (`fsdp`/`fsdp_config`, `deepspeed`, the DDP
-    backend, precision): the configuration accelerate runs with, there for the user to read."""
+    backend, precision; the experts' group size, where transformers shards them): the configuration accelerate runs
+    with, there for the user to read."""
     path = ctx.logs_dir / "distributed.json"
     if is_main_process():
         settings = {
             "strategy": ctx.section.distributed.strategy,
+            "expert_parallel": expert_parallel_size(ctx.section),
             "world_size": args.world_size,
             "parallel_mode": getattr(args.parallel_mode, "value", str(args.parallel_mode)),
             "ddp_backend": args.ddp_backend,

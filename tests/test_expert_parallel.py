@@ -5,6 +5,7 @@ refuses what the sharding cannot run, naming the field."""
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -95,6 +96,8 @@ def test_full_training_with_experts_over_two_processes_matches_one_and_resumes_f
     result = sharded.read_result("cpt")
     assert result is not None and result.status == "succeeded"
     assert result.extra["resumed_from"] == "checkpoint-2"
+    written = json.loads((sharded.stage_dir("cpt") / "logs/distributed.json").read_text())
+    assert written["expert_parallel"] == 2 and written["fsdp"] is None  # transformers shards it, not accelerate
 
     one, two = losses(single, "cpt"), losses(sharded, "cpt")
     assert len(one) == len(two) == 4 and one[-1] < one[0]

@@ -71,6 +71,7 @@ def test_cpt_trains_a_full_model(trained: RunDir) -> None:
     distributed = json.loads((trained.stage_dir("cpt") / "logs" / "distributed.json").read_text())
     assert distributed == {
         "strategy": "ddp",
+        "expert_parallel": 1,
         "world_size": 1,
         "parallel_mode": "not_parallel",
         "ddp_backend": None,
