@@ -111,6 +111,19 @@ B5 = Case(
 )
 
 
+B5_FULL = replace(
+    B5,
+    name="b5_full_8l",
+    method="full",
+    layers=8,
+    per_device_batch_size=2,
+    gradient_checkpointing=True,
+    steps=8,
+    note="sft stage, full fine-tuning (float32 masters, the router trained) of 8 of the 48 layers, 2 rows, "
+    "checkpointing, the stages' experts forward",
+)
+
+
 B6 = Case(
     "b6_fsdp_8b",
     "B6",
@@ -498,25 +511,10 @@ CASES: list[Case] = [
         note="baseline of b5_stage_b4_ckpt: transformers' own grouped_mm experts forward (the routing weight on "
         "the hidden-wide output in float32, indexing's scatter-add backward)",
     ),
+    B5_FULL,
     replace(
-        B5,
-        name="b5_full_8l",
-        method="full",
-        layers=8,
-        per_device_batch_size=2,
-        gradient_checkpointing=True,
-        steps=8,
-        note="sft stage, full fine-tuning (float32 masters, the router trained) of 8 of the 48 layers, 2 rows, "
-        "checkpointing, the stages' experts forward",
-    ),
-    replace(
-        B5,
+        B5_FULL,
         name="b5_full_8l_stock",
-        method="full",
-        layers=8,
-        per_device_batch_size=2,
-        gradient_checkpointing=True,
-        steps=8,
         stock_experts=True,
         note="baseline of b5_full_8l: transformers' own grouped_mm experts forward",
     ),

@@ -320,12 +320,10 @@ def build_model(ctx: SimpleNamespace, tokenizer: Any, case: Case, tmp: Path) -> 
     import torch
     from peft import get_peft_model
 
-    from stages.expert_parallel import expert_parallel_size, shard_whole, trains_float32_masters
+    from stages.expert_parallel import expert_parallel_size
     from stages.modeling import (
-        _fused_experts,
         _quantization_config,
         adapter_inputs_uncast,
-        attention_implementation,
         build_from_config,
         expert_parameters,
         float32_masters,
@@ -336,6 +334,7 @@ def build_model(ctx: SimpleNamespace, tokenizer: Any, case: Case, tmp: Path) -> 
         packed_attention,
         prepare_for_kbit_training,
         router_aux_loss,
+        shard_built,
         use_attention,
     )
 
@@ -345,11 +344,7 @@ def build_model(ctx: SimpleNamespace, tokenizer: Any, case: Case, tmp: Path) -> 
     if (case.stock_experts or case.kind not in ("stage_sft", "stage_dpo")) and on_gpu() and expert_parameters(model):
         model.set_experts_implementation("grouped_mm")  # transformers' own experts forward: the baselines'
     if expert_parallel_size(ctx.section) > 1:  # as load_expert_parallel shards a model built from config
-        masters = trains_float32_masters(ctx.section)
-        dtype = torch.float32 if masters else next(model.parameters()).dtype
-        model = _fused_experts(
-            shard_whole(model, ctx.section, dtype=dtype, attn_implementation=attention_implementation(ctx.spec.model))
-        )
+        model = shard_built(model, ctx.spec, ctx.section)
         if on_gpu():
             torch.cuda.empty_cache()
     if case.method == "qlora":  # QLoRA quantizes saved weights: save the random model, load it back in 4 bits

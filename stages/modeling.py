@@ -615,9 +615,7 @@ def load_base(
         if once and not is_main_process():
             return skeleton(lambda: build_from_config(spec.model, tokenizer))
         return build_from_config(spec.model, tokenizer)
-    source, revision = (
-        (run_dir.root / base.name, None) if base.kind == "stage" else (spec.model.name_or_path, spec.model.revision)
-    )
+    source, revision = base_source(run_dir, spec, base)
     if once:
         shape = model_skeleton(source, spec.model, revision)
         if not is_main_process():
@@ -627,6 +625,28 @@ def load_base(
     model = load_pretrained(source, spec.model, revision=revision, **extra)
     grow_vocabulary(model, tokenizer)
     return model
+
+
+def base_source(run_dir: RunDir, spec: PipelineSpec, base: BaseRef) -> tuple[str | Path, str | None]:
+    """Where a loaded base's weights are, and at which revision: a stage's model folder, or the pipeline's model."""
+    if base.kind == "stage":
+        return run_dir.root / base.name, None
+    return spec.model.name_or_path, spec.model.revision
+
+
+def expert_parallel_settings(spec: PipelineSpec, section: TrainingStage) -> dict[str, Any]:
+    """`from_pretrained`'s settings for a model sharded for expert parallelism: float32 where it trains float32
+    masters (`stages.expert_parallel.trains_float32_masters`), else the spec's dtype."""
+    return {
+        "dtype": torch.float32 if trains_float32_masters(section) else weights_dtype(spec.model),
+        "attn_implementation": attention_implementation(spec.model),
+        "trust_remote_code": spec.model.trust_remote_code,
+    }
+
+
+def shard_built(whole: Any, spec: PipelineSpec, section: TrainingStage) -> Any:
+    """A model made whole in this process, sharded for expert parallelism, its experts on the stages' forward."""
+    return _fused_experts(shard_whole(whole, section, **expert_parallel_settings(spec, section)))
 
 
 def load_expert_parallel(
@@ -639,31 +659,24 @@ def load_expert_parallel(
     from transformers import AutoConfig
 
     section: TrainingStage = spec.stage(stage)  # type: ignore[assignment]
-    dtype = weights_dtype(spec.model)
     masters = trains_float32_masters(section)
-    settings = {
-        "dtype": torch.float32 if masters else dtype,
-        "attn_implementation": attention_implementation(spec.model),
-        "trust_remote_code": spec.model.trust_remote_code,
-    }
     if base.kind != "from_config" and merge is None:
-        source, revision = (
-            (run_dir.root / base.name, None) if base.kind == "stage" else (spec.model.name_or_path, spec.model.revision)
-        )
+        source, revision = base_source(run_dir, spec, base)
         config = AutoConfig.from_pretrained(
             str(source), revision=revision, trust_remote_code=spec.model.trust_remote_code
         )
         check_fits(stage, section, config)
         if len(tokenizer) <= config.get_text_config().vocab_size:
+            dtype = weights_dtype(spec.model)
             saved = getattr(config.get_text_config(), "dtype", None) if dtype == "auto" else dtype
-            model = load_sharded(source, revision, section, **settings)
+            model = load_sharded(source, revision, section, **expert_parallel_settings(spec, section))
             return _fused_experts(model), (_as_dtype(saved) if masters else None)
     whole = load_base(run_dir, spec, base, tokenizer)
     if merge is not None:
         whole = load_adapter(whole, merge).merge_and_unload()
     check_fits(stage, section, whole.config)
     saved = next(whole.parameters()).dtype
-    return _fused_experts(shard_whole(whole, section, **settings)), (saved if masters else None)
+    return shard_built(whole, spec, section), (saved if masters else None)
 
 
 def _as_dtype(value: Any) -> torch.dtype:
@@ -918,7 +931,8 @@ def load_starting_model(
     whole = section.method == "full" and (adapter_dir is not None or grpo)
     if partitions_at_load(section) and not whole:
         zero3 = zero3_loading(stage, section, weights_dtype(spec.model))
-    if expert_parallel_size(section) > 1:
+    experts_split = expert_parallel_size(section) > 1
+    if experts_split:  # an upstream adapter merges before the weights are sharded
         merge = adapter_dir if section.method == "full" else None
         model, ep_save_dtype = load_expert_parallel(run_dir, spec, stage, base, tokenizer, merge)
     else:
@@ -932,10 +946,10 @@ def load_starting_model(
 
     if section.method == "full":
         # Full training after a LoRA stage merges its adapter first (a skeleton has the merged shape already).
-        if adapter_dir is not None and not on_meta(model) and expert_parallel_size(section) == 1:
+        if adapter_dir is not None and not on_meta(model) and not experts_split:
             model = load_adapter(model, adapter_dir).merge_and_unload()
             model.requires_grad_(True)  # PEFT loaded the base frozen; full training trains every weight
-        save_dtype = ep_save_dtype if expert_parallel_size(section) > 1 else float32_masters(model, section)
+        save_dtype = ep_save_dtype if experts_split else float32_masters(model, section)
         start = StartingModel(
             model=model,
             kind="full",

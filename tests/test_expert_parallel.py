@@ -62,6 +62,14 @@ def torchrun(run_dir: RunDir, stage: str, hold_after_checkpoint: int | None = No
     return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
 
 
+def one_process(tmp_path: Path, stage: str, n_text: int, n_chat: int) -> RunDir:
+    """The stage trained by one process on the same global batch: the reference."""
+    single = make_run_dir(tmp_path / "one", settings(stage, 1), n_text, n_chat)
+    done = run_stage(single, stage, OMP_NUM_THREADS="1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return single
+
+
 def losses(run_dir: RunDir, stage: str) -> list[float]:
     history = read_log_history(run_dir.stage_dir(stage) / "logs/log_history.json")
     return [entry["loss"] for entry in history if "loss" in entry]
@@ -76,10 +84,7 @@ def assert_same_weights(one: Path, two: Path) -> None:
 
 @pytest.mark.slow
 def test_full_training_with_experts_over_two_processes_matches_one_and_resumes_from_its_shards(tmp_path: Path) -> None:
-    single = make_run_dir(tmp_path / "one", settings("cpt", 1), 160, 10)
-    done = run_stage(single, "cpt", OMP_NUM_THREADS="1")
-    assert done.returncode == 0, done.stderr[-3000:]
-
+    single = one_process(tmp_path, "cpt", 160, 10)
     sharded = make_run_dir(tmp_path / "two", settings("cpt", 2), 160, 10)
     checkpoints = sharded.stage_dir("cpt") / "checkpoints"
     first = torchrun(sharded, "cpt", hold_after_checkpoint=2)
@@ -110,10 +115,7 @@ def test_full_training_with_experts_over_two_processes_matches_one_and_resumes_f
 
 @pytest.mark.slow
 def test_lora_with_experts_over_two_processes_matches_one(tmp_path: Path) -> None:
-    single = make_run_dir(tmp_path / "one", settings("sft", 1), 10, 160)
-    done = run_stage(single, "sft", OMP_NUM_THREADS="1")
-    assert done.returncode == 0, done.stderr[-3000:]
-
+    single = one_process(tmp_path, "sft", 10, 160)
     sharded = make_run_dir(tmp_path / "two", settings("sft", 2), 10, 160)
     process = torchrun(sharded, "sft")
     assert process.wait(timeout=600) == 0, (sharded.root / "sft.torchrun.log").read_text()[-4000:]
