@@ -73,13 +73,16 @@ class Case:
     lora_dropout: float | None = None  # None: the spec's default (lora.dropout)
     peft_input_casts: bool = False  # keep PEFT's cast of each LoRA input to float32 (before adapter_inputs_uncast)
     stock_experts: bool = False  # transformers' own grouped_mm experts forward, not the stages' (plain kinds: always)
+    fp8: bool = False  # training.fp8: the linear layers' matmuls in float8 (torchao)
+    fp8_compile: bool | None = None  # fp8: compile each float8 layer (None: the stage's choice)
+    fp8_recipe: str | None = None  # fp8: torchao's scaling recipe (None: the stage's)
     expert_parallel: int = 1  # distributed.expert_parallel: experts split over this many ranks (B7 cases: all)
     layers: int | None = None  # decoder layers, when fewer than the shape's
     warmup: int = 4
     steps: int = 20
     max_seq_length: int = 2048
     note: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)  # more trainer arguments (torch_compile, logging_steps)
 
 
 # The base cases of the B2-at-4096, B5 and B6 groups; their variants below differ in the fields they name.
@@ -619,6 +622,43 @@ CASES += [
         per_device_batch_size=1,
         note="full fine-tuning (float32 masters, bf16 compute) of 20 of the 48 layers, experts split over every "
         "GPU, 1 row of 4096 per GPU, gradient checkpointing",
+    ),
+]
+
+# B8: float8 matmuls (training.fp8, issue 38) against bf16, full fine-tuning of 12 of the 8B shape's 36 layers on one
+# GPU, rows of 4096, 50 steps with the loss of every step (the loss target: within 1% of bf16's).
+B8 = Case(
+    "b8_bf16",
+    "B8",
+    "qwen3-8b",
+    layers=12,
+    per_device_batch_size=2,
+    gradient_checkpointing=True,
+    max_seq_length=4096,
+    warmup=5,
+    steps=45,
+    extra={"logging_steps": 1},
+    note="baseline: sft stage, full fine-tuning (float32 masters, bf16 autocast), 12 layers of the 8B shape, 2 packed "
+    "rows of 4096, flex + Liger, gradient checkpointing",
+)
+CASES += [
+    B8,
+    replace(B8, name="b8_fp8", fp8=True, note="as b8_bf16 with training.fp8 (each float8 layer compiled)"),
+    replace(B8, name="b8_fp8_rowwise", fp8=True, fp8_recipe="rowwise", note="as b8_fp8, rowwise scales"),
+    replace(B8, name="b8_fp8_eager", fp8=True, fp8_compile=False, note="as b8_fp8, nothing compiled"),
+    replace(
+        B8,
+        name="b8_fp8_model_compile",
+        fp8=True,
+        fp8_compile=False,
+        extra={**B8.extra, "torch_compile": True},
+        note="as b8_fp8 with the whole model compiled (the trainer's torch_compile) instead of each layer",
+    ),
+    replace(
+        B8,
+        name="b8_bf16_model_compile",
+        extra={**B8.extra, "torch_compile": True},
+        note="as b8_bf16 with the whole model compiled (the trainer's torch_compile)",
     ),
 ]
 

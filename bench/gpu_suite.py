@@ -294,6 +294,7 @@ def stage_context(case: Case, tmp: Path, tiny: bool) -> SimpleNamespace:
         save_steps=100000,
         warmup_ratio=0.0,
         pure_bf16=case.pure_bf16,
+        fp8=case.fp8,
     )
     cls = RlhfStage if case.kind == "stage_dpo" else SftStage
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -371,6 +372,11 @@ def build_model(ctx: SimpleNamespace, tokenizer: Any, case: Case, tmp: Path) -> 
             adapter_inputs_uncast(model, ctx.stage)
     else:
         float32_masters(model, ctx.section)
+        if case.fp8:
+            from stages.float8 import train_in_float8
+
+            recipe = {"recipe": case.fp8_recipe} if case.fp8_recipe else {}
+            train_in_float8(model, ctx.stage, compile_layers=case.fp8_compile, **recipe)
     model.config.use_cache = False
     return model
 
@@ -387,7 +393,7 @@ def trainer_args(ctx: SimpleNamespace, model: Any, case: Case) -> dict[str, Any]
         args["use_liger_kernel"] = case.liger
     if case.reshard_after_forward is not None and args.get("fsdp_config"):
         args["fsdp_config"] = {**args["fsdp_config"], "reshard_after_forward": case.reshard_after_forward}
-    return args
+    return {**args, **case.extra}
 
 
 def boundary_check(model: Any, row: dict[str, list[int]], device: Any) -> dict[str, float] | None:
@@ -685,6 +691,10 @@ def run_case(case: Case, tiny: bool, tmp: Path) -> dict[str, Any]:
     result["first_step_grads"] = probe_grads.found
     if profiler is not None:
         result["profile"] = profiler.tables
+    if case.fp8 or case.extra.get("torch_compile"):  # what was compiled, and whether a limit sent frames back to eager
+        from torch._dynamo.utils import counters
+
+        result["dynamo_counters"] = {kind: dict(values) for kind, values in counters.items() if values}
 
     timed = collator.batches[case.warmup : case.warmup + case.steps]
     tokens = sum(t for t, _ in timed)

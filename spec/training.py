@@ -177,6 +177,17 @@ class TrainingSpec(StrictModel):
         "update smaller than half a bf16 step of its weight (about 0.4% of it) is lost, which at fine-tuning "
         "learning rates is most of them. FSDP and DeepSpeed always keep float32 master weights.",
     )
+    fp8: bool = Field(
+        False,
+        description="Full fine-tuning: the linear layers' matmuls in float8 (torchao's float8 training: inputs and "
+        "weights scaled per tensor to e4m3, gradients to e5m2, the result in bf16; the weights, optimizer state and "
+        "saved model stay as they are). Left in model.dtype: the output layer (lm_head), the embeddings, the norms, "
+        "a mixture's router and experts, and any layer whose sizes are not multiples of 16. Needs GPUs of compute "
+        "capability 8.9 or newer (H100, H200, L40S); on CPU the same float8 matmuls run, slowly (--local). Each "
+        "converted layer is compiled (torch.compile), which fuses the scaling into few kernels: the first steps "
+        "are slower. With strategy ddp or fsdp; not DeepSpeed, expert_parallel, LoRA or QLoRA. Measured in "
+        "docs/performance.md (B8).",
+    )
     router_aux_loss_coef: float | None = Field(
         None,
         ge=0,
@@ -345,6 +356,7 @@ class TrainingStage(StageBase):
         if self.method == "qlora" and self.distributed.strategy == "deepspeed_zero3":
             raise ValueError("qlora cannot be sharded with deepspeed_zero3; use ddp or fsdp")
         self._expert_parallel_fits()
+        self._float8_fits()
         check_mixture(self.data)
         held_out = any(d.eval_fraction > 0 for d in datasets(self.data))
         if self.training.eval_steps is not None and self.data is not None and not held_out:
@@ -389,6 +401,32 @@ class TrainingStage(StageBase):
                 at,
                 f"expert_parallel {ep} must divide resources.gpus_per_node ({gpus}): its groups of ranks stay "
                 "inside one node",
+            )
+
+    def _float8_fits(self) -> None:
+        """Float8 training converts the full model's linear layers (torchao), which DDP and FSDP2 train as they
+        are; DeepSpeed partitions the weights into its own flat buffers, and adapters freeze the layers it
+        converts."""
+        if not self.training.fp8:
+            return
+        at = ("training", "fp8")
+        if self.method != "full":
+            raise FieldError(
+                at,
+                f"fp8 trains the full model's linear layers in float8; method {self.method!r} trains adapters on "
+                "frozen ones: use method 'full', or fp8: false",
+            )
+        if self.distributed.strategy.startswith("deepspeed"):
+            raise FieldError(
+                at,
+                f"fp8 runs with strategy 'ddp' or 'fsdp' (FSDP2 shards float8 layers as they are); DeepSpeed "
+                f"({self.distributed.strategy}) flattens the weights it partitions: use 'fsdp', or fp8: false",
+            )
+        if self.distributed.expert_parallel > 1:
+            raise FieldError(
+                at,
+                "fp8 with expert_parallel is not supported: the experts are grouped matmuls, not linear layers, "
+                "and only attention would run in float8; set one of them back",
             )
 
 

@@ -45,6 +45,7 @@ from run.search import apply_selections
 from spec.document import SpecError
 from spec.fields import STAGE_ORDER
 from stages.contract import StageContext, check_ready, disk_full_message, is_disk_full
+from stages.float8 import quiet_torchao_import
 from stages.trials import prepare_trial, report_metrics
 
 
@@ -189,6 +190,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    quiet_torchao_import()
     if argv[:1] == ["hpo-select"]:
         from stages.hpo import main as select_main
 

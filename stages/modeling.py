@@ -57,6 +57,7 @@ from stages.expert_parallel import (
     shard_whole,
     trains_float32_masters,
 )
+from stages.float8 import check_float8, train_in_float8
 from stages.quantized_experts import is_quantized, quantized_experts, shaped_experts
 from stages.sharded_loading import (
     first_rank_placement,
@@ -433,6 +434,8 @@ def adapter_inputs_uncast(model: Any, stage: str) -> int:
 
 def check_method(stage: str, section: TrainingStage) -> None:
     """Refuse what this machine cannot do, naming the spec field to change."""
+    if section.training.fp8:
+        check_float8(stage)
     if section.method != "qlora":
         return
     missing = [what for what, ok in (("a CUDA GPU", on_gpu()), ("bitsandbytes", _has("bitsandbytes"))) if not ok]
@@ -950,6 +953,8 @@ def load_starting_model(
             model = load_adapter(model, adapter_dir).merge_and_unload()
             model.requires_grad_(True)  # PEFT loaded the base frozen; full training trains every weight
         save_dtype = ep_save_dtype if experts_split else float32_masters(model, section)
+        if section.training.fp8:
+            train_in_float8(model, stage)
         start = StartingModel(
             model=model,
             kind="full",

@@ -104,6 +104,9 @@ def send(sock: socket.socket, message: dict) -> None:
 
 def preload() -> None:
     """Import PRELOAD, fill the caches every stage would fill again, and freeze what there is for the children."""
+    from stages.float8 import quiet_torchao_import
+
+    quiet_torchao_import()
     for name in PRELOAD:
         importlib.import_module(name)
     # MLflow maps modules to the installed packages once per process, reading every package's metadata (about a

@@ -1,0 +1,103 @@
+"""Float8 training (`training.fp8`): which of a model's linear layers run their matmuls in float8, through torchao.
+
+torchao's float8 training (the float8 recipe torchtitan uses) swaps each chosen `nn.Linear` for its `Float8Linear`:
+the same weight parameter in the same dtype, so the optimizer, FSDP2's sharding, checkpoints and the saved model
+see an ordinary linear layer; only the forward and backward matmuls change. Inputs and weights are scaled per
+tensor to float8 e4m3 and the output gradients to e5m2 (dynamic scaling, from each tensor's own maximum), and
+every product accumulates and returns in the autocast dtype.
+
+Kept out of float8, as every float8 recipe keeps them (torchtitan, accelerate's torchao path):
+- the output layer: its logits feed the loss directly, and with a vocabulary of 150k it is where float8's error
+  shows first;
+- a mixture's router (its choice of experts is discrete; a small error flips it) and its experts, which are
+  grouped matmuls over 3-D weights, not linear layers;
+- any layer whose sizes are not multiples of 16, which float8 GEMMs require.
+
+On a GPU each converted layer is compiled: eager, the scaling is five small kernels per tensor around each GEMM,
+which costs more than float8 saves (docs/performance.md, B8).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from typing import Any
+
+import torch
+
+from stages.contract import NotSupportedHere
+
+RECIPE = "tensorwise"
+
+MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada (L40S, RTX 4090), Hopper (H100, H200) and newer
+
+
+class _ImportNoise(logging.Filter):
+    """Warnings that say nothing about a run. torchao is imported by transformers' Trainer wherever it is
+    installed, fp8 or not: it tries its optional C++ kernels (MX formats, CUTLASS) and logs a warning for each that
+    does not load for this torch (float8 training uses none of them: its GEMM is torch's `_scaled_mm`), and
+    registering its enums makes torch's pytree log a deprecation."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith("Failed to load") or "is an Enum subclass and is now natively" in message)
+
+
+def quiet_torchao_import() -> None:
+    """Drop torchao's import-time warnings from the stage's log: call before transformers' Trainer is imported."""
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).addFilter(_ImportNoise())
+
+
+def check_float8(stage: str) -> None:
+    """Refuse (one error line) where float8 training cannot run: torchao missing, or a GPU without float8 tensor
+    cores. On CPU it runs (torch's CPU float8 GEMM), for --local and the tests."""
+    where = f"stages.{stage}.training.fp8"
+    if importlib.util.find_spec("torchao") is None:
+        raise NotSupportedHere(f"{where}: float8 training needs torchao, which is not installed in this image")
+    if torch.cuda.is_available():
+        capability = torch.cuda.get_device_capability()
+        if capability < MIN_CAPABILITY:
+            name = torch.cuda.get_device_name()
+            raise NotSupportedHere(
+                f"{where}: float8 matmuls need a GPU of compute capability 8.9 or newer (H100, H200, L40S); this "
+                f"{name} is {capability[0]}.{capability[1]}: set fp8: false"
+            )
+
+
+def float8_layers(model: Any) -> list[str]:
+    """The names of the linear layers float8 training converts (see the module's docstring for what it keeps)."""
+    output = model.get_output_embeddings()
+    chosen = []
+    for name, module in model.named_modules():
+        if type(module) is not torch.nn.Linear or module is output:
+            continue
+        parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+        if hasattr(parent, "experts"):  # a mixture's router or shared-expert gate
+            continue
+        if module.in_features % 16 or module.out_features % 16:
+            continue
+        chosen.append(name)
+    return chosen
+
+
+def train_in_float8(model: Any, stage: str, compile_layers: bool | None = None, recipe: str = RECIPE) -> int:
+    """Convert `model`'s chosen linear layers to torchao's Float8Linear in place and return how many.
+    `compile_layers` (default: on a GPU) compiles each converted layer's forward; `recipe` is torchao's scaling
+    recipe ("tensorwise", "rowwise")."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    chosen = set(float8_layers(model))
+    if not chosen:
+        raise NotSupportedHere(
+            f"stages.{stage}.training.fp8: the model has no linear layer float8 can run (sizes multiples of 16, "
+            "not the output layer): set fp8: false"
+        )
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda _m, name: name in chosen)
+    if compile_layers if compile_layers is not None else torch.cuda.is_available():
+        for name in chosen:
+            model.get_submodule(name).compile()
+    linear = sum(type(m) is torch.nn.Linear for m in model.modules())
+    print(f"[{stage}] fp8: {len(chosen)} linear layers in float8, {linear} kept in {model.dtype}", flush=True)
+    return len(chosen)

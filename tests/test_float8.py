@@ -1,0 +1,150 @@
+"""Float8 training (`training.fp8`): the stage runs its linear layers' matmuls in float8 through torchao (on CPU
+too: torch's CPU float8 GEMM), keeps the output layer, a mixture's router and experts and odd-sized layers out,
+saves an ordinary model, reruns to the same weights, resumes from a checkpoint to the same weights, and refuses
+what it cannot combine with, naming the field."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from training_fixtures import make_run_dir, run_stage, start_stage, wait_for_file
+
+from run.run_dir import RunDir
+from spec.document import SpecError
+from spec.loading import load_pipeline
+from stages.checkpoints import MARKER
+from stages.contract import NotSupportedHere
+from stages.float8 import check_float8, float8_layers, train_in_float8
+from stages.modeling import model_fingerprint
+from stages.training import read_log_history
+
+FAST = [
+    "stages.sft.enabled=false",
+    "stages.cpt.training.max_steps=6",
+    "stages.cpt.training.save_steps=3",
+    "stages.cpt.training.logging_steps=1",
+]
+FP8 = [*FAST, "stages.cpt.training.fp8=true"]
+
+
+def tiny(architecture: str = "llama", **sizes: int) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
+
+    common = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
+    if architecture == "qwen3_moe":
+        config = Qwen3MoeConfig(**common, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    else:
+        config = LlamaConfig(**{**common, "intermediate_size": 128, **sizes})
+    return AutoModelForCausalLM.from_config(config)
+
+
+def test_the_linear_layers_float8_takes_and_those_it_leaves() -> None:
+    dense = float8_layers(tiny())
+    per_layer = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    assert sorted(dense) == sorted(
+        f"model.layers.{i}.{part}.{name}"
+        for i in range(2)
+        for part, names in (("self_attn", per_layer[:4]), ("mlp", per_layer[4:]))
+        for name in names
+    )
+    assert "lm_head" not in dense
+    # A mixture: attention only; the router and the experts (3-D grouped weights) stay as they are.
+    moe = float8_layers(tiny("qwen3_moe"))
+    assert sorted({name.rsplit(".", 1)[1] for name in moe}) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    # Sizes float8 GEMMs cannot take (not multiples of 16): the MLP's 120-wide layers stay.
+    odd = float8_layers(tiny(intermediate_size=120))
+    assert not [name for name in odd if ".mlp." in name] and len(odd) == 8
+
+
+def test_converted_layers_keep_their_weights_and_state_dict() -> None:
+    from torchao.float8.float8_linear import Float8Linear
+
+    model = tiny()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert train_in_float8(model, "cpt", compile_layers=False) == 14
+    assert isinstance(model.model.layers[0].mlp.down_proj, Float8Linear)
+    assert type(model.lm_head) is torch.nn.Linear
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    ids = torch.randint(0, 256, (2, 32))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss) and model.model.layers[0].mlp.down_proj.weight.grad.abs().sum() > 0
+
+
+def test_a_gpu_without_float8_tensor_cores_is_refused_naming_the_field(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(NotSupportedHere, match=r"stages\.sft\.training\.fp8: .* this NVIDIA A100-SXM4-80GB is 8\.0"):
+        check_float8("sft")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda: (9, 0))
+    check_float8("sft")  # an H100
+
+
+def spec_error(overrides: list[str]) -> str:
+    with pytest.raises(SpecError) as caught:
+        load_pipeline("llama3-dolly", overrides=overrides)
+    return str(caught.value)
+
+
+def test_the_spec_refuses_what_float8_cannot_combine_with() -> None:
+    fp8 = "stages.sft.training.fp8=true"
+    assert "stages.sft.training.fp8" in spec_error([fp8, "stages.sft.method=lora"])
+    assert "method 'lora' trains adapters on frozen ones" in spec_error([fp8, "stages.sft.method=lora"])
+    zero3 = spec_error([fp8, "stages.sft.method=full", "stages.sft.distributed.strategy=deepspeed_zero3"])
+    assert "DeepSpeed (deepspeed_zero3) flattens the weights" in zero3
+    fsdp = [fp8, "stages.sft.method=full", "stages.sft.distributed.strategy=fsdp"]
+    full = load_pipeline("llama3-dolly", overrides=fsdp)
+    assert full.spec.stages.sft.training.fp8
+
+
+def losses(run_dir: RunDir) -> list[float]:
+    history = read_log_history(run_dir.stage_dir("cpt") / "logs/log_history.json")
+    return [entry["loss"] for entry in history if "loss" in entry]
+
+
+def trained(root: Path, overrides: list[str]) -> tuple[RunDir, str]:
+    run_dir = make_run_dir(root, overrides=overrides, n_text=80, n_chat=10)
+    done = run_stage(run_dir, "cpt")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return run_dir, done.stdout + done.stderr
+
+
+@pytest.mark.slow
+def test_cpt_in_float8_trains_saves_an_ordinary_model_reruns_and_resumes_to_the_same_weights(tmp_path: Path) -> None:
+    plain, _ = trained(tmp_path / "plain", FAST)
+    fp8, log = trained(tmp_path / "fp8", FP8)
+    assert "[cpt] fp8: 14 linear layers in float8, 1 kept in torch.float32" in log
+
+    # Float8 changes the products, a little: the same data and seed give other losses, close to the plain run's.
+    ours, theirs = losses(fp8), losses(plain)
+    assert len(ours) == len(theirs) == 6 and ours != theirs
+    assert ours[0] == pytest.approx(theirs[0], rel=0.01) and ours[-1] < ours[0]
+    saved = load_file(fp8.stage_dir("cpt") / "model/model.safetensors")
+    reference = load_file(plain.stage_dir("cpt") / "model/model.safetensors")
+    assert saved.keys() == reference.keys()  # an ordinary model: no float8 state, every stage and vLLM load it
+    assert all(saved[k].dtype == reference[k].dtype for k in saved)
+    down = "model.layers.0.mlp.down_proj.weight"
+    assert not torch.equal(saved[down], reference[down])
+
+    # Same inputs, same model (CPU: bit-identical).
+    again, _ = trained(tmp_path / "again", FP8)
+    fingerprint = model_fingerprint(fp8.stage_dir("cpt") / "model")
+    assert model_fingerprint(again.stage_dir("cpt") / "model") == fingerprint
+
+    # Killed after checkpoint-3, the rerun resumes from it to the same model.
+    killed = make_run_dir(tmp_path / "killed", overrides=FP8, n_text=80, n_chat=10)
+    child = start_stage(killed, "cpt", HOLD_AFTER_CHECKPOINT="3")
+    wait_for_file(killed.stage_dir("cpt") / "checkpoints/checkpoint-3" / MARKER, child)
+    child.send_signal(signal.SIGKILL)
+    child.wait(timeout=60)
+    done = run_stage(killed, "cpt")
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = killed.read_result("cpt")
+    assert result is not None and result.extra["resumed_from"] == "checkpoint-3"
+    assert model_fingerprint(killed.stage_dir("cpt") / "model") == fingerprint
