@@ -186,7 +186,7 @@ class TrainingSpec(StrictModel):
         "capability 8.9 or newer (H100, H200, L40S); on CPU the same float8 matmuls run, slowly (--local). On a GPU "
         "each converted layer is compiled (torch.compile), so the first steps are slower. Measured on one H200 for "
         "12 and 24 layers of an 8B model: 1.14-1.17x the bf16 step, the same loss over 50 steps (docs/performance.md "
-        "B8). With strategy ddp or fsdp; not DeepSpeed, expert_parallel, LoRA or QLoRA.",
+        "B8). With strategy ddp or fsdp; not DeepSpeed, expert_parallel, LoRA, QLoRA or grpo.",
     )
     router_aux_loss_coef: float | None = Field(
         None,
@@ -550,6 +550,12 @@ class RlhfStage(TrainingStage):
                     "so its module must be listed there, in the pipeline file",
                 )
         self._expert_parallel_reference()
+        if self.training.fp8 and self.algorithm == "grpo":
+            raise FieldError(
+                ("training", "fp8"),
+                "fp8 is for cpt, sft and rlhf's dpo, orpo and kto; grpo generates with the policy it trains, which "
+                "float8 training has not been measured on: set fp8: false",
+            )
         if self.algorithm == "grpo":
             if self.enabled and not self.reward_functions:
                 raise ValueError("grpo needs at least one entry in reward_functions")

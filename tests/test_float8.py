@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from training_fixtures import make_run_dir, run_stage, start_stage, wait_for_file
+from training_fixtures import make_preference_run_dir, make_run_dir, run_stage, start_stage, wait_for_file
 
 from run.run_dir import RunDir
 from spec.document import SpecError
@@ -86,9 +86,9 @@ def test_a_gpu_without_float8_tensor_cores_is_refused_naming_the_field(monkeypat
     check_float8("sft")  # an H100
 
 
-def spec_error(overrides: list[str]) -> str:
+def spec_error(overrides: list[str], pipeline: str = "llama3-dolly") -> str:
     with pytest.raises(SpecError) as caught:
-        load_pipeline("llama3-dolly", overrides=overrides)
+        load_pipeline(pipeline, overrides=overrides)
     return str(caught.value)
 
 
@@ -98,6 +98,8 @@ def test_the_spec_refuses_what_float8_cannot_combine_with() -> None:
     assert "method 'lora' trains adapters on frozen ones" in spec_error([fp8, "stages.sft.method=lora"])
     zero3 = spec_error([fp8, "stages.sft.method=full", "stages.sft.distributed.strategy=deepspeed_zero3"])
     assert "DeepSpeed (deepspeed_zero3) flattens the weights" in zero3
+    grpo = ["stages.rlhf.training.fp8=true", "stages.rlhf.method=full", "stages.rlhf.algorithm=grpo"]
+    assert "grpo generates with the policy it trains" in spec_error(grpo, "korean-llm")
     fsdp = [fp8, "stages.sft.method=full", "stages.sft.distributed.strategy=fsdp"]
     full = load_pipeline("llama3-dolly", overrides=fsdp)
     assert full.spec.stages.sft.training.fp8
@@ -148,3 +150,22 @@ def test_cpt_in_float8_trains_saves_an_ordinary_model_reruns_and_resumes_to_the_
     result = killed.read_result("cpt")
     assert result is not None and result.extra["resumed_from"] == "checkpoint-3"
     assert model_fingerprint(killed.stage_dir("cpt") / "model") == fingerprint
+
+
+@pytest.mark.slow
+def test_dpo_trains_a_full_policy_in_float8(tmp_path: Path) -> None:
+    overrides = [
+        "stages.cpt.enabled=false",
+        "stages.sft.enabled=false",
+        "stages.rlhf.method=full",
+        "stages.rlhf.training.fp8=true",
+        "stages.rlhf.training.max_steps=4",
+        "stages.rlhf.training.logging_steps=1",
+    ]
+    run_dir = make_preference_run_dir(tmp_path / "run", overrides)
+    done = run_stage(run_dir, "rlhf")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "[rlhf] fp8: 14 linear layers in float8" in done.stdout + done.stderr
+    history = read_log_history(run_dir.stage_dir("rlhf") / "logs/log_history.json")
+    assert [e["step"] for e in history if "loss" in e] == [1, 2, 3, 4]
+    assert (run_dir.stage_dir("rlhf") / "model/model.safetensors").is_file()
