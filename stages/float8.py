@@ -105,6 +105,6 @@ def train_in_float8(model: Any, stage: str, compile_layers: bool | None = None, 
     if compile_layers if compile_layers is not None else torch.cuda.is_available():
         for name in chosen:
             model.get_submodule(name).compile()
-    linear = sum(type(m) is torch.nn.Linear for m in model.modules())
-    print(f"[{stage}] fp8: {len(chosen)} linear layers in float8, {linear} kept in {model.dtype}", flush=True)
+    kept = sum(type(m) is torch.nn.Linear for m in model.modules())
+    print(f"[{stage}] fp8: {len(chosen)} linear layers in float8, {kept} not", flush=True)
     return len(chosen)
