@@ -646,6 +646,8 @@ CASES += [
     replace(B8, name="b8_fp8", fp8=True, note="as b8_bf16 with training.fp8 (each float8 layer compiled)"),
     replace(B8, name="b8_fp8_rowwise", fp8=True, fp8_recipe="rowwise", note="as b8_fp8, rowwise scales"),
     replace(B8, name="b8_fp8_eager", fp8=True, fp8_compile=False, note="as b8_fp8, nothing compiled"),
+    replace(B8, name="b8_bf16_b4", per_device_batch_size=4, warmup=3, steps=12, extra={}, note="as b8_bf16, 4 rows"),
+    replace(B8, name="b8_fp8_b4", per_device_batch_size=4, warmup=3, steps=12, extra={}, fp8=True, note="fp8, 4 rows"),
     replace(B8, name="b8_bf16_24l", layers=24, note="as b8_bf16 with 24 of the 36 layers"),
     replace(B8, name="b8_fp8_24l", layers=24, fp8=True, note="as b8_fp8 with 24 of the 36 layers"),
     replace(

@@ -185,7 +185,7 @@ class TrainingSpec(StrictModel):
         "a mixture's router and experts, and any layer whose sizes are not multiples of 16. Needs GPUs of compute "
         "capability 8.9 or newer (H100, H200, L40S); on CPU the same float8 matmuls run, slowly (--local). On a GPU "
         "each converted layer is compiled (torch.compile), so the first steps are slower. Measured on one H200 for "
-        "12 and 24 layers of an 8B model: 1.14-1.17x the bf16 step, the loss within 0.03% over 50 steps "
+        "12 and 24 layers of an 8B model: 1.14-1.24x the bf16 step, the loss within 0.03% over 50 steps "
         "(docs/performance.md B8). With strategy ddp or fsdp; not DeepSpeed, expert_parallel, LoRA, QLoRA or grpo.",
     )
     router_aux_loss_coef: float | None = Field(

@@ -14,7 +14,7 @@ Kept out of float8, as every float8 recipe keeps them (torchtitan, accelerate's 
 - any layer whose sizes are not multiples of 16, which float8 GEMMs require.
 
 On a GPU each converted layer is compiled (`nn.Module.compile`): eager, the scaling is several small kernels per
-tensor around each GEMM, and the step ran at 0.56× bf16's; compiled, 1.14-1.17× (one H200, 12 and 24 layers of the
+tensor around each GEMM, and the step ran at 0.56× bf16's; compiled, 1.14-1.24× (one H200, 12 and 24 layers of the
 8B shape, docs/performance.md B8). Compiling larger regions does not take with transformers' gradient checkpointing,
 which calls each checkpointed decoder layer's uncompiled forward: the trainer's `torch_compile` and a compiled
 decoder layer both ran at the eager speed. torchao's rowwise recipe measured 0.97× bf16's.
