@@ -15,14 +15,20 @@ import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
-from training_fixtures import child_env, make_run_dir, run_stage, stage_script, wait_for_file
+from training_fixtures import (
+    child_env,
+    losses,
+    make_run_dir,
+    run_stage,
+    spec_error,
+    stage_script,
+    wait_for_file,
+)
 
 from run.run_dir import RunDir
-from spec.document import SpecError
 from spec.loading import load_pipeline
 from stages.checkpoints import MARKER
 from stages.contract import NotSupportedHere
-from stages.training import read_log_history
 
 # Four experts (two routed per token) of a tiny qwen3_moe; the router's load-balancing loss off, because it is
 # computed over each process's own tokens (as under DDP) and would differ from one process's by design.
@@ -68,11 +74,6 @@ def one_process(tmp_path: Path, stage: str, n_text: int, n_chat: int) -> RunDir:
     done = run_stage(single, stage, OMP_NUM_THREADS="1")
     assert done.returncode == 0, done.stderr[-3000:]
     return single
-
-
-def losses(run_dir: RunDir, stage: str) -> list[float]:
-    history = read_log_history(run_dir.stage_dir(stage) / "logs/log_history.json")
-    return [entry["loss"] for entry in history if "loss" in entry]
 
 
 def assert_same_weights(one: Path, two: Path) -> None:
@@ -127,21 +128,17 @@ def test_lora_with_experts_over_two_processes_matches_one(tmp_path: Path) -> Non
     assert_same_weights(single.stage_dir("sft") / adapter, sharded.stage_dir("sft") / adapter)
 
 
-def spec_error(overrides: list[str], pipeline: str = "qwen3-30b-a3b") -> str:
-    with pytest.raises(SpecError) as caught:
-        load_pipeline(pipeline, overrides=overrides)
-    return str(caught.value)
-
-
 def test_the_spec_refuses_what_expert_parallelism_cannot_shard() -> None:
     ep = "stages.sft.distributed.expert_parallel=4"
-    assert "set distributed.strategy to 'fsdp'" in spec_error([ep])  # the pipeline's ZeRO-3
+    assert "set distributed.strategy to 'fsdp'" in spec_error("qwen3-30b-a3b", [ep])  # the pipeline's ZeRO-3
     fsdp = "stages.sft.distributed.strategy=fsdp"
-    assert "must divide resources.gpus_per_node (8)" in spec_error(["stages.sft.distributed.expert_parallel=3", fsdp])
-    assert "lora.target_experts: false" in spec_error([ep, fsdp, "stages.sft.method=lora"])
-    assert "qlora's are 4-bit" in spec_error([ep, fsdp, "stages.sft.method=qlora"])
+    assert "must divide resources.gpus_per_node (8)" in spec_error(
+        "qwen3-30b-a3b", ["stages.sft.distributed.expert_parallel=3", fsdp]
+    )
+    assert "lora.target_experts: false" in spec_error("qwen3-30b-a3b", [ep, fsdp, "stages.sft.method=lora"])
+    assert "qlora's are 4-bit" in spec_error("qwen3-30b-a3b", [ep, fsdp, "stages.sft.method=qlora"])
     rlhf = ["stages.rlhf.distributed.expert_parallel=2", "stages.rlhf.distributed.strategy=fsdp"]
-    assert "rlhf (dpo) does not run with expert_parallel" in spec_error(rlhf)
+    assert "rlhf (dpo) does not run with expert_parallel" in spec_error("qwen3-30b-a3b", rlhf)
     spec = load_pipeline("qwen3-30b-a3b", overrides=[ep, fsdp]).spec
     assert spec.stages.sft.distributed.expert_parallel == 4
 

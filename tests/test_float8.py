@@ -11,10 +11,17 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from training_fixtures import make_preference_run_dir, make_run_dir, run_stage, start_stage, wait_for_file
+from training_fixtures import (
+    losses,
+    make_preference_run_dir,
+    make_run_dir,
+    run_stage,
+    spec_error,
+    start_stage,
+    wait_for_file,
+)
 
 from run.run_dir import RunDir
-from spec.document import SpecError
 from spec.loading import load_pipeline
 from stages.checkpoints import MARKER
 from stages.contract import NotSupportedHere
@@ -86,28 +93,19 @@ def test_a_gpu_without_float8_tensor_cores_is_refused_naming_the_field(monkeypat
     check_float8("sft")  # an H100
 
 
-def spec_error(overrides: list[str], pipeline: str = "llama3-dolly") -> str:
-    with pytest.raises(SpecError) as caught:
-        load_pipeline(pipeline, overrides=overrides)
-    return str(caught.value)
-
-
 def test_the_spec_refuses_what_float8_cannot_combine_with() -> None:
     fp8 = "stages.sft.training.fp8=true"
-    assert "stages.sft.training.fp8" in spec_error([fp8, "stages.sft.method=lora"])
-    assert "method 'lora' trains adapters on frozen ones" in spec_error([fp8, "stages.sft.method=lora"])
-    zero3 = spec_error([fp8, "stages.sft.method=full", "stages.sft.distributed.strategy=deepspeed_zero3"])
+    assert "stages.sft.training.fp8" in spec_error("llama3-dolly", [fp8, "stages.sft.method=lora"])
+    assert "method 'lora' trains adapters on frozen ones" in spec_error("llama3-dolly", [fp8, "stages.sft.method=lora"])
+    zero3 = spec_error(
+        "llama3-dolly", [fp8, "stages.sft.method=full", "stages.sft.distributed.strategy=deepspeed_zero3"]
+    )
     assert "DeepSpeed (deepspeed_zero3) flattens the weights" in zero3
     grpo = ["stages.rlhf.training.fp8=true", "stages.rlhf.method=full", "stages.rlhf.algorithm=grpo"]
-    assert "grpo generates with the policy it trains" in spec_error(grpo, "korean-llm")
+    assert "grpo generates with the policy it trains" in spec_error("korean-llm", grpo)
     fsdp = [fp8, "stages.sft.method=full", "stages.sft.distributed.strategy=fsdp"]
     full = load_pipeline("llama3-dolly", overrides=fsdp)
     assert full.spec.stages.sft.training.fp8
-
-
-def losses(run_dir: RunDir) -> list[float]:
-    history = read_log_history(run_dir.stage_dir("cpt") / "logs/log_history.json")
-    return [entry["loss"] for entry in history if "loss" in entry]
 
 
 def trained(root: Path, overrides: list[str]) -> tuple[RunDir, str]:
@@ -124,7 +122,7 @@ def test_cpt_in_float8_trains_saves_an_ordinary_model_reruns_and_resumes_to_the_
     assert "[cpt] fp8: 14 linear layers in float8, 1 not" in log
 
     # Float8 changes the products, a little: the same data and seed give other losses, close to the plain run's.
-    ours, theirs = losses(fp8), losses(plain)
+    ours, theirs = losses(fp8, "cpt"), losses(plain, "cpt")
     assert len(ours) == len(theirs) == 6 and ours != theirs
     assert ours[0] == pytest.approx(theirs[0], rel=0.01) and ours[-1] < ours[0]
     saved = load_file(fp8.stage_dir("cpt") / "model/model.safetensors")

@@ -10,11 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from training_fixtures import make_run_dir, run_stage
+from training_fixtures import losses, make_run_dir, run_stage
 
 from run.run_dir import RunDir
 from stages.modeling import NotSupportedHere, check_method, load_stage_model, load_tokenizer, model_fingerprint
-from stages.training import read_log_history
 
 pytestmark = pytest.mark.slow
 
@@ -26,10 +25,6 @@ FAST = [
     "stages.sft.training.save_steps=5",
     "stages.sft.training.logging_steps=1",
 ]
-
-
-def losses(run_dir: RunDir, stage: str) -> list[float]:
-    return [e["loss"] for e in read_log_history(run_dir.stage_dir(stage) / "logs/log_history.json") if "loss" in e]
 
 
 def no_pickles(model_dir: Path) -> None:

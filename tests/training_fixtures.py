@@ -21,13 +21,16 @@ from pathlib import Path
 from typing import Any
 
 import environment
+import pytest
 import stage_hooks
 
 from run.exits import die_with_runner
 from run.names import METRICS_PORT_ENV
 from run.run_dir import RunDir
+from spec.document import SpecError
 from spec.loading import load_pipeline
 from stages.tokenizer import build_tokenizer, render_for_training
+from stages.training import read_log_history
 from stages.trials import METRICS_FILE_ENV
 from workflows import warm_starts
 from workflows.warm_starts import WarmProcess, WarmStarts
@@ -387,3 +390,16 @@ def wandb_offline_runs(root: Path, wait_seconds: float = 60) -> list[dict[str, s
             }
         )
     return runs
+
+
+def losses(run_dir: RunDir, stage: str) -> list[float]:
+    """The training losses `stage` logged (its logs/log_history.json), step by step."""
+    history = read_log_history(run_dir.stage_dir(stage) / "logs/log_history.json")
+    return [entry["loss"] for entry in history if "loss" in entry]
+
+
+def spec_error(pipeline: str, overrides: list[str]) -> str:
+    """The message of the SpecError that loading `pipeline` with `overrides` raises (the test fails without one)."""
+    with pytest.raises(SpecError) as caught:
+        load_pipeline(pipeline, overrides=overrides)
+    return str(caught.value)
