@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from spec.data import CleaningSpec
-from stages.pii import MASKS, mask
+from stages.pii import MASKS, mask_counting
 
 DROP_REASONS = ("pii", "too_short", "too_long", "low_hangul", "contaminated", "duplicate", "near_duplicate")
 """Why a row is dropped, in the order the checks run."""
@@ -110,9 +110,7 @@ def _nfc_value(value: Any) -> Any:
 
 def _masked_value(value: Any, found: Counter[str]) -> Any:
     if isinstance(value, str):
-        text, counts = mask(value)
-        found.update(counts)
-        return text
+        return mask_counting(value, found)
     if isinstance(value, list):
         return [_masked_value(v, found) for v in value]
     if isinstance(value, dict):

@@ -103,18 +103,20 @@ def find(text: str) -> list[Found]:
     """Every identifier in `text`, in order, none overlapping (where two kinds match the same digits, the earlier
     one in `text` wins, then the longer, then the first of _PRIORITY: 13 digits with a valid check digit are a
     registration number, even where Luhn's digit happens to be valid too)."""
-    found: set[Found] = set()
+    found: list[Found] = []
     for run in _NUMBER_RUN.finditer(text):
         start = max(0, run.start() - _RUN_CONTEXT)
         window = text[start : run.end() + 2]  # two characters on: the patterns' end checks look that far
         for item in _numeric(window):
             if item.end > run.start() - start:  # not one of an earlier run's
-                found.add(Found(item.kind, item.start + start, item.end + start))
+                found.append(Found(item.kind, item.start + start, item.end + start))
     if "@" in text:
-        found.update(Found("email", m.start(), m.end()) for m in _EMAIL.finditer(text))
+        found += [Found("email", m.start(), m.end()) for m in _EMAIL.finditer(text)]
     if _PASSPORT_HINT.search(text):
-        found.update(Found("passport", m.start(), m.end()) for m in _PASSPORT.finditer(text))
-    ordered = sorted(found, key=lambda f: (f.start, -(f.end - f.start), _PRIORITY.index(f.kind)))
+        found += [Found("passport", m.start(), m.end()) for m in _PASSPORT.finditer(text)]
+    if not found:  # most strings: nothing to order
+        return found
+    ordered = sorted(set(found), key=lambda f: (f.start, -(f.end - f.start), _PRIORITY.index(f.kind)))
     kept: list[Found] = []
     for item in ordered:
         if not kept or item.start >= kept[-1].end:
@@ -145,12 +147,19 @@ def _numeric(text: str) -> list[Found]:
 
 def mask(text: str) -> tuple[str, Counter[str]]:
     """`text` with every identifier replaced by its kind's tag (MASKS), and how many of each kind it held."""
+    counts: Counter[str] = Counter()
+    return mask_counting(text, counts), counts
+
+
+def mask_counting(text: str, counts: Counter[str]) -> str:
+    """`mask`, adding what it found to `counts` (one Counter for a whole row's strings, not one per string)."""
     found = find(text)
     if not found:
-        return text, Counter()
+        return text
     parts, at = [], 0
     for item in found:
         parts += [text[at : item.start], MASKS[item.kind]]
         at = item.end
+        counts[item.kind] += 1
     parts.append(text[at:])
-    return "".join(parts), Counter(item.kind for item in found)
+    return "".join(parts)

@@ -235,3 +235,66 @@ def test_unknown_template_names_and_missing_files_are_errors(tmp_path: Any) -> N
     path = tmp_path / "mine.jinja"
     path.write_text("{{ messages }}", encoding="utf-8")
     assert template_text(str(path)) == "{{ messages }}"
+
+
+def _conversations() -> list[tuple[list[dict[str, Any]], list[dict[str, Any]] | None]]:
+    """(messages, tools) of every kind prepare renders: plain, without a system text, a reasoning turn (in the
+    content and under each of its field names), None values, and a conversation with tools."""
+    from test_tool_calls import canonical
+
+    thinking = {"role": "assistant", "content": f"<think>\n항구 도시.\n</think>\n\n{A2}"}
+    reasoned = [
+        [*CONVERSATION[:4], {"role": "assistant", "content": A2, field: "항구 도시."}]
+        for field in ("reasoning_content", "thinking", "reasoning")
+    ]
+    tool_row = canonical()
+    return [
+        (CONVERSATION, None),
+        (CONVERSATION[1:], None),
+        ([*CONVERSATION[:4], thinking], None),
+        *((messages, None) for messages in reasoned),
+        ([{**m, "name": None} for m in CONVERSATION], None),
+        (tool_row["messages"], tool_row["tools"]),
+        (CONVERSATION[1:2], None),
+    ]
+
+
+@pytest.mark.parametrize("name", sorted(KNOWN_TEMPLATES))
+def test_a_shipped_template_renders_as_transformers_renders_it(name: str) -> None:
+    """Shipped templates skip transformers' sandbox (stages.chat._shipped_template): the same text, or the same
+    refusal, as `apply_chat_template` for every conversation, generation prompt and thinking setting."""
+    from stages.chat import _shipped_template, render
+
+    tokenizer = tokenizer_for(name)
+    assert _shipped_template(tokenizer) is not None
+    checked = 0
+    for messages, tools in _conversations():
+        for generation_prompt in (False, True):
+            for enable_thinking in (False, True):
+                try:
+                    expected = tokenizer.apply_chat_template(
+                        messages,
+                        tools=tools,
+                        tokenize=False,
+                        add_generation_prompt=generation_prompt,
+                        enable_thinking=enable_thinking,
+                    )
+                except Exception as exc:  # the template refuses it: render says the same
+                    with pytest.raises(ConversationError) as refused:
+                        render(tokenizer, messages, generation_prompt, enable_thinking, tools)
+                    assert str(exc) in str(refused.value)
+                    continue
+                assert render(tokenizer, messages, generation_prompt, enable_thinking, tools) == expected
+                checked += 1
+    assert checked >= 16
+
+
+def test_a_template_changed_by_one_character_is_rendered_in_transformers_sandbox() -> None:
+    from stages.chat import _shipped_template, render
+
+    tokenizer = tokenizer_for("chatml")
+    tokenizer.chat_template = tokenizer.chat_template + " "
+    assert _shipped_template(tokenizer) is None
+    tokenizer.chat_template = "{{ ''.__class__.__mro__ }}"  # the sandbox refuses what a plain environment would run
+    with pytest.raises(Exception, match=r"unsafe"):
+        render(tokenizer, CONVERSATION)
