@@ -78,6 +78,7 @@ class Case:
     fp8_recipe: str | None = None  # fp8: torchao's scaling recipe (None: the stage's)
     expert_parallel: int = 1  # distributed.expert_parallel: experts split over this many ranks (B7 cases: all)
     layers: int | None = None  # decoder layers, when fewer than the shape's
+    text: bool = False  # real Korean text (bench/gpu_suite.py text_examples, BENCH_TEXT_TOKENS), not random tokens
     warmup: int = 4
     steps: int = 20
     max_seq_length: int = 2048
@@ -627,6 +628,9 @@ CASES += [
 
 # B8: float8 matmuls (training.fp8, issue 38) against bf16, full fine-tuning of 12 of the 8B shape's 36 layers on one
 # GPU, rows of 4096, 50 steps with the loss of every step (the loss target: within 1% of bf16's).
+B8_CURVE = {"logging_steps": 1, "learning_rate": 3e-4, "warmup_steps": 30, "lr_scheduler_type": "cosine"}
+"""Trainer arguments of B8's learning curve: a learning rate at which a model from random weights learns."""
+
 B8 = Case(
     "b8_bf16",
     "B8",
@@ -648,6 +652,10 @@ CASES += [
     replace(B8, name="b8_fp8_eager", fp8=True, fp8_compile=False, note="as b8_fp8, nothing compiled"),
     replace(B8, name="b8_bf16_b4", per_device_batch_size=4, warmup=3, steps=12, extra={}, note="as b8_bf16, 4 rows"),
     replace(B8, name="b8_fp8_b4", per_device_batch_size=4, warmup=3, steps=12, extra={}, fp8=True, note="fp8, 4 rows"),
+    # A learning curve on real text: random tokens bound float8's drift but teach nothing. From random weights, at a
+    # learning rate that moves them, every token trained (documents packed into rows of 4096).
+    replace(B8, name="b8_bf16_text", text=True, steps=295, extra=B8_CURVE, note="as b8_bf16, Korean text, 300 steps"),
+    replace(B8, name="b8_fp8_text", text=True, steps=295, extra=B8_CURVE, fp8=True, note="as b8_fp8, Korean text"),
     replace(B8, name="b8_bf16_24l", layers=24, note="as b8_bf16 with 24 of the 36 layers"),
     replace(B8, name="b8_fp8_24l", layers=24, fp8=True, note="as b8_fp8 with 24 of the 36 layers"),
     replace(

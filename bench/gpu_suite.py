@@ -3,6 +3,7 @@
     bash bench/run_gpu.sh OUT_DIR                     # the whole suite (B1-B4), results in OUT_DIR/results.json
     python bench/gpu_suite.py case b1_packed --out DIR # one case, one process
     python bench/gpu_suite.py --tiny --cases b1_padded,b1_packed_sdpa --out DIR   # a smoke run on CPU
+    python bench/gpu_suite.py text-tokens --out .whl/text.npz     # the text of the `text` cases (BENCH_TEXT_TOKENS)
 
 Every case builds the pieces exactly as the stage does (stages/sft.py, stages/rlhf.py): the model from
 `model.from_config` (build_from_config), the adapter from `lora_config`, the Trainer arguments from
@@ -73,6 +74,42 @@ def sft_examples(n: int, seed: int, vocab: int, max_len: int) -> list[tuple[list
         ids = [rng.randrange(vocab - 1000) for _ in range(length - 1)] + [EOS_ID % vocab]
         prompt = int(length * 0.4)
         examples.append((ids, [-100] * prompt + ids[prompt:]))
+    return examples
+
+
+def write_text_tokens(out: Path, n_tokens: int, vocab_size: int = 8192) -> None:
+    """Korean documents as token ids for the learning-curve cases (`Case.text`): bench/prepare_corpus.py's synthetic
+    Korean text (konlpy's law and bill sentences recombined, read from the installed wheel), encoded with a byte-level
+    BPE of `vocab_size` trained on other documents of it; `tokens` (uint16) and each document's length, in `out`
+    (.npz). Made on the CPU machine and carried to the GPU one (no text is committed)."""
+    import numpy as np
+    from prepare_corpus import KoreanCorpus, build_tokenizer
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(build_tokenizer(out.parent / "tokenizer", vocab_size, seed=0))
+    corpus = KoreanCorpus(seed=0)
+    documents: list[list[int]] = []
+    total = 0
+    while total < n_tokens:
+        texts = [corpus.text(i)["text"] for i in range(len(documents), len(documents) + 500)]
+        for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]:
+            documents.append([*ids, tokenizer.eos_token_id])
+            total += len(documents[-1])
+    lengths = np.asarray([len(d) for d in documents], dtype=np.int32)
+    tokens = np.asarray([t for d in documents for t in d], dtype=np.uint16)
+    np.savez(out, tokens=tokens, lengths=lengths, vocab_size=np.int64(len(tokenizer)))
+
+
+def text_examples(path: str, max_len: int) -> list[tuple[list[int], list[int]]]:
+    """(ids, labels) of the documents of a `write_text_tokens` file, each cut at `max_len`, every token trained."""
+    import numpy as np
+
+    data = np.load(path)
+    ends = np.cumsum(data["lengths"])
+    examples = []
+    for start, end in zip(ends - data["lengths"], ends, strict=True):
+        ids = data["tokens"][start : min(end, start + max_len)].astype(np.int64).tolist()
+        examples.append((ids, list(ids)))
     return examples
 
 
@@ -547,6 +584,10 @@ def run_case(case: Case, tiny: bool, tmp: Path) -> dict[str, Any]:
         torch.cuda.set_device(local_rank)
         torch.cuda.reset_peak_memory_stats()
     vocab = 4096 if tiny else VOCAB
+    if case.text:  # the text's ids must fit (a tiny smoke run)
+        import numpy as np
+
+        vocab = max(vocab, int(np.load(os.environ["BENCH_TEXT_TOKENS"])["vocab_size"]))
     ctx = stage_context(case, tmp, tiny)
     tokenizer = fake_tokenizer(vocab)
     model = build_model(ctx, tokenizer, case, tmp)
@@ -564,7 +605,10 @@ def run_case(case: Case, tiny: bool, tmp: Path) -> dict[str, Any]:
         from stages.packing import PackedCollator, batch_width_multiple, example_row, pack_best_fit
         from stages.router_loss import mask_router_loss
 
-        examples = sft_examples(4000 if not tiny else 400, seed=rank, vocab=vocab, max_len=case.max_seq_length)
+        if case.text:  # real text: the same documents on every rank (one GPU here), in order
+            examples = text_examples(os.environ["BENCH_TEXT_TOKENS"], case.max_seq_length)
+        else:
+            examples = sft_examples(4000 if not tiny else 400, seed=rank, vocab=vocab, max_len=case.max_seq_length)
         if case.packing:
             rows = pack_best_fit(examples, case.max_seq_length)
         else:
@@ -879,8 +923,9 @@ def print_table(results: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", nargs="?", default="suite", choices=["suite", "case"])
+    parser.add_argument("command", nargs="?", default="suite", choices=["suite", "case", "text-tokens"])
     parser.add_argument("name", nargs="?", help="the case, for the 'case' command")
+    parser.add_argument("--tokens", type=int, default=3_000_000, help="text-tokens: how many tokens to write")
     parser.add_argument("--out", default="bench-results", help="where results.json and the logs go")
     parser.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     parser.add_argument("--budget-s", type=float, default=3600.0, help="skip cases that would start after this")
@@ -888,6 +933,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "case":
         return case_main(args.name, Path(args.out), args.tiny)
+    if args.command == "text-tokens":  # the learning-curve cases' text: --out FILE.npz, then BENCH_TEXT_TOKENS=FILE
+        write_text_tokens(Path(args.out), args.tokens)
+        return 0
     return suite(args)
 
 

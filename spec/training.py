@@ -185,7 +185,9 @@ class TrainingSpec(StrictModel):
         "a mixture's router and experts, and any layer whose sizes are not multiples of 16. Needs GPUs of compute "
         "capability 8.9 or newer (H100, H200, L40S); on CPU the same float8 matmuls run, slowly (--local). On a GPU "
         "each converted layer is compiled (torch.compile), so the first steps are slower. Measured on one H200 for "
-        "12 and 24 layers of an 8B model: 1.14-1.24x the bf16 step, the loss within 0.03% over 50 steps "
+        "12 and 24 layers of an 8B model: 1.14-1.24x the bf16 step, the loss within 0.03% of bf16's over 50 steps "
+        "on random tokens; from random weights on Korean text it learned more slowly at first (15% higher loss at "
+        "step 50, within 1% by step 300): compare a short run with and without fp8 on your own data first "
         "(docs/performance.md B8). With strategy ddp or fsdp; not DeepSpeed, expert_parallel, LoRA, QLoRA or grpo.",
     )
     router_aux_loss_coef: float | None = Field(
