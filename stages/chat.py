@@ -168,7 +168,7 @@ def render(
                 tools=tools,
                 documents=None,
                 add_generation_prompt=generation_prompt,
-                **_special_tokens(tokenizer),
+                **tokenizer.special_tokens_map,  # bos_token, eos_token, ...: transformers passes them too
                 enable_thinking=enable_thinking,
             )
         return tokenizer.apply_chat_template(
@@ -239,11 +239,6 @@ def _template_message(message: dict[str, Any]) -> dict[str, Any]:
     if reasoning is not None:
         message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
     return message
-
-
-def _special_tokens(tokenizer: Any) -> dict[str, Any]:
-    """The tokenizer's named special tokens (`bos_token`, `eos_token`, ...), which transformers passes to a template."""
-    return tokenizer.special_tokens_map
 
 
 def check_tools_rendered(text: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> None:
