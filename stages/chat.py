@@ -164,7 +164,7 @@ def render(
         shipped = _shipped_template(tokenizer)
         if shipped is not None:
             return shipped.render(
-                messages=[_template_message(m) for m in messages],
+                messages=_template_messages(messages),
                 tools=tools,
                 documents=None,
                 add_generation_prompt=generation_prompt,
@@ -190,9 +190,6 @@ def render(
 # template reads and whose inputs are copied to plain data first. Any other template (a hub model's own, a file of
 # the user's) is untrusted and goes through transformers' sandbox. tests/test_chat_templates.py holds the two to the
 # same text on every shipped template.
-_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # transformers' _REASONING_FIELDS
-
-
 def _shipped_template(tokenizer: Any) -> Any:
     """The compiled template, where the tokenizer's chat template is one this project ships; otherwise None."""
     template = getattr(tokenizer, "chat_template", None)
@@ -231,14 +228,12 @@ def _compiled(template: str) -> Any:
     return environment.from_string(template)
 
 
-def _template_message(message: dict[str, Any]) -> dict[str, Any]:
-    """A message as `apply_chat_template` hands it to the template: None values dropped, and a reasoning given under
-    any of its names also under `thinking` and `reasoning_content` (transformers' `_alias_reasoning_fields`)."""
-    message = {k: v for k, v in message.items() if v is not None}
-    reasoning = next((message[key] for key in _REASONING_FIELDS if key in message), None)
-    if reasoning is not None:
-        message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
-    return message
+def _template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages as `apply_chat_template` hands them to the template: None values dropped (as it does inline),
+    then a reasoning given under any of its names also under each name templates read (its own helper)."""
+    from transformers.utils.chat_template_utils import _alias_reasoning_fields
+
+    return _alias_reasoning_fields([{k: v for k, v in m.items() if v is not None} for m in messages])
 
 
 def check_tools_rendered(text: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> None:
