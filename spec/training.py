@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -11,6 +11,9 @@ from spec.data import StageData, check_mixture, dataset_loc, datasets
 from spec.fields import FieldError, Int64, Seed, StrictModel
 from spec.search import HpoSpec
 from spec.stage import RunPolicy, StageBase
+
+# A module's name (or the dotted tail of its path) as PEFT matches it: `lm_head`, `model.embed_tokens`.
+ModuleName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*$")]
 
 
 class LoraSpec(StrictModel):
@@ -37,6 +40,15 @@ class LoraSpec(StrictModel):
         "reaches. PEFT applies no dropout to such adapters, so dropout is then 0 for the whole adapter. Off: "
         "adapters on target_modules only (the attention projections, and any dense MLP layers). The router "
         "(mlp.gate) stays frozen either way: it keeps the base model's routing. Ignored on dense models.",
+    )
+    modules_to_save: list[ModuleName] = Field(
+        [],
+        description="Modules trained whole beside the adapter and saved with it (PEFT's modules_to_save; "
+        "LLaMA-Factory's additional_target, Axolotl's lora_modules_to_save), e.g. [embed_tokens, lm_head] for "
+        "continued pretraining on a language or domain whose tokens the base model barely knows. Each costs a "
+        "trainable copy of the module's weights with its optimizer state (the embedding and the head of a 150k "
+        "vocabulary at width 8192 are 2.5B parameters). Refused on a model whose embeddings are tied to its head "
+        "(the trained copy would be lost when the model is loaded tied again): train that stage with method full.",
     )
     merge_after: bool = Field(
         False,

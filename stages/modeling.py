@@ -47,7 +47,7 @@ from spec.fields import TRAINING_STAGES
 from spec.model import ModelSpec, TinyModelConfig
 from spec.pipeline import PipelineSpec
 from spec.training import TrainingStage
-from stages.contract import NotSupportedHere, StageContext, is_main_process
+from stages.contract import ExplainedFailure, NotSupportedHere, StageContext, is_main_process
 from stages.distributed import zero3_loading
 from stages.expert_lora import GROUPED_EXPERTS
 from stages.expert_parallel import (
@@ -815,6 +815,18 @@ def lora_config(section: TrainingStage, model: Any, trained_tokens: list[int] | 
         print(
             f"lora: the chat template's tokens train: their embedding rows and the whole head ({head[0]})", flush=True
         )
+    saved = sorted(set(head or []) | set(lora.modules_to_save))
+    if lora.modules_to_save:
+        whole_embedding = _embedding_saved(model, lora.modules_to_save)
+        if model.config.get_text_config().tie_word_embeddings and (whole_embedding or _head_saved(model, saved)):
+            raise ExplainedFailure(
+                f"lora.modules_to_save {lora.modules_to_save} names the embedding or the head of a model whose "
+                "embeddings are tied to its head: the trained copy would be lost when the model is loaded tied "
+                "again. Train this stage with method 'full', or leave those modules out"
+            )
+        if whole_embedding:
+            token_rows = None  # the whole embedding trains: its template rows with it
+        print(f"lora: trained whole beside the adapter: {', '.join(lora.modules_to_save)}", flush=True)
     return LoraConfig(
         r=lora.r,
         lora_alpha=lora.alpha,
@@ -822,9 +834,24 @@ def lora_config(section: TrainingStage, model: Any, trained_tokens: list[int] | 
         target_modules=targets,
         target_parameters=parameters or None,
         trainable_token_indices=token_rows,
-        modules_to_save=head,
+        modules_to_save=saved or None,
         task_type="CAUSAL_LM",
     )
+
+
+def _named_like(model: Any, module: Any, names: list[str]) -> bool:
+    """Whether one of `names` matches `module`'s path in `model` as PEFT matches modules_to_save (the whole path,
+    or its dotted tail)."""
+    path = next((name for name, m in model.named_modules() if m is module), None)
+    return path is not None and any(path == name or path.endswith("." + name) for name in names)
+
+
+def _embedding_saved(model: Any, names: list[str]) -> bool:
+    return _named_like(model, model.get_input_embeddings(), names)
+
+
+def _head_saved(model: Any, names: list[str]) -> bool:
+    return _named_like(model, model.get_output_embeddings(), names)
 
 
 def _linear_module_names(model: Any) -> list[str]:

@@ -277,6 +277,52 @@ def test_lora_trains_the_template_token_rows_where_trls_fused_loss_sees_them(tie
         assert head.weight.requires_grad and head.weight is head.modules_to_save["default"].weight
 
 
+def _tiny_llama(tied: bool) -> Any:
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, tie_word_embeddings=tied,
+    )  # fmt: skip
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def test_lora_modules_to_save_train_whole_beside_the_adapter_and_reload(tmp_path: Path) -> None:
+    """lora.modules_to_save: the embedding and the head train whole (the template's token rows with the embedding,
+    no separate token adapter), are saved in the adapter, and come back when the adapter is loaded on a new base."""
+    import torch
+    from peft import PeftModel, get_peft_model
+
+    from spec.loading import load_pipeline
+    from stages.modeling import lora_config
+
+    section = load_pipeline("korean-llm", profile="local").spec.stages.sft
+    section.lora.modules_to_save = ["embed_tokens", "lm_head"]
+    model = get_peft_model(_tiny_llama(False), lora_config(section, _tiny_llama(False), [298, 299]))
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert any("embed_tokens.modules_to_save" in n for n in trainable)
+    assert any("lm_head.modules_to_save" in n for n in trainable)
+    assert not any("trainable_tokens" in n for n in trainable)
+    with torch.no_grad():
+        model.get_base_model().model.embed_tokens.weight.add_(1.0)  # the trained copy moves
+    model.save_pretrained(tmp_path / "adapter")
+    again = PeftModel.from_pretrained(_tiny_llama(False), tmp_path / "adapter")
+    assert torch.equal(again.get_input_embeddings().weight, model.get_input_embeddings().weight)
+
+
+def test_lora_modules_to_save_refuses_a_tied_embedding() -> None:
+    from spec.loading import load_pipeline
+    from stages.contract import ExplainedFailure
+    from stages.modeling import lora_config
+
+    section = load_pipeline("korean-llm", profile="local").spec.stages.sft
+    section.lora.modules_to_save = ["lm_head"]
+    with pytest.raises(ExplainedFailure, match="tied to its head"):
+        lora_config(section, _tiny_llama(True))
+    section.lora.modules_to_save = ["norm"]  # a module that is neither: trained whole on a tied model too
+    assert lora_config(section, _tiny_llama(True)).modules_to_save == ["norm"]
+
+
 def test_a_tokenizer_without_eos_is_refused(tmp_path: Path) -> None:
     from spec.loading import load_pipeline
     from stages.chat import TemplateError

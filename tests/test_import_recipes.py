@@ -66,6 +66,7 @@ stage: dpo
 do_train: true
 finetuning_type: lora
 lora_target: q_proj,v_proj
+additional_target: embed_tokens,lm_head
 pref_beta: 0.1
 pref_loss: sigmoid  # choices: [sigmoid (dpo), orpo, simpo]
 dataset: dpo_en_demo
@@ -163,6 +164,9 @@ lora_r: 16
 lora_alpha: 32
 lora_dropout: 0.05
 lora_fan_in_fan_out:
+lora_modules_to_save:
+  - embed_tokens
+  - lm_head
 lora_target_modules:
   - gate_proj
   - down_proj
@@ -297,6 +301,7 @@ def test_llamafactory_dpo_with_preference_columns(llamafactory: Path) -> None:
     rlhf = spec.stages.rlhf
     assert rlhf.enabled and rlhf.algorithm == "dpo" and rlhf.beta == 0.1 and not spec.stages.sft.enabled
     assert rlhf.lora.target_modules == ["q_proj", "v_proj"] and spec.model.chat_template == "qwen2_5"
+    assert rlhf.lora.modules_to_save == ["embed_tokens", "lm_head"]  # additional_target
     assert rlhf.data.format == "preference" and rlhf.data.columns == {"prompt": "instruction"}
     assert 'lr_scheduler_type: "cosine_with_min_lr" → the spec\'s schedules are' in proc.stderr
     assert 'pref_loss: "sigmoid" → no pipeline field for it' in proc.stderr
@@ -338,6 +343,7 @@ def test_axolotl_lora(tmp_path: Path) -> None:
     assert spec.model.name_or_path == "NousResearch/Llama-3.2-1B" and spec.model.dtype == "bfloat16"
     assert sft.method == "lora" and (sft.lora.r, sft.lora.alpha, sft.lora.dropout) == (16, 32, 0.05)
     assert sft.lora.target_modules[:2] == ["gate_proj", "down_proj"]
+    assert sft.lora.modules_to_save == ["embed_tokens", "lm_head"]
     assert sft.data.uri == "hf://datasets/teknium/GPT4-LLM-Cleaned" and sft.data.format == "alpaca"
     assert sft.data.eval_fraction == 0.1 and sft.assistant_only_loss
     t = sft.training

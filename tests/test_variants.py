@@ -356,15 +356,16 @@ def test_local_runs_both_variants_one_after_the_other(tmp_path: Path, real_vllm:
     summary = done.stdout[done.stdout.rindex("\nvariants\n") :]  # the plain summary (no terminal here)
     assert "qwen-7b" in summary and "qwen-72b" in summary and summary.count("done") == 2
 
-    # The gate stops a candidate that learned nothing (each learning rate / 10,000) against the champion qwen-7b's
-    # run promoted: --fail-on-gate exits 3 and nothing is deployed.
-    seven = next(run for run in runs if run.name.startswith("qwen-multi-qwen-7b"))
-    seven_spec = json.loads((seven / "spec.json").read_text())
-    worse = tmp_path / "runs" / "worse"
-    variant = ("--variant", "qwen-7b", "--run-dir", str(worse), "--fail-on-gate")
-    done = _submit("qwen-multi", "--local", *variant, *untrained_overrides(seven_spec), cwd=tmp_path, timeout=900)
-    assert done.returncode == 3, done.stdout[-4000:] + done.stderr[-4000:]
-    assert_the_gate_stopped_it(worse)
+    # Each variant's gate stops a candidate that learned nothing (each learning rate / 10,000) against the champion
+    # that variant's run promoted: --fail-on-gate exits 3 and nothing is deployed.
+    for name in ("qwen-7b", "qwen-72b"):
+        first = next(run for run in runs if run.name.startswith(f"qwen-multi-{name}-"))
+        untrained = untrained_overrides(json.loads((first / "spec.json").read_text()))
+        worse = tmp_path / "runs" / f"worse-{name}"
+        variant = ("--variant", name, "--run-dir", str(worse), "--fail-on-gate")
+        done = _submit("qwen-multi", "--local", *variant, *untrained, cwd=tmp_path, timeout=900)
+        assert done.returncode == 3, done.stdout[-4000:] + done.stderr[-4000:]
+        assert_the_gate_stopped_it(worse)
 
 
 def test_the_switches_step_checks_each_value_and_outputs_it(tmp_path: Path) -> None:

@@ -154,6 +154,8 @@ def _hyperparameters(imported: Imported, recipe: dict[str, Any], section: str, n
             continue
         if path == "lora.target_modules":
             value = _lora_targets(value)
+        elif path == "lora.modules_to_save" and isinstance(value, str):  # LLaMA-Factory: "embed_tokens,lm_head"
+            value = [v.strip() for v in value.split(",") if v.strip()]
         _set(imported.document, f"stages.{section}.{path}", value)
     return used
 
@@ -225,6 +227,7 @@ LLAMAFACTORY_HYPERPARAMETERS = {
     "lora_alpha": "lora.alpha",
     "lora_dropout": "lora.dropout",
     "lora_target": "lora.target_modules",
+    "additional_target": "lora.modules_to_save",
     "val_size": "data.eval_fraction",
     "max_samples": "data.max_samples",
     "pref_beta": "beta",
@@ -413,6 +416,7 @@ AXOLOTL_HYPERPARAMETERS = {
     "lora_alpha": "lora.alpha",
     "lora_dropout": "lora.dropout",
     "lora_target_modules": "lora.target_modules",
+    "lora_modules_to_save": "lora.modules_to_save",
     "val_set_size": "data.eval_fraction",
     "rl_beta": "beta",
 }
