@@ -94,10 +94,10 @@ def compare(first: Path, second: Path) -> dict[str, Any]:
 def gate_of_second(first: Path, second: Path) -> dict[str, Any]:
     """The second run's evaluate metrics judged against the first's, as the gate judges a candidate against the
     champion, rule by rule; rules on metrics neither run measured (lm-eval's) are left out."""
-    spec = RunDir(second).load_spec()
     a, b = stage_record(first, "evaluate"), stage_record(second, "evaluate")
     if a is None or b is None:
         return {"verdict": None, "why": "evaluate did not finish in both runs"}
+    spec = RunDir(second).load_spec()
     checks = [
         check_rule(rule, b["metrics"], a["metrics"], "the first run")
         for rule in spec.stages.evaluate.gate
