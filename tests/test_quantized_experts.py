@@ -6,6 +6,7 @@ bitsandbytes' CPU backend quantizes here as its CUDA one does on a GPU."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,37 @@ from stages.modeling import expert_parameters, experts_note, prepare_for_kbit_tr
 from stages.quantized_experts import dequantize, is_quantized, quantized_experts, shaped_experts
 
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def bitsandbytes_reference_kernels() -> Iterator[None]:
+    """bitsandbytes' own reference (PyTorch) kernels where its native CPU ones are wrong. On CPUs with AVX512-BF16
+    (e.g. Sapphire Rapids Xeons) bitsandbytes 0.50.2 dequantizes NF4 blocks of 64 with a mean relative error of
+    0.35 where its reference kernel (which its CUDA kernel matches) gives 0.09, and its Linear4bit repacks the
+    weight for a CPU GEMM that refuses layers narrower than 32 (measured 2026-12-03). These tests hold the stages'
+    4-bit experts to PEFT's path on the same dequantized weights, so both must dequantize as a GPU does. The kernel
+    override lasts for the rest of the test process (torch.library cannot take it back); it is bitsandbytes' own."""
+    if not bnb.functional.has_avx512bf16():
+        yield
+        return
+    from bitsandbytes.backends.default.ops import _dequantize_4bit_compute
+    from bitsandbytes.backends.utils import _get_4bit_code
+
+    def reference(
+        A: torch.Tensor,
+        absmax: torch.Tensor,
+        blocksize: int,
+        quant_type: str,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        code = _get_4bit_code(quant_type, A.device)
+        return _dequantize_4bit_compute(A.view(torch.uint8).reshape(-1), absmax, code, blocksize, shape, dtype)
+
+    torch.library.register_kernel("bitsandbytes::dequantize_4bit", "cpu", reference)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bnb.nn.modules, "has_avx512bf16", lambda: False)
+        yield
 
 
 @pytest.fixture(scope="module")
