@@ -58,11 +58,6 @@ def start(pipeline: str, profile: str, root: Path, sets: list[str], log: Path) -
     return subprocess.Popen(command, cwd=REPO, stdout=log.open("wb"), stderr=subprocess.STDOUT)
 
 
-def stage_record(root: Path, stage: str) -> dict[str, Any] | None:
-    path = root / stage / "stage.json"
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
-
-
 def relative(a: float, b: float) -> float:
     return abs(a - b) / max(abs(a), 1e-12)
 
@@ -71,14 +66,14 @@ def compare(first: Path, second: Path) -> dict[str, Any]:
     """Per stage: both runs' metrics, their relative differences, and how their model folders differ."""
     stages: dict[str, Any] = {}
     for stage in STAGES:
-        a, b = stage_record(first, stage), stage_record(second, stage)
+        a, b = RunDir(first).read_result(stage), RunDir(second).read_result(stage)
         if a is None or b is None:
             stages[stage] = {"missing": [name for name, r in (("first", a), ("second", b)) if r is None]}
             continue
-        metrics_a, metrics_b = a.get("metrics", {}), b.get("metrics", {})
+        metrics_a, metrics_b = a.metrics, b.metrics
         shared = sorted(metrics_a.keys() & metrics_b.keys())
         entry: dict[str, Any] = {
-            "status": [a["status"], b["status"]],
+            "status": [a.status, b.status],
             "metrics_first": metrics_a,
             "metrics_second": metrics_b,
             "relative_difference": {k: relative(metrics_a[k], metrics_b[k]) for k in shared},
@@ -94,14 +89,14 @@ def compare(first: Path, second: Path) -> dict[str, Any]:
 def gate_of_second(first: Path, second: Path) -> dict[str, Any]:
     """The second run's evaluate metrics judged against the first's, as the gate judges a candidate against the
     champion, rule by rule; rules on metrics neither run measured (lm-eval's) are left out."""
-    a, b = stage_record(first, "evaluate"), stage_record(second, "evaluate")
+    a, b = RunDir(first).read_result("evaluate"), RunDir(second).read_result("evaluate")
     if a is None or b is None:
         return {"verdict": None, "why": "evaluate did not finish in both runs"}
     spec = RunDir(second).load_spec()
     checks = [
-        check_rule(rule, b["metrics"], a["metrics"], "the first run")
+        check_rule(rule, b.metrics, a.metrics, "the first run")
         for rule in spec.stages.evaluate.gate
-        if rule.metric in a["metrics"] and rule.metric in b["metrics"]
+        if rule.metric in a.metrics and rule.metric in b.metrics
     ]
     return {
         "verdict": "pass" if checks and all(c.passed for c in checks) else "fail",
