@@ -358,7 +358,7 @@ def build_model(ctx: SimpleNamespace, tokenizer: Any, case: Case, tmp: Path) -> 
     import torch
     from peft import get_peft_model
 
-    from stages.expert_parallel import expert_parallel_size
+    from stages.model_parallel import expert_parallel_size
     from stages.modeling import (
         _quantization_config,
         adapter_inputs_uncast,

@@ -372,6 +372,7 @@ class PipelineSpec(StrictModel):
             self._search_space(stage)
             self._adapter_trl_can_train(stage)
         self._serving_fits_model()
+        self._tensor_parallel_fits_model()
         self._serving_context_fits_model()
         self._variants_fit()
         return self
@@ -547,6 +548,24 @@ class PipelineSpec(StrictModel):
             f"vLLM cannot split {self.model.name_or_path} over {serving.gpus} GPUs: {problem}; use one of "
             f"{', '.join(map(str, fits))}",
         )
+
+    def _tensor_parallel_fits_model(self) -> None:
+        """A training stage's tensor_parallel splits attention by heads: it must divide both the model's query heads
+        and its key/value heads (transformers' plan splits the key/value projections too, without replicating)."""
+        config = self.model.from_config
+        shape = config.attention() if config is not None else known_shape(self.model.name_or_path)
+        for name in TRAINING_STAGES:
+            section = self.stage(name)
+            tp = section.distributed.tensor_parallel
+            if shape is None or not section.enabled or tp == 1:
+                continue
+            if shape.heads % tp or shape.kv_heads % tp:
+                fits = [n for n in range(1, 17) if shape.heads % n == 0 and shape.kv_heads % n == 0]
+                raise FieldError(
+                    ("stages", name, "distributed", "tensor_parallel"),
+                    f"{tp} does not divide {self.model.name_or_path}'s {shape.heads} attention heads and "
+                    f"{shape.kv_heads} key/value heads; use one of {', '.join(map(str, fits))}",
+                )
 
     def _serving_context_fits_model(self) -> None:
         """vLLM refuses a --max-model-len above the model's max_position_embeddings (its positions end there)."""

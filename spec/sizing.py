@@ -116,8 +116,9 @@ def derived_size(spec: PipelineSpec, stage_name: str, res: Resources) -> PodSize
       partitions: the weights once (rlhf's full DPO and KTO load their reference that way too, one after the
       other; not for full training that merges an upstream stage's adapter, nor for GRPO's full training, whose
       reference is read from a saved copy of the starting weights: those load whole weights in every process).
-      With expert parallelism (`distributed.expert_parallel`) each rank reads only its own shards, onto its GPU:
-      the weights once at most, or once per GPU where an upstream adapter must be merged into whole weights first.
+      With tensor or expert parallelism (`distributed.tensor_parallel`, `expert_parallel`) each rank reads only its
+      own shards, onto its GPU: the weights once at most, or once per GPU where an upstream adapter must be merged
+      into whole weights first.
       Plus optimizer state offloaded to the host (16 bytes a parameter: fp32 master weights, two Adam moments,
       gradients; shared by the nodes) with `distributed.cpu_offload`.
     - evaluate: the model being measured, once and a half (loading, then the generation cache on a CPU pod).
@@ -159,7 +160,7 @@ def _host_copies(section: StageBase, res: Resources, whole: bool = False) -> int
     """How many times a training pod holds the weights in host memory while its processes load them. `whole`: the
     stage needs whole weights in every process even under ZeRO-3 (`stages.modeling.load_starting_model`)."""
     if isinstance(section, TrainingStage) and res.nodes * res.gpus_per_node > 1 and section.method != "qlora":
-        if section.distributed.expert_parallel > 1:  # each rank reads its own shards, unless it must merge first
+        if section.distributed.sharded_at_load:  # each rank reads its own shards, unless it must merge first
             return max(1, res.gpus_per_node) if whole else 1
         if section.distributed.strategy == "fsdp":
             return 2 if section.method == "full" else 1

@@ -263,6 +263,18 @@ class DistributedSpec(StrictModel):
         "strategy 'fsdp'; must divide resources.gpus_per_node and the model's expert count. A run of one process "
         "trains unsharded.",
     )
+    tensor_parallel: Int64 = Field(
+        1,
+        ge=1,
+        le=16,
+        description="Tensor parallelism: each layer's attention and MLP weights split over this many ranks of a node "
+        "(attention by heads, the MLP by its inner width), which compute each layer together, on the same rows; "
+        "FSDP2 shards the result over the groups (tensor_parallel x FSDP, the world size divided by this). For a "
+        "model whose layers are too big for FSDP alone, or too slow to gather, at long sequences. transformers' own "
+        "tensor-parallel plan for the model family, applied as the model loads. 1: none. For cpt and sft, full "
+        "fine-tuning; needs strategy 'fsdp'; must divide resources.gpus_per_node (the group stays on one node's "
+        "NVLink) and the model's attention and key/value heads. A run of one process trains unsplit.",
+    )
     deepspeed_config: dict[str, Any] | str | None = Field(
         None,
         description="Your own DeepSpeed config instead of the generated one (strategy deepspeed_zero2/3, the same "
@@ -282,6 +294,11 @@ class DistributedSpec(StrictModel):
         "saves full state dicts) and zero3_save_16bit_model (ZeRO-3 always gathers the weights on save). The process "
         "counts (num_processes, num_machines, ...) come from the stage's resources and are ignored.",
     )
+
+    @property
+    def sharded_at_load(self) -> bool:
+        """Whether transformers shards the model as it loads (tensor or expert parallelism) instead of accelerate."""
+        return self.tensor_parallel > 1 or self.expert_parallel > 1
 
     @field_validator("deepspeed_config", "accelerate_config")
     @classmethod
@@ -370,6 +387,7 @@ class TrainingStage(StageBase):
         if self.method == "qlora" and self.distributed.strategy == "deepspeed_zero3":
             raise ValueError("qlora cannot be sharded with deepspeed_zero3; use ddp or fsdp")
         self._expert_parallel_fits()
+        self._tensor_parallel_fits()
         self._float8_fits()
         check_mixture(self.data)
         held_out = any(d.eval_fraction > 0 for d in datasets(self.data))
@@ -417,6 +435,46 @@ class TrainingStage(StageBase):
                 "inside one node",
             )
 
+    def _tensor_parallel_fits(self) -> None:
+        """Tensor parallelism goes with FSDP2 over its groups (transformers shards the model itself), full
+        fine-tuning, and groups of ranks inside one node (each layer's all-reduces stay on NVLink)."""
+        tp = self.distributed.tensor_parallel
+        if tp == 1:
+            return
+        at = ("distributed", "tensor_parallel")
+        if self.distributed.strategy != "fsdp":
+            raise FieldError(
+                at,
+                f"tensor_parallel {tp} shards the rest with FSDP2: set distributed.strategy to 'fsdp' "
+                f"(it is {self.distributed.strategy!r}), or tensor_parallel to 1",
+            )
+        if self.method != "full":
+            raise FieldError(
+                at,
+                f"tensor_parallel splits the weights that full fine-tuning trains; method {self.method!r} trains "
+                "adapters, which are not split yet: use method 'full', or tensor_parallel 1 with FSDP alone",
+            )
+        if self.distributed.expert_parallel > 1:
+            raise FieldError(
+                at,
+                "tensor_parallel and expert_parallel together are not offered yet: choose one (expert_parallel for a "
+                "mixture of experts)",
+            )
+        if self.distributed.cpu_offload or self.distributed.accelerate_config is not None:
+            what = "cpu_offload" if self.distributed.cpu_offload else "accelerate_config"
+            raise FieldError(
+                ("distributed", what),
+                f"with tensor_parallel the model is sharded by transformers as it loads, not by accelerate: "
+                f"distributed.{what} does not apply; remove it or set tensor_parallel to 1",
+            )
+        gpus = self.resources.gpus_per_node
+        if gpus and gpus % tp:
+            raise FieldError(
+                at,
+                f"tensor_parallel {tp} must divide resources.gpus_per_node ({gpus}): its groups of ranks stay "
+                "inside one node",
+            )
+
     def _float8_fits(self) -> None:
         """Float8 training converts the full model's linear layers (torchao), which DDP and FSDP2 train as they
         are; DeepSpeed partitions the weights into its own flat buffers, and adapters freeze the layers it
@@ -441,6 +499,12 @@ class TrainingStage(StageBase):
                 at,
                 "fp8 with expert_parallel is not supported: the experts are grouped matmuls, not linear layers, "
                 "and only attention would run in float8; set one of them back",
+            )
+        if self.distributed.tensor_parallel > 1:
+            raise FieldError(
+                at,
+                "fp8 with tensor_parallel is not offered yet (float8 layers need tensor-parallel layouts of their "
+                "own); set one of them back",
             )
 
 
@@ -583,12 +647,13 @@ class RlhfStage(TrainingStage):
         return self
 
     def _expert_parallel_reference(self) -> None:
-        """Expert parallelism is for cpt and sft: TRL's preference trainers copy or hash the whole policy (its
-        reference, its precomputed log-probabilities), which a model sharded as it loads does not allow (seen with
-        TRL 1.16: DPOTrainer's hash_module reads every weight with .numpy(), which a DTensor refuses)."""
-        if self.distributed.expert_parallel > 1:
-            raise FieldError(
-                ("distributed", "expert_parallel"),
-                f"rlhf ({self.algorithm}) does not run with expert_parallel yet (TRL copies or hashes the whole "
-                "policy): set it to 1, with strategy deepspeed_zero3 or fsdp to shard the model",
-            )
+        """Expert and tensor parallelism are for cpt and sft: TRL's preference trainers copy or hash the whole
+        policy (its reference, its precomputed log-probabilities), which a model sharded as it loads does not allow
+        (seen with TRL 1.16: DPOTrainer's hash_module reads every weight with .numpy(), which a DTensor refuses)."""
+        for field in ("expert_parallel", "tensor_parallel"):
+            if getattr(self.distributed, field) > 1:
+                raise FieldError(
+                    ("distributed", field),
+                    f"rlhf ({self.algorithm}) does not run with {field} yet (TRL copies or hashes the whole "
+                    "policy): set it to 1, with strategy deepspeed_zero3 or fsdp to shard the model",
+                )

@@ -4,8 +4,9 @@ The same stage code runs as one process or under torchrun with N processes (the 
 rendezvous); `stages.<stage>.distributed.strategy` picks the engine:
 - ddp: plain data parallel; NCCL on GPUs, gloo on CPU;
 - fsdp: FSDP2, parameters, gradients and optimizer state sharded per decoder layer; with
-  `distributed.expert_parallel` a mixture of experts' experts are split over the ranks as well, by transformers
-  as the model loads (`stages.expert_parallel`), which then runs over gloo on CPU too;
+  `distributed.tensor_parallel` each layer is split over groups of ranks too, and with `distributed.expert_parallel`
+  a mixture of experts' experts, both by transformers as the model loads (`stages.model_parallel`), which then runs
+  over gloo on CPU too;
 - deepspeed_zero2 / deepspeed_zero3: DeepSpeed ZeRO stage 2 (optimizer state and gradients sharded) or 3 (and
   parameters), configured by a dict built here, or by the user's own (`distributed.deepspeed_config`).
 FSDP (without expert parallelism) and DeepSpeed need GPUs: on CPU the stage stops with an error that names the
@@ -22,15 +23,15 @@ import torch
 
 from spec.training import DistributedSpec, TrainingStage
 from stages.contract import NotSupportedHere
-from stages.expert_parallel import expert_parallel_arguments, expert_parallel_size
+from stages.model_parallel import sharded_arguments, shards_at_load
 from stages.sharded_loading import loads_once, world_size
 
 
 def check_strategy(stage: str, distributed: DistributedSpec) -> None:
     """Refuse a strategy this machine cannot run, naming the spec field to change."""
     strategy = distributed.strategy
-    if strategy == "ddp" or (distributed.expert_parallel > 1 and world_size() > 1):
-        return  # expert parallelism: transformers' own FSDP2, which runs over gloo too
+    if strategy == "ddp" or (distributed.sharded_at_load and world_size() > 1):
+        return  # tensor or expert parallelism: transformers' own FSDP2, which runs over gloo too
     if not torch.cuda.is_available():
         raise NotSupportedHere(
             f"stages.{stage}.distributed.strategy is '{strategy}', which needs GPUs; this machine has none. "
@@ -172,8 +173,8 @@ def strategy_arguments(stage: str, section: TrainingStage, model: Any) -> dict[s
     args: dict[str, Any] = {"ddp_find_unused_parameters": False}
     if world_size() > 1:
         args["ddp_backend"] = "nccl" if gpu else "gloo"
-    if expert_parallel_size(section) > 1:
-        args.update(expert_parallel_arguments(section))  # transformers sharded the model as it loaded
+    if shards_at_load(section):
+        args.update(sharded_arguments(section))  # transformers sharded the model as it loaded
     elif distributed.strategy == "fsdp":
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         recompute = section.training.gradient_checkpointing and gpu

@@ -50,14 +50,14 @@ from spec.training import TrainingStage
 from stages.contract import ExplainedFailure, NotSupportedHere, StageContext, is_main_process
 from stages.distributed import zero3_loading
 from stages.expert_lora import GROUPED_EXPERTS
-from stages.expert_parallel import (
+from stages.float8 import check_float8, train_in_float8
+from stages.model_parallel import (
     check_fits,
-    expert_parallel_size,
     load_sharded,
     shard_whole,
+    shards_at_load,
     trains_float32_masters,
 )
-from stages.float8 import check_float8, train_in_float8
 from stages.quantized_experts import is_quantized, quantized_experts, shaped_experts
 from stages.sharded_loading import (
     first_rank_placement,
@@ -637,9 +637,9 @@ def base_source(run_dir: RunDir, spec: PipelineSpec, base: BaseRef) -> tuple[str
     return spec.model.name_or_path, spec.model.revision
 
 
-def expert_parallel_settings(spec: PipelineSpec, section: TrainingStage) -> dict[str, Any]:
-    """`from_pretrained`'s settings for a model sharded for expert parallelism: float32 where it trains float32
-    masters (`stages.expert_parallel.trains_float32_masters`), else the spec's dtype."""
+def sharded_settings(spec: PipelineSpec, section: TrainingStage) -> dict[str, Any]:
+    """`from_pretrained`'s settings for a model sharded as it loads (tensor or expert parallelism): float32 where it
+    trains float32 masters (`stages.model_parallel.trains_float32_masters`), else the spec's dtype."""
     return {
         "dtype": torch.float32 if trains_float32_masters(section) else weights_dtype(spec.model),
         "attn_implementation": attention_implementation(spec.model),
@@ -648,15 +648,16 @@ def expert_parallel_settings(spec: PipelineSpec, section: TrainingStage) -> dict
 
 
 def shard_built(whole: Any, spec: PipelineSpec, section: TrainingStage) -> Any:
-    """A model made whole in this process, sharded for expert parallelism, its experts on the stages' forward."""
-    return _fused_experts(shard_whole(whole, section, **expert_parallel_settings(spec, section)))
+    """A model made whole in this process, sharded for tensor or expert parallelism, its experts (if any) on the
+    stages' forward."""
+    return _fused_experts(shard_whole(whole, section, **sharded_settings(spec, section)))
 
 
-def load_expert_parallel(
+def load_model_parallel(
     run_dir: RunDir, spec: PipelineSpec, stage: str, base: BaseRef, tokenizer: Any, merge: Path | None = None
 ) -> tuple[Any, torch.dtype | None]:
-    """The weights `base` names sharded for expert parallelism (`stages.expert_parallel`), and the dtype to save the
-    trained model in when it trains float32 masters (None otherwise). Each rank reads its shards from the
+    """The weights `base` names sharded for tensor or expert parallelism (`stages.model_parallel`), and the dtype to
+    save the trained model in when it trains float32 masters (None otherwise). Each rank reads its shards from the
     checkpoint folder; a model that must change before it trains (built from config, a vocabulary to grow, the
     upstream adapter in `merge` to merge in for full training) is made whole in each process first."""
     from transformers import AutoConfig
@@ -672,7 +673,7 @@ def load_expert_parallel(
         if len(tokenizer) <= config.get_text_config().vocab_size:
             dtype = weights_dtype(spec.model)
             saved = getattr(config.get_text_config(), "dtype", None) if dtype == "auto" else dtype
-            model = load_sharded(source, revision, section, **expert_parallel_settings(spec, section))
+            model = load_sharded(source, revision, section, **sharded_settings(spec, section))
             return _fused_experts(model), (_as_dtype(saved) if masters else None)
     whole = load_base(run_dir, spec, base, tokenizer)
     if merge is not None:
@@ -961,12 +962,13 @@ def load_starting_model(
     whole = section.method == "full" and (adapter_dir is not None or grpo)
     if partitions_at_load(section) and not whole:
         zero3 = zero3_loading(stage, section, weights_dtype(spec.model))
-    experts_split = expert_parallel_size(section) > 1
-    if experts_split:  # an upstream adapter merges before the weights are sharded
+    sharded = shards_at_load(section)
+    if sharded:  # an upstream adapter merges before the weights are sharded
         merge = adapter_dir if section.method == "full" else None
-        model, ep_save_dtype = load_expert_parallel(run_dir, spec, stage, base, tokenizer, merge)
+        model, sharded_save_dtype = load_model_parallel(run_dir, spec, stage, base, tokenizer, merge)
     else:
-        model, ep_save_dtype = load_base(run_dir, spec, base, tokenizer, quantization, once=loads_once(section)), None
+        model = load_base(run_dir, spec, base, tokenizer, quantization, once=loads_once(section))
+        sharded_save_dtype = None
     if quantization is not None and (note := experts_note(model)) is not None:
         print(f"[{stage}] {note}", flush=True)
     loaded_config = router_aux_loss(model, stage, section)
@@ -976,10 +978,10 @@ def load_starting_model(
 
     if section.method == "full":
         # Full training after a LoRA stage merges its adapter first (a skeleton has the merged shape already).
-        if adapter_dir is not None and not on_meta(model) and not experts_split:
+        if adapter_dir is not None and not on_meta(model) and not sharded:
             model = load_adapter(model, adapter_dir).merge_and_unload()
             model.requires_grad_(True)  # PEFT loaded the base frozen; full training trains every weight
-        save_dtype = ep_save_dtype if experts_split else float32_masters(model, section)
+        save_dtype = sharded_save_dtype if sharded else float32_masters(model, section)
         if section.training.fp8:
             train_in_float8(model, stage)
         start = StartingModel(

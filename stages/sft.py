@@ -18,6 +18,7 @@ from stages.checkpoints import CheckpointMarker, SigtermCheckpoint
 from stages.contract import StageContext
 from stages.entry import run_stage
 from stages.metrics import StageMetrics
+from stages.model_parallel import mesh_over_gloo
 from stages.modeling import (
     ModelInputs,
     NotSupportedHere,
@@ -91,19 +92,20 @@ def train(ctx: StageContext, sigterm: SigtermCheckpoint) -> int:
         progress = ProgressLog(ctx.stage, start.model)
         gauges = StageMetrics.for_stage(ctx, progress)  # served by rank 0 on POSTTRAIN_METRICS_PORT, if set
         callbacks = [tracker.hf_callback(), progress, gauges, CheckpointMarker(), sigterm]
-        trainer = SFTTrainer(
-            model=start.model,
-            args=args,
-            data_collator=PackedCollator(
-                pad_token_id=tokenizer.pad_token_id,
-                pad_to_multiple_of=batch_width_multiple(ctx.section.training),
-                mark_padding=mask_router_loss(start.model),  # the router's balance counts no padding
-            ),
-            train_dataset=cache.train,
-            eval_dataset=cache.eval,
-            processing_class=tokenizer,
-            callbacks=callbacks,
-        )
+        with mesh_over_gloo(ctx.section):
+            trainer = SFTTrainer(
+                model=start.model,
+                args=args,
+                data_collator=PackedCollator(
+                    pad_token_id=tokenizer.pad_token_id,
+                    pad_to_multiple_of=batch_width_multiple(ctx.section.training),
+                    mark_padding=mask_router_loss(start.model),  # the router's balance counts no padding
+                ),
+                train_dataset=cache.train,
+                eval_dataset=cache.eval,
+                processing_class=tokenizer,
+                callbacks=callbacks,
+            )
 
         # 4. Train, up to the planned end and never past it (none left when the checkpoint is at it).
         trained = train_to_plan(trainer, checkpoint, ctx.stage)

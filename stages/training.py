@@ -40,7 +40,12 @@ from spec.training import TrainingStage
 from stages.checkpoints import checkpoint_step, newest_valid_checkpoint, set_aside_torn
 from stages.contract import ExplainedFailure, StageContext, is_main_process
 from stages.distributed import precision_arguments, strategy_arguments
-from stages.expert_parallel import checkpoint_sharded, expert_parallel_size, is_sharded_at_load
+from stages.model_parallel import (
+    checkpoint_sharded,
+    expert_parallel_size,
+    is_sharded_at_load,
+    tensor_parallel_size,
+)
 from stages.modeling import (
     FINGERPRINT,
     ModelKind,
@@ -122,9 +127,12 @@ def kernel_arguments(model: Any) -> dict[str, Any]:
     A mixture of experts keeps its own experts: Liger's SwiGLU replaces transformers' experts module with a loop
     over the experts (slower than the grouped_mm experts, `stages.modeling.experts_implementation`), and breaks
     on the experts' LoRA wrapper (`lora.target_experts`: "'ParamWrapper' object has no attribute 'hidden_dim'",
-    measured on an H200, B5 in docs/performance.md)."""
+    measured on an H200, B5 in docs/performance.md). A model split by tensor parallelism keeps transformers' own
+    layers: Liger's fused cross-entropy and SwiGLU take the whole weight matrices, which no rank holds."""
     if not on_gpu() or importlib.util.find_spec("liger_kernel") is None:
         return {}
+    if (getattr(model, "tp_size", None) or 1) > 1:
+        return {}  # split layers (tensor_parallel): Liger's kernels read whole weights, the model holds shards
     if expert_parameters(model):
         return {"use_liger_kernel": True, "liger_kernel_config": {"swiglu": False}}
     return {"use_liger_kernel": True}
@@ -139,13 +147,14 @@ def record_inputs(ctx: StageContext, cache: Any) -> None:
 def write_distributed_config(ctx: StageContext, args: Any) -> Path:
     """Rank 0: `<stage>/logs/distributed.json`, the distributed settings generated from
     `stages.<stage>.distributed` as the Trainer received them (`fsdp`/`fsdp_config`, `deepspeed`, the DDP
-    backend, precision; the experts' group size, where transformers shards them): the configuration accelerate runs
-    with, there for the user to read."""
+    backend, precision; the tensor-parallel and expert group sizes, where transformers shards the model): the
+    configuration accelerate runs with, there for the user to read."""
     path = ctx.logs_dir / "distributed.json"
     if is_main_process():
         settings = {
             "strategy": ctx.section.distributed.strategy,
             "expert_parallel": expert_parallel_size(ctx.section),
+            "tensor_parallel": tensor_parallel_size(ctx.section),
             "world_size": args.world_size,
             "parallel_mode": getattr(args.parallel_mode, "value", str(args.parallel_mode)),
             "ddp_backend": args.ddp_backend,

@@ -146,7 +146,7 @@ def test_the_spec_refuses_what_expert_parallelism_cannot_shard() -> None:
 def test_a_model_the_group_cannot_split_is_refused_naming_the_field(monkeypatch: pytest.MonkeyPatch) -> None:
     from transformers import Qwen3Config, Qwen3MoeConfig
 
-    from stages.expert_parallel import check_fits
+    from stages.model_parallel import check_fits
 
     section = load_pipeline(
         "qwen3-30b-a3b", overrides=["stages.sft.distributed.strategy=fsdp", "stages.sft.distributed.expert_parallel=4"]

@@ -20,13 +20,19 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file
-from training_fixtures import EVAL_ROWS, REPO, child_env, make_run_dir, preference_rows, write_jsonl
+from training_fixtures import (
+    EVAL_ROWS,
+    REPO,
+    checkpoint_run_dir,
+    child_env,
+    preference_rows,
+    write_jsonl,
+)
 
 from run.run_dir import RunDir
 from spec.loading import load_pipeline
 from spec.training import DistributedSpec
 from stages import distributed, sharded_loading
-from stages.modeling import build_from_config, load_tokenizer
 
 CHECK = Path(__file__).with_name("sharded_loading_check.py")
 ZERO3_CHECK = Path(__file__).with_name("zero3_loading_check.py")
@@ -42,18 +48,8 @@ FAMILIES = {
 
 
 def pretrained_run_dir(root: Path, architecture: str, overrides: list[str]) -> RunDir:
-    """A run directory whose base model is a Hugging Face checkpoint on disk (safetensors, config, tokenizer) of
-    `architecture`, its stages set by `overrides`."""
-    family = [f"model.from_config.architecture={architecture}", *FAMILIES[architecture]]
-    run_dir = make_run_dir(root, [*family, *overrides], n_text=24, n_chat=24)
-    spec = run_dir.load_spec()
-    tokenizer = load_tokenizer(run_dir, spec.model)
-    checkpoint = root / "checkpoint"
-    build_from_config(spec.model, tokenizer).save_pretrained(checkpoint)
-    tokenizer.save_pretrained(checkpoint)
-    model = spec.model.model_copy(update={"from_config": None, "name_or_path": str(checkpoint)})
-    run_dir.write_spec(spec.model_copy(update={"model": model}))
-    return run_dir
+    """`training_fixtures.pretrained_run_dir` with the family's shape settings."""
+    return checkpoint_run_dir(root, architecture, [*FAMILIES[architecture], *overrides])
 
 
 def run_check(tmp_path: Path, checks: list[tuple[str, RunDir]]) -> list[dict[str, dict[str, object]]]:

@@ -117,7 +117,7 @@ def test_an_fsdp_pod_holds_the_weights_rank_0_loaded() -> None:
 
 
 def test_an_expert_parallel_pod_holds_the_weights_once() -> None:
-    """With expert parallelism each rank reads its own shards (stages/expert_parallel.py); full training after an
+    """With expert parallelism each rank reads its own shards (stages/model_parallel.py); full training after an
     upstream adapter merges it into whole weights in every process first."""
     spec = fresh_spec("qwen3-30b-a3b")  # sft: full training, 2 nodes of 8 GPUs
     sft = spec.stages.sft

@@ -67,6 +67,7 @@ def test_cpt_trains_a_full_model(trained: RunDir) -> None:
     assert distributed == {
         "strategy": "ddp",
         "expert_parallel": 1,
+        "tensor_parallel": 1,
         "world_size": 1,
         "parallel_mode": "not_parallel",
         "ddp_backend": None,

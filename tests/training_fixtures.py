@@ -92,6 +92,23 @@ def make_run_dir(
     return run_dir
 
 
+def checkpoint_run_dir(root: Path, architecture: str, overrides: list[str]) -> RunDir:
+    """A run directory whose base model is a Hugging Face checkpoint on disk (safetensors, config, tokenizer) of
+    `architecture` (the local profile's tiny shape, changed by `model.from_config.*` in `overrides`), its stages set
+    by `overrides`."""
+    from stages.modeling import build_from_config, load_tokenizer
+
+    run_dir = make_run_dir(root, [f"model.from_config.architecture={architecture}", *overrides], n_text=24, n_chat=24)
+    spec = run_dir.load_spec()
+    tokenizer = load_tokenizer(run_dir, spec.model)
+    checkpoint = root / "checkpoint"
+    build_from_config(spec.model, tokenizer).save_pretrained(checkpoint)
+    tokenizer.save_pretrained(checkpoint)
+    model = spec.model.model_copy(update={"from_config": None, "name_or_path": str(checkpoint)})
+    run_dir.write_spec(spec.model_copy(update={"model": model}))
+    return run_dir
+
+
 def write_tiny_model(root: Path) -> Path:
     """`root/model`: a tiny korean-llm model as deploy writes it (the local profile's config, built with a run's
     tokenizer and its qwen3 chat template, saved as safetensors with that tokenizer), for the real vLLM engine."""

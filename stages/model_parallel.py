@@ -1,12 +1,15 @@
-"""Expert parallelism: a mixture-of-experts model sharded by transformers as it loads, and its checkpoints.
+"""Tensor and expert parallelism: a model sharded by transformers as it loads, and its checkpoints.
 
-`stages.<stage>.distributed.expert_parallel: N` (with strategy fsdp) splits each layer's experts over groups of N
-ranks; within a group the routed tokens go to the rank that holds their expert and back (all-to-all), and FSDP2
-shards every other weight over all ranks. This is transformers' own expert-parallel plan (`DistributedConfig(
-fsdp_size=world, ep_size=N)`, the model class's `base_model_ep_plan`), applied by `from_pretrained` as the
-weights load: each rank reads only its shards. Routing is the model's own (no forced balance). The Trainer
-sees a model sharded at load time and leaves it to transformers (no accelerate FSDP wrapping); a LoRA adapter
-added afterwards is replicated, broadcast from rank 0 and its gradients averaged by the Trainer.
+`stages.<stage>.distributed.tensor_parallel: T` splits each layer's attention (by heads) and MLP (by its inner width)
+over groups of T ranks, which compute every layer together on the same rows; `expert_parallel: E` splits a mixture
+of experts' experts over groups of E ranks, which exchange the routed tokens (all-to-all). FSDP2 shards the rest
+over the remaining dimension (the world size divided by T). Both are transformers' own plans for the model family
+(`DistributedConfig(tp_size=T, fsdp_size=world // T, ep_size=E)`, the model class's `base_model_tp_plan` and
+`base_model_ep_plan`), applied by `from_pretrained` as the weights load: each rank reads only its shards. Routing
+is the model's own (no forced balance). The Trainer sees a model sharded at load time and leaves it to transformers
+(no accelerate FSDP wrapping); it gives each tensor-parallel group the same rows (its data-parallel size is the
+world divided by T). A LoRA adapter added to an expert-parallel model is replicated, broadcast from rank 0 and its
+gradients averaged by the Trainer.
 
 Where the weights are not one checkpoint folder as they must train (a model built from `model.from_config`, a
 vocabulary grown for the chat template's tokens, an upstream adapter merged for full training) the whole model is
@@ -22,6 +25,8 @@ optimizer (`resume_sharded`), so a run that was stopped goes on from exactly whe
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +48,17 @@ def expert_parallel_size(section: TrainingStage) -> int:
     return section.distributed.expert_parallel if world_size() > 1 else 1
 
 
+def tensor_parallel_size(section: TrainingStage) -> int:
+    """Ranks per tensor-parallel group in this run: the spec's tensor_parallel under torchrun with several
+    processes, 1 (whole layers) otherwise."""
+    return section.distributed.tensor_parallel if world_size() > 1 else 1
+
+
+def shards_at_load(section: TrainingStage) -> bool:
+    """Whether transformers shards the stage's model as it loads (tensor or expert parallelism, several processes)."""
+    return expert_parallel_size(section) > 1 or tensor_parallel_size(section) > 1
+
+
 def expert_count(config: Any) -> int | None:
     """The routed experts per layer a model config names (num_experts, num_local_experts or n_routed_experts,
     as the families call it); None for a dense model."""
@@ -55,9 +71,15 @@ def expert_count(config: Any) -> int | None:
 
 
 def check_fits(stage: str, section: TrainingStage, config: Any) -> None:
-    """Refuse, naming `stages.<stage>.distributed.expert_parallel`, what expert parallelism cannot shard: a dense
-    model, an expert count or a world size that the group size does not divide."""
+    """Refuse, naming the spec field, what the model's plans cannot shard: tensor parallelism over heads or a world
+    size it does not divide, or a model without one; expert parallelism on a dense model, or over an expert count or
+    world size the group size does not divide."""
+    tp = tensor_parallel_size(section)
+    if tp > 1:
+        _tensor_parallel_fits(stage, tp, config)
     ep = expert_parallel_size(section)
+    if ep == 1:
+        return
     where = f"stages.{stage}.distributed.expert_parallel"
     experts = expert_count(config)
     if experts is None or not getattr(type(config.get_text_config()), "base_model_ep_plan", None):
@@ -73,8 +95,25 @@ def check_fits(stage: str, section: TrainingStage, config: Any) -> None:
         )
 
 
+def _tensor_parallel_fits(stage: str, tp: int, config: Any) -> None:
+    where = f"stages.{stage}.distributed.tensor_parallel"
+    text = config.get_text_config()
+    if not getattr(text, "base_model_tp_plan", None):
+        raise NotSupportedHere(f"{where} is {tp}, but {config.model_type} has no tensor-parallel plan: set it to 1")
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    sizes = ((heads, "attention heads"), (kv_heads, "key/value heads"), (text.intermediate_size, "MLP width"))
+    for count, what in sizes:
+        if count % tp:
+            raise NotSupportedHere(f"{where} is {tp}, which does not divide the model's {count} {what}")
+    if world_size() % tp:
+        raise NotSupportedHere(
+            f"{where} is {tp}, which does not divide this run's {world_size()} processes (one per GPU)"
+        )
+
+
 def trains_float32_masters(section: TrainingStage) -> bool:
-    """Whether the stage keeps float32 master weights under expert parallelism: full fine-tuning on a GPU, unless
+    """Whether the stage keeps float32 master weights when sharded at load: full fine-tuning on a GPU, unless
     `training.pure_bf16`. The weights then load in float32 and FSDP2 casts each layer to bf16 as it gathers it,
     reducing gradients in float32 (its mixed-precision policy): what accelerate's FSDP2 does for the other
     strategies' full fine-tuning (`stages.modeling.float32_masters`)."""
@@ -82,12 +121,15 @@ def trains_float32_masters(section: TrainingStage) -> bool:
 
 
 def distributed_config(section: TrainingStage) -> Any:
-    """transformers' DistributedConfig for the stage: FSDP2 over all ranks, experts over groups of expert_parallel,
-    computing in bf16 over float32 masters where `trains_float32_masters`."""
+    """transformers' DistributedConfig for the stage: layers split over groups of tensor_parallel, FSDP2 over the
+    rest of the world, experts over groups of expert_parallel, computing in bf16 over float32 masters where
+    `trains_float32_masters`."""
     from transformers.distributed import DistributedConfig
 
+    tp = tensor_parallel_size(section)
     return DistributedConfig(
-        fsdp_size=world_size(),
+        tp_size=tp,
+        fsdp_size=world_size() // tp,
         ep_size=expert_parallel_size(section),
         fsdp_mixed_precision=trains_float32_masters(section),
     )
@@ -128,13 +170,39 @@ def _devices() -> list[int]:
     return [torch.cuda.current_device()] if torch.cuda.is_available() else []
 
 
+@contextmanager
+def mesh_over_gloo(section: TrainingStage) -> Iterator[None]:
+    """While the Trainer is made: let accelerate take a tensor-parallel mesh on CPU processes (gloo). accelerate
+    accepts a ParallelismConfig (which the Trainer makes for a tensor-parallel model) only on accelerator devices,
+    and refuses multi-CPU by that check alone: the mesh, the DTensors and their collectives run over gloo, and the
+    split model trains as one process does (tests/test_tensor_parallel.py). Nothing changes on GPUs."""
+    if torch.cuda.is_available() or tensor_parallel_size(section) == 1:
+        yield
+        return
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+
+    accelerator_only = Accelerator.multi_device
+
+    def multi_device(self: Any) -> bool:
+        return accelerator_only.fget(self) or (
+            self.use_distributed and self.distributed_type == DistributedType.MULTI_CPU
+        )
+
+    Accelerator.multi_device = property(multi_device)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Accelerator.multi_device = accelerator_only  # type: ignore[method-assign]
+
+
 def is_sharded_at_load(model: Any) -> bool:
     """Whether transformers sharded `model` (or the model a PEFT wrapper holds) as it loaded."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return bool(getattr(base, "is_distributed_loading_by_transformers", False))
 
 
-def expert_parallel_arguments(section: TrainingStage) -> dict[str, Any]:
+def sharded_arguments(section: TrainingStage) -> dict[str, Any]:
     """Trainer arguments for a model sharded at load time: the Trainer's own checkpoints hold the model only (it
     cannot save such a model's optimizer; `checkpoint_sharded` adds it). FSDP's activation checkpointing
     (`distributed.activation_checkpointing`) is the Trainer's gradient checkpointing here, on a GPU."""
@@ -185,7 +253,7 @@ def resume_sharded(trainer: Any, checkpoint: str | None) -> None:
     if not (folder / SHARDED_DIR).is_dir():
         raise NotSupportedHere(
             f"{folder} has no {SHARDED_DIR}/ (the model's and optimizer's shards): it was not written by a run "
-            "with expert_parallel; rerun the stage with --force to start over"
+            "with tensor_parallel or expert_parallel; rerun the stage with --force to start over"
         )
     optimizer = _optimizer(trainer)
     model_state, optimizer_state = get_state_dict(trainer.model, optimizer)
