@@ -273,7 +273,8 @@ class DistributedSpec(StrictModel):
         "model whose layers are too big for FSDP alone, or too slow to gather, at long sequences. transformers' own "
         "tensor-parallel plan for the model family, applied as the model loads. 1: none. For cpt and sft, full "
         "fine-tuning; needs strategy 'fsdp'; must divide resources.gpus_per_node (the group stays on one node's "
-        "NVLink) and the model's attention and key/value heads. A run of one process trains unsplit.",
+        "NVLink), the model's attention and key/value heads, and expert_parallel where that is set. A run of one "
+        "process trains unsplit.",
     )
     deepspeed_config: dict[str, Any] | str | None = Field(
         None,
@@ -454,11 +455,12 @@ class TrainingStage(StageBase):
                 f"tensor_parallel splits the weights that full fine-tuning trains; method {self.method!r} trains "
                 "adapters, which are not split yet: use method 'full', or tensor_parallel 1 with FSDP alone",
             )
-        if self.distributed.expert_parallel > 1:
+        ep = self.distributed.expert_parallel
+        if ep > 1 and ep % tp:
             raise FieldError(
                 at,
-                "tensor_parallel and expert_parallel together are not offered yet: choose one (expert_parallel for a "
-                "mixture of experts)",
+                f"with expert_parallel {ep}, tensor_parallel {tp} must divide it: each group of experts spans whole "
+                "tensor-parallel groups (transformers' plan)",
             )
         if self.distributed.cpu_offload or self.distributed.accelerate_config is not None:
             what = "cpu_offload" if self.distributed.cpu_offload else "accelerate_config"

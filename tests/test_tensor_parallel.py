@@ -97,6 +97,35 @@ def test_layers_split_over_two_processes_train_as_one_and_resume_from_their_shar
         torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
+@pytest.mark.slow
+def test_a_mixture_of_experts_split_both_ways_trains_as_one_process(tmp_path: Path) -> None:
+    """Tensor and expert parallelism together: a tiny Qwen3-MoE's attention split over the pair and its experts
+    shared out between them (transformers' plans, expert_parallel equal to tensor_parallel)."""
+    moe = [
+        "model.from_config.architecture=qwen3_moe",
+        "model.from_config.num_experts=4",
+        "model.from_config.num_experts_per_tok=2",
+        "model.from_config.moe_intermediate_size=32",
+        "stages.cpt.training.router_aux_loss_coef=0",  # computed over each process's own tokens by design
+    ]
+    single = make_run_dir(tmp_path / "one", [*moe, *settings(1, 1)], 160, 10)
+    done = run_stage(single, "cpt", OMP_NUM_THREADS="1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    split = make_run_dir(tmp_path / "two", [*moe, *settings(2, 2), "stages.cpt.distributed.expert_parallel=2"], 160, 10)
+    process = torchrun(split, 2)
+    assert process.wait(timeout=600) == 0, (split.root / "cpt.torchrun.log").read_text()[-4000:]
+    written = json.loads((split.stage_dir("cpt") / "logs/distributed.json").read_text())
+    assert written["tensor_parallel"] == 2 and written["expert_parallel"] == 2
+    one, two = losses(single, "cpt"), losses(split, "cpt")
+    assert len(one) == len(two) == 4
+    torch.testing.assert_close(torch.tensor(two), torch.tensor(one), rtol=1e-5, atol=1e-5)
+    a = load_file(single.stage_dir("cpt") / "model/model.safetensors")
+    b = load_file(split.stage_dir("cpt") / "model/model.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_the_spec_refuses_what_tensor_parallelism_cannot_split() -> None:
     tp = "stages.sft.distributed.tensor_parallel=2"
     assert "set distributed.strategy to 'fsdp'" in spec_error(
@@ -114,6 +143,8 @@ def test_the_spec_refuses_what_tensor_parallelism_cannot_split() -> None:
         ["stages.sft.distributed.tensor_parallel=16", fsdp, full, "stages.sft.resources.gpus_per_node=16"],
     )
     assert "does not divide" in error and "use one of 1, 2, 4, 8" in error
+    ep = ["stages.sft.distributed.expert_parallel=2", "stages.sft.distributed.tensor_parallel=4", fsdp, full]
+    assert "tensor_parallel 4 must divide it" in spec_error("qwen3-30b-a3b", ep)
     assert "fp8 with tensor_parallel" in spec_error("llama3-dolly", [tp, fsdp, full, "stages.sft.training.fp8=true"])
     rlhf = [
         "stages.rlhf.distributed.tensor_parallel=2",
