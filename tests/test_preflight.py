@@ -370,6 +370,20 @@ def test_each_missing_piece_fails_with_its_fix(server: _Server, korean: Pipeline
     assert all(n.startswith("gpu nodes") for n in failed) if name.startswith("gpu nodes") else failed == {name}
 
 
+def test_too_few_gpus_suggests_a_count_the_parallel_groups_divide(server: _Server) -> None:
+    """Nodes of 6 GPUs and a cpt split over groups of 4 (tensor_parallel): 4 GPUs a node, not 6; nodes of 2: smaller
+    groups or bigger nodes."""
+    split = ["stages.cpt.distributed.tensor_parallel=4"]
+    spec = load_pipeline("korean-llm", overrides=split).spec
+    routes = copy.deepcopy(ready_cluster(spec))
+    _nodes(lambda items: [n["status"]["allocatable"].update({"nvidia.com/gpu": "6"}) for n in items])(routes)
+    fix = _check(_run(server, spec, routes), "gpu nodes: cpt").fix
+    assert "lower stages.cpt.resources.gpus_per_node to 4 or less (a multiple of 4" in fix
+    _nodes(lambda items: [n["status"]["allocatable"].update({"nvidia.com/gpu": "2"}) for n in items])(routes)
+    fix = _check(_run(server, spec, routes), "gpu nodes: cpt").fix
+    assert "add nodes of 4 GPUs or more, or lower stages.cpt.distributed.tensor_parallel/expert_parallel" in fix
+
+
 def test_missing_namespace_skips_the_namespaced_checks(server: _Server, korean: PipelineSpec) -> None:
     routes = ready_cluster(korean)
     del routes[f"{NS}"]

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
@@ -584,6 +585,21 @@ def _fit(nodes: Iterable[dict[str, Any]], res: Resources, size: PodSize) -> _Nod
     return fit
 
 
+def _fewer_gpus_fix(spec: PipelineSpec, stage: str, most: int) -> str:
+    """What to set when the nodes have at most `most` GPUs: a GPU count the stage's tensor- and expert-parallel
+    groups divide (they stay inside one node), or, where none fits, smaller groups."""
+    distributed = getattr(spec.stage(stage), "distributed", None)
+    group = math.lcm(distributed.tensor_parallel, distributed.expert_parallel) if distributed is not None else 1
+    fitting = most - most % group
+    if fitting == 0:
+        return (
+            f"add nodes of {group} GPUs or more, or lower stages.{stage}.distributed.tensor_parallel/expert_parallel "
+            f"(their groups of {group} GPUs stay inside one node; these nodes have at most {most})"
+        )
+    multiple = f" (a multiple of {group}: the tensor/expert-parallel groups stay inside one node)" if group > 1 else ""
+    return f"lower stages.{stage}.resources.gpus_per_node to {fitting} or less{multiple}, or add bigger nodes"
+
+
 def _check_gpu_stage(spec: PipelineSpec, stage: str, nodes: list[dict[str, Any]], report: PreflightReport) -> None:
     res, size = spec.stage(stage).resources, pod_size(spec, stage)
     name = f"gpu nodes: {stage}"
@@ -608,7 +624,7 @@ def _check_gpu_stage(spec: PipelineSpec, stage: str, nodes: list[dict[str, Any]]
     if fit.too_few_gpus:
         most = max(fit.too_few_gpus.values())
         reasons.append(f"{len(fit.too_few_gpus)} have fewer than {res.gpus_per_node} GPUs (at most {most})")
-        fixes.append(f"lower stages.{stage}.resources.gpus_per_node to {most} or less, or add bigger nodes")
+        fixes.append(_fewer_gpus_fix(spec, stage, most))
     if fit.too_small:
         example = next(iter(fit.too_small.items()))
         short = "; ".join(example[1])
