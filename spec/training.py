@@ -400,6 +400,32 @@ class TrainingStage(StageBase):
             )
         return self
 
+    def _sharded_by_transformers(self, field: str) -> None:
+        """What tensor and expert parallelism (`field`) need: FSDP2 for the rest of the model, no accelerate setting
+        (transformers shards the model as it loads), and groups of ranks inside one node (their all-to-all and
+        all-reduces stay on NVLink)."""
+        size = getattr(self.distributed, field)
+        if self.distributed.strategy != "fsdp":
+            raise FieldError(
+                ("distributed", field),
+                f"{field} {size} shards the rest of the model with FSDP2: set distributed.strategy to 'fsdp' "
+                f"(it is {self.distributed.strategy!r}), or {field} to 1",
+            )
+        if self.distributed.cpu_offload or self.distributed.accelerate_config is not None:
+            what = "cpu_offload" if self.distributed.cpu_offload else "accelerate_config"
+            raise FieldError(
+                ("distributed", what),
+                f"with {field} the model is sharded by transformers as it loads, not by accelerate: "
+                f"distributed.{what} does not apply; remove it or set {field} to 1",
+            )
+        gpus = self.resources.gpus_per_node
+        if gpus and gpus % size:
+            raise FieldError(
+                ("distributed", field),
+                f"{field} {size} must divide resources.gpus_per_node ({gpus}): its groups of ranks stay inside "
+                "one node",
+            )
+
     def _expert_parallel_fits(self) -> None:
         """Expert parallelism goes with FSDP2 (transformers shards the dense part itself), bf16 experts, and
         groups of ranks inside one node (the all-to-all stays on NVLink)."""
@@ -407,33 +433,14 @@ class TrainingStage(StageBase):
         if ep == 1:
             return
         at = ("distributed", "expert_parallel")
-        if self.distributed.strategy != "fsdp":
-            raise FieldError(
-                at,
-                f"expert_parallel {ep} shards the rest of the model with FSDP2: set distributed.strategy to 'fsdp' "
-                f"(it is {self.distributed.strategy!r}), or expert_parallel to 1",
-            )
+        self._sharded_by_transformers("expert_parallel")
         if self.method == "qlora":
             raise FieldError(at, "expert_parallel shards bf16 experts; qlora's are 4-bit: use method 'lora' or 1")
-        if self.distributed.cpu_offload or self.distributed.accelerate_config is not None:
-            what = "cpu_offload" if self.distributed.cpu_offload else "accelerate_config"
-            raise FieldError(
-                ("distributed", what),
-                f"with expert_parallel the model is sharded by transformers as it loads, not by accelerate: "
-                f"distributed.{what} does not apply; remove it or set expert_parallel to 1",
-            )
         if self.method == "lora" and self.lora.target_experts:
             raise FieldError(
                 ("lora", "target_experts"),
                 f"with expert_parallel {ep} the adapters go on attention and any dense layers: the experts' own "
                 "adapters are not split over the ranks yet. Set lora.target_experts: false, or expert_parallel: 1",
-            )
-        gpus = self.resources.gpus_per_node
-        if gpus and gpus % ep:
-            raise FieldError(
-                at,
-                f"expert_parallel {ep} must divide resources.gpus_per_node ({gpus}): its groups of ranks stay "
-                "inside one node",
             )
 
     def _tensor_parallel_fits(self) -> None:
@@ -443,12 +450,7 @@ class TrainingStage(StageBase):
         if tp == 1:
             return
         at = ("distributed", "tensor_parallel")
-        if self.distributed.strategy != "fsdp":
-            raise FieldError(
-                at,
-                f"tensor_parallel {tp} shards the rest with FSDP2: set distributed.strategy to 'fsdp' "
-                f"(it is {self.distributed.strategy!r}), or tensor_parallel to 1",
-            )
+        self._sharded_by_transformers("tensor_parallel")
         if self.method != "full":
             raise FieldError(
                 at,
@@ -461,20 +463,6 @@ class TrainingStage(StageBase):
                 at,
                 f"with expert_parallel {ep}, tensor_parallel {tp} must divide it: each group of experts spans whole "
                 "tensor-parallel groups (transformers' plan)",
-            )
-        if self.distributed.cpu_offload or self.distributed.accelerate_config is not None:
-            what = "cpu_offload" if self.distributed.cpu_offload else "accelerate_config"
-            raise FieldError(
-                ("distributed", what),
-                f"with tensor_parallel the model is sharded by transformers as it loads, not by accelerate: "
-                f"distributed.{what} does not apply; remove it or set tensor_parallel to 1",
-            )
-        gpus = self.resources.gpus_per_node
-        if gpus and gpus % tp:
-            raise FieldError(
-                at,
-                f"tensor_parallel {tp} must divide resources.gpus_per_node ({gpus}): its groups of ranks stay "
-                "inside one node",
             )
 
     def _float8_fits(self) -> None:

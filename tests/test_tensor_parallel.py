@@ -1,7 +1,8 @@
 """Tensor parallelism (`distributed.tensor_parallel`): each layer of a tiny model split over two CPU processes under
-torchrun (gloo), trains as one process does on the same global batch, and a run killed after a checkpoint resumes
-from its shards to the same model; every family's plan splits its layers exactly (the same loss and gradients as the
-whole model); and the spec refuses what the split cannot run, naming the field."""
+torchrun (gloo) trains as one process does on the same global batch, and a run stopped by SIGTERM resumes from its
+shards to the same model; a mesh of four (pairs, FSDP2 over them) and a mixture of experts split both ways do too;
+every family's plan splits its layers exactly (the same logits, loss and gradients as the whole model); and the spec
+refuses what the split cannot run, naming the field."""
 
 from __future__ import annotations
 
@@ -12,9 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file
 from training_fixtures import (
+    assert_trains_as_one,
     checkpoint_run_dir,
     child_env,
     losses,
@@ -84,14 +84,9 @@ def test_layers_split_over_two_processes_train_as_one_and_resume_from_their_shar
     written = json.loads((split.stage_dir("cpt") / "logs/distributed.json").read_text())
     assert written["tensor_parallel"] == 2 and written["fsdp"] is None  # transformers splits it, not accelerate
 
-    one, two = losses(single, "cpt"), losses(split, "cpt")
-    assert len(one) == len(two) == 4 and one[-1] < one[0]
-    torch.testing.assert_close(torch.tensor(two), torch.tensor(one), rtol=1e-5, atol=1e-5)
-    a = load_file(single.stage_dir("cpt") / "model/model.safetensors")
-    b = load_file(split.stage_dir("cpt") / "model/model.safetensors")
-    assert a.keys() == b.keys()  # whole weights, in the layout one process saves
-    for name in a:
-        torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5, msg=name)
+    assert_trains_as_one(single, split, "cpt", steps=4)
+    one = losses(single, "cpt")
+    assert one[-1] < one[0]
 
 
 @pytest.mark.slow
@@ -113,14 +108,7 @@ def test_a_mixture_of_experts_split_both_ways_trains_as_one_process(tmp_path: Pa
     assert process.wait(timeout=600) == 0, (split.root / "cpt.torchrun.log").read_text()[-4000:]
     written = json.loads((split.stage_dir("cpt") / "logs/distributed.json").read_text())
     assert written["tensor_parallel"] == 2 and written["expert_parallel"] == 2
-    one, two = losses(single, "cpt"), losses(split, "cpt")
-    assert len(one) == len(two) == 4
-    torch.testing.assert_close(torch.tensor(two), torch.tensor(one), rtol=1e-5, atol=1e-5)
-    a = load_file(single.stage_dir("cpt") / "model/model.safetensors")
-    b = load_file(split.stage_dir("cpt") / "model/model.safetensors")
-    assert a.keys() == b.keys()
-    for name in a:
-        torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5, msg=name)
+    assert_trains_as_one(single, split, "cpt", steps=4)
 
 
 def test_the_spec_refuses_what_tensor_parallelism_cannot_split() -> None:
@@ -194,13 +182,7 @@ def test_a_mesh_of_two_groups_of_two_trains_sft_as_one_process(tmp_path: Path) -
     command += [str(stage_script(split.root)), "sft", "--run-dir", str(split.root)]
     done = subprocess.run(command, env=child_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    one, four = losses(single, "sft"), losses(split, "sft")
-    assert len(one) == len(four) == 3
-    torch.testing.assert_close(torch.tensor(four), torch.tensor(one), rtol=1e-5, atol=1e-5)
-    a = load_file(single.stage_dir("sft") / "model/model.safetensors")
-    b = load_file(split.stage_dir("sft") / "model/model.safetensors")
-    for name in a:
-        torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5, msg=name)
+    assert_trains_as_one(single, split, "sft", steps=3)
 
 
 CHECK = Path(__file__).with_name("tensor_parallel_check.py")

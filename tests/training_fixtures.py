@@ -415,6 +415,26 @@ def losses(run_dir: RunDir, stage: str) -> list[float]:
     return [entry["loss"] for entry in history if "loss" in entry]
 
 
+def assert_trains_as_one(
+    one: RunDir, split: RunDir, stage: str, steps: int, weights: str = "model.safetensors"
+) -> None:
+    """`split` (several processes) trained `stage` as `one` (one process) did on the same global batch: the same
+    loss at every step and the same saved weights (`model/<weights>`), within float32 summation-order noise."""
+    import torch
+    from safetensors.torch import load_file
+
+    a, b = losses(one, stage), losses(split, stage)
+    assert len(a) == len(b) == steps, (a, b)
+    torch.testing.assert_close(torch.tensor(b), torch.tensor(a), rtol=1e-5, atol=1e-5)
+    expected, got = (
+        load_file(one.stage_dir(stage) / "model" / weights),
+        load_file(split.stage_dir(stage) / "model" / weights),
+    )
+    assert expected.keys() == got.keys()  # whole weights, in the layout one process saves
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
 def spec_error(pipeline: str, overrides: list[str]) -> str:
     """The message of the SpecError that loading `pipeline` with `overrides` raises (the test fails without one)."""
     with pytest.raises(SpecError) as caught:
