@@ -5,22 +5,19 @@ refuses what the sharding cannot run, naming the field."""
 
 from __future__ import annotations
 
-import json
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import psutil
 import pytest
 from training_fixtures import (
     assert_trains_as_one,
-    child_env,
     losses,
     make_run_dir,
+    resume_sharded_run,
     run_stage,
     spec_error,
-    stage_script,
+    torchrun_stage,
     wait_for_file,
 )
 
@@ -56,17 +53,6 @@ def settings(stage: str, processes: int) -> list[str]:
     return common
 
 
-def torchrun(run_dir: RunDir, stage: str, hold_after_checkpoint: int | None = None) -> subprocess.Popen[str]:
-    """The stage as its pod launches it, two processes of one node; paused after a checkpoint if asked
-    (tests/stage_hooks.py)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    command += [str(stage_script(run_dir.root)), stage, "--run-dir", str(run_dir.root)]
-    log = (run_dir.root / f"{stage}.torchrun.log").open("a")
-    hold = str(hold_after_checkpoint) if hold_after_checkpoint else None
-    env = child_env(OMP_NUM_THREADS="1", HOLD_AFTER_CHECKPOINT=hold)
-    return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
-
-
 def one_process(tmp_path: Path, stage: str, n_text: int, n_chat: int) -> RunDir:
     """The stage trained by one process on the same global batch: the reference."""
     single = make_run_dir(tmp_path / "one", settings(stage, 1), n_text, n_chat)
@@ -80,7 +66,7 @@ def test_full_training_with_experts_over_two_processes_matches_one_and_resumes_f
     single = one_process(tmp_path, "cpt", 160, 10)
     sharded = make_run_dir(tmp_path / "two", settings("cpt", 2), 160, 10)
     checkpoints = sharded.stage_dir("cpt") / "checkpoints"
-    first = torchrun(sharded, "cpt", hold_after_checkpoint=2)
+    first = torchrun_stage(sharded, "cpt", hold_after_checkpoint=2)
     wait_for_file(checkpoints / "checkpoint-2" / MARKER, first)  # type: ignore[arg-type]
     ranks = psutil.Process(first.pid).children(recursive=True)  # torchrun starts each in a session of its own
     for process in [psutil.Process(first.pid), *ranks]:  # the node is lost: every rank at once
@@ -89,13 +75,7 @@ def test_full_training_with_experts_over_two_processes_matches_one_and_resumes_f
     first.wait(timeout=60)
     assert (checkpoints / "checkpoint-2" / "sharded").is_dir()  # the model's and optimizer's shards
 
-    again = torchrun(sharded, "cpt")
-    assert again.wait(timeout=600) == 0, (sharded.root / "cpt.torchrun.log").read_text()[-4000:]
-    result = sharded.read_result("cpt")
-    assert result is not None and result.status == "succeeded"
-    assert result.extra["resumed_from"] == "checkpoint-2"
-    written = json.loads((sharded.stage_dir("cpt") / "logs/distributed.json").read_text())
-    assert written["expert_parallel"] == 2 and written["fsdp"] is None  # transformers shards it, not accelerate
+    resume_sharded_run(sharded, "cpt", "checkpoint-2", expert_parallel=2)
 
     # the whole model, saved in the checkpoint's own layout, is the one process's model
     assert_trains_as_one(single, sharded, "cpt", steps=4)
@@ -107,7 +87,7 @@ def test_full_training_with_experts_over_two_processes_matches_one_and_resumes_f
 def test_lora_with_experts_over_two_processes_matches_one(tmp_path: Path) -> None:
     single = one_process(tmp_path, "sft", 10, 160)
     sharded = make_run_dir(tmp_path / "two", settings("sft", 2), 10, 160)
-    process = torchrun(sharded, "sft")
+    process = torchrun_stage(sharded, "sft")
     assert process.wait(timeout=600) == 0, (sharded.root / "sft.torchrun.log").read_text()[-4000:]
 
     assert_trains_as_one(single, sharded, "sft", steps=4, weights="adapter_model.safetensors")

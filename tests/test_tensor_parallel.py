@@ -19,13 +19,13 @@ from training_fixtures import (
     child_env,
     losses,
     make_run_dir,
+    resume_sharded_run,
     run_stage,
     spec_error,
-    stage_script,
+    torchrun_stage,
     wait_for_file,
 )
 
-from run.run_dir import RunDir
 from spec.loading import load_pipeline
 from stages.checkpoints import MARKER
 from stages.contract import NotSupportedHere
@@ -45,17 +45,6 @@ def settings(processes: int, tensor_parallel: int) -> list[str]:
     return common
 
 
-def torchrun(run_dir: RunDir, processes: int, hold_after_checkpoint: int | None = None) -> subprocess.Popen[str]:
-    """The cpt stage as its pod launches it, `processes` processes of one node; paused after a checkpoint if asked
-    (tests/stage_hooks.py)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes)]
-    command += [str(stage_script(run_dir.root)), "cpt", "--run-dir", str(run_dir.root)]
-    log = (run_dir.root / "cpt.torchrun.log").open("a")
-    hold = str(hold_after_checkpoint) if hold_after_checkpoint else None
-    env = child_env(OMP_NUM_THREADS="1", HOLD_AFTER_CHECKPOINT=hold)
-    return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
-
-
 @pytest.mark.slow
 def test_layers_split_over_two_processes_train_as_one_and_resume_from_their_shards(tmp_path: Path) -> None:
     """Stopped as a preempted pod is (SIGTERM to torchrun, which passes it to the ranks): the ranks save a checkpoint
@@ -67,7 +56,7 @@ def test_layers_split_over_two_processes_train_as_one_and_resume_from_their_shar
 
     split = make_run_dir(tmp_path / "two", settings(2, 2), 160, 10)
     checkpoints = split.stage_dir("cpt") / "checkpoints"
-    first = torchrun(split, 2, hold_after_checkpoint=2)
+    first = torchrun_stage(split, "cpt", hold_after_checkpoint=2)
     wait_for_file(checkpoints / "checkpoint-2" / MARKER, first)  # type: ignore[arg-type]
     first.send_signal(signal.SIGTERM)
     assert first.wait(timeout=300) != 0
@@ -76,13 +65,7 @@ def test_layers_split_over_two_processes_train_as_one_and_resume_from_their_shar
     assert (checkpoints / "checkpoint-3" / MARKER).exists()  # saved by both ranks at the end of the next step
     assert (checkpoints / "checkpoint-3" / "sharded").is_dir()  # the model's and optimizer's shards
 
-    again = torchrun(split, 2)
-    assert again.wait(timeout=600) == 0, (split.root / "cpt.torchrun.log").read_text()[-4000:]
-    result = split.read_result("cpt")
-    assert result is not None and result.status == "succeeded"
-    assert result.extra["resumed_from"] == "checkpoint-3"
-    written = json.loads((split.stage_dir("cpt") / "logs/distributed.json").read_text())
-    assert written["tensor_parallel"] == 2 and written["fsdp"] is None  # transformers splits it, not accelerate
+    resume_sharded_run(split, "cpt", "checkpoint-3", tensor_parallel=2)
 
     assert_trains_as_one(single, split, "cpt", steps=4)
     one = losses(single, "cpt")
@@ -104,7 +87,7 @@ def test_a_mixture_of_experts_split_both_ways_trains_as_one_process(tmp_path: Pa
     done = run_stage(single, "cpt", OMP_NUM_THREADS="1")
     assert done.returncode == 0, done.stderr[-3000:]
     split = make_run_dir(tmp_path / "two", [*moe, *settings(2, 2), "stages.cpt.distributed.expert_parallel=2"], 160, 10)
-    process = torchrun(split, 2)
+    process = torchrun_stage(split, "cpt")
     assert process.wait(timeout=600) == 0, (split.root / "cpt.torchrun.log").read_text()[-4000:]
     written = json.loads((split.stage_dir("cpt") / "logs/distributed.json").read_text())
     assert written["tensor_parallel"] == 2 and written["expert_parallel"] == 2
@@ -178,10 +161,8 @@ def test_a_mesh_of_two_groups_of_two_trains_sft_as_one_process(tmp_path: Path) -
         "stages.sft.distributed.tensor_parallel=2",
     ]
     split = make_run_dir(tmp_path / "four", mesh, 10, 160)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
-    command += [str(stage_script(split.root)), "sft", "--run-dir", str(split.root)]
-    done = subprocess.run(command, env=child_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    process = torchrun_stage(split, "sft", processes=4)
+    assert process.wait(timeout=900) == 0, (split.root / "sft.torchrun.log").read_text()[-4000:]
     assert_trains_as_one(single, split, "sft", steps=3)
 
 

@@ -415,6 +415,32 @@ def losses(run_dir: RunDir, stage: str) -> list[float]:
     return [entry["loss"] for entry in history if "loss" in entry]
 
 
+def torchrun_stage(
+    run_dir: RunDir, stage: str, processes: int = 2, hold_after_checkpoint: int | None = None
+) -> subprocess.Popen[str]:
+    """`stage` as its pod launches it, `processes` processes of one node under torchrun, its output appended to
+    `<run>/<stage>.torchrun.log`; paused after a checkpoint if asked (tests/stage_hooks.py)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes)]
+    command += [str(stage_script(run_dir.root)), stage, "--run-dir", str(run_dir.root)]
+    log = (run_dir.root / f"{stage}.torchrun.log").open("a")
+    hold = str(hold_after_checkpoint) if hold_after_checkpoint else None
+    env = child_env(OMP_NUM_THREADS="1", HOLD_AFTER_CHECKPOINT=hold)
+    return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+
+
+def resume_sharded_run(run_dir: RunDir, stage: str, checkpoint: str, **sizes: int) -> None:
+    """Rerun `stage` on two processes after it was stopped: it succeeds, resumed from `checkpoint`, with the model
+    sharded by transformers in groups of `sizes` (distributed.json: tensor_parallel, expert_parallel), not by
+    accelerate's FSDP."""
+    again = torchrun_stage(run_dir, stage)
+    assert again.wait(timeout=600) == 0, (run_dir.root / f"{stage}.torchrun.log").read_text()[-4000:]
+    result = run_dir.read_result(stage)
+    assert result is not None and result.status == "succeeded"
+    assert result.extra["resumed_from"] == checkpoint
+    written = json.loads((run_dir.stage_dir(stage) / "logs/distributed.json").read_text())
+    assert {name: written[name] for name in sizes} == sizes and written["fsdp"] is None
+
+
 def assert_trains_as_one(
     one: RunDir, split: RunDir, stage: str, steps: int, weights: str = "model.safetensors"
 ) -> None:
