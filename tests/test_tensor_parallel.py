@@ -21,6 +21,7 @@ from training_fixtures import (
     make_run_dir,
     resume_sharded_run,
     run_stage,
+    runner_env,
     spec_error,
     torchrun_stage,
     wait_for_file,
@@ -198,3 +199,36 @@ def test_every_family_splits_its_layers_exactly(tmp_path: Path) -> None:
         assert abs(report["loss_split"] - report["loss_whole"]) < 1e-5, (family, report)
         assert report["logits_cosine"] >= 0.9999, (family, report)  # the bar for a backend's conversion
         assert report["largest_gradient_difference"] < 1e-5 * max(1.0, report["largest_gradient"]), (family, report)
+
+
+SPLIT_CPT = ["stages.cpt.distributed.strategy=fsdp", "stages.cpt.distributed.tensor_parallel=2"]
+
+
+def test_local_says_what_this_machine_makes_of_the_groups_before_anything_starts() -> None:
+    from workflows.plan import local_mesh
+
+    spec = load_pipeline("korean-llm", profile="local", overrides=SPLIT_CPT).spec
+    assert local_mesh(spec, 4) == ([], [])
+    errors, warnings = local_mesh(spec, 3)
+    assert errors == [
+        "stages.cpt.distributed.tensor_parallel is 2, which does not divide the 3 processes --local runs cpt with "
+        "(one per GPU here): set it to a divisor of 3, or CUDA_VISIBLE_DEVICES to a multiple of 2 GPUs"
+    ]
+    errors, warnings = local_mesh(spec, 0)
+    assert errors == [] and warnings == [
+        "stages.cpt.distributed.tensor_parallel is 2, but this machine runs cpt as one process: it trains unsplit"
+    ]
+
+
+def test_local_refuses_groups_its_gpus_cannot_form_with_one_error_and_nothing_written(tmp_path: Path) -> None:
+    command = [sys.executable, "-m", "workflows.submit", "korean-llm", "--local", "--run-dir", str(tmp_path / "run")]
+    for item in SPLIT_CPT:
+        command += ["--set", item]
+    done = subprocess.run(
+        command, env=runner_env(CUDA_VISIBLE_DEVICES="0,1,2"), capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    output = done.stdout + done.stderr
+    assert "error: stages.cpt.distributed.tensor_parallel is 2, which does not divide the 3 processes" in output
+    assert "Traceback" not in output
+    assert not (tmp_path / "run").exists()

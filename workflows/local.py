@@ -86,7 +86,7 @@ from spec.data import datasets
 from spec.document import LoadedPipeline
 from spec.loading import PIPELINES_DIR, REPLACES_DATA
 from spec.pipeline import PipelineSpec
-from workflows.plan import plan_warnings, prepared_warnings
+from workflows.plan import local_mesh, plan_warnings, prepared_warnings
 from workflows.search import search_in_runner, search_needed
 from workflows.stage_process import StageRun, launch_stage, record_interrupted, run_stage
 from workflows.warm_starts import warm_starts
@@ -413,6 +413,10 @@ def run_local(
             soft_wrap=True,
         )
         return EXIT_USAGE
+    mesh_errors, _ = local_mesh(spec, gpu_count())
+    if mesh_errors:  # before the run directory exists: nothing has started
+        console.print(Text(f"error: {mesh_errors[0]}", style="bold red"), soft_wrap=True)
+        return EXIT_USAGE
     run_root = Path(run_dir or default_run_dir(spec)).absolute()
     try:
         lock = lock_run_dir(run_root)
@@ -470,7 +474,7 @@ def _run_locked(
     console.print(header, markup=False, soft_wrap=True)
     for line in effective_plan(loaded):
         console.print(f"  {line}", markup=False, soft_wrap=True)
-    warned = plan_warnings(loaded)
+    warned = plan_warnings(loaded) + local_mesh(spec, gpus)[1]
     for line in warned:
         console.print(Text(f"  warning: {line}", style="yellow"), soft_wrap=True)
 

@@ -11,6 +11,11 @@ what to change:
   prepare (`prepared_warnings`).
 - evaluate measures built-in data while a training stage trains on the user's own: the gate then compares the
   models on text unrelated to what they learned.
+
+`local_mesh` says, before a --local run starts, what its machine makes of a stage's tensor- and expert-parallel
+groups: --local runs a training stage as one process per GPU here (one without GPUs), so a group size that does not
+divide that count is an error there and then (the stage would stop only after the stages before it ran), and a
+stage of one process trains unsplit (a warning).
 """
 
 from __future__ import annotations
@@ -174,3 +179,29 @@ def prepared_warnings(prepare_extra: dict[str, Any], already: frozenset[str] | s
             rows = int(counts.get("rows") or 0) or None
             warnings.append(small_eval_warning(stage, held, rows, None, estimated=False, mixture="datasets" in counts))
     return warnings
+
+
+def local_mesh(spec: PipelineSpec, gpus: int) -> tuple[list[str], list[str]]:
+    """(errors, warnings) for the enabled training stages' tensor_parallel and expert_parallel on a machine of `gpus`
+    GPUs, where --local runs each training stage as max(gpus, 1) processes (see the module docstring)."""
+    processes = max(gpus, 1)
+    errors: list[str] = []
+    warnings: list[str] = []
+    for name in TRAINING_STAGES:
+        section = spec.stage(name)
+        if not section.enabled:
+            continue
+        for field in ("tensor_parallel", "expert_parallel"):
+            size = getattr(section.distributed, field)
+            where = f"stages.{name}.distributed.{field}"
+            if size == 1:
+                continue
+            if processes == 1:
+                warnings.append(f"{where} is {size}, but this machine runs {name} as one process: it trains unsplit")
+            elif processes % size:
+                errors.append(
+                    f"{where} is {size}, which does not divide the {processes} processes --local runs {name} with "
+                    f"(one per GPU here): set it to a divisor of {processes}, or CUDA_VISIBLE_DEVICES to a multiple "
+                    f"of {size} GPUs"
+                )
+    return errors, warnings
