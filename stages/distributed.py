@@ -9,7 +9,7 @@ rendezvous); `stages.<stage>.distributed.strategy` picks the engine:
   over gloo on CPU too;
 - deepspeed_zero2 / deepspeed_zero3: DeepSpeed ZeRO stage 2 (optimizer state and gradients sharded) or 3 (and
   parameters), configured by a dict built here, or by the user's own (`distributed.deepspeed_config`).
-FSDP (without expert parallelism) and DeepSpeed need GPUs: on CPU the stage stops with an error that names the
+FSDP (without tensor or expert parallelism) and DeepSpeed need GPUs: on CPU the stage stops with an error that names the
 spec field.
 """
 
