@@ -26,7 +26,7 @@ from spec.fields import (
     out_of_int64,
 )
 from spec.model import ModelSpec
-from spec.model_shapes import known_shape, tensor_parallel_problem
+from spec.model_shapes import AttentionShape, known_shape, tensor_parallel_problem
 from spec.release import DeployStage, EvaluateStage
 from spec.search import recorded_metrics, search_field_problem
 from spec.stage import MAX_NODES, PrepareStage, StageBase
@@ -533,13 +533,18 @@ class PipelineSpec(StrictModel):
                         f"{where} sets {var}={env[var]} and resources.rdma.{field} says {value}: set it in one place",
                     )
 
+    def _attention_shape(self) -> AttentionShape | None:
+        """The model's heads and key/value heads where the spec knows them (model.from_config, or a well-known hub
+        model), for the checks that must hold before any weights are downloaded."""
+        config = self.model.from_config
+        return config.attention() if config is not None else known_shape(self.model.name_or_path)
+
     def _serving_fits_model(self) -> None:
         """vLLM splits the model over serving.gpus GPUs (tensor parallelism): they must divide its heads."""
         serving = self.stages.deploy.serving
         if not (self.stages.deploy.enabled and serving.enabled and serving.gpus > 1):
             return
-        config = self.model.from_config
-        shape = config.attention() if config is not None else known_shape(self.model.name_or_path)
+        shape = self._attention_shape()
         if shape is None or (problem := tensor_parallel_problem(shape, serving.gpus)) is None:
             return
         fits = [n for n in range(1, 17) if tensor_parallel_problem(shape, n) is None]
@@ -552,8 +557,7 @@ class PipelineSpec(StrictModel):
     def _tensor_parallel_fits_model(self) -> None:
         """A training stage's tensor_parallel splits attention by heads: it must divide both the model's query heads
         and its key/value heads (transformers' plan splits the key/value projections too, without replicating)."""
-        config = self.model.from_config
-        shape = config.attention() if config is not None else known_shape(self.model.name_or_path)
+        shape = self._attention_shape()
         for name in TRAINING_STAGES:
             section = self.stage(name)
             tp = section.distributed.tensor_parallel

@@ -413,7 +413,8 @@ def run_local(
             soft_wrap=True,
         )
         return EXIT_USAGE
-    mesh_errors, _ = local_mesh(spec, gpu_count())
+    gpus = gpu_count()
+    mesh_errors, _ = local_mesh(spec, gpus)
     if mesh_errors:  # before the run directory exists: nothing has started
         console.print(Text(f"error: {mesh_errors[0]}", style="bold red"), soft_wrap=True)
         return EXIT_USAGE
@@ -425,7 +426,7 @@ def run_local(
         return EXIT_USAGE
     try:
         with interrupts_raise():
-            return _run_locked(loaded, run_root, lock, force, console, resume, fail_on_gate=fail_on_gate)
+            return _run_locked(loaded, run_root, lock, force, console, gpus, resume, fail_on_gate=fail_on_gate)
     except (StageInterrupted, KeyboardInterrupt) as exc:  # between stages: no stage to stop
         name = signal.Signals(interrupt_signal(exc)).name
         console.print(Text(f"{name}: the run stopped between stages", style="bold red"), soft_wrap=True)
@@ -440,11 +441,12 @@ def _run_locked(
     lock: Any,
     force: bool,
     console: Console,
+    gpus: int,
     resume: list[str] | None = None,
     *,
     fail_on_gate: bool = False,
 ) -> int:
-    """run_local's work, with the run directory locked."""
+    """run_local's work, with the run directory locked, on a machine of `gpus` GPUs."""
     spec = loaded.spec
     if not force:  # the values a finished search selected are the run's, not a changed config
         spec = apply_selections(spec, run_root)
@@ -463,7 +465,6 @@ def _run_locked(
     RunDir(run_root).write_spec(spec)
     stages = spec.stages.enabled()
     runs = [StageRun(name) for name in stages]
-    gpus = gpu_count()
     env = stage_env(run_root)
     if "deploy" in stages and spec.stages.deploy.serving.enabled:
         runs.append(StageRun(SERVE_ROW))
