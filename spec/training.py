@@ -276,6 +276,20 @@ class DistributedSpec(StrictModel):
         "NVLink), the model's attention and key/value heads, and expert_parallel where that is set. A run of one "
         "process trains unsplit.",
     )
+    pipeline_parallel: Int64 = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Pipeline parallelism: the model's layers cut into this many consecutive stages, one per rank "
+        "(the embedding with the first, the final norm and the head with the last), which pass each micro-batch's "
+        "hidden states on; torch's own 1F1B schedule (torch.distributed.pipelining) runs "
+        "training.gradient_accumulation_steps micro-batches per optimizer step (at least this many: the bubble is "
+        "(stages - 1) / (micro-batches + stages - 1) of the time). FSDP2 shards each stage over the pipelines (the "
+        "world size divided by this). For a dense model whose layers do not fit one GPU's memory "
+        "together with its optimizer, across nodes where the network is slower than NVLink. 1: none. For cpt and "
+        "sft, full fine-tuning of a dense model; needs strategy 'fsdp'; must divide resources.nodes x "
+        "gpus_per_node and leave each stage a layer. A run of one process trains uncut.",
+    )
     deepspeed_config: dict[str, Any] | str | None = Field(
         None,
         description="Your own DeepSpeed config instead of the generated one (strategy deepspeed_zero2/3, the same "
@@ -389,6 +403,7 @@ class TrainingStage(StageBase):
             raise ValueError("qlora cannot be sharded with deepspeed_zero3; use ddp or fsdp")
         self._expert_parallel_fits()
         self._tensor_parallel_fits()
+        self._pipeline_parallel_fits()
         self._float8_fits()
         check_mixture(self.data)
         held_out = any(d.eval_fraction > 0 for d in datasets(self.data))
@@ -463,6 +478,51 @@ class TrainingStage(StageBase):
                 at,
                 f"with expert_parallel {ep}, tensor_parallel {tp} must divide it: each group of experts spans whole "
                 "tensor-parallel groups (transformers' plan)",
+            )
+
+    def _pipeline_parallel_fits(self) -> None:
+        """Pipeline parallelism cuts a dense model's layers over ranks that train it in full, FSDP2 over the
+        pipelines, with a micro-batch for each stage in every step."""
+        pp = self.distributed.pipeline_parallel
+        if pp == 1:
+            return
+        at = ("distributed", "pipeline_parallel")
+        if self.distributed.strategy != "fsdp":
+            raise FieldError(
+                at,
+                f"pipeline_parallel {pp} shards each stage over the pipelines with FSDP2: set distributed.strategy "
+                f"to 'fsdp' (it is {self.distributed.strategy!r}), or pipeline_parallel 1",
+            )
+        for field in ("tensor_parallel", "expert_parallel"):
+            if getattr(self.distributed, field) > 1:
+                raise FieldError(at, f"pipeline_parallel with {field} is not offered yet: set one of them to 1")
+        if self.distributed.cpu_offload or self.distributed.accelerate_config is not None:
+            what = "cpu_offload" if self.distributed.cpu_offload else "accelerate_config"
+            raise FieldError(
+                ("distributed", what),
+                f"with pipeline_parallel each rank trains its own stage of the model: distributed.{what} does not "
+                "apply; remove it or set pipeline_parallel to 1",
+            )
+        if self.method != "full":
+            raise FieldError(
+                at,
+                f"pipeline_parallel cuts the model that full fine-tuning trains; method {self.method!r} trains "
+                "adapters, which are not cut yet: use method 'full', or pipeline_parallel 1",
+            )
+        if self.training.fp8:
+            raise FieldError(("training", "fp8"), "fp8 with pipeline_parallel is not offered yet: set one back")
+        if self.training.gradient_accumulation_steps < pp:
+            raise FieldError(
+                ("training", "gradient_accumulation_steps"),
+                f"{self.training.gradient_accumulation_steps} micro-batches a step for pipeline_parallel {pp}: the "
+                f"schedule needs one per stage at least (set it to {pp} or more; more shrink the bubble)",
+            )
+        gpus = self.resources.nodes * (self.resources.gpus_per_node or 0)
+        if gpus and gpus % pp:
+            raise FieldError(
+                at,
+                f"{pp} must divide the stage's {gpus} GPUs (resources.nodes x gpus_per_node): each pipeline takes "
+                f"{pp} of them",
             )
 
     def _float8_fits(self) -> None:
@@ -637,10 +697,10 @@ class RlhfStage(TrainingStage):
         return self
 
     def _expert_parallel_reference(self) -> None:
-        """Expert and tensor parallelism are for cpt and sft: TRL's preference trainers copy or hash the whole
+        """Expert, tensor and pipeline parallelism are for cpt and sft: TRL's preference trainers copy or hash the whole
         policy (its reference, its precomputed log-probabilities), which a model sharded as it loads does not allow
         (seen with TRL 1.16: DPOTrainer's hash_module reads every weight with .numpy(), which a DTensor refuses)."""
-        for field in ("expert_parallel", "tensor_parallel"):
+        for field in ("expert_parallel", "tensor_parallel", "pipeline_parallel"):
             if getattr(self.distributed, field) > 1:
                 raise FieldError(
                     ("distributed", field),

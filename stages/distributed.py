@@ -6,7 +6,8 @@ rendezvous); `stages.<stage>.distributed.strategy` picks the engine:
 - fsdp: FSDP2, parameters, gradients and optimizer state sharded per decoder layer; with
   `distributed.tensor_parallel` each layer is split over groups of ranks too, and with `distributed.expert_parallel`
   a mixture of experts' experts, both by transformers as the model loads (`stages.model_parallel`), which then runs
-  over gloo on CPU too;
+  over gloo on CPU too; with `distributed.pipeline_parallel` the model's layers are cut into stages, one per rank,
+  each stage sharded over the pipelines (`stages.pipeline_parallel`), on gloo too;
 - deepspeed_zero2 / deepspeed_zero3: DeepSpeed ZeRO stage 2 (optimizer state and gradients sharded) or 3 (and
   parameters), configured by a dict built here, or by the user's own (`distributed.deepspeed_config`).
 FSDP (without tensor or expert parallelism) and DeepSpeed need GPUs: on CPU the stage stops with an error that names the
@@ -24,14 +25,15 @@ import torch
 from spec.training import DistributedSpec, TrainingStage
 from stages.contract import NotSupportedHere
 from stages.model_parallel import sharded_arguments, shards_at_load
+from stages.pipeline_parallel import pipeline_arguments, pipeline_parallel_size
 from stages.sharded_loading import loads_once, world_size
 
 
 def check_strategy(stage: str, distributed: DistributedSpec) -> None:
     """Refuse a strategy this machine cannot run, naming the spec field to change."""
     strategy = distributed.strategy
-    if strategy == "ddp" or (distributed.sharded_at_load and world_size() > 1):
-        return  # tensor or expert parallelism: transformers' own FSDP2, which runs over gloo too
+    if strategy == "ddp" or (world_size() > 1 and (distributed.sharded_at_load or distributed.pipeline_parallel > 1)):
+        return  # tensor, expert or pipeline parallelism: FSDP2 on the stage's own terms, which runs over gloo too
     if not torch.cuda.is_available():
         raise NotSupportedHere(
             f"stages.{stage}.distributed.strategy is '{strategy}', which needs GPUs; this machine has none. "
@@ -175,6 +177,8 @@ def strategy_arguments(stage: str, section: TrainingStage, model: Any) -> dict[s
         args["ddp_backend"] = "nccl" if gpu else "gloo"
     if shards_at_load(section):
         args.update(sharded_arguments(section))  # transformers sharded the model as it loaded
+    elif pipeline_parallel_size(section) > 1:
+        args.update(pipeline_arguments(section))  # each rank trains its stage of the model, DDP over pipelines
     elif distributed.strategy == "fsdp":
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         recompute = section.training.gradient_checkpointing and gpu

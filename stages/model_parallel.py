@@ -236,7 +236,8 @@ def save_shards(trainer: Any, folder: Path) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optimizer_state = get_state_dict(trainer.model, _optimizer(trainer))
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(folder / SHARDED_DIR))
+    state = _keyed(trainer, {"model": model_state, "optimizer": optimizer_state})
+    dcp.save(state, checkpoint_id=str(folder / SHARDED_DIR))
     if trainer.args.should_save:
         torch.save(trainer.lr_scheduler.state_dict(), folder / SCHEDULER_FILE)
     trainer._save_rng_state(str(folder))
@@ -253,14 +254,21 @@ def resume_sharded(trainer: Any, checkpoint: str | None) -> None:
     if not (folder / SHARDED_DIR).is_dir():
         raise NotSupportedHere(
             f"{folder} has no {SHARDED_DIR}/ (the model's and optimizer's shards): it was not written by a run "
-            "with tensor_parallel or expert_parallel; rerun the stage with --force to start over"
+            "with tensor_parallel, expert_parallel or pipeline_parallel; rerun the stage with --force to start over"
         )
     optimizer = _optimizer(trainer)
     model_state, optimizer_state = get_state_dict(trainer.model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
-    dcp.load(state, checkpoint_id=str(folder / SHARDED_DIR))
+    dcp.load(_keyed(trainer, state), checkpoint_id=str(folder / SHARDED_DIR))
     set_state_dict(trainer.model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     trainer.lr_scheduler.load_state_dict(torch.load(folder / SCHEDULER_FILE, weights_only=True))
+
+
+def _keyed(trainer: Any, state: dict[str, Any]) -> dict[str, Any]:
+    """`state` under the trainer's `sharded_state_key` where it has one: a pipeline stage's parameters and optimizer
+    groups are its own (their names would collide with the other stages' in one checkpoint's keys)."""
+    key = getattr(trainer, "sharded_state_key", None)
+    return {key: state} if key else state
 
 
 def _optimizer(trainer: Any) -> torch.optim.Optimizer:

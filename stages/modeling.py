@@ -405,10 +405,12 @@ def float32_masters(model: Any, section: TrainingStage) -> torch.dtype | None:
     of 0.02) that is nearly all of them. Upcasts `model` in place and returns the dtype it was loaded in, to save
     the final model in; None when it stays as it is: `training.pure_bf16` (faster, half the memory), CPU (float32
     already), or FSDP and DeepSpeed, which keep float32 masters themselves (accelerate upcasts for FSDP2; ZeRO's
-    optimizer holds float32 copies)."""
+    optimizer holds float32 copies). Pipeline parallelism (`distributed.pipeline_parallel`) shards each stage with
+    FSDP2 itself, over these masters."""
     loaded = next(model.parameters()).dtype
     low = loaded in (torch.bfloat16, torch.float16)
-    if not (on_gpu() and low and section.distributed.strategy == "ddp" and not section.training.pure_bf16):
+    own_masters = section.distributed.strategy == "ddp" or section.distributed.pipeline_parallel > 1
+    if not (on_gpu() and low and own_masters and not section.training.pure_bf16):
         return None
     model.float()
     return loaded

@@ -27,6 +27,7 @@ from stages.modeling import (
     load_tokenizer,
 )
 from stages.packing import PackedCollator, batch_width_multiple, load_token_cache
+from stages.pipeline_parallel import pipeline_trainer
 from stages.progress import ProgressLog
 from stages.router_loss import mask_router_loss
 from stages.tracking import StageTracker
@@ -93,7 +94,7 @@ def train(ctx: StageContext, sigterm: SigtermCheckpoint) -> int:
         gauges = StageMetrics.for_stage(ctx, progress)  # served by rank 0 on POSTTRAIN_METRICS_PORT, if set
         callbacks = [tracker.hf_callback(), progress, gauges, CheckpointMarker(), sigterm]
         with mesh_over_gloo(ctx.section):
-            trainer = SFTTrainer(
+            trainer = pipeline_trainer(SFTTrainer, ctx.stage, ctx.section)(  # SFTTrainer itself unless pipelined
                 model=start.model,
                 args=args,
                 data_collator=PackedCollator(

@@ -57,6 +57,7 @@ from stages.modeling import (
     on_gpu,
     weights_dtype,
 )
+from stages.pipeline_parallel import pipeline_parallel_size
 
 
 def trainer_arguments(ctx: StageContext, model: Any) -> dict[str, Any]:
@@ -155,6 +156,7 @@ def write_distributed_config(ctx: StageContext, args: Any) -> Path:
             "strategy": ctx.section.distributed.strategy,
             "expert_parallel": expert_parallel_size(ctx.section),
             "tensor_parallel": tensor_parallel_size(ctx.section),
+            "pipeline_parallel": pipeline_parallel_size(ctx.section),
             "world_size": args.world_size,
             "parallel_mode": getattr(args.parallel_mode, "value", str(args.parallel_mode)),
             "ddp_backend": args.ddp_backend,
@@ -337,7 +339,9 @@ def save_stage_model(
     unwrapped.config.use_cache = True
     for key, value in start.loaded_config.items():  # training settings (router aux loss) are not the model's
         setattr(unwrapped.config.get_text_config(), key, value)
-    if start.save_dtype is not None:  # trained on float32 masters: the model is served in the dtype it came in
+    if start.save_dtype is not None and hasattr(trainer, "pipeline"):
+        trainer.pipeline.save_dtype = start.save_dtype  # a pipeline stage casts the weights it gathers to save
+    elif start.save_dtype is not None:  # trained on float32 masters: the model is served in the dtype it came in
         unwrapped.to(start.save_dtype)
     trainer.save_model(str(out))
     kind: ModelKind = start.kind

@@ -454,11 +454,25 @@ def assert_trains_as_one(
     torch.testing.assert_close(torch.tensor(b), torch.tensor(a), rtol=1e-5, atol=1e-5)
     expected, got = (
         load_file(one.stage_dir(stage) / "model" / weights),
-        load_file(split.stage_dir(stage) / "model" / weights),
+        folder_weights(split.stage_dir(stage) / "model", weights),
     )
     assert expected.keys() == got.keys()  # whole weights, in the layout one process saves
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def folder_weights(folder: Path, weights: str = "model.safetensors") -> dict[str, Any]:
+    """A model folder's tensors: `weights`, or where the folder is sharded, every file its index names."""
+    from safetensors.torch import load_file
+
+    if (folder / weights).is_file():
+        return load_file(folder / weights)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    tensors: dict[str, Any] = {}
+    for name in sorted(set(index["weight_map"].values())):
+        tensors |= load_file(folder / name)
+    assert tensors.keys() == index["weight_map"].keys()
+    return tensors
 
 
 def spec_error(pipeline: str, overrides: list[str]) -> str:

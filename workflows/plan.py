@@ -182,8 +182,8 @@ def prepared_warnings(prepare_extra: dict[str, Any], already: frozenset[str] | s
 
 
 def local_mesh(spec: PipelineSpec, gpus: int) -> tuple[list[str], list[str]]:
-    """(errors, warnings) for the enabled training stages' tensor_parallel and expert_parallel on a machine of `gpus`
-    GPUs, where --local runs each training stage as max(gpus, 1) processes (see the module docstring)."""
+    """(errors, warnings) for the enabled training stages' tensor, expert and pipeline parallelism on a machine of
+    `gpus` GPUs, where --local runs each training stage as max(gpus, 1) processes (see the module docstring)."""
     processes = max(gpus, 1)
     errors: list[str] = []
     warnings: list[str] = []
@@ -191,7 +191,7 @@ def local_mesh(spec: PipelineSpec, gpus: int) -> tuple[list[str], list[str]]:
         section = spec.stage(name)
         if not section.enabled:
             continue
-        for field in ("tensor_parallel", "expert_parallel"):
+        for field in ("tensor_parallel", "expert_parallel", "pipeline_parallel"):
             size = getattr(section.distributed, field)
             where = f"stages.{name}.distributed.{field}"
             if size == 1:

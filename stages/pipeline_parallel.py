@@ -1,0 +1,518 @@
+"""Pipeline parallelism: a model's layers cut into consecutive stages, one per rank, trained by torch's pipeline
+schedule inside the transformers Trainer.
+
+`stages.<stage>.distributed.pipeline_parallel: P` cuts the decoder layers into P consecutive runs (as even as they
+divide; the first stages take one more where they do not), the embedding with the first, the final norm and the head
+with the last. Each rank keeps only its stage: the layers outside it are transformers' own `PipelineIdentityLayer`
+(what `transformers.distributed.pipeline_parallel` does for inference), so a stage's forward is the model's own:
+`input_ids` on the first, the hidden states it receives as `inputs_embeds` on the others, the position ids passed on
+beside them so that every stage builds the same document masks and rotary embeddings. torch's runtime
+(`torch.distributed.pipelining`: `PipelineStage` and the 1F1B schedule) runs the micro-batches' forwards and
+backwards and the sends between stages; this module writes no schedule of its own.
+
+The world is a mesh of P stages by R = world / P pipelines (torch's DeviceMesh, the stage dimension outermost as in
+torchtitan: on several nodes a pipeline crosses them and the sharding stays on each node's NVLink). FSDP2 (torch's
+`fully_shard`, over the ranks holding the same stage) shards each stage over the pipelines and averages their
+gradients, once a step (the pipeline stage defers the reduction to its last micro-batch). torchtitan pairs
+pipelines with FSDP2 too: torch's DDP under the pipeline stage failed here on its second step ("rebuilt parameter
+indices size is not same as original model parameters size", torch 2.13, two stages by two pipelines on gloo).
+
+Inside the Trainer (`pipeline_trainer`): one optimizer step is one `schedule.step` over
+`training.gradient_accumulation_steps` micro-batches of `per_device_batch_size` rows (the Trainer's batch is all
+of them; its own accumulation is 1). Every stage of a pipeline reads the same rows (the Trainer's sampler sharded
+over the R pipelines, not the world), padded to `max_seq_length` and to whole micro-batches with rows that have
+no labels, so every micro-batch has the shape the schedule planned for. The loss is transformers' causal-LM loss
+for the model, summed over the step's tokens and divided by their count over all pipelines, as the Trainer divides
+without pipelines, so the gradients are the unparallelised run's. Gradient clipping takes the norm over all stages;
+where the head is tied to the embedding (Gemma), the first and last stage each hold the weight and their two
+gradients are summed before the optimizer steps (what Megatron does), so the copies stay equal. Evaluation runs the
+schedule forward only and averages the loss over every held-out token.
+
+Checkpoints are those of tensor and expert parallelism (`stages.model_parallel.checkpoint_sharded`): each rank's
+model and optimizer state in torch's distributed checkpoint format, with the scheduler and RNG, beside the whole
+weights; resuming loads the shards. The whole weights are one Hugging Face folder: each stage's first replica saves
+its part with transformers' `save_pretrained` (one file per stage), rank 0 writes the index and the config, so the
+next stage, evaluate and vLLM load it as any checkpoint.
+
+Each process loads the whole model once and keeps its stage (host memory for a whole copy per process, as DDP
+needs); full fine-tuning on a GPU keeps float32 masters (`stages.modeling.float32_masters`), gathered and computed
+in bf16 and saved in the dtype the model came in; a mixture of experts is refused (its router's balance loss adds
+up over every layer's routers).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from spec.training import TrainingStage
+from stages.contract import NotSupportedHere
+from stages.model_parallel import expert_count
+from stages.packing import IGNORE_INDEX
+from stages.sharded_loading import world_size
+
+
+def pipeline_parallel_size(section: TrainingStage) -> int:
+    """Stages per pipeline in this run: the spec's pipeline_parallel under torchrun with several processes, 1 (the
+    whole model on each process) otherwise."""
+    return section.distributed.pipeline_parallel if world_size() > 1 else 1
+
+
+def check_fits(stage: str, section: TrainingStage, config: Any) -> None:
+    """Refuse, naming the spec field, a cut the model or the world cannot take: a mixture of experts, fewer layers
+    than stages, a world size the stages do not divide."""
+    pp = pipeline_parallel_size(section)
+    if pp == 1:
+        return
+    where = f"stages.{stage}.distributed.pipeline_parallel"
+    text = config.get_text_config()
+    if expert_count(config) is not None:
+        raise NotSupportedHere(
+            f"{where} is {pp}, but {config.model_type} is a mixture of experts (its router's balance loss adds up "
+            "over every layer): set it to 1, and expert_parallel to shard the experts"
+        )
+    if text.num_hidden_layers < pp:
+        raise NotSupportedHere(f"{where} is {pp}, more than the model's {text.num_hidden_layers} layers")
+    if world_size() % pp:
+        raise NotSupportedHere(f"{where} is {pp}, which does not divide this run's {world_size()} processes")
+
+
+def layer_ranges(layers: int, stages: int) -> list[range]:
+    """The decoder layers of each stage: consecutive runs as even as `layers` divides, the first stages one longer
+    where it does not."""
+    size, extra = divmod(layers, stages)
+    ranges, start = [], 0
+    for stage in range(stages):
+        end = start + size + (stage < extra)
+        ranges.append(range(start, end))
+        start = end
+    return ranges
+
+
+@dataclass
+class PipelineLayout:
+    """Where this rank is in the mesh of stages x pipelines, and its process groups."""
+
+    stages: int
+    pipelines: int
+    stage: int
+    """This rank's stage (its rank in `stage_group`)."""
+    pipeline: int
+    """This rank's pipeline (its rank in `replica_group`)."""
+    stage_group: Any
+    """The ranks of this rank's pipeline, stage 0 first."""
+    replica_group: Any
+    """The ranks holding this rank's stage, one per pipeline (FSDP2's group)."""
+    replica_mesh: Any
+    """The same ranks as a DeviceMesh."""
+
+    @classmethod
+    def build(cls, stages: int) -> PipelineLayout:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        pipelines = dist.get_world_size() // stages
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        mesh = init_device_mesh(device, (stages, pipelines), mesh_dim_names=("pp", "dp"))
+        return cls(
+            stages=stages,
+            pipelines=pipelines,
+            stage=mesh.get_local_rank("pp"),
+            pipeline=mesh.get_local_rank("dp"),
+            stage_group=mesh.get_group("pp"),
+            replica_group=mesh.get_group("dp"),
+            replica_mesh=mesh["dp"],
+        )
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.stages - 1
+
+    def ends_group(self) -> Any:
+        """The first and last stage of this rank's pipeline (made on every rank, as torch needs; None elsewhere)."""
+        mine = None
+        for pipeline in range(self.pipelines):
+            group = dist.new_group([pipeline, (self.stages - 1) * self.pipelines + pipeline])
+            if pipeline == self.pipeline and (self.first or self.last):
+                mine = group
+        return mine
+
+
+class PipelinePart(nn.Module):
+    """One stage of a causal LM: `model` (a transformers model, changed in place) keeps its own decoder layers,
+    the embedding on the first stage, the norm and the head on the last; the other layers become transformers'
+    `PipelineIdentityLayer`. With `bf16` its forward runs under bf16 autocast (the Trainer's mixed precision,
+    which patches only the whole model's forward, not the inner model's the other stages call)."""
+
+    def __init__(self, model: Any, layers: range, first: bool, last: bool, bf16: bool = False) -> None:
+        from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
+
+        super().__init__()
+        base = model.model
+        for index in range(len(base.layers)):
+            if index not in layers:
+                base.layers[index] = PipelineIdentityLayer()
+        if not first:
+            base.embed_tokens = None  # a tied head keeps the weight itself (model.lm_head.weight)
+        if not last:
+            base.norm = PipelineIdentityLayer()
+            model.lm_head = None
+        self.first, self.last, self.bf16 = first, last, bf16
+        self.model = model
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> Any:
+        # the position ids travel between stages in float32 (received tensors must take gradients); whole numbers
+        inputs = {"position_ids": position_ids.long(), "use_cache": False}
+        inputs["input_ids" if self.first else "inputs_embeds"] = x
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            if self.last:
+                return self.model(**inputs).logits
+            return self.model.model(**inputs).last_hidden_state, position_ids
+
+
+class Pipeline:
+    """This rank's stage of the model and torch's schedule over it."""
+
+    def __init__(self, model: Any, stages: int, microbatches: int, device: torch.device, bf16: bool) -> None:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+        self.layout = layout = PipelineLayout.build(stages)
+        text = model.config.get_text_config()
+        self.tied = bool(getattr(text, "tie_word_embeddings", False))
+        self.ends = layout.ends_group() if self.tied else None
+        layers = layer_ranges(text.num_hidden_layers, stages)[layout.stage]
+        self.layers = layers
+        self.part = PipelinePart(model, layers, layout.first, layout.last, bf16).to(device)
+        # each stage's first replica writes its own part (`save_whole`); transformers lets only global rank 0 write
+        model.should_save_on_this_rank = lambda is_main_process: is_main_process
+        if layout.pipelines > 1:
+            shard_over_pipelines(self.part, layout.replica_mesh, bf16)
+        self.vocab_size = text.vocab_size
+        self.loss_function = model.loss_function
+        self.microbatches = microbatches
+        self.tokens: torch.Tensor | int = 1
+        """Tokens the step's loss is divided by (over all pipelines); set before each step."""
+        self.save_dtype: torch.dtype | None = None
+        """The dtype the whole weights are saved in, where not the training one (float32 masters)."""
+        self.stage = PipelineStage(self.part, layout.stage, stages, device, group=layout.stage_group)
+        # the loss is a sum over tokens divided by their count: no further scaling by the micro-batch count
+        self.schedule = Schedule1F1B(self.stage, n_microbatches=microbatches, loss_fn=self._loss, scale_grads=False)
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss = self.loss_function(logits, labels, self.vocab_size, num_items_in_batch=self.tokens)
+        return loss * self.layout.pipelines  # FSDP2 averages over the pipelines: their sum is wanted
+
+    def run(self, batch: dict[str, torch.Tensor], train: bool) -> torch.Tensor:
+        """One step over `batch` (every micro-batch of it), on every rank of the pipeline: the loss summed over
+        the batch's tokens, divided by `tokens`, times the pipelines (their mean over the world is the step's
+        loss, as the Trainer logs it)."""
+        run = self.schedule.step if train else self.schedule.eval
+        losses: list[torch.Tensor] = []
+        target = {"target": batch["labels"], "losses": losses} if self.layout.last else {}
+        if self.layout.first:
+            run(batch["input_ids"], batch["position_ids"].float(), return_outputs=False, **target)
+        else:
+            run(return_outputs=False, **target)
+        device = batch["labels"].device
+        loss = torch.stack(losses).sum().detach().float() if losses else torch.zeros((), device=device)
+        dist.broadcast(loss, group=self.layout.stage_group, group_src=self.layout.stages - 1)
+        return loss
+
+    def sum_tied_gradients(self) -> None:
+        """First and last stage: the sum of their gradients of the tied embedding, on both."""
+        if self.ends is None:
+            return
+        weight = self.part.model.model.embed_tokens.weight if self.layout.first else self.part.model.lm_head.weight
+        if weight.grad is not None:  # both ends shard it alike over the pipelines: their local shards add up
+            dist.all_reduce(_local(weight.grad), group=self.ends)
+
+    def gradient_norm(self, max_norm: float | None) -> torch.Tensor:
+        """The norm of the whole model's gradient (every stage's, the tied weight once); clipped to `max_norm`
+        where given."""
+        from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
+        params = [p for p in self.part.parameters() if p.grad is not None]
+        counted = [p.grad for p in params if not (self.tied and self.layout.last and p is self._head_weight())]
+        device = params[0].grad.device if params else torch.device("cpu")
+        local = _full(get_total_norm(counted)).float() if counted else torch.zeros((), device=device)
+        squares = local.square()
+        dist.all_reduce(squares, group=self.layout.stage_group)
+        total = squares.sqrt()
+        if max_norm is not None and params:
+            clip_grads_with_norm_(params, max_norm, total)
+        return total
+
+    def _head_weight(self) -> Any:
+        return self.part.model.lm_head.weight if self.part.model.lm_head is not None else None
+
+    def tokens_in(self, labels: torch.Tensor) -> torch.Tensor:
+        """The tokens a batch's loss counts (its shifted labels that are not ignored), over every pipeline."""
+        count = (labels[..., 1:] != IGNORE_INDEX).sum()
+        dist.all_reduce(count, group=self.layout.replica_group)
+        return count
+
+
+def shard_over_pipelines(part: PipelinePart, mesh: Any, bf16: bool) -> None:
+    """FSDP2 (torch's `fully_shard`) over the ranks holding the same stage: each of its decoder layers a unit, the
+    rest (embedding, norm, head) the root's. Kept gathered from the forward to the backward, as torchtitan does under
+    pipelining: every micro-batch would gather them again. With `bf16`, gathered and computed in bf16 over float32
+    masters, the gradients reduced in float32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    settings: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": False}
+    if policy is not None:
+        settings["mp_policy"] = policy
+    for layer in part.model.model.layers:
+        if not isinstance(layer, PipelineIdentityLayer):
+            fully_shard(layer, **settings)
+    fully_shard(part, **settings)
+
+
+def _local(tensor: Any) -> torch.Tensor:
+    """A DTensor's local shard; a plain tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _full(tensor: Any) -> torch.Tensor:
+    """A DTensor gathered whole (a collective over its mesh); a plain tensor itself."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def pad_rows(batch: dict[str, torch.Tensor], rows: int, width: int, pad_token_id: int) -> dict[str, torch.Tensor]:
+    """`batch` with `rows` rows of `width` tokens: the rows right-padded (the padding without labels, its
+    positions running on), then rows without labels added (pad tokens at positions 0, 1, ...). Every micro-batch
+    then has the shape the schedule planned for; the added tokens change no loss and no gradient."""
+    have, wide = batch["input_ids"].shape
+    if wide < width:
+        extra = width - wide
+        last = batch["position_ids"][:, -1:] + 1
+        batch = {
+            **batch,
+            "input_ids": nn.functional.pad(batch["input_ids"], (0, extra), value=pad_token_id),
+            "labels": nn.functional.pad(batch["labels"], (0, extra), value=IGNORE_INDEX),
+            "position_ids": torch.cat([batch["position_ids"], last + torch.arange(extra)], dim=1),
+        }
+    if have < rows:
+        missing = rows - have
+        batch = {
+            **batch,
+            "input_ids": torch.cat([batch["input_ids"], torch.full((missing, width), pad_token_id)]),
+            "labels": torch.cat([batch["labels"], torch.full((missing, width), IGNORE_INDEX)]),
+            "position_ids": torch.cat([batch["position_ids"], torch.arange(width).repeat(missing, 1)]),
+        }
+    return {key: batch[key] for key in ("input_ids", "labels", "position_ids")}
+
+
+class FixedShapeCollator:
+    """A collator's batches padded to `rows` rows of `width` tokens (`pad_rows`)."""
+
+    def __init__(self, collator: Any, rows: int, width: int, pad_token_id: int) -> None:
+        self.collator, self.rows, self.width, self.pad_token_id = collator, rows, width, pad_token_id
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        return pad_rows(self.collator(examples), self.rows, self.width, self.pad_token_id)
+
+
+def pipeline_arguments(section: TrainingStage) -> dict[str, Any]:
+    """Trainer arguments for a pipeline: its batch is every micro-batch of a step (the schedule splits it), the
+    checkpoints hold the model only (`checkpoint_sharded` adds the shards)."""
+    t = section.training
+    rows = t.per_device_batch_size * t.gradient_accumulation_steps
+    return {
+        "per_device_train_batch_size": rows,
+        "per_device_eval_batch_size": rows,
+        "gradient_accumulation_steps": 1,
+        "save_only_model": True,
+        "gradient_checkpointing": bool(t.gradient_checkpointing and torch.cuda.is_available()),
+    }
+
+
+def pipeline_trainer(base: type, stage: str, section: TrainingStage) -> type:
+    """`base` (the transformers Trainer or TRL's SFTTrainer) training the stage's model as a pipeline; `base`
+    itself where the run has one stage. Making one refuses (NotSupportedHere) a model the stages cannot cut."""
+    stages = pipeline_parallel_size(section)
+    if stages == 1:
+        return base
+    training = section.training
+
+    class PipelineTrainer(base):  # type: ignore[misc, valid-type]
+        """The Trainer with its step, clipping, rows, evaluation and saving over the pipeline's stages."""
+
+        def __init__(self, *args: Any, model: Any, data_collator: Any, processing_class: Any, **kwargs: Any) -> None:
+            trainer_args = kwargs["args"]
+            check_fits(stage, section, model.config)
+            if trainer_args.fp16:
+                raise NotSupportedHere(
+                    f"stages.{stage}.distributed.pipeline_parallel trains in bf16 or float32; this model's weights "
+                    "are float16 (set model.dtype: bfloat16), or set pipeline_parallel to 1"
+                )
+            self.pipeline = Pipeline(
+                model, stages, training.gradient_accumulation_steps, trainer_args.device, trainer_args.bf16
+            )
+            # The stage owns its placement and gradient reduction: the Trainer neither wraps nor moves it, as
+            # for a model transformers sharded as it loaded (its flag; `checkpoint_sharded` then keeps the shards)
+            model._is_distributed_loading_by_transformers = True
+            rows = training.per_device_batch_size * training.gradient_accumulation_steps
+            collator = FixedShapeCollator(data_collator, rows, training.max_seq_length, processing_class.pad_token_id)
+            super().__init__(*args, model=model, data_collator=collator, processing_class=processing_class, **kwargs)
+            # a stage's checkpoint shards under its own key: each stage's optimizer groups name its own parameters
+            self.sharded_state_key = f"stage-{self.pipeline.layout.stage}"
+
+        def _sync_replicated_trainable_parameters(self, model: Any) -> None:
+            pass  # each stage holds its own parameters; FSDP2 keeps a stage's replicas equal
+
+        def _get_dataloader(self, *args: Any, **kwargs: Any) -> Any:
+            # every stage of a pipeline reads the same rows: shard over the pipelines, not the world
+            from accelerate.data_loader import BatchSamplerShard
+
+            loader = super()._get_dataloader(*args, **kwargs)
+            shard = getattr(loader, "batch_sampler", None)
+            if isinstance(shard, BatchSamplerShard):
+                shard.num_processes = self.pipeline.layout.pipelines
+                shard.process_index = self.pipeline.layout.pipeline
+                if not kwargs.get("is_training", False):
+                    shard.even_batches = False  # no row evaluated twice
+            return loader
+
+        def training_step(self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
+            self.pipeline.part.train()
+            inputs = self._prepare_inputs(inputs)
+            self.pipeline.tokens = self.pipeline.tokens_in(inputs["labels"])
+            loss = self.pipeline.run(inputs, train=True)
+            self.pipeline.sum_tied_gradients()
+            return loss
+
+        def _clip_grad_norm(self, model: Any) -> torch.Tensor:
+            return self.pipeline.gradient_norm(self.args.max_grad_norm)
+
+        def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
+            return self.pipeline.gradient_norm(None) if grad_norm is None else grad_norm
+
+        def _track_num_input_tokens(self, inputs: dict[str, Any]) -> None:
+            tokens = torch.as_tensor(inputs["input_ids"].numel(), device=self.args.device)
+            dist.all_reduce(tokens, group=self.pipeline.layout.replica_group)
+            self.state.num_input_tokens_seen += int(tokens.item())
+
+        def evaluate(
+            self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval"
+        ) -> dict[str, float]:
+            import time
+
+            began = time.time()
+            loader = self.get_eval_dataloader(eval_dataset)
+            self.pipeline.part.eval()
+            device = self.args.device
+            total, tokens = torch.zeros((), device=device), torch.zeros((), device=device, dtype=torch.long)
+            self.pipeline.tokens = 1  # the micro-batches' losses are their sums
+            # Every pipeline runs as many batches as the longest one: a stage's FSDP2 gathers its weights with
+            # its replicas in every forward. A pipeline out of rows runs one without labels (no loss, no tokens).
+            batches, count = iter(loader), torch.tensor(len(loader), device=device)
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+            rows, width = training.per_device_batch_size * training.gradient_accumulation_steps, training.max_seq_length
+            unlabelled = pad_rows(
+                {key: torch.zeros((0, width), dtype=torch.long) for key in ("input_ids", "labels", "position_ids")},
+                rows,
+                width,
+                self.processing_class.pad_token_id,
+            )
+            with torch.no_grad():
+                for _ in range(int(count.item())):
+                    batch = self._prepare_inputs(next(batches, unlabelled))
+                    summed = self.pipeline.run(batch, train=False) / self.pipeline.layout.pipelines
+                    if self.pipeline.layout.last:
+                        total += summed
+                        tokens += (batch["labels"][..., 1:] != IGNORE_INDEX).sum()
+            dist.all_reduce(total)
+            dist.all_reduce(tokens)
+            self.pipeline.part.train()
+            metrics = {
+                f"{metric_key_prefix}_loss": (total / tokens.clamp(min=1)).item(),
+                f"{metric_key_prefix}_runtime": round(time.time() - began, 4),
+            }
+            self.log(metrics)
+            self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+            return metrics
+
+        def _save(self, output_dir: str | None = None, state_dict: Any = None) -> None:
+            out = Path(output_dir if output_dir is not None else self.args.output_dir)
+            save_whole(self.pipeline, self.model, out)
+            if self.args.should_save:
+                if self.processing_class is not None:
+                    self.processing_class.save_pretrained(out)
+                torch.save(self.args, out / "training_args.bin")
+
+    PipelineTrainer.__name__ = PipelineTrainer.__qualname__ = f"Pipeline{base.__name__}"
+    return PipelineTrainer
+
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def save_whole(pipeline: Pipeline, model: Any, out: Path) -> None:
+    """Every rank: the whole model into `out` as one Hugging Face folder. Each stage's first replica saves its part
+    with `save_pretrained` into `out/.stage-<k>/`; rank 0 moves the parts' files in as
+    `model-<k+1>-of-<P>.safetensors` (a stage too big for one file keeps its own shards, renamed), writes the index
+    over all of them and stage 0's config files, and removes the parts' folders."""
+    layout = pipeline.layout
+    part_dir = out / f".stage-{layout.stage}"
+    # the stage's weights whole: gathered over its replicas (every one takes part), in the dtype it is saved in
+    state = {name: _full(tensor) for name, tensor in model.state_dict().items()}
+    if pipeline.tied and not layout.first:  # the tied head is the first stage's embedding, saved there once
+        tied = getattr(model, "_tied_weights_keys", None) or {}
+        state = {name: t for name, t in state.items() if name not in tied}
+    if pipeline.save_dtype is not None:
+        state = {name: t.to(pipeline.save_dtype) if t.is_floating_point() else t for name, t in state.items()}
+    if layout.pipeline == 0:
+        if part_dir.exists():
+            shutil.rmtree(part_dir)
+        model.save_pretrained(part_dir, state_dict=state, is_main_process=True, max_shard_size="1000GB")
+    del state
+    dist.barrier()
+    if dist.get_rank() == 0:
+        weight_map: dict[str, str] = {}
+        total = 0
+        for stage in range(layout.stages):
+            folder = out / f".stage-{stage}"
+            index = folder / INDEX_FILE
+            if index.is_file():
+                files = json.loads(index.read_text())["weight_map"]
+            else:
+                files = {name: "model.safetensors" for name in _tensor_names(folder / "model.safetensors")}
+            names = sorted(set(files.values()))
+            renamed = {
+                name: f"model-{stage + 1:05d}-of-{layout.stages:05d}.safetensors"
+                if len(names) == 1
+                else f"model-{stage + 1:05d}-of-{layout.stages:05d}-{i + 1:03d}.safetensors"
+                for i, name in enumerate(names)
+            }
+            for name, new in renamed.items():
+                total += (folder / name).stat().st_size
+                (folder / name).replace(out / new)
+            weight_map |= {key: renamed[file] for key, file in files.items()}
+            if stage == 0:
+                for extra in folder.iterdir():
+                    if extra.suffix == ".json" and extra.name != INDEX_FILE:
+                        extra.replace(out / extra.name)
+            shutil.rmtree(folder)
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    dist.barrier()
+
+
+def _tensor_names(path: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return list(f.keys())

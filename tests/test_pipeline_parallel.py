@@ -1,0 +1,181 @@
+"""Pipeline parallelism (`distributed.pipeline_parallel`): a tiny model's layers cut into two stages over two CPU
+processes under torchrun (gloo, torch's 1F1B schedule) train as one process does on the same global batch, and a run
+stopped by SIGTERM resumes from its shards to the same model, saved as one Hugging Face folder; two pipelines of two
+stages (FSDP2 over the pipelines) train a tied-embedding Gemma 3 as one process does; and the spec and the stage
+refuse what the cut cannot run, naming the field."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+from training_fixtures import (
+    assert_trains_as_one,
+    folder_weights,
+    losses,
+    make_run_dir,
+    resume_sharded_run,
+    run_stage,
+    spec_error,
+    torchrun_stage,
+    wait_for_file,
+)
+
+from spec.loading import load_pipeline
+from stages.checkpoints import MARKER
+from stages.contract import NotSupportedHere
+from stages.pipeline_parallel import check_fits, layer_ranges, pad_rows
+
+PIPELINE = ["stages.cpt.distributed.strategy=fsdp", "stages.cpt.distributed.pipeline_parallel=2"]
+
+
+def cpt_settings(per_device: int) -> list[str]:
+    """Four cpt steps of two micro-batches of `per_device` rows, checkpoints every 2."""
+    return [
+        "stages.cpt.training.max_steps=4",
+        "stages.cpt.training.save_steps=2",
+        "stages.cpt.training.logging_steps=1",
+        f"stages.cpt.training.per_device_batch_size={per_device}",
+        "stages.cpt.training.gradient_accumulation_steps=2",
+    ]
+
+
+@pytest.mark.slow
+def test_two_stages_train_as_one_process_and_resume_from_their_shards(tmp_path: Path) -> None:
+    """One pipeline of two stages: stopped as a preempted pod is (SIGTERM to torchrun), the ranks checkpoint
+    together at the end of the next step; the rerun resumes from the shards and ends where one process ends, its
+    model one folder of a file per stage that transformers loads."""
+    single = make_run_dir(tmp_path / "one", cpt_settings(2), 160, 10)
+    done = run_stage(single, "cpt", OMP_NUM_THREADS="1")
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    cut = make_run_dir(tmp_path / "two", [*cpt_settings(2), *PIPELINE], 160, 10)
+    checkpoints = cut.stage_dir("cpt") / "checkpoints"
+    first = torchrun_stage(cut, "cpt", hold_after_checkpoint=2)
+    wait_for_file(checkpoints / "checkpoint-2" / MARKER, first)  # type: ignore[arg-type]
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(timeout=300) != 0
+    stopped = cut.read_result("cpt")
+    assert stopped is not None and stopped.status == "interrupted", stopped
+    assert (checkpoints / "checkpoint-3" / MARKER).exists()
+    assert (checkpoints / "checkpoint-3" / "sharded").is_dir()  # each stage's model and optimizer state
+
+    resume_sharded_run(cut, "cpt", "checkpoint-3", pipeline_parallel=2)
+    assert_trains_as_one(single, cut, "cpt", steps=4)
+    model = cut.stage_dir("cpt") / "model"
+    index = json.loads((model / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ]
+    assert not list(model.glob(".stage-*"))
+    one, two = single.read_result("cpt"), cut.read_result("cpt")
+    assert one is not None and two is not None
+    assert abs(one.metrics["eval_loss"] - two.metrics["eval_loss"]) < 1e-5  # every held-out row, through the stages
+
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(model)  # the next stage, evaluate and vLLM read it so
+    assert loaded.config.num_hidden_layers == 2
+
+
+@pytest.mark.slow
+def test_two_pipelines_of_two_stages_train_a_tied_model_as_one_process(tmp_path: Path) -> None:
+    """Four processes: Gemma 3 (its head tied to the embedding, held by the first and the last stage, their
+    gradients summed) cut in two, FSDP2 over two pipelines, each pipeline its own rows."""
+    sft = [
+        "model.from_config.architecture=gemma3",
+        "stages.cpt.enabled=false",
+        "stages.sft.method=full",
+        "stages.sft.training.max_steps=3",
+        "stages.sft.training.logging_steps=1",
+        "stages.sft.training.gradient_accumulation_steps=2",
+    ]
+    single = make_run_dir(tmp_path / "one", [*sft, "stages.sft.training.per_device_batch_size=4"], 10, 160)
+    done = run_stage(single, "sft", OMP_NUM_THREADS="1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    mesh = [
+        *sft,
+        "stages.sft.training.per_device_batch_size=2",
+        "stages.sft.distributed.strategy=fsdp",
+        "stages.sft.distributed.pipeline_parallel=2",
+    ]
+    cut = make_run_dir(tmp_path / "four", mesh, 10, 160)
+    process = torchrun_stage(cut, "sft", processes=4)
+    assert process.wait(timeout=600) == 0, (cut.root / "sft.torchrun.log").read_text()[-4000:]
+    written = json.loads((cut.stage_dir("sft") / "logs/distributed.json").read_text())
+    assert written["pipeline_parallel"] == 2 and written["world_size"] == 4
+    assert_trains_as_one(single, cut, "sft", steps=3)
+    assert "lm_head.weight" not in folder_weights(cut.stage_dir("sft") / "model")  # saved once, as the embedding
+    assert losses(single, "sft")[-1] < losses(single, "sft")[0]
+
+
+def test_the_layers_are_cut_into_consecutive_even_runs() -> None:
+    assert layer_ranges(4, 2) == [range(0, 2), range(2, 4)]
+    assert layer_ranges(10, 4) == [range(0, 3), range(3, 6), range(6, 8), range(8, 10)]
+    assert [len(r) for r in layer_ranges(80, 3)] == [27, 27, 26]
+
+
+def test_every_micro_batch_gets_the_planned_shape_without_new_labels() -> None:
+    import torch
+
+    batch = {
+        "input_ids": torch.tensor([[5, 6, 7]]),
+        "labels": torch.tensor([[5, 6, 7]]),
+        "position_ids": torch.tensor([[0, 1, 0]]),
+    }
+    padded = pad_rows(batch, rows=2, width=5, pad_token_id=0)
+    assert padded["input_ids"].tolist() == [[5, 6, 7, 0, 0], [0, 0, 0, 0, 0]]
+    assert padded["labels"].tolist() == [[5, 6, 7, -100, -100], [-100] * 5]
+    assert padded["position_ids"].tolist() == [[0, 1, 0, 1, 2], [0, 1, 2, 3, 4]]  # the padding runs on
+
+
+def test_the_spec_refuses_what_the_pipeline_cannot_run() -> None:
+    pp = "stages.sft.distributed.pipeline_parallel=2"
+    full, fsdp = "stages.sft.method=full", "stages.sft.distributed.strategy=fsdp"
+    assert "set distributed.strategy to 'fsdp'" in spec_error("llama3-dolly", [pp, full])
+    assert "method 'lora' trains adapters" in spec_error("llama3-dolly", [pp, fsdp, "stages.sft.method=lora"])
+    accumulation = "stages.sft.training.gradient_accumulation_steps=1"
+    assert "one per stage at least" in spec_error("llama3-dolly", [pp, fsdp, full, accumulation])
+    odd = ["stages.sft.distributed.pipeline_parallel=3", fsdp, full]
+    odd.append("stages.sft.training.gradient_accumulation_steps=4")
+    odd.append("stages.sft.resources.gpus_per_node=8")
+    assert "must divide the stage's 8 GPUs" in spec_error("llama3-dolly", odd)
+    tp = "stages.sft.distributed.tensor_parallel=2"
+    assert "with tensor_parallel is not offered yet" in spec_error("llama3-dolly", [pp, fsdp, full, tp])
+    rlhf = ["stages.rlhf.distributed.pipeline_parallel=2", "stages.rlhf.distributed.strategy=fsdp"]
+    rlhf.append("stages.rlhf.training.gradient_accumulation_steps=2")
+    assert "does not run with pipeline_parallel" in spec_error("korean-llm", [*rlhf, "stages.rlhf.method=full"])
+    grads = "stages.sft.training.gradient_accumulation_steps=4"
+    spec = load_pipeline("llama3-dolly", overrides=[pp, fsdp, full, grads]).spec
+    assert spec.stages.sft.distributed.pipeline_parallel == 2
+
+
+def test_a_model_the_stages_cannot_cut_is_refused_naming_the_field(monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers import LlamaConfig, Qwen3MoeConfig
+
+    section = load_pipeline("korean-llm", overrides=PIPELINE).spec.stages.cpt
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    check_fits("cpt", section, LlamaConfig(num_hidden_layers=4))
+    with pytest.raises(NotSupportedHere, match=r"stages\.cpt\.distributed\.pipeline_parallel is 2, but qwen3_moe"):
+        check_fits("cpt", section, Qwen3MoeConfig(num_hidden_layers=4))
+    with pytest.raises(NotSupportedHere, match="more than the model's 1 layers"):
+        check_fits("cpt", section, LlamaConfig(num_hidden_layers=1))
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(NotSupportedHere, match="does not divide this run's 3 processes"):
+        check_fits("cpt", section, LlamaConfig(num_hidden_layers=4))
+
+
+def test_local_says_what_this_machine_makes_of_the_stages_before_anything_starts() -> None:
+    from workflows.plan import local_mesh
+
+    two = "stages.cpt.training.gradient_accumulation_steps=2"
+    spec = load_pipeline("korean-llm", profile="local", overrides=[*PIPELINE, two]).spec
+    assert local_mesh(spec, 4) == ([], [])
+    errors, _ = local_mesh(spec, 3)
+    assert errors and errors[0].startswith("stages.cpt.distributed.pipeline_parallel is 2, which does not divide the 3")
+    assert local_mesh(spec, 0)[1] == [
+        "stages.cpt.distributed.pipeline_parallel is 2, but this machine runs cpt as one process: it trains unsplit"
+    ]
