@@ -191,12 +191,17 @@ class Pipeline:
         self.tied = bool(getattr(text, "tie_word_embeddings", False))
         self.ends = layout.ends_group() if self.tied else None
         layers = layer_ranges(text.num_hidden_layers, stages)[layout.stage]
-        self.layers = layers
         self.part = PipelinePart(model, layers, layout.first, layout.last, bf16).to(device)
         # each stage's first replica writes its own part (`save_whole`); transformers lets only global rank 0 write
         model.should_save_on_this_rank = lambda is_main_process: is_main_process
         if layout.pipelines > 1:
             shard_over_pipelines(self.part, layout.replica_mesh, bf16)
+        if layout.pipeline == 0:
+            print(
+                f"pipeline stage {layout.stage + 1}/{stages}: layers {layers.start}-{layers.stop - 1} of "
+                f"{text.num_hidden_layers}, {microbatches} micro-batches a step, {layout.pipelines} pipeline(s)",
+                flush=True,
+            )
         self.vocab_size = text.vocab_size
         self.loss_function = model.loss_function
         self.microbatches = microbatches
@@ -336,6 +341,8 @@ def pipeline_arguments(section: TrainingStage) -> dict[str, Any]:
         "gradient_accumulation_steps": 1,
         "save_only_model": True,
         "gradient_checkpointing": bool(t.gradient_checkpointing and torch.cuda.is_available()),
+        # Liger patches the whole model's norm, embedding and head in place; a stage holds identities there
+        "use_liger_kernel": False,
     }
 
 

@@ -68,6 +68,7 @@ def test_cpt_trains_a_full_model(trained: RunDir) -> None:
         "strategy": "ddp",
         "expert_parallel": 1,
         "tensor_parallel": 1,
+        "pipeline_parallel": 1,
         "world_size": 1,
         "parallel_mode": "not_parallel",
         "ddp_backend": None,
