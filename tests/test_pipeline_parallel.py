@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from training_fixtures import (
+    assert_four_train_sft_as_one,
     assert_trains_as_one,
     folder_weights,
     losses,
@@ -85,31 +86,14 @@ def test_two_stages_train_as_one_process_and_resume_from_their_shards(tmp_path: 
 def test_two_pipelines_of_two_stages_train_a_tied_model_as_one_process(tmp_path: Path) -> None:
     """Four processes: Gemma 3 (its head tied to the embedding, held by the first and the last stage, their
     gradients summed) cut in two, FSDP2 over two pipelines, each pipeline its own rows."""
-    sft = [
-        "model.from_config.architecture=gemma3",
-        "stages.cpt.enabled=false",
-        "stages.sft.method=full",
-        "stages.sft.training.max_steps=3",
-        "stages.sft.training.logging_steps=1",
-        "stages.sft.training.gradient_accumulation_steps=2",
-    ]
-    single = make_run_dir(tmp_path / "one", [*sft, "stages.sft.training.per_device_batch_size=4"], 10, 160)
-    done = run_stage(single, "sft", OMP_NUM_THREADS="1")
-    assert done.returncode == 0, done.stderr[-3000:]
-    mesh = [
-        *sft,
-        "stages.sft.training.per_device_batch_size=2",
-        "stages.sft.distributed.strategy=fsdp",
-        "stages.sft.distributed.pipeline_parallel=2",
-    ]
-    cut = make_run_dir(tmp_path / "four", mesh, 10, 160)
-    process = torchrun_stage(cut, "sft", processes=4)
-    assert process.wait(timeout=600) == 0, (cut.root / "sft.torchrun.log").read_text()[-4000:]
+    mesh = ["stages.sft.distributed.strategy=fsdp", "stages.sft.distributed.pipeline_parallel=2"]
+    # 2 micro-batches of 2 rows in each of the 2 pipelines: the one process's 2 x 4 rows a step
+    common = ["model.from_config.architecture=gemma3", "stages.sft.training.gradient_accumulation_steps=2"]
+    cut = assert_four_train_sft_as_one(tmp_path, common, mesh)
     written = json.loads((cut.stage_dir("sft") / "logs/distributed.json").read_text())
     assert written["pipeline_parallel"] == 2 and written["world_size"] == 4
-    assert_trains_as_one(single, cut, "sft", steps=3)
     assert "lm_head.weight" not in folder_weights(cut.stage_dir("sft") / "model")  # saved once, as the embedding
-    assert losses(single, "sft")[-1] < losses(single, "sft")[0]
+    assert losses(cut, "sft")[-1] < losses(cut, "sft")[0]
 
 
 def test_the_layers_are_cut_into_consecutive_even_runs() -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from training_fixtures import (
+    assert_four_train_sft_as_one,
     assert_trains_as_one,
     checkpoint_run_dir,
     child_env,
@@ -146,25 +147,8 @@ def test_a_model_the_group_cannot_split_is_refused_naming_the_field(monkeypatch:
 @pytest.mark.slow
 def test_a_mesh_of_two_groups_of_two_trains_sft_as_one_process(tmp_path: Path) -> None:
     """Four processes: layers split over pairs (tensor parallel), FSDP2 over the two pairs, each pair its own rows."""
-    sft = [
-        "stages.cpt.enabled=false",
-        "stages.sft.method=full",
-        "stages.sft.training.max_steps=3",
-        "stages.sft.training.logging_steps=1",
-    ]
-    single = make_run_dir(tmp_path / "one", [*sft, "stages.sft.training.per_device_batch_size=4"], 10, 160)
-    done = run_stage(single, "sft", OMP_NUM_THREADS="1")
-    assert done.returncode == 0, done.stderr[-3000:]
-    mesh = [
-        *sft,
-        "stages.sft.training.per_device_batch_size=2",
-        "stages.sft.distributed.strategy=fsdp",
-        "stages.sft.distributed.tensor_parallel=2",
-    ]
-    split = make_run_dir(tmp_path / "four", mesh, 10, 160)
-    process = torchrun_stage(split, "sft", processes=4)
-    assert process.wait(timeout=900) == 0, (split.root / "sft.torchrun.log").read_text()[-4000:]
-    assert_trains_as_one(single, split, "sft", steps=3)
+    mesh = ["stages.sft.distributed.strategy=fsdp", "stages.sft.distributed.tensor_parallel=2"]
+    assert_four_train_sft_as_one(tmp_path, [], mesh)
 
 
 CHECK = Path(__file__).with_name("tensor_parallel_check.py")
