@@ -7,7 +7,6 @@ refuse what the cut cannot run, naming the field."""
 from __future__ import annotations
 
 import json
-import signal
 from pathlib import Path
 
 import pytest
@@ -17,15 +16,13 @@ from training_fixtures import (
     folder_weights,
     losses,
     make_run_dir,
+    preempt_after_checkpoint,
     resume_sharded_run,
     run_stage,
     spec_error,
-    torchrun_stage,
-    wait_for_file,
 )
 
 from spec.loading import load_pipeline
-from stages.checkpoints import MARKER
 from stages.contract import NotSupportedHere
 from stages.pipeline_parallel import check_fits, layer_ranges, pad_rows
 
@@ -53,15 +50,7 @@ def test_two_stages_train_as_one_process_and_resume_from_their_shards(tmp_path: 
     assert done.returncode == 0, done.stderr[-3000:]
 
     cut = make_run_dir(tmp_path / "two", [*cpt_settings(2), *PIPELINE], 160, 10)
-    checkpoints = cut.stage_dir("cpt") / "checkpoints"
-    first = torchrun_stage(cut, "cpt", hold_after_checkpoint=2)
-    wait_for_file(checkpoints / "checkpoint-2" / MARKER, first)  # type: ignore[arg-type]
-    first.send_signal(signal.SIGTERM)
-    assert first.wait(timeout=300) != 0
-    stopped = cut.read_result("cpt")
-    assert stopped is not None and stopped.status == "interrupted", stopped
-    assert (checkpoints / "checkpoint-3" / MARKER).exists()
-    assert (checkpoints / "checkpoint-3" / "sharded").is_dir()  # each stage's model and optimizer state
+    preempt_after_checkpoint(cut, "cpt")
 
     resume_sharded_run(cut, "cpt", "checkpoint-3", pipeline_parallel=2)
     assert_trains_as_one(single, cut, "cpt", steps=4)

@@ -7,7 +7,6 @@ refuses what the split cannot run, naming the field."""
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,16 +19,15 @@ from training_fixtures import (
     child_env,
     losses,
     make_run_dir,
+    preempt_after_checkpoint,
     resume_sharded_run,
     run_stage,
     runner_env,
     spec_error,
     torchrun_stage,
-    wait_for_file,
 )
 
 from spec.loading import load_pipeline
-from stages.checkpoints import MARKER
 from stages.contract import NotSupportedHere
 
 
@@ -57,15 +55,7 @@ def test_layers_split_over_two_processes_train_as_one_and_resume_from_their_shar
     assert done.returncode == 0, done.stderr[-3000:]
 
     split = make_run_dir(tmp_path / "two", settings(2, 2), 160, 10)
-    checkpoints = split.stage_dir("cpt") / "checkpoints"
-    first = torchrun_stage(split, "cpt", hold_after_checkpoint=2)
-    wait_for_file(checkpoints / "checkpoint-2" / MARKER, first)  # type: ignore[arg-type]
-    first.send_signal(signal.SIGTERM)
-    assert first.wait(timeout=300) != 0
-    stopped = split.read_result("cpt")
-    assert stopped is not None and stopped.status == "interrupted", stopped
-    assert (checkpoints / "checkpoint-3" / MARKER).exists()  # saved by both ranks at the end of the next step
-    assert (checkpoints / "checkpoint-3" / "sharded").is_dir()  # the model's and optimizer's shards
+    preempt_after_checkpoint(split, "cpt")
 
     resume_sharded_run(split, "cpt", "checkpoint-3", tensor_parallel=2)
 

@@ -10,6 +10,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import struct
 import subprocess
 import sys
@@ -426,6 +427,23 @@ def torchrun_stage(
     hold = str(hold_after_checkpoint) if hold_after_checkpoint else None
     env = child_env(OMP_NUM_THREADS="1", HOLD_AFTER_CHECKPOINT=hold)
     return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+
+
+def preempt_after_checkpoint(run_dir: RunDir, stage: str) -> None:
+    """Start `stage` on two processes and stop it as a preempted pod is stopped (SIGTERM to torchrun, which passes
+    it to the ranks) once checkpoint-2 is complete: the ranks save checkpoint-3 together, shards included, at the
+    end of the next step and stop; stage.json says interrupted."""
+    from stages.checkpoints import MARKER
+
+    checkpoints = run_dir.stage_dir(stage) / "checkpoints"
+    first = torchrun_stage(run_dir, stage, hold_after_checkpoint=2)
+    wait_for_file(checkpoints / "checkpoint-2" / MARKER, first)  # type: ignore[arg-type]
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(timeout=300) != 0
+    stopped = run_dir.read_result(stage)
+    assert stopped is not None and stopped.status == "interrupted", stopped
+    assert (checkpoints / "checkpoint-3" / MARKER).exists()  # saved by both ranks at the end of the next step
+    assert (checkpoints / "checkpoint-3" / "sharded").is_dir()  # the model's and optimizer's shards
 
 
 def resume_sharded_run(run_dir: RunDir, stage: str, checkpoint: str, **sizes: int) -> None:
