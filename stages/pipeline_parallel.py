@@ -28,11 +28,11 @@ where the head is tied to the embedding (Gemma), the first and last stage each h
 gradients are summed before the optimizer steps (what Megatron does), so the copies stay equal. Evaluation runs the
 schedule forward only and averages the loss over every held-out token.
 
-Checkpoints are those of tensor and expert parallelism (`stages.model_parallel.checkpoint_sharded`): each rank's
-model and optimizer state in torch's distributed checkpoint format, with the scheduler and RNG, beside the whole
-weights; resuming loads the shards. The whole weights are one Hugging Face folder: each stage's first replica saves
-its part with transformers' `save_pretrained` (one file per stage), rank 0 writes the index and the config, so the
-next stage, evaluate and vLLM load it as any checkpoint.
+Checkpoints are those of tensor and expert parallelism (`stages.model_parallel.checkpoint_sharded`): each rank's model
+and optimizer state in torch's distributed checkpoint format (each stage's under a key of its own: its optimizer groups
+name its own parameters), with the scheduler and RNG, beside the whole weights; resuming loads the shards. The whole
+weights are one Hugging Face folder: each stage's first replica saves its part with transformers' `save_pretrained` (one
+file per stage), rank 0 writes the index and the config, so the next stage, evaluate and vLLM load it as any checkpoint.
 
 Each process loads the whole model once and keeps its stage (host memory for a whole copy per process, as DDP
 needs); full fine-tuning on a GPU keeps float32 masters (`stages.modeling.float32_masters`), gathered and computed
