@@ -20,6 +20,7 @@ from training_fixtures import (
     resume_sharded_run,
     run_stage,
     spec_error,
+    torchrun_stage,
 )
 
 from spec.loading import load_pipeline
@@ -83,6 +84,29 @@ def test_two_pipelines_of_two_stages_train_a_tied_model_as_one_process(tmp_path:
     assert written["pipeline_parallel"] == 2 and written["world_size"] == 4
     assert "lm_head.weight" not in folder_weights(cut.stage_dir("sft") / "model")  # saved once, as the embedding
     assert losses(cut, "sft")[-1] < losses(cut, "sft")[0]
+
+
+@pytest.mark.slow
+def test_four_stages_of_uneven_layers_train_as_one_process(tmp_path: Path) -> None:
+    """Four processes, one pipeline: 5 layers cut 2-1-1-1, two middle stages that neither read tokens nor compute
+    the loss, 4 micro-batches of 1 row a step."""
+    common = [
+        "model.from_config.num_hidden_layers=5",
+        "stages.cpt.training.max_steps=3",
+        "stages.cpt.training.logging_steps=1",
+        "stages.cpt.training.per_device_batch_size=1",
+        "stages.cpt.training.gradient_accumulation_steps=4",
+    ]
+    single = make_run_dir(tmp_path / "one", common, 160, 10)
+    done = run_stage(single, "cpt", OMP_NUM_THREADS="1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    cut = make_run_dir(
+        tmp_path / "four", [*common, *PIPELINE[:1], "stages.cpt.distributed.pipeline_parallel=4"], 160, 10
+    )
+    process = torchrun_stage(cut, "cpt", processes=4)
+    assert process.wait(timeout=600) == 0, (cut.root / "cpt.torchrun.log").read_text()[-4000:]
+    assert "pipeline stage 2/4: layers 2-2 of 5" in (cut.root / "cpt.torchrun.log").read_text()
+    assert_trains_as_one(single, cut, "cpt", steps=3)
 
 
 def test_the_layers_are_cut_into_consecutive_even_runs() -> None:
