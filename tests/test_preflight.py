@@ -384,6 +384,16 @@ def test_too_few_gpus_suggests_a_count_the_parallel_groups_divide(server: _Serve
     assert "add nodes of 4 GPUs or more, or lower stages.cpt.distributed.tensor_parallel/expert_parallel" in fix
 
 
+def test_too_few_gpus_suggests_a_count_whose_total_the_pipeline_stages_divide(server: _Server) -> None:
+    """Two nodes of 6 GPUs and a cpt cut into 8 pipeline stages: 12 GPUs are not whole pipelines, 2 x 4 are."""
+    cut = ["stages.cpt.distributed.pipeline_parallel=8", "stages.cpt.training.gradient_accumulation_steps=8"]
+    spec = load_pipeline("korean-llm", overrides=cut).spec
+    routes = copy.deepcopy(ready_cluster(spec))
+    _nodes(lambda items: [n["status"]["allocatable"].update({"nvidia.com/gpu": "6"}) for n in items])(routes)
+    fix = _check(_run(server, spec, routes), "gpu nodes: cpt").fix
+    assert "lower stages.cpt.resources.gpus_per_node to 4 or less (with 2 nodes, a total the 8 pipeline" in fix
+
+
 def test_missing_namespace_skips_the_namespaced_checks(server: _Server, korean: PipelineSpec) -> None:
     routes = ready_cluster(korean)
     del routes[f"{NS}"]

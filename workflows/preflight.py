@@ -587,16 +587,24 @@ def _fit(nodes: Iterable[dict[str, Any]], res: Resources, size: PodSize) -> _Nod
 
 def _fewer_gpus_fix(spec: PipelineSpec, stage: str, most: int) -> str:
     """What to set when the nodes have at most `most` GPUs: a GPU count the stage's tensor- and expert-parallel
-    groups divide (they stay inside one node), or, where none fits, smaller groups."""
-    distributed = getattr(spec.stage(stage), "distributed", None)
+    groups divide (they stay inside one node) and whose total over the nodes its pipeline stages divide, or, where
+    none fits, smaller groups."""
+    section = spec.stage(stage)
+    distributed = getattr(section, "distributed", None)
     group = math.lcm(distributed.tensor_parallel, distributed.expert_parallel) if distributed is not None else 1
+    stages = distributed.pipeline_parallel if distributed is not None else 1
     fitting = most - most % group
+    while fitting > 0 and (section.resources.nodes * fitting) % stages:
+        fitting -= group
     if fitting == 0:
         return (
-            f"add nodes of {group} GPUs or more, or lower stages.{stage}.distributed.tensor_parallel/expert_parallel "
-            f"(their groups of {group} GPUs stay inside one node; these nodes have at most {most})"
+            f"add nodes of {group} GPUs or more, or lower stages.{stage}.distributed.tensor_parallel/expert_parallel/"
+            f"pipeline_parallel (their groups of {group} GPUs stay inside one node, and the pipelines take "
+            f"{stages} GPUs each; these nodes have at most {most})"
         )
     multiple = f" (a multiple of {group}: the tensor/expert-parallel groups stay inside one node)" if group > 1 else ""
+    if stages > 1:
+        multiple += f" (with {section.resources.nodes} nodes, a total the {stages} pipeline stages divide)"
     return f"lower stages.{stage}.resources.gpus_per_node to {fitting} or less{multiple}, or add bigger nodes"
 
 
