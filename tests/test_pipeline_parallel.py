@@ -26,15 +26,17 @@ from training_fixtures import (
 from spec.loading import load_pipeline
 from stages.contract import NotSupportedHere
 from stages.pipeline_parallel import check_fits, layer_ranges, pad_rows
+from stages.training import read_log_history
 
 PIPELINE = ["stages.cpt.distributed.strategy=fsdp", "stages.cpt.distributed.pipeline_parallel=2"]
 
 
 def cpt_settings(per_device: int) -> list[str]:
-    """Four cpt steps of two micro-batches of `per_device` rows, checkpoints every 2."""
+    """Four cpt steps of two micro-batches of `per_device` rows, checkpoints and held-out loss every 2."""
     return [
         "stages.cpt.training.max_steps=4",
         "stages.cpt.training.save_steps=2",
+        "stages.cpt.training.eval_steps=2",
         "stages.cpt.training.logging_steps=1",
         f"stages.cpt.training.per_device_batch_size={per_device}",
         "stages.cpt.training.gradient_accumulation_steps=2",
@@ -65,6 +67,8 @@ def test_two_stages_train_as_one_process_and_resume_from_their_shards(tmp_path: 
     one, two = single.read_result("cpt"), cut.read_result("cpt")
     assert one is not None and two is not None
     assert abs(one.metrics["eval_loss"] - two.metrics["eval_loss"]) < 1e-5  # every held-out row, through the stages
+    history = read_log_history(cut.stage_dir("cpt") / "logs/log_history.json")
+    assert [e["step"] for e in history if "eval_loss" in e] == [2, 4, 4]  # during training, and at its end
 
     from transformers import AutoModelForCausalLM
 
