@@ -617,6 +617,13 @@ CASES += [
     replace(B7, name="b7_ep_lora_b4", per_device_batch_size=4, note="as b7_ep_lora with 4 rows per GPU"),
     replace(
         B7,
+        name="b7_ep_experts",
+        lora_experts=True,
+        note="as b7_ep_lora with LoRA on the experts too (lora.target_experts: each rank's experts' rows, as "
+        "low-rank grouped products); in-run baseline b5_stage_experts on one GPU",
+    ),
+    replace(
+        B7,
         name="b7_ep_full",
         method="full",
         layers=20,

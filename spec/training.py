@@ -259,7 +259,8 @@ class DistributedSpec(StrictModel):
         description="Expert parallelism for a mixture-of-experts model: each layer's experts are split over this "
         "many ranks of a node, which exchange the routed tokens (all-to-all), while FSDP2 shards everything else "
         "over all ranks; transformers' own expert-parallel plan, applied as the model loads. 1: every rank holds "
-        "every expert. For cpt and sft, full or LoRA (adapters on attention: lora.target_experts false); needs "
+        "every expert. For cpt and sft, full or LoRA (the experts' adapters are whole on every rank, each rank "
+        "training its experts' rows); needs "
         "strategy 'fsdp'; must divide resources.gpus_per_node and the model's expert count. A run of one process "
         "trains unsharded.",
     )
@@ -451,11 +452,12 @@ class TrainingStage(StageBase):
         self._sharded_by_transformers("expert_parallel")
         if self.method == "qlora":
             raise FieldError(at, "expert_parallel shards bf16 experts; qlora's are 4-bit: use method 'lora' or 1")
-        if self.method == "lora" and self.lora.target_experts:
+        if self.method == "lora" and self.lora.target_experts and self.lora.r % 8:
+            # the split experts' adapters run only as grouped low-rank products, whose rows CUDA aligns to 16 bytes
             raise FieldError(
-                ("lora", "target_experts"),
-                f"with expert_parallel {ep} the adapters go on attention and any dense layers: the experts' own "
-                "adapters are not split over the ranks yet. Set lora.target_experts: false, or expert_parallel: 1",
+                ("lora", "r"),
+                f"is {self.lora.r}; with expert_parallel {ep} the experts' adapters need a multiple of 8 (their "
+                "rank rows are grouped GEMM operands). Choose such an r, or lora.target_experts: false",
             )
 
     def _tensor_parallel_fits(self) -> None:

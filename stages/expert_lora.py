@@ -14,9 +14,18 @@ its initialisation, saving, loading and merging stay PEFT's: only where its fact
 (`use_low_rank_experts` swaps the ParamWrapper's weight parametrization for handing the factors to the experts'
 forward, `low_rank_experts_forward`, registered with transformers' ExpertsInterface as GROUPED_EXPERTS).
 
-The path is taken where it can be exact and fast: one active adapter, no expert parallelism, weights in a dtype
-PEFT does not upcast, and a rank whose rows fill the 16 bytes CUDA's grouped GEMM aligns to; anything else keeps
-PEFT's own path. tests/test_expert_lora.py checks the loss and every gradient against PEFT's merged weights.
+The path is taken where it can be exact and fast: one active adapter, weights in a dtype PEFT does not upcast, and a
+rank whose rows fill the 16 bytes CUDA's grouped GEMM aligns to; anything else keeps PEFT's own path.
+tests/test_expert_lora.py checks the loss and every gradient against PEFT's merged weights.
+
+Under expert parallelism (`distributed.expert_parallel`) it is the only path: each rank holds its experts' slice of
+the stack (transformers' plan), and PEFT's path would add a whole adapter to that slice. The adapter stays whole and
+replicated on every rank (PEFT's parameters, broadcast and gradient-averaged by the Trainer as any adapter beside a
+model sharded at load); each rank multiplies the tokens routed to its experts by its experts' rows of the factors
+(`_local_experts`), so a rank's gradient is non-zero on its own experts' rows only, and the Trainer's average over
+the world is the sum over the ranks holding that expert divided by the world: the scaling transformers gives the
+expert weights themselves (`set_gradient_divide_factor(dp_size)`). Memory: the whole adapter on every rank (its
+rank-r rows for all experts), as on one GPU. tests/test_expert_parallel.py trains it over two processes as one.
 
 The same forward runs a mixture of experts on a GPU without adapters too (`stages.modeling.experts_implementation`),
 as transformers' grouped_mm with its routing made cheaper: the routing weight on the intermediate activation, and
@@ -34,7 +43,7 @@ import torch
 
 # _grouped_mm is private, but it is the dispatcher the stock 'grouped_mm' experts run through
 # (torch's grouped_mm where the device and dtype have it, else transformers' per-expert loop).
-from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, _grouped_mm, grouped_mm_experts_forward
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, _grouped_mm
 
 from stages.quantized_experts import autocast_weight, grouped_projection, is_quantized, shaped, weight_dtype
 
@@ -45,6 +54,9 @@ cheaper routing, plus LoRA factors as grouped low-rank products where the expert
 FACTORS = "_lora_factors"
 """The experts module's attribute that holds, while its adapters are active, parameter name → (lhs, rhs, scaling)
 with lhs @ rhs the shape of the parameter (PEFT's `get_delta_factors`)."""
+
+EXPERT_OFFSET = "_first_expert"
+"""Under expert parallelism, the experts module's attribute that holds the global id of its first (local) expert."""
 
 ALIGNMENT_BYTES = 16
 """CUDA's grouped GEMM wants each row of its operands to start on 16 bytes: the rank's row of the low-rank product
@@ -64,9 +76,9 @@ def low_rank_experts_forward(
     - the tokens are sorted by expert and back by gathers whose backward is a gather too (`Gather`), not the
       scatter-add that indexing's backward is.
 
-    With expert parallelism (transformers' token dispatch marks padding rows) it is the stock forward."""
-    if getattr(self, "_is_expert_parallel", False):
-        return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    Under expert parallelism `self` holds this rank's experts only (local ids); transformers' dispatch may hand it
+    routes to other ranks' experts (id `num_experts`, weight 0), which are masked as its stock forward masks them:
+    the grouped GEMM leaves their rows unwritten."""
     factors: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = getattr(self, FACTORS, {})
     num_top_k = top_k_index.size(-1)
     num_tokens, hidden_dim = hidden_states.size(0), hidden_states.size(-1)
@@ -81,16 +93,22 @@ def low_rank_experts_forward(
     histc_input = expert_ids_g.float() if device.type in ("cpu", "mps") else expert_ids_g.int()
     tokens_per_expert = torch.histc(histc_input, bins=self.num_experts, min=0, max=self.num_experts - 1)
     offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
+    # Routes to other ranks' experts sort last and histc leaves them out: no GEMM reads or writes their rows.
+    split = getattr(self, "_is_expert_parallel", False)
+    elsewhere = (expert_ids_g >= self.num_experts).unsqueeze(-1) if split else None
+    if elsewhere is not None:
+        expert_ids_g = expert_ids_g.clamp(max=self.num_experts - 1)  # in bounds for the bias gathers
+        selected = selected.masked_fill(elsewhere, 0.0)  # its backward zeroes their unwritten input gradients
 
     up_name = "gate_up_proj" if self.has_gate else "up_proj"
     up_bias = getattr(self, f"{up_name}_bias")[expert_ids_g] if self.has_bias else None
-    out = _projection(self, up_name, selected, offsets, up_bias, factors)
+    out = _masked(_projection(self, up_name, selected, offsets, up_bias, factors), elsewhere)
     out = self._apply_gate(out) if self.has_gate else self.act_fn(out)
     linear_down = not self.has_bias and not self.has_post_expert_norm
     if linear_down:
         out = out * sample_weights_g.to(out.dtype).unsqueeze(-1)
     down_bias = self.down_proj_bias[expert_ids_g] if self.has_bias else None
-    out = _projection(self, "down_proj", out, offsets, down_bias, factors)
+    out = _masked(_projection(self, "down_proj", out, offsets, down_bias, factors), elsewhere)
     if self.has_post_expert_norm:
         out = self.post_expert_norm(out)
     if not linear_down:
@@ -98,6 +116,11 @@ def low_rank_experts_forward(
     # Back to token order, each token's top-k rows summed (accumulated in float32 by the reduction).
     tokens = Gather.apply(out, inverse, perm, 1)
     return tokens.view(num_tokens, num_top_k, hidden_dim).sum(dim=1).to(hidden_states.dtype)
+
+
+def _masked(rows: torch.Tensor, elsewhere: torch.Tensor | None) -> torch.Tensor:
+    """`rows` with those of routes to other ranks' experts zeroed (the grouped GEMM left them unwritten)."""
+    return rows if elsewhere is None else rows.masked_fill(elsewhere, 0.0)
 
 
 class Gather(torch.autograd.Function):
@@ -155,12 +178,12 @@ ALL_EXPERTS_FUNCTIONS.register(GROUPED_EXPERTS, low_rank_experts_forward)
 
 
 def low_rank_possible(experts: torch.nn.Module, wrapper: Any, adapters: list[str]) -> bool:
-    """Whether the low-rank path computes what PEFT's would, fast: the experts run GROUPED_EXPERTS without expert
-    parallelism, one adapter is active, the weights are in a dtype PEFT adds to as it is (not an upcast
-    low-precision one), and the rank's rows are aligned for the grouped GEMM."""
+    """Whether the low-rank path computes what PEFT's would, fast: the experts run GROUPED_EXPERTS, one adapter is
+    active, the weights are in a dtype PEFT adds to as it is (not an upcast low-precision one), and the rank's rows
+    are aligned for the grouped GEMM."""
     if getattr(getattr(experts, "config", None), "_experts_implementation", None) != GROUPED_EXPERTS:
         return False
-    if getattr(experts, "_is_expert_parallel", False) or len(adapters) != 1 or wrapper.num_experts <= 1:
+    if len(adapters) != 1 or wrapper.num_experts <= 1:
         return False
     dtype = weight_dtype(wrapper.get_param())  # a 4-bit stack computes in the dtype it was quantized from
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -174,11 +197,11 @@ def _activate_low_rank(self: Any, active_adapters: list[str]) -> Iterator[None]:
     (FACTORS) for the duration of the call, or PEFT's own parametrization where the low-rank path does not apply."""
     adapters = [a for a in active_adapters or [] if a in self.lora_A]
     experts = self.get_base_layer()
-    if adapters and is_quantized(self.get_param()) and not low_rank_possible(experts, self, adapters):
-        # PEFT's path adds the adapter to the weight itself, which a 4-bit stack cannot take.
+    if adapters and _only_low_rank(experts, self) and not low_rank_possible(experts, self, adapters):
+        # PEFT's path adds the adapter to the weight itself, which a 4-bit stack or a rank's slice cannot take.
         raise ValueError(
-            f"LoRA on 4-bit experts ({self.parameter_name}) runs only as low-rank grouped products: one active "
-            f"adapter, no expert parallelism, and lora.r x {weight_dtype(self.get_param()).itemsize} bytes a "
+            f"LoRA on 4-bit or expert-parallel experts ({self.parameter_name}) runs only as low-rank grouped "
+            f"products: one active adapter, and lora.r x {weight_dtype(self.get_param()).itemsize} bytes a "
             f"multiple of {ALIGNMENT_BYTES} (lora.r is {self.r[adapters[0]]}; a multiple of 8 always fits)"
         )
     if not adapters or not low_rank_possible(experts, self, adapters):
@@ -187,21 +210,39 @@ def _activate_low_rank(self: Any, active_adapters: list[str]) -> Iterator[None]:
         return
     held = experts.__dict__.setdefault(FACTORS, {})
     with shaped(experts, self.parameter_name):  # PEFT casts the factors to the parameter's dtype
-        held[self.parameter_name] = self.get_delta_factors(adapters[0])
+        held[self.parameter_name] = _local_experts(experts, *self.get_delta_factors(adapters[0]))
     try:
         yield
     finally:
         held.pop(self.parameter_name, None)
 
 
+def _only_low_rank(experts: torch.nn.Module, wrapper: Any) -> bool:
+    """Whether PEFT's path cannot run these experts' adapter: 4-bit weights, or this rank's slice of the experts
+    (expert parallelism)."""
+    return is_quantized(wrapper.get_param()) or getattr(experts, "_is_expert_parallel", False)
+
+
+def _local_experts(
+    experts: torch.nn.Module, lhs: torch.Tensor, rhs: torch.Tensor, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """The factors of the experts this rank holds (all of them without expert parallelism): rows
+    [EXPERT_OFFSET, + num_experts) of the stack, as transformers' plan splits the weights (Shard(0) over the group)."""
+    if not getattr(experts, "_is_expert_parallel", False):
+        return lhs, rhs, scaling
+    first = getattr(experts, EXPERT_OFFSET)
+    local = slice(first, first + experts.num_experts)
+    return lhs[local], rhs[local], scaling
+
+
 def unfit_adapters(model: Any) -> list[str]:
-    """The 4-bit expert stacks (by parameter name) whose active adapter the low-rank path cannot apply; PEFT's path
-    cannot either (it adds the adapter to the weight itself)."""
+    """The 4-bit or expert-parallel expert stacks (by parameter name) whose active adapter the low-rank path cannot
+    apply; PEFT's path cannot either (it adds the whole adapter to the weight itself)."""
     from peft.tuners.lora.layer import ParamWrapper
 
     unfit = set()
     for wrapper in model.modules():
-        if isinstance(wrapper, ParamWrapper) and is_quantized(wrapper.get_param()):
+        if isinstance(wrapper, ParamWrapper) and _only_low_rank(wrapper.get_base_layer(), wrapper):
             adapters = [a for a in wrapper.active_adapters if a in wrapper.lora_A]
             if adapters and not low_rank_possible(wrapper.get_base_layer(), wrapper, adapters):
                 unfit.add(wrapper.parameter_name)
@@ -225,4 +266,9 @@ def use_low_rank_experts(model: Any) -> int:
     base.set_experts_implementation(GROUPED_EXPERTS)
     for wrapper in wrappers:
         wrapper._activate_lora = MethodType(_activate_low_rank, wrapper)
+        experts = wrapper.get_base_layer()
+        if getattr(experts, "_is_expert_parallel", False):
+            # this rank's place in its expert group: its experts are that many local counts in
+            group_rank = base._mesh_manager.get_mesh("ep").get_local_rank()
+            setattr(experts, EXPERT_OFFSET, group_rank * experts.num_experts)
     return len(wrappers)

@@ -299,8 +299,10 @@ def low_rank_experts(model: Any, stage: str) -> None:
     """Where the experts run as grouped GEMMs (`experts_implementation`), a LoRA model's adapters on them are
     applied as low-rank grouped products beside the base's instead of PEFT's merged weights (stages/expert_lora.py:
     nothing of the expert stack's size made per step). On CPU the per-expert loop keeps PEFT's path, except on
-    4-bit experts, which have no other."""
-    if not quantized_experts(model) and (experts_implementation() != GROUPED_EXPERTS or not expert_parameters(model)):
+    4-bit experts and experts split over ranks (`distributed.expert_parallel`), which have no other."""
+    split = any(getattr(module, "_is_expert_parallel", False) for module in model.modules())
+    grouped = experts_implementation() == GROUPED_EXPERTS and expert_parameters(model)
+    if not (quantized_experts(model) or split or grouped):
         return
     from stages.expert_lora import ALIGNMENT_BYTES, unfit_adapters, use_low_rank_experts
 
@@ -309,9 +311,9 @@ def low_rank_experts(model: Any, stage: str) -> None:
         print(f"[{stage}] lora: {switched} expert adapters applied as low-rank grouped products", flush=True)
     if unfit := unfit_adapters(model):
         raise NotSupportedHere(
-            f"stages.{stage}.lora.r: LoRA on 4-bit experts ({', '.join(unfit)}) runs only as low-rank grouped "
-            f"products, one adapter at a time, whose rank rows must fill {ALIGNMENT_BYTES} bytes: r a multiple of 8 "
-            "(in bf16). Choose such an r, or lora.target_experts: false"
+            f"stages.{stage}.lora.r: LoRA on 4-bit or split experts ({', '.join(unfit)}) runs only as low-rank "
+            f"grouped products, one adapter at a time, whose rank rows must fill {ALIGNMENT_BYTES} bytes: r a "
+            "multiple of 8 (in bf16). Choose such an r, or lora.target_experts: false"
         )
 
 

@@ -190,3 +190,31 @@ def test_float32_experts_multiply_in_autocast_s_dtype(monkeypatch: pytest.Monkey
     torch.testing.assert_close(loss.float(), expected, rtol=2e-2, atol=0)
     experts = [p for n, p in model.named_parameters() if ".mlp.experts." in n]
     assert experts and all(p.dtype == torch.float32 and p.grad is not None and p.grad.abs().sum() > 0 for p in experts)
+
+
+def test_a_rank_s_experts_mask_the_routes_to_other_ranks() -> None:
+    # Expert parallelism with a shared batch (transformers' all-reduce dispatch): this rank holds experts 2 and 3 of
+    # four, and the routes to the others come as local id 2 (one past its experts) with weight 0. Its output and
+    # gradients are the whole layer's with those routes' weights zeroed: the unwritten rows never reach either.
+    torch.manual_seed(0)
+    whole = tiny("qwen3_moe").model.layers[0].mlp.experts
+    whole.config._experts_implementation = GROUPED_EXPERTS
+    half = copy.deepcopy(whole)
+    half.num_experts = 2
+    half._is_expert_parallel = True
+    for name in ("gate_up_proj", "down_proj"):
+        setattr(half, name, torch.nn.Parameter(getattr(whole, name).detach()[2:].clone()))
+    tokens = torch.randn(6, whole.gate_up_proj.size(-1), requires_grad=True)
+    routes = torch.tensor([[0, 2], [3, 1], [2, 3], [1, 0], [3, 0], [0, 1]])
+    weights = torch.rand(6, 2)
+    here = routes >= 2
+
+    (whole(tokens, routes, weights * here) ** 2).sum().backward()
+    expected_tokens, expected = tokens.grad.clone(), {n: p.grad[2:] for n, p in whole.named_parameters()}
+    tokens.grad = None
+    output = half(tokens, torch.where(here, routes - 2, 2), weights * here)
+    torch.testing.assert_close(output, whole(tokens, routes, weights * here))
+    (output**2).sum().backward()
+    torch.testing.assert_close(tokens.grad, expected_tokens)
+    for name, parameter in half.named_parameters():
+        torch.testing.assert_close(parameter.grad, expected[name], msg=name)

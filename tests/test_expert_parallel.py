@@ -1,7 +1,7 @@
 """Expert parallelism (`distributed.expert_parallel`): a tiny qwen3_moe's experts split over two CPU processes
 under torchrun (gloo has the all-to-all), the rest FSDP2-sharded, trains as one process does on the same global
-batch, full and with LoRA; a run killed after a checkpoint resumes from its shards to the same model; and the spec
-refuses what the sharding cannot run, naming the field."""
+batch, full and with LoRA (on attention and on each rank's experts); a run killed after a checkpoint resumes from its
+shards to the same model; and the spec refuses what the sharding cannot run, naming the field."""
 
 from __future__ import annotations
 
@@ -48,8 +48,8 @@ def settings(stage: str, processes: int) -> list[str]:
     ]
     if processes > 1:
         common += [f"stages.{stage}.distributed.strategy=fsdp", f"stages.{stage}.distributed.expert_parallel=2"]
-    if stage == "sft":
-        common += ["stages.cpt.enabled=false", "stages.sft.lora.target_experts=false"]
+    if stage == "sft":  # adapters on attention and on every expert (each rank trains its experts' rows)
+        common += ["stages.cpt.enabled=false", "stages.sft.lora.target_experts=true"]
     return common
 
 
@@ -100,7 +100,11 @@ def test_the_spec_refuses_what_expert_parallelism_cannot_shard() -> None:
     assert "must divide resources.gpus_per_node (8)" in spec_error(
         "qwen3-30b-a3b", ["stages.sft.distributed.expert_parallel=3", fsdp]
     )
-    assert "lora.target_experts: false" in spec_error("qwen3-30b-a3b", [ep, fsdp, "stages.sft.method=lora"])
+    lora = "stages.sft.method=lora"
+    assert "multiple of 8" in spec_error("qwen3-30b-a3b", [ep, fsdp, lora, "stages.sft.lora.r=12"])
+    assert load_pipeline(
+        "qwen3-30b-a3b", overrides=[ep, fsdp, lora, "stages.sft.lora.r=12", "stages.sft.lora.target_experts=false"]
+    )
     assert "qlora's are 4-bit" in spec_error("qwen3-30b-a3b", [ep, fsdp, "stages.sft.method=qlora"])
     rlhf = ["stages.rlhf.distributed.expert_parallel=2", "stages.rlhf.distributed.strategy=fsdp"]
     assert "rlhf (dpo) does not run with expert_parallel" in spec_error("qwen3-30b-a3b", rlhf)

@@ -186,10 +186,10 @@ def test_a_rank_the_grouped_product_cannot_take_is_refused_by_name(
     with shaped_experts(model):
         model = get_peft_model(model, config)
     with pytest.raises(
-        NotSupportedHere, match=r"stages\.sft\.lora\.r: LoRA on 4-bit experts \(down_proj, gate_up_proj\)"
+        NotSupportedHere, match=r"stages\.sft\.lora\.r: LoRA on 4-bit or split experts \(down_proj, gate_up_proj\)"
     ):
         low_rank_experts(model, "sft")
-    with pytest.raises(ValueError, match=r"4-bit experts \((gate_up|down)_proj\).*lora.r is 3"):
+    with pytest.raises(ValueError, match=r"4-bit or expert-parallel experts \((gate_up|down)_proj\).*lora.r is 3"):
         model(**packed_batch())
 
 
