@@ -109,9 +109,10 @@ def derived_size(spec: PipelineSpec, stage_name: str, res: Resources) -> PodSize
 
     - training (cpt, sft, rlhf): under DDP and DeepSpeed ZeRO-2 each of the pod's processes loads the weights into
       host memory before they go to its GPU, so the weights once per GPU. Under FSDP2 over several processes (not
-      QLoRA) rank 0 alone loads them (stages/sharded_loading.py), onto its GPU where they fit, else into host
-      memory, where accelerate upcasts the trained ones to float32 before sharding: twice the weights for full
-      training, once for LoRA. Under ZeRO-3 over several processes the model is created partitioned (zero.Init)
+      QLoRA; with `distributed.pipeline_parallel` too, rank 0 then broadcasting each rank its stage) rank 0 alone
+      loads them (stages/sharded_loading.py), onto its GPU where they fit, else into host memory, where the trained
+      ones are upcast to float32 (by accelerate, or the stage's float32 masters) before sharding: twice the weights
+      for full training, once for LoRA. Under ZeRO-3 over several processes the model is created partitioned (zero.Init)
       and rank 0 alone reads the checkpoint into host memory, from where each module's weights go to the
       partitions: the weights once (rlhf's full DPO and KTO load their reference that way too, one after the
       other; not for full training that merges an upstream stage's adapter, nor for GRPO's full training, whose

@@ -34,8 +34,11 @@ name its own parameters), with the scheduler and RNG, beside the whole weights; 
 weights are one Hugging Face folder: each stage's first replica saves its part with transformers' `save_pretrained` (one
 file per stage), rank 0 writes the index and the config, so the next stage, evaluate and vLLM load it as any checkpoint.
 
-Each process loads the whole model once and keeps its stage (host memory for a whole copy per process, as DDP
-needs); full fine-tuning on a GPU keeps float32 masters (`stages.modeling.float32_masters`), gathered and computed
+The model is read once per job (`stages.sharded_loading.loads_once`): rank 0 loads it (onto its GPU where it fits,
+else into host memory) and every other rank builds it on the meta device; each rank cuts its stage out, and rank 0
+broadcasts the weights one tensor at a time, each rank keeping those of its own stage (`receive_stage`). A node's
+memory then holds one copy of the model, on rank 0, until its stage is cut out, not one per process. Full
+fine-tuning on a GPU keeps float32 masters (`stages.modeling.float32_masters`), gathered and computed
 in bf16 and saved in the dtype the model came in; a mixture of experts is refused (its router's balance loss adds
 up over every layer's routers).
 """
@@ -56,7 +59,7 @@ from spec.training import TrainingStage
 from stages.contract import NotSupportedHere
 from stages.model_parallel import expert_count
 from stages.packing import IGNORE_INDEX
-from stages.sharded_loading import world_size
+from stages.sharded_loading import loads_once, world_size
 
 
 def pipeline_parallel_size(section: TrainingStage) -> int:
@@ -183,7 +186,10 @@ class PipelinePart(nn.Module):
 class Pipeline:
     """This rank's stage of the model and torch's schedule over it."""
 
-    def __init__(self, model: Any, stages: int, microbatches: int, device: torch.device, bf16: bool) -> None:
+    def __init__(
+        self, model: Any, stages: int, microbatches: int, device: torch.device, bf16: bool, loaded_once: bool
+    ) -> None:
+        """`loaded_once`: only rank 0 holds the weights (the others a skeleton on the meta device)."""
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
         self.layout = layout = PipelineLayout.build(stages)
@@ -191,7 +197,14 @@ class Pipeline:
         self.tied = bool(getattr(text, "tie_word_embeddings", False))
         self.ends = layout.ends_group() if self.tied else None
         layers = layer_ranges(text.num_hidden_layers, stages)[layout.stage]
-        self.part = PipelinePart(model, layers, layout.first, layout.last, bf16).to(device)
+        whole = [param for _name, param in model.named_parameters()]  # the same order on every rank
+        self.part = PipelinePart(model, layers, layout.first, layout.last, bf16)
+        if loaded_once:
+            received = receive_stage(whole, self.part, device)
+            if received:
+                print(f"pipeline stage {layout.stage + 1}/{stages}: {received} weights from rank 0", flush=True)
+        del whole  # rank 0's copy of the other stages goes with it
+        self.part.to(device)
         # each stage's first replica writes its own part (`save_whole`); transformers lets only global rank 0 write
         model.should_save_on_this_rank = lambda is_main_process: is_main_process
         if layout.pipelines > 1:
@@ -265,6 +278,25 @@ class Pipeline:
         count = (labels[..., 1:] != IGNORE_INDEX).sum()
         dist.all_reduce(count, group=self.layout.replica_group)
         return count
+
+
+def receive_stage(whole: list[nn.Parameter], part: PipelinePart, device: torch.device) -> int:
+    """Fill this rank's stage from rank 0's weights. `whole` is the model's parameters before the cut, in the same
+    order on every rank (real on rank 0, on the meta device elsewhere); `part` holds those of this rank's stage.
+    Rank 0 broadcasts each parameter in turn (from its GPU under NCCL); each rank keeps the ones its stage holds
+    (by identity, so a head tied to the embedding is filled once) and drops the others as they arrive. Returns how
+    many this rank received (0 on rank 0)."""
+    kept = {id(param) for param in part.parameters()}
+    through = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    sender = dist.get_rank() == 0
+    for param in whole:
+        tensor = param.detach().to(through) if sender else torch.empty(param.shape, dtype=param.dtype, device=through)
+        dist.broadcast(tensor, src=0)
+        if not sender and id(param) in kept:
+            # the same parameter object made real (a meta tensor's data cannot be set), its ties kept; the
+            # skeleton's stand-in address (`stages.sharded_loading.tell_apart`) goes with the meta tensor
+            torch.utils.swap_tensors(param, nn.Parameter(tensor.to(device), requires_grad=param.requires_grad))
+    return 0 if sender else len(kept)
 
 
 def shard_over_pipelines(part: PipelinePart, mesh: Any, bf16: bool) -> None:
@@ -366,7 +398,12 @@ def pipeline_trainer(base: type, stage: str, section: TrainingStage) -> type:
                     "are float16 (set model.dtype: bfloat16), or set pipeline_parallel to 1"
                 )
             self.pipeline = Pipeline(
-                model, stages, training.gradient_accumulation_steps, trainer_args.device, trainer_args.bf16
+                model,
+                stages,
+                training.gradient_accumulation_steps,
+                trainer_args.device,
+                trainer_args.bf16,
+                loaded_once=loads_once(section),
             )
             # The stage owns its placement and gradient reduction: the Trainer neither wraps nor moves it, as
             # for a model transformers sharded as it loaded (its flag; `checkpoint_sharded` then keeps the shards)

@@ -47,14 +47,9 @@ def world_size() -> int:
 
 
 def loads_once(section: TrainingStage) -> bool:
-    """Whether this stage's model loads on rank 0 only: FSDP2 over more than one process, not QLoRA, not cut into
-    pipeline stages (each rank keeps its own stage of the model it loads)."""
-    return (
-        section.distributed.strategy == "fsdp"
-        and world_size() > 1
-        and section.method != "qlora"
-        and section.distributed.pipeline_parallel == 1
-    )
+    """Whether this stage's model loads on rank 0 only: FSDP2 over more than one process (pipeline stages included:
+    rank 0 broadcasts each rank its stage, `stages.pipeline_parallel.receive_stage`), not QLoRA."""
+    return section.distributed.strategy == "fsdp" and world_size() > 1 and section.method != "qlora"
 
 
 def partitions_at_load(section: TrainingStage) -> bool:

@@ -109,7 +109,12 @@ def test_four_stages_of_uneven_layers_train_as_one_process(tmp_path: Path) -> No
     )
     process = torchrun_stage(cut, "cpt", processes=4)
     assert process.wait(timeout=600) == 0, (cut.root / "cpt.torchrun.log").read_text()[-4000:]
-    assert "pipeline stage 2/4: layers 2-2 of 5" in (cut.root / "cpt.torchrun.log").read_text()
+    log = (cut.root / "cpt.torchrun.log").read_text()
+    assert "pipeline stage 2/4: layers 2-2 of 5" in log
+    # the model read once, by rank 0: each other rank receives its stage's weights alone (a layer's 11; the last
+    # stage's norm and head besides)
+    assert "pipeline stage 2/4: 11 weights from rank 0" in log and "pipeline stage 4/4: 13 weights from rank 0" in log
+    assert "pipeline stage 1/4: " not in log.replace("pipeline stage 1/4: layers", "")
     assert_trains_as_one(single, cut, "cpt", steps=3)
 
 
