@@ -288,8 +288,9 @@ class DistributedSpec(StrictModel):
         "(stages - 1) / (micro-batches + stages - 1) of the time). FSDP2 shards each stage over the pipelines (the "
         "world size divided by this). For a dense model whose layers do not fit one GPU's memory "
         "together with its optimizer, across nodes where the network is slower than NVLink. 1: none. For cpt and "
-        "sft, full fine-tuning of a dense model; needs strategy 'fsdp'; must divide resources.nodes x "
-        "gpus_per_node and leave each stage a layer. A run of one process trains uncut.",
+        "sft, full fine-tuning or LoRA (each stage trains its layers' adapters; the adapter is saved as one) of a "
+        "dense model; needs strategy 'fsdp'; must divide resources.nodes x gpus_per_node and leave each stage a "
+        "layer. A run of one process trains uncut.",
     )
     deepspeed_config: dict[str, Any] | str | None = Field(
         None,
@@ -483,7 +484,7 @@ class TrainingStage(StageBase):
             )
 
     def _pipeline_parallel_fits(self) -> None:
-        """Pipeline parallelism cuts a dense model's layers over ranks that train it in full, FSDP2 over the
+        """Pipeline parallelism cuts a dense model's layers (with their LoRA adapters) over ranks, FSDP2 over the
         pipelines, with a micro-batch for each stage in every step."""
         pp = self.distributed.pipeline_parallel
         if pp == 1:
@@ -505,11 +506,11 @@ class TrainingStage(StageBase):
                 f"with pipeline_parallel each rank trains its own stage of the model: distributed.{what} does not "
                 "apply; remove it or set pipeline_parallel to 1",
             )
-        if self.method != "full":
+        if self.method == "qlora":
             raise FieldError(
                 at,
-                f"pipeline_parallel cuts the model that full fine-tuning trains; method {self.method!r} trains "
-                "adapters, which are not cut yet: use method 'full', or pipeline_parallel 1",
+                "pipeline_parallel shards each stage's weights over the pipelines with FSDP2, which does not shard "
+                "4-bit weights: use method 'lora' or 'full', or pipeline_parallel 1",
             )
         if self.training.fp8:
             raise FieldError(("training", "fp8"), "fp8 with pipeline_parallel is not offered yet: set one back")

@@ -28,6 +28,9 @@ where the head is tied to the embedding (Gemma), the first and last stage each h
 gradients are summed before the optimizer steps (what Megatron does), so the copies stay equal. Evaluation runs the
 schedule forward only and averages the loss over every held-out token.
 
+A LoRA model (PEFT's wrapper) is cut the same way, the adapters inside the layers going with them: each stage trains
+its own, and the adapter is saved as one PEFT folder (`save_adapter`), as one process saves it.
+
 Checkpoints are those of tensor and expert parallelism (`stages.model_parallel.checkpoint_sharded`): each rank's model
 and optimizer state in torch's distributed checkpoint format (each stage's under a key of its own: its optimizer groups
 name its own parameters), with the scheduler and RNG, beside the whole weights; resuming loads the shards. The whole
@@ -193,12 +196,15 @@ class Pipeline:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
         self.layout = layout = PipelineLayout.build(stages)
-        text = model.config.get_text_config()
+        # a LoRA model is PEFT's wrapper around the transformers model, its adapters inside that model's layers
+        self.adapter = hasattr(model, "get_base_model")
+        causal = model.get_base_model() if self.adapter else model
+        text = causal.config.get_text_config()
         self.tied = bool(getattr(text, "tie_word_embeddings", False))
         self.ends = layout.ends_group() if self.tied else None
         layers = layer_ranges(text.num_hidden_layers, stages)[layout.stage]
-        whole = [param for _name, param in model.named_parameters()]  # the same order on every rank
-        self.part = PipelinePart(model, layers, layout.first, layout.last, bf16)
+        whole = [param for _name, param in causal.named_parameters()]  # the same order on every rank
+        self.part = PipelinePart(causal, layers, layout.first, layout.last, bf16)
         if loaded_once:
             received = receive_stage(whole, self.part, device)
             if received:
@@ -206,7 +212,7 @@ class Pipeline:
         del whole  # rank 0's copy of the other stages goes with it
         self.part.to(device)
         # each stage's first replica writes its own part (`save_whole`); transformers lets only global rank 0 write
-        model.should_save_on_this_rank = lambda is_main_process: is_main_process
+        causal.should_save_on_this_rank = lambda is_main_process: is_main_process
         if layout.pipelines > 1:
             shard_over_pipelines(self.part, layout.replica_mesh, bf16)
         if layout.pipeline == 0:
@@ -216,7 +222,7 @@ class Pipeline:
                 flush=True,
             )
         self.vocab_size = text.vocab_size
-        self.loss_function = model.loss_function
+        self.loss_function = causal.loss_function
         self.microbatches = microbatches
         self.tokens: torch.Tensor | int = 1
         """Tokens the step's loss is divided by (over all pipelines); set before each step."""
@@ -251,7 +257,8 @@ class Pipeline:
         if self.ends is None:
             return
         weight = self.part.model.model.embed_tokens.weight if self.layout.first else self.part.model.lm_head.weight
-        if weight.grad is not None:  # both ends shard it alike over the pipelines: their local shards add up
+        # None under LoRA (a tied head stays frozen). Both ends shard it alike over the pipelines: the shards add up
+        if weight.grad is not None:
             dist.all_reduce(_local(weight.grad), group=self.ends)
 
     def gradient_norm(self, max_norm: float | None) -> torch.Tensor:
@@ -407,7 +414,8 @@ def pipeline_trainer(base: type, stage: str, section: TrainingStage) -> type:
             )
             # The stage owns its placement and gradient reduction: the Trainer neither wraps nor moves it, as
             # for a model transformers sharded as it loaded (its flag; `checkpoint_sharded` then keeps the shards)
-            model._is_distributed_loading_by_transformers = True
+            causal = model.get_base_model() if self.pipeline.adapter else model
+            causal._is_distributed_loading_by_transformers = True
             rows = training.per_device_batch_size * training.gradient_accumulation_steps
             collator = FixedShapeCollator(data_collator, rows, training.max_seq_length, processing_class.pad_token_id)
             super().__init__(*args, model=model, data_collator=collator, processing_class=processing_class, **kwargs)
@@ -491,7 +499,7 @@ def pipeline_trainer(base: type, stage: str, section: TrainingStage) -> type:
 
         def _save(self, output_dir: str | None = None, state_dict: Any = None) -> None:
             out = Path(output_dir if output_dir is not None else self.args.output_dir)
-            save_whole(self.pipeline, self.model, out)
+            (save_adapter if self.pipeline.adapter else save_whole)(self.pipeline, self.model, out)
             if self.args.should_save:
                 if self.processing_class is not None:
                     self.processing_class.save_pretrained(out)
@@ -552,6 +560,46 @@ def save_whole(pipeline: Pipeline, model: Any, out: Path) -> None:
             shutil.rmtree(folder)
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    dist.barrier()
+
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def save_adapter(pipeline: Pipeline, model: Any, out: Path) -> None:
+    """Every rank: a LoRA model's adapter into `out` as one PEFT folder, as a one-process run writes it. Each stage
+    takes its part of the adapter as PEFT saves it (`get_peft_model_state_dict`: its layers' LoRA factors, and on
+    the ends the embedding's trained token rows and the trained head), gathered over its replicas; each stage's
+    first replica writes it to `out/.stage-<k>/`; rank 0 writes every part into one `adapter_model.safetensors`,
+    the adapter's config beside it, and removes the parts' folders."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import load_file, save_file
+
+    layout = pipeline.layout
+    part_dir = out / f".stage-{layout.stage}"
+    # PEFT picks the adapter's tensors by name and passes them through; each is then gathered (every replica)
+    picked = get_peft_model_state_dict(model, state_dict=model.state_dict())
+    state = {name: _full(tensor).detach().cpu().contiguous() for name, tensor in picked.items()}
+    if layout.pipeline == 0:
+        part_dir.mkdir(parents=True, exist_ok=True)
+        save_file({name: tensor.clone() for name, tensor in state.items()}, part_dir / ADAPTER_WEIGHTS)
+    del state
+    dist.barrier()
+    if dist.get_rank() == 0:
+        adapter: dict[str, torch.Tensor] = {}
+        for stage in range(layout.stages):
+            folder = out / f".stage-{stage}"
+            adapter |= load_file(folder / ADAPTER_WEIGHTS)
+            shutil.rmtree(folder)
+        save_file(dict(sorted(adapter.items())), out / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+        config = model.peft_config["default"]
+        inference_mode = config.inference_mode
+        if config.base_model_name_or_path is None:  # as PEFT's save_pretrained fills it
+            config.base_model_name_or_path = model.get_base_model().__dict__.get("name_or_path") or None
+        config.inference_mode = True
+        config.save_pretrained(str(out))
+        config.inference_mode = inference_mode
+        model.create_or_update_model_card(str(out))
     dist.barrier()
 
 

@@ -77,6 +77,41 @@ def test_two_stages_train_as_one_process_and_resume_from_their_shards(tmp_path: 
 
 
 @pytest.mark.slow
+def test_two_stages_train_a_lora_adapter_as_one_process_and_resume_from_their_shards(tmp_path: Path) -> None:
+    """LoRA cut in two: each stage trains its layers' adapters, the first also the embedding and the last the head,
+    which PEFT trains whole beside them (lora.modules_to_save); stopped by SIGTERM and resumed from the shards, the
+    stages save one PEFT adapter folder, the one a single process saves."""
+    lora = [
+        "stages.cpt.enabled=false",
+        "stages.sft.method=lora",
+        "stages.sft.lora.modules_to_save=[embed_tokens, lm_head]",
+        *[setting.replace("stages.cpt.", "stages.sft.") for setting in cpt_settings(2)],
+    ]
+    single = make_run_dir(tmp_path / "one", lora, 10, 160)
+    done = run_stage(single, "sft", OMP_NUM_THREADS="1")
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    mesh = ["stages.sft.distributed.strategy=fsdp", "stages.sft.distributed.pipeline_parallel=2"]
+    cut = make_run_dir(tmp_path / "two", [*lora, *mesh], 10, 160)
+    preempt_after_checkpoint(cut, "sft")
+    resume_sharded_run(cut, "sft", "checkpoint-3", pipeline_parallel=2)
+
+    assert_trains_as_one(single, cut, "sft", steps=4, weights="adapter_model.safetensors")
+    adapter = folder_weights(cut.stage_dir("sft") / "model", "adapter_model.safetensors")
+    assert any(".layers.0." in name for name in adapter) and any(".layers.1." in name for name in adapter)
+    assert {name for name in adapter if "lora_" not in name} == {
+        "base_model.model.model.embed_tokens.weight",
+        "base_model.model.lm_head.weight",
+    }
+    config = [json.loads((run.stage_dir("sft") / "model/adapter_config.json").read_text()) for run in (single, cut)]
+    for settings in config:
+        settings.pop("base_model_name_or_path")  # each run's own folder
+        settings["target_modules"] = sorted(settings["target_modules"])  # PEFT writes a set
+    assert config[0] == config[1]
+    assert not list((cut.stage_dir("sft") / "model").glob(".stage-*"))
+
+
+@pytest.mark.slow
 def test_two_pipelines_of_two_stages_train_a_tied_model_as_one_process(tmp_path: Path) -> None:
     """Four processes: Gemma 3 (its head tied to the embedding, held by the first and the last stage, their
     gradients summed) cut in two, FSDP2 over two pipelines, each pipeline its own rows."""
@@ -142,7 +177,7 @@ def test_the_spec_refuses_what_the_pipeline_cannot_run() -> None:
     pp = "stages.sft.distributed.pipeline_parallel=2"
     full, fsdp = "stages.sft.method=full", "stages.sft.distributed.strategy=fsdp"
     assert "set distributed.strategy to 'fsdp'" in spec_error("llama3-dolly", [pp, full])
-    assert "method 'lora' trains adapters" in spec_error("llama3-dolly", [pp, fsdp, "stages.sft.method=lora"])
+    assert "does not shard 4-bit weights" in spec_error("llama3-dolly", [pp, fsdp, "stages.sft.method=qlora"])
     accumulation = "stages.sft.training.gradient_accumulation_steps=1"
     assert "one per stage at least" in spec_error("llama3-dolly", [pp, fsdp, full, accumulation])
     odd = ["stages.sft.distributed.pipeline_parallel=3", fsdp, full]
