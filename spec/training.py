@@ -200,7 +200,8 @@ class TrainingSpec(StrictModel):
         "12 and 24 layers of an 8B model: 1.14-1.24x the bf16 step, the loss within 0.03% of bf16's over 50 steps "
         "on random tokens; from random weights on Korean text it learned more slowly at first (15% higher loss at "
         "step 50, within 1% by step 300): compare a short run with and without fp8 on your own data first "
-        "(docs/performance.md B8). With strategy ddp or fsdp; not DeepSpeed, expert_parallel, LoRA, QLoRA or grpo.",
+        "(docs/performance.md B8). With strategy ddp or fsdp (pipeline_parallel too); not DeepSpeed, expert_parallel, "
+        "tensor_parallel, LoRA, QLoRA or grpo.",
     )
     router_aux_loss_coef: float | None = Field(
         None,
@@ -512,8 +513,6 @@ class TrainingStage(StageBase):
                 "pipeline_parallel shards each stage's weights over the pipelines with FSDP2, which does not shard "
                 "4-bit weights: use method 'lora' or 'full', or pipeline_parallel 1",
             )
-        if self.training.fp8:
-            raise FieldError(("training", "fp8"), "fp8 with pipeline_parallel is not offered yet: set one back")
         if self.training.gradient_accumulation_steps < pp:
             raise FieldError(
                 ("training", "gradient_accumulation_steps"),

@@ -112,6 +112,21 @@ def test_two_stages_train_a_lora_adapter_as_one_process_and_resume_from_their_sh
 
 
 @pytest.mark.slow
+def test_two_stages_train_in_float8_as_one_process(tmp_path: Path) -> None:
+    """training.fp8 with the cut: each stage's linear layers run in float8 (torchao), scaled per micro-batch as one
+    process scales its accumulation steps, so the two train alike."""
+    common = [*cpt_settings(2), "stages.cpt.training.fp8=true"]
+    single = make_run_dir(tmp_path / "one", common, 160, 10)
+    done = run_stage(single, "cpt", OMP_NUM_THREADS="1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    cut = make_run_dir(tmp_path / "two", [*common, *PIPELINE], 160, 10)
+    process = torchrun_stage(cut, "cpt")
+    assert process.wait(timeout=600) == 0, (cut.root / "cpt.torchrun.log").read_text()[-4000:]
+    assert "[cpt] fp8: 14 linear layers in float8, 1 not" in (cut.root / "cpt.torchrun.log").read_text()
+    assert_trains_as_one(single, cut, "cpt", steps=4)
+
+
+@pytest.mark.slow
 def test_two_pipelines_of_two_stages_train_a_tied_model_as_one_process(tmp_path: Path) -> None:
     """Four processes: Gemma 3 (its head tied to the embedding, held by the first and the last stage, their
     gradients summed) cut in two, FSDP2 over two pipelines, each pipeline its own rows."""
