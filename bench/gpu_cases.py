@@ -40,6 +40,14 @@ SHAPES: dict[str, dict[str, Any]] = {  # the Qwen3 configs' shapes (untied outpu
         num_experts_per_tok=8,
         moe_intermediate_size=768,
     ),
+    "qwen3-14b": dict(
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_hidden_layers=40,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        head_dim=128,
+    ),
     "tiny": dict(
         hidden_size=64,
         intermediate_size=128,
@@ -77,6 +85,9 @@ class Case:
     fp8_compile: bool | None = None  # fp8: compile each float8 layer (None: the stage's choice)
     fp8_recipe: str | None = None  # fp8: torchao's scaling recipe (None: the stage's)
     expert_parallel: int = 1  # distributed.expert_parallel: experts split over this many ranks (B7 cases: all)
+    tensor_parallel: int = 1  # distributed.tensor_parallel: each layer split over this many ranks
+    pipeline_parallel: int = 1  # distributed.pipeline_parallel: layers cut into this many stages (0: every process)
+    gradient_accumulation_steps: int = 1  # micro-batches a step (under pipeline_parallel: the schedule's)
     layers: int | None = None  # decoder layers, when fewer than the shape's
     text: bool = False  # real Korean text (bench/gpu_suite.py text_examples, BENCH_TEXT_TOKENS), not random tokens
     warmup: int = 4
@@ -681,7 +692,76 @@ CASES += [
     ),
 ]
 
-MULTI_GPU_GROUPS = ("B3", "B6", "B7")
+# B9: pipeline and tensor parallelism (issue 38) over every GPU of the node (torchrun); B9-1: their one-GPU baseline.
+# Pipeline: 12 layers of the 8B shape cut into as many stages as GPUs, one pipeline, 8 micro-batches of one row of
+# 4096 a step, learning Korean text (BENCH_TEXT_TOKENS) from random weights, 50 steps with every step's loss; the
+# baseline trains the same 8 rows a step (one row, 8 accumulation steps) on one GPU. The bubble: (P - 1) / (8 + P - 1)
+# of a step by the schedule; measured, 1 - tok/s / (P x the baseline's tok/s).
+B9 = Case(
+    "b9_pp",
+    "B9",
+    "qwen3-8b",
+    layers=12,
+    strategy="fsdp",
+    pipeline_parallel=0,
+    per_device_batch_size=1,
+    gradient_accumulation_steps=8,
+    gradient_checkpointing=True,
+    max_seq_length=4096,
+    text=True,
+    warmup=5,
+    steps=45,
+    extra=B8_CURVE,
+    note="cpt-like full fine-tuning (float32 masters) of 12 layers of the 8B shape cut into one stage per GPU "
+    "(distributed.pipeline_parallel), one pipeline, 8 micro-batches of 1 row of 4096, checkpointing, Korean text",
+)
+# Tensor parallelism: 24 of the 14B shape's 40 layers, rows of 4096, no checkpointing, pairs of GPUs splitting each
+# layer (FSDP2 over the pairs), 2 rows per pair; the baseline shards over every GPU with FSDP2 alone, with
+# checkpointing, 1 row per GPU: the same rows a step.
+B9_TP = Case(
+    "b9_tp2",
+    "B9",
+    "qwen3-14b",
+    layers=24,
+    strategy="fsdp",
+    tensor_parallel=2,
+    per_device_batch_size=2,
+    max_seq_length=4096,
+    warmup=3,
+    steps=10,
+    note="full fine-tuning (float32 masters) of 24 layers of the 14B shape, each layer split over 2 GPUs "
+    "(distributed.tensor_parallel), FSDP2 over the pairs, 2 packed rows of 4096 per pair, no checkpointing",
+)
+CASES += [
+    B9,
+    replace(
+        B9,
+        name="b9_pp_one_gpu",
+        group="B9-1",
+        strategy="ddp",
+        pipeline_parallel=1,
+        note="baseline of b9_pp: the same model, rows and steps on one GPU (1 row, 8 accumulation steps)",
+    ),
+    B9_TP,
+    replace(
+        B9_TP,
+        name="b9_tp2_fsdp_ckpt",
+        tensor_parallel=1,
+        per_device_batch_size=1,
+        gradient_checkpointing=True,
+        note="baseline of b9_tp2: FSDP2 alone over every GPU, 1 row of 4096 per GPU (the same rows a step), "
+        "checkpointing",
+    ),
+    replace(
+        B9_TP,
+        name="b9_fsdp_nockpt",
+        tensor_parallel=1,
+        per_device_batch_size=1,
+        note="as b9_tp2_fsdp_ckpt without checkpointing: whether the shape fits FSDP2 alone",
+    ),
+]
+
+MULTI_GPU_GROUPS = ("B3", "B6", "B7", "B9")
 """Groups whose cases run under torchrun over every GPU of the node."""
 
 

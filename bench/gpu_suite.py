@@ -332,10 +332,16 @@ def stage_context(case: Case, tmp: Path, tiny: bool) -> SimpleNamespace:
         warmup_ratio=0.0,
         pure_bf16=case.pure_bf16,
         fp8=case.fp8,
+        gradient_accumulation_steps=case.gradient_accumulation_steps,
     )
     cls = RlhfStage if case.kind == "stage_dpo" else SftStage
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    distributed = DistributedSpec(strategy=case.strategy, expert_parallel=case.expert_parallel or world)
+    distributed = DistributedSpec(
+        strategy=case.strategy,
+        expert_parallel=case.expert_parallel or world,
+        tensor_parallel=case.tensor_parallel,
+        pipeline_parallel=case.pipeline_parallel or world,
+    )
     lora = LoraSpec(target_experts=case.lora_experts)
     section = cls(enabled=False, method=case.method, training=training, distributed=distributed, lora=lora)
     if case.lora_dropout is not None:
@@ -358,7 +364,7 @@ def build_model(ctx: SimpleNamespace, tokenizer: Any, case: Case, tmp: Path) -> 
     import torch
     from peft import get_peft_model
 
-    from stages.model_parallel import expert_parallel_size
+    from stages.model_parallel import shards_at_load
     from stages.modeling import (
         _quantization_config,
         adapter_inputs_uncast,
@@ -381,7 +387,7 @@ def build_model(ctx: SimpleNamespace, tokenizer: Any, case: Case, tmp: Path) -> 
         model = build_from_config(ctx.spec.model, tokenizer)
     if (case.stock_experts or case.kind not in ("stage_sft", "stage_dpo")) and on_gpu() and expert_parameters(model):
         model.set_experts_implementation("grouped_mm")  # transformers' own experts forward: the baselines'
-    if expert_parallel_size(ctx.section) > 1:  # as load_expert_parallel shards a model built from config
+    if shards_at_load(ctx.section):  # as load_model_parallel shards a model built from config
         model = shard_built(model, ctx.spec, ctx.section)
         if on_gpu():
             torch.cuda.empty_cache()
@@ -589,6 +595,11 @@ def run_case(case: Case, tiny: bool, tmp: Path) -> dict[str, Any]:
 
         vocab = max(vocab, int(np.load(os.environ["BENCH_TEXT_TOKENS"])["vocab_size"]))
     ctx = stage_context(case, tmp, tiny)
+    from stages.model_parallel import mesh_over_gloo, tensor_parallel_size
+    from stages.pipeline_parallel import pipeline_parallel_size, pipeline_trainer
+
+    # ranks that train on the same rows: a tensor-parallel group, a pipeline's stages
+    sharing = tensor_parallel_size(ctx.section) * pipeline_parallel_size(ctx.section)
     tokenizer = fake_tokenizer(vocab)
     model = build_model(ctx, tokenizer, case, tmp)
     timer = step_timer(case.warmup)
@@ -608,7 +619,8 @@ def run_case(case: Case, tiny: bool, tmp: Path) -> dict[str, Any]:
         if case.text:  # real text: the same documents on every rank (one GPU here), in order
             examples = text_examples(os.environ["BENCH_TEXT_TOKENS"], case.max_seq_length)
         else:
-            examples = sft_examples(4000 if not tiny else 400, seed=rank, vocab=vocab, max_len=case.max_seq_length)
+            seed = rank if sharing == 1 else 0  # the same rows where ranks share them (the sampler deals them out)
+            examples = sft_examples(4000 if not tiny else 400, seed=seed, vocab=vocab, max_len=case.max_seq_length)
         if case.packing:
             rows = pack_best_fit(examples, case.max_seq_length)
         else:
@@ -652,14 +664,18 @@ def run_case(case: Case, tiny: bool, tmp: Path) -> dict[str, Any]:
                     mark_padding=mask_router_loss(model),
                 )
             )
-            trainer = SFTTrainer(
-                model=model,
-                args=args,
-                data_collator=collator,
-                train_dataset=dataset,
-                processing_class=tokenizer,
-                callbacks=callbacks,
-            )
+            trainer_class = SFTTrainer
+            if pipeline_parallel_size(ctx.section) > 1:  # as the stages make it (stages/sft.py)
+                trainer_class = pipeline_trainer(SFTTrainer, ctx.stage, ctx.section)
+            with mesh_over_gloo(ctx.section):
+                trainer = trainer_class(
+                    model=model,
+                    args=args,
+                    data_collator=collator,
+                    train_dataset=dataset,
+                    processing_class=tokenizer,
+                    callbacks=callbacks,
+                )
         result["packing"] = {
             "examples": len(examples),
             "mean_example_tokens": sum(len(e[0]) for e in examples) / len(examples),
@@ -740,7 +756,9 @@ def run_case(case: Case, tiny: bool, tmp: Path) -> dict[str, Any]:
 
         result["dynamo_counters"] = {kind: dict(values) for kind, values in counters.items() if values}
 
-    timed = collator.batches[case.warmup : case.warmup + case.steps]
+    # the collator's calls a step: one per micro-batch, or one for all of them under pipeline parallelism
+    per_step = 1 if pipeline_parallel_size(ctx.section) > 1 else case.gradient_accumulation_steps
+    timed = collator.batches[case.warmup * per_step : (case.warmup + case.steps) * per_step]
     tokens = sum(t for t, _ in timed)
     squares = sum(s for _, s in timed)
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
@@ -762,7 +780,7 @@ def run_case(case: Case, tiny: bool, tmp: Path) -> dict[str, Any]:
     if world > 1:
         totals = torch.tensor([tokens, flops], dtype=torch.float64, device="cuda" if gpu else "cpu")
         dist.all_reduce(totals)
-        tokens, flops = int(totals[0].item()), float(totals[1].item())
+        tokens, flops = int(totals[0].item()) // sharing, float(totals[1].item()) / sharing
     seconds = (timer.end or 0.0) - (timer.start or 0.0)
     result.update(
         {
@@ -776,6 +794,9 @@ def run_case(case: Case, tiny: bool, tmp: Path) -> dict[str, Any]:
             "model_flops": flops,
         }
     )
+    if (stages := pipeline_parallel_size(ctx.section)) > 1:  # the schedule's idle share of a step (1F1B)
+        micro = case.gradient_accumulation_steps
+        result["pipeline"] = {"stages": stages, "micro_batches": micro, "bubble": (stages - 1) / (micro + stages - 1)}
     if gpu:
         result["mfu"] = flops / seconds / world / gpu_peak() if seconds and case.method == "full" else None
         result["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
