@@ -290,8 +290,9 @@ class DistributedSpec(StrictModel):
         "world size divided by this). For a dense model whose layers do not fit one GPU's memory "
         "together with its optimizer, across nodes where the network is slower than NVLink. 1: none. For cpt and "
         "sft, full fine-tuning or LoRA (each stage trains its layers' adapters; the adapter is saved as one) of a "
-        "dense model; needs strategy 'fsdp'; must divide resources.nodes x gpus_per_node and leave each stage a "
-        "layer. A run of one process trains uncut.",
+        "dense model, or of a mixture of experts with training.router_aux_loss_coef 0 (the balance loss is taken "
+        "over every layer's routers at once: the stage refuses it on); needs strategy 'fsdp'; must divide "
+        "resources.nodes x gpus_per_node and leave each stage a layer. A run of one process trains uncut.",
     )
     deepspeed_config: dict[str, Any] | str | None = Field(
         None,

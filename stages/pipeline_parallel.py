@@ -42,8 +42,9 @@ else into host memory) and every other rank builds it on the meta device; each r
 broadcasts the weights one tensor at a time, each rank keeping those of its own stage (`receive_stage`). A node's
 memory then holds one copy of the model, on rank 0, until its stage is cut out, not one per process. Full
 fine-tuning on a GPU keeps float32 masters (`stages.modeling.float32_masters`), gathered and computed
-in bf16 and saved in the dtype the model came in; a mixture of experts is refused (its router's balance loss adds
-up over every layer's routers).
+in bf16 and saved in the dtype the model came in. A mixture of experts is cut as a dense model is (each stage's
+experts whole on its ranks) when its router balance loss is off, and refused when it is on: that loss is taken over
+every layer's routers at once, which no stage holds.
 """
 
 from __future__ import annotations
@@ -72,17 +73,18 @@ def pipeline_parallel_size(section: TrainingStage) -> int:
 
 
 def check_fits(stage: str, section: TrainingStage, config: Any) -> None:
-    """Refuse, naming the spec field, a cut the model or the world cannot take: a mixture of experts, fewer layers
-    than stages, a world size the stages do not divide."""
+    """Refuse, naming the spec field, a cut the model or the world cannot take: a mixture of experts with its
+    router balance loss on, fewer layers than stages, a world size the stages do not divide."""
     pp = pipeline_parallel_size(section)
     if pp == 1:
         return
     where = f"stages.{stage}.distributed.pipeline_parallel"
     text = config.get_text_config()
-    if expert_count(config) is not None:
+    if expert_count(config) is not None and getattr(text, "output_router_logits", False):
         raise NotSupportedHere(
-            f"{where} is {pp}, but {config.model_type} is a mixture of experts (its router's balance loss adds up "
-            "over every layer): set it to 1, and expert_parallel to shard the experts"
+            f"{where} is {pp}, but {config.model_type} is a mixture of experts whose router balance loss is on (it "
+            f"is taken over every layer's routers at once, which no stage holds): set stages.{stage}.training."
+            "router_aux_loss_coef to 0 to cut it, or pipeline_parallel to 1 and expert_parallel to shard the experts"
         )
     if text.num_hidden_layers < pp:
         raise NotSupportedHere(f"{where} is {pp}, more than the model's {text.num_hidden_layers} layers")

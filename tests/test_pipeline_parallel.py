@@ -127,6 +127,28 @@ def test_two_stages_train_in_float8_as_one_process(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_two_stages_cut_a_mixture_of_experts_whose_balance_loss_is_off(tmp_path: Path) -> None:
+    """A tiny Qwen3-MoE cut in two, each stage's experts whole on its rank: with the router balance loss off (it is
+    taken over every layer's routers at once), the stages train as one process does."""
+    moe = [
+        *cpt_settings(2),
+        "model.from_config.architecture=qwen3_moe",
+        "model.from_config.num_experts=4",
+        "model.from_config.num_experts_per_tok=2",
+        "model.from_config.moe_intermediate_size=32",
+        "stages.cpt.training.router_aux_loss_coef=0",
+    ]
+    single = make_run_dir(tmp_path / "one", moe, 160, 10)
+    done = run_stage(single, "cpt", OMP_NUM_THREADS="1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    cut = make_run_dir(tmp_path / "two", [*moe, *PIPELINE], 160, 10)
+    process = torchrun_stage(cut, "cpt")
+    assert process.wait(timeout=600) == 0, (cut.root / "cpt.torchrun.log").read_text()[-4000:]
+    assert_trains_as_one(single, cut, "cpt", steps=4)
+    assert any(".mlp.experts." in name for name in folder_weights(cut.stage_dir("cpt") / "model"))
+
+
+@pytest.mark.slow
 def test_two_pipelines_of_two_stages_train_a_tied_model_as_one_process(tmp_path: Path) -> None:
     """Four processes: Gemma 3 (its head tied to the embedding, held by the first and the last stage, their
     gradients summed) cut in two, FSDP2 over two pipelines, each pipeline its own rows."""
@@ -215,8 +237,10 @@ def test_a_model_the_stages_cannot_cut_is_refused_naming_the_field(monkeypatch: 
     section = load_pipeline("korean-llm", overrides=PIPELINE).spec.stages.cpt
     monkeypatch.setenv("WORLD_SIZE", "4")
     check_fits("cpt", section, LlamaConfig(num_hidden_layers=4))
+    balanced = Qwen3MoeConfig(num_hidden_layers=4, output_router_logits=True)
     with pytest.raises(NotSupportedHere, match=r"stages\.cpt\.distributed\.pipeline_parallel is 2, but qwen3_moe"):
-        check_fits("cpt", section, Qwen3MoeConfig(num_hidden_layers=4))
+        check_fits("cpt", section, balanced)
+    check_fits("cpt", section, Qwen3MoeConfig(num_hidden_layers=4, output_router_logits=False))  # balance loss off
     with pytest.raises(NotSupportedHere, match="more than the model's 1 layers"):
         check_fits("cpt", section, LlamaConfig(num_hidden_layers=1))
     monkeypatch.setenv("WORLD_SIZE", "3")
