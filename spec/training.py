@@ -274,9 +274,9 @@ class DistributedSpec(StrictModel):
         "FSDP2 shards the result over the groups (tensor_parallel x FSDP, the world size divided by this). For a "
         "model whose layers are too big for FSDP alone, or too slow to gather, at long sequences. transformers' own "
         "tensor-parallel plan for the model family, applied as the model loads. 1: none. For cpt and sft, full "
-        "fine-tuning; needs strategy 'fsdp'; must divide resources.gpus_per_node (the group stays on one node's "
-        "NVLink), the model's attention and key/value heads, and expert_parallel where that is set. A run of one "
-        "process trains unsplit.",
+        "fine-tuning or LoRA (each adapter split with its layer; not lora.modules_to_save); needs strategy 'fsdp'; "
+        "must divide resources.gpus_per_node (the group stays on one node's NVLink), the model's attention and "
+        "key/value heads, and expert_parallel where that is set. A run of one process trains unsplit.",
     )
     pipeline_parallel: Int64 = Field(
         1,
@@ -465,17 +465,25 @@ class TrainingStage(StageBase):
 
     def _tensor_parallel_fits(self) -> None:
         """Tensor parallelism goes with FSDP2 over its groups (transformers shards the model itself), full
-        fine-tuning, and groups of ranks inside one node (each layer's all-reduces stay on NVLink)."""
+        fine-tuning or LoRA (adapters split with their layers), and groups of ranks inside one node (each layer's
+        all-reduces stay on NVLink)."""
         tp = self.distributed.tensor_parallel
         if tp == 1:
             return
         at = ("distributed", "tensor_parallel")
         self._sharded_by_transformers("tensor_parallel")
-        if self.method != "full":
+        if self.method == "qlora":
             raise FieldError(
                 at,
-                f"tensor_parallel splits the weights that full fine-tuning trains; method {self.method!r} trains "
-                "adapters, which are not split yet: use method 'full', or tensor_parallel 1 with FSDP alone",
+                "tensor_parallel splits each layer's weights, which 4-bit weights are not split by: use method "
+                "'lora' or 'full', or tensor_parallel 1",
+            )
+        if self.method == "lora" and self.lora.modules_to_save:
+            # PEFT copies each such module whole, and the copy of a split one fails (measured, PEFT 0.21)
+            raise FieldError(
+                ("lora", "modules_to_save"),
+                f"{self.lora.modules_to_save} train whole beside the adapter, which tensor_parallel does not split: "
+                "remove them, or set distributed.tensor_parallel to 1",
             )
         ep = self.distributed.expert_parallel
         if ep > 1 and ep % tp:

@@ -196,6 +196,31 @@ def mesh_over_gloo(section: TrainingStage) -> Iterator[None]:
         Accelerator.multi_device = accelerator_only  # type: ignore[method-assign]
 
 
+@contextmanager
+def whole_layer_adapters() -> Iterator[None]:
+    """While PEFT adds LoRA adapters to a tensor-parallel model: size each adapter by its whole layer, as one process
+    does. PEFT 0.21 sizes them by the rank's slice of the layer (`_get_in_out_features`, written for the older
+    tensor parallelism that computed on local tensors), then wraps the slice as the layer's DTensor but keeps the
+    slice's width as the adapter's `in_features`/`out_features`, which transformers 5.23's DTensor plans read to
+    rebuild their inputs: a row-wise layer's adapter then fails ("shape [16, 32] is invalid for input of size 1024",
+    measured with transformers + PEFT alone). Sized whole, the adapter is drawn as one process draws it and PEFT
+    shards it by the layer's plan (its own `add_lora_tp_hooks_dtensor`)."""
+    from peft.tuners.lora.layer import LoraLayer
+
+    sliced = LoraLayer._get_in_out_features
+
+    def whole(self: Any, module: torch.nn.Module) -> tuple[int, int] | tuple[None, None]:
+        if isinstance(module, torch.nn.Linear):
+            return module.in_features, module.out_features
+        return sliced(self, module)
+
+    LoraLayer._get_in_out_features = whole  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        LoraLayer._get_in_out_features = sliced  # type: ignore[method-assign]
+
+
 def is_sharded_at_load(model: Any) -> bool:
     """Whether transformers sharded `model` (or the model a PEFT wrapper holds) as it loaded."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model

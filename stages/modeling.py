@@ -33,6 +33,7 @@ and dequantized inside the grouped path (stages/quantized_experts.py, `experts_n
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 from concurrent.futures import ThreadPoolExecutor
@@ -56,7 +57,9 @@ from stages.model_parallel import (
     load_sharded,
     shard_whole,
     shards_at_load,
+    tensor_parallel_size,
     trains_float32_masters,
+    whole_layer_adapters,
 )
 from stages.quantized_experts import is_quantized, quantized_experts, shaped_experts
 from stages.sharded_loading import (
@@ -813,6 +816,13 @@ def lora_config(section: TrainingStage, model: Any, trained_tokens: list[int] | 
             "shared head breaks TRL's fused loss); train the first stage with method 'full' to train them",
             flush=True,
         )
+    elif trained_tokens and tensor_parallel_size(section) > 1:
+        # PEFT copies the head whole, and the copy of a split one fails (measured, PEFT 0.21)
+        raise NotSupportedHere(
+            "the chat template's tokens are new to this model: their embedding rows and the whole head train beside "
+            "the adapter, which distributed.tensor_parallel does not split; set it to 1 for this stage, or train the "
+            "first training stage with method 'full'"
+        )
     elif trained_tokens:
         token_rows = {"embed_tokens": trained_tokens}
         output = model.get_output_embeddings()
@@ -1001,7 +1011,8 @@ def load_starting_model(
     else:
         if quantization is not None:
             model = prepare_for_kbit_training(model, section.training.gradient_checkpointing)
-        with shaped_experts(model):  # PEFT sizes adapters on 4-bit experts from their shape
+        split = whole_layer_adapters() if tensor_parallel_size(section) > 1 else contextlib.nullcontext()
+        with shaped_experts(model), split:  # PEFT sizes adapters on 4-bit experts from their shape
             if adapter_dir is not None:  # continue the upstream adapter (its own r/alpha/targets)
                 model = load_adapter(model, adapter_dir, is_trainable=True)
             else:

@@ -86,13 +86,54 @@ def test_a_mixture_of_experts_split_both_ways_trains_as_one_process(tmp_path: Pa
     assert_trains_as_one(single, split, "cpt", steps=4)
 
 
+@pytest.mark.slow
+def test_a_lora_adapter_split_with_its_layers_trains_as_one_process(tmp_path: Path) -> None:
+    """LoRA on every linear layer of a tiny Qwen3 split over two processes: each adapter drawn at its whole layer's
+    size, as one process draws it, and split by the layer's plan; stopped by SIGTERM and resumed from its shards,
+    it is saved whole, one process's."""
+    lora = [
+        "stages.cpt.enabled=false",
+        "stages.sft.method=lora",
+        "stages.sft.training.max_steps=4",
+        "stages.sft.training.save_steps=2",
+        "stages.sft.training.logging_steps=1",
+        "stages.sft.training.per_device_batch_size=4",
+    ]
+    single = make_run_dir(tmp_path / "one", lora, 10, 160)
+    done = run_stage(single, "sft", OMP_NUM_THREADS="1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    mesh = ["stages.sft.distributed.strategy=fsdp", "stages.sft.distributed.tensor_parallel=2"]
+    split = make_run_dir(tmp_path / "two", [*lora, *mesh], 10, 160)
+    preempt_after_checkpoint(split, "sft")
+    resume_sharded_run(split, "sft", "checkpoint-3", tensor_parallel=2)
+    assert_trains_as_one(single, split, "sft", steps=4, weights="adapter_model.safetensors")
+
+
+def test_new_template_tokens_are_refused_where_the_head_is_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from stages.modeling import lora_config
+
+    mesh = ["stages.sft.distributed.strategy=fsdp", "stages.sft.distributed.tensor_parallel=2"]
+    section = load_pipeline("korean-llm", overrides=mesh).spec.stages.sft
+    model = AutoModelForCausalLM.from_config(
+        LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    )
+    lora_config(section, model, [298, 299])  # one process: the rows and the head train
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(NotSupportedHere, match=r"distributed\.tensor_parallel does not split"):
+        lora_config(section, model, [298, 299])
+
+
 def test_the_spec_refuses_what_tensor_parallelism_cannot_split() -> None:
     tp = "stages.sft.distributed.tensor_parallel=2"
     assert "set distributed.strategy to 'fsdp'" in spec_error(
         "llama3-dolly", [tp, "stages.sft.distributed.strategy=ddp"]
     )
     fsdp = "stages.sft.distributed.strategy=fsdp"
-    assert "method 'lora' trains adapters" in spec_error("llama3-dolly", [tp, fsdp, "stages.sft.method=lora"])
+    assert "4-bit weights are not split" in spec_error("llama3-dolly", [tp, fsdp, "stages.sft.method=qlora"])
+    whole = ["stages.sft.method=lora", "stages.sft.lora.modules_to_save=[lm_head]"]
+    assert "which tensor_parallel does not split" in spec_error("llama3-dolly", [tp, fsdp, *whole])
     full = "stages.sft.method=full"
     assert "must divide resources.gpus_per_node (8)" in spec_error(
         "llama3-dolly", ["stages.sft.distributed.tensor_parallel=3", fsdp, full, "stages.sft.resources.gpus_per_node=8"]
