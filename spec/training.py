@@ -200,8 +200,8 @@ class TrainingSpec(StrictModel):
         "12 and 24 layers of an 8B model: 1.14-1.24x the bf16 step, the loss within 0.03% of bf16's over 50 steps "
         "on random tokens; from random weights on Korean text it learned more slowly at first (15% higher loss at "
         "step 50, within 1% by step 300): compare a short run with and without fp8 on your own data first "
-        "(docs/performance.md B8). With strategy ddp or fsdp (pipeline_parallel too); not DeepSpeed, expert_parallel, "
-        "tensor_parallel, LoRA, QLoRA or grpo.",
+        "(docs/performance.md B8). With strategy ddp or fsdp (tensor_parallel and pipeline_parallel too); not "
+        "DeepSpeed, expert_parallel, LoRA, QLoRA or grpo.",
     )
     router_aux_loss_coef: float | None = Field(
         None,
@@ -560,12 +560,6 @@ class TrainingStage(StageBase):
                 at,
                 "fp8 with expert_parallel is not supported: the experts are grouped matmuls, not linear layers, "
                 "and only attention would run in float8; set one of them back",
-            )
-        if self.distributed.tensor_parallel > 1:
-            raise FieldError(
-                at,
-                "fp8 with tensor_parallel is not offered yet (float8 layers need tensor-parallel layouts of their "
-                "own); set one of them back",
             )
 
 

@@ -13,6 +13,10 @@ Kept out of float8, as every float8 recipe keeps them (torchtitan, accelerate's 
   grouped matmuls over 3-D weights, not linear layers;
 - any layer whose sizes are not multiples of 16, which float8 GEMMs require.
 
+Under tensor parallelism a converted layer gets its plan's forward back (`split_again`) and multiplies its DTensor
+shard in float8, each scale taken over the whole weight; under pipeline parallelism each stage's layers are converted
+as they are in a whole model.
+
 On a GPU each converted layer is compiled (`nn.Module.compile`): eager, the scaling is several small kernels per
 tensor around each GEMM, and the step ran at 0.56× bf16's; compiled, 1.14-1.24× (one H200, 12 and 24 layers of the
 8B shape, docs/performance.md B8). Compiling larger regions does not take with transformers' gradient checkpointing,
@@ -102,9 +106,28 @@ def train_in_float8(model: Any, stage: str, compile_layers: bool | None = None, 
         )
     config = Float8LinearConfig.from_recipe_name(recipe)
     convert_to_float8_training(model, config=config, module_filter_fn=lambda _m, name: name in chosen)
+    split_again(model, chosen)
     if compile_layers if compile_layers is not None else torch.cuda.is_available():
         for name in chosen:
             model.get_submodule(name).compile()
     kept = sum(type(m) is torch.nn.Linear for m in model.modules())
     print(f"[{stage}] fp8: {len(chosen)} linear layers in float8, {kept} not", flush=True)
     return len(chosen)
+
+
+def split_again(model: Any, converted: set[str]) -> None:
+    """Give each converted layer of a tensor-parallel model its plan's forward back. transformers' tensor-parallel
+    plan is a wrapper around each layer's forward (`install_forward`), which converting the layer to a new module
+    drops: its input would reach the float8 matmul as a plain tensor beside the layer's DTensor weight."""
+    import re
+
+    plan, mesh = getattr(model, "tp_plan", None), getattr(model, "_device_mesh", None)
+    if not plan or mesh is None:
+        return
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
+
+    tp_mesh = mesh["tp"] if mesh.ndim > 1 else mesh
+    for name in converted:
+        style = plan.get(re.sub(r"\.\d+(\.|$)", lambda m: ".*" + m.group(1), name))
+        if style is not None:
+            ALL_PARALLEL_STYLES[style].install_forward(model.get_submodule(name), tp_mesh)

@@ -17,6 +17,7 @@ from training_fixtures import (
     assert_trains_as_one,
     checkpoint_run_dir,
     child_env,
+    folder_weights,
     losses,
     make_run_dir,
     preempt_after_checkpoint,
@@ -109,6 +110,28 @@ def test_a_lora_adapter_split_with_its_layers_trains_as_one_process(tmp_path: Pa
     assert_trains_as_one(single, split, "sft", steps=4, weights="adapter_model.safetensors")
 
 
+@pytest.mark.slow
+def test_layers_split_over_two_processes_train_in_float8_as_one_process(tmp_path: Path) -> None:
+    """training.fp8 on split layers: each converted layer keeps its plan's forward and multiplies its shard in
+    float8, scaled over the whole weight, as one process does; float8's rounding turns the order of a sum into the
+    last digits, hence a tolerance 10 times the unsplit runs'."""
+    import torch
+
+    single = make_run_dir(tmp_path / "one", [*settings(1, 1), "stages.cpt.training.fp8=true"], 160, 10)
+    done = run_stage(single, "cpt", OMP_NUM_THREADS="1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    split = make_run_dir(tmp_path / "two", [*settings(2, 2), "stages.cpt.training.fp8=true"], 160, 10)
+    process = torchrun_stage(split, "cpt")
+    assert process.wait(timeout=600) == 0, (split.root / "cpt.torchrun.log").read_text()[-4000:]
+    assert "[cpt] fp8: 14 linear layers in float8, 1 not" in (split.root / "cpt.torchrun.log").read_text()
+    ours, theirs = torch.tensor(losses(split, "cpt")), torch.tensor(losses(single, "cpt"))
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=0)
+    expected, got = folder_weights(single.stage_dir("cpt") / "model"), folder_weights(split.stage_dir("cpt") / "model")
+    assert expected.keys() == got.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=2e-3, msg=name)
+
+
 def test_new_template_tokens_are_refused_where_the_head_is_split(monkeypatch: pytest.MonkeyPatch) -> None:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -146,7 +169,8 @@ def test_the_spec_refuses_what_tensor_parallelism_cannot_split() -> None:
     assert "does not divide" in error and "use one of 1, 2, 4, 8" in error
     ep = ["stages.sft.distributed.expert_parallel=2", "stages.sft.distributed.tensor_parallel=4", fsdp, full]
     assert "tensor_parallel 4 must divide it" in spec_error("qwen3-30b-a3b", ep)
-    assert "fp8 with tensor_parallel" in spec_error("llama3-dolly", [tp, fsdp, full, "stages.sft.training.fp8=true"])
+    fp8 = load_pipeline("llama3-dolly", overrides=[tp, fsdp, full, "stages.sft.training.fp8=true"]).spec
+    assert fp8.stages.sft.training.fp8 and fp8.stages.sft.distributed.tensor_parallel == 2
     rlhf = [
         "stages.rlhf.distributed.tensor_parallel=2",
         "stages.rlhf.distributed.strategy=fsdp",
