@@ -348,6 +348,8 @@ def save_stage_model(
     if is_main_process():
         (out / "training_args.bin").unlink(missing_ok=True)  # a pickle, not part of the model
         tokenizer.save_pretrained(out)
+        if start.kind == "adapter":
+            stable_adapter_config(out / "adapter_config.json")
         if start.kind == "adapter" and section.lora.merge_after:
             merged = _merge_adapter(run_dir, spec, start, out, tokenizer)
             for name in ADAPTER_FILES:
@@ -356,6 +358,17 @@ def save_stage_model(
             kind = "full"
     trainer.accelerator.wait_for_everyone()
     return {"model_kind": kind, "base": start.base.name, "base_kind": start.base.kind}
+
+
+def stable_adapter_config(path: Path) -> None:
+    """Rewrite PEFT's adapter_config.json with its sets (target_modules and the like, kept as Python sets and
+    written in their iteration order, which string hashing makes differ from one process to the next) sorted, so
+    that the same run writes the same bytes and its model folder the same fingerprint."""
+    config = json.loads(path.read_text())
+    for key in ("target_modules", "exclude_modules", "modules_to_save", "target_parameters", "layers_to_transform"):
+        if isinstance(config.get(key), list) and all(isinstance(v, str | int) for v in config[key]):
+            config[key] = sorted(config[key], key=str)
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 @contextmanager

@@ -102,6 +102,10 @@ def test_sft_continues_from_cpt_with_a_lora_adapter(trained: RunDir) -> None:
     model_dir = trained.stage_dir("sft") / "model"
     assert (model_dir / "adapter_model.safetensors").is_file() and not (model_dir / "model.safetensors").exists()
     no_pickles(model_dir)
+    # PEFT writes its target modules in a set's order, which differs between processes: the stage sorts them, so
+    # that a rerun writes the same bytes (and the folder the same fingerprint)
+    targets = json.loads((model_dir / "adapter_config.json").read_text())["target_modules"]
+    assert len(targets) == 14 and targets == sorted(targets)  # 7 projections in each of 2 layers
 
     # The adapter sits on cpt's weights: merged, everything but the adapted projections is cpt's model.
     spec = trained.load_spec()
