@@ -56,11 +56,14 @@ KNOWN_MODELS: dict[str, AttentionShape] = {
 }
 """Model name (the last path component, lower-case, without the variant suffixes below) → attention shape."""
 
+KNOWN_MIXTURES = frozenset({"qwen3-30b-a3b", "qwen3-235b-a22b"})
+"""The models of `KNOWN_MODELS` that are mixtures of experts."""
+
 _VARIANTS = ("-base", "-instruct", "-it", "-pt", "-hf", "-fp8", "-chat")
 
 
-def known_shape(name_or_path: str) -> AttentionShape | None:
-    """The attention shape of a well-known model named by hub id or by a path ending in its name."""
+def _known_name(name_or_path: str) -> str:
+    """The `KNOWN_MODELS` key a hub id or a path ending in a model's name would have."""
     name = name_or_path.rstrip("/").rsplit("/", 1)[-1].lower()
     changed = True
     while changed:
@@ -68,7 +71,17 @@ def known_shape(name_or_path: str) -> AttentionShape | None:
         for suffix in _VARIANTS:
             if name.endswith(suffix) and name.removesuffix(suffix) != "":
                 name, changed = name.removesuffix(suffix), True
-    return KNOWN_MODELS.get(name)
+    return name
+
+
+def known_shape(name_or_path: str) -> AttentionShape | None:
+    """The attention shape of a well-known model named by hub id or by a path ending in its name."""
+    return KNOWN_MODELS.get(_known_name(name_or_path))
+
+
+def known_mixture(name_or_path: str) -> bool:
+    """Whether a well-known model named by hub id or by a path ending in its name is a mixture of experts."""
+    return _known_name(name_or_path) in KNOWN_MIXTURES
 
 
 def tensor_parallel_problem(shape: AttentionShape, size: int) -> str | None:

@@ -26,7 +26,7 @@ from spec.fields import (
     out_of_int64,
 )
 from spec.model import ModelSpec
-from spec.model_shapes import AttentionShape, known_shape, tensor_parallel_problem
+from spec.model_shapes import AttentionShape, known_mixture, known_shape, tensor_parallel_problem
 from spec.release import DeployStage, EvaluateStage
 from spec.search import recorded_metrics, search_field_problem
 from spec.stage import MAX_NODES, PrepareStage, StageBase
@@ -373,6 +373,7 @@ class PipelineSpec(StrictModel):
             self._adapter_trl_can_train(stage)
         self._serving_fits_model()
         self._tensor_parallel_fits_model()
+        self._pipeline_parallel_fits_model()
         self._serving_context_fits_model()
         self._variants_fit()
         return self
@@ -570,6 +571,25 @@ class PipelineSpec(StrictModel):
                     f"{tp} does not divide {self.model.name_or_path}'s {shape.heads} attention heads and "
                     f"{shape.kv_heads} key/value heads; use one of {', '.join(map(str, fits))}",
                 )
+
+    def _pipeline_parallel_fits_model(self) -> None:
+        """A mixture of experts the spec knows (model.from_config, or a well-known hub model) is cut into pipeline
+        stages only with its router balance loss off: the loss is taken over every layer's routers at once."""
+        config = self.model.from_config
+        mixture = config.num_experts is not None if config is not None else known_mixture(self.model.name_or_path)
+        for name in TRAINING_STAGES:
+            section = self.stage(name)
+            pp = section.distributed.pipeline_parallel
+            if not mixture or not section.enabled or pp == 1 or section.training.router_aux_loss_coef == 0:
+                continue
+            coef = section.training.router_aux_loss_coef
+            current = "unset (the model config's)" if coef is None else str(coef)
+            raise FieldError(
+                ("stages", name, "training", "router_aux_loss_coef"),
+                f"is {current}; with distributed.pipeline_parallel {pp}, {self.model.name_or_path} (a mixture of "
+                "experts) trains with its router balance loss off, as that loss is taken over every layer's routers "
+                "at once and no stage holds them all: set it to 0, or pipeline_parallel to 1",
+            )
 
     def _serving_context_fits_model(self) -> None:
         """vLLM refuses a --max-model-len above the model's max_position_embeddings (its positions end there)."""

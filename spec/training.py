@@ -291,8 +291,9 @@ class DistributedSpec(StrictModel):
         "together with its optimizer, across nodes where the network is slower than NVLink. 1: none. For cpt and "
         "sft, full fine-tuning or LoRA (each stage trains its layers' adapters; the adapter is saved as one) of a "
         "dense model, or of a mixture of experts with training.router_aux_loss_coef 0 (the balance loss is taken "
-        "over every layer's routers at once: the stage refuses it on); needs strategy 'fsdp'; must divide "
-        "resources.nodes x gpus_per_node and leave each stage a layer. A run of one process trains uncut.",
+        "over every layer's routers at once: refused on, by the spec where it knows the model); needs strategy "
+        "'fsdp'; must divide resources.nodes x gpus_per_node and leave each stage a layer. A run of one process "
+        "trains uncut.",
     )
     deepspeed_config: dict[str, Any] | str | None = Field(
         None,

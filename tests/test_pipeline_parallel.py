@@ -23,6 +23,7 @@ from training_fixtures import (
     torchrun_stage,
 )
 
+from spec.document import SpecError
 from spec.loading import load_pipeline
 from stages.contract import NotSupportedHere
 from stages.pipeline_parallel import check_fits, layer_ranges, pad_rows
@@ -227,6 +228,13 @@ def test_the_spec_refuses_what_the_pipeline_cannot_run() -> None:
     rlhf.append("stages.rlhf.training.gradient_accumulation_steps=2")
     assert "does not run with pipeline_parallel" in spec_error("korean-llm", [*rlhf, "stages.rlhf.method=full"])
     grads = "stages.sft.training.gradient_accumulation_steps=4"
+    # a mixture of experts the spec knows (a hub model's name, or model.from_config) cuts with its balance loss off
+    moe = [pp, fsdp, grads]
+    assert "trains with its router balance loss off" in spec_error("qwen3-30b-a3b", moe)
+    assert "is 0.001;" in spec_error("qwen3-30b-a3b", [*moe, "stages.sft.training.router_aux_loss_coef=0.001"])
+    load_pipeline("qwen3-30b-a3b", overrides=[*moe, "stages.sft.training.router_aux_loss_coef=0"])
+    with pytest.raises(SpecError, match=r"stages\.sft\.training\.router_aux_loss_coef: is unset"):
+        load_pipeline("qwen3-30b-a3b", profile="local", overrides=moe)  # its tiny qwen3_moe from config
     spec = load_pipeline("llama3-dolly", overrides=[pp, fsdp, full, grads]).spec
     assert spec.stages.sft.distributed.pipeline_parallel == 2
 
