@@ -30,6 +30,7 @@ from stages.pipeline_parallel import check_fits, layer_ranges, pad_rows
 from stages.training import read_log_history
 
 PIPELINE = ["stages.cpt.distributed.strategy=fsdp", "stages.cpt.distributed.pipeline_parallel=2"]
+PIPELINE_SFT = [setting.replace("stages.cpt.", "stages.sft.") for setting in PIPELINE]
 
 
 def cpt_settings(per_device: int) -> list[str]:
@@ -92,8 +93,7 @@ def test_two_stages_train_a_lora_adapter_as_one_process_and_resume_from_their_sh
     done = run_stage(single, "sft", OMP_NUM_THREADS="1")
     assert done.returncode == 0, done.stderr[-3000:]
 
-    mesh = ["stages.sft.distributed.strategy=fsdp", "stages.sft.distributed.pipeline_parallel=2"]
-    cut = make_run_dir(tmp_path / "two", [*lora, *mesh], 10, 160)
+    cut = make_run_dir(tmp_path / "two", [*lora, *PIPELINE_SFT], 10, 160)
     preempt_after_checkpoint(cut, "sft")
     resume_sharded_run(cut, "sft", "checkpoint-3", pipeline_parallel=2)
 
@@ -147,6 +147,30 @@ def test_two_stages_cut_a_mixture_of_experts_whose_balance_loss_is_off(tmp_path:
     assert process.wait(timeout=600) == 0, (cut.root / "cpt.torchrun.log").read_text()[-4000:]
     assert_trains_as_one(single, cut, "cpt", steps=4)
     assert any(".mlp.experts." in name for name in folder_weights(cut.stage_dir("cpt") / "model"))
+
+
+@pytest.mark.slow
+def test_two_stages_train_lora_on_a_mixture_s_experts_as_one_process(tmp_path: Path) -> None:
+    """LoRA on attention and on the stacked experts (lora.target_experts, PEFT's parameter adapters) of a tiny
+    Qwen3-MoE cut in two, balance loss off: the adapter saved is one process's."""
+    lora = [
+        "stages.cpt.enabled=false",
+        "stages.sft.method=lora",
+        "stages.sft.lora.target_experts=true",
+        *[setting.replace("stages.cpt.", "stages.sft.") for setting in cpt_settings(2)],
+        *[f"model.from_config.{key}" for key in ("architecture=qwen3_moe", "num_experts=4", "num_experts_per_tok=2")],
+        "model.from_config.moe_intermediate_size=32",
+        "stages.sft.training.router_aux_loss_coef=0",
+    ]
+    single = make_run_dir(tmp_path / "one", lora, 10, 160)
+    done = run_stage(single, "sft", OMP_NUM_THREADS="1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    cut = make_run_dir(tmp_path / "two", [*lora, *PIPELINE_SFT], 10, 160)
+    process = torchrun_stage(cut, "sft")
+    assert process.wait(timeout=600) == 0, (cut.root / "sft.torchrun.log").read_text()[-4000:]
+    assert_trains_as_one(single, cut, "sft", steps=4, weights="adapter_model.safetensors")
+    adapter = folder_weights(cut.stage_dir("sft") / "model", "adapter_model.safetensors")
+    assert any(".layers.1.mlp.experts." in name for name in adapter)
 
 
 @pytest.mark.slow
