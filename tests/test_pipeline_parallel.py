@@ -23,6 +23,7 @@ from training_fixtures import (
     torchrun_stage,
 )
 
+from run.run_dir import RunDir
 from spec.document import SpecError
 from spec.loading import load_pipeline
 from stages.contract import NotSupportedHere
@@ -33,16 +34,38 @@ PIPELINE = ["stages.cpt.distributed.strategy=fsdp", "stages.cpt.distributed.pipe
 PIPELINE_SFT = [setting.replace("stages.cpt.", "stages.sft.") for setting in PIPELINE]
 
 
-def cpt_settings(per_device: int) -> list[str]:
-    """Four cpt steps of two micro-batches of `per_device` rows, checkpoints and held-out loss every 2."""
+def cpt_settings(per_device: int, stage: str = "cpt") -> list[str]:
+    """Four steps of `stage` (cpt unless named), each of two micro-batches of `per_device` rows; checkpoints and
+    held-out loss every 2."""
     return [
-        "stages.cpt.training.max_steps=4",
-        "stages.cpt.training.save_steps=2",
-        "stages.cpt.training.eval_steps=2",
-        "stages.cpt.training.logging_steps=1",
-        f"stages.cpt.training.per_device_batch_size={per_device}",
-        "stages.cpt.training.gradient_accumulation_steps=2",
+        f"stages.{stage}.training.max_steps=4",
+        f"stages.{stage}.training.save_steps=2",
+        f"stages.{stage}.training.eval_steps=2",
+        f"stages.{stage}.training.logging_steps=1",
+        f"stages.{stage}.training.per_device_batch_size={per_device}",
+        f"stages.{stage}.training.gradient_accumulation_steps=2",
     ]
+
+
+# A tiny Qwen3-MoE with its router balance loss off, as pipeline stages cut one
+MOE = [
+    *[f"model.from_config.{key}" for key in ("architecture=qwen3_moe", "num_experts=4", "num_experts_per_tok=2")],
+    "model.from_config.moe_intermediate_size=32",
+]
+
+
+def two_stages_train_as_one(root: Path, stage: str, common: list[str], weights: str = "model.safetensors") -> RunDir:
+    """`stage` with the `common` settings on one process, and cut into two stages on two (torchrun): both succeed
+    and train as one (`assert_trains_as_one`, 4 logged steps). Returns the cut run."""
+    rows = (160, 10) if stage == "cpt" else (10, 160)
+    single = make_run_dir(root / "one", common, *rows)
+    done = run_stage(single, stage, OMP_NUM_THREADS="1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    cut = make_run_dir(root / "two", [*common, *(PIPELINE if stage == "cpt" else PIPELINE_SFT)], *rows)
+    process = torchrun_stage(cut, stage)
+    assert process.wait(timeout=600) == 0, (cut.root / f"{stage}.torchrun.log").read_text()[-4000:]
+    assert_trains_as_one(single, cut, stage, steps=4, weights=weights)
+    return cut
 
 
 @pytest.mark.slow
@@ -87,7 +110,7 @@ def test_two_stages_train_a_lora_adapter_as_one_process_and_resume_from_their_sh
         "stages.cpt.enabled=false",
         "stages.sft.method=lora",
         "stages.sft.lora.modules_to_save=[embed_tokens, lm_head]",
-        *[setting.replace("stages.cpt.", "stages.sft.") for setting in cpt_settings(2)],
+        *cpt_settings(2, "sft"),
     ]
     single = make_run_dir(tmp_path / "one", lora, 10, 160)
     done = run_stage(single, "sft", OMP_NUM_THREADS="1")
@@ -116,36 +139,17 @@ def test_two_stages_train_a_lora_adapter_as_one_process_and_resume_from_their_sh
 def test_two_stages_train_in_float8_as_one_process(tmp_path: Path) -> None:
     """training.fp8 with the cut: each stage's linear layers run in float8 (torchao), scaled per micro-batch as one
     process scales its accumulation steps, so the two train alike."""
-    common = [*cpt_settings(2), "stages.cpt.training.fp8=true"]
-    single = make_run_dir(tmp_path / "one", common, 160, 10)
-    done = run_stage(single, "cpt", OMP_NUM_THREADS="1")
-    assert done.returncode == 0, done.stderr[-3000:]
-    cut = make_run_dir(tmp_path / "two", [*common, *PIPELINE], 160, 10)
-    process = torchrun_stage(cut, "cpt")
-    assert process.wait(timeout=600) == 0, (cut.root / "cpt.torchrun.log").read_text()[-4000:]
+    cut = two_stages_train_as_one(tmp_path, "cpt", [*cpt_settings(2), "stages.cpt.training.fp8=true"])
     assert "[cpt] fp8: 14 linear layers in float8, 1 not" in (cut.root / "cpt.torchrun.log").read_text()
-    assert_trains_as_one(single, cut, "cpt", steps=4)
 
 
 @pytest.mark.slow
 def test_two_stages_cut_a_mixture_of_experts_whose_balance_loss_is_off(tmp_path: Path) -> None:
     """A tiny Qwen3-MoE cut in two, each stage's experts whole on its rank: with the router balance loss off (it is
     taken over every layer's routers at once), the stages train as one process does."""
-    moe = [
-        *cpt_settings(2),
-        "model.from_config.architecture=qwen3_moe",
-        "model.from_config.num_experts=4",
-        "model.from_config.num_experts_per_tok=2",
-        "model.from_config.moe_intermediate_size=32",
-        "stages.cpt.training.router_aux_loss_coef=0",
-    ]
-    single = make_run_dir(tmp_path / "one", moe, 160, 10)
-    done = run_stage(single, "cpt", OMP_NUM_THREADS="1")
-    assert done.returncode == 0, done.stderr[-3000:]
-    cut = make_run_dir(tmp_path / "two", [*moe, *PIPELINE], 160, 10)
-    process = torchrun_stage(cut, "cpt")
-    assert process.wait(timeout=600) == 0, (cut.root / "cpt.torchrun.log").read_text()[-4000:]
-    assert_trains_as_one(single, cut, "cpt", steps=4)
+    cut = two_stages_train_as_one(
+        tmp_path, "cpt", [*cpt_settings(2), *MOE, "stages.cpt.training.router_aux_loss_coef=0"]
+    )
     assert any(".mlp.experts." in name for name in folder_weights(cut.stage_dir("cpt") / "model"))
 
 
@@ -157,18 +161,11 @@ def test_two_stages_train_lora_on_a_mixture_s_experts_as_one_process(tmp_path: P
         "stages.cpt.enabled=false",
         "stages.sft.method=lora",
         "stages.sft.lora.target_experts=true",
-        *[setting.replace("stages.cpt.", "stages.sft.") for setting in cpt_settings(2)],
-        *[f"model.from_config.{key}" for key in ("architecture=qwen3_moe", "num_experts=4", "num_experts_per_tok=2")],
-        "model.from_config.moe_intermediate_size=32",
+        *cpt_settings(2, "sft"),
+        *MOE,
         "stages.sft.training.router_aux_loss_coef=0",
     ]
-    single = make_run_dir(tmp_path / "one", lora, 10, 160)
-    done = run_stage(single, "sft", OMP_NUM_THREADS="1")
-    assert done.returncode == 0, done.stderr[-3000:]
-    cut = make_run_dir(tmp_path / "two", [*lora, *PIPELINE_SFT], 10, 160)
-    process = torchrun_stage(cut, "sft")
-    assert process.wait(timeout=600) == 0, (cut.root / "sft.torchrun.log").read_text()[-4000:]
-    assert_trains_as_one(single, cut, "sft", steps=4, weights="adapter_model.safetensors")
+    cut = two_stages_train_as_one(tmp_path, "sft", lora, weights="adapter_model.safetensors")
     adapter = folder_weights(cut.stage_dir("sft") / "model", "adapter_model.safetensors")
     assert any(".layers.1.mlp.experts." in name for name in adapter)
 
