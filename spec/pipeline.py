@@ -564,6 +564,14 @@ class PipelineSpec(StrictModel):
             tp = section.distributed.tensor_parallel
             if shape is None or not section.enabled or tp == 1:
                 continue
+            lora = getattr(section, "lora", None)
+            if section.method == "lora" and lora is not None and lora.target_experts and self._mixture():
+                raise FieldError(
+                    ("stages", name, "lora", "target_experts"),
+                    f"puts adapters on {self.model.name_or_path}'s experts, which distributed.tensor_parallel {tp} "
+                    "cannot split with them: set it to false (adapters on attention), or tensor_parallel to 1 "
+                    "(expert_parallel alone splits the experts and trains their adapters)",
+                )
             if shape.heads % tp or shape.kv_heads % tp:
                 fits = [n for n in range(1, 17) if shape.heads % n == 0 and shape.kv_heads % n == 0]
                 raise FieldError(
@@ -572,11 +580,16 @@ class PipelineSpec(StrictModel):
                     f"{shape.kv_heads} key/value heads; use one of {', '.join(map(str, fits))}",
                 )
 
+    def _mixture(self) -> bool:
+        """Whether the model is a mixture of experts, where the spec knows (model.from_config, or a well-known hub
+        model)."""
+        config = self.model.from_config
+        return config.num_experts is not None if config is not None else known_mixture(self.model.name_or_path)
+
     def _pipeline_parallel_fits_model(self) -> None:
         """A mixture of experts the spec knows (model.from_config, or a well-known hub model) is cut into pipeline
         stages only with its router balance loss off: the loss is taken over every layer's routers at once."""
-        config = self.model.from_config
-        mixture = config.num_experts is not None if config is not None else known_mixture(self.model.name_or_path)
+        mixture = self._mixture()
         for name in TRAINING_STAGES:
             section = self.stage(name)
             pp = section.distributed.pipeline_parallel

@@ -796,6 +796,14 @@ def lora_config(section: TrainingStage, model: Any, trained_tokens: list[int] | 
     if experts and targets == "all-linear":
         targets = _linear_module_names(model)
     parameters = sorted({_in_layer(name) for name in experts}) if lora.target_experts else []
+    if parameters and tensor_parallel_size(section) > 1:
+        # PEFT 0.21 cannot split a parameter adapter with its layer ("'ParamWrapper' object has no attribute
+        # 'weight'", measured on two gloo processes)
+        raise NotSupportedHere(
+            "lora.target_experts puts adapters on the experts, which distributed.tensor_parallel cannot split with "
+            "them: set lora.target_experts to false (adapters on attention), or tensor_parallel to 1 "
+            "(expert_parallel alone splits the experts and trains their adapters)"
+        )
     dropout = lora.dropout
     if parameters and dropout:
         print(

@@ -132,6 +132,24 @@ def test_layers_split_over_two_processes_train_in_float8_as_one_process(tmp_path
         torch.testing.assert_close(got[name], expected[name], rtol=0, atol=2e-3, msg=name)
 
 
+def test_adapters_on_experts_are_refused_where_the_layers_are_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from stages.modeling import lora_config
+
+    mesh = ["stages.sft.distributed.strategy=fsdp", "stages.sft.distributed.tensor_parallel=2"]
+    section = load_pipeline("korean-llm", overrides=[*mesh, "stages.sft.lora.target_experts=true"]).spec.stages.sft
+    config = Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config)
+    assert lora_config(section, model).target_parameters  # one process: the experts get adapters
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(NotSupportedHere, match=r"lora\.target_experts puts adapters on the experts"):
+        lora_config(section, model)
+
+
 def test_new_template_tokens_are_refused_where_the_head_is_split(monkeypatch: pytest.MonkeyPatch) -> None:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -157,6 +175,9 @@ def test_the_spec_refuses_what_tensor_parallelism_cannot_split() -> None:
     assert "4-bit weights are not split" in spec_error("llama3-dolly", [tp, fsdp, "stages.sft.method=qlora"])
     whole = ["stages.sft.method=lora", "stages.sft.lora.modules_to_save=[lm_head]"]
     assert "which tensor_parallel does not split" in spec_error("llama3-dolly", [tp, fsdp, *whole])
+    experts = [tp, fsdp, "stages.sft.method=lora", "stages.sft.lora.target_experts=true"]
+    assert "stages.sft.lora.target_experts: puts adapters on" in spec_error("qwen3-30b-a3b", experts)
+    load_pipeline("llama3-dolly", overrides=experts)  # a dense model: no experts, nothing to refuse
     full = "stages.sft.method=full"
     assert "must divide resources.gpus_per_node (8)" in spec_error(
         "llama3-dolly", ["stages.sft.distributed.tensor_parallel=3", fsdp, full, "stages.sft.resources.gpus_per_node=8"]
