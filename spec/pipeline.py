@@ -562,7 +562,7 @@ class PipelineSpec(StrictModel):
         for name in TRAINING_STAGES:
             section = self.stage(name)
             tp = section.distributed.tensor_parallel
-            if shape is None or not section.enabled or tp == 1:
+            if not section.enabled or tp == 1:
                 continue
             lora = getattr(section, "lora", None)
             if section.method == "lora" and lora is not None and lora.target_experts and self._mixture():
@@ -572,7 +572,14 @@ class PipelineSpec(StrictModel):
                     "cannot split with them: set it to false (adapters on attention), or tensor_parallel to 1 "
                     "(expert_parallel alone splits the experts and trains their adapters)",
                 )
-            if shape.heads % tp or shape.kv_heads % tp:
+            if self._mixture() and section.distributed.expert_parallel == 1:
+                raise FieldError(
+                    ("stages", name, "distributed", "tensor_parallel"),
+                    f"is {tp}, which would split {self.model.name_or_path}'s experts too, and a checkpoint of them "
+                    f"fails (their split halves overlap in torch's checkpoint): set distributed.expert_parallel to "
+                    f"{tp} or a multiple of it (the experts then spread whole), or tensor_parallel to 1",
+                )
+            if shape is not None and (shape.heads % tp or shape.kv_heads % tp):
                 fits = [n for n in range(1, 17) if shape.heads % n == 0 and shape.kv_heads % n == 0]
                 raise FieldError(
                     ("stages", name, "distributed", "tensor_parallel"),

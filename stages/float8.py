@@ -119,15 +119,14 @@ def split_again(model: Any, converted: set[str]) -> None:
     """Give each converted layer of a tensor-parallel model its plan's forward back. transformers' tensor-parallel
     plan is a wrapper around each layer's forward (`install_forward`), which converting the layer to a new module
     drops: its input would reach the float8 matmul as a plain tensor beside the layer's DTensor weight."""
-    import re
-
     plan, mesh = getattr(model, "tp_plan", None), getattr(model, "_device_mesh", None)
     if not plan or mesh is None:
         return
+    from transformers.distributed.parallel_utils import replace_layer_number_by_wildcard
     from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
 
     tp_mesh = mesh["tp"] if mesh.ndim > 1 else mesh
     for name in converted:
-        style = plan.get(re.sub(r"\.\d+(\.|$)", lambda m: ".*" + m.group(1), name))
+        style = plan.get(replace_layer_number_by_wildcard(name))
         if style is not None:
             ALL_PARALLEL_STYLES[style].install_forward(model.get_submodule(name), tp_mesh)

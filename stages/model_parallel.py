@@ -55,7 +55,10 @@ def tensor_parallel_size(section: TrainingStage) -> int:
 
 
 def shards_at_load(section: TrainingStage) -> bool:
-    """Whether transformers shards the stage's model as it loads (tensor or expert parallelism, several processes)."""
+    """Whether transformers shards the stage's model as it loads (tensor or expert parallelism, several processes).
+    Not with pipeline stages: each stage splits its own layers after the cut (`stages.pipeline_parallel`)."""
+    if section.distributed.pipeline_parallel > 1 and world_size() > 1:
+        return False
     return expert_parallel_size(section) > 1 or tensor_parallel_size(section) > 1
 
 
@@ -75,9 +78,18 @@ def check_fits(stage: str, section: TrainingStage, config: Any) -> None:
     size it does not divide, or a model without one; expert parallelism on a dense model, or over an expert count or
     world size the group size does not divide."""
     tp = tensor_parallel_size(section)
+    ep = expert_parallel_size(section)
     if tp > 1:
         _tensor_parallel_fits(stage, tp, config)
-    ep = expert_parallel_size(section)
+        if ep == 1 and expert_count(config) is not None:
+            # transformers' plan splits each expert's packed gate and up projections in interleaved halves, which
+            # torch's checkpoint planner refuses as overlapping ("Failed to validate global plan", two gloo
+            # processes, a tiny Qwen3-MoE, at the first checkpoint)
+            raise NotSupportedHere(
+                f"stages.{stage}.distributed.tensor_parallel is {tp}, which would split {config.model_type}'s "
+                f"experts too, and their checkpoint fails: set distributed.expert_parallel to {tp} or a multiple of "
+                "it (the experts spread whole), or tensor_parallel to 1"
+            )
     if ep == 1:
         return
     where = f"stages.{stage}.distributed.expert_parallel"
@@ -135,12 +147,60 @@ def distributed_config(section: TrainingStage) -> Any:
     )
 
 
+PARTIAL_GRADIENT_STYLE = "replicated_with_grad_allreduce"
+"""transformers' tensor-parallel style for a weight every rank holds whole but whose gradient each rank has only a
+part of (Qwen3's and Gemma 3's per-head q_norm and k_norm see only the rank's heads)."""
+
+
+def sum_partial_gradients_per_backward() -> None:
+    """Make transformers' partial-gradient style (`PARTIAL_GRADIENT_STYLE`) sum each backward's gradient over the
+    tensor-parallel ranks, not the accumulated one.
+
+    transformers 5.23 all-reduces the weight's `.grad` after every accumulation into it
+    (`register_post_accumulate_grad_hook`), which is right for one backward a step but sums the earlier micro-batches
+    again at every later one: with gradient_accumulation_steps 2 (or the pipeline schedule's micro-batches) the
+    q_norm and k_norm weights of a split Qwen3 ended 7e-3 away from one process's after 3 steps, every other weight
+    within 1e-4 (two gloo processes). Here each backward's contribution is summed as it arrives (a hook on the
+    gradient before it is accumulated), which gives the whole gradient for any number of micro-batches, under FSDP2
+    too (the hook is on the weight the forward uses, its gathered one). Registered over transformers' own style
+    before a model is split; the weights are a head's width, so the extra all-reduces are tiny."""
+    from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
+    from transformers.distributed.tensor_parallel import ReplicatedWithGradAllReduce
+
+    class SummedPerBackward(ReplicatedWithGradAllReduce):
+        def install_forward(self, module: Any, mesh: Any) -> Any:
+            original_forward = module.forward
+            hooked: dict[str, Any] = {}
+
+            def summed(grad: torch.Tensor) -> torch.Tensor:
+                grad = grad.clone()
+                torch.distributed.all_reduce(grad, group=mesh.get_group())
+                return grad
+
+            def forward(*args: Any, **kwargs: Any) -> Any:
+                # hooked at the first forward that takes gradients: the weight the forward uses (FSDP2's gathered
+                # one) exists only then
+                if torch.is_grad_enabled():
+                    for name, param in module.named_parameters(recurse=False):
+                        if param.requires_grad and hooked.get(name) is not param:
+                            param.register_hook(summed)
+                            hooked[name] = param
+                return original_forward(*args, **kwargs)
+
+            module.forward = forward
+            return module
+
+    if not isinstance(ALL_PARALLEL_STYLES[PARTIAL_GRADIENT_STYLE], SummedPerBackward):
+        ALL_PARALLEL_STYLES.register(PARTIAL_GRADIENT_STYLE, SummedPerBackward())
+
+
 def load_sharded(source: str | Path, revision: str | None, section: TrainingStage, **kwargs: Any) -> Any:
     """The model in the checkpoint folder or hub id `source`, each rank reading only its shards. `kwargs` are
     `from_pretrained`'s (dtype, attention). The loading draws nothing from the seeded random streams (the adapter
     drawn after it is the one a single process draws)."""
     from transformers import AutoModelForCausalLM
 
+    sum_partial_gradients_per_backward()
     with torch.random.fork_rng(devices=_devices()):
         return AutoModelForCausalLM.from_pretrained(
             str(source),
@@ -156,6 +216,7 @@ def shard_whole(model: Any, section: TrainingStage, **kwargs: Any) -> Any:
     `from_pretrained`'s (dtype, attention)."""
     state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
     kwargs.pop("trust_remote_code", None)  # the class is the model's own, remote code or not
+    sum_partial_gradients_per_backward()
     with torch.random.fork_rng(devices=_devices()):
         sharded = type(model).from_pretrained(
             None, config=model.config, state_dict=state, distributed_config=distributed_config(section), **kwargs

@@ -28,6 +28,14 @@ where the head is tied to the embedding (Gemma), the first and last stage each h
 gradients are summed before the optimizer steps (what Megatron does), so the copies stay equal. Evaluation runs the
 schedule forward only and averages the loss over every held-out token.
 
+With `distributed.tensor_parallel: T` each stage's layers are split over T ranks too (`split_layers`): the world is
+then P stages x R = world / (P T) pipelines x T, the tensor-parallel ranks innermost (one node's NVLink). Each of a
+stage's T ranks runs the same micro-batches and sends its copy of the hidden states to the same rank of the next
+stage; FSDP2 shards the split weights over the pipelines; the gradient norm is taken over each mesh's weights and
+summed over the stages. transformers' own plan for the family does the split, applied after the cut (its loader with
+`pp_size` fails, looking for the layers the cut removed). Full fine-tuning of a dense model only
+(`_split_stages_fit`).
+
 A LoRA model (PEFT's wrapper) is cut the same way, the adapters inside the layers going with them: each stage trains
 its own, and the adapter is saved as one PEFT folder (`save_adapter`), as one process saves it.
 
@@ -61,7 +69,8 @@ from torch import nn
 
 from spec.training import TrainingStage
 from stages.contract import NotSupportedHere
-from stages.model_parallel import expert_count
+from stages.model_parallel import check_fits as check_split
+from stages.model_parallel import expert_count, sum_partial_gradients_per_backward, tensor_parallel_size
 from stages.packing import IGNORE_INDEX
 from stages.sharded_loading import loads_once, world_size
 
@@ -74,7 +83,8 @@ def pipeline_parallel_size(section: TrainingStage) -> int:
 
 def check_fits(stage: str, section: TrainingStage, config: Any) -> None:
     """Refuse, naming the spec field, a cut the model or the world cannot take: a mixture of experts with its
-    router balance loss on, fewer layers than stages, a world size the stages do not divide."""
+    router balance loss on, fewer layers than stages, a world size the stages (times the tensor-parallel ranks) do
+    not divide, a split of the layers the model's plan cannot make."""
     pp = pipeline_parallel_size(section)
     if pp == 1:
         return
@@ -88,8 +98,33 @@ def check_fits(stage: str, section: TrainingStage, config: Any) -> None:
         )
     if text.num_hidden_layers < pp:
         raise NotSupportedHere(f"{where} is {pp}, more than the model's {text.num_hidden_layers} layers")
-    if world_size() % pp:
-        raise NotSupportedHere(f"{where} is {pp}, which does not divide this run's {world_size()} processes")
+    tp = tensor_parallel_size(section)
+    if tp > 1:
+        _split_stages_fit(stage, section, config)
+    if world_size() % (pp * tp):
+        split = f" times tensor_parallel {tp}" if tp > 1 else ""
+        raise NotSupportedHere(f"{where} is {pp}{split}, which does not divide this run's {world_size()} processes")
+    check_split(stage, section, config)  # the split of each stage's layers (tensor_parallel)
+
+
+def _split_stages_fit(stage: str, section: TrainingStage, config: Any) -> None:
+    """What stages whose layers are split (tensor_parallel) do not train yet, each tried on four gloo processes:
+    LoRA (PEFT's adapters go in before the cut, around layers not split yet: "aten.mm.default got mixed torch.Tensor
+    and DTensor"), float8 (it ran, but its weights ended 7e-3 from one process's against 2e-3 without pipelines),
+    a mixture of experts (the experts' split shards overlap in the checkpoint: torch's checkpoint planner refuses
+    them)."""
+    where = f"stages.{stage}.distributed.tensor_parallel"
+    if section.method != "full":
+        raise NotSupportedHere(
+            f"{where} with pipeline_parallel trains method 'full' only (this stage's is {section.method!r}): set "
+            "tensor_parallel to 1 to cut a LoRA model into stages"
+        )
+    if section.training.fp8:
+        raise NotSupportedHere(f"{where} with pipeline_parallel does not train in float8 yet: set training.fp8 false")
+    if expert_count(config) is not None:
+        raise NotSupportedHere(
+            f"{where} with pipeline_parallel does not split a mixture of experts ({config.model_type}): set it to 1"
+        )
 
 
 def layer_ranges(layers: int, stages: int) -> list[range]:
@@ -106,7 +141,7 @@ def layer_ranges(layers: int, stages: int) -> list[range]:
 
 @dataclass
 class PipelineLayout:
-    """Where this rank is in the mesh of stages x pipelines, and its process groups."""
+    """Where this rank is in the mesh of stages x pipelines (x tensor-parallel ranks), and its process groups."""
 
     stages: int
     pipelines: int
@@ -117,17 +152,31 @@ class PipelineLayout:
     stage_group: Any
     """The ranks of this rank's pipeline, stage 0 first."""
     replica_group: Any
-    """The ranks holding this rank's stage, one per pipeline (FSDP2's group)."""
+    """The ranks holding this rank's stage (its part of it, under tensor parallelism), one per pipeline (FSDP2's
+    group)."""
     replica_mesh: Any
     """The same ranks as a DeviceMesh."""
+    mesh: Any
+    """The whole mesh: stages x pipelines, x tensor-parallel ranks where they split the layers."""
+    tensor: int = 1
+    """Ranks splitting each layer of a stage (tensor parallelism), innermost in the mesh."""
+    tensor_rank: int = 0
+    """This rank's place among them."""
+    tensor_mesh: Any = None
+    """Those ranks as a DeviceMesh (None without tensor parallelism)."""
 
     @classmethod
-    def build(cls, stages: int) -> PipelineLayout:
+    def build(cls, stages: int, tensor: int = 1) -> PipelineLayout:
+        """The mesh over the world: stages outermost (on several nodes a pipeline crosses them), tensor-parallel
+        ranks innermost (each layer's all-reduces on one node's NVLink), the pipelines between."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        pipelines = dist.get_world_size() // stages
+        pipelines = dist.get_world_size() // (stages * tensor)
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        mesh = init_device_mesh(device, (stages, pipelines), mesh_dim_names=("pp", "dp"))
+        if tensor > 1:
+            mesh = init_device_mesh(device, (stages, pipelines, tensor), mesh_dim_names=("pp", "dp", "tp"))
+        else:
+            mesh = init_device_mesh(device, (stages, pipelines), mesh_dim_names=("pp", "dp"))
         return cls(
             stages=stages,
             pipelines=pipelines,
@@ -136,6 +185,10 @@ class PipelineLayout:
             stage_group=mesh.get_group("pp"),
             replica_group=mesh.get_group("dp"),
             replica_mesh=mesh["dp"],
+            mesh=mesh,
+            tensor=tensor,
+            tensor_rank=mesh.get_local_rank("tp") if tensor > 1 else 0,
+            tensor_mesh=mesh["tp"] if tensor > 1 else None,
         )
 
     @property
@@ -146,12 +199,21 @@ class PipelineLayout:
     def last(self) -> bool:
         return self.stage == self.stages - 1
 
+    @property
+    def writes(self) -> bool:
+        """Whether this rank writes its stage's part of a saved model: the stage's first replica's first
+        tensor-parallel rank."""
+        return self.pipeline == 0 and self.tensor_rank == 0
+
     def ends_group(self) -> Any:
-        """The first and last stage of this rank's pipeline (made on every rank, as torch needs; None elsewhere)."""
-        mine = None
-        for pipeline in range(self.pipelines):
-            group = dist.new_group([pipeline, (self.stages - 1) * self.pipelines + pipeline])
-            if pipeline == self.pipeline and (self.first or self.last):
+        """The first and last stage of this rank's pipeline, at its tensor-parallel rank (made on every rank, as
+        torch needs; None elsewhere)."""
+        ranks = self.mesh.mesh.reshape(self.stages, -1)  # each column: one pipeline at one tensor-parallel rank
+        me, mine = dist.get_rank(), None
+        for column in range(ranks.shape[1]):
+            ends = [int(ranks[0, column]), int(ranks[-1, column])]
+            group = dist.new_group(ends)
+            if me in ends:
                 mine = group
         return mine
 
@@ -192,15 +254,24 @@ class Pipeline:
     """This rank's stage of the model and torch's schedule over it."""
 
     def __init__(
-        self, model: Any, stages: int, microbatches: int, device: torch.device, bf16: bool, loaded_once: bool
+        self,
+        model: Any,
+        stages: int,
+        microbatches: int,
+        device: torch.device,
+        bf16: bool,
+        loaded_once: bool,
+        tensor: int = 1,
     ) -> None:
-        """`loaded_once`: only rank 0 holds the weights (the others a skeleton on the meta device)."""
+        """`loaded_once`: only rank 0 holds the weights (the others a skeleton on the meta device). `tensor`: ranks
+        splitting each layer of a stage (`split_layers`)."""
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-        self.layout = layout = PipelineLayout.build(stages)
+        self.layout = layout = PipelineLayout.build(stages, tensor)
         # a LoRA model is PEFT's wrapper around the transformers model, its adapters inside that model's layers
         self.adapter = hasattr(model, "get_base_model")
-        causal = model.get_base_model() if self.adapter else model
+        self.causal = causal = model.get_base_model() if self.adapter else model
+        """The transformers model (inside PEFT's wrapper under LoRA), cut to this rank's stage."""
         text = causal.config.get_text_config()
         self.tied = bool(getattr(text, "tie_word_embeddings", False))
         self.ends = layout.ends_group() if self.tied else None
@@ -213,14 +284,17 @@ class Pipeline:
                 print(f"pipeline stage {layout.stage + 1}/{stages}: {received} weights from rank 0", flush=True)
         del whole  # rank 0's copy of the other stages goes with it
         self.part.to(device)
+        if layout.tensor > 1:
+            split_layers(causal, layout.tensor_mesh)
         # each stage's first replica writes its own part (`save_whole`); transformers lets only global rank 0 write
         causal.should_save_on_this_rank = lambda is_main_process: is_main_process
         if layout.pipelines > 1:
             shard_over_pipelines(self.part, layout.replica_mesh, bf16)
-        if layout.pipeline == 0:
+        if layout.writes:
             print(
                 f"pipeline stage {layout.stage + 1}/{stages}: layers {layers.start}-{layers.stop - 1} of "
-                f"{text.num_hidden_layers}, {microbatches} micro-batches a step, {layout.pipelines} pipeline(s)",
+                f"{text.num_hidden_layers}, {microbatches} micro-batches a step, {layout.pipelines} pipeline(s)"
+                + (f", each layer split over {layout.tensor} ranks" if layout.tensor > 1 else ""),
                 flush=True,
             )
         self.vocab_size = text.vocab_size
@@ -271,12 +345,14 @@ class Pipeline:
         params = [p for p in self.part.parameters() if p.grad is not None]
         counted = [p.grad for p in params if not (self.tied and self.layout.last and p is self._head_weight())]
         device = params[0].grad.device if params else torch.device("cpu")
-        local = _full(get_total_norm(counted)).float() if counted else torch.zeros((), device=device)
-        squares = local.square()
+        squares = torch.zeros((), device=device)
+        for grads in _by_mesh(counted):  # a norm over DTensors takes one mesh
+            squares += _full(get_total_norm(grads)).float().square()
         dist.all_reduce(squares, group=self.layout.stage_group)
         total = squares.sqrt()
-        if max_norm is not None and params:
-            clip_grads_with_norm_(params, max_norm, total)
+        if max_norm is not None:
+            for group in _by_mesh(params):  # each scaled on its own mesh
+                clip_grads_with_norm_(group, max_norm, total)
         return total
 
     def _head_weight(self) -> Any:
@@ -308,6 +384,20 @@ def receive_stage(whole: list[nn.Parameter], part: PipelinePart, device: torch.d
     return 0 if sender else len(kept)
 
 
+def split_layers(causal: Any, mesh: Any) -> None:
+    """Tensor parallelism inside a stage: the stage's modules split over `mesh` by the model family's own plan
+    (transformers' `tp_plan` and `apply_tensor_parallelism`, what `from_pretrained` applies to a whole model), each
+    rank keeping its slice of the whole weights it holds. The plan is expanded over the modules the stage kept, so the
+    layers cut away are not looked for (transformers' own loader with `pp_size` and `tp_size` looks for them and fails
+    with a KeyError, transformers 5.23)."""
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    sum_partial_gradients_per_backward()  # the schedule's micro-batches each run a backward
+    plan = causal._expand_parallel_plan(dict(causal.tp_plan))
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+        apply_tensor_parallelism(causal, mesh, plan)
+
+
 def shard_over_pipelines(part: PipelinePart, mesh: Any, bf16: bool) -> None:
     """FSDP2 (torch's `fully_shard`) over the ranks holding the same stage: each of its decoder layers a unit, the
     rest (embedding, norm, head) the root's. Kept gathered from the forward to the backward, as torchtitan does under
@@ -324,6 +414,16 @@ def shard_over_pipelines(part: PipelinePart, mesh: Any, bf16: bool) -> None:
         if not isinstance(layer, PipelineIdentityLayer):
             fully_shard(layer, **settings)
     fully_shard(part, **settings)
+
+
+def _by_mesh(tensors: list[Any]) -> list[list[Any]]:
+    """`tensors` grouped by the mesh they are DTensors on (plain tensors together): under tensor parallelism a
+    stage's split weights are on the pipelines x tensor-parallel mesh, the rest on the pipelines' alone."""
+    groups: dict[Any, list[Any]] = {}
+    for tensor in tensors:
+        mesh = getattr(tensor, "device_mesh", None)
+        groups.setdefault(None if mesh is None else mesh.mesh_dim_names, []).append(tensor)
+    return list(groups.values())
 
 
 def _local(tensor: Any) -> torch.Tensor:
@@ -413,11 +513,11 @@ def pipeline_trainer(base: type, stage: str, section: TrainingStage) -> type:
                 trainer_args.device,
                 trainer_args.bf16,
                 loaded_once=loads_once(section),
+                tensor=tensor_parallel_size(section),
             )
             # The stage owns its placement and gradient reduction: the Trainer neither wraps nor moves it, as
             # for a model transformers sharded as it loaded (its flag; `checkpoint_sharded` then keeps the shards)
-            causal = model.get_base_model() if self.pipeline.adapter else model
-            causal._is_distributed_loading_by_transformers = True
+            self.pipeline.causal._is_distributed_loading_by_transformers = True
             rows = training.per_device_batch_size * training.gradient_accumulation_steps
             collator = FixedShapeCollator(data_collator, rows, training.max_seq_length, processing_class.pad_token_id)
             super().__init__(*args, model=model, data_collator=collator, processing_class=processing_class, **kwargs)
@@ -528,7 +628,7 @@ def save_whole(pipeline: Pipeline, model: Any, out: Path) -> None:
         state = {name: t for name, t in state.items() if name not in tied}
     if pipeline.save_dtype is not None:
         state = {name: t.to(pipeline.save_dtype) if t.is_floating_point() else t for name, t in state.items()}
-    if layout.pipeline == 0:
+    if layout.writes:
         if part_dir.exists():
             shutil.rmtree(part_dir)
         model.save_pretrained(part_dir, state_dict=state, is_main_process=True, max_shard_size="1000GB")
@@ -582,7 +682,7 @@ def save_adapter(pipeline: Pipeline, model: Any, out: Path) -> None:
     # PEFT picks the adapter's tensors by name and passes them through; each is then gathered (every replica)
     picked = get_peft_model_state_dict(model, state_dict=model.state_dict())
     state = {name: _full(tensor).detach().cpu().contiguous() for name, tensor in picked.items()}
-    if layout.pipeline == 0:
+    if layout.writes:
         part_dir.mkdir(parents=True, exist_ok=True)
         save_file({name: tensor.clone() for name, tensor in state.items()}, part_dir / ADAPTER_WEIGHTS)
     del state

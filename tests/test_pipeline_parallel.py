@@ -212,6 +212,28 @@ def test_four_stages_of_uneven_layers_train_as_one_process(tmp_path: Path) -> No
     assert_trains_as_one(single, cut, "cpt", steps=3)
 
 
+@pytest.mark.slow
+def test_two_stages_each_split_over_two_ranks_train_as_one_process(tmp_path: Path) -> None:
+    """Four processes, one pipeline: two stages, each stage's layers split over two ranks by the family's
+    tensor-parallel plan (pipeline_parallel 2 x tensor_parallel 2, the head split by vocabulary); stopped by SIGTERM
+    and resumed from the shards, the whole weights saved are one process's."""
+    single = make_run_dir(tmp_path / "one", cpt_settings(2), 160, 10)
+    done = run_stage(single, "cpt", OMP_NUM_THREADS="1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    mesh = [*PIPELINE, "stages.cpt.distributed.tensor_parallel=2"]
+    cut = make_run_dir(tmp_path / "four", [*cpt_settings(2), *mesh], 160, 10)
+    preempt_after_checkpoint(cut, "cpt", processes=4)
+    resume_sharded_run(cut, "cpt", "checkpoint-3", pipeline_parallel=2, processes=4)
+    log = (cut.root / "cpt.torchrun.log").read_text()
+    assert "layers 1-1 of 2, 2 micro-batches a step, 1 pipeline(s), each layer split over 2 ranks" in log
+    # A split layer's gradient is summed in another order; over accumulated micro-batches Adam turns that into
+    # up to 2e-5 on the few weights whose gradient is near zero (the same without pipelines). A partial gradient
+    # summed twice (q_norm, k_norm: `sum_partial_gradients_per_backward`) is 7e-3 off.
+    assert_trains_as_one(single, cut, "cpt", steps=4, atol=5e-5)
+    written = json.loads((cut.stage_dir("cpt") / "logs/distributed.json").read_text())
+    assert (written["pipeline_parallel"], written["tensor_parallel"], written["world_size"]) == (2, 2, 4)
+
+
 def test_the_layers_are_cut_into_consecutive_even_runs() -> None:
     assert layer_ranges(4, 2) == [range(0, 2), range(2, 4)]
     assert layer_ranges(10, 4) == [range(0, 3), range(3, 6), range(6, 8), range(8, 10)]
@@ -244,7 +266,17 @@ def test_the_spec_refuses_what_the_pipeline_cannot_run() -> None:
     odd.append("stages.sft.resources.gpus_per_node=8")
     assert "must divide the stage's 8 GPUs" in spec_error("llama3-dolly", odd)
     tp = "stages.sft.distributed.tensor_parallel=2"
-    assert "with tensor_parallel is not offered yet" in spec_error("llama3-dolly", [pp, fsdp, full, tp])
+    split = [pp, fsdp, full, tp, "stages.sft.training.gradient_accumulation_steps=2"]
+    assert load_pipeline("llama3-dolly", overrides=split).spec.stages.sft.distributed.tensor_parallel == 2
+    lora = "stages.sft.method=lora"
+    assert "for method 'full' without fp8 only (method 'lora' here)" in spec_error("llama3-dolly", [*split, lora])
+    fp8 = "stages.sft.training.fp8=true"
+    assert "for method 'full' without fp8 only (training.fp8 here)" in spec_error("llama3-dolly", [*split, fp8])
+    nodes = ["stages.sft.resources.gpus_per_node=2", "stages.sft.resources.nodes=3"]
+    assert "2 times tensor_parallel 2 must divide the stage's 6 GPUs" in spec_error("llama3-dolly", [*split, *nodes])
+    moe_split = [*split, "stages.sft.training.router_aux_loss_coef=0", "stages.sft.distributed.expert_parallel=2"]
+    assert "with expert_parallel is not offered yet" in spec_error("qwen3-30b-a3b", moe_split)
+    assert "would split Qwen/Qwen3-30B-A3B-Base's experts too" in spec_error("qwen3-30b-a3b", moe_split[:-1])
     rlhf = ["stages.rlhf.distributed.pipeline_parallel=2", "stages.rlhf.distributed.strategy=fsdp"]
     rlhf.append("stages.rlhf.training.gradient_accumulation_steps=2")
     assert "does not run with pipeline_parallel" in spec_error("korean-llm", [*rlhf, "stages.rlhf.method=full"])
@@ -275,6 +307,21 @@ def test_a_model_the_stages_cannot_cut_is_refused_naming_the_field(monkeypatch: 
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(NotSupportedHere, match="does not divide this run's 3 processes"):
         check_fits("cpt", section, LlamaConfig(num_hidden_layers=4))
+    # each stage's layers split too (tensor_parallel): full fine-tuning of a dense model whose heads it divides
+    split = load_pipeline("korean-llm", overrides=[*PIPELINE, "stages.cpt.distributed.tensor_parallel=2"])
+    section = split.spec.stages.cpt
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    dense = LlamaConfig(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64)
+    with pytest.raises(NotSupportedHere, match="is 2 times tensor_parallel 2, which does not divide this run's 6"):
+        check_fits("cpt", section, dense)
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    check_fits("cpt", section, dense)
+    with pytest.raises(NotSupportedHere, match=r"tensor_parallel with pipeline_parallel does not split a mixture"):
+        check_fits("cpt", section, Qwen3MoeConfig(num_hidden_layers=4, output_router_logits=False))
+    with pytest.raises(NotSupportedHere, match=r"tensor_parallel is 2, which does not divide the model's 1 key"):
+        check_fits("cpt", section, LlamaConfig(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1))
+    with pytest.raises(NotSupportedHere, match="trains method 'full' only"):
+        check_fits("cpt", section.model_copy(update={"method": "lora"}), dense)
 
 
 def test_local_says_what_this_machine_makes_of_the_stages_before_anything_starts() -> None:
@@ -287,4 +334,12 @@ def test_local_says_what_this_machine_makes_of_the_stages_before_anything_starts
     assert errors and errors[0].startswith("stages.cpt.distributed.pipeline_parallel is 2, which does not divide the 3")
     assert local_mesh(spec, 0)[1] == [
         "stages.cpt.distributed.pipeline_parallel is 2, but this machine runs cpt as one process: it trains unsplit"
+    ]
+    split = [*PIPELINE, two, "stages.cpt.distributed.tensor_parallel=2"]
+    spec = load_pipeline("korean-llm", profile="local", overrides=split).spec
+    assert local_mesh(spec, 4) == ([], [])
+    errors, _ = local_mesh(spec, 6)  # each divides 6; a pipeline of 2 stages of 2 ranks does not
+    assert errors == [
+        "stages.cpt.distributed.pipeline_parallel 2 times tensor_parallel 2 does not divide the 6 processes --local "
+        "runs cpt with (one per GPU here): each pipeline takes 4"
     ]
