@@ -278,7 +278,7 @@ class DistributedSpec(StrictModel):
         "must divide resources.gpus_per_node (the group stays on one node's NVLink), the model's attention and "
         "key/value heads, and expert_parallel where that is set; a mixture of experts needs expert_parallel (this "
         "or a multiple: its experts spread whole, as split ones do not checkpoint). With pipeline_parallel each "
-        "stage splits its own layers (full fine-tuning of a dense model, without fp8). A run of one process trains "
+        "stage splits its own layers (full fine-tuning of a dense model, fp8 too). A run of one process trains "
         "unsplit.",
     )
     pipeline_parallel: Int64 = Field(
@@ -297,7 +297,7 @@ class DistributedSpec(StrictModel):
         "over every layer's routers at once: refused on, by the spec where it knows the model); needs strategy "
         "'fsdp'; must divide resources.nodes x gpus_per_node and leave each stage a layer. With tensor_parallel, "
         "each stage's layers are split too (a mesh of stages x pipelines x tensor_parallel; full fine-tuning of a "
-        "dense model, without fp8), and this times tensor_parallel must divide the GPUs. A run of one process "
+        "dense model, fp8 too), and this times tensor_parallel must divide the GPUs. A run of one process "
         "trains uncut.",
     )
     deepspeed_config: dict[str, Any] | str | None = Field(
@@ -515,14 +515,12 @@ class TrainingStage(StageBase):
         if self.distributed.expert_parallel > 1:
             raise FieldError(at, "pipeline_parallel with expert_parallel is not offered yet: set one of them to 1")
         tp = self.distributed.tensor_parallel
-        if tp > 1 and (self.method != "full" or self.training.fp8):
-            # tried on four gloo processes: PEFT's adapters wrap layers before the stage splits them, and float8
-            # ended 7e-3 from one process's weights (stages.pipeline_parallel)
-            what = "training.fp8" if self.method == "full" else f"method {self.method!r}"
+        if tp > 1 and self.method != "full":
+            # tried on four gloo processes: PEFT's adapters wrap layers before the stage splits them
             raise FieldError(
                 ("distributed", "tensor_parallel"),
-                f"with pipeline_parallel {pp} the stages split their layers for method 'full' without fp8 only "
-                f"({what} here): set tensor_parallel to 1, or pipeline_parallel to 1",
+                f"with pipeline_parallel {pp} the stages split their layers for method 'full' only (method "
+                f"{self.method!r} here): set tensor_parallel to 1, or pipeline_parallel to 1",
             )
         if self.distributed.cpu_offload or self.distributed.accelerate_config is not None:
             what = "cpu_offload" if self.distributed.cpu_offload else "accelerate_config"
