@@ -759,6 +759,15 @@ CASES += [
         per_device_batch_size=1,
         note="as b9_tp2_fsdp_ckpt without checkpointing: whether the shape fits FSDP2 alone",
     ),
+    replace(
+        B9_TP,
+        name="b9_pp2_tp2",
+        pipeline_parallel=2,
+        per_device_batch_size=1,
+        gradient_accumulation_steps=4,
+        note="on 4 GPUs: b9_tp2's layers cut into 2 stages, each split over a pair (pipeline_parallel 2 x "
+        "tensor_parallel 2, one pipeline), 4 micro-batches of 1 row of 4096 a step (b9_tp2's rows), no checkpointing",
+    ),
 ]
 
 MULTI_GPU_GROUPS = ("B3", "B6", "B7", "B9")

@@ -270,16 +270,18 @@ class DistributedSpec(StrictModel):
         ge=1,
         le=16,
         description="Tensor parallelism: each layer's attention and MLP weights split over this many ranks of a node "
-        "(attention by heads, the MLP by its inner width), which compute each layer together, on the same rows; "
-        "FSDP2 shards the result over the groups (tensor_parallel x FSDP, the world size divided by this). For a "
-        "model whose layers are too big for FSDP alone, or too slow to gather, at long sequences. transformers' own "
-        "tensor-parallel plan for the model family, applied as the model loads. 1: none. For cpt and sft, full "
-        "fine-tuning or LoRA (each adapter split with its layer; not lora.modules_to_save); needs strategy 'fsdp'; "
-        "must divide resources.gpus_per_node (the group stays on one node's NVLink), the model's attention and "
-        "key/value heads, and expert_parallel where that is set; a mixture of experts needs expert_parallel (this "
-        "or a multiple: its experts spread whole, as split ones do not checkpoint). With pipeline_parallel each "
-        "stage splits its own layers (full fine-tuning of a dense model, fp8 too). A run of one process trains "
-        "unsplit.",
+        "(attention by heads, the MLP by its inner width), which compute each layer together, on the same "
+        "rows; FSDP2 shards the result over the groups (tensor_parallel x FSDP, the world size divided by "
+        "this). For a model whose layers are too big for FSDP alone, or too slow to gather, at long "
+        "sequences. transformers' own tensor-parallel plan for the model family, applied as the model loads. "
+        "1: none. For cpt and sft (and rlhf's dpo, orpo and kto with LoRA, precompute_ref_log_probs false: "
+        "the reference is the split policy without its adapter), full fine-tuning or LoRA (each adapter split "
+        "with its layer; not lora.modules_to_save); needs strategy 'fsdp'; must divide "
+        "resources.gpus_per_node (the group stays on one node's NVLink), the model's attention and key/value "
+        "heads, and expert_parallel where that is set; a mixture of experts needs expert_parallel (this or a "
+        "multiple: its experts spread whole, as split ones do not checkpoint). With pipeline_parallel each "
+        "stage splits its own layers (a dense model: full fine-tuning, fp8 too, or LoRA). A run of one "
+        "process trains unsplit.",
     )
     pipeline_parallel: Int64 = Field(
         1,
@@ -296,8 +298,8 @@ class DistributedSpec(StrictModel):
         "dense model, or of a mixture of experts with training.router_aux_loss_coef 0 (the balance loss is taken "
         "over every layer's routers at once: refused on, by the spec where it knows the model); needs strategy "
         "'fsdp'; must divide resources.nodes x gpus_per_node and leave each stage a layer. With tensor_parallel, "
-        "each stage's layers are split too (a mesh of stages x pipelines x tensor_parallel; full fine-tuning of a "
-        "dense model, fp8 too), and this times tensor_parallel must divide the GPUs. A run of one process "
+        "each stage's layers are split too (a mesh of stages x pipelines x tensor_parallel; a dense model: full "
+        "fine-tuning, fp8 too, or LoRA), and this times tensor_parallel must divide the GPUs. A run of one process "
         "trains uncut.",
     )
     deepspeed_config: dict[str, Any] | str | None = Field(
@@ -515,13 +517,6 @@ class TrainingStage(StageBase):
         if self.distributed.expert_parallel > 1:
             raise FieldError(at, "pipeline_parallel with expert_parallel is not offered yet: set one of them to 1")
         tp = self.distributed.tensor_parallel
-        if tp > 1 and self.method != "full":
-            # tried on four gloo processes: PEFT's adapters wrap layers before the stage splits them
-            raise FieldError(
-                ("distributed", "tensor_parallel"),
-                f"with pipeline_parallel {pp} the stages split their layers for method 'full' only (method "
-                f"{self.method!r} here): set tensor_parallel to 1, or pipeline_parallel to 1",
-            )
         if self.distributed.cpu_offload or self.distributed.accelerate_config is not None:
             what = "cpu_offload" if self.distributed.cpu_offload else "accelerate_config"
             raise FieldError(
@@ -718,11 +713,25 @@ class RlhfStage(TrainingStage):
     def _expert_parallel_reference(self) -> None:
         """Expert, tensor and pipeline parallelism are for cpt and sft: TRL's preference trainers copy or hash the whole
         policy (its reference, its precomputed log-probabilities), which a model sharded as it loads does not allow
-        (seen with TRL 1.16: DPOTrainer's hash_module reads every weight with .numpy(), which a DTensor refuses)."""
+        (seen with TRL 1.16: DPOTrainer's hash_module reads every weight with .numpy(), which a DTensor refuses).
+        Except DPO, ORPO and KTO with LoRA and tensor parallelism, the log-probabilities not precomputed: the
+        reference is the split policy with its adapter off (ORPO has none), nothing copied or hashed (two gloo
+        processes train each as one process does)."""
         for field in ("expert_parallel", "tensor_parallel", "pipeline_parallel"):
-            if getattr(self.distributed, field) > 1:
+            if getattr(self.distributed, field) == 1:
+                continue
+            if field == "tensor_parallel" and self.algorithm in ("dpo", "orpo", "kto") and self.method == "lora":
+                if self.algorithm == "orpo" or not self.precompute_ref_log_probs:  # orpo has no reference
+                    continue
                 raise FieldError(
-                    ("distributed", field),
-                    f"rlhf ({self.algorithm}) does not run with {field} yet (TRL copies or hashes the whole "
-                    "policy): set it to 1, with strategy deepspeed_zero3 or fsdp to shard the model",
+                    ("precompute_ref_log_probs",),
+                    f"is true; with distributed.tensor_parallel {self.algorithm} computes the reference's "
+                    "log-probabilities as it trains (TRL hashes the whole policy to precompute them, which a split "
+                    "one refuses): set it to false, or tensor_parallel to 1",
                 )
+            also = " (tensor_parallel runs dpo, orpo and kto with method 'lora')" if field == "tensor_parallel" else ""
+            raise FieldError(
+                ("distributed", field),
+                f"rlhf ({self.algorithm}, method {self.method!r}) does not run with {field} yet{also}: TRL copies "
+                "or hashes the whole policy; set it to 1, with strategy deepspeed_zero3 or fsdp to shard the model",
+            )

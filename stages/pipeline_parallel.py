@@ -33,9 +33,9 @@ then P stages x R = world / (P T) pipelines x T, the tensor-parallel ranks inner
 stage's T ranks runs the same micro-batches and sends its copy of the hidden states to the same rank of the next
 stage; FSDP2 shards the split weights over the pipelines; the gradient norm is taken over each mesh's weights and
 summed over the stages. transformers' own plan for the family does the split, applied after the cut (its loader with
-`pp_size` fails, looking for the layers the cut removed). Full fine-tuning of a dense model only
-(`_split_stages_fit`), in float8 too (`training.fp8`: the layers converted before the split, each scale taken over the
-whole weight).
+`pp_size` fails, looking for the layers the cut removed). A dense model only (`_split_stages_fit`): full fine-tuning,
+in float8 too (`training.fp8`: the layers converted before the split, each scale taken over the whole weight), or LoRA
+(the adapters, drawn whole before the cut, split with their layers as PEFT splits them: `split_adapters`).
 
 A LoRA model (PEFT's wrapper) is cut the same way, the adapters inside the layers going with them: each stage trains
 its own, and the adapter is saved as one PEFT folder (`save_adapter`), as one process saves it.
@@ -109,16 +109,9 @@ def check_fits(stage: str, section: TrainingStage, config: Any) -> None:
 
 
 def _split_stages_fit(stage: str, section: TrainingStage, config: Any) -> None:
-    """What stages whose layers are split (tensor_parallel) do not train yet, each tried on four gloo processes:
-    LoRA (PEFT's adapters go in before the cut, around layers not split yet: "aten.mm.default got mixed torch.Tensor
-    and DTensor"), a mixture of experts (the experts' split shards overlap in the checkpoint: torch's checkpoint
-    planner refuses them)."""
+    """What stages whose layers are split (tensor_parallel) do not train yet, tried on four gloo processes: a mixture
+    of experts (the experts' split shards overlap in the checkpoint: torch's checkpoint planner refuses them)."""
     where = f"stages.{stage}.distributed.tensor_parallel"
-    if section.method != "full":
-        raise NotSupportedHere(
-            f"{where} with pipeline_parallel trains method 'full' only (this stage's is {section.method!r}): set "
-            "tensor_parallel to 1 to cut a LoRA model into stages"
-        )
     if expert_count(config) is not None:
         raise NotSupportedHere(
             f"{where} with pipeline_parallel does not split a mixture of experts ({config.model_type}): set it to 1"
@@ -392,8 +385,43 @@ def split_layers(causal: Any, mesh: Any) -> None:
 
     sum_partial_gradients_per_backward()  # the schedule's micro-batches each run a backward
     plan = causal._expand_parallel_plan(dict(causal.tp_plan))
+    adapted = _adapted_layers(causal, plan)
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
         apply_tensor_parallelism(causal, mesh, plan)
+        split_adapters(causal, adapted, mesh)
+
+
+def _adapted_layers(causal: Any, plan: dict[str, str]) -> dict[str, str]:
+    """The LoRA layers (PEFT's wrappers) among the modules `plan` splits, with their styles; `plan` changed in place to
+    split each one's base layer instead (the wrapper holds no weight of its own)."""
+    modules = dict(causal.named_modules())
+    adapted = {}
+    for name, style in list(plan.items()):
+        module = modules.get(name)
+        if module is None or not hasattr(module, "lora_A"):
+            continue
+        del plan[name]
+        for param, _ in module.base_layer.named_parameters(recurse=False):
+            plan[f"{name}.base_layer.{param}"] = style
+        plan[f"{name}.base_layer"] = style
+        adapted[name] = style
+    return adapted
+
+
+def split_adapters(causal: Any, adapted: dict[str, str], mesh: Any) -> None:
+    """Each LoRA layer's adapters split with its base layer, as PEFT splits them where transformers split the model
+    as it loaded (`add_lora_tp_hooks_dtensor`): a column-wise layer's B by its output rows, a row-wise layer's A by its
+    input columns, the other factor whole on every rank. The adapters were drawn whole, before the cut."""
+    from peft.tuners.lora.model import add_lora_tp_hooks_dtensor
+
+    for name, style in adapted.items():
+        layer = causal.get_submodule(name)
+        if style not in ("colwise", "rowwise"):
+            raise NotSupportedHere(f"LoRA on {name}, which tensor parallelism splits as {style!r}: not offered yet")
+        factors = layer.lora_B if style == "colwise" else layer.lora_A
+        for adapter, factor in factors.items():
+            factor_name = f"{name}.{'lora_B' if style == 'colwise' else 'lora_A'}.{adapter}"
+            add_lora_tp_hooks_dtensor(factor, style, mesh, base_layer=layer.base_layer, module_name=factor_name)
 
 
 def shard_over_pipelines(part: PipelinePart, mesh: Any, bf16: bool) -> None:

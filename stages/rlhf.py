@@ -39,6 +39,7 @@ from stages.checkpoints import CheckpointMarker, SigtermCheckpoint
 from stages.contract import StageContext, is_main_process
 from stages.entry import run_stage
 from stages.metrics import StageMetrics
+from stages.model_parallel import mesh_over_gloo
 from stages.modeling import (
     ModelInputs,
     NotSupportedHere,
@@ -128,7 +129,8 @@ def train(ctx: StageContext, sigterm: SigtermCheckpoint) -> int:
         progress = ProgressLog(ctx.stage, start.model)
         gauges = StageMetrics.for_stage(ctx, progress)  # served by rank 0 on POSTTRAIN_METRICS_PORT, if set
         callbacks = [tracker.hf_callback(), progress, gauges, CheckpointMarker(), sigterm]
-        trainer = make_trainer(ctx, start, config, tokenizer, train_rows, eval_rows, callbacks)
+        with mesh_over_gloo(ctx.section):
+            trainer = make_trainer(ctx, start, config, tokenizer, train_rows, eval_rows, callbacks)
 
         # 4. Train, up to the planned end and never past it (none left when the checkpoint is at it).
         trained = train_to_plan(trainer, checkpoint, ctx.stage)

@@ -107,7 +107,7 @@ def test_the_spec_refuses_what_expert_parallelism_cannot_shard() -> None:
     )
     assert "qlora's are 4-bit" in spec_error("qwen3-30b-a3b", [ep, fsdp, "stages.sft.method=qlora"])
     rlhf = ["stages.rlhf.distributed.expert_parallel=2", "stages.rlhf.distributed.strategy=fsdp"]
-    assert "rlhf (dpo) does not run with expert_parallel" in spec_error("qwen3-30b-a3b", rlhf)
+    assert "rlhf (dpo, method 'full') does not run with expert_parallel" in spec_error("qwen3-30b-a3b", rlhf)
     spec = load_pipeline("qwen3-30b-a3b", overrides=[ep, fsdp]).spec
     assert spec.stages.sft.distributed.expert_parallel == 4
 

@@ -235,6 +235,23 @@ def test_two_stages_each_split_over_two_ranks_train_as_one_process(tmp_path: Pat
 
 
 @pytest.mark.slow
+def test_two_stages_each_split_over_two_ranks_train_a_lora_adapter_as_one_process(tmp_path: Path) -> None:
+    """LoRA with pipeline_parallel 2 x tensor_parallel 2: the adapters drawn whole before the cut, each split with its
+    layer as PEFT splits them (a column-wise layer's B by rows, a row-wise layer's A by columns); stopped by SIGTERM
+    and resumed from the shards, the stages save the adapter one process saves."""
+    lora = ["stages.cpt.enabled=false", "stages.sft.method=lora", *cpt_settings(2, "sft")]
+    single = make_run_dir(tmp_path / "one", lora, 10, 160)
+    done = run_stage(single, "sft", OMP_NUM_THREADS="1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    cut = make_run_dir(tmp_path / "four", [*lora, *PIPELINE_SFT, "stages.sft.distributed.tensor_parallel=2"], 10, 160)
+    preempt_after_checkpoint(cut, "sft", processes=4)
+    resume_sharded_run(cut, "sft", "checkpoint-3", pipeline_parallel=2, tensor_parallel=2, processes=4)
+    assert_trains_as_one(single, cut, "sft", steps=4, weights="adapter_model.safetensors")
+    adapter = folder_weights(cut.stage_dir("sft") / "model", "adapter_model.safetensors")
+    assert any(".layers.1.self_attn.o_proj.lora_A" in name for name in adapter)
+
+
+@pytest.mark.slow
 def test_two_stages_each_split_over_two_ranks_train_in_float8_as_one_process(tmp_path: Path) -> None:
     """pipeline_parallel 2 x tensor_parallel 2 with training.fp8: each stage's layers converted to float8 before the
     split, each weight's scale taken over the whole weight, as one process in float8. float8 rounding turns the
@@ -291,8 +308,9 @@ def test_the_spec_refuses_what_the_pipeline_cannot_run() -> None:
     tp = "stages.sft.distributed.tensor_parallel=2"
     split = [pp, fsdp, full, tp, "stages.sft.training.gradient_accumulation_steps=2"]
     assert load_pipeline("llama3-dolly", overrides=split).spec.stages.sft.distributed.tensor_parallel == 2
-    lora = "stages.sft.method=lora"
-    assert "for method 'full' only (method 'lora' here)" in spec_error("llama3-dolly", [*split, lora])
+    lora = ["stages.sft.method=lora", "stages.sft.lora.modules_to_save=[lm_head]"]
+    assert "which tensor_parallel does not split" in spec_error("llama3-dolly", [*split, *lora])
+    load_pipeline("llama3-dolly", overrides=[*split, lora[0]])
     load_pipeline("llama3-dolly", overrides=[*split, "stages.sft.training.fp8=true"])
     nodes = ["stages.sft.resources.gpus_per_node=2", "stages.sft.resources.nodes=3"]
     assert "2 times tensor_parallel 2 must divide the stage's 6 GPUs" in spec_error("llama3-dolly", [*split, *nodes])
@@ -343,8 +361,6 @@ def test_a_model_the_stages_cannot_cut_is_refused_naming_the_field(monkeypatch: 
     with pytest.raises(NotSupportedHere, match=r"tensor_parallel is 2, which does not divide the model's 1 key"):
         check_fits("cpt", section, LlamaConfig(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1))
     check_fits("cpt", section.model_copy(update={"training": section.training.model_copy(update={"fp8": True})}), dense)
-    with pytest.raises(NotSupportedHere, match="trains method 'full' only"):
-        check_fits("cpt", section.model_copy(update={"method": "lora"}), dense)
 
 
 def test_local_says_what_this_machine_makes_of_the_stages_before_anything_starts() -> None:

@@ -19,6 +19,7 @@ from training_fixtures import (
     child_env,
     folder_weights,
     losses,
+    make_preference_run_dir,
     make_run_dir,
     preempt_after_checkpoint,
     resume_sharded_run,
@@ -136,6 +137,36 @@ def test_layers_split_over_two_processes_train_in_float8_as_one_process(tmp_path
         torch.testing.assert_close(got[name], expected[name], rtol=0, atol=2e-3, msg=name)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["dpo", "kto", "orpo"])
+def test_preference_training_with_a_lora_adapter_on_split_layers_trains_as_one_process(
+    tmp_path: Path, algorithm: str
+) -> None:
+    """rlhf with LoRA on layers split over two processes: DPO's and KTO's reference is the split policy with its
+    adapter off, its log-probabilities computed as it trains (precompute_ref_log_probs false: TRL hashes the whole
+    policy to precompute them); ORPO has none. The losses and the saved adapter are one process's."""
+    common = [
+        "stages.cpt.enabled=false",
+        "stages.sft.enabled=false",
+        "stages.rlhf.method=lora",
+        f"stages.rlhf.algorithm={algorithm}",
+        "stages.rlhf.precompute_ref_log_probs=false",
+        "stages.rlhf.training.max_steps=3",
+        "stages.rlhf.training.logging_steps=1",
+        "stages.rlhf.training.per_device_batch_size=4",
+    ]
+    single = make_preference_run_dir(tmp_path / "one", common)
+    done = run_stage(single, "rlhf", OMP_NUM_THREADS="1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    split = ["stages.rlhf.distributed.strategy=fsdp", "stages.rlhf.distributed.tensor_parallel=2"]
+    cut = make_preference_run_dir(tmp_path / "two", [*common, *split])
+    process = torchrun_stage(cut, "rlhf")
+    assert process.wait(timeout=600) == 0, (cut.root / "rlhf.torchrun.log").read_text()[-4000:]
+    assert_trains_as_one(single, cut, "rlhf", steps=3, weights="adapter_model.safetensors")
+    written = json.loads((cut.stage_dir("rlhf") / "logs/distributed.json").read_text())
+    assert written["tensor_parallel"] == 2
+
+
 def test_adapters_on_experts_are_refused_where_the_layers_are_split(monkeypatch: pytest.MonkeyPatch) -> None:
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
@@ -205,6 +236,12 @@ def test_the_spec_refuses_what_tensor_parallelism_cannot_split() -> None:
         "stages.rlhf.method=full",
     ]
     assert "does not run with tensor_parallel" in spec_error("korean-llm", rlhf)
+    lora = [*rlhf[:2], "stages.rlhf.method=lora"]
+    assert "stages.rlhf.precompute_ref_log_probs: is true" in spec_error("korean-llm", lora)
+    load_pipeline("korean-llm", overrides=[*lora, "stages.rlhf.precompute_ref_log_probs=false"])
+    load_pipeline("korean-llm", overrides=[*lora, "stages.rlhf.algorithm=orpo"])  # no reference to compute
+    grpo = [*lora, "stages.rlhf.algorithm=grpo", "stages.rlhf.precompute_ref_log_probs=false"]
+    assert "does not run with tensor_parallel yet" in spec_error("korean-llm", grpo)
     spec = load_pipeline("llama3-dolly", overrides=[tp, fsdp, full]).spec
     assert spec.stages.sft.distributed.tensor_parallel == 2
 
