@@ -75,8 +75,9 @@ def expert_count(config: Any) -> int | None:
 
 def check_fits(stage: str, section: TrainingStage, config: Any) -> None:
     """Refuse, naming the spec field, what the model's plans cannot shard: tensor parallelism over heads or a world
-    size it does not divide, or a model without one; expert parallelism on a dense model, or over an expert count or
-    world size the group size does not divide."""
+    size it does not divide, or a model without one, or a mixture of experts without expert parallelism (its split
+    experts do not checkpoint); expert parallelism on a dense model, or over an expert count or world size the group
+    size does not divide."""
     tp = tensor_parallel_size(section)
     ep = expert_parallel_size(section)
     if tp > 1:

@@ -235,6 +235,26 @@ def test_two_stages_each_split_over_two_ranks_train_as_one_process(tmp_path: Pat
 
 
 @pytest.mark.slow
+def test_two_pipelines_of_split_stages_train_as_one_process(tmp_path: Path) -> None:
+    """Eight processes: two stages x two pipelines x two tensor-parallel ranks, FSDP2 sharding each stage's split
+    weights over the pipelines (2-D DTensors), a checkpoint taken on the way; each pipeline its own rows, one row per
+    micro-batch: the one process's 2 x 2 rows a step."""
+    one = make_run_dir(tmp_path / "one", ["stages.cpt.training.max_steps=3", *cpt_settings(2)[1:]], 160, 10)
+    done = run_stage(one, "cpt", OMP_NUM_THREADS="1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    mesh = [*PIPELINE, "stages.cpt.distributed.tensor_parallel=2"]
+    cut = make_run_dir(tmp_path / "eight", ["stages.cpt.training.max_steps=3", *cpt_settings(1)[1:], *mesh], 160, 10)
+    process = torchrun_stage(cut, "cpt", processes=8)
+    assert process.wait(timeout=900) == 0, (cut.root / "cpt.torchrun.log").read_text()[-4000:]
+    assert (
+        "2 micro-batches a step, 2 pipeline(s), each layer split over 2 ranks"
+        in (cut.root / "cpt.torchrun.log").read_text()
+    )
+    assert_trains_as_one(one, cut, "cpt", steps=3, atol=5e-5)
+    assert (cut.stage_dir("cpt") / "checkpoints/checkpoint-2/sharded").is_dir()
+
+
+@pytest.mark.slow
 def test_two_stages_each_split_over_two_ranks_train_a_lora_adapter_as_one_process(tmp_path: Path) -> None:
     """LoRA with pipeline_parallel 2 x tensor_parallel 2: the adapters drawn whole before the cut, each split with its
     layer as PEFT splits them (a column-wise layer's B by rows, a row-wise layer's A by columns); stopped by SIGTERM
