@@ -270,9 +270,11 @@ def test_a_model_the_group_cannot_split_is_refused_naming_the_field(monkeypatch:
 
 @pytest.mark.slow
 def test_a_mesh_of_two_groups_of_two_trains_sft_as_one_process(tmp_path: Path) -> None:
-    """Four processes: layers split over pairs (tensor parallel), FSDP2 over the two pairs, each pair its own rows."""
+    """Four processes: layers split over pairs (tensor parallel), FSDP2 over the two pairs, each pair its own rows,
+    two micro-batches a step (FSDP2 reduces once, after the second: each backward's partial q_norm and k_norm
+    gradients are summed as they arrive)."""
     mesh = ["stages.sft.distributed.strategy=fsdp", "stages.sft.distributed.tensor_parallel=2"]
-    assert_four_train_sft_as_one(tmp_path, [], mesh)
+    assert_four_train_sft_as_one(tmp_path, ["stages.sft.training.gradient_accumulation_steps=2"], mesh)
 
 
 CHECK = Path(__file__).with_name("tensor_parallel_check.py")
