@@ -191,8 +191,7 @@ def sum_partial_gradients_per_backward() -> None:
             module.forward = forward
             return module
 
-    if not isinstance(ALL_PARALLEL_STYLES[PARTIAL_GRADIENT_STYLE], SummedPerBackward):
-        ALL_PARALLEL_STYLES.register(PARTIAL_GRADIENT_STYLE, SummedPerBackward())
+    ALL_PARALLEL_STYLES.register(PARTIAL_GRADIENT_STYLE, SummedPerBackward())  # again on a later call: the same
 
 
 def load_sharded(source: str | Path, revision: str | None, section: TrainingStage, **kwargs: Any) -> Any:
@@ -202,7 +201,7 @@ def load_sharded(source: str | Path, revision: str | None, section: TrainingStag
     from transformers import AutoModelForCausalLM
 
     sum_partial_gradients_per_backward()
-    with torch.random.fork_rng(devices=_devices()):
+    with torch.random.fork_rng(devices=rng_devices()):
         return AutoModelForCausalLM.from_pretrained(
             str(source),
             revision=revision,
@@ -218,7 +217,7 @@ def shard_whole(model: Any, section: TrainingStage, **kwargs: Any) -> Any:
     state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
     kwargs.pop("trust_remote_code", None)  # the class is the model's own, remote code or not
     sum_partial_gradients_per_backward()
-    with torch.random.fork_rng(devices=_devices()):
+    with torch.random.fork_rng(devices=rng_devices()):
         sharded = type(model).from_pretrained(
             None, config=model.config, state_dict=state, distributed_config=distributed_config(section), **kwargs
         )
@@ -228,7 +227,8 @@ def shard_whole(model: Any, section: TrainingStage, **kwargs: Any) -> Any:
     return sharded
 
 
-def _devices() -> list[int]:
+def rng_devices() -> list[int]:
+    """The devices whose random streams `torch.random.fork_rng` keeps (this rank's GPU, none on CPU)."""
     return [torch.cuda.current_device()] if torch.cuda.is_available() else []
 
 

@@ -71,7 +71,12 @@ from torch import nn
 from spec.training import TrainingStage
 from stages.contract import NotSupportedHere
 from stages.model_parallel import check_fits as check_split
-from stages.model_parallel import expert_count, sum_partial_gradients_per_backward, tensor_parallel_size
+from stages.model_parallel import (
+    expert_count,
+    rng_devices,
+    sum_partial_gradients_per_backward,
+    tensor_parallel_size,
+)
 from stages.packing import IGNORE_INDEX
 from stages.sharded_loading import loads_once, world_size
 
@@ -386,7 +391,7 @@ def split_layers(causal: Any, mesh: Any) -> None:
     sum_partial_gradients_per_backward()  # the schedule's micro-batches each run a backward
     plan = causal._expand_parallel_plan(dict(causal.tp_plan))
     adapted = _adapted_layers(causal, plan)
-    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+    with torch.random.fork_rng(devices=rng_devices()):
         apply_tensor_parallelism(causal, mesh, plan)
         split_adapters(causal, adapted, mesh)
 

@@ -204,8 +204,8 @@ def local_mesh(spec: PipelineSpec, gpus: int) -> tuple[list[str], list[str]]:
                     f"(one per GPU here): set it to a divisor of {processes}, or CUDA_VISIBLE_DEVICES to a multiple "
                     f"of {size} GPUs"
                 )
-        mesh = section.distributed.pipeline_parallel * section.distributed.tensor_parallel
         pp = section.distributed.pipeline_parallel
+        mesh = pp * section.distributed.tensor_parallel
         if pp > 1 and processes > 1 and not processes % pp and processes % mesh:
             errors.append(
                 f"stages.{name}.distributed.pipeline_parallel {pp} times "
