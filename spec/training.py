@@ -274,11 +274,11 @@ class DistributedSpec(StrictModel):
         "rows; FSDP2 shards the result over the groups (tensor_parallel x FSDP, the world size divided by "
         "this). For a model whose layers are too big for FSDP alone, or too slow to gather, at long "
         "sequences. transformers' own tensor-parallel plan for the model family, applied as the model loads. "
-        "1: none. For cpt and sft (and rlhf's orpo, and dpo and kto with LoRA and precompute_ref_log_probs "
-        "false: the reference is the split policy without its adapter), full fine-tuning or LoRA (each adapter split "
-        "with its layer; not lora.modules_to_save); needs strategy 'fsdp'; must divide "
-        "resources.gpus_per_node (the group stays on one node's NVLink), the model's attention and key/value "
-        "heads, and expert_parallel where that is set; a mixture of experts needs expert_parallel (this or a "
+        "1: none. For cpt and sft (and rlhf's orpo, and dpo and kto with precompute_ref_log_probs false: the "
+        "reference is the split policy without its adapter, or in full training a second split model), full "
+        "fine-tuning or LoRA (each adapter split with its layer; not lora.modules_to_save); needs strategy 'fsdp'; "
+        "must divide resources.gpus_per_node (the group stays on one node's NVLink), the model's attention and "
+        "key/value heads, and expert_parallel where that is set; a mixture of experts needs expert_parallel (this or a "
         "multiple: its experts spread whole, as split ones do not checkpoint). With pipeline_parallel each "
         "stage splits its own layers (a dense model: full fine-tuning, fp8 too, or LoRA). A run of one "
         "process trains unsplit.",
@@ -714,15 +714,16 @@ class RlhfStage(TrainingStage):
         """Expert, tensor and pipeline parallelism are for cpt and sft: TRL's preference trainers copy or hash the whole
         policy (its reference, its precomputed log-probabilities), which a model sharded as it loads does not allow
         (seen with TRL 1.16: DPOTrainer's hash_module reads every weight with .numpy(), which a DTensor refuses).
-        Except under tensor parallelism ORPO (no reference), and DPO and KTO with LoRA, the log-probabilities not
-        precomputed (the reference is the split policy with its adapter off): nothing copied or hashed (two gloo
-        processes train each as one process does)."""
+        Except under tensor parallelism ORPO (no reference), and DPO and KTO with the log-probabilities not
+        precomputed: with LoRA the reference is the split policy with its adapter off, in full training a second
+        split model loaded as the policy was; nothing copied or hashed (two gloo processes train each as one process
+        does)."""
         for field in ("expert_parallel", "tensor_parallel", "pipeline_parallel"):
             if getattr(self.distributed, field) == 1:
                 continue
             if field == "tensor_parallel" and self.algorithm == "orpo":
                 continue  # no reference model: nothing copied or hashed, full training or LoRA
-            if field == "tensor_parallel" and self.algorithm in ("dpo", "kto") and self.method == "lora":
+            if field == "tensor_parallel" and self.algorithm in ("dpo", "kto"):
                 if not self.precompute_ref_log_probs:
                     continue
                 raise FieldError(
@@ -731,9 +732,7 @@ class RlhfStage(TrainingStage):
                     "log-probabilities as it trains (TRL hashes the whole policy to precompute them, which a split "
                     "one refuses): set it to false, or tensor_parallel to 1",
                 )
-            also = (
-                " (tensor_parallel runs orpo, and dpo and kto with method 'lora')" if field == "tensor_parallel" else ""
-            )
+            also = " (tensor_parallel runs orpo, dpo and kto)" if field == "tensor_parallel" else ""
             raise FieldError(
                 ("distributed", field),
                 f"rlhf ({self.algorithm}, method {self.method!r}) does not run with {field} yet{also}: TRL copies "

@@ -38,14 +38,16 @@ from spec.training import RlhfStage
 from stages.checkpoints import CheckpointMarker, SigtermCheckpoint
 from stages.contract import StageContext, is_main_process
 from stages.entry import run_stage
+from stages.float8 import train_in_float8
 from stages.metrics import StageMetrics
-from stages.model_parallel import mesh_over_gloo
+from stages.model_parallel import is_sharded_at_load, mesh_over_gloo
 from stages.modeling import (
     ModelInputs,
     NotSupportedHere,
     StartingModel,
     describe,
     load_base,
+    load_model_parallel,
     load_starting_model,
     load_tokenizer,
     stage_output,
@@ -326,17 +328,36 @@ def frozen_reference(ctx: StageContext, start: StartingModel, tokenizer: Any) ->
     Under ZeRO-3 over several processes the policy was created partitioned (`stages.sharded_loading`): a copy of it
     would be a copy of the partitions, and a whole copy would put the model in every process' memory twice. The
     reference is then loaded a second time the way the policy was, partitioned too (the same weights: the same
-    checkpoint, or a model built from config from the same seed), and TRL wraps it in its own inference engine."""
+    checkpoint, or a model built from config from the same seed), and TRL wraps it in its own inference engine. A
+    policy split over tensor-parallel ranks as it loaded gets a reference split the same way (`sharded_reference`)."""
     section: RlhfStage = ctx.section
     if start.kind == "adapter" or section.precompute_ref_log_probs:
         return None
     if start.zero3_config is not None:
         set_seed(section.training.seed)  # a model built from config draws the policy's weights again
         reference = load_base(ctx.run_dir, ctx.spec, start.base, tokenizer)
+    elif is_sharded_at_load(start.model):
+        reference = sharded_reference(ctx, start, tokenizer)
     else:
         reference = copy.deepcopy(start.model)
     reference.eval()
     reference.requires_grad_(False)
+    return reference
+
+
+def sharded_reference(ctx: StageContext, start: StartingModel, tokenizer: Any) -> Any:
+    """The frozen reference of a policy split over tensor-parallel ranks as it loaded: loaded again the way the
+    policy was (the same weights, merged with the upstream adapter where the policy was, split and sharded the same
+    way, in float8 where it trains in float8). A copy of the split policy would share its process groups and FSDP2's
+    hooks; one loaded whole would put the model in every process' memory."""
+    section: RlhfStage = ctx.section
+    merge = None
+    if start.upstream is not None and (upstream := stage_output(ctx.run_dir, start.upstream)).kind != "full":
+        merge = upstream.path  # the policy is the upstream adapter merged into its base
+    set_seed(section.training.seed)  # a model built from config draws the policy's weights again
+    reference, _ = load_model_parallel(ctx.run_dir, ctx.spec, "rlhf", start.base, tokenizer, merge)
+    if section.training.fp8:
+        train_in_float8(reference, "rlhf reference")
     return reference
 
 

@@ -7,6 +7,7 @@ refuses what the split cannot run, naming the field."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,7 @@ from training_fixtures import (
     make_run_dir,
     preempt_after_checkpoint,
     resume_sharded_run,
+    run_ok,
     run_stage,
     runner_env,
     spec_error,
@@ -139,16 +141,24 @@ def test_layers_split_over_two_processes_train_in_float8_as_one_process(tmp_path
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("algorithm", "method"), [("dpo", "lora"), ("kto", "lora"), ("orpo", "lora"), ("orpo", "full")]
+    ("algorithm", "method"),
+    [("dpo", "lora"), ("kto", "lora"), ("orpo", "lora"), ("orpo", "full"), ("dpo", "full"), ("kto", "full")],
 )
 def test_preference_training_on_split_layers_trains_as_one_process(tmp_path: Path, algorithm: str, method: str) -> None:
     """rlhf on layers split over two processes: with LoRA, DPO's and KTO's reference is the split policy with its
     adapter off, its log-probabilities computed as it trains (precompute_ref_log_probs false: TRL hashes the whole
-    policy to precompute them); ORPO has none, and trains full too. The losses and the saved adapter or weights are
-    one process's (full training: Adam turns the split's summation order into up to 9e-5 on a few weights)."""
+    policy to precompute them); in full training a second split model loaded as the policy was (full DPO after a
+    LoRA sft: both the sft adapter merged into the base, then split); ORPO has none. The losses and the saved adapter
+    or weights are one process's (full training: Adam turns the split's summation order into up to 9e-5 on a few
+    weights)."""
+    after_lora_sft = (algorithm, method) == ("dpo", "full")
     common = [
         "stages.cpt.enabled=false",
-        "stages.sft.enabled=false",
+        *(
+            ["stages.sft.method=lora", "stages.sft.training.max_steps=2"]
+            if after_lora_sft
+            else ["stages.sft.enabled=false"]
+        ),
         f"stages.rlhf.method={method}",
         f"stages.rlhf.algorithm={algorithm}",
         "stages.rlhf.precompute_ref_log_probs=false",
@@ -157,10 +167,14 @@ def test_preference_training_on_split_layers_trains_as_one_process(tmp_path: Pat
         "stages.rlhf.training.per_device_batch_size=4",
     ]
     single = make_preference_run_dir(tmp_path / "one", common)
+    if after_lora_sft:
+        run_ok(single, "sft", OMP_NUM_THREADS="1")
     done = run_stage(single, "rlhf", OMP_NUM_THREADS="1")
     assert done.returncode == 0, done.stderr[-3000:]
     split = ["stages.rlhf.distributed.strategy=fsdp", "stages.rlhf.distributed.tensor_parallel=2"]
     cut = make_preference_run_dir(tmp_path / "two", [*common, *split])
+    if after_lora_sft:  # the same sft adapter
+        shutil.copytree(single.stage_dir("sft"), cut.stage_dir("sft"), dirs_exist_ok=True)
     process = torchrun_stage(cut, "rlhf")
     assert process.wait(timeout=600) == 0, (cut.root / "rlhf.torchrun.log").read_text()[-4000:]
     if method == "lora":
@@ -239,7 +253,9 @@ def test_the_spec_refuses_what_tensor_parallelism_cannot_split() -> None:
         "stages.rlhf.distributed.strategy=fsdp",
         "stages.rlhf.method=full",
     ]
-    assert "does not run with tensor_parallel" in spec_error("korean-llm", rlhf)
+    # full dpo: its reference is a second split model, which precomputing would hash
+    assert "stages.rlhf.precompute_ref_log_probs: is true" in spec_error("korean-llm", rlhf)
+    load_pipeline("korean-llm", overrides=[*rlhf, "stages.rlhf.precompute_ref_log_probs=false"])
     lora = [*rlhf[:2], "stages.rlhf.method=lora"]
     assert "stages.rlhf.precompute_ref_log_probs: is true" in spec_error("korean-llm", lora)
     load_pipeline("korean-llm", overrides=[*lora, "stages.rlhf.precompute_ref_log_probs=false"])
