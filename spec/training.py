@@ -732,9 +732,16 @@ class RlhfStage(TrainingStage):
                     "log-probabilities as it trains (TRL hashes the whole policy to precompute them, which a split "
                     "one refuses): set it to false, or tensor_parallel to 1",
                 )
-            also = " (tensor_parallel runs orpo, dpo and kto)" if field == "tensor_parallel" else ""
+            if field == "tensor_parallel":  # grpo
+                # tried (two gloo processes): TRL 1.16 seeds each process's sampling apart (set_seed(...,
+                # device_specific=True)), so the ranks of a group would generate different completions and add up
+                # parts of different rows
+                why = "the ranks of a group would sample different completions (TRL seeds each process apart)"
+                also = " (tensor_parallel runs orpo, dpo and kto)"
+            else:
+                why, also = "TRL copies or hashes the whole policy", ""
             raise FieldError(
                 ("distributed", field),
-                f"rlhf ({self.algorithm}, method {self.method!r}) does not run with {field} yet{also}: TRL copies "
-                "or hashes the whole policy; set it to 1, with strategy deepspeed_zero3 or fsdp to shard the model",
+                f"rlhf ({self.algorithm}, method {self.method!r}) does not run with {field} yet{also}: {why}; set it "
+                "to 1, with strategy deepspeed_zero3 or fsdp to shard the model",
             )
