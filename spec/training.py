@@ -262,8 +262,9 @@ class DistributedSpec(StrictModel):
         "over all ranks; transformers' own expert-parallel plan, applied as the model loads. 1: every rank holds "
         "every expert. For cpt and sft, full or LoRA (the experts' adapters are whole on every rank, each rank "
         "training its experts' rows); needs "
-        "strategy 'fsdp'; must divide resources.gpus_per_node and the model's expert count. A run of one process "
-        "trains unsharded.",
+        "strategy 'fsdp'; must divide resources.gpus_per_node and the model's expert count. With "
+        "pipeline_parallel each stage spreads its own layers' experts over its GPUs (must divide them; full "
+        "fine-tuning, or LoRA on attention). A run of one process trains unsharded.",
     )
     tensor_parallel: Int64 = Field(
         1,
@@ -299,8 +300,9 @@ class DistributedSpec(StrictModel):
         "over every layer's routers at once: refused on, by the spec where it knows the model); needs strategy "
         "'fsdp'; must divide resources.nodes x gpus_per_node and leave each stage a layer. With tensor_parallel, "
         "each stage's layers are split too (a mesh of stages x pipelines x tensor_parallel; a dense model: full "
-        "fine-tuning, fp8 too, or LoRA), and this times tensor_parallel must divide the GPUs. A run of one process "
-        "trains uncut.",
+        "fine-tuning, fp8 too, or LoRA), and this times tensor_parallel must divide the GPUs. With expert_parallel "
+        "(not with tensor_parallel too), each stage's experts spread over its GPUs. A run of one process trains "
+        "uncut.",
     )
     deepspeed_config: dict[str, Any] | str | None = Field(
         None,
@@ -514,9 +516,17 @@ class TrainingStage(StageBase):
                 f"pipeline_parallel {pp} shards each stage over the pipelines with FSDP2: set distributed.strategy "
                 f"to 'fsdp' (it is {self.distributed.strategy!r}), or pipeline_parallel 1",
             )
-        if self.distributed.expert_parallel > 1:
-            raise FieldError(at, "pipeline_parallel with expert_parallel is not offered yet: set one of them to 1")
-        tp = self.distributed.tensor_parallel
+        tp, ep = self.distributed.tensor_parallel, self.distributed.expert_parallel
+        if ep > 1 and tp > 1:
+            raise FieldError(
+                at, "pipeline_parallel with both tensor_parallel and expert_parallel is not offered yet: set one to 1"
+            )
+        if ep > 1 and self.method == "lora" and self.lora.target_experts:
+            raise FieldError(
+                ("lora", "target_experts"),
+                "puts adapters on the experts, which pipeline_parallel with expert_parallel does not spread yet: set "
+                "it to false (adapters on attention), or expert_parallel to 1",
+            )
         if self.distributed.cpu_offload or self.distributed.accelerate_config is not None:
             what = "cpu_offload" if self.distributed.cpu_offload else "accelerate_config"
             raise FieldError(
@@ -543,6 +553,12 @@ class TrainingStage(StageBase):
                 at,
                 f"{pp}{split} must divide the stage's {gpus} GPUs (resources.nodes x gpus_per_node): each pipeline "
                 f"takes {pp * tp} of them",
+            )
+        if gpus and (gpus // pp) % ep:
+            raise FieldError(
+                ("distributed", "expert_parallel"),
+                f"{ep} must divide the {gpus // pp} GPUs of each of the {pp} pipeline stages (resources.nodes x "
+                "gpus_per_node / pipeline_parallel): a stage's experts spread over its own GPUs",
             )
 
     def _float8_fits(self) -> None:

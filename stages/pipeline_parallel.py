@@ -37,6 +37,13 @@ summed over the stages. transformers' own plan for the family does the split, ap
 in float8 too (`training.fp8`: the layers converted before the split, each scale taken over the whole weight), or LoRA
 (the adapters, drawn whole before the cut, split with their layers as PEFT splits them: `split_adapters`).
 
+With `distributed.expert_parallel: E` (a mixture of experts, its router balance loss off) each stage's experts are
+spread whole over E of its ranks, consecutive ones across the pipelines (`spread_experts`: transformers' own
+expert-parallel plan for the family, applied after the cut as `split_layers` applies the tensor-parallel one), which
+exchange the routed tokens (all-to-all); FSDP2 shards each expert over the stage's copies of its group and the rest
+over the pipelines (`shard_experts`, as transformers shards an expert-parallel model). Full fine-tuning, or LoRA on
+attention (the experts frozen); not with tensor_parallel too, nor adapters on the experts.
+
 A LoRA model (PEFT's wrapper) is cut the same way, the adapters inside the layers going with them: each stage trains
 its own, and the adapter is saved as one PEFT folder (`save_adapter`), as one process saves it.
 
@@ -52,8 +59,8 @@ broadcasts the weights one tensor at a time, each rank keeping those of its own 
 memory then holds one copy of the model, on rank 0, until its stage is cut out, not one per process. Full
 fine-tuning on a GPU keeps float32 masters (`stages.modeling.float32_masters`), gathered and computed
 in bf16 and saved in the dtype the model came in. A mixture of experts is cut as a dense model is (each stage's
-experts whole on its ranks) when its router balance loss is off, and refused when it is on: that loss is taken over
-every layer's routers at once, which no stage holds.
+experts whole on its ranks, or spread by expert_parallel) when its router balance loss is off, and refused when it is
+on: that loss is taken over every layer's routers at once, which no stage holds.
 """
 
 from __future__ import annotations
@@ -73,6 +80,7 @@ from stages.contract import NotSupportedHere
 from stages.model_parallel import check_fits as check_split
 from stages.model_parallel import (
     expert_count,
+    expert_parallel_size,
     rng_devices,
     sum_partial_gradients_per_backward,
     tensor_parallel_size,
@@ -110,12 +118,19 @@ def check_fits(stage: str, section: TrainingStage, config: Any) -> None:
     if world_size() % (pp * tp):
         split = f" times tensor_parallel {tp}" if tp > 1 else ""
         raise NotSupportedHere(f"{where} is {pp}{split}, which does not divide this run's {world_size()} processes")
-    check_split(stage, section, config)  # the split of each stage's layers (tensor_parallel)
+    ep = expert_parallel_size(section)
+    if ep > 1 and (world_size() // pp) % ep:
+        raise NotSupportedHere(
+            f"stages.{stage}.distributed.expert_parallel is {ep}, which does not divide the {world_size() // pp} "
+            f"processes of each of the {pp} pipeline stages (a stage's experts spread over its own ranks)"
+        )
+    check_split(stage, section, config)  # the split of each stage's layers (tensor_parallel) or experts
 
 
 def _split_stages_fit(stage: str, section: TrainingStage, config: Any) -> None:
     """What stages whose layers are split (tensor_parallel) do not train yet, tried on four gloo processes: a mixture
-    of experts (the experts' split shards overlap in the checkpoint: torch's checkpoint planner refuses them)."""
+    of experts (the experts' split shards overlap in the checkpoint: torch's checkpoint planner refuses them; with
+    expert_parallel too, not tried)."""
     where = f"stages.{stage}.distributed.tensor_parallel"
     if expert_count(config) is not None:
         raise NotSupportedHere(
@@ -160,19 +175,29 @@ class PipelineLayout:
     """This rank's place among them."""
     tensor_mesh: Any = None
     """Those ranks as a DeviceMesh (None without tensor parallelism)."""
+    expert: int = 1
+    """Ranks a stage's experts are spread over (expert parallelism), consecutive ranks of the stage."""
+    expert_mesh: Any = None
+    """The stage's ranks as copies x expert groups (`efsdp` x `ep`, transformers' names; None without expert
+    parallelism): each group holds every expert once, FSDP2 shards each expert over the copies."""
 
     @classmethod
-    def build(cls, stages: int, tensor: int = 1) -> PipelineLayout:
+    def build(cls, stages: int, tensor: int = 1, expert: int = 1) -> PipelineLayout:
         """The mesh over the world: stages outermost (on several nodes a pipeline crosses them), tensor-parallel
-        ranks innermost (each layer's all-reduces on one node's NVLink), the pipelines between."""
+        ranks innermost (each layer's all-reduces on one node's NVLink), the pipelines between; expert groups over
+        the pipelines' consecutive ranks (one node's where they fit), as transformers lays them out."""
         from torch.distributed.device_mesh import init_device_mesh
 
         pipelines = dist.get_world_size() // (stages * tensor)
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        if tensor > 1:
+        if tensor > 1 or expert > 1:  # the expert dispatch asks for the ranks sharing rows (one rank without TP)
             mesh = init_device_mesh(device, (stages, pipelines, tensor), mesh_dim_names=("pp", "dp", "tp"))
         else:
             mesh = init_device_mesh(device, (stages, pipelines), mesh_dim_names=("pp", "dp"))
+        expert_mesh = None
+        if expert > 1:
+            copies = pipelines * tensor // expert
+            expert_mesh = init_device_mesh(device, (stages, copies, expert), mesh_dim_names=("pp", "efsdp", "ep"))
         return cls(
             stages=stages,
             pipelines=pipelines,
@@ -185,6 +210,8 @@ class PipelineLayout:
             tensor=tensor,
             tensor_rank=mesh.get_local_rank("tp") if tensor > 1 else 0,
             tensor_mesh=mesh["tp"] if tensor > 1 else None,
+            expert=expert,
+            expert_mesh=expert_mesh,
         )
 
     @property
@@ -258,12 +285,14 @@ class Pipeline:
         bf16: bool,
         loaded_once: bool,
         tensor: int = 1,
+        expert: int = 1,
     ) -> None:
         """`loaded_once`: only rank 0 holds the weights (the others a skeleton on the meta device). `tensor`: ranks
-        splitting each layer of a stage (`split_layers`)."""
+        splitting each layer of a stage (`split_layers`); `expert`: ranks spreading each stage's experts
+        (`spread_experts`)."""
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-        self.layout = layout = PipelineLayout.build(stages, tensor)
+        self.layout = layout = PipelineLayout.build(stages, tensor, expert)
         # a LoRA model is PEFT's wrapper around the transformers model, its adapters inside that model's layers
         self.adapter = hasattr(model, "get_base_model")
         self.causal = causal = model.get_base_model() if self.adapter else model
@@ -282,15 +311,21 @@ class Pipeline:
         self.part.to(device)
         if layout.tensor > 1:
             split_layers(causal, layout.tensor_mesh)
+        experts: list[nn.Module] = []
+        if layout.expert > 1:
+            experts = spread_experts(causal, layout.expert_mesh["ep"], layout.mesh["tp"])
         # each stage's first replica writes its own part (`save_whole`); transformers lets only global rank 0 write
         causal.should_save_on_this_rank = lambda is_main_process: is_main_process
+        if experts:
+            shard_experts(experts, layout, bf16)
         if layout.pipelines > 1:
             shard_over_pipelines(self.part, layout.replica_mesh, bf16)
         if layout.writes:
             print(
                 f"pipeline stage {layout.stage + 1}/{stages}: layers {layers.start}-{layers.stop - 1} of "
                 f"{text.num_hidden_layers}, {microbatches} micro-batches a step, {layout.pipelines} pipeline(s)"
-                + (f", each layer split over {layout.tensor} ranks" if layout.tensor > 1 else ""),
+                + (f", each layer split over {layout.tensor} ranks" if layout.tensor > 1 else "")
+                + (f", its experts spread over {layout.expert} ranks" if layout.expert > 1 else ""),
                 flush=True,
             )
         self.vocab_size = text.vocab_size
@@ -429,6 +464,39 @@ def split_adapters(causal: Any, adapted: dict[str, str], mesh: Any) -> None:
             add_lora_tp_hooks_dtensor(factor, style, mesh, base_layer=layer.base_layer, module_name=factor_name)
 
 
+def spread_experts(causal: Any, ep_mesh: Any, tp_mesh: Any) -> list[nn.Module]:
+    """Expert parallelism inside a stage: the experts of the stage's layers spread whole over `ep_mesh` by the model
+    family's own plan (transformers' `ep_plan` and `apply_expert_parallelism`, what `from_pretrained` applies to a
+    whole model), each rank keeping its experts of the whole stack it holds and exchanging the routed tokens with the
+    group (all-to-all). `tp_mesh`: the ranks sharing rows (one without tensor parallelism). Returns the experts
+    modules, for FSDP2 (`shard_experts`). The plan is expanded over the modules the stage kept, as `split_layers`
+    does."""
+    from transformers.distributed.expert_parallel import apply_expert_parallelism
+
+    plan = causal._expand_parallel_plan(dict(causal.ep_plan))
+    with torch.random.fork_rng(devices=rng_devices()):
+        apply_expert_parallelism(causal, ep_mesh, tp_mesh, plan)
+    return [causal.get_submodule(name) for name, style in plan.items() if style == "ep_dispatch_experts"]
+
+
+def shard_experts(experts: list[nn.Module], layout: PipelineLayout, bf16: bool) -> None:
+    """FSDP2 over the copies of each expert group (`efsdp`), before the layers around them are sharded over the
+    pipelines, as transformers shards an expert-parallel model. An expert's gradient holds the tokens routed to it from
+    every pipeline of its group (times the pipelines: the loss's factor, `Pipeline._loss`), summed over the copies, so
+    it is divided by the pipelines, not the copies (FSDP2's default)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    mesh = layout.expert_mesh["efsdp"]
+    for module in experts:
+        fully_shard(module, mesh=mesh, reshard_after_forward=False, **({"mp_policy": policy} if policy else {}))
+        module.set_gradient_divide_factor(float(layout.pipelines))
+        # FSDP2 divides by a factor other than the group's size through PREMUL_SUM, which gloo refuses (and NCCL gets
+        # wrong in bf16, transformers says): sum, then divide. Over one copy FSDP2 divides with no reduction to do.
+        if mesh.size() > 1:
+            module.set_force_sum_reduction_for_comms(True)
+
+
 def shard_over_pipelines(part: PipelinePart, mesh: Any, bf16: bool) -> None:
     """FSDP2 (torch's `fully_shard`) over the ranks holding the same stage: each of its decoder layers a unit, the
     rest (embedding, norm, head) the root's. Kept gathered from the forward to the backward, as torchtitan does under
@@ -545,6 +613,7 @@ def pipeline_trainer(base: type, stage: str, section: TrainingStage) -> type:
                 trainer_args.bf16,
                 loaded_once=loads_once(section),
                 tensor=tensor_parallel_size(section),
+                expert=expert_parallel_size(section),
             )
             # The stage owns its placement and gradient reduction: the Trainer neither wraps nor moves it, as
             # for a model transformers sharded as it loaded (its flag; `checkpoint_sharded` then keeps the shards)

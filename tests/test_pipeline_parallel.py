@@ -185,6 +185,49 @@ def test_two_pipelines_of_two_stages_train_a_tied_model_as_one_process(tmp_path:
 
 
 @pytest.mark.slow
+def test_two_pipelines_of_two_stages_spread_a_mixture_s_experts_and_train_as_one_process(tmp_path: Path) -> None:
+    """Four processes: a tiny Qwen3-MoE cut in two, each stage's experts spread over its two ranks (one per pipeline,
+    exchanging the routed tokens), the rest FSDP2-sharded over the pipelines; stopped by SIGTERM and resumed from the
+    shards, the losses and the whole weights saved are one process's."""
+    moe = [*MOE, "stages.cpt.training.router_aux_loss_coef=0"]
+    single = make_run_dir(tmp_path / "one", [*cpt_settings(2), *moe], 160, 10)
+    done = run_stage(single, "cpt", OMP_NUM_THREADS="1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    mesh = [*PIPELINE, "stages.cpt.distributed.expert_parallel=2"]
+    cut = make_run_dir(tmp_path / "four", [*cpt_settings(1), *moe, *mesh], 160, 10)  # 1 row x 2 pipelines
+    preempt_after_checkpoint(cut, "cpt", processes=4)
+    resume_sharded_run(cut, "cpt", "checkpoint-3", pipeline_parallel=2, expert_parallel=2, processes=4)
+    log = (cut.root / "cpt.torchrun.log").read_text()
+    assert "stage 2/2: layers 1-1 of 2, 2 micro-batches a step, 2 pipeline(s), its experts spread over 2 ranks" in log
+    assert_trains_as_one(single, cut, "cpt", steps=4)
+    assert any(".layers.1.mlp.experts." in name for name in folder_weights(cut.stage_dir("cpt") / "model"))
+
+
+@pytest.mark.slow
+def test_lora_on_attention_trains_as_one_process_where_the_stages_spread_their_experts(tmp_path: Path) -> None:
+    """Four processes, the same mesh as above, LoRA on attention (the experts frozen, spread over the ranks): the
+    adapter saved is one process's. Adapters on the experts are refused by the spec."""
+    lora = [
+        "stages.cpt.enabled=false",
+        "stages.sft.method=lora",
+        "stages.sft.lora.target_experts=false",
+        *MOE,
+        "stages.sft.training.router_aux_loss_coef=0",
+    ]
+    single = make_run_dir(tmp_path / "one", [*lora, *cpt_settings(2, "sft")], 10, 160)
+    done = run_stage(single, "sft", OMP_NUM_THREADS="1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    mesh = [*PIPELINE_SFT, "stages.sft.distributed.expert_parallel=2"]
+    cut = make_run_dir(tmp_path / "four", [*lora, *cpt_settings(1, "sft"), *mesh], 10, 160)
+    process = torchrun_stage(cut, "sft", processes=4)
+    assert process.wait(timeout=600) == 0, (cut.root / "sft.torchrun.log").read_text()[-4000:]
+    assert_trains_as_one(single, cut, "sft", steps=4, weights="adapter_model.safetensors")
+    experts = [*lora[:2], *mesh, *MOE, "stages.sft.training.router_aux_loss_coef=0"]
+    with pytest.raises(SpecError, match=r"lora\.target_experts: puts adapters on the experts, which pipeline_parallel"):
+        load_pipeline("korean-llm", profile="local", overrides=experts)
+
+
+@pytest.mark.slow
 def test_four_stages_of_uneven_layers_train_as_one_process(tmp_path: Path) -> None:
     """Four processes, one pipeline: 5 layers cut 2-1-1-1, two middle stages that neither read tokens nor compute
     the loss, 4 micro-batches of 1 row a step."""
@@ -317,6 +360,7 @@ def test_every_micro_batch_gets_the_planned_shape_without_new_labels() -> None:
 def test_the_spec_refuses_what_the_pipeline_cannot_run() -> None:
     pp = "stages.sft.distributed.pipeline_parallel=2"
     full, fsdp = "stages.sft.method=full", "stages.sft.distributed.strategy=fsdp"
+    grads = "stages.sft.training.gradient_accumulation_steps=4"
     assert "set distributed.strategy to 'fsdp'" in spec_error("llama3-dolly", [pp, full])
     assert "does not shard 4-bit weights" in spec_error("llama3-dolly", [pp, fsdp, "stages.sft.method=qlora"])
     accumulation = "stages.sft.training.gradient_accumulation_steps=1"
@@ -335,12 +379,17 @@ def test_the_spec_refuses_what_the_pipeline_cannot_run() -> None:
     nodes = ["stages.sft.resources.gpus_per_node=2", "stages.sft.resources.nodes=3"]
     assert "2 times tensor_parallel 2 must divide the stage's 6 GPUs" in spec_error("llama3-dolly", [*split, *nodes])
     moe_split = [*split, "stages.sft.training.router_aux_loss_coef=0", "stages.sft.distributed.expert_parallel=2"]
-    assert "with expert_parallel is not offered yet" in spec_error("qwen3-30b-a3b", moe_split)
+    assert "with both tensor_parallel and expert_parallel is not offered yet" in spec_error("qwen3-30b-a3b", moe_split)
+    # without tensor_parallel each stage spreads its experts over its own GPUs
+    spread = [pp, fsdp, full, grads, "stages.sft.training.router_aux_loss_coef=0"]
+    spread.append("stages.sft.distributed.expert_parallel=8")
+    load_pipeline("qwen3-30b-a3b", overrides=spread)  # 2 nodes of 8: a stage's 8 GPUs
+    error = spec_error("qwen3-30b-a3b", [*spread, "stages.sft.resources.nodes=1"])
+    assert "expert_parallel: 8 must divide the 4 GPUs of each of the 2 pipeline stages" in error
     assert "would split Qwen/Qwen3-30B-A3B-Base's experts too" in spec_error("qwen3-30b-a3b", moe_split[:-1])
     rlhf = ["stages.rlhf.distributed.pipeline_parallel=2", "stages.rlhf.distributed.strategy=fsdp"]
     rlhf.append("stages.rlhf.training.gradient_accumulation_steps=2")
     assert "does not run with pipeline_parallel" in spec_error("korean-llm", [*rlhf, "stages.rlhf.method=full"])
-    grads = "stages.sft.training.gradient_accumulation_steps=4"
     # a mixture of experts the spec knows (a hub model's name, or model.from_config) cuts with its balance loss off
     moe = [pp, fsdp, grads]
     assert "trains with its router balance loss off" in spec_error("qwen3-30b-a3b", moe)
@@ -381,6 +430,13 @@ def test_a_model_the_stages_cannot_cut_is_refused_naming_the_field(monkeypatch: 
     with pytest.raises(NotSupportedHere, match=r"tensor_parallel is 2, which does not divide the model's 1 key"):
         check_fits("cpt", section, LlamaConfig(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1))
     check_fits("cpt", section.model_copy(update={"training": section.training.model_copy(update={"fp8": True})}), dense)
+    # each stage's experts spread over its own ranks (expert_parallel): the processes of a stage must hold whole groups
+    spread = load_pipeline("korean-llm", overrides=[*PIPELINE, "stages.cpt.distributed.expert_parallel=4"])
+    section, moe = spread.spec.stages.cpt, Qwen3MoeConfig(num_hidden_layers=4, num_experts=8)
+    check_fits("cpt", section, moe)  # 8 processes: 4 a stage
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(NotSupportedHere, match=r"expert_parallel is 4, which does not divide the 2 processes of each"):
+        check_fits("cpt", section, moe)
 
 
 def test_local_says_what_this_machine_makes_of_the_stages_before_anything_starts() -> None:
@@ -401,4 +457,12 @@ def test_local_says_what_this_machine_makes_of_the_stages_before_anything_starts
     assert errors == [
         "stages.cpt.distributed.pipeline_parallel 2 times tensor_parallel 2 does not divide the 6 processes --local "
         "runs cpt with (one per GPU here): each pipeline takes 4"
+    ]
+    spread = [*PIPELINE, two, *MOE, "stages.cpt.training.router_aux_loss_coef=0"]
+    spec = load_pipeline("korean-llm", profile="local", overrides=[*spread, "stages.cpt.distributed.expert_parallel=4"])
+    assert local_mesh(spec.spec, 8) == ([], [])
+    errors, _ = local_mesh(spec.spec, 4)  # 4 divides 4; the 2 ranks of a stage do not hold a group of 4
+    assert errors == [
+        "stages.cpt.distributed.expert_parallel 4 does not divide the 2 processes of each of the 2 pipeline stages "
+        "--local runs cpt with (one per GPU here): each stage spreads its experts over its own processes"
     ]

@@ -212,4 +212,11 @@ def local_mesh(spec: PipelineSpec, gpus: int) -> tuple[list[str], list[str]]:
                 f"tensor_parallel {section.distributed.tensor_parallel} does not divide the {processes} processes "
                 f"--local runs {name} with (one per GPU here): each pipeline takes {mesh}"
             )
+        ep = section.distributed.expert_parallel
+        if pp > 1 and ep > 1 and processes > 1 and not processes % pp and (processes // pp) % ep:
+            errors.append(
+                f"stages.{name}.distributed.expert_parallel {ep} does not divide the {processes // pp} processes of "
+                f"each of the {pp} pipeline stages --local runs {name} with (one per GPU here): each stage "
+                "spreads its experts over its own processes"
+            )
     return errors, warnings
