@@ -88,6 +88,7 @@ class Case:
     tensor_parallel: int = 1  # distributed.tensor_parallel: each layer split over this many ranks
     pipeline_parallel: int = 1  # distributed.pipeline_parallel: layers cut into this many stages (0: every process)
     gradient_accumulation_steps: int = 1  # micro-batches a step (under pipeline_parallel: the schedule's)
+    router_aux_loss_coef: float | None = None  # training.router_aux_loss_coef (None: the model's; 0: the loss off)
     layers: int | None = None  # decoder layers, when fewer than the shape's
     text: bool = False  # real Korean text (bench/gpu_suite.py text_examples, BENCH_TEXT_TOKENS), not random tokens
     warmup: int = 4
@@ -767,6 +768,21 @@ CASES += [
         gradient_accumulation_steps=4,
         note="on 4 GPUs: b9_tp2's layers cut into 2 stages, each split over a pair (pipeline_parallel 2 x "
         "tensor_parallel 2, one pipeline), 4 micro-batches of 1 row of 4096 a step (b9_tp2's rows), no checkpointing",
+    ),
+    replace(
+        B7,
+        name="b9_pp2_ep2",
+        group="B9",
+        method="full",
+        layers=20,
+        per_device_batch_size=1,
+        pipeline_parallel=2,
+        expert_parallel=2,
+        gradient_accumulation_steps=4,
+        router_aux_loss_coef=0,  # pipeline stages train a mixture with its balance loss off
+        note="on 4 GPUs: b7_ep_full's 20 layers of Qwen3-30B-A3B's shape cut into 2 stages (2 pipelines), each "
+        "stage's experts spread over its 2 ranks (pipeline_parallel 2 x expert_parallel 2), FSDP2 over the "
+        "pipelines, 4 micro-batches of 1 row of 4096 a step, checkpointing; in-run baseline b7_ep_full",
     ),
 ]
 

@@ -333,6 +333,7 @@ def stage_context(case: Case, tmp: Path, tiny: bool) -> SimpleNamespace:
         pure_bf16=case.pure_bf16,
         fp8=case.fp8,
         gradient_accumulation_steps=case.gradient_accumulation_steps,
+        router_aux_loss_coef=case.router_aux_loss_coef,
     )
     cls = RlhfStage if case.kind == "stage_dpo" else SftStage
     world = int(os.environ.get("WORLD_SIZE", "1"))
