@@ -300,9 +300,9 @@ class DistributedSpec(StrictModel):
         "over every layer's routers at once: refused on, by the spec where it knows the model); needs strategy "
         "'fsdp'; must divide resources.nodes x gpus_per_node and leave each stage a layer. With tensor_parallel, "
         "each stage's layers are split too (a mesh of stages x pipelines x tensor_parallel; a dense model: full "
-        "fine-tuning, fp8 too, or LoRA), and this times tensor_parallel must divide the GPUs. With expert_parallel "
-        "(not with tensor_parallel too), each stage's experts spread over its GPUs. A run of one process trains "
-        "uncut.",
+        "fine-tuning, fp8 too, or LoRA; a mixture of experts with expert_parallel), and this times tensor_parallel "
+        "must divide the GPUs. With expert_parallel, each stage's experts spread over its GPUs. A run of one "
+        "process trains uncut.",
     )
     deepspeed_config: dict[str, Any] | str | None = Field(
         None,
@@ -517,10 +517,6 @@ class TrainingStage(StageBase):
                 f"to 'fsdp' (it is {self.distributed.strategy!r}), or pipeline_parallel 1",
             )
         tp, ep = self.distributed.tensor_parallel, self.distributed.expert_parallel
-        if ep > 1 and tp > 1:
-            raise FieldError(
-                at, "pipeline_parallel with both tensor_parallel and expert_parallel is not offered yet: set one to 1"
-            )
         if ep > 1 and self.method == "lora" and self.lora.target_experts:
             raise FieldError(
                 ("lora", "target_experts"),

@@ -33,7 +33,8 @@ then P stages x R = world / (P T) pipelines x T, the tensor-parallel ranks inner
 stage's T ranks runs the same micro-batches and sends its copy of the hidden states to the same rank of the next
 stage; FSDP2 shards the split weights over the pipelines; the gradient norm is taken over each mesh's weights and
 summed over the stages. transformers' own plan for the family does the split, applied after the cut (its loader with
-`pp_size` fails, looking for the layers the cut removed). A dense model only (`_split_stages_fit`): full fine-tuning,
+`pp_size` fails, looking for the layers the cut removed). A dense model, or a mixture of experts whose experts
+`expert_parallel` spreads (`_split_stages_fit`; below): full fine-tuning,
 in float8 too (`training.fp8`: the layers converted before the split, each scale taken over the whole weight), or LoRA
 (the adapters, drawn whole before the cut, split with their layers as PEFT splits them: `split_adapters`).
 
@@ -42,7 +43,9 @@ spread whole over E of its ranks, consecutive ones across the pipelines (`spread
 expert-parallel plan for the family, applied after the cut as `split_layers` applies the tensor-parallel one), which
 exchange the routed tokens (all-to-all); FSDP2 shards each expert over the stage's copies of its group and the rest
 over the pipelines (`shard_experts`, as transformers shards an expert-parallel model). Full fine-tuning, or LoRA on
-attention (the experts frozen); not with tensor_parallel too, nor adapters on the experts.
+attention (the experts frozen); not adapters on the experts. With tensor_parallel too (E a multiple of T), the
+experts take no tensor-parallel rule (`split_layers`), and each rank of a tensor-parallel group sends its own share of
+the group's rows to the experts, as transformers does.
 
 A LoRA model (PEFT's wrapper) is cut the same way, the adapters inside the layers going with them: each stage trains
 its own, and the adapter is saved as one PEFT folder (`save_adapter`), as one process saves it.
@@ -66,6 +69,7 @@ on: that loss is taken over every layer's routers at once, which no stage holds.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,7 +117,7 @@ def check_fits(stage: str, section: TrainingStage, config: Any) -> None:
     if text.num_hidden_layers < pp:
         raise NotSupportedHere(f"{where} is {pp}, more than the model's {text.num_hidden_layers} layers")
     tp = tensor_parallel_size(section)
-    if tp > 1:
+    if tp > 1 and expert_parallel_size(section) == 1:
         _split_stages_fit(stage, section, config)
     if world_size() % (pp * tp):
         split = f" times tensor_parallel {tp}" if tp > 1 else ""
@@ -128,13 +132,14 @@ def check_fits(stage: str, section: TrainingStage, config: Any) -> None:
 
 
 def _split_stages_fit(stage: str, section: TrainingStage, config: Any) -> None:
-    """What stages whose layers are split (tensor_parallel) do not train yet, tried on four gloo processes: a mixture
-    of experts (the experts' split shards overlap in the checkpoint: torch's checkpoint planner refuses them; with
-    expert_parallel too, not tried)."""
+    """What stages whose layers are split (tensor_parallel) do not train without expert_parallel, tried on four gloo
+    processes: a mixture of experts (the experts' split shards overlap in the checkpoint: torch's checkpoint planner
+    refuses them)."""
     where = f"stages.{stage}.distributed.tensor_parallel"
     if expert_count(config) is not None:
         raise NotSupportedHere(
-            f"{where} with pipeline_parallel does not split a mixture of experts ({config.model_type}): set it to 1"
+            f"{where} with pipeline_parallel splits a mixture of experts ({config.model_type}) only with "
+            "expert_parallel (a multiple of it: the experts spread whole): set it, or tensor_parallel to 1"
         )
 
 
@@ -310,7 +315,7 @@ class Pipeline:
         del whole  # rank 0's copy of the other stages goes with it
         self.part.to(device)
         if layout.tensor > 1:
-            split_layers(causal, layout.tensor_mesh)
+            split_layers(causal, layout.tensor_mesh, experts_spread=layout.expert > 1)
         experts: list[nn.Module] = []
         if layout.expert > 1:
             experts = spread_experts(causal, layout.expert_mesh["ep"], layout.mesh["tp"])
@@ -415,16 +420,21 @@ def receive_stage(whole: list[nn.Parameter], part: PipelinePart, device: torch.d
     return 0 if sender else len(kept)
 
 
-def split_layers(causal: Any, mesh: Any) -> None:
+def split_layers(causal: Any, mesh: Any, experts_spread: bool = False) -> None:
     """Tensor parallelism inside a stage: the stage's modules split over `mesh` by the model family's own plan
     (transformers' `tp_plan` and `apply_tensor_parallelism`, what `from_pretrained` applies to a whole model), each
     rank keeping its slice of the whole weights it holds. The plan is expanded over the modules the stage kept, so the
     layers cut away are not looked for (transformers' own loader with `pp_size` and `tp_size` looks for them and fails
-    with a KeyError, transformers 5.23)."""
+    with a KeyError, transformers 5.23). With `experts_spread` the experts are left whole for `spread_experts` (the
+    expert plan's modules take no tensor-parallel rule, as transformers resolves the two plans)."""
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
     sum_partial_gradients_per_backward()  # the schedule's micro-batches each run a backward
-    plan = causal._expand_parallel_plan(dict(causal.tp_plan))
+    plan = dict(causal.tp_plan)
+    if experts_spread:
+        is_expert = re.compile(rf"(?:{'|'.join(map(re.escape, causal.ep_plan))})(?:\..+)?").fullmatch
+        plan = {name: style for name, style in plan.items() if not is_expert(name)}
+    plan = causal._expand_parallel_plan(plan)
     adapted = _adapted_layers(causal, plan)
     with torch.random.fork_rng(devices=rng_devices()):
         apply_tensor_parallelism(causal, mesh, plan)

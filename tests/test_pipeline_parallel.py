@@ -204,6 +204,24 @@ def test_two_pipelines_of_two_stages_spread_a_mixture_s_experts_and_train_as_one
 
 
 @pytest.mark.slow
+def test_stages_split_over_pairs_that_spread_their_experts_train_as_one_process(tmp_path: Path) -> None:
+    """Four processes, one pipeline: a tiny Qwen3-MoE cut in two, each stage's attention split over a pair of ranks
+    (tensor_parallel 2) and its experts spread over the same pair (expert_parallel 2: each rank runs its experts on
+    its half of the pair's rows); the losses and the whole weights saved are one process's."""
+    moe = [*MOE, "stages.cpt.training.router_aux_loss_coef=0"]
+    single = make_run_dir(tmp_path / "one", [*cpt_settings(2), *moe], 160, 10)
+    done = run_stage(single, "cpt", OMP_NUM_THREADS="1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    mesh = [*PIPELINE, "stages.cpt.distributed.tensor_parallel=2", "stages.cpt.distributed.expert_parallel=2"]
+    cut = make_run_dir(tmp_path / "four", [*cpt_settings(2), *moe, *mesh], 160, 10)
+    process = torchrun_stage(cut, "cpt", processes=4)
+    assert process.wait(timeout=600) == 0, (cut.root / "cpt.torchrun.log").read_text()[-4000:]
+    log = (cut.root / "cpt.torchrun.log").read_text()
+    assert "1 pipeline(s), each layer split over 2 ranks, its experts spread over 2 ranks" in log
+    assert_trains_as_one(single, cut, "cpt", steps=4, atol=5e-5)
+
+
+@pytest.mark.slow
 def test_lora_on_attention_trains_as_one_process_where_the_stages_spread_their_experts(tmp_path: Path) -> None:
     """Four processes, the same mesh as above, LoRA on attention (the experts frozen, spread over the ranks): the
     adapter saved is one process's. Adapters on the experts are refused by the spec."""
@@ -379,7 +397,9 @@ def test_the_spec_refuses_what_the_pipeline_cannot_run() -> None:
     nodes = ["stages.sft.resources.gpus_per_node=2", "stages.sft.resources.nodes=3"]
     assert "2 times tensor_parallel 2 must divide the stage's 6 GPUs" in spec_error("llama3-dolly", [*split, *nodes])
     moe_split = [*split, "stages.sft.training.router_aux_loss_coef=0", "stages.sft.distributed.expert_parallel=2"]
-    assert "with both tensor_parallel and expert_parallel is not offered yet" in spec_error("qwen3-30b-a3b", moe_split)
+    load_pipeline("qwen3-30b-a3b", overrides=moe_split)  # each stage's experts spread whole over its pairs
+    wide = [*moe_split, "stages.sft.distributed.tensor_parallel=4"]  # a group of experts spans whole pairs, not 4
+    assert "with expert_parallel 2, tensor_parallel 4 must divide it" in spec_error("qwen3-30b-a3b", wide)
     # without tensor_parallel each stage spreads its experts over its own GPUs
     spread = [pp, fsdp, full, grads, "stages.sft.training.router_aux_loss_coef=0"]
     spread.append("stages.sft.distributed.expert_parallel=8")
@@ -425,7 +445,7 @@ def test_a_model_the_stages_cannot_cut_is_refused_naming_the_field(monkeypatch: 
         check_fits("cpt", section, dense)
     monkeypatch.setenv("WORLD_SIZE", "8")
     check_fits("cpt", section, dense)
-    with pytest.raises(NotSupportedHere, match=r"tensor_parallel with pipeline_parallel does not split a mixture"):
+    with pytest.raises(NotSupportedHere, match=r"with pipeline_parallel splits a mixture of experts \(qwen3_moe\)"):
         check_fits("cpt", section, Qwen3MoeConfig(num_hidden_layers=4, output_router_logits=False))
     with pytest.raises(NotSupportedHere, match=r"tensor_parallel is 2, which does not divide the model's 1 key"):
         check_fits("cpt", section, LlamaConfig(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1))
