@@ -261,7 +261,8 @@ class DistributedSpec(StrictModel):
         "many ranks of a node, which exchange the routed tokens (all-to-all), while FSDP2 shards everything else "
         "over all ranks; transformers' own expert-parallel plan, applied as the model loads. 1: every rank holds "
         "every expert. For cpt and sft, full or LoRA (the experts' adapters are whole on every rank, each rank "
-        "training its experts' rows); needs "
+        "training its experts' rows), and rlhf's orpo, dpo and kto (dpo and kto with precompute_ref_log_probs "
+        "false: full training's reference a second model spread the same way); needs "
         "strategy 'fsdp'; must divide resources.gpus_per_node and the model's expert count. With "
         "pipeline_parallel each stage spreads its own layers' experts over its GPUs (must divide them; full "
         "fine-tuning, or LoRA on attention). A run of one process trains unsharded.",
@@ -726,23 +727,24 @@ class RlhfStage(TrainingStage):
         """Expert, tensor and pipeline parallelism are for cpt and sft: TRL's preference trainers copy or hash the whole
         policy (its reference, its precomputed log-probabilities), which a model sharded as it loads does not allow
         (seen with TRL 1.16: DPOTrainer's hash_module reads every weight with .numpy(), which a DTensor refuses).
-        Except under tensor parallelism ORPO (no reference), and DPO and KTO with the log-probabilities not
+        Except under tensor or expert parallelism ORPO (no reference), and DPO and KTO with the log-probabilities not
         precomputed: with LoRA the reference is the split policy with its adapter off, in full training a second
         split model loaded as the policy was; nothing copied or hashed (two gloo processes train each as one process
         does)."""
         for field in ("expert_parallel", "tensor_parallel", "pipeline_parallel"):
             if getattr(self.distributed, field) == 1:
                 continue
-            if field == "tensor_parallel" and self.algorithm == "orpo":
+            sharded = field in ("tensor_parallel", "expert_parallel")  # by transformers, as the model loads
+            if sharded and self.algorithm == "orpo":
                 continue  # no reference model: nothing copied or hashed, full training or LoRA
-            if field == "tensor_parallel" and self.algorithm in ("dpo", "kto"):
+            if sharded and self.algorithm in ("dpo", "kto"):
                 if not self.precompute_ref_log_probs:
                     continue
                 raise FieldError(
                     ("precompute_ref_log_probs",),
-                    f"is true; with distributed.tensor_parallel {self.algorithm} computes the reference's "
-                    "log-probabilities as it trains (TRL hashes the whole policy to precompute them, which a split "
-                    "one refuses): set it to false, or tensor_parallel to 1",
+                    f"is true; with distributed.{field} {self.algorithm} computes the reference's "
+                    "log-probabilities as it trains (TRL hashes the whole policy to precompute them, which a sharded "
+                    f"one refuses): set it to false, or {field} to 1",
                 )
             if field == "tensor_parallel":  # grpo
                 # tried (two gloo processes): TRL 1.16 seeds each process's sampling apart (set_seed(...,
@@ -750,6 +752,12 @@ class RlhfStage(TrainingStage):
                 # parts of different rows
                 why = "the ranks of a group would sample different completions (TRL seeds each process apart)"
                 also = " (tensor_parallel runs orpo, dpo and kto)"
+            elif field == "expert_parallel":  # grpo
+                why = (
+                    "its generation, each rank sampling completions of its own length, has not been tried with the "
+                    "experts' token exchange, which every rank joins at every forward"
+                )
+                also = " (expert_parallel runs orpo, dpo and kto)"
             else:
                 why, also = "TRL copies or hashes the whole policy", ""
             raise FieldError(

@@ -13,6 +13,7 @@ import pytest
 from training_fixtures import (
     assert_trains_as_one,
     losses,
+    make_preference_run_dir,
     make_run_dir,
     resume_sharded_run,
     run_stage,
@@ -93,6 +94,38 @@ def test_lora_with_experts_over_two_processes_matches_one(tmp_path: Path) -> Non
     assert_trains_as_one(single, sharded, "sft", steps=4, weights="adapter_model.safetensors")
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(("algorithm", "method"), [("dpo", "full"), ("dpo", "lora"), ("orpo", "full")])
+def test_preference_training_with_experts_over_two_processes_matches_one(
+    tmp_path: Path, algorithm: str, method: str
+) -> None:
+    """rlhf with the experts spread over two processes: full DPO's reference is a second model loaded and spread as
+    the policy was (`stages.rlhf.sharded_reference`), LoRA's the policy with its adapter off, ORPO has none; the
+    losses and the saved weights or adapter are one process's. (KTO runs the same way; its KL term is estimated from
+    each process's own rows, so it differs from one process's by design, as under DDP.)"""
+    common = [
+        *MOE,
+        "stages.cpt.enabled=false",
+        "stages.sft.enabled=false",
+        f"stages.rlhf.algorithm={algorithm}",
+        f"stages.rlhf.method={method}",
+        "stages.rlhf.precompute_ref_log_probs=false",
+        "stages.rlhf.training.max_steps=3",
+        "stages.rlhf.training.logging_steps=1",
+        "stages.rlhf.training.router_aux_loss_coef=0",
+        "stages.rlhf.lora.target_experts=false",
+    ]
+    single = make_preference_run_dir(tmp_path / "one", [*common, "stages.rlhf.training.per_device_batch_size=4"])
+    done = run_stage(single, "rlhf", OMP_NUM_THREADS="1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    ep = ["stages.rlhf.distributed.strategy=fsdp", "stages.rlhf.distributed.expert_parallel=2"]
+    two = make_preference_run_dir(tmp_path / "two", [*common, "stages.rlhf.training.per_device_batch_size=2", *ep])
+    process = torchrun_stage(two, "rlhf")
+    assert process.wait(timeout=600) == 0, (two.root / "rlhf.torchrun.log").read_text()[-4000:]
+    weights = "adapter_model.safetensors" if method == "lora" else "model.safetensors"
+    assert_trains_as_one(single, two, "rlhf", steps=3, weights=weights, atol=1e-4)
+
+
 def test_the_spec_refuses_what_expert_parallelism_cannot_shard() -> None:
     ep = "stages.sft.distributed.expert_parallel=4"
     assert "set distributed.strategy to 'fsdp'" in spec_error("qwen3-30b-a3b", [ep])  # the pipeline's ZeRO-3
@@ -107,7 +140,10 @@ def test_the_spec_refuses_what_expert_parallelism_cannot_shard() -> None:
     )
     assert "qlora's are 4-bit" in spec_error("qwen3-30b-a3b", [ep, fsdp, "stages.sft.method=qlora"])
     rlhf = ["stages.rlhf.distributed.expert_parallel=2", "stages.rlhf.distributed.strategy=fsdp"]
-    assert "rlhf (dpo, method 'full') does not run with expert_parallel" in spec_error("qwen3-30b-a3b", rlhf)
+    assert "precompute_ref_log_probs: is true; with distributed.expert_parallel" in spec_error("qwen3-30b-a3b", rlhf)
+    load_pipeline("qwen3-30b-a3b", overrides=[*rlhf, "stages.rlhf.precompute_ref_log_probs=false"])
+    grpo = [*rlhf, "stages.rlhf.algorithm=grpo", "stages.rlhf.reward_functions=[{name: hangul_ratio}]"]
+    assert "has not been tried with the experts' token exchange" in spec_error("qwen3-30b-a3b", grpo)
     spec = load_pipeline("qwen3-30b-a3b", overrides=[ep, fsdp]).spec
     assert spec.stages.sft.distributed.expert_parallel == 4
 
