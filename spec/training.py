@@ -265,7 +265,7 @@ class DistributedSpec(StrictModel):
         "false: full training's reference a second model spread the same way); needs "
         "strategy 'fsdp'; must divide resources.gpus_per_node and the model's expert count. With "
         "pipeline_parallel each stage spreads its own layers' experts over its GPUs (must divide them; full "
-        "fine-tuning, or LoRA on attention). A run of one process trains unsharded.",
+        "fine-tuning, or LoRA). A run of one process trains unsharded.",
     )
     tensor_parallel: Int64 = Field(
         1,
@@ -518,12 +518,6 @@ class TrainingStage(StageBase):
                 f"to 'fsdp' (it is {self.distributed.strategy!r}), or pipeline_parallel 1",
             )
         tp, ep = self.distributed.tensor_parallel, self.distributed.expert_parallel
-        if ep > 1 and self.method == "lora" and self.lora.target_experts:
-            raise FieldError(
-                ("lora", "target_experts"),
-                "puts adapters on the experts, which pipeline_parallel with expert_parallel does not spread yet: set "
-                "it to false (adapters on attention), or expert_parallel to 1",
-            )
         if self.distributed.cpu_offload or self.distributed.accelerate_config is not None:
             what = "cpu_offload" if self.distributed.cpu_offload else "accelerate_config"
             raise FieldError(

@@ -249,10 +249,11 @@ def unfit_adapters(model: Any) -> list[str]:
     return sorted(unfit)
 
 
-def use_low_rank_experts(model: Any) -> int:
+def use_low_rank_experts(model: Any, group_rank: int | None = None) -> int:
     """Switch `model`'s adapters on stacked experts (PEFT ParamWrappers over a module with `num_experts`) to the
     low-rank path, and its experts to GROUPED_EXPERTS. Returns how many adapted parameters switched; 0 leaves the
-    model as it was."""
+    model as it was. `group_rank`: this rank's place in its expert group where the experts were spread after the
+    model was made (pipeline stages); else transformers' mesh says it."""
     from peft.tuners.lora.layer import ParamWrapper
 
     wrappers = [
@@ -269,6 +270,6 @@ def use_low_rank_experts(model: Any) -> int:
         experts = wrapper.get_base_layer()
         if getattr(experts, "_is_expert_parallel", False):
             # this rank's place in its expert group: its experts are that many local counts in
-            group_rank = base._mesh_manager.get_mesh("ep").get_local_rank()
-            setattr(experts, EXPERT_OFFSET, group_rank * experts.num_experts)
+            rank = group_rank if group_rank is not None else base._mesh_manager.get_mesh("ep").get_local_rank()
+            setattr(experts, EXPERT_OFFSET, rank * experts.num_experts)
     return len(wrappers)

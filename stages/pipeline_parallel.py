@@ -42,8 +42,10 @@ With `distributed.expert_parallel: E` (a mixture of experts, its router balance 
 spread whole over E of its ranks, consecutive ones across the pipelines (`spread_experts`: transformers' own
 expert-parallel plan for the family, applied after the cut as `split_layers` applies the tensor-parallel one), which
 exchange the routed tokens (all-to-all); FSDP2 shards each expert over the stage's copies of its group and the rest
-over the pipelines (`shard_experts`, as transformers shards an expert-parallel model). Full fine-tuning, or LoRA on
-attention (the experts frozen); not adapters on the experts. With tensor_parallel too (E a multiple of T), the
+over the pipelines (`shard_experts`, as transformers shards an expert-parallel model). Full fine-tuning, or LoRA, on
+the experts too (`adapters_on_spread_experts`: each rank applies its experts' rows of the whole adapter as low-rank
+grouped products; FSDP2's average over the pipelines of those rows' gradients, the loss counted once per pipeline,
+is the sum over the ranks holding each expert). With tensor_parallel too (E a multiple of T), the
 experts take no tensor-parallel rule (`split_layers`), and each rank of a tensor-parallel group sends its own share of
 the group's rows to the experts, as transformers does.
 
@@ -319,6 +321,8 @@ class Pipeline:
         experts: list[nn.Module] = []
         if layout.expert > 1:
             experts = spread_experts(causal, layout.expert_mesh["ep"], layout.mesh["tp"])
+            if self.adapter:
+                adapters_on_spread_experts(model, layout.expert_mesh["ep"].get_local_rank())
         # each stage's first replica writes its own part (`save_whole`); transformers lets only global rank 0 write
         causal.should_save_on_this_rank = lambda is_main_process: is_main_process
         if experts:
@@ -483,10 +487,50 @@ def spread_experts(causal: Any, ep_mesh: Any, tp_mesh: Any) -> list[nn.Module]:
     does."""
     from transformers.distributed.expert_parallel import apply_expert_parallelism
 
-    plan = causal._expand_parallel_plan(dict(causal.ep_plan))
+    plan = _through_adapters(causal, causal._expand_parallel_plan(dict(causal.ep_plan)))
     with torch.random.fork_rng(devices=rng_devices()):
         apply_expert_parallelism(causal, ep_mesh, tp_mesh, plan)
     return [causal.get_submodule(name) for name, style in plan.items() if style == "ep_dispatch_experts"]
+
+
+def _through_adapters(causal: Any, plan: dict[str, str]) -> dict[str, str]:
+    """`plan` (expanded) pointed at the experts inside PEFT's wrappers: with adapters on the experts
+    (lora.target_experts) each stacked parameter's ParamWrapper wraps the experts module (`<experts>.base_layer`,
+    once per parameter), so the plan's experts module is the innermost base layer and its parameters that module's
+    (listed before it, as transformers lists them)."""
+    from transformers.distributed.parallel_utils import replace_layer_number_by_wildcard
+
+    styles = dict(causal.ep_plan)
+    spread: dict[str, str] = {}
+    for name, style in plan.items():
+        if style != "ep_dispatch_experts":
+            spread[name] = style
+            continue
+        inner, module = name, causal.get_submodule(name)
+        while hasattr(module, "base_layer") and hasattr(module, "parameter_name"):  # PEFT's ParamWrapper
+            inner, module = f"{inner}.base_layer", module.base_layer
+        if inner == name:
+            return plan  # no adapters on the experts: the plan as transformers expands it
+        pattern = replace_layer_number_by_wildcard(name)
+        for param, _ in module.named_parameters(recurse=False):
+            if (param_style := styles.get(f"{pattern}.{param}")) is not None:
+                spread[f"{inner}.{param}"] = param_style
+        spread[inner] = style
+    return spread
+
+
+def adapters_on_spread_experts(model: Any, group_rank: int) -> None:
+    """A LoRA model's adapters on spread experts applied as low-rank grouped products of this rank's experts' rows
+    (`stages.expert_lora`: PEFT's own path would add the whole adapter to the rank's slice of the experts), as where
+    transformers spreads them as the model loads; refused where that path cannot take them."""
+    from stages.expert_lora import unfit_adapters, use_low_rank_experts
+
+    use_low_rank_experts(model, group_rank)
+    if unfit := unfit_adapters(model):
+        raise NotSupportedHere(
+            f"LoRA on spread experts ({', '.join(unfit)}) runs only as low-rank grouped products: lora.r must be a "
+            "multiple of 8"
+        )
 
 
 def shard_experts(experts: list[nn.Module], layout: PipelineLayout, bf16: bool) -> None:
