@@ -262,7 +262,8 @@ class DistributedSpec(StrictModel):
         "over all ranks; transformers' own expert-parallel plan, applied as the model loads. 1: every rank holds "
         "every expert. For cpt and sft, full or LoRA (the experts' adapters are whole on every rank, each rank "
         "training its experts' rows), and rlhf's orpo, dpo and kto (dpo and kto with precompute_ref_log_probs "
-        "false: full training's reference a second model spread the same way); needs "
+        "false: full training's reference a second model spread the same way) and grpo (with LoRA, or beta 0); "
+        "needs "
         "strategy 'fsdp'; must divide resources.gpus_per_node and the model's expert count. With "
         "pipeline_parallel each stage spreads its own layers' experts over its GPUs (must divide them; full "
         "fine-tuning, or LoRA). A run of one process trains unsharded.",
@@ -724,11 +725,15 @@ class RlhfStage(TrainingStage):
         Except under tensor or expert parallelism ORPO (no reference), and DPO and KTO with the log-probabilities not
         precomputed: with LoRA the reference is the split policy with its adapter off, in full training a second
         split model loaded as the policy was; nothing copied or hashed (two gloo processes train each as one process
-        does)."""
+        does). And GRPO under expert parallelism with LoRA or without a reference (beta 0): each rank samples its own
+        completions as under DDP, the experts' exchange joined at every forward of the generation (transformers
+        generates with synced_gpus under FSDP2); two gloo processes train it as DDP does on them."""
         for field in ("expert_parallel", "tensor_parallel", "pipeline_parallel"):
             if getattr(self.distributed, field) == 1:
                 continue
             sharded = field in ("tensor_parallel", "expert_parallel")  # by transformers, as the model loads
+            if field == "expert_parallel" and self.algorithm == "grpo" and (self.method == "lora" or self.beta == 0):
+                continue  # each rank samples its own completions, as under DDP; no whole reference loaded
             if sharded and self.algorithm == "orpo":
                 continue  # no reference model: nothing copied or hashed, full training or LoRA
             if sharded and self.algorithm in ("dpo", "kto"):
@@ -746,12 +751,12 @@ class RlhfStage(TrainingStage):
                 # parts of different rows
                 why = "the ranks of a group would sample different completions (TRL seeds each process apart)"
                 also = " (tensor_parallel runs orpo, dpo and kto)"
-            elif field == "expert_parallel":  # grpo
+            elif field == "expert_parallel":  # grpo, full, beta > 0
                 why = (
-                    "its generation, each rank sampling completions of its own length, has not been tried with the "
-                    "experts' token exchange, which every rank joins at every forward"
+                    "TRL loads its reference whole in every process from a saved copy of the policy (set beta to 0 "
+                    "to train without one, or use method 'lora': the reference is the policy without its adapter)"
                 )
-                also = " (expert_parallel runs orpo, dpo and kto)"
+                also = ""
             else:
                 why, also = "TRL copies or hashes the whole policy", ""
             raise FieldError(

@@ -126,6 +126,39 @@ def test_preference_training_with_experts_over_two_processes_matches_one(
     assert_trains_as_one(single, two, "rlhf", steps=3, weights=weights, atol=1e-4)
 
 
+@pytest.mark.slow
+def test_grpo_with_experts_over_two_processes_trains_as_ddp_does(tmp_path: Path) -> None:
+    """GRPO with LoRA (its reference the policy without its adapter) and the experts spread over two processes: each
+    rank samples its own prompts' completions as under DDP, joining the experts' token exchange at every forward of
+    the generation; the same completions (their rewards), losses and adapter as DDP on the same two processes."""
+    common = [
+        *MOE,
+        "stages.cpt.enabled=false",
+        "stages.sft.enabled=false",
+        "stages.rlhf.algorithm=grpo",
+        "stages.rlhf.num_generations=2",
+        "stages.rlhf.reward_functions=[{name: hangul_ratio}, {name: format, weight: 0.5}]",
+        "stages.rlhf.training.max_seq_length=64",
+        "stages.rlhf.training.max_steps=2",
+        "stages.rlhf.training.logging_steps=1",
+        "stages.rlhf.training.per_device_batch_size=2",
+        "stages.rlhf.training.router_aux_loss_coef=0",
+        "stages.rlhf.lora.target_experts=false",
+    ]
+    runs = []
+    for name, distributed in (("ddp", ["strategy=ddp"]), ("ep", ["strategy=fsdp", "expert_parallel=2"])):
+        run = make_preference_run_dir(
+            tmp_path / name, [*common, *(f"stages.rlhf.distributed.{d}" for d in distributed)]
+        )
+        process = torchrun_stage(run, "rlhf")
+        assert process.wait(timeout=600) == 0, (run.root / "rlhf.torchrun.log").read_text()[-4000:]
+        runs.append(run)
+    ddp, ep = runs
+    assert_trains_as_one(ddp, ep, "rlhf", steps=2, weights="adapter_model.safetensors", atol=1e-4)
+    rewards = [run.read_result("rlhf").metrics for run in runs]  # type: ignore[union-attr]
+    assert rewards[0]["reward_last"] == rewards[1]["reward_last"] and rewards[0]["kl_last"] > 0
+
+
 def test_the_spec_refuses_what_expert_parallelism_cannot_shard() -> None:
     ep = "stages.sft.distributed.expert_parallel=4"
     assert "set distributed.strategy to 'fsdp'" in spec_error("qwen3-30b-a3b", [ep])  # the pipeline's ZeRO-3
@@ -143,7 +176,9 @@ def test_the_spec_refuses_what_expert_parallelism_cannot_shard() -> None:
     assert "precompute_ref_log_probs: is true; with distributed.expert_parallel" in spec_error("qwen3-30b-a3b", rlhf)
     load_pipeline("qwen3-30b-a3b", overrides=[*rlhf, "stages.rlhf.precompute_ref_log_probs=false"])
     grpo = [*rlhf, "stages.rlhf.algorithm=grpo", "stages.rlhf.reward_functions=[{name: hangul_ratio}]"]
-    assert "has not been tried with the experts' token exchange" in spec_error("qwen3-30b-a3b", grpo)
+    assert "TRL loads its reference whole in every process" in spec_error("qwen3-30b-a3b", grpo)
+    load_pipeline("qwen3-30b-a3b", overrides=[*grpo, "stages.rlhf.beta=0"])
+    load_pipeline("qwen3-30b-a3b", overrides=[*grpo, "stages.rlhf.method=lora"])
     spec = load_pipeline("qwen3-30b-a3b", overrides=[ep, fsdp]).spec
     assert spec.stages.sft.distributed.expert_parallel == 4
 
