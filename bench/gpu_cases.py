@@ -624,6 +624,15 @@ B7 = Case(
     note="sft stage, LoRA on attention, all 48 layers, experts split over every GPU (distributed.expert_parallel), "
     "FSDP2 for the rest (transformers' own plan), 2 packed rows of 4096 per GPU, gradient checkpointing",
 )
+B7_FULL = replace(
+    B7,
+    name="b7_ep_full",
+    method="full",
+    layers=20,
+    per_device_batch_size=1,
+    note="full fine-tuning (float32 masters, bf16 compute) of 20 of the 48 layers, experts split over every "
+    "GPU, 1 row of 4096 per GPU, gradient checkpointing",
+)
 CASES += [
     B7,
     replace(B7, name="b7_ep_lora_b4", per_device_batch_size=4, note="as b7_ep_lora with 4 rows per GPU"),
@@ -634,15 +643,7 @@ CASES += [
         note="as b7_ep_lora with LoRA on the experts too (lora.target_experts: each rank's experts' rows, as "
         "low-rank grouped products); in-run baseline b5_stage_experts on one GPU",
     ),
-    replace(
-        B7,
-        name="b7_ep_full",
-        method="full",
-        layers=20,
-        per_device_batch_size=1,
-        note="full fine-tuning (float32 masters, bf16 compute) of 20 of the 48 layers, experts split over every "
-        "GPU, 1 row of 4096 per GPU, gradient checkpointing",
-    ),
+    B7_FULL,
 ]
 
 # B8: float8 matmuls (training.fp8, issue 38) against bf16, full fine-tuning of 12 of the 8B shape's 36 layers on one
@@ -770,12 +771,9 @@ CASES += [
         "tensor_parallel 2, one pipeline), 4 micro-batches of 1 row of 4096 a step (b9_tp2's rows), no checkpointing",
     ),
     replace(
-        B7,
+        B7_FULL,
         name="b9_pp2_ep2",
         group="B9",
-        method="full",
-        layers=20,
-        per_device_batch_size=1,
         pipeline_parallel=2,
         expert_parallel=2,
         gradient_accumulation_steps=4,
