@@ -329,7 +329,8 @@ def frozen_reference(ctx: StageContext, start: StartingModel, tokenizer: Any) ->
     would be a copy of the partitions, and a whole copy would put the model in every process' memory twice. The
     reference is then loaded a second time the way the policy was, partitioned too (the same weights: the same
     checkpoint, or a model built from config from the same seed), and TRL wraps it in its own inference engine. A
-    policy split over tensor-parallel ranks as it loaded gets a reference split the same way (`sharded_reference`)."""
+    policy that transformers sharded as it loaded (tensor or expert parallelism) gets a reference sharded the same
+    way (`sharded_reference`)."""
     section: RlhfStage = ctx.section
     if start.kind == "adapter" or section.precompute_ref_log_probs:
         return None
@@ -346,10 +347,11 @@ def frozen_reference(ctx: StageContext, start: StartingModel, tokenizer: Any) ->
 
 
 def sharded_reference(ctx: StageContext, start: StartingModel, tokenizer: Any) -> Any:
-    """The frozen reference of a policy split over tensor-parallel ranks as it loaded: loaded again the way the
-    policy was (the same weights, merged with the upstream adapter where the policy was, split and sharded the same
-    way, in float8 where it trains in float8). A copy of the split policy would share its process groups and FSDP2's
-    hooks; one loaded whole would put the model in every process' memory."""
+    """The frozen reference of a policy that transformers sharded as it loaded (its layers split over
+    tensor-parallel ranks, or its experts spread over expert-parallel ones): loaded again the way the policy was (the
+    same weights, merged with the upstream adapter where the policy was, sharded the same way, in float8 where it
+    trains in float8). A copy of the sharded policy would share its process groups and FSDP2's hooks; one loaded
+    whole would put the model in every process' memory."""
     section: RlhfStage = ctx.section
     merge = None
     if start.upstream is not None and (upstream := stage_output(ctx.run_dir, start.upstream)).kind != "full":
