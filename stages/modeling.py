@@ -98,6 +98,7 @@ class StartingModel:
     base: BaseRef
     upstream: str | None  # the training stage whose output this continues, if any
     continued_adapter: bool = False  # a LoRA stage that goes on training the upstream stage's adapter
+    merged_adapter: Path | None = None  # full training: the upstream stage's adapter merged into the base first
     save_dtype: torch.dtype | None = None  # the loaded dtype, when training upcast the weights to float32 masters
     zero3_config: Any = None  # transformers' HfDeepSpeedConfig the model loaded partitioned under, kept alive
     inputs: ModelInputs | None = None  # the stage model folders it loaded, fingerprinted (held to again at a merge)
@@ -1011,6 +1012,7 @@ def load_starting_model(
             kind="full",
             base=base,
             upstream=upstream,
+            merged_adapter=adapter_dir,
             save_dtype=save_dtype,
             inputs=inputs,
             loaded_config=loaded_config,

@@ -118,13 +118,12 @@ def check_fits(stage: str, section: TrainingStage, config: Any) -> None:
         )
     if text.num_hidden_layers < pp:
         raise NotSupportedHere(f"{where} is {pp}, more than the model's {text.num_hidden_layers} layers")
-    tp = tensor_parallel_size(section)
-    if tp > 1 and expert_parallel_size(section) == 1:
+    tp, ep = tensor_parallel_size(section), expert_parallel_size(section)
+    if tp > 1 and ep == 1:
         _split_stages_fit(stage, section, config)
     if world_size() % (pp * tp):
         split = f" times tensor_parallel {tp}" if tp > 1 else ""
         raise NotSupportedHere(f"{where} is {pp}{split}, which does not divide this run's {world_size()} processes")
-    ep = expert_parallel_size(section)
     if ep > 1 and (world_size() // pp) % ep:
         raise NotSupportedHere(
             f"stages.{stage}.distributed.expert_parallel is {ep}, which does not divide the {world_size() // pp} "

@@ -353,11 +353,8 @@ def sharded_reference(ctx: StageContext, start: StartingModel, tokenizer: Any) -
     trains in float8). A copy of the sharded policy would share its process groups and FSDP2's hooks; one loaded
     whole would put the model in every process' memory."""
     section: RlhfStage = ctx.section
-    merge = None
-    if start.upstream is not None and (upstream := stage_output(ctx.run_dir, start.upstream)).kind != "full":
-        merge = upstream.path  # the policy is the upstream adapter merged into its base
     set_seed(section.training.seed)  # a model built from config draws the policy's weights again
-    reference, _ = load_model_parallel(ctx.run_dir, ctx.spec, "rlhf", start.base, tokenizer, merge)
+    reference, _ = load_model_parallel(ctx.run_dir, ctx.spec, "rlhf", start.base, tokenizer, start.merged_adapter)
     if section.training.fp8:
         train_in_float8(reference, "rlhf reference")
     return reference
