@@ -283,6 +283,36 @@ def whole_layer_adapters() -> Iterator[None]:
         LoraLayer._get_in_out_features = sliced  # type: ignore[method-assign]
 
 
+def average_split_adapters(model: Any) -> None:
+    """Average the gradient of each adapter weight split over a tensor-parallel group across the groups (the FSDP2
+    dimension), as FSDP2 averages the weights it shards.
+
+    PEFT splits an adapter on a split layer as a DTensor over the group's ranks alone, after FSDP2 wrapped the model,
+    so FSDP2 does not reduce it, and transformers 5.23's Trainer averages only the plain (replicated) adapter weights
+    (`_sync_replicated_trainable_parameters`): each group trained its own copy of the split ones on its own rows (with
+    two groups of two gloo processes, a quarter of the column-split layers' lora_B weights took the other sign after
+    one step). Averaged once per optimizer step, when the accumulated gradient is complete, before it is clipped."""
+    from accelerate.state import GradientState
+    from torch.distributed.tensor import DTensor
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    mesh = getattr(base, "_device_mesh", None)
+    if mesh is None or "fsdp" not in (mesh.mesh_dim_names or ()) or mesh["fsdp"].size() == 1:
+        return
+    groups, group = mesh["fsdp"].size(), mesh["fsdp"].get_group()
+    state = GradientState()  # accelerate's shared state: the Trainer says there which backward ends a step
+
+    def average(param: torch.Tensor) -> None:
+        if state.sync_gradients:
+            local = param.grad.to_local()  # type: ignore[union-attr]
+            torch.distributed.all_reduce(local, group=group)
+            local.div_(groups)
+
+    for param in model.parameters():
+        if param.requires_grad and isinstance(param, DTensor) and "fsdp" not in param.device_mesh.mesh_dim_names:
+            param.register_post_accumulate_grad_hook(average)
+
+
 def is_sharded_at_load(model: Any) -> bool:
     """Whether transformers sharded `model` (or the model a PEFT wrapper holds) as it loaded."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model

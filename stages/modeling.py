@@ -53,6 +53,7 @@ from stages.distributed import zero3_loading
 from stages.expert_lora import GROUPED_EXPERTS
 from stages.float8 import check_float8, train_in_float8
 from stages.model_parallel import (
+    average_split_adapters,
     check_fits,
     load_sharded,
     shard_whole,
@@ -1027,6 +1028,8 @@ def load_starting_model(
                 model = load_adapter(model, adapter_dir, is_trainable=True)
             else:
                 model = get_peft_model(model, lora_config(section, model, template_token_ids(spec, tokenizer)))
+        if sharded:
+            average_split_adapters(model)
         low_rank_experts(model, stage)
         adapter_inputs_uncast(model, stage)
         start = StartingModel(

@@ -290,12 +290,14 @@ def test_a_model_the_group_cannot_split_is_refused_naming_the_field(monkeypatch:
 
 
 @pytest.mark.slow
-def test_a_mesh_of_two_groups_of_two_trains_sft_as_one_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_a_mesh_of_two_groups_of_two_trains_sft_as_one_process(tmp_path: Path, method: str) -> None:
     """Four processes: layers split over pairs (tensor parallel), FSDP2 over the two pairs, each pair its own rows,
     two micro-batches a step (FSDP2 reduces once, after the second: each backward's partial q_norm and k_norm
-    gradients are summed as they arrive)."""
+    gradients are summed as they arrive). With LoRA the adapters split with their layers are averaged over the
+    pairs once a step (`stages.model_parallel.average_split_adapters`: FSDP2 does not hold them)."""
     mesh = ["stages.sft.distributed.strategy=fsdp", "stages.sft.distributed.tensor_parallel=2"]
-    assert_four_train_sft_as_one(tmp_path, ["stages.sft.training.gradient_accumulation_steps=2"], mesh)
+    assert_four_train_sft_as_one(tmp_path, ["stages.sft.training.gradient_accumulation_steps=2"], mesh, method)
 
 
 CHECK = Path(__file__).with_name("tensor_parallel_check.py")

@@ -480,11 +480,15 @@ def assert_trains_as_one(
         torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=atol, msg=name)
 
 
-def assert_four_train_sft_as_one(root: Path, common: list[str], mesh: list[str]) -> RunDir:
-    """sft (3 logged steps) on one process with 4 rows a step, and on 4 processes (torchrun) with 2 rows each and
-    the `mesh` settings, each run with `common`: both succeed and train as one (`assert_trains_as_one`). Returns
-    the 4-process run."""
-    sft = [*common, "stages.cpt.enabled=false", "stages.sft.method=full", "stages.sft.training.max_steps=3"]
+SAVED = {"full": "model.safetensors", "lora": "adapter_model.safetensors"}
+"""The weights file a stage's model folder holds, by training method."""
+
+
+def assert_four_train_sft_as_one(root: Path, common: list[str], mesh: list[str], method: str = "full") -> RunDir:
+    """sft (3 logged steps, full training or LoRA) on one process with 4 rows a step, and on 4 processes (torchrun)
+    with 2 rows each and the `mesh` settings, each run with `common`: both succeed and train as one
+    (`assert_trains_as_one`). Returns the 4-process run."""
+    sft = [*common, "stages.cpt.enabled=false", f"stages.sft.method={method}", "stages.sft.training.max_steps=3"]
     sft.append("stages.sft.training.logging_steps=1")
     single = make_run_dir(root / "one", [*sft, "stages.sft.training.per_device_batch_size=4"], 10, 160)
     done = run_stage(single, "sft", OMP_NUM_THREADS="1")
@@ -492,7 +496,7 @@ def assert_four_train_sft_as_one(root: Path, common: list[str], mesh: list[str])
     split = make_run_dir(root / "four", [*sft, "stages.sft.training.per_device_batch_size=2", *mesh], 10, 160)
     process = torchrun_stage(split, "sft", processes=4)
     assert process.wait(timeout=900) == 0, (split.root / "sft.torchrun.log").read_text()[-4000:]
-    assert_trains_as_one(single, split, "sft", steps=3)
+    assert_trains_as_one(single, split, "sft", steps=3, weights=SAVED[method])
     return split
 
 
