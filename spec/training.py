@@ -278,7 +278,8 @@ class DistributedSpec(StrictModel):
         "this). For a model whose layers are too big for FSDP alone, or too slow to gather, at long "
         "sequences. transformers' own tensor-parallel plan for the model family, applied as the model loads. "
         "1: none. For cpt and sft (and rlhf's orpo, and dpo and kto with precompute_ref_log_probs false: the "
-        "reference is the split policy without its adapter, or in full training a second split model), full "
+        "reference is the split policy without its adapter, or in full training a second split model, and grpo "
+        "with LoRA or beta 0: a group's ranks sample the same completions), full "
         "fine-tuning or LoRA (each adapter split with its layer; not lora.modules_to_save); needs strategy 'fsdp'; "
         "must divide resources.gpus_per_node (the group stays on one node's NVLink), the model's attention and "
         "key/value heads, and expert_parallel where that is set; a mixture of experts needs expert_parallel (this or a "
@@ -725,15 +726,16 @@ class RlhfStage(TrainingStage):
         Except under tensor or expert parallelism ORPO (no reference), and DPO and KTO with the log-probabilities not
         precomputed: with LoRA the reference is the split policy with its adapter off, in full training a second
         split model loaded as the policy was; nothing copied or hashed (two gloo processes train each as one process
-        does). And GRPO under expert parallelism with LoRA or without a reference (beta 0): each rank samples its own
-        completions as under DDP, the experts' exchange joined at every forward of the generation (transformers
-        generates with synced_gpus under FSDP2); two gloo processes train it as DDP does on them."""
+        does). And GRPO under tensor or expert parallelism with LoRA or without a reference (beta 0): each data-parallel
+        rank samples its own completions as under DDP (a tensor-parallel group's ranks the same ones, seeded alike:
+        `stages.rlhf.seed_groups_alike`), the experts' exchange joined at every forward of the generation
+        (transformers generates with synced_gpus under FSDP2); two gloo processes train it as DDP does on them."""
         for field in ("expert_parallel", "tensor_parallel", "pipeline_parallel"):
             if getattr(self.distributed, field) == 1:
                 continue
             sharded = field in ("tensor_parallel", "expert_parallel")  # by transformers, as the model loads
-            if field == "expert_parallel" and self.algorithm == "grpo" and (self.method == "lora" or self.beta == 0):
-                continue  # each rank samples its own completions, as under DDP; no whole reference loaded
+            if sharded and self.algorithm == "grpo" and (self.method == "lora" or self.beta == 0):
+                continue  # each data-parallel rank samples its own completions, as under DDP; no whole reference
             if sharded and self.algorithm == "orpo":
                 continue  # no reference model: nothing copied or hashed, full training or LoRA
             if sharded and self.algorithm in ("dpo", "kto"):
@@ -745,22 +747,15 @@ class RlhfStage(TrainingStage):
                     "log-probabilities as it trains (TRL hashes the whole policy to precompute them, which a sharded "
                     f"one refuses): set it to false, or {field} to 1",
                 )
-            if field == "tensor_parallel":  # grpo
-                # tried (two gloo processes): TRL 1.16 seeds each process's sampling apart (set_seed(...,
-                # device_specific=True)), so the ranks of a group would generate different completions and add up
-                # parts of different rows
-                why = "the ranks of a group would sample different completions (TRL seeds each process apart)"
-                also = " (tensor_parallel runs orpo, dpo and kto)"
-            elif field == "expert_parallel":  # grpo, full, beta > 0
+            if sharded:  # grpo, full, beta > 0
                 why = (
                     "TRL loads its reference whole in every process from a saved copy of the policy (set beta to 0 "
                     "to train without one, or use method 'lora': the reference is the policy without its adapter)"
                 )
-                also = ""
             else:
-                why, also = "TRL copies or hashes the whole policy", ""
+                why = "TRL copies or hashes the whole policy"
             raise FieldError(
                 ("distributed", field),
-                f"rlhf ({self.algorithm}, method {self.method!r}) does not run with {field} yet{also}: {why}; set it "
+                f"rlhf ({self.algorithm}, method {self.method!r}) does not run with {field} yet: {why}; set it "
                 "to 1, with strategy deepspeed_zero3 or fsdp to shard the model",
             )

@@ -40,7 +40,7 @@ from stages.contract import StageContext, is_main_process
 from stages.entry import run_stage
 from stages.float8 import train_in_float8
 from stages.metrics import StageMetrics
-from stages.model_parallel import is_sharded_at_load, mesh_over_gloo
+from stages.model_parallel import is_sharded_at_load, mesh_over_gloo, tensor_parallel_size
 from stages.modeling import (
     ModelInputs,
     NotSupportedHere,
@@ -220,7 +220,12 @@ def trainer_config(ctx: StageContext, start: StartingModel) -> TrainingArguments
         "reward_weights": weights,
         "generation_kwargs": {"use_cache": True},  # training turns the model's cache off; generation wants it
     }
-    return build_config(ctx, GRPOConfig, grpo)
+    config = build_config(ctx, GRPOConfig, grpo)
+    # TRL counts a generation batch over every process; a tensor-parallel group's ranks share their rows, so the
+    # prompts drawn per step are the data-parallel ranks' (accelerate gives each group one share): without this the
+    # sampler's repeats fall out of step with the steps that generate, and some prompts are never drawn.
+    config.generation_batch_size //= tensor_parallel_size(section)
+    return config
 
 
 # --------------------------------------------------------------------------- data
@@ -317,7 +322,20 @@ def make_trainer(
         section.reward_functions, end_token_ids=sorted(end_ids), modules=section.reward_modules
     )
     point_grpo_at_reference(ctx, start, config)
-    return GRPOTrainer(**common, reward_funcs=rewards)
+    trainer = GRPOTrainer(**common, reward_funcs=rewards)
+    seed_groups_alike(ctx, trainer)
+    return trainer
+
+
+def seed_groups_alike(ctx: StageContext, trainer: Any) -> None:
+    """Seed the sampling of a tensor-parallel group's ranks alike, the groups apart. TRL seeds every process apart
+    (`set_seed(seed, device_specific=True)`: the seed plus the process's index) so that DDP's processes sample
+    different completions; under tensor parallelism a group's ranks compute the same rows together and must sample
+    the same tokens, or they would add up parts of different rows. Each group takes the seed of the DDP process it
+    stands for (the seed plus its data-parallel index), so a group trains as that process would."""
+    tp = tensor_parallel_size(ctx.section)
+    if tp > 1:
+        set_seed(ctx.section.training.seed + trainer.accelerator.process_index // tp)
 
 
 def frozen_reference(ctx: StageContext, start: StartingModel, tokenizer: Any) -> Any | None:

@@ -185,6 +185,46 @@ def test_preference_training_on_split_layers_trains_as_one_process(tmp_path: Pat
     assert written["tensor_parallel"] == 2
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("groups", [1, 2])
+def test_grpo_on_split_layers_trains_as_ddp_does(tmp_path: Path, groups: int) -> None:
+    """GRPO with LoRA on layers split over pairs of processes (one pair; two pairs with FSDP2 over them) against DDP
+    on one process per pair: a pair's ranks sample the same completions, seeded as the DDP process it stands for
+    (TRL seeds every process apart), from the prompts that process draws (two steps per generation batch: TRL's count
+    of it over every process would draw some prompts twice and others never); the same rewards, losses and adapter
+    as DDP."""
+    common = [
+        "stages.cpt.enabled=false",
+        "stages.sft.enabled=false",
+        "stages.rlhf.method=lora",
+        "stages.rlhf.algorithm=grpo",
+        "stages.rlhf.precompute_ref_log_probs=false",
+        "stages.rlhf.num_generations=2",
+        "stages.rlhf.reward_functions=[{name: hangul_ratio}, {name: format, weight: 0.5}]",
+        "stages.rlhf.training.max_seq_length=64",
+        "stages.rlhf.training.max_steps=3",
+        "stages.rlhf.training.logging_steps=1",
+        "stages.rlhf.training.per_device_batch_size=2",
+        "stages.rlhf.training.gradient_accumulation_steps=2",
+    ]
+    ddp = make_preference_run_dir(tmp_path / "ddp", [*common, "stages.rlhf.distributed.strategy=ddp"])
+    if groups == 1:
+        done = run_stage(ddp, "rlhf", OMP_NUM_THREADS="1")
+        assert done.returncode == 0, done.stderr[-3000:]
+    else:
+        process = torchrun_stage(ddp, "rlhf", processes=groups)
+        assert process.wait(timeout=600) == 0, (ddp.root / "rlhf.torchrun.log").read_text()[-4000:]
+    split = ["stages.rlhf.distributed.strategy=fsdp", "stages.rlhf.distributed.tensor_parallel=2"]
+    cut = make_preference_run_dir(tmp_path / "split", [*common, *split])
+    process = torchrun_stage(cut, "rlhf", processes=2 * groups)
+    assert process.wait(timeout=900) == 0, (cut.root / "rlhf.torchrun.log").read_text()[-4000:]
+    assert_trains_as_one(ddp, cut, "rlhf", steps=3, weights="adapter_model.safetensors", atol=1e-4)
+    rewards = [run.read_result("rlhf").metrics for run in (ddp, cut)]  # type: ignore[union-attr]
+    # the mean over every rank's rows, a pair's copies included: the same up to float32 summation order
+    assert rewards[0]["reward_last"] == pytest.approx(rewards[1]["reward_last"], rel=1e-6)
+    assert rewards[0]["kl_last"] > 0
+
+
 def test_adapters_on_experts_are_refused_where_the_layers_are_split(monkeypatch: pytest.MonkeyPatch) -> None:
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
@@ -261,8 +301,10 @@ def test_the_spec_refuses_what_tensor_parallelism_cannot_split() -> None:
     load_pipeline("korean-llm", overrides=[*lora, "stages.rlhf.precompute_ref_log_probs=false"])
     load_pipeline("korean-llm", overrides=[*lora, "stages.rlhf.algorithm=orpo"])  # no reference to compute
     load_pipeline("korean-llm", overrides=[*rlhf, "stages.rlhf.algorithm=orpo"])  # full training too
-    grpo = [*lora, "stages.rlhf.algorithm=grpo", "stages.rlhf.precompute_ref_log_probs=false"]
-    assert "would sample different completions" in spec_error("korean-llm", grpo)
+    grpo = [*rlhf, "stages.rlhf.algorithm=grpo", "stages.rlhf.reward_functions=[{name: hangul_ratio}]"]
+    assert "TRL loads its reference whole in every process" in spec_error("korean-llm", grpo)  # full, beta > 0
+    load_pipeline("korean-llm", overrides=[*grpo, "stages.rlhf.beta=0"])
+    load_pipeline("korean-llm", overrides=[*grpo, "stages.rlhf.method=lora"])
     spec = load_pipeline("llama3-dolly", overrides=[tp, fsdp, full]).spec
     assert spec.stages.sft.distributed.tensor_parallel == 2
 
