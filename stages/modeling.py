@@ -334,9 +334,10 @@ def expert_parameters(model: Any) -> dict[str, torch.nn.Parameter]:
         for name, param in module.named_parameters(recurse=False):
             # ZeRO-3 partitioned: the tensor itself is empty; 4-bit: it is the packed bytes
             shape = param.quant_state.shape if is_quantized(param) else full_shape(param)
-            # expert parallelism: the module counts its own experts, the DTensor's shape is every rank's
-            local = param.to_local().shape if hasattr(param, "to_local") else shape
-            if len(shape) == 3 and count in (shape[0], local[0]):
+            # expert parallelism: the module counts its own group's share of the experts, the DTensor's shape is
+            # every rank's (its local tensor may be less still: FSDP2 shards the share over the groups' copies)
+            spread = getattr(module, "_is_expert_parallel", False) and shape[0] % count == 0
+            if len(shape) == 3 and (count == shape[0] or spread):
                 found[f"{module_name}.{name}"] = param
     return found
 

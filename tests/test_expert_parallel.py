@@ -1,7 +1,8 @@
 """Expert parallelism (`distributed.expert_parallel`): a tiny qwen3_moe's experts split over two CPU processes
 under torchrun (gloo has the all-to-all), the rest FSDP2-sharded, trains as one process does on the same global
-batch, full and with LoRA (on attention and on each rank's experts); a run killed after a checkpoint resumes from its
-shards to the same model; and the spec refuses what the sharding cannot run, naming the field."""
+batch, full and with LoRA (on attention and on each rank's experts; over two groups of two too); a run killed
+after a checkpoint resumes from its shards to the same model; and the spec refuses what the sharding cannot run,
+naming the field."""
 
 from __future__ import annotations
 
@@ -85,11 +86,15 @@ def test_full_training_with_experts_over_two_processes_matches_one_and_resumes_f
 
 
 @pytest.mark.slow
-def test_lora_with_experts_over_two_processes_matches_one(tmp_path: Path) -> None:
+@pytest.mark.parametrize("processes", [2, 4])
+def test_lora_with_experts_over_processes_matches_one(tmp_path: Path, processes: int) -> None:
+    """LoRA on attention and on the experts, the experts spread over groups of two: one group, and two groups whose
+    copies FSDP2 shards (each rank's local tensor then holds fewer experts than its module counts: the adapters must
+    still be the spec's, rank r on the experts, none on the router)."""
     single = one_process(tmp_path, "sft", 10, 160)
-    sharded = make_run_dir(tmp_path / "two", settings("sft", 2), 10, 160)
-    process = torchrun_stage(sharded, "sft")
-    assert process.wait(timeout=600) == 0, (sharded.root / "sft.torchrun.log").read_text()[-4000:]
+    sharded = make_run_dir(tmp_path / "sharded", settings("sft", processes), 10, 160)
+    process = torchrun_stage(sharded, "sft", processes=processes)
+    assert process.wait(timeout=900) == 0, (sharded.root / "sft.torchrun.log").read_text()[-4000:]
 
     assert_trains_as_one(single, sharded, "sft", steps=4, weights="adapter_model.safetensors")
 
