@@ -262,7 +262,7 @@ class DistributedSpec(StrictModel):
         "over all ranks; transformers' own expert-parallel plan, applied as the model loads. 1: every rank holds "
         "every expert. For cpt and sft, full or LoRA (the experts' adapters are whole on every rank, each rank "
         "training its experts' rows), and rlhf's orpo, dpo and kto (dpo and kto with precompute_ref_log_probs "
-        "false: full training's reference a second model spread the same way) and grpo (with LoRA, or beta 0); "
+        "false: full training's reference a second model spread the same way) and grpo (the same reference); "
         "needs "
         "strategy 'fsdp'; must divide resources.gpus_per_node and the model's expert count. With "
         "pipeline_parallel each stage spreads its own layers' experts over its GPUs (must divide them; full "
@@ -278,8 +278,8 @@ class DistributedSpec(StrictModel):
         "this). For a model whose layers are too big for FSDP alone, or too slow to gather, at long "
         "sequences. transformers' own tensor-parallel plan for the model family, applied as the model loads. "
         "1: none. For cpt and sft (and rlhf's orpo, and dpo and kto with precompute_ref_log_probs false: the "
-        "reference is the split policy without its adapter, or in full training a second split model, and grpo "
-        "with LoRA or beta 0: a group's ranks sample the same completions), full "
+        "reference is the split policy without its adapter, or in full training a second split model, and grpo: a "
+        "group's ranks sample the same completions), full "
         "fine-tuning or LoRA (each adapter split with its layer; not lora.modules_to_save); needs strategy 'fsdp'; "
         "must divide resources.gpus_per_node (the group stays on one node's NVLink), the model's attention and "
         "key/value heads, and expert_parallel where that is set; a mixture of experts needs expert_parallel (this or a "
@@ -720,24 +720,22 @@ class RlhfStage(TrainingStage):
         return self
 
     def _expert_parallel_reference(self) -> None:
-        """Expert, tensor and pipeline parallelism are for cpt and sft: TRL's preference trainers copy or hash the whole
-        policy (its reference, its precomputed log-probabilities), which a model sharded as it loads does not allow
-        (seen with TRL 1.16: DPOTrainer's hash_module reads every weight with .numpy(), which a DTensor refuses).
-        Except under tensor or expert parallelism ORPO (no reference), and DPO and KTO with the log-probabilities not
-        precomputed: with LoRA the reference is the split policy with its adapter off, in full training a second
-        split model loaded as the policy was; nothing copied or hashed (two gloo processes train each as one process
-        does). And GRPO under tensor or expert parallelism with LoRA or without a reference (beta 0): each data-parallel
-        rank samples its own completions as under DDP (a tensor-parallel group's ranks the same ones, seeded alike:
-        `stages.rlhf.seed_groups_alike`), the experts' exchange joined at every forward of the generation
-        (transformers generates with synced_gpus under FSDP2); two gloo processes train it as DDP does on them."""
+        """rlhf under tensor or expert parallelism (a model sharded as it loads), never with pipeline stages (TRL's
+        trainers run their own forward over the whole model). Sharded, nothing may copy or hash the whole policy
+        (seen with TRL 1.16: DPOTrainer's hash_module, precomputing the reference's log-probabilities, reads every
+        weight with .numpy(), which a DTensor refuses): ORPO has no reference; DPO and KTO run with the
+        log-probabilities not precomputed, GRPO as it is. With LoRA the reference is the sharded policy with its
+        adapter off; in full training a second model loaded and sharded as the policy was
+        (`stages.rlhf.sharded_reference`). GRPO's data-parallel ranks sample their own completions as under DDP (a
+        tensor-parallel group's ranks the same ones, seeded alike: `stages.rlhf.seed_groups_alike`), the experts'
+        exchange joined at every forward of the generation (transformers generates with synced_gpus under FSDP2).
+        Two gloo processes (and two groups of two) train each as one process, or DDP, does."""
         for field in ("expert_parallel", "tensor_parallel", "pipeline_parallel"):
             if getattr(self.distributed, field) == 1:
                 continue
             sharded = field in ("tensor_parallel", "expert_parallel")  # by transformers, as the model loads
-            if sharded and self.algorithm == "grpo" and (self.method == "lora" or self.beta == 0):
-                continue  # each data-parallel rank samples its own completions, as under DDP; no whole reference
-            if sharded and self.algorithm == "orpo":
-                continue  # no reference model: nothing copied or hashed, full training or LoRA
+            if sharded and self.algorithm in ("grpo", "orpo"):
+                continue  # orpo has no reference; grpo's is the policy without its adapter, or loaded sharded
             if sharded and self.algorithm in ("dpo", "kto"):
                 if not self.precompute_ref_log_probs:
                     continue
@@ -747,15 +745,9 @@ class RlhfStage(TrainingStage):
                     "log-probabilities as it trains (TRL hashes the whole policy to precompute them, which a sharded "
                     f"one refuses): set it to false, or {field} to 1",
                 )
-            if sharded:  # grpo, full, beta > 0
-                why = (
-                    "TRL loads its reference whole in every process from a saved copy of the policy (set beta to 0 "
-                    "to train without one, or use method 'lora': the reference is the policy without its adapter)"
-                )
-            else:
-                why = "TRL copies or hashes the whole policy"
-            raise FieldError(
+            raise FieldError(  # pipeline stages
                 ("distributed", field),
-                f"rlhf ({self.algorithm}, method {self.method!r}) does not run with {field} yet: {why}; set it "
-                "to 1, with strategy deepspeed_zero3 or fsdp to shard the model",
+                f"rlhf ({self.algorithm}) does not run with {field} yet: TRL's trainers compute their losses with "
+                "their own forward over the whole model, which a pipeline stage does not hold; set it to 1, with "
+                "strategy fsdp (tensor_parallel or expert_parallel too) or deepspeed_zero3 to shard the model",
             )

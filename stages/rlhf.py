@@ -28,6 +28,8 @@ from __future__ import annotations
 import copy
 import hashlib
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -322,9 +324,33 @@ def make_trainer(
         section.reward_functions, end_token_ids=sorted(end_ids), modules=section.reward_modules
     )
     point_grpo_at_reference(ctx, start, config)
-    trainer = GRPOTrainer(**common, reward_funcs=rewards)
+    with grpo_reference_sharded(ctx, start, tokenizer):
+        trainer = GRPOTrainer(**common, reward_funcs=rewards)
     seed_groups_alike(ctx, trainer)
     return trainer
+
+
+@contextmanager
+def grpo_reference_sharded(ctx: StageContext, start: StartingModel, tokenizer: Any) -> Iterator[None]:
+    """While GRPOTrainer is made: where it would load its reference whole in every process (full training, beta >
+    0) and the policy was sharded as it loaded (tensor or expert parallelism), hand it `sharded_reference` instead:
+    the same starting weights, sharded as the policy is (TRL 1.16 takes no reference model for GRPO; it reads one
+    from the policy's path with `create_model_from_path`, which this replaces for the one call)."""
+    if start.kind != "full" or ctx.section.beta == 0 or not is_sharded_at_load(start.model):
+        yield
+        return
+    import trl.trainer.grpo_trainer as grpo_module
+
+    loads = grpo_module.create_model_from_path
+
+    def reference(*args: Any, **kwargs: Any) -> Any:
+        return sharded_reference(ctx, start, tokenizer)
+
+    grpo_module.create_model_from_path = reference
+    try:
+        yield
+    finally:
+        grpo_module.create_model_from_path = loads
 
 
 def seed_groups_alike(ctx: StageContext, trainer: Any) -> None:
@@ -382,8 +408,8 @@ def point_grpo_at_reference(ctx: StageContext, start: StartingModel, config: Tra
     """GRPOTrainer takes no reference model: with full training and beta > 0 it loads one from the path in the
     policy's config. Make that path hold the starting weights: the upstream stage's model directory when the policy
     is that model unchanged, else a copy saved to `rlhf/reference/` (safetensors)."""
-    if start.kind != "full" or ctx.section.beta == 0:
-        return
+    if start.kind != "full" or ctx.section.beta == 0 or is_sharded_at_load(start.model):
+        return  # no reference, or one loaded sharded (`grpo_reference_sharded`)
     if start.upstream is not None and stage_output(ctx.run_dir, start.upstream).kind == "full":
         return  # loaded from <upstream>/model/, which the config already names
     reference_dir = ctx.dir / "reference"

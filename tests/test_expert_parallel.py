@@ -132,14 +132,17 @@ def test_preference_training_with_experts_over_two_processes_matches_one(
 
 
 @pytest.mark.slow
-def test_grpo_with_experts_over_two_processes_trains_as_ddp_does(tmp_path: Path) -> None:
-    """GRPO with LoRA (its reference the policy without its adapter) and the experts spread over two processes: each
-    rank samples its own prompts' completions as under DDP, joining the experts' token exchange at every forward of
-    the generation; the same completions (their rewards), losses and adapter as DDP on the same two processes."""
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_grpo_with_experts_over_two_processes_trains_as_ddp_does(tmp_path: Path, method: str) -> None:
+    """GRPO with the experts spread over two processes, its reference the policy without its adapter (LoRA) or a
+    second model spread as the policy was (full; `stages.rlhf.grpo_reference_sharded`): each rank samples its own
+    prompts' completions as under DDP, joining the experts' token exchange at every forward of the generation; the
+    same completions (their rewards), losses and adapter (or weights) as DDP on the same two processes."""
     common = [
         *MOE,
         "stages.cpt.enabled=false",
         "stages.sft.enabled=false",
+        f"stages.rlhf.method={method}",
         "stages.rlhf.algorithm=grpo",
         "stages.rlhf.num_generations=2",
         "stages.rlhf.reward_functions=[{name: hangul_ratio}, {name: format, weight: 0.5}]",
@@ -159,7 +162,9 @@ def test_grpo_with_experts_over_two_processes_trains_as_ddp_does(tmp_path: Path)
         assert process.wait(timeout=600) == 0, (run.root / "rlhf.torchrun.log").read_text()[-4000:]
         runs.append(run)
     ddp, ep = runs
-    assert_trains_as_one(ddp, ep, "rlhf", steps=2, weights="adapter_model.safetensors", atol=1e-4)
+    weights = "adapter_model.safetensors" if method == "lora" else "model.safetensors"
+    assert_trains_as_one(ddp, ep, "rlhf", steps=2, weights=weights, atol=1e-4)
+    assert not (ep.stage_dir("rlhf") / "reference").exists()  # not TRL's whole copy, read in every process
     rewards = [run.read_result("rlhf").metrics for run in runs]  # type: ignore[union-attr]
     assert rewards[0]["reward_last"] == rewards[1]["reward_last"] and rewards[0]["kl_last"] > 0
 
@@ -181,8 +186,7 @@ def test_the_spec_refuses_what_expert_parallelism_cannot_shard() -> None:
     assert "precompute_ref_log_probs: is true; with distributed.expert_parallel" in spec_error("qwen3-30b-a3b", rlhf)
     load_pipeline("qwen3-30b-a3b", overrides=[*rlhf, "stages.rlhf.precompute_ref_log_probs=false"])
     grpo = [*rlhf, "stages.rlhf.algorithm=grpo", "stages.rlhf.reward_functions=[{name: hangul_ratio}]"]
-    assert "TRL loads its reference whole in every process" in spec_error("qwen3-30b-a3b", grpo)
-    load_pipeline("qwen3-30b-a3b", overrides=[*grpo, "stages.rlhf.beta=0"])
+    assert load_pipeline("qwen3-30b-a3b", overrides=grpo).spec.stages.rlhf.beta > 0  # full: its reference spread too
     load_pipeline("qwen3-30b-a3b", overrides=[*grpo, "stages.rlhf.method=lora"])
     spec = load_pipeline("qwen3-30b-a3b", overrides=[ep, fsdp]).spec
     assert spec.stages.sft.distributed.expert_parallel == 4

@@ -186,19 +186,19 @@ def test_preference_training_on_split_layers_trains_as_one_process(tmp_path: Pat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("groups", [1, 2])
-def test_grpo_on_split_layers_trains_as_ddp_does(tmp_path: Path, groups: int) -> None:
-    """GRPO with LoRA on layers split over pairs of processes (one pair; two pairs with FSDP2 over them) against DDP
-    on one process per pair: a pair's ranks sample the same completions, seeded as the DDP process it stands for
-    (TRL seeds every process apart), from the prompts that process draws (two steps per generation batch: TRL's count
-    of it over every process would draw some prompts twice and others never); the same rewards, losses and adapter
-    as DDP."""
+@pytest.mark.parametrize(("groups", "method"), [(1, "lora"), (2, "lora"), (1, "full")])
+def test_grpo_on_split_layers_trains_as_ddp_does(tmp_path: Path, groups: int, method: str) -> None:
+    """GRPO on layers split over pairs of processes (one pair; two pairs with FSDP2 over them) against DDP on one
+    process per pair: a pair's ranks sample the same completions, seeded as the DDP process it stands for (TRL seeds
+    every process apart), from the prompts that process draws (two steps per generation batch: TRL's count of it
+    over every process would draw some prompts twice and others never); the same rewards, losses and adapter (or
+    weights) as DDP. LoRA's reference is the split policy with its adapter off; full training's a second split model
+    (`stages.rlhf.grpo_reference_sharded`), not TRL's whole one read from a saved copy."""
     common = [
         "stages.cpt.enabled=false",
         "stages.sft.enabled=false",
-        "stages.rlhf.method=lora",
+        f"stages.rlhf.method={method}",
         "stages.rlhf.algorithm=grpo",
-        "stages.rlhf.precompute_ref_log_probs=false",
         "stages.rlhf.num_generations=2",
         "stages.rlhf.reward_functions=[{name: hangul_ratio}, {name: format, weight: 0.5}]",
         "stages.rlhf.training.max_seq_length=64",
@@ -218,11 +218,14 @@ def test_grpo_on_split_layers_trains_as_ddp_does(tmp_path: Path, groups: int) ->
     cut = make_preference_run_dir(tmp_path / "split", [*common, *split])
     process = torchrun_stage(cut, "rlhf", processes=2 * groups)
     assert process.wait(timeout=900) == 0, (cut.root / "rlhf.torchrun.log").read_text()[-4000:]
-    assert_trains_as_one(ddp, cut, "rlhf", steps=3, weights="adapter_model.safetensors", atol=1e-4)
+    weights = "adapter_model.safetensors" if method == "lora" else "model.safetensors"
+    assert_trains_as_one(ddp, cut, "rlhf", steps=3, weights=weights, atol=1e-4)
     rewards = [run.read_result("rlhf").metrics for run in (ddp, cut)]  # type: ignore[union-attr]
     # the mean over every rank's rows, a pair's copies included: the same up to float32 summation order
     assert rewards[0]["reward_last"] == pytest.approx(rewards[1]["reward_last"], rel=1e-6)
     assert rewards[0]["kl_last"] > 0
+    assert (ddp.stage_dir("rlhf") / "reference").is_dir() == (method == "full")  # TRL's copy to read
+    assert not (cut.stage_dir("rlhf") / "reference").exists()
 
 
 def test_adapters_on_experts_are_refused_where_the_layers_are_split(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -302,8 +305,7 @@ def test_the_spec_refuses_what_tensor_parallelism_cannot_split() -> None:
     load_pipeline("korean-llm", overrides=[*lora, "stages.rlhf.algorithm=orpo"])  # no reference to compute
     load_pipeline("korean-llm", overrides=[*rlhf, "stages.rlhf.algorithm=orpo"])  # full training too
     grpo = [*rlhf, "stages.rlhf.algorithm=grpo", "stages.rlhf.reward_functions=[{name: hangul_ratio}]"]
-    assert "TRL loads its reference whole in every process" in spec_error("korean-llm", grpo)  # full, beta > 0
-    load_pipeline("korean-llm", overrides=[*grpo, "stages.rlhf.beta=0"])
+    assert load_pipeline("korean-llm", overrides=grpo).spec.stages.rlhf.beta > 0  # full: its reference split too
     load_pipeline("korean-llm", overrides=[*grpo, "stages.rlhf.method=lora"])
     spec = load_pipeline("llama3-dolly", overrides=[tp, fsdp, full]).spec
     assert spec.stages.sft.distributed.tensor_parallel == 2
