@@ -300,10 +300,10 @@ def average_split_adapters(model: Any) -> None:
     if mesh is None or "fsdp" not in (mesh.mesh_dim_names or ()) or mesh["fsdp"].size() == 1:
         return
     groups, group = mesh["fsdp"].size(), mesh["fsdp"].get_group()
-    state = GradientState()  # accelerate's shared state: the Trainer says there which backward ends a step
 
     def average(param: torch.Tensor) -> None:
-        if state.sync_gradients:
+        # accelerate's shared state, the Trainer's by then: it says there which backward ends a step
+        if GradientState().sync_gradients:
             local = param.grad.to_local()  # type: ignore[union-attr]
             torch.distributed.all_reduce(local, group=group)
             local.div_(groups)
