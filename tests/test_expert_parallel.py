@@ -13,6 +13,7 @@ import psutil
 import pytest
 from training_fixtures import (
     assert_trains_as_one,
+    grpo_settings,
     losses,
     make_preference_run_dir,
     make_run_dir,
@@ -140,16 +141,7 @@ def test_grpo_with_experts_over_two_processes_trains_as_ddp_does(tmp_path: Path,
     same completions (their rewards), losses and adapter (or weights) as DDP on the same two processes."""
     common = [
         *MOE,
-        "stages.cpt.enabled=false",
-        "stages.sft.enabled=false",
-        f"stages.rlhf.method={method}",
-        "stages.rlhf.algorithm=grpo",
-        "stages.rlhf.num_generations=2",
-        "stages.rlhf.reward_functions=[{name: hangul_ratio}, {name: format, weight: 0.5}]",
-        "stages.rlhf.training.max_seq_length=64",
-        "stages.rlhf.training.max_steps=2",
-        "stages.rlhf.training.logging_steps=1",
-        "stages.rlhf.training.per_device_batch_size=2",
+        *grpo_settings(method, steps=2),
         "stages.rlhf.training.router_aux_loss_coef=0",
         "stages.rlhf.lora.target_experts=false",
     ]

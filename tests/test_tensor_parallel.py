@@ -19,6 +19,7 @@ from training_fixtures import (
     checkpoint_run_dir,
     child_env,
     folder_weights,
+    grpo_settings,
     losses,
     make_preference_run_dir,
     make_run_dir,
@@ -194,19 +195,7 @@ def test_grpo_on_split_layers_trains_as_ddp_does(tmp_path: Path, groups: int, me
     over every process would draw some prompts twice and others never); the same rewards, losses and adapter (or
     weights) as DDP. LoRA's reference is the split policy with its adapter off; full training's a second split model
     (`stages.rlhf.grpo_reference_sharded`), not TRL's whole one read from a saved copy."""
-    common = [
-        "stages.cpt.enabled=false",
-        "stages.sft.enabled=false",
-        f"stages.rlhf.method={method}",
-        "stages.rlhf.algorithm=grpo",
-        "stages.rlhf.num_generations=2",
-        "stages.rlhf.reward_functions=[{name: hangul_ratio}, {name: format, weight: 0.5}]",
-        "stages.rlhf.training.max_seq_length=64",
-        "stages.rlhf.training.max_steps=3",
-        "stages.rlhf.training.logging_steps=1",
-        "stages.rlhf.training.per_device_batch_size=2",
-        "stages.rlhf.training.gradient_accumulation_steps=2",
-    ]
+    common = [*grpo_settings(method, steps=3), "stages.rlhf.training.gradient_accumulation_steps=2"]
     ddp = make_preference_run_dir(tmp_path / "ddp", [*common, "stages.rlhf.distributed.strategy=ddp"])
     if groups == 1:
         done = run_stage(ddp, "rlhf", OMP_NUM_THREADS="1")

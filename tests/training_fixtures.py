@@ -345,6 +345,23 @@ def make_preference_run_dir(root: Path, overrides: list[str], n_train: int = 64)
     return run_dir
 
 
+def grpo_settings(method: str, steps: int) -> list[str]:
+    """rlhf's GRPO alone (cpt and sft off), full or LoRA: two completions a prompt of up to 32 tokens, scored by two
+    built-in rewards; `steps` logged steps of 2 rows a process."""
+    return [
+        "stages.cpt.enabled=false",
+        "stages.sft.enabled=false",
+        f"stages.rlhf.method={method}",
+        "stages.rlhf.algorithm=grpo",
+        "stages.rlhf.num_generations=2",
+        "stages.rlhf.reward_functions=[{name: hangul_ratio}, {name: format, weight: 0.5}]",
+        "stages.rlhf.training.max_seq_length=64",
+        f"stages.rlhf.training.max_steps={steps}",
+        "stages.rlhf.training.logging_steps=1",
+        "stages.rlhf.training.per_device_batch_size=2",
+    ]
+
+
 def run_ok(run_dir: RunDir, stage: str, **env: str) -> None:
     done = run_stage(run_dir, stage, **env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
