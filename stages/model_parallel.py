@@ -309,7 +309,9 @@ def average_split_adapters(model: Any) -> None:
             local.div_(groups)
 
     for param in model.parameters():
-        if param.requires_grad and isinstance(param, DTensor) and "fsdp" not in param.device_mesh.mesh_dim_names:
+        if not (param.requires_grad and isinstance(param, DTensor)):
+            continue
+        if "fsdp" not in (param.device_mesh.mesh_dim_names or ()):  # not FSDP2's to reduce
             param.register_post_accumulate_grad_hook(average)
 
 

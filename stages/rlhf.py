@@ -336,7 +336,7 @@ def grpo_reference_sharded(ctx: StageContext, start: StartingModel, tokenizer: A
     0) and the policy was sharded as it loaded (tensor or expert parallelism), hand it `sharded_reference` instead:
     the same starting weights, sharded as the policy is (TRL 1.16 takes no reference model for GRPO; it reads one
     from the policy's path with `create_model_from_path`, which this replaces for the one call)."""
-    if start.kind != "full" or ctx.section.beta == 0 or not is_sharded_at_load(start.model):
+    if not grpo_loads_reference(ctx, start) or not is_sharded_at_load(start.model):
         yield
         return
     import trl.trainer.grpo_trainer as grpo_module
@@ -404,11 +404,17 @@ def sharded_reference(ctx: StageContext, start: StartingModel, tokenizer: Any) -
     return reference
 
 
+def grpo_loads_reference(ctx: StageContext, start: StartingModel) -> bool:
+    """Whether GRPOTrainer loads a reference model of its own, from the policy's path: full training with beta > 0
+    (with LoRA the reference is the policy with its adapter off; with beta 0 there is none)."""
+    return start.kind == "full" and ctx.section.beta != 0
+
+
 def point_grpo_at_reference(ctx: StageContext, start: StartingModel, config: TrainingArguments) -> None:
     """GRPOTrainer takes no reference model: with full training and beta > 0 it loads one from the path in the
     policy's config. Make that path hold the starting weights: the upstream stage's model directory when the policy
     is that model unchanged, else a copy saved to `rlhf/reference/` (safetensors)."""
-    if start.kind != "full" or ctx.section.beta == 0 or is_sharded_at_load(start.model):
+    if not grpo_loads_reference(ctx, start) or is_sharded_at_load(start.model):
         return  # no reference, or one loaded sharded (`grpo_reference_sharded`)
     if start.upstream is not None and stage_output(ctx.run_dir, start.upstream).kind == "full":
         return  # loaded from <upstream>/model/, which the config already names
