@@ -297,8 +297,9 @@ class DistributedSpec(StrictModel):
         "training.gradient_accumulation_steps micro-batches per optimizer step (at least this many: the bubble is "
         "(stages - 1) / (micro-batches + stages - 1) of the time). FSDP2 shards each stage over the pipelines (the "
         "world size divided by this). For a dense model whose layers do not fit one GPU's memory "
-        "together with its optimizer, across nodes where the network is slower than NVLink. 1: none. For cpt and "
-        "sft, full fine-tuning or LoRA (each stage trains its layers' adapters; the adapter is saved as one) of a "
+        "together with its optimizer, across nodes where the network is slower than NVLink. 1: none. For cpt, "
+        "sft and rlhf's orpo (its loss taken on the last stage; not dpo, kto or grpo yet), full fine-tuning or "
+        "LoRA (each stage trains its layers' adapters; the adapter is saved as one) of a "
         "dense model, or of a mixture of experts with training.router_aux_loss_coef 0 (the balance loss is taken "
         "over every layer's routers at once: refused on, by the spec where it knows the model); needs strategy "
         "'fsdp'; must divide resources.nodes x gpus_per_node and leave each stage a layer. With tensor_parallel, "
@@ -720,8 +721,10 @@ class RlhfStage(TrainingStage):
         return self
 
     def _expert_parallel_reference(self) -> None:
-        """rlhf under tensor or expert parallelism (a model sharded as it loads), never with pipeline stages (TRL's
-        trainers run their own forward over the whole model). Sharded, nothing may copy or hash the whole policy
+        """rlhf under tensor or expert parallelism (a model sharded as it loads), and ORPO under pipeline stages
+        (its loss taken on the last stage, micro-batch by micro-batch: `stages.pipeline_preference`; the other
+        algorithms' trainers run their own forward over the whole model, and DPO, KTO and GRPO a reference or
+        generation beside it). Sharded, nothing may copy or hash the whole policy
         (seen with TRL 1.16: DPOTrainer's hash_module, precomputing the reference's log-probabilities, reads every
         weight with .numpy(), which a DTensor refuses): ORPO has no reference; DPO and KTO run with the
         log-probabilities not precomputed, GRPO as it is. With LoRA the reference is the sharded policy with its
@@ -734,8 +737,10 @@ class RlhfStage(TrainingStage):
             if getattr(self.distributed, field) == 1:
                 continue
             sharded = field in ("tensor_parallel", "expert_parallel")  # by transformers, as the model loads
-            if sharded and self.algorithm in ("grpo", "orpo"):
-                continue  # orpo has no reference; grpo's is the policy without its adapter, or loaded sharded
+            if self.algorithm == "orpo":
+                continue  # no reference: its loss is the policy's alone, over a sharded model or pipeline stages
+            if sharded and self.algorithm == "grpo":
+                continue  # its reference is the policy without its adapter, or loaded sharded
             if sharded and self.algorithm in ("dpo", "kto"):
                 if not self.precompute_ref_log_probs:
                     continue
@@ -747,7 +752,7 @@ class RlhfStage(TrainingStage):
                 )
             raise FieldError(  # pipeline stages
                 ("distributed", field),
-                f"rlhf ({self.algorithm}) does not run with {field} yet: TRL's trainers compute their losses with "
-                "their own forward over the whole model, which a pipeline stage does not hold; set it to 1, with "
-                "strategy fsdp (tensor_parallel or expert_parallel too) or deepspeed_zero3 to shard the model",
+                f"rlhf ({self.algorithm}) does not run with {field} yet (orpo does): TRL's trainer computes its "
+                "loss with its own forward over the whole model, which a pipeline stage does not hold; set it to 1, "
+                "with strategy fsdp (tensor_parallel or expert_parallel too) or deepspeed_zero3 to shard the model",
             )

@@ -26,7 +26,8 @@ for the model, summed over the step's tokens and divided by their count over all
 without pipelines, so the gradients are the unparallelised run's. Gradient clipping takes the norm over all stages;
 where the head is tied to the embedding (Gemma), the first and last stage each hold the weight and their two
 gradients are summed before the optimizer steps (what Megatron does), so the copies stay equal. Evaluation runs the
-schedule forward only and averages the loss over every held-out token.
+schedule forward only and averages the loss over every held-out token. rlhf's ORPO trains the same way with a loss of
+its own on the last stage (`Pipeline.objective`; `stages.pipeline_preference`).
 
 With `distributed.tensor_parallel: T` each stage's layers are split over T ranks too (`split_layers`): the world is
 then P stages x R = world / (P T) pipelines x T, the tensor-parallel ranks innermost (one node's NVLink). Each of a
@@ -343,11 +344,16 @@ class Pipeline:
         """Tokens the step's loss is divided by (over all pipelines); set before each step."""
         self.save_dtype: torch.dtype | None = None
         """The dtype the whole weights are saved in, where not the training one (float32 masters)."""
+        self.objective: Any = None
+        """The loss of a micro-batch where not the causal-LM one, called as (logits, target) on the last stage (rlhf's
+        ORPO: `stages.pipeline_preference.OddsRatioLoss`)."""
         self.stage = PipelineStage(self.part, layout.stage, stages, device, group=layout.stage_group)
         # the loss is a sum over tokens divided by their count: no further scaling by the micro-batch count
         self.schedule = Schedule1F1B(self.stage, n_microbatches=microbatches, loss_fn=self._loss, scale_grads=False)
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.objective is not None:
+            return self.objective(logits, labels)
         loss = self.loss_function(logits, labels, self.vocab_size, num_items_in_batch=self.tokens)
         return loss * self.layout.pipelines  # FSDP2 averages over the pipelines: their sum is wanted
 
@@ -650,7 +656,9 @@ def pipeline_trainer(base: type, stage: str, section: TrainingStage) -> type:
     class PipelineTrainer(base):  # type: ignore[misc, valid-type]
         """The Trainer with its step, clipping, rows, evaluation and saving over the pipeline's stages."""
 
-        def __init__(self, *args: Any, model: Any, data_collator: Any, processing_class: Any, **kwargs: Any) -> None:
+        def __init__(
+            self, *args: Any, model: Any, processing_class: Any, data_collator: Any = None, **kwargs: Any
+        ) -> None:
             trainer_args = kwargs["args"]
             check_fits(stage, section, model.config)
             if trainer_args.fp16:
@@ -671,11 +679,16 @@ def pipeline_trainer(base: type, stage: str, section: TrainingStage) -> type:
             # The stage owns its placement and gradient reduction: the Trainer neither wraps nor moves it, as
             # for a model transformers sharded as it loaded (its flag; `checkpoint_sharded` then keeps the shards)
             self.pipeline.causal._is_distributed_loading_by_transformers = True
-            rows = training.per_device_batch_size * training.gradient_accumulation_steps
-            collator = FixedShapeCollator(data_collator, rows, training.max_seq_length, processing_class.pad_token_id)
+            collator = self.fixed_shape_collator(data_collator, processing_class.pad_token_id)
             super().__init__(*args, model=model, data_collator=collator, processing_class=processing_class, **kwargs)
             # a stage's checkpoint shards under its own key: each stage's optimizer groups name its own parameters
             self.sharded_state_key = f"stage-{self.pipeline.layout.stage}"
+
+        def fixed_shape_collator(self, data_collator: Any, pad_token_id: int) -> Any:
+            """The collator of the step's batches, each of the shape the schedule planned: `data_collator`'s rows
+            padded (`FixedShapeCollator`)."""
+            rows = training.per_device_batch_size * training.gradient_accumulation_steps
+            return FixedShapeCollator(data_collator, rows, training.max_seq_length, pad_token_id)
 
         def _sync_replicated_trainable_parameters(self, model: Any) -> None:
             pass  # each stage holds its own parameters; FSDP2 keeps a stage's replicas equal

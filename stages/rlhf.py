@@ -54,6 +54,7 @@ from stages.modeling import (
     load_tokenizer,
     stage_output,
 )
+from stages.pipeline_preference import preference_pipeline_trainer
 from stages.progress import ProgressLog
 from stages.rewards import RewardError, build_reward_functions
 from stages.tracking import StageTracker
@@ -309,7 +310,8 @@ def make_trainer(
     if section.algorithm == "orpo":
         from trl.experimental.orpo import ORPOTrainer
 
-        return ORPOTrainer(**common, eval_dataset=eval_rows)
+        # ORPOTrainer itself unless the model is cut into pipeline stages
+        return preference_pipeline_trainer(ORPOTrainer, ctx.stage, section)(**common, eval_dataset=eval_rows)
     if section.algorithm == "kto":
         from trl import KTOTrainer
 
