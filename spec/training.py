@@ -298,7 +298,8 @@ class DistributedSpec(StrictModel):
         "(stages - 1) / (micro-batches + stages - 1) of the time). FSDP2 shards each stage over the pipelines (the "
         "world size divided by this). For a dense model whose layers do not fit one GPU's memory "
         "together with its optimizer, across nodes where the network is slower than NVLink. 1: none. For cpt, "
-        "sft and rlhf's orpo (its loss taken on the last stage; not dpo, kto or grpo yet), full fine-tuning or "
+        "sft and rlhf's orpo and dpo (their losses taken on the last stage; dpo's reference log-probabilities "
+        "precomputed through the stages; not kto or grpo yet), full fine-tuning or "
         "LoRA (each stage trains its layers' adapters; the adapter is saved as one) of a "
         "dense model, or of a mixture of experts with training.router_aux_loss_coef 0 (the balance loss is taken "
         "over every layer's routers at once: refused on, by the spec where it knows the model); needs strategy "
@@ -739,6 +740,14 @@ class RlhfStage(TrainingStage):
             sharded = field in ("tensor_parallel", "expert_parallel")  # by transformers, as the model loads
             if self.algorithm == "orpo":
                 continue  # no reference: its loss is the policy's alone, over a sharded model or pipeline stages
+            if not sharded and self.algorithm == "dpo":
+                if self.precompute_ref_log_probs:
+                    continue  # the reference's log-probabilities computed once through the stages
+                raise FieldError(
+                    ("precompute_ref_log_probs",),
+                    "is false; with distributed.pipeline_parallel dpo computes the reference's log-probabilities once, "
+                    "through the stages, before training: set it to true (the default), or pipeline_parallel to 1",
+                )
             if sharded and self.algorithm == "grpo":
                 continue  # its reference is the policy without its adapter, or loaded sharded
             if sharded and self.algorithm in ("dpo", "kto"):
@@ -752,7 +761,7 @@ class RlhfStage(TrainingStage):
                 )
             raise FieldError(  # pipeline stages
                 ("distributed", field),
-                f"rlhf ({self.algorithm}) does not run with {field} yet (orpo does): TRL's trainer computes its "
+                f"rlhf ({self.algorithm}) does not run with {field} yet (orpo and dpo do): TRL's trainer computes its "
                 "loss with its own forward over the whole model, which a pipeline stage does not hold; set it to 1, "
                 "with strategy fsdp (tensor_parallel or expert_parallel too) or deepspeed_zero3 to shard the model",
             )

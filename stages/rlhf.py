@@ -306,7 +306,11 @@ def make_trainer(
     if section.algorithm == "dpo":
         from trl import DPOTrainer
 
-        return DPOTrainer(**common, eval_dataset=eval_rows, ref_model=frozen_reference(ctx, start, tokenizer))
+        reference = frozen_reference(ctx, start, tokenizer)
+        # DPOTrainer itself unless the model is cut into pipeline stages
+        return preference_pipeline_trainer(DPOTrainer, ctx.stage, section)(
+            **common, eval_dataset=eval_rows, ref_model=reference
+        )
     if section.algorithm == "orpo":
         from trl.experimental.orpo import ORPOTrainer
 

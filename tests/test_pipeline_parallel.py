@@ -1,8 +1,9 @@
 """Pipeline parallelism (`distributed.pipeline_parallel`): a tiny model's layers cut into two stages over two CPU
 processes under torchrun (gloo, torch's 1F1B schedule) train as one process does on the same global batch, and a run
 stopped by SIGTERM resumes from its shards to the same model, saved as one Hugging Face folder; two pipelines of two
-stages (FSDP2 over the pipelines) train a tied-embedding Gemma 3 as one process does; rlhf's ORPO, its loss taken on
-the last stage, trains as one process does; and the spec and the stage refuse what the cut cannot run, naming the
+stages (FSDP2 over the pipelines) train a tied-embedding Gemma 3 as one process does; rlhf's ORPO and DPO, their losses
+taken on the last stage (DPO's reference log-probabilities computed through the stages first), train as one process
+does; and the spec and the stage refuse what the cut cannot run, naming the
 field."""
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from spec.document import SpecError
 from spec.loading import load_pipeline
 from stages.contract import NotSupportedHere
 from stages.pipeline_parallel import check_fits, layer_ranges, pad_rows
-from stages.pipeline_preference import OddsRatioLoss, PairedRows
+from stages.pipeline_preference import OddsRatioLoss, PairedRows, refuse_unsupported_dpo
 from stages.training import read_log_history
 
 PIPELINE = ["stages.cpt.distributed.strategy=fsdp", "stages.cpt.distributed.pipeline_parallel=2"]
@@ -363,13 +364,13 @@ def test_two_stages_each_split_over_two_ranks_train_in_float8_as_one_process(tmp
         torch.testing.assert_close(got[name], expected[name], rtol=0, atol=1.5e-2, msg=name)
 
 
-def orpo_settings(method: str, per_device: int, microbatches: int) -> list[str]:
-    """rlhf's ORPO alone (cpt and sft off), full or LoRA: three logged steps of `microbatches` micro-batches of
-    `per_device` pairs."""
+def orpo_settings(method: str, per_device: int, microbatches: int, algorithm: str = "orpo") -> list[str]:
+    """rlhf's ORPO (or `algorithm`) alone (cpt and sft off), full or LoRA: three logged steps of `microbatches`
+    micro-batches of `per_device` pairs."""
     return [
         "stages.cpt.enabled=false",
         "stages.sft.enabled=false",
-        "stages.rlhf.algorithm=orpo",
+        f"stages.rlhf.algorithm={algorithm}",
         f"stages.rlhf.method={method}",
         "stages.rlhf.training.max_steps=3",
         "stages.rlhf.training.logging_steps=1",
@@ -378,18 +379,22 @@ def orpo_settings(method: str, per_device: int, microbatches: int) -> list[str]:
     ]
 
 
-def assert_orpo_trains_as_one(single: RunDir, cut: RunDir, method: str) -> None:
-    """The cut run trained ORPO as the single process did: the losses, the saved weights or adapter, and TRL's
-    metrics during training (logged every step) and on the held-out pairs."""
+ORPO_LOGGED = ("nll_loss", "log_odds_ratio", "logps/chosen", "eval_rewards/accuracies", "eval_nll_loss")
+DPO_LOGGED = ("entropy", "mean_token_accuracy", "logits/chosen", "logps/rejected", "eval_rewards/chosen")
+
+
+def assert_orpo_trains_as_one(single: RunDir, cut: RunDir, method: str, logged: tuple[str, ...] = ORPO_LOGGED) -> None:
+    """The cut run trained ORPO (or DPO: its `logged` metrics) as the single process did: the losses, the saved
+    weights or adapter, and TRL's metrics during training (logged every step) and on the held-out pairs."""
     assert_trains_as_one(single, cut, "rlhf", steps=3, weights=SAVED[method], atol=1e-4)
     one, two = single.read_result("rlhf"), cut.read_result("rlhf")
     assert one is not None and two is not None
     names = ["rewards_margin_first", "rewards_margin_last", "rewards_accuracy_last", "eval_loss", "eval_rewards_margin"]
     for name in names:
         assert abs(one.metrics[name] - two.metrics[name]) < 1e-4, (name, one.metrics[name], two.metrics[name])
-    logged = [read_log_history(run.stage_dir("rlhf") / "logs/log_history.json") for run in (single, cut)]
-    for key in ("nll_loss", "log_odds_ratio", "logps/chosen", "eval_rewards/accuracies", "eval_nll_loss"):
-        a, b = ([entry[key] for entry in history if key in entry] for history in logged)
+    histories = [read_log_history(run.stage_dir("rlhf") / "logs/log_history.json") for run in (single, cut)]
+    for key in logged:
+        a, b = ([entry[key] for entry in history if key in entry] for history in histories)
         assert len(a) == len(b) > 0, key
         assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4, (key, a, b)
 
@@ -425,6 +430,36 @@ def test_orpo_on_two_pipelines_of_two_stages_trains_a_tied_model_as_one_process(
     assert_orpo_trains_as_one(single, cut, "full")
 
 
+@pytest.mark.slow
+def test_dpo_on_two_stages_trains_as_one_process(tmp_path: Path) -> None:
+    """rlhf's full DPO cut in two: the reference's log-probabilities computed once through the stages before training
+    (the starting weights), then the sigmoid loss and TRL's metrics on the last stage; the two train as one process
+    does over the same micro-batches."""
+    common = orpo_settings("full", per_device=2, microbatches=2, algorithm="dpo")
+    single = make_preference_run_dir(tmp_path / "one", common)
+    run_ok(single, "rlhf", OMP_NUM_THREADS="1")
+    cut = make_preference_run_dir(tmp_path / "two", [*common, *PIPELINE_RLHF])
+    process = torchrun_stage(cut, "rlhf")
+    assert process.wait(timeout=600) == 0, (cut.root / "rlhf.torchrun.log").read_text()[-4000:]
+    assert_orpo_trains_as_one(single, cut, "full", DPO_LOGGED)
+    log = (cut.root / "rlhf.torchrun.log").read_text()
+    assert "reference log-probabilities of 64 train pairs, through the stages" in log
+
+
+@pytest.mark.slow
+def test_dpo_with_lora_on_two_pipelines_of_two_stages_trains_as_one_process(tmp_path: Path) -> None:
+    """Four processes: DPO's adapter over two pipelines of two stages, its reference TRL's frozen copy of the starting
+    adapter (`ref`, made before the cut so that FSDP2 shards it with the adapter), against one process whose
+    accumulation steps are both pipelines' micro-batches."""
+    single = make_preference_run_dir(tmp_path / "one", orpo_settings("lora", 2, 4, algorithm="dpo"))
+    run_ok(single, "rlhf", OMP_NUM_THREADS="1")
+    cut = make_preference_run_dir(tmp_path / "four", [*orpo_settings("lora", 2, 2, algorithm="dpo"), *PIPELINE_RLHF])
+    process = torchrun_stage(cut, "rlhf", processes=4)
+    assert process.wait(timeout=900) == 0, (cut.root / "rlhf.torchrun.log").read_text()[-4000:]
+    assert_orpo_trains_as_one(single, cut, "lora", DPO_LOGGED)
+    assert "ref" not in {path.name for path in (cut.stage_dir("rlhf") / "model").iterdir()}  # the adapter alone
+
+
 def test_preference_pairs_are_laid_out_as_the_schedule_splits_them() -> None:
     """Each micro-batch: its pairs' chosen rows, then their rejected rows, padded to the width; a short batch's
     missing pairs are rows without labels, left out of the loss and of the divisor."""
@@ -458,6 +493,11 @@ def test_preference_pairs_are_laid_out_as_the_schedule_splits_them() -> None:
     logits = torch.zeros(4, 5, 7, requires_grad=True)
     assert loss(logits, empty[:4]).item() == 0.0 and loss(logits, empty[4:]).item() == 0.0
     assert len(loss.records) == 2 and not torch.stack(loss.records).any()  # no pairs: nothing recorded
+    from trl import DPOConfig
+
+    refuse_unsupported_dpo("rlhf", DPOConfig(output_dir="unused", bf16=False))  # TRL's defaults: computed here
+    with pytest.raises(NotSupportedHere, match=r"stages\.rlhf\.training\.extra_args: loss_type, ld_alpha under"):
+        refuse_unsupported_dpo("rlhf", DPOConfig(output_dir="unused", bf16=False, loss_type=["ipo"], ld_alpha=0.5))
 
 
 def test_the_layers_are_cut_into_consecutive_even_runs() -> None:
@@ -515,7 +555,11 @@ def test_the_spec_refuses_what_the_pipeline_cannot_run() -> None:
     rlhf = ["stages.rlhf.distributed.pipeline_parallel=2", "stages.rlhf.distributed.strategy=fsdp"]
     rlhf.append("stages.rlhf.training.gradient_accumulation_steps=2")
     full_rlhf = "stages.rlhf.method=full"
-    assert "does not run with pipeline_parallel yet (orpo does)" in spec_error("korean-llm", [*rlhf, full_rlhf])
+    kto = "stages.rlhf.algorithm=kto"
+    assert "does not run with pipeline_parallel yet (orpo and dpo do)" in spec_error("korean-llm", [*rlhf, kto])
+    no_precompute = [*rlhf, "stages.rlhf.precompute_ref_log_probs=false"]
+    assert "dpo computes the reference's log-probabilities once" in spec_error("korean-llm", no_precompute)
+    load_pipeline("korean-llm", overrides=[*rlhf, full_rlhf])  # dpo, its reference precomputed
     load_pipeline("korean-llm", overrides=[*rlhf, full_rlhf, "stages.rlhf.algorithm=orpo"])
     # a mixture of experts the spec knows (a hub model's name, or model.from_config) cuts with its balance loss off
     moe = [pp, fsdp, grads]
