@@ -309,7 +309,7 @@ class SigmoidLoss(PairLoss):
         loss = -torch.nn.functional.logsigmoid(self.beta * (chosen_ratio - rejected_ratio)).mean()
         with torch.no_grad():
             chosen_rewards, rejected_rewards = self.beta * chosen_ratio, self.beta * rejected_ratio
-            entropy = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+            entropy = torch.stack([_entropy(row) for row in logits])  # a row at a time: the logits' size is large
             mean_logits = logits.mean(-1)
             top1 = logits.argmax(-1) == labels
             self.record(
@@ -361,6 +361,12 @@ class SigmoidLoss(PairLoss):
             every[layout.pipeline] = torch.cat(self.logps[-self.microbatches :])
         dist.all_reduce(every)
         return every
+
+
+def _entropy(logits: torch.Tensor) -> torch.Tensor:
+    """The entropy of each position's next-token distribution."""
+    log_probs = logits.log_softmax(-1)
+    return -(log_probs.exp() * log_probs).sum(-1)
 
 
 def preference_pipeline_trainer(base: type, stage: str, section: TrainingStage) -> type:
