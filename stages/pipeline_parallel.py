@@ -74,6 +74,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -731,15 +732,10 @@ def pipeline_trainer(base: type, stage: str, section: TrainingStage) -> type:
             import time
 
             began = time.time()
-            loader = self.get_eval_dataloader(eval_dataset)
             self.pipeline.part.eval()
             device = self.args.device
             total, tokens = torch.zeros((), device=device), torch.zeros((), device=device, dtype=torch.long)
             self.pipeline.tokens = 1  # the micro-batches' losses are their sums
-            # Every pipeline runs as many batches as the longest one: a stage's FSDP2 gathers its weights with
-            # its replicas in every forward. A pipeline out of rows runs one without labels (no loss, no tokens).
-            batches, count = iter(loader), torch.tensor(len(loader), device=device)
-            dist.all_reduce(count, op=dist.ReduceOp.MAX)
             rows, width = training.per_device_batch_size * training.gradient_accumulation_steps, training.max_seq_length
             unlabelled = pad_rows(
                 {key: torch.zeros((0, width), dtype=torch.long) for key in ("input_ids", "labels", "position_ids")},
@@ -748,8 +744,7 @@ def pipeline_trainer(base: type, stage: str, section: TrainingStage) -> type:
                 self.processing_class.pad_token_id,
             )
             with torch.no_grad():
-                for _ in range(int(count.item())):
-                    batch = self._prepare_inputs(next(batches, unlabelled))
+                for batch in self.evaluation_batches(eval_dataset, unlabelled):
                     summed = self.pipeline.run(batch, train=False) / self.pipeline.layout.pipelines
                     if self.pipeline.layout.last:
                         total += summed
@@ -764,6 +759,16 @@ def pipeline_trainer(base: type, stage: str, section: TrainingStage) -> type:
             self.log(metrics)
             self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
             return metrics
+
+        def evaluation_batches(self, eval_dataset: Any, empty: dict[str, torch.Tensor]) -> Iterator[dict[str, Any]]:
+            """The held-out batches on the device, as many on every pipeline as on the longest one (a stage's FSDP2
+            gathers its weights with its replicas in every forward): a pipeline out of rows gets `empty`, a batch
+            without labels (no loss, no tokens)."""
+            loader = self.get_eval_dataloader(eval_dataset)
+            batches, count = iter(loader), torch.tensor(len(loader), device=self.args.device)
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+            for _ in range(int(count.item())):
+                yield self._prepare_inputs(next(batches, empty))
 
         def _save(self, output_dir: str | None = None, state_dict: Any = None) -> None:
             out = Path(output_dir if output_dir is not None else self.args.output_dir)

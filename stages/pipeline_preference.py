@@ -465,7 +465,7 @@ def preference_pipeline_trainer(base: type, stage: str, section: TrainingStage) 
                 loss_function.reference = False
                 self.pipeline.part.train()
             found = found[: len(dataset)]
-            if layout.writes and dist.get_rank() == 0:
+            if dist.get_rank() == 0:
                 print(f"[{stage}] reference log-probabilities of {len(dataset)} {name} pairs, through the stages")
             dataset = dataset.add_column("ref_chosen_logps", found[:, 0].tolist())
             return dataset.add_column("ref_rejected_logps", found[:, 1].tolist())
@@ -476,19 +476,12 @@ def preference_pipeline_trainer(base: type, stage: str, section: TrainingStage) 
             """The held-out pairs' loss (the mean over pairs, as the Trainer's over a process's batches) and TRL's
             metrics (the mean over micro-batches, as TRL's over batches)."""
             began = time.time()
-            loader = self.get_eval_dataloader(eval_dataset)
             self.model.eval()  # DPOTrainer.log reads the mode from it
             self.pipeline.part.eval()
-            # Every pipeline runs as many batches as the longest one (FSDP2 gathers a stage's weights with its
-            # replicas in every forward); a pipeline out of pairs runs one without any.
-            batches, count = iter(loader), torch.tensor(len(loader), device=self.args.device)
-            dist.all_reduce(count, op=dist.ReduceOp.MAX)
-            empty = self.data_collator([])
             loss_function, prefix = self.preference_loss(), "" if dpo else f"{metric_key_prefix}_"
             total, held = 0.0, 0
             with torch.no_grad():
-                for _ in range(int(count.item())):
-                    batch = self._prepare_inputs(next(batches, empty))
+                for batch in self.evaluation_batches(eval_dataset, self.data_collator([])):  # no pairs past the end
                     loss_function.begin(batch["labels"], train=False)
                     self.pipeline.run(batch, train=False)
                     for pairs_held, loss, metrics in loss_function.gathered(self.pipeline.layout, prefix):
