@@ -298,8 +298,8 @@ class DistributedSpec(StrictModel):
         "(stages - 1) / (micro-batches + stages - 1) of the time). FSDP2 shards each stage over the pipelines (the "
         "world size divided by this). For a dense model whose layers do not fit one GPU's memory "
         "together with its optimizer, across nodes where the network is slower than NVLink. 1: none. For cpt, "
-        "sft and rlhf's orpo and dpo (their losses taken on the last stage; dpo's reference log-probabilities "
-        "precomputed through the stages; not kto or grpo yet), full fine-tuning or "
+        "sft and rlhf's orpo, dpo and kto (their losses taken on the last stage; dpo's and kto's reference "
+        "log-probabilities precomputed through the stages; not grpo yet), full fine-tuning or "
         "LoRA (each stage trains its layers' adapters; the adapter is saved as one) of a "
         "dense model, or of a mixture of experts with training.router_aux_loss_coef 0 (the balance loss is taken "
         "over every layer's routers at once: refused on, by the spec where it knows the model); needs strategy "
@@ -722,10 +722,10 @@ class RlhfStage(TrainingStage):
         return self
 
     def _expert_parallel_reference(self) -> None:
-        """rlhf under tensor or expert parallelism (a model sharded as it loads), and ORPO under pipeline stages
-        (its loss taken on the last stage, micro-batch by micro-batch: `stages.pipeline_preference`; the other
-        algorithms' trainers run their own forward over the whole model, and DPO, KTO and GRPO a reference or
-        generation beside it). Sharded, nothing may copy or hash the whole policy
+        """rlhf under tensor or expert parallelism (a model sharded as it loads), and ORPO, DPO and KTO under
+        pipeline stages (their losses taken on the last stage, micro-batch by micro-batch, DPO's and KTO's reference
+        log-probabilities precomputed through the stages: `stages.pipeline_preference`; GRPO generates with the whole
+        model). Sharded, nothing may copy or hash the whole policy
         (seen with TRL 1.16: DPOTrainer's hash_module, precomputing the reference's log-probabilities, reads every
         weight with .numpy(), which a DTensor refuses): ORPO has no reference; DPO and KTO run with the
         log-probabilities not precomputed, GRPO as it is. With LoRA the reference is the sharded policy with its
@@ -740,13 +740,14 @@ class RlhfStage(TrainingStage):
             sharded = field in ("tensor_parallel", "expert_parallel")  # by transformers, as the model loads
             if self.algorithm == "orpo":
                 continue  # no reference: its loss is the policy's alone, over a sharded model or pipeline stages
-            if not sharded and self.algorithm == "dpo":
+            if not sharded and self.algorithm in ("dpo", "kto"):
                 if self.precompute_ref_log_probs:
                     continue  # the reference's log-probabilities computed once through the stages
                 raise FieldError(
                     ("precompute_ref_log_probs",),
-                    "is false; with distributed.pipeline_parallel dpo computes the reference's log-probabilities once, "
-                    "through the stages, before training: set it to true (the default), or pipeline_parallel to 1",
+                    f"is false; with distributed.pipeline_parallel {self.algorithm} computes the reference's "
+                    "log-probabilities once, through the stages, before training: set it to true (the default), or "
+                    "pipeline_parallel to 1",
                 )
             if sharded and self.algorithm == "grpo":
                 continue  # its reference is the policy without its adapter, or loaded sharded
@@ -761,7 +762,8 @@ class RlhfStage(TrainingStage):
                 )
             raise FieldError(  # pipeline stages
                 ("distributed", field),
-                f"rlhf ({self.algorithm}) does not run with {field} yet (orpo and dpo do): TRL's trainer computes its "
-                "loss with its own forward over the whole model, which a pipeline stage does not hold; set it to 1, "
+                f"rlhf ({self.algorithm}) does not run with {field} yet (orpo, dpo and kto do): TRL's trainer "
+                "computes its loss with its own forward over the whole model, which a pipeline stage does not hold; "
+                "set it to 1, "
                 "with strategy fsdp (tensor_parallel or expert_parallel too) or deepspeed_zero3 to shard the model",
             )

@@ -1,10 +1,11 @@
-"""Preference optimisation over pipeline stages: rlhf's ORPO and DPO trained by torch's pipeline schedule, their
-micro-batches holding each pair's chosen and rejected rows.
+"""Preference optimisation over pipeline stages: rlhf's ORPO, DPO and KTO trained by torch's pipeline schedule,
+their micro-batches holding each pair's chosen and rejected rows (KTO: each completion and its mismatched one).
 
 TRL's ORPOTrainer and DPOTrainer run the policy once over a batch's chosen rows followed by its rejected rows and
-take their losses from the logits. Under pipeline stages (`distributed.pipeline_parallel`, `stages.pipeline_parallel`)
-the last stage alone holds the logits, one micro-batch at a time, so the loss is computed there, micro-batch by
-micro-batch:
+take their losses from the logits (KTOTrainer over its completions, and once more, without gradients, over the
+mismatched completions its KL term is estimated from). Under pipeline stages (`distributed.pipeline_parallel`,
+`stages.pipeline_parallel`) the last stage alone holds the logits, one micro-batch at a time, so the loss is
+computed there, micro-batch by micro-batch:
 
 - `PairedRows` (ORPO) and `ReferencedPairs` (DPO) lay TRL's tokenized pairs out as the schedule's batch: micro-batch
   k holds the chosen rows of its `per_device_batch_size` pairs, then their rejected rows, each padded to
@@ -19,12 +20,15 @@ micro-batch:
   means per micro-batch; the Trainer divides by their count), so one pipeline trains as one process does over the
   same micro-batches, and FSDP2's average over pipelines is DDP's. Each keeps its micro-batches' metrics (TRL's
   `rewards/*`, `logps/*`, `logits/*`, ORPO's `nll_loss` and `log_odds_*`, DPO's `entropy` and
-  `mean_token_accuracy`), summed over the pipelines once a step as TRL gathers them over processes, for the
-  trainer's own log.
+  `mean_token_accuracy`), each pipeline's micro-batch its own entry in the trainer's own log, as one process logs
+  its accumulation steps.
 - DPO's reference is the starting model, its log-probabilities computed once before training through the same
   schedule, forward only (`precompute_ref_log_probs: true`, TRL's default; with LoRA the adapter switched as TRL
   switches it: to its frozen copy `ref`, or off), each pipeline its share of the rows, gathered into every rank's
   rows as TRL's `ref_chosen_logps` and `ref_rejected_logps` columns.
+- KTO: `UnpairedRows` lays out each micro-batch's completions then their mismatched completions (the KL rows), and
+  `UnpairedLoss` takes TRL's KTO loss with the KL term from the micro-batch's KL rows, detached (see the class); the
+  reference's log-probabilities of both precomputed as DPO's (`ref_logps`, `ref_KL_logps`).
 
 ORPO's logits metrics are means over the batch's width as TRL pads it; the positions past a row's end are attended
 as the stages attend them (no padding mask: each row's own tokens are unchanged, the padding's logits differ).
@@ -32,6 +36,7 @@ as the stages attend them (no padding mask: each row's own tokens are unchanged,
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
@@ -57,10 +62,12 @@ class PairedRows:
 
     def __init__(self, pairs: int, microbatches: int, width: int, pad_token_id: int) -> None:
         self.pairs, self.microbatches, self.width, self.pad_token_id = pairs, microbatches, width, pad_token_id
+        self.span = 2 * pairs
+        """The rows of a micro-batch."""
 
     def empty(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """A batch's token ids (all padding) and its target (no labels, nothing attended)."""
-        rows = 2 * self.pairs * self.microbatches
+        rows = self.span * self.microbatches
         target = torch.full((rows, 3, self.width), IGNORE_INDEX, dtype=dtype)
         target[:, ATTENTION] = 0
         return torch.full((rows, self.width), self.pad_token_id), target
@@ -68,7 +75,7 @@ class PairedRows:
     def row(self, index: int, half: str) -> int:
         """The batch row of the `index`th pair's chosen or rejected half."""
         microbatch, pair = divmod(index, self.pairs)
-        return 2 * self.pairs * microbatch + (self.pairs if half == "rejected" else 0) + pair
+        return self.span * microbatch + (self.pairs if half in ("rejected", "KL") else 0) + pair
 
     def batch(self, input_ids: torch.Tensor, target: torch.Tensor) -> dict[str, torch.Tensor]:
         position_ids = torch.arange(self.width).repeat(input_ids.shape[0], 1)
@@ -115,6 +122,41 @@ class ReferencedPairs(PairedRows):
         return self.batch(input_ids, target)
 
 
+class UnpairedRows(PairedRows):
+    """KTO's tokenized rows (`prompt_ids`, `completion_ids`, `label`, and `KL_completion_ids` where KTO estimates its
+    KL term: TRL's `_prepare_dataset`) as one step's batch: micro-batch k holds its `rows` completions, then (with
+    `kl`) the same rows' mismatched completions, each prompt followed by another row's completion, truncated to the
+    width from the start as TRL's `DataCollatorForUnpairedPreference` truncates. The target carries, at position 0
+    of its reference channel, each row's reference log-probability (`ref_logps`, `ref_KL_logps`, once computed) and,
+    at position 1 of a completion's row, its label (1: desirable). The mismatched rows attend nothing in the target:
+    its attended tokens are the completions' rows', which TRL counts."""
+
+    def __init__(self, rows: int, microbatches: int, width: int, pad_token_id: int, kl: bool) -> None:
+        super().__init__(rows, microbatches, width, pad_token_id)
+        self.kl = kl
+        self.span = rows * (2 if kl else 1)
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        input_ids, target = self.empty(torch.float64)
+        halves = (("completion", ""), ("KL", "KL_")) if self.kl else (("completion", ""),)
+        for index, feature in enumerate(features):
+            prompt = feature["prompt_ids"]
+            for half, prefix in halves:
+                row = self.row(index, half)
+                answer = feature[f"{prefix}completion_ids"]
+                ids = torch.tensor(prompt + answer)[: self.width]
+                completion = torch.tensor([0] * len(prompt) + [1] * len(answer))[: self.width]
+                length = len(ids)
+                input_ids[row, :length] = ids
+                target[row, LABELS, :length] = torch.where(completion == 1, ids, IGNORE_INDEX).double()
+                if f"ref_{prefix}logps" in feature:
+                    target[row, REFERENCE, 0] = feature[f"ref_{prefix}logps"]
+                if half == "completion":
+                    target[row, ATTENTION, :length] = 1
+                    target[row, REFERENCE, 1] = float(feature["label"])
+        return self.batch(input_ids, target)
+
+
 class PairLoss:
     """A preference loss on the last stage, micro-batch by micro-batch, and its metrics: `record` keeps one row of
     `stats` per call (a step's micro-batches are the last `microbatches` ones: torch's schedule also calls the loss
@@ -124,17 +166,24 @@ class PairLoss:
 
     def __init__(self, beta: float, pairs: int, microbatches: int) -> None:
         self.beta, self.pairs, self.microbatches = beta, pairs, microbatches
+        self.span = 2 * pairs
+        """The rows of a micro-batch (the layout's `span`)."""
         self.records: list[torch.Tensor] = []
         self.divisor = 1
         self.device = torch.device("cpu")
+        self.reference = False
+        """A reference pass: each call records its rows' log-probabilities (`logps`) instead of a loss."""
+        self.logps: list[torch.Tensor] = []
+        """In a reference pass, each call's (pairs x 2) log-probabilities (DPO: chosen and rejected; KTO: the
+        completion and its mismatched one), zero-padded."""
 
     def begin(self, target: torch.Tensor, train: bool) -> None:
         """Before a step (or an eval batch) over `target`, the batch's: the loss's divisor in training, the
         micro-batches that hold pairs (as the Trainer divides by the accumulation steps of a short last step)."""
-        labels = target[:, LABELS].reshape(self.microbatches, 2 * self.pairs, -1)[:, : self.pairs]
+        labels = target[:, LABELS].reshape(self.microbatches, self.span, -1)[:, : self.pairs]
         held = int((labels != IGNORE_INDEX).any(-1).any(-1).sum())
         self.divisor = max(1, held) if train else 1
-        self.records, self.device = [], target.device
+        self.records, self.logps, self.device = [], [], target.device
 
     def held(self, target: torch.Tensor) -> int:
         """The pairs a micro-batch's `target` holds."""
@@ -148,15 +197,17 @@ class PairLoss:
             self.records.append(torch.stack([torch.as_tensor(v).to(torch.float64).to(self.device) for v in values]))
 
     def gathered(self, layout: PipelineLayout, prefix: str = "") -> list[tuple[int, float, dict[str, float]]]:
-        """Every rank, after a step or an eval batch: for each micro-batch that held pairs in any pipeline, its
-        pairs, its loss summed over them, and TRL's metrics over every pipeline's pairs (`prefix`ed)."""
+        """Every rank, after a step or an eval batch: for each micro-batch of each pipeline that held pairs, its
+        pairs, its loss summed over them, and TRL's metrics of its pairs (`prefix`ed): each its own entry, as one
+        process logs each of its accumulation steps (a micro-batch's counts of KTO's desirable and undesirable rows
+        differ, so a mean over pipelines would not be the mean of their entries)."""
+        stats = torch.zeros(layout.pipelines, self.microbatches, len(self.stats), dtype=torch.float64)
+        stats = stats.to(self.device)
         if layout.last:
-            stats = torch.stack(self.records[-self.microbatches :])
-        else:
-            stats = torch.zeros(self.microbatches, len(self.stats), dtype=torch.float64, device=self.device)
+            stats[layout.pipeline] = torch.stack(self.records[-self.microbatches :])
         dist.all_reduce(stats)  # the last stages' records (each tensor-parallel rank of one holds the same)
         gathered = []
-        for row in (stats / layout.tensor).tolist():
+        for row in (stats / layout.tensor).reshape(-1, len(self.stats)).tolist():
             value = dict(zip(self.stats, row, strict=True))
             if value["pairs"] == 0:
                 continue
@@ -165,8 +216,18 @@ class PairLoss:
         return gathered
 
     def metrics(self, value: dict[str, float]) -> dict[str, float]:
-        """TRL's metrics of a micro-batch from its `stats` summed over the pipelines."""
+        """TRL's metrics of a micro-batch from its `stats`."""
         raise NotImplementedError
+
+    def reference_logps(self, layout: PipelineLayout) -> torch.Tensor:
+        """Every rank, after a reference pass over one batch per pipeline: each pipeline's rows' two
+        log-probabilities, (pipelines x pairs a step x 2), summed over the world from the last stages."""
+        rows = self.pairs * self.microbatches
+        every = torch.zeros(layout.pipelines, rows, 2, dtype=torch.float64, device=self.device)
+        if layout.last and layout.tensor_rank == 0:
+            every[layout.pipeline] = torch.cat(self.logps[-self.microbatches :])
+        dist.all_reduce(every)
+        return every
 
 
 class OddsRatioLoss(PairLoss):
@@ -179,7 +240,6 @@ class OddsRatioLoss(PairLoss):
         "rejected_logps",
         "accurate",
         "loss",
-        "pipelines",
         "nll_loss",
         "log_odds_ratio",
         "log_odds_chosen",
@@ -187,7 +247,7 @@ class OddsRatioLoss(PairLoss):
         "logits_rejected",
     )
     """Sums over a micro-batch's pairs (the pairs, their log-probabilities, the pairs the policy prefers rightly, the
-    loss times the pairs) and, once per pipeline, TRL's means over a process's micro-batch."""
+    loss times the pairs) and TRL's means over the micro-batch."""
 
     def __init__(self, odds_ratio_loss: Any, beta: float, pairs: int, microbatches: int) -> None:
         super().__init__(beta, pairs, microbatches)
@@ -220,7 +280,6 @@ class OddsRatioLoss(PairLoss):
                     rejected_logps.sum(),
                     (chosen_logps > rejected_logps).sum(),
                     loss * pairs,
-                    1,
                     nll,
                     log_odds_ratio,
                     log_odds_chosen,
@@ -231,7 +290,7 @@ class OddsRatioLoss(PairLoss):
         return loss / self.divisor
 
     def metrics(self, value: dict[str, float]) -> dict[str, float]:
-        pairs, pipelines = value["pairs"], value["pipelines"]
+        pairs = value["pairs"]
         chosen, rejected = value["chosen_logps"] / pairs, value["rejected_logps"] / pairs
         return {
             "rewards/chosen": self.beta * chosen,
@@ -240,11 +299,11 @@ class OddsRatioLoss(PairLoss):
             "rewards/margins": self.beta * (chosen - rejected),
             "logps/rejected": rejected,
             "logps/chosen": chosen,
-            "logits/rejected": value["logits_rejected"] / pipelines,
-            "logits/chosen": value["logits_chosen"] / pipelines,
-            "nll_loss": value["nll_loss"] / pipelines,
-            "log_odds_ratio": value["log_odds_ratio"] / pipelines,
-            "log_odds_chosen": value["log_odds_chosen"] / pipelines,
+            "logits/rejected": value["logits_rejected"],
+            "logits/chosen": value["logits_chosen"],
+            "nll_loss": value["nll_loss"],
+            "log_odds_ratio": value["log_odds_ratio"],
+            "log_odds_chosen": value["log_odds_chosen"],
         }
 
 
@@ -272,16 +331,6 @@ class SigmoidLoss(PairLoss):
     """Sums over a micro-batch's pairs (the pairs, their rewards and log-probabilities, the pairs rewarded rightly, the
     loss times the pairs) and over its completion tokens (entropy, the chosen and rejected ones' mean logits, the chosen
     ones predicted as their most likely token), and the tokens attended."""
-
-    def __init__(self, beta: float, pairs: int, microbatches: int) -> None:
-        super().__init__(beta, pairs, microbatches)
-        self.reference = False
-        self.logps: list[torch.Tensor] = []
-        """In a reference pass, each call's (pairs x 2) chosen and rejected log-probabilities, zero-padded."""
-
-    def begin(self, target: torch.Tensor, train: bool) -> None:
-        super().begin(target, train)
-        self.logps = []
 
     def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         from trl.trainer.utils import selective_log_softmax
@@ -352,15 +401,123 @@ class SigmoidLoss(PairLoss):
             "logps/rejected": value["rejected_logps"] / pairs,
         }
 
-    def reference_logps(self, layout: PipelineLayout) -> torch.Tensor:
-        """Every rank, after a reference pass over one batch per pipeline: each pipeline's rows' (chosen, rejected)
-        log-probabilities, (pipelines x pairs a step x 2), summed over the world from the last stages."""
-        rows = self.pairs * self.microbatches
-        every = torch.zeros(layout.pipelines, rows, 2, dtype=torch.float64, device=self.device)
-        if layout.last and layout.tensor_rank == 0:
-            every[layout.pipeline] = torch.cat(self.logps[-self.microbatches :])
-        dist.all_reduce(every)
-        return every
+
+class UnpairedLoss(PairLoss):
+    """KTO's loss of each micro-batch on the last stage (TRL's `loss_type` kto or apo_zero_unpaired), and its metrics;
+    with `reference` set, the micro-batch's log-probabilities alone, recorded for the reference columns. `pairs` are
+    here the micro-batch's completions (`UnpairedRows`).
+
+    KTO's KL term is the mean over the micro-batch of the policy's log-ratio on the mismatched completions, clamped
+    at 0 and held constant (TRL computes it under no_grad): here those rows run through the stages beside the
+    completions and their log-probabilities are detached, so they add nothing to the gradient (their backward is
+    work TRL's separate forward does not do)."""
+
+    stats = (
+        "pairs",
+        "loss",
+        "kl",
+        "entropy",
+        "tokens",
+        "chosen",
+        "rejected",
+        "chosen_rewards",
+        "rejected_rewards",
+        "chosen_logps",
+        "rejected_logps",
+        "chosen_logits",
+        "chosen_tokens",
+        "rejected_logits",
+        "rejected_tokens",
+    )
+    """Sums over a micro-batch's completions (their count, the desirable and undesirable ones, their rewards and
+    log-probabilities, the loss times the completions) and over their completion tokens (entropy, the desirable and
+    undesirable ones' mean logits), and TRL's KL estimate of the micro-batch."""
+
+    def __init__(self, trainer: Any, rows: int, microbatches: int) -> None:
+        super().__init__(trainer.beta, rows, microbatches)
+        self.loss_type, self.kl = trainer.loss_type, bool(trainer.calculate_KL)
+        self.desirable_weight, self.undesirable_weight = trainer.desirable_weight, trainer.undesirable_weight
+        self.span = rows * (2 if self.kl else 1)
+
+    def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        from trl.trainer.utils import selective_log_softmax
+
+        held = self.held(target)
+        if held == 0:
+            self.record(None)
+            self.logps.append(torch.zeros(self.pairs, 2, dtype=torch.float64, device=logits.device))
+            return logits.sum() * 0  # rows without labels: no loss, and the backward still runs through the stages
+        kl_rows = torch.arange(self.pairs, self.pairs + held) if self.kl else torch.arange(0)
+        rows = torch.cat([torch.arange(held), kl_rows]).to(logits.device)
+        logits = logits.float()[rows, :-1]  # as the Trainer's forward returns them under mixed precision; shifted
+        labels = target[rows, LABELS, 1:].long()
+        completion = labels != IGNORE_INDEX
+        logps = (selective_log_softmax(logits, labels.clamp(min=0)) * completion).sum(-1)
+        completion_logps, kl_logps = logps[:held], logps[held:].detach()
+        if self.reference:
+            both = torch.zeros(self.pairs, 2, dtype=torch.float64, device=logits.device)
+            both[:held, 0] = completion_logps.detach().double()
+            if self.kl:
+                both[:held, 1] = kl_logps.double()
+            self.logps.append(both)
+            return logits.sum() * 0
+        reference = target[rows, REFERENCE, 0].float()
+        desirable = target[:held, REFERENCE, 1] > 0.5
+        kl = torch.zeros((), device=logits.device)
+        if self.kl:  # KTOTrainer._compute_loss: its one process's micro-batch, gathered over no others
+            kl = (kl_logps - reference[held:]).mean().clamp(min=0)
+        ratios = completion_logps - reference[:held]
+        chosen, rejected = ratios[desirable], ratios[~desirable]
+        if self.loss_type == "kto":  # Eqn (7) of the KTO paper, as TRL computes it
+            chosen_losses = 1 - torch.sigmoid(self.beta * (chosen - kl))
+            rejected_losses = 1 - torch.sigmoid(self.beta * (kl - rejected))
+        else:  # apo_zero_unpaired
+            chosen_losses = 1 - torch.sigmoid(self.beta * chosen)
+            rejected_losses = torch.sigmoid(self.beta * rejected)
+        losses = torch.cat([self.desirable_weight * chosen_losses, self.undesirable_weight * rejected_losses])
+        loss = losses.nanmean()
+        with torch.no_grad():
+            ids = completion[:held]
+            entropy = torch.stack([_entropy(row) for row in logits[:held]])  # a row at a time: the logits are large
+            mean_logits = logits[:held].mean(-1)
+            self.record(
+                [
+                    held,
+                    loss * held,
+                    kl,
+                    (entropy * ids).sum(),
+                    ids.sum(),
+                    desirable.sum(),
+                    (~desirable).sum(),
+                    self.beta * chosen.sum(),
+                    self.beta * rejected.sum(),
+                    completion_logps[desirable].sum(),
+                    completion_logps[~desirable].sum(),
+                    (mean_logits[desirable] * ids[desirable]).sum(),
+                    ids[desirable].sum(),
+                    (mean_logits[~desirable] * ids[~desirable]).sum(),
+                    ids[~desirable].sum(),
+                ]
+            )
+        return loss / self.divisor
+
+    def metrics(self, value: dict[str, float]) -> dict[str, float]:
+        chosen, rejected = value["chosen"], value["rejected"]
+        metrics = {"kl": value["kl"]}
+        metrics["entropy"] = value["entropy"] / value["tokens"] if value["tokens"] > 0 else 0.0
+        if value["chosen_tokens"] > 0:
+            metrics["logits/chosen"] = value["chosen_logits"] / value["chosen_tokens"]
+        if value["rejected_tokens"] > 0:
+            metrics["logits/rejected"] = value["rejected_logits"] / value["rejected_tokens"]
+        if chosen > 0:
+            metrics["rewards/chosen"] = value["chosen_rewards"] / chosen
+            metrics["logps/chosen"] = value["chosen_logps"] / chosen
+        if rejected > 0:
+            metrics["rewards/rejected"] = value["rejected_rewards"] / rejected
+            metrics["logps/rejected"] = value["rejected_logps"] / rejected
+        if chosen > 0 and rejected > 0:
+            metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
+        return metrics
 
 
 def _entropy(logits: torch.Tensor) -> torch.Tensor:
@@ -370,14 +527,17 @@ def _entropy(logits: torch.Tensor) -> torch.Tensor:
 
 
 def preference_pipeline_trainer(base: type, stage: str, section: TrainingStage) -> type:
-    """`base` (TRL's ORPOTrainer or DPOTrainer) training the stage's model as a pipeline (`stages.pipeline_parallel`),
-    its loss and metrics `OddsRatioLoss`'s or `SigmoidLoss`'s; `base` itself where the run has one stage."""
+    """`base` (TRL's ORPOTrainer, DPOTrainer or KTOTrainer) training the stage's model as a pipeline
+    (`stages.pipeline_parallel`), its loss and metrics `OddsRatioLoss`'s, `SigmoidLoss`'s or `UnpairedLoss`'s; `base`
+    itself where the run has one stage."""
     pipelined = pipeline_trainer(base, stage, section)
     if pipelined is base:
         return base
     training = section.training
     pairs, microbatches = training.per_device_batch_size, training.gradient_accumulation_steps
+    kto = base.__name__ == "KTOTrainer"
     dpo = base.__name__ == "DPOTrainer"
+    referenced = dpo or kto  # a reference model, its log-probabilities precomputed; TRL's `_metrics`
 
     class PreferencePipelineTrainer(pipelined):  # type: ignore[misc, valid-type]
         """The pipeline's Trainer with paired micro-batches, the algorithm's loss on the last stage, and its
@@ -386,9 +546,11 @@ def preference_pipeline_trainer(base: type, stage: str, section: TrainingStage) 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             if dpo:
                 refuse_unsupported_dpo(stage, kwargs["args"])
+            # KTO's default loss estimates its KL term from mismatched rows; its other (apo_zero_unpaired) does not
+            self.mismatched_rows = kto and kwargs["args"].loss_type == "kto"
             with ExitStack() as patched:
-                if dpo:
-                    patched.enter_context(_no_policy_hash())
+                if referenced:
+                    patched.enter_context(_no_policy_hash("kto_trainer" if kto else "dpo_trainer"))
                     if hasattr(kwargs["model"], "peft_config"):
                         patched.enter_context(_reference_adapter_made_before_the_cut(kwargs["model"]))
                 super().__init__(*args, **kwargs)
@@ -397,20 +559,32 @@ def preference_pipeline_trainer(base: type, stage: str, section: TrainingStage) 
         def preference_loss(self) -> PairLoss:
             """The algorithm's loss (made once: DPO's reference pass, inside TRL's __init__, asks for it first)."""
             if getattr(self, "_preference_loss", None) is None:
-                if dpo:
-                    self._preference_loss: PairLoss = SigmoidLoss(self.beta, pairs, microbatches)
+                if kto:
+                    self._preference_loss: PairLoss = UnpairedLoss(self, pairs, microbatches)
+                elif dpo:
+                    self._preference_loss = SigmoidLoss(self.beta, pairs, microbatches)
                 else:
                     self._preference_loss = OddsRatioLoss(self.odds_ratio_loss, self.beta, pairs, microbatches)
                 self.pipeline.objective = self._preference_loss
             return self._preference_loss
 
         def fixed_shape_collator(self, data_collator: Any, pad_token_id: int) -> Any:
-            layout = ReferencedPairs if dpo else PairedRows
-            return layout(pairs, microbatches, training.max_seq_length, pad_token_id)
+            width = training.max_seq_length
+            if kto:
+                return UnpairedRows(pairs, microbatches, width, pad_token_id, self.mismatched_rows)
+            return (ReferencedPairs if dpo else PairedRows)(pairs, microbatches, width, pad_token_id)
+
+        def _prepare_dataset(self, dataset: Any, processing_class: Any, args: Any, *rest: Any, **kwargs: Any) -> Any:
+            """KTO: each row's mismatched completion is its neighbour's within a micro-batch (TRL rotates the
+            completions within each `per_device_train_batch_size` rows, here a step's every micro-batch)."""
+            if kto:
+                args = copy.copy(args)
+                args.per_device_train_batch_size = pairs
+            return super()._prepare_dataset(dataset, processing_class, args, *rest, **kwargs)
 
         def store(self, metrics: dict[str, float], mode: str) -> None:
             """Keep a micro-batch's metrics where the trainer's `log` averages them."""
-            if dpo:
+            if referenced:
                 for key, value in metrics.items():
                     self._metrics[mode][key].append(value)
             else:
@@ -425,7 +599,7 @@ def preference_pipeline_trainer(base: type, stage: str, section: TrainingStage) 
             self.pipeline.sum_tied_gradients()
             for _, _, metrics in loss_function.gathered(self.pipeline.layout):
                 self.store(metrics, "train")  # averaged into the next logged step, as TRL does
-            if dpo:
+            if referenced:  # the completions' tokens (KTO's mismatched rows attend nothing in the target)
                 attended = torch.tensor(int(inputs["labels"][:, ATTENTION].sum()), device=self.args.device)
                 dist.all_reduce(attended, group=self.pipeline.layout.replica_group)
                 self._total_train_tokens += int(attended.item())
@@ -433,8 +607,8 @@ def preference_pipeline_trainer(base: type, stage: str, section: TrainingStage) 
             return loss
 
         def _precompute_ref_logps(self, dataset: Any, name: str, batch_size: int) -> Any:
-            """DPO's reference log-probabilities of every row of `dataset`, through the stages, forward only, with
-            the starting weights (LoRA: the adapter switched as TRL switches it), added as TRL's columns. Each
+            """DPO's (KTO's) reference log-probabilities of every row of `dataset`, through the stages, forward only,
+            with the starting weights (LoRA: the adapter switched as TRL switches it), added as TRL's columns. Each
             pipeline runs every `pipelines`th batch (all as many, the last ones without pairs where rows run out)."""
             from trl.trainer.utils import use_adapter
 
@@ -466,7 +640,11 @@ def preference_pipeline_trainer(base: type, stage: str, section: TrainingStage) 
                 self.pipeline.part.train()
             found = found[: len(dataset)]
             if dist.get_rank() == 0:
-                print(f"[{stage}] reference log-probabilities of {len(dataset)} {name} pairs, through the stages")
+                rows = "rows" if kto else "pairs"
+                print(f"[{stage}] reference log-probabilities of {len(dataset)} {name} {rows}, through the stages")
+            if kto:
+                dataset = dataset.add_column("ref_logps", found[:, 0].tolist())
+                return dataset.add_column("ref_KL_logps", found[:, 1].tolist()) if self.mismatched_rows else dataset
             dataset = dataset.add_column("ref_chosen_logps", found[:, 0].tolist())
             return dataset.add_column("ref_rejected_logps", found[:, 1].tolist())
 
@@ -478,7 +656,7 @@ def preference_pipeline_trainer(base: type, stage: str, section: TrainingStage) 
             began = time.time()
             self.model.eval()  # DPOTrainer.log reads the mode from it
             self.pipeline.part.eval()
-            loss_function, prefix = self.preference_loss(), "" if dpo else f"{metric_key_prefix}_"
+            loss_function, prefix = self.preference_loss(), "" if referenced else f"{metric_key_prefix}_"
             total, held = 0.0, 0
             with torch.no_grad():
                 for batch in self.evaluation_batches(eval_dataset, self.data_collator([])):  # no pairs past the end
@@ -487,7 +665,7 @@ def preference_pipeline_trainer(base: type, stage: str, section: TrainingStage) 
                     for pairs_held, loss, metrics in loss_function.gathered(self.pipeline.layout, prefix):
                         total, held = total + loss, held + pairs_held
                         self.store(metrics, "eval")
-            if dpo:
+            if referenced:
                 self._metrics["eval"]["num_tokens"] = [self._total_train_tokens]
             metrics = {
                 f"{metric_key_prefix}_loss": total / max(held, 1),
@@ -543,10 +721,11 @@ def _reference_adapter_made_before_the_cut(model: Any) -> Iterator[None]:
         yield
 
 
-def _no_policy_hash() -> Any:
-    """While DPOTrainer is made over pipeline stages: TRL hashes the whole policy to name its cache of precomputed
-    reference log-probabilities (`hash_module`, reading every weight with .numpy(), which FSDP2's sharded weights
-    refuse); the stages compute them without that cache (`_precompute_ref_logps`), so no hash is taken."""
+def _no_policy_hash(module: str) -> Any:
+    """While DPOTrainer or KTOTrainer (TRL's `module`) is made over pipeline stages: TRL hashes the whole policy to
+    name its cache of precomputed reference log-probabilities (`hash_module`, reading every weight with .numpy(),
+    which FSDP2's sharded weights refuse); the stages compute them without that cache (`_precompute_ref_logps`), so
+    no hash is taken."""
     from unittest import mock
 
-    return mock.patch("trl.trainer.dpo_trainer.hash_module", lambda module: "")
+    return mock.patch(f"trl.trainer.{module}.hash_module", lambda module: "")

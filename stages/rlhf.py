@@ -319,7 +319,11 @@ def make_trainer(
     if section.algorithm == "kto":
         from trl import KTOTrainer
 
-        return KTOTrainer(**common, eval_dataset=eval_rows, ref_model=frozen_reference(ctx, start, tokenizer))
+        reference = frozen_reference(ctx, start, tokenizer)
+        # KTOTrainer itself unless the model is cut into pipeline stages
+        return preference_pipeline_trainer(KTOTrainer, ctx.stage, section)(
+            **common, eval_dataset=eval_rows, ref_model=reference
+        )
     from trl import GRPOTrainer
 
     from stages.chat import stop_token_ids

@@ -33,7 +33,13 @@ from spec.document import SpecError
 from spec.loading import load_pipeline
 from stages.contract import NotSupportedHere
 from stages.pipeline_parallel import check_fits, layer_ranges, pad_rows
-from stages.pipeline_preference import OddsRatioLoss, PairedRows, refuse_unsupported_dpo
+from stages.pipeline_preference import (
+    OddsRatioLoss,
+    PairedRows,
+    UnpairedLoss,
+    UnpairedRows,
+    refuse_unsupported_dpo,
+)
 from stages.training import read_log_history
 
 PIPELINE = ["stages.cpt.distributed.strategy=fsdp", "stages.cpt.distributed.pipeline_parallel=2"]
@@ -381,16 +387,31 @@ def orpo_settings(method: str, per_device: int, microbatches: int, algorithm: st
 
 ORPO_LOGGED = ("nll_loss", "log_odds_ratio", "logps/chosen", "eval_rewards/accuracies", "eval_nll_loss")
 DPO_LOGGED = ("entropy", "mean_token_accuracy", "logits/chosen", "logps/rejected", "eval_rewards/chosen")
+KTO_LOGGED = ("kl", "entropy", "logits/chosen", "logps/rejected", "rewards/margins", "eval_kl", "eval_rewards/chosen")
+PAIRED_RESULTS = (
+    "rewards_margin_first",
+    "rewards_margin_last",
+    "rewards_accuracy_last",
+    "eval_loss",
+    "eval_rewards_margin",
+)
+KTO_RESULTS = ("rewards_margin_first", "rewards_margin_last", "kl_first", "kl_last", "eval_loss", "eval_kl")
 
 
-def assert_orpo_trains_as_one(single: RunDir, cut: RunDir, method: str, logged: tuple[str, ...] = ORPO_LOGGED) -> None:
-    """The cut run trained ORPO (or DPO: its `logged` metrics) as the single process did: the losses, the saved
-    weights or adapter, and TRL's metrics during training (logged every step) and on the held-out pairs."""
+def assert_orpo_trains_as_one(
+    single: RunDir,
+    cut: RunDir,
+    method: str,
+    logged: tuple[str, ...] = ORPO_LOGGED,
+    results: tuple[str, ...] = PAIRED_RESULTS,
+) -> None:
+    """The cut run trained ORPO (or DPO, KTO: their `logged` metrics and stage.json `results`) as the single process
+    did: the losses, the saved weights or adapter, and TRL's metrics during training (logged every step) and on the
+    held-out rows."""
     assert_trains_as_one(single, cut, "rlhf", steps=3, weights=SAVED[method], atol=1e-4)
     one, two = single.read_result("rlhf"), cut.read_result("rlhf")
     assert one is not None and two is not None
-    names = ["rewards_margin_first", "rewards_margin_last", "rewards_accuracy_last", "eval_loss", "eval_rewards_margin"]
-    for name in names:
+    for name in results:
         assert abs(one.metrics[name] - two.metrics[name]) < 1e-4, (name, one.metrics[name], two.metrics[name])
     histories = [read_log_history(run.stage_dir("rlhf") / "logs/log_history.json") for run in (single, cut)]
     for key in logged:
@@ -419,7 +440,7 @@ def test_orpo_on_two_stages_trains_a_lora_adapter_as_one_process(tmp_path: Path)
 def test_orpo_on_two_pipelines_of_two_stages_trains_a_tied_model_as_one_process(tmp_path: Path) -> None:
     """Four processes: Gemma 3 (its head tied to the embedding) fully trained with ORPO over two pipelines of two
     stages, each pipeline its own pairs (FSDP2's average over the pipelines is DDP's), against one process whose
-    accumulation steps are both pipelines' micro-batches; the metrics summed over the pipelines as TRL gathers them."""
+    accumulation steps are both pipelines' micro-batches; each pipeline's micro-batch logged as one of its steps."""
     gemma = "model.from_config.architecture=gemma3"
     single = make_preference_run_dir(tmp_path / "one", [gemma, *orpo_settings("full", per_device=2, microbatches=4)])
     run_ok(single, "rlhf", OMP_NUM_THREADS="1")
@@ -460,6 +481,35 @@ def test_dpo_with_lora_on_two_pipelines_of_two_stages_trains_as_one_process(tmp_
     assert "ref" not in {path.name for path in (cut.stage_dir("rlhf") / "model").iterdir()}  # the adapter alone
 
 
+@pytest.mark.slow
+def test_kto_on_two_stages_trains_as_one_process(tmp_path: Path) -> None:
+    """rlhf's full KTO cut in two: each micro-batch holds its completions and their mismatched completions (KTO's
+    KL term, held constant), the reference's log-probabilities of both computed once through the stages; the two
+    train as one process does over the same micro-batches."""
+    common = orpo_settings("full", per_device=2, microbatches=2, algorithm="kto")
+    single = make_preference_run_dir(tmp_path / "one", common)
+    run_ok(single, "rlhf", OMP_NUM_THREADS="1")
+    cut = make_preference_run_dir(tmp_path / "two", [*common, *PIPELINE_RLHF])
+    process = torchrun_stage(cut, "rlhf")
+    assert process.wait(timeout=600) == 0, (cut.root / "rlhf.torchrun.log").read_text()[-4000:]
+    assert_orpo_trains_as_one(single, cut, "full", KTO_LOGGED, KTO_RESULTS)
+    log = (cut.root / "rlhf.torchrun.log").read_text()
+    assert "reference log-probabilities of 128 train rows, through the stages" in log
+
+
+@pytest.mark.slow
+def test_kto_with_lora_on_two_pipelines_of_two_stages_trains_as_one_process(tmp_path: Path) -> None:
+    """Four processes: KTO's adapter over two pipelines of two stages against one process whose accumulation steps
+    are both pipelines' micro-batches. A micro-batch's desirable and undesirable rows differ in count, so each
+    pipeline's micro-batch is logged as its own entry (a mean over the pipelines would differ: rewards/margins)."""
+    single = make_preference_run_dir(tmp_path / "one", orpo_settings("lora", 2, 4, algorithm="kto"))
+    run_ok(single, "rlhf", OMP_NUM_THREADS="1")
+    cut = make_preference_run_dir(tmp_path / "four", [*orpo_settings("lora", 2, 2, algorithm="kto"), *PIPELINE_RLHF])
+    process = torchrun_stage(cut, "rlhf", processes=4)
+    assert process.wait(timeout=900) == 0, (cut.root / "rlhf.torchrun.log").read_text()[-4000:]
+    assert_orpo_trains_as_one(single, cut, "lora", KTO_LOGGED, KTO_RESULTS)
+
+
 def test_preference_pairs_are_laid_out_as_the_schedule_splits_them() -> None:
     """Each micro-batch: its pairs' chosen rows, then their rejected rows, padded to the width; a short batch's
     missing pairs are rows without labels, left out of the loss and of the divisor."""
@@ -498,6 +548,51 @@ def test_preference_pairs_are_laid_out_as_the_schedule_splits_them() -> None:
     refuse_unsupported_dpo("rlhf", DPOConfig(output_dir="unused", bf16=False))  # TRL's defaults: computed here
     with pytest.raises(NotSupportedHere, match=r"stages\.rlhf\.training\.extra_args: loss_type, ld_alpha under"):
         refuse_unsupported_dpo("rlhf", DPOConfig(output_dir="unused", bf16=False, loss_type=["ipo"], ld_alpha=0.5))
+
+
+def test_kto_rows_are_laid_out_with_their_mismatched_completions() -> None:
+    """KTO: each micro-batch its completions, then their mismatched completions (KL rows: the prompt and another
+    row's completion), the reference log-probabilities and labels in the target; the KL term held constant."""
+    from types import SimpleNamespace
+
+    import torch
+
+    def row(prompt: list[int], answer: list[int], other: list[int], label: bool) -> dict[str, object]:
+        return {"prompt_ids": prompt, "completion_ids": answer, "KL_completion_ids": other, "label": label}
+
+    collate = UnpairedRows(rows=2, microbatches=2, width=4, pad_token_id=0, kl=True)
+    features = [row([1, 2], [3], [4, 5, 6], True), row([7], [4, 5, 6], [3], False), row([8], [9], [9], True)]
+    features[0] |= {"ref_logps": -1.5, "ref_KL_logps": -2.5}
+    features[1] |= {"ref_logps": -3.0, "ref_KL_logps": -1.0}
+    batch = collate(features)
+    ids, target = batch["input_ids"], batch["labels"]
+    assert ids.shape == (8, 4) and target.shape == (8, 3, 4) and target.dtype == torch.float64
+    # micro-batch 0: rows 0 and 1, then their KL rows (truncated to the width from the start); micro-batch 1: row 2
+    assert ids[:4].tolist() == [[1, 2, 3, 0], [7, 4, 5, 6], [1, 2, 4, 5], [7, 3, 0, 0]]
+    assert ids[4:].tolist() == [[8, 9, 0, 0], [0] * 4, [8, 9, 0, 0], [0] * 4]
+    assert target[0].tolist() == [[-1.5, 1, -100, -100], [-100, -100, 3, -100], [1, 1, 1, 0]]
+    assert target[1, 0, 1] == 0  # undesirable
+    assert target[2].tolist() == [[-2.5, -100, -100, -100], [-100, -100, 4, 5], [0] * 4]  # attends nothing counted
+    trainer = SimpleNamespace(
+        beta=0.5, loss_type="kto", calculate_KL=True, desirable_weight=1.0, undesirable_weight=1.0
+    )
+    loss = UnpairedLoss(trainer, rows=2, microbatches=2)
+    loss.begin(target, train=True)
+    assert loss.divisor == 2
+    logits = torch.randn(4, 4, 10, requires_grad=True)
+    value = loss(logits, target[:4])
+    value.backward()
+    assert logits.grad is not None and not logits.grad[2:].any()  # the KL rows add nothing to the gradient
+    # the loss by hand: log-probabilities of the completions and the KL rows, the KL term clamped at 0
+    logps = torch.log_softmax(logits.detach().float(), -1)
+    own = torch.stack([logps[0, 1, 3], logps[1, 0:3, :].gather(-1, torch.tensor([[4], [5], [6]])).sum()])
+    mismatched = torch.stack([logps[2, 1:3].gather(-1, torch.tensor([[4], [5]])).sum(), logps[3, 0, 3]])
+    kl = (mismatched - torch.tensor([-2.5, -1.0])).mean().clamp(min=0)
+    ratios = own - torch.tensor([-1.5, -3.0])
+    expected = torch.stack([1 - torch.sigmoid(0.5 * (ratios[0] - kl)), 1 - torch.sigmoid(0.5 * (kl - ratios[1]))])
+    torch.testing.assert_close(value, expected.mean() / 2)
+    apo = UnpairedRows(rows=2, microbatches=2, width=4, pad_token_id=0, kl=False)  # no KL term: no KL rows
+    assert apo([row([1], [2], [3], True)])["input_ids"].shape == (4, 4)
 
 
 def test_the_layers_are_cut_into_consecutive_even_runs() -> None:
@@ -555,10 +650,13 @@ def test_the_spec_refuses_what_the_pipeline_cannot_run() -> None:
     rlhf = ["stages.rlhf.distributed.pipeline_parallel=2", "stages.rlhf.distributed.strategy=fsdp"]
     rlhf.append("stages.rlhf.training.gradient_accumulation_steps=2")
     full_rlhf = "stages.rlhf.method=full"
-    kto = "stages.rlhf.algorithm=kto"
-    assert "does not run with pipeline_parallel yet (orpo and dpo do)" in spec_error("korean-llm", [*rlhf, kto])
+    grpo = "stages.rlhf.algorithm=grpo"
+    assert "does not run with pipeline_parallel yet (orpo, dpo and kto do)" in spec_error("korean-llm", [*rlhf, grpo])
     no_precompute = [*rlhf, "stages.rlhf.precompute_ref_log_probs=false"]
     assert "dpo computes the reference's log-probabilities once" in spec_error("korean-llm", no_precompute)
+    kto = "stages.rlhf.algorithm=kto"
+    assert "kto computes the reference's log-probabilities once" in spec_error("korean-llm", [*no_precompute, kto])
+    load_pipeline("korean-llm", overrides=[*rlhf, kto])
     load_pipeline("korean-llm", overrides=[*rlhf, full_rlhf])  # dpo, its reference precomputed
     load_pipeline("korean-llm", overrides=[*rlhf, full_rlhf, "stages.rlhf.algorithm=orpo"])
     # a mixture of experts the spec knows (a hub model's name, or model.from_config) cuts with its balance loss off
