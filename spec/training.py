@@ -741,13 +741,16 @@ class RlhfStage(TrainingStage):
             if self.algorithm == "orpo":
                 continue  # no reference: its loss is the policy's alone, over a sharded model or pipeline stages
             if not sharded and self.algorithm in ("dpo", "kto"):
-                if self.precompute_ref_log_probs:
-                    continue  # the reference's log-probabilities computed once through the stages
+                # the reference's log-probabilities through the stages: once before training, or (LoRA: the
+                # adapter switched) at each step
+                if self.precompute_ref_log_probs or self.method == "lora":
+                    continue
                 raise FieldError(
                     ("precompute_ref_log_probs",),
-                    f"is false; with distributed.pipeline_parallel {self.algorithm} computes the reference's "
-                    "log-probabilities once, through the stages, before training: set it to true (the default), or "
-                    "pipeline_parallel to 1",
+                    f"is false with method {self.method}; with distributed.pipeline_parallel {self.algorithm} "
+                    "computes a full policy's reference log-probabilities once, through the stages, before training "
+                    "(a frozen reference beside it would be a second model cut into stages): set it to true (the "
+                    "default), or pipeline_parallel to 1",
                 )
             if sharded and self.algorithm == "grpo":
                 continue  # its reference is the policy without its adapter, or loaded sharded

@@ -23,12 +23,14 @@ computed there, micro-batch by micro-batch:
   `mean_token_accuracy`), each pipeline's micro-batch its own entry in the trainer's own log, as one process logs
   its accumulation steps.
 - DPO's reference is the starting model, its log-probabilities computed once before training through the same
-  schedule, forward only (`precompute_ref_log_probs: true`, TRL's default; with LoRA the adapter switched as TRL
-  switches it: to its frozen copy `ref`, or off), each pipeline its share of the rows, gathered into every rank's
-  rows as TRL's `ref_chosen_logps` and `ref_rejected_logps` columns.
+  schedule, forward only (`precompute_ref_log_probs: true`, the spec's default; with LoRA the adapter switched as
+  TRL switches it: to its frozen copy `ref`, or off), each pipeline its share of the rows, gathered into every rank's
+  rows as TRL's `ref_chosen_logps` and `ref_rejected_logps` columns. With LoRA and `precompute_ref_log_probs: false`
+  the same pass runs over each step's batch (and each held-out batch) before it, as TRL computes its reference at
+  each step (`add_reference`).
 - KTO: `UnpairedRows` lays out each micro-batch's completions then their mismatched completions (the KL rows), and
   `UnpairedLoss` takes TRL's KTO loss with the KL term from the micro-batch's KL rows, detached (see the class); the
-  reference's log-probabilities of both precomputed as DPO's (`ref_logps`, `ref_KL_logps`).
+  reference's log-probabilities of both computed as DPO's (`ref_logps`, `ref_KL_logps`).
 
 ORPO's logits metrics are means over the batch's width as TRL pads it; the positions past a row's end are attended
 as the stages attend them (no padding mask: each row's own tokens are unchanged, the padding's logits differ).
@@ -593,6 +595,8 @@ def preference_pipeline_trainer(base: type, stage: str, section: TrainingStage) 
         def training_step(self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
             self.pipeline.part.train()
             inputs = self._prepare_inputs(inputs)
+            if referenced and not self.precompute_ref_logps:
+                self.add_reference(inputs)
             loss_function = self.preference_loss()
             loss_function.begin(inputs["labels"], train=True)
             loss = self.pipeline.run(inputs, train=True)
@@ -606,38 +610,62 @@ def preference_pipeline_trainer(base: type, stage: str, section: TrainingStage) 
                 self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
             return loss
 
-        def _precompute_ref_logps(self, dataset: Any, name: str, batch_size: int) -> Any:
-            """DPO's (KTO's) reference log-probabilities of every row of `dataset`, through the stages, forward only,
-            with the starting weights (LoRA: the adapter switched as TRL switches it), added as TRL's columns. Each
-            pipeline runs every `pipelines`th batch (all as many, the last ones without pairs where rows run out)."""
+        @contextmanager
+        def reference_pass(self) -> Iterator[PairLoss]:
+            """Forward passes through the stages with the reference's weights (LoRA: the adapter switched as TRL
+            switches it: to its frozen copy `ref`, or off), the loss recording log-probabilities."""
             from trl.trainer.utils import use_adapter
 
-            layout, loss_function = self.pipeline.layout, self.preference_loss()
-            per_batch = pairs * microbatches
-            batches = -(-len(dataset) // per_batch)
-            rounds = -(-batches // layout.pipelines)
-            found = torch.zeros(rounds * layout.pipelines * per_batch, 2, dtype=torch.float64)
-            model = self.model
+            loss_function, model = self.preference_loss(), self.model
             adapter = nullcontext()
             if self.pipeline.adapter:
                 adapter = use_adapter(model, adapter_name="ref" if "ref" in model.peft_config else None)
+            training = self.pipeline.part.training
             self.pipeline.part.eval()
             loss_function.reference = True
             try:
                 with torch.no_grad(), adapter:
-                    for turn in range(rounds):
-                        index = turn * layout.pipelines + layout.pipeline
-                        rows = range(index * per_batch, min((index + 1) * per_batch, len(dataset)))
-                        batch = self._prepare_inputs(self.data_collator([dataset[row] for row in rows]))
-                        loss_function.begin(batch["labels"], train=False)
-                        self.pipeline.run(batch, train=False)
-                        start = turn * layout.pipelines * per_batch
-                        found[start : start + layout.pipelines * per_batch] = (
-                            loss_function.reference_logps(layout).reshape(-1, 2).cpu()
-                        )
+                    yield loss_function
             finally:
                 loss_function.reference = False
-                self.pipeline.part.train()
+                self.pipeline.part.train(training)
+
+        def add_reference(self, batch: dict[str, torch.Tensor]) -> None:
+            """`precompute_ref_log_probs: false` (LoRA): the batch's reference log-probabilities through the stages
+            now, as TRL computes them at each step, into its target."""
+            layout = self.pipeline.layout
+            with self.reference_pass() as loss_function:
+                loss_function.begin(batch["labels"], train=False)
+                self.pipeline.run(batch, train=False)
+                found = loss_function.reference_logps(layout)[layout.pipeline]  # (pairs a step x 2)
+            if kto:
+                halves = ("completion", "KL") if self.mismatched_rows else ("completion",)
+            else:
+                halves = ("chosen", "rejected")
+            for column, half in enumerate(halves):
+                rows = [self.data_collator.row(index, half) for index in range(len(found))]
+                batch["labels"][rows, REFERENCE, 0] = found[:, column].to(batch["labels"].dtype)
+
+        def _precompute_ref_logps(self, dataset: Any, name: str, batch_size: int) -> Any:
+            """DPO's (KTO's) reference log-probabilities of every row of `dataset`, through the stages, forward only,
+            with the starting weights, added as TRL's columns. Each pipeline runs every `pipelines`th batch (all as
+            many, the last ones without pairs where rows run out)."""
+            layout = self.pipeline.layout
+            per_batch = pairs * microbatches
+            batches = -(-len(dataset) // per_batch)
+            rounds = -(-batches // layout.pipelines)
+            found = torch.zeros(rounds * layout.pipelines * per_batch, 2, dtype=torch.float64)
+            with self.reference_pass() as loss_function:
+                for turn in range(rounds):
+                    index = turn * layout.pipelines + layout.pipeline
+                    rows = range(index * per_batch, min((index + 1) * per_batch, len(dataset)))
+                    batch = self._prepare_inputs(self.data_collator([dataset[row] for row in rows]))
+                    loss_function.begin(batch["labels"], train=False)
+                    self.pipeline.run(batch, train=False)
+                    start = turn * layout.pipelines * per_batch
+                    found[start : start + layout.pipelines * per_batch] = (
+                        loss_function.reference_logps(layout).reshape(-1, 2).cpu()
+                    )
             found = found[: len(dataset)]
             if dist.get_rank() == 0:
                 rows = "rows" if kto else "pairs"
@@ -660,6 +688,8 @@ def preference_pipeline_trainer(base: type, stage: str, section: TrainingStage) 
             total, held = 0.0, 0
             with torch.no_grad():
                 for batch in self.evaluation_batches(eval_dataset, self.data_collator([])):  # no pairs past the end
+                    if referenced and not self.precompute_ref_logps:
+                        self.add_reference(batch)
                     loss_function.begin(batch["labels"], train=False)
                     self.pipeline.run(batch, train=False)
                     for pairs_held, loss, metrics in loss_function.gathered(self.pipeline.layout, prefix):

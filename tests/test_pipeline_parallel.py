@@ -498,6 +498,21 @@ def test_kto_on_two_stages_trains_as_one_process(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_dpo_with_the_reference_at_each_step_trains_a_lora_adapter_as_one_process(tmp_path: Path) -> None:
+    """`precompute_ref_log_probs: false`: each step's (and each held-out batch's) reference log-probabilities through
+    the stages first, forward only, with TRL's frozen `ref` adapter, then the step; two stages train the adapter as
+    one process that computes its reference at each step does."""
+    common = [*orpo_settings("lora", 2, 2, algorithm="dpo"), "stages.rlhf.precompute_ref_log_probs=false"]
+    single = make_preference_run_dir(tmp_path / "one", common)
+    run_ok(single, "rlhf", OMP_NUM_THREADS="1")
+    cut = make_preference_run_dir(tmp_path / "two", [*common, *PIPELINE_RLHF])
+    process = torchrun_stage(cut, "rlhf")
+    assert process.wait(timeout=600) == 0, (cut.root / "rlhf.torchrun.log").read_text()[-4000:]
+    assert_orpo_trains_as_one(single, cut, "lora", DPO_LOGGED)
+    assert "reference log-probabilities of" not in (cut.root / "rlhf.torchrun.log").read_text()  # none precomputed
+
+
+@pytest.mark.slow
 def test_kto_with_lora_on_two_pipelines_of_two_stages_trains_as_one_process(tmp_path: Path) -> None:
     """Four processes: KTO's adapter over two pipelines of two stages against one process whose accumulation steps
     are both pipelines' micro-batches. A micro-batch's desirable and undesirable rows differ in count, so each
@@ -652,11 +667,15 @@ def test_the_spec_refuses_what_the_pipeline_cannot_run() -> None:
     full_rlhf = "stages.rlhf.method=full"
     grpo = "stages.rlhf.algorithm=grpo"
     assert "does not run with pipeline_parallel yet (orpo, dpo and kto do)" in spec_error("korean-llm", [*rlhf, grpo])
-    no_precompute = [*rlhf, "stages.rlhf.precompute_ref_log_probs=false"]
-    assert "dpo computes the reference's log-probabilities once" in spec_error("korean-llm", no_precompute)
+    no_precompute = [*rlhf, "stages.rlhf.precompute_ref_log_probs=false", full_rlhf]
+    assert "false with method full; with distributed.pipeline_parallel dpo computes a full policy's" in spec_error(
+        "korean-llm", no_precompute
+    )
     kto = "stages.rlhf.algorithm=kto"
-    assert "kto computes the reference's log-probabilities once" in spec_error("korean-llm", [*no_precompute, kto])
+    assert "pipeline_parallel kto computes a full" in spec_error("korean-llm", [*no_precompute, kto])
     load_pipeline("korean-llm", overrides=[*rlhf, kto])
+    lora = "stages.rlhf.method=lora"
+    load_pipeline("korean-llm", overrides=[*no_precompute, lora])  # the adapter switched off at each step
     load_pipeline("korean-llm", overrides=[*rlhf, full_rlhf])  # dpo, its reference precomputed
     load_pipeline("korean-llm", overrides=[*rlhf, full_rlhf, "stages.rlhf.algorithm=orpo"])
     # a mixture of experts the spec knows (a hub model's name, or model.from_config) cuts with its balance loss off
