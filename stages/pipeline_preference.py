@@ -449,13 +449,19 @@ class UnpairedLoss(PairLoss):
             self.record(None)
             self.logps.append(torch.zeros(self.pairs, 2, dtype=torch.float64, device=logits.device))
             return logits.sum() * 0  # rows without labels: no loss, and the backward still runs through the stages
-        kl_rows = torch.arange(self.pairs, self.pairs + held) if self.kl else torch.arange(0)
-        rows = torch.cat([torch.arange(held), kl_rows]).to(logits.device)
-        logits = logits.float()[rows, :-1]  # as the Trainer's forward returns them under mixed precision; shifted
-        labels = target[rows, LABELS, 1:].long()
-        completion = labels != IGNORE_INDEX
-        logps = (selective_log_softmax(logits, labels.clamp(min=0)) * completion).sum(-1)
-        completion_logps, kl_logps = logps[:held], logps[held:].detach()
+
+        def summed_logps(rows: slice) -> torch.Tensor:
+            """Each row's log-probability of its completion (the logits as the Trainer's forward returns them under
+            mixed precision, shifted)."""
+            labels = target[rows, LABELS, 1:].long()
+            chosen = selective_log_softmax(logits[rows, :-1].float(), labels.clamp(min=0))
+            return (chosen * (labels != IGNORE_INDEX)).sum(-1)
+
+        completion_logps = summed_logps(slice(0, held))
+        kl_logps = torch.zeros(0, device=logits.device)
+        if self.kl:
+            with torch.no_grad():  # held constant, as TRL's separate forward under no_grad
+                kl_logps = summed_logps(slice(self.pairs, self.pairs + held))
         if self.reference:
             both = torch.zeros(self.pairs, 2, dtype=torch.float64, device=logits.device)
             both[:held, 0] = completion_logps.detach().double()
@@ -463,11 +469,11 @@ class UnpairedLoss(PairLoss):
                 both[:held, 1] = kl_logps.double()
             self.logps.append(both)
             return logits.sum() * 0
-        reference = target[rows, REFERENCE, 0].float()
+        reference = target[:, REFERENCE, 0].float()
         desirable = target[:held, REFERENCE, 1] > 0.5
         kl = torch.zeros((), device=logits.device)
         if self.kl:  # KTOTrainer._compute_loss: its one process's micro-batch, gathered over no others
-            kl = (kl_logps - reference[held:]).mean().clamp(min=0)
+            kl = (kl_logps - reference[self.pairs : self.pairs + held]).mean().clamp(min=0)
         ratios = completion_logps - reference[:held]
         chosen, rejected = ratios[desirable], ratios[~desirable]
         if self.loss_type == "kto":  # Eqn (7) of the KTO paper, as TRL computes it
@@ -479,9 +485,10 @@ class UnpairedLoss(PairLoss):
         losses = torch.cat([self.desirable_weight * chosen_losses, self.undesirable_weight * rejected_losses])
         loss = losses.nanmean()
         with torch.no_grad():
-            ids = completion[:held]
-            entropy = torch.stack([_entropy(row) for row in logits[:held]])  # a row at a time: the logits are large
-            mean_logits = logits[:held].mean(-1)
+            ids = target[:held, LABELS, 1:] != IGNORE_INDEX
+            shifted = logits[:held, :-1].float()
+            entropy = torch.stack([_entropy(row) for row in shifted])  # a row at a time: the logits are large
+            mean_logits = shifted.mean(-1)
             self.record(
                 [
                     held,
