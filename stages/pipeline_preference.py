@@ -187,6 +187,13 @@ class PairLoss:
         self.divisor = max(1, held) if train else 1
         self.records, self.logps, self.device = [], [], target.device
 
+    def nothing_held(self, logits: torch.Tensor) -> torch.Tensor:
+        """A micro-batch of rows without labels: nothing recorded (zeros), no loss, and a backward that still runs
+        through the stages."""
+        self.record(None)
+        self.logps.append(torch.zeros(self.pairs, 2, dtype=torch.float64, device=logits.device))
+        return logits.sum() * 0
+
     def held(self, target: torch.Tensor) -> int:
         """The pairs a micro-batch's `target` holds."""
         return int((target[: self.pairs, LABELS] != IGNORE_INDEX).any(-1).sum())
@@ -260,8 +267,7 @@ class OddsRatioLoss(PairLoss):
 
         pairs = self.held(target)
         if pairs == 0:
-            self.record(None)
-            return logits.sum() * 0  # rows without labels: no loss, and the backward still runs through the stages
+            return self.nothing_held(logits)
         logits = logits.float()  # as the Trainer's forward returns them under mixed precision
         chosen, rejected = logits[:pairs], logits[self.pairs : self.pairs + pairs]
         labels = target[:, LABELS]
@@ -339,9 +345,7 @@ class SigmoidLoss(PairLoss):
 
         pairs = self.held(target)
         if pairs == 0:
-            self.record(None)
-            self.logps.append(torch.zeros(self.pairs, 2, dtype=torch.float64, device=logits.device))
-            return logits.sum() * 0  # rows without labels: no loss, and the backward still runs through the stages
+            return self.nothing_held(logits)
         rows = torch.cat([torch.arange(pairs), torch.arange(self.pairs, self.pairs + pairs)]).to(logits.device)
         logits = logits.float()[rows, :-1]  # as the Trainer's forward returns them under mixed precision; shifted
         labels = target[rows, LABELS, 1:].long()
@@ -446,9 +450,7 @@ class UnpairedLoss(PairLoss):
 
         held = self.held(target)
         if held == 0:
-            self.record(None)
-            self.logps.append(torch.zeros(self.pairs, 2, dtype=torch.float64, device=logits.device))
-            return logits.sum() * 0  # rows without labels: no loss, and the backward still runs through the stages
+            return self.nothing_held(logits)
 
         def summed_logps(rows: slice) -> torch.Tensor:
             """Each row's log-probability of its completion (the logits as the Trainer's forward returns them under

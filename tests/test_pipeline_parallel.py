@@ -451,50 +451,48 @@ def test_orpo_on_two_pipelines_of_two_stages_trains_a_tied_model_as_one_process(
     assert_orpo_trains_as_one(single, cut, "full")
 
 
+REFERENCED = {"dpo": (DPO_LOGGED, PAIRED_RESULTS, "64 train pairs"), "kto": (KTO_LOGGED, KTO_RESULTS, "128 train rows")}
+"""A preference algorithm with a reference: its logged metrics, its stage.json results, its rows a reference pass
+counts."""
+
+
 @pytest.mark.slow
-def test_dpo_on_two_stages_trains_as_one_process(tmp_path: Path) -> None:
-    """rlhf's full DPO cut in two: the reference's log-probabilities computed once through the stages before training
-    (the starting weights), then the sigmoid loss and TRL's metrics on the last stage; the two train as one process
-    does over the same micro-batches."""
-    common = orpo_settings("full", per_device=2, microbatches=2, algorithm="dpo")
+@pytest.mark.parametrize("algorithm", ["dpo", "kto"])
+def test_dpo_and_kto_on_two_stages_train_as_one_process(tmp_path: Path, algorithm: str) -> None:
+    """rlhf's full DPO (KTO) cut in two: the reference's log-probabilities computed once through the stages before
+    training (the starting weights), then the loss and TRL's metrics on the last stage (KTO: each micro-batch holds
+    its completions, then their mismatched completions, the KL term's rows, held constant); the two train as one
+    process does over the same micro-batches."""
+    logged, results, counted = REFERENCED[algorithm]
+    common = orpo_settings("full", per_device=2, microbatches=2, algorithm=algorithm)
     single = make_preference_run_dir(tmp_path / "one", common)
     run_ok(single, "rlhf", OMP_NUM_THREADS="1")
     cut = make_preference_run_dir(tmp_path / "two", [*common, *PIPELINE_RLHF])
     process = torchrun_stage(cut, "rlhf")
     assert process.wait(timeout=600) == 0, (cut.root / "rlhf.torchrun.log").read_text()[-4000:]
-    assert_orpo_trains_as_one(single, cut, "full", DPO_LOGGED)
+    assert_orpo_trains_as_one(single, cut, "full", logged, results)
     log = (cut.root / "rlhf.torchrun.log").read_text()
-    assert "reference log-probabilities of 64 train pairs, through the stages" in log
+    assert f"reference log-probabilities of {counted}, through the stages" in log
 
 
 @pytest.mark.slow
-def test_dpo_with_lora_on_two_pipelines_of_two_stages_trains_as_one_process(tmp_path: Path) -> None:
-    """Four processes: DPO's adapter over two pipelines of two stages, its reference TRL's frozen copy of the starting
-    adapter (`ref`, made before the cut so that FSDP2 shards it with the adapter), against one process whose
-    accumulation steps are both pipelines' micro-batches."""
-    single = make_preference_run_dir(tmp_path / "one", orpo_settings("lora", 2, 4, algorithm="dpo"))
+@pytest.mark.parametrize("algorithm", ["dpo", "kto"])
+def test_dpo_and_kto_with_lora_on_two_pipelines_of_two_stages_train_as_one_process(
+    tmp_path: Path, algorithm: str
+) -> None:
+    """Four processes: DPO's (KTO's) adapter over two pipelines of two stages, its reference TRL's frozen copy of the
+    starting adapter (`ref`, made before the cut so that FSDP2 shards it with the adapter), against one process whose
+    accumulation steps are both pipelines' micro-batches. Each pipeline's micro-batch is logged as its own entry (a
+    micro-batch's desirable and undesirable KTO rows differ in count, so a mean over pipelines would differ)."""
+    logged, results, _ = REFERENCED[algorithm]
+    single = make_preference_run_dir(tmp_path / "one", orpo_settings("lora", 2, 4, algorithm=algorithm))
     run_ok(single, "rlhf", OMP_NUM_THREADS="1")
-    cut = make_preference_run_dir(tmp_path / "four", [*orpo_settings("lora", 2, 2, algorithm="dpo"), *PIPELINE_RLHF])
+    common = [*orpo_settings("lora", 2, 2, algorithm=algorithm), *PIPELINE_RLHF]
+    cut = make_preference_run_dir(tmp_path / "four", common)
     process = torchrun_stage(cut, "rlhf", processes=4)
     assert process.wait(timeout=900) == 0, (cut.root / "rlhf.torchrun.log").read_text()[-4000:]
-    assert_orpo_trains_as_one(single, cut, "lora", DPO_LOGGED)
+    assert_orpo_trains_as_one(single, cut, "lora", logged, results)
     assert "ref" not in {path.name for path in (cut.stage_dir("rlhf") / "model").iterdir()}  # the adapter alone
-
-
-@pytest.mark.slow
-def test_kto_on_two_stages_trains_as_one_process(tmp_path: Path) -> None:
-    """rlhf's full KTO cut in two: each micro-batch holds its completions and their mismatched completions (KTO's
-    KL term, held constant), the reference's log-probabilities of both computed once through the stages; the two
-    train as one process does over the same micro-batches."""
-    common = orpo_settings("full", per_device=2, microbatches=2, algorithm="kto")
-    single = make_preference_run_dir(tmp_path / "one", common)
-    run_ok(single, "rlhf", OMP_NUM_THREADS="1")
-    cut = make_preference_run_dir(tmp_path / "two", [*common, *PIPELINE_RLHF])
-    process = torchrun_stage(cut, "rlhf")
-    assert process.wait(timeout=600) == 0, (cut.root / "rlhf.torchrun.log").read_text()[-4000:]
-    assert_orpo_trains_as_one(single, cut, "full", KTO_LOGGED, KTO_RESULTS)
-    log = (cut.root / "rlhf.torchrun.log").read_text()
-    assert "reference log-probabilities of 128 train rows, through the stages" in log
 
 
 @pytest.mark.slow
@@ -510,19 +508,6 @@ def test_dpo_with_the_reference_at_each_step_trains_a_lora_adapter_as_one_proces
     assert process.wait(timeout=600) == 0, (cut.root / "rlhf.torchrun.log").read_text()[-4000:]
     assert_orpo_trains_as_one(single, cut, "lora", DPO_LOGGED)
     assert "reference log-probabilities of" not in (cut.root / "rlhf.torchrun.log").read_text()  # none precomputed
-
-
-@pytest.mark.slow
-def test_kto_with_lora_on_two_pipelines_of_two_stages_trains_as_one_process(tmp_path: Path) -> None:
-    """Four processes: KTO's adapter over two pipelines of two stages against one process whose accumulation steps
-    are both pipelines' micro-batches. A micro-batch's desirable and undesirable rows differ in count, so each
-    pipeline's micro-batch is logged as its own entry (a mean over the pipelines would differ: rewards/margins)."""
-    single = make_preference_run_dir(tmp_path / "one", orpo_settings("lora", 2, 4, algorithm="kto"))
-    run_ok(single, "rlhf", OMP_NUM_THREADS="1")
-    cut = make_preference_run_dir(tmp_path / "four", [*orpo_settings("lora", 2, 2, algorithm="kto"), *PIPELINE_RLHF])
-    process = torchrun_stage(cut, "rlhf", processes=4)
-    assert process.wait(timeout=900) == 0, (cut.root / "rlhf.torchrun.log").read_text()[-4000:]
-    assert_orpo_trains_as_one(single, cut, "lora", KTO_LOGGED, KTO_RESULTS)
 
 
 def test_preference_pairs_are_laid_out_as_the_schedule_splits_them() -> None:
