@@ -84,6 +84,7 @@ class Case:
     fp8: bool = False  # training.fp8: the linear layers' matmuls in float8 (torchao)
     fp8_compile: bool | None = None  # fp8: compile each float8 layer (None: the stage's choice)
     fp8_recipe: str | None = None  # fp8: torchao's scaling recipe (None: the stage's)
+    compile_blocks: bool = False  # each decoder layer checkpointed then compiled as one block (torchtitan's order)
     expert_parallel: int = 1  # distributed.expert_parallel: experts split over this many ranks (B7 cases: all)
     tensor_parallel: int = 1  # distributed.tensor_parallel: each layer split over this many ranks
     pipeline_parallel: int = 1  # distributed.pipeline_parallel: layers cut into this many stages (0: every process)
@@ -665,19 +666,28 @@ B8 = Case(
     note="baseline: sft stage, full fine-tuning (float32 masters, bf16 autocast), 12 layers of the 8B shape, 2 packed "
     "rows of 4096, flex + Liger, gradient checkpointing",
 )
+B8_B4 = replace(B8, per_device_batch_size=4, warmup=3, steps=12, extra={})
+"""B8 at 4 rows a step, 15 steps (12 timed)."""
 CASES += [
     B8,
     replace(B8, name="b8_fp8", fp8=True, note="as b8_bf16 with training.fp8 (each float8 layer compiled)"),
     replace(B8, name="b8_fp8_rowwise", fp8=True, fp8_recipe="rowwise", note="as b8_fp8, rowwise scales"),
     replace(B8, name="b8_fp8_eager", fp8=True, fp8_compile=False, note="as b8_fp8, nothing compiled"),
-    replace(B8, name="b8_bf16_b4", per_device_batch_size=4, warmup=3, steps=12, extra={}, note="as b8_bf16, 4 rows"),
-    replace(B8, name="b8_fp8_b4", per_device_batch_size=4, warmup=3, steps=12, extra={}, fp8=True, note="fp8, 4 rows"),
+    replace(B8_B4, name="b8_bf16_b4", note="as b8_bf16, 4 rows"),
+    replace(B8_B4, name="b8_fp8_b4", fp8=True, note="fp8, 4 rows"),
     # A learning curve on real text: random tokens bound float8's drift but teach nothing. From random weights, at a
     # learning rate that moves them, every token trained (documents packed into rows of 4096).
     replace(B8, name="b8_bf16_text", text=True, steps=295, extra=B8_CURVE, note="as b8_bf16, Korean text, 300 steps"),
     replace(B8, name="b8_fp8_text", text=True, steps=295, extra=B8_CURVE, fp8=True, note="as b8_fp8, Korean text"),
     replace(B8, name="b8_bf16_24l", layers=24, note="as b8_bf16 with 24 of the 36 layers"),
     replace(B8, name="b8_fp8_24l", layers=24, fp8=True, note="as b8_fp8 with 24 of the 36 layers"),
+    # Each decoder layer compiled whole, its activation checkpointing inside the compiled region (torch's
+    # checkpoint_wrapper, then nn.Module.compile per layer, as torchtitan applies them); Liger keeps only its fused
+    # cross-entropy (Inductor fuses the norms, RoPE and SwiGLU inside a block).
+    replace(B8, name="b8_bf16_blocks", compile_blocks=True, note="as b8_bf16, each decoder layer compiled"),
+    replace(B8, name="b8_fp8_blocks", fp8=True, compile_blocks=True, note="as b8_fp8, each decoder layer compiled"),
+    replace(B8_B4, name="b8_bf16_blocks_b4", compile_blocks=True, note="as b8_bf16_b4, each decoder layer compiled"),
+    replace(B8_B4, name="b8_fp8_blocks_b4", fp8=True, compile_blocks=True, note="as b8_fp8_b4, each layer compiled"),
     replace(
         B8,
         name="b8_fp8_model_compile",

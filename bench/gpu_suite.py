@@ -420,9 +420,25 @@ def build_model(ctx: SimpleNamespace, tokenizer: Any, case: Case, tmp: Path) -> 
             from stages.float8 import train_in_float8
 
             recipe = {"recipe": case.fp8_recipe} if case.fp8_recipe else {}
-            train_in_float8(model, ctx.stage, compile_layers=case.fp8_compile, **recipe)
+            compile_layers = False if case.compile_blocks else case.fp8_compile
+            train_in_float8(model, ctx.stage, compile_layers=compile_layers, **recipe)
+    if case.compile_blocks:
+        compile_decoder_blocks(model, case.gradient_checkpointing)
     model.config.use_cache = False
     return model
+
+
+def compile_decoder_blocks(model: Any, checkpointing: bool) -> None:
+    """Each decoder layer wrapped in torch's activation checkpointing (where the case checkpoints), then compiled
+    as one region: the recomputation is traced with the layer, so Inductor fuses the norms, RoPE, SwiGLU and float8's
+    scaling around the matmuls. transformers' own checkpointing is off for these cases (trainer_args)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    layers = model.get_decoder().layers
+    for index, layer in enumerate(layers):
+        block = checkpoint_wrapper(layer, preserve_rng_state=False) if checkpointing else layer
+        block.compile()
+        layers[index] = block
 
 
 def trainer_args(ctx: SimpleNamespace, model: Any, case: Case) -> dict[str, Any]:
@@ -435,6 +451,11 @@ def trainer_args(ctx: SimpleNamespace, model: Any, case: Case) -> dict[str, Any]
     args["save_strategy"] = "no"
     if case.liger is not None:
         args["use_liger_kernel"] = case.liger
+    if case.compile_blocks:  # the blocks checkpoint themselves; Inductor fuses what Liger's other kernels would
+        args["gradient_checkpointing"] = False
+        if args.get("use_liger_kernel"):
+            kept = {"rope": False, "rms_norm": False, "swiglu": False, "fused_linear_cross_entropy": True}
+            args["liger_kernel_config"] = kept
     if case.reshard_after_forward is not None and args.get("fsdp_config"):
         args["fsdp_config"] = {**args["fsdp_config"], "reshard_after_forward": case.reshard_after_forward}
     return {**args, **case.extra}
@@ -752,7 +773,8 @@ def run_case(case: Case, tiny: bool, tmp: Path) -> dict[str, Any]:
     result["first_step_grads"] = probe_grads.found
     if profiler is not None:
         result["profile"] = profiler.tables
-    if case.fp8 or case.extra.get("torch_compile"):  # what was compiled, and whether a limit sent frames back to eager
+    if case.fp8 or case.compile_blocks or case.extra.get("torch_compile"):
+        # what was compiled, and whether a limit sent frames back to eager
         from torch._dynamo.utils import counters
 
         result["dynamo_counters"] = {kind: dict(values) for kind, values in counters.items() if values}
