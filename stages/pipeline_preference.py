@@ -194,6 +194,14 @@ class PairLoss:
         self.logps.append(torch.zeros(self.pairs, 2, dtype=torch.float64, device=logits.device))
         return logits.sum() * 0
 
+    def record_reference(self, logits: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+        """A reference pass's micro-batch: its held rows' two log-probabilities (DPO: chosen and rejected; KTO: the
+        completion and its mismatched one) kept in `logps`, zero-padded to the micro-batch's pairs; no loss."""
+        both = torch.zeros(self.pairs, 2, dtype=torch.float64, device=logits.device)
+        both[: len(first)] = torch.stack([first, second], dim=1).detach().double()
+        self.logps.append(both)
+        return logits.sum() * 0
+
     def held(self, target: torch.Tensor) -> int:
         """The pairs a micro-batch's `target` holds."""
         return int((target[: self.pairs, LABELS] != IGNORE_INDEX).any(-1).sum())
@@ -341,8 +349,6 @@ class SigmoidLoss(PairLoss):
     ones predicted as their most likely token), and the tokens attended."""
 
     def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        from trl.trainer.utils import selective_log_softmax
-
         pairs = self.held(target)
         if pairs == 0:
             return self.nothing_held(logits)
@@ -350,14 +356,10 @@ class SigmoidLoss(PairLoss):
         logits = logits.float()[rows, :-1]  # as the Trainer's forward returns them under mixed precision; shifted
         labels = target[rows, LABELS, 1:].long()
         completion = labels != IGNORE_INDEX
-        per_token = selective_log_softmax(logits, labels.clamp(min=0)) * completion
-        logps = per_token.sum(-1)  # each row's log-probability of its completion (DPOTrainer._compute_loss)
+        logps = _completion_logps(logits, labels)  # DPOTrainer._compute_loss's
         chosen_logps, rejected_logps = logps[:pairs], logps[pairs:]
         if self.reference:
-            both = torch.zeros(self.pairs, 2, dtype=torch.float64, device=logits.device)
-            both[:pairs] = torch.stack([chosen_logps, rejected_logps], dim=1).detach().double()
-            self.logps.append(both)
-            return logits.sum() * 0
+            return self.record_reference(logits, chosen_logps, rejected_logps)
         reference = target[rows, REFERENCE, 0].float()
         chosen_ratio = chosen_logps - reference[:pairs]
         rejected_ratio = rejected_logps - reference[pairs:]
@@ -446,31 +448,21 @@ class UnpairedLoss(PairLoss):
         self.span = rows * (2 if self.kl else 1)
 
     def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        from trl.trainer.utils import selective_log_softmax
-
         held = self.held(target)
         if held == 0:
             return self.nothing_held(logits)
 
         def summed_logps(rows: slice) -> torch.Tensor:
-            """Each row's log-probability of its completion (the logits as the Trainer's forward returns them under
-            mixed precision, shifted)."""
-            labels = target[rows, LABELS, 1:].long()
-            chosen = selective_log_softmax(logits[rows, :-1].float(), labels.clamp(min=0))
-            return (chosen * (labels != IGNORE_INDEX)).sum(-1)
+            # the logits as the Trainer's forward returns them under mixed precision, shifted
+            return _completion_logps(logits[rows, :-1].float(), target[rows, LABELS, 1:].long())
 
         completion_logps = summed_logps(slice(0, held))
-        kl_logps = torch.zeros(0, device=logits.device)
+        kl_logps = torch.zeros_like(completion_logps)  # without the KL rows, their reference column stays 0
         if self.kl:
             with torch.no_grad():  # held constant, as TRL's separate forward under no_grad
                 kl_logps = summed_logps(slice(self.pairs, self.pairs + held))
         if self.reference:
-            both = torch.zeros(self.pairs, 2, dtype=torch.float64, device=logits.device)
-            both[:held, 0] = completion_logps.detach().double()
-            if self.kl:
-                both[:held, 1] = kl_logps.double()
-            self.logps.append(both)
-            return logits.sum() * 0
+            return self.record_reference(logits, completion_logps, kl_logps)
         reference = target[:, REFERENCE, 0].float()
         desirable = target[:held, REFERENCE, 1] > 0.5
         kl = torch.zeros((), device=logits.device)
@@ -529,6 +521,14 @@ class UnpairedLoss(PairLoss):
         if chosen > 0 and rejected > 0:
             metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
         return metrics
+
+
+def _completion_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Each row's log-probability of its completion: the shifted `labels`' log-probabilities under `logits`, summed
+    over the tokens that are not ignored."""
+    from trl.trainer.utils import selective_log_softmax
+
+    return (selective_log_softmax(logits, labels.clamp(min=0)) * (labels != IGNORE_INDEX)).sum(-1)
 
 
 def _entropy(logits: torch.Tensor) -> torch.Tensor:
