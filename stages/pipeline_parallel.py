@@ -26,8 +26,9 @@ for the model, summed over the step's tokens and divided by their count over all
 without pipelines, so the gradients are the unparallelised run's. Gradient clipping takes the norm over all stages;
 where the head is tied to the embedding (Gemma), the first and last stage each hold the weight and their two
 gradients are summed before the optimizer steps (what Megatron does), so the copies stay equal. Evaluation runs the
-schedule forward only and averages the loss over every held-out token. rlhf's ORPO trains the same way with a loss of
-its own on the last stage (`Pipeline.objective`; `stages.pipeline_preference`).
+schedule forward only and averages the loss over every held-out token. rlhf's ORPO, DPO and KTO train the same way
+with a loss of their own on the last stage (`Pipeline.objective`; `stages.pipeline_preference`), and GRPO, which
+samples its completions through the stages first (`stages.pipeline_grpo`).
 
 With `distributed.tensor_parallel: T` each stage's layers are split over T ranks too (`split_layers`): the world is
 then P stages x R = world / (P T) pipelines x T, the tensor-parallel ranks innermost (one node's NVLink). Each of a
@@ -681,7 +682,9 @@ def pipeline_trainer(base: type, stage: str, section: TrainingStage) -> type:
             # for a model transformers sharded as it loaded (its flag; `checkpoint_sharded` then keeps the shards)
             self.pipeline.causal._is_distributed_loading_by_transformers = True
             collator = self.fixed_shape_collator(data_collator, processing_class.pad_token_id)
-            super().__init__(*args, model=model, data_collator=collator, processing_class=processing_class, **kwargs)
+            if collator is not None:  # (GRPOTrainer takes none: it lays its rows out once generated)
+                kwargs["data_collator"] = collator
+            super().__init__(*args, model=model, processing_class=processing_class, **kwargs)
             # a stage's checkpoint shards under its own key: each stage's optimizer groups name its own parameters
             self.sharded_state_key = f"stage-{self.pipeline.layout.stage}"
 

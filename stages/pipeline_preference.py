@@ -563,7 +563,7 @@ def preference_pipeline_trainer(base: type, stage: str, section: TrainingStage) 
                 if referenced:
                     patched.enter_context(_no_policy_hash("kto_trainer" if kto else "dpo_trainer"))
                     if hasattr(kwargs["model"], "peft_config"):
-                        patched.enter_context(_reference_adapter_made_before_the_cut(kwargs["model"]))
+                        patched.enter_context(reference_adapter_made_before_the_cut(kwargs["model"]))
                 super().__init__(*args, **kwargs)
             self.preference_loss()
 
@@ -739,7 +739,7 @@ def refuse_unsupported_dpo(stage: str, args: Any) -> None:
 
 
 @contextmanager
-def _reference_adapter_made_before_the_cut(model: Any) -> Iterator[None]:
+def reference_adapter_made_before_the_cut(model: Any) -> Iterator[None]:
     """While DPOTrainer is made over pipeline stages with LoRA: its frozen copy of the starting adapter (`ref`, the
     reference) is made here, on the whole model before the cut, so that the stages receive it and FSDP2 shards it with
     the adapter; TRL's own copy, made after the cut, would copy FSDP2's sharded weights into plain ones (refused).

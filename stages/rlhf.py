@@ -54,6 +54,8 @@ from stages.modeling import (
     load_tokenizer,
     stage_output,
 )
+from stages.pipeline_grpo import grpo_pipeline_trainer
+from stages.pipeline_parallel import pipeline_parallel_size
 from stages.pipeline_preference import preference_pipeline_trainer
 from stages.progress import ProgressLog
 from stages.rewards import RewardError, build_reward_functions
@@ -224,10 +226,11 @@ def trainer_config(ctx: StageContext, start: StartingModel) -> TrainingArguments
         "generation_kwargs": {"use_cache": True},  # training turns the model's cache off; generation wants it
     }
     config = build_config(ctx, GRPOConfig, grpo)
-    # TRL counts a generation batch over every process; a tensor-parallel group's ranks share their rows, so the
-    # prompts drawn per step are the data-parallel ranks' (accelerate gives each group one share): without this the
-    # sampler's repeats fall out of step with the steps that generate, and some prompts are never drawn.
-    config.generation_batch_size //= tensor_parallel_size(section)
+    # TRL counts a generation batch over every process; a tensor-parallel group's ranks share their rows, as do a
+    # pipeline's stages, so the prompts drawn per step are the data-parallel ranks' (accelerate gives each group one
+    # share; the stages read their pipeline's): without this the sampler's repeats fall out of step with the steps
+    # that generate, and some prompts are never drawn.
+    config.generation_batch_size //= tensor_parallel_size(section) * pipeline_parallel_size(section)
     return config
 
 
@@ -335,7 +338,8 @@ def make_trainer(
     )
     point_grpo_at_reference(ctx, start, config)
     with grpo_reference_sharded(ctx, start, tokenizer):
-        trainer = GRPOTrainer(**common, reward_funcs=rewards)
+        # GRPOTrainer itself unless the model is cut into pipeline stages
+        trainer = grpo_pipeline_trainer(GRPOTrainer, ctx.stage, section)(**common, reward_funcs=rewards)
     seed_groups_alike(ctx, trainer)
     return trainer
 

@@ -1,9 +1,10 @@
 """Pipeline parallelism (`distributed.pipeline_parallel`): a tiny model's layers cut into two stages over two CPU
 processes under torchrun (gloo, torch's 1F1B schedule) train as one process does on the same global batch, and a run
 stopped by SIGTERM resumes from its shards to the same model, saved as one Hugging Face folder; two pipelines of two
-stages (FSDP2 over the pipelines) train a tied-embedding Gemma 3 as one process does; rlhf's ORPO and DPO, their losses
-taken on the last stage (DPO's reference log-probabilities computed through the stages first), train as one process
-does; and the spec and the stage refuse what the cut cannot run, naming the
+stages (FSDP2 over the pipelines) train a tied-embedding Gemma 3 as one process does; rlhf's ORPO, DPO and KTO, their
+losses taken on the last stage (DPO's and KTO's reference log-probabilities computed through the stages first), train
+as one process does, and GRPO samples its completions through the stages and trains as one process (or DDP) does; and
+the spec and the stage refuse what the cut cannot run, naming the
 field."""
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from training_fixtures import (
     SAVED,
     assert_four_train_sft_as_one,
     assert_trains_as_one,
     folder_weights,
+    grpo_settings,
     losses,
     make_preference_run_dir,
     make_run_dir,
@@ -510,6 +513,56 @@ def test_dpo_with_the_reference_at_each_step_trains_a_lora_adapter_as_one_proces
     assert "reference log-probabilities of" not in (cut.root / "rlhf.torchrun.log").read_text()  # none precomputed
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_grpo_on_two_stages_samples_and_trains_as_one_process(tmp_path: Path, method: str) -> None:
+    """rlhf's GRPO cut in two: each prompt's completions sampled through the stages (transformers' pipeline forward,
+    each stage caching its own layers, both seeded as the one process), scored on both, then TRL's loss on the last
+    stage from its logits; the two sample the same completions and train as one process does over the same
+    micro-batches: the rewards, the losses, TRL's metrics, the adapter (LoRA: the reference is the policy without it)
+    or the weights (full: beta 0, no reference)."""
+    common = [*grpo_settings(method, steps=3), "stages.rlhf.training.gradient_accumulation_steps=2"]
+    if method == "full":
+        common.append("stages.rlhf.beta=0")
+    single = make_preference_run_dir(tmp_path / "one", common)
+    run_ok(single, "rlhf", OMP_NUM_THREADS="1")
+    cut = make_preference_run_dir(tmp_path / "two", [*common, *PIPELINE_RLHF])
+    process = torchrun_stage(cut, "rlhf")
+    assert process.wait(timeout=600) == 0, (cut.root / "rlhf.torchrun.log").read_text()[-4000:]
+    assert_trains_as_one(single, cut, "rlhf", steps=3, weights=SAVED[method], atol=1e-4)
+    logged = ["reward", "entropy", "clip_ratio/region_mean", "completions/mean_length", "num_tokens"]
+    assert_grpo_logged_alike(single, cut, [*logged, "kl"] if method == "lora" else logged)
+
+
+def assert_grpo_logged_alike(one: RunDir, other: RunDir, keys: list[str]) -> None:
+    """Both runs logged TRL's GRPO metrics `keys` at each of their 3 steps, within 1e-4 (the KL term grew from 0)."""
+    histories = [read_log_history(run.stage_dir("rlhf") / "logs/log_history.json") for run in (one, other)]
+    for key in keys:
+        a, b = ([entry[key] for entry in history if key in entry] for history in histories)
+        assert len(a) == len(b) == 3, (key, a, b)
+        assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4, (key, a, b)
+    if "kl" in keys:
+        kl = [entry["kl"] for entry in histories[1] if "kl" in entry]
+        assert kl[0] == 0 < kl[-1]  # the policy leaves its reference
+
+
+@pytest.mark.slow
+def test_grpo_on_two_pipelines_of_two_stages_trains_a_lora_adapter_as_ddp_does(tmp_path: Path) -> None:
+    """Four processes: GRPO's adapter over two pipelines of two stages (FSDP2 over the pipelines, which every
+    pipeline's sampling steps join until the longest ends), each pipeline sampling its own prompts' completions
+    seeded as the DDP process it stands for, TRL's gathers and advantages over the pipelines; against DDP over two
+    processes: the same rewards, losses, metrics and adapter."""
+    common = [*grpo_settings("lora", steps=3), "stages.rlhf.training.gradient_accumulation_steps=2"]
+    ddp = make_preference_run_dir(tmp_path / "ddp", [*common, "stages.rlhf.distributed.strategy=ddp"])
+    process = torchrun_stage(ddp, "rlhf", processes=2)
+    assert process.wait(timeout=600) == 0, (ddp.root / "rlhf.torchrun.log").read_text()[-4000:]
+    cut = make_preference_run_dir(tmp_path / "four", [*common, *PIPELINE_RLHF])
+    process = torchrun_stage(cut, "rlhf", processes=4)
+    assert process.wait(timeout=900) == 0, (cut.root / "rlhf.torchrun.log").read_text()[-4000:]
+    assert_trains_as_one(ddp, cut, "rlhf", steps=3, weights=SAVED["lora"], atol=1e-4)
+    assert_grpo_logged_alike(ddp, cut, ["reward", "reward_std", "kl", "entropy", "num_tokens"])
+
+
 def test_preference_pairs_are_laid_out_as_the_schedule_splits_them() -> None:
     """Each micro-batch: its pairs' chosen rows, then their rejected rows, padded to the width; a short batch's
     missing pairs are rows without labels, left out of the loss and of the divisor."""
@@ -651,7 +704,14 @@ def test_the_spec_refuses_what_the_pipeline_cannot_run() -> None:
     rlhf.append("stages.rlhf.training.gradient_accumulation_steps=2")
     full_rlhf = "stages.rlhf.method=full"
     grpo = "stages.rlhf.algorithm=grpo"
-    assert "does not run with pipeline_parallel yet (orpo, dpo and kto do)" in spec_error("korean-llm", [*rlhf, grpo])
+    rlhf.append("stages.rlhf.reward_functions=[{name: hangul_ratio}]")
+    lora = "stages.rlhf.method=lora"
+    load_pipeline("korean-llm", overrides=[*rlhf, grpo, lora])  # sampled through the stages; its reference: no adapter
+    load_pipeline("korean-llm", overrides=[*rlhf, grpo, full_rlhf, "stages.rlhf.beta=0"])  # no reference
+    error = spec_error("korean-llm", [*rlhf, grpo, full_rlhf])
+    assert "stages.rlhf.beta: is 0.1; with distributed.pipeline_parallel grpo's full training has no reference" in error
+    split = [*rlhf, grpo, lora, "stages.rlhf.distributed.tensor_parallel=2"]
+    assert "tensor_parallel: is 2; rlhf's grpo samples through pipeline stages" in spec_error("korean-llm", split)
     no_precompute = [*rlhf, "stages.rlhf.precompute_ref_log_probs=false", full_rlhf]
     assert "false with method full; with distributed.pipeline_parallel dpo computes a full policy's" in spec_error(
         "korean-llm", no_precompute
@@ -659,7 +719,6 @@ def test_the_spec_refuses_what_the_pipeline_cannot_run() -> None:
     kto = "stages.rlhf.algorithm=kto"
     assert "pipeline_parallel kto computes a full" in spec_error("korean-llm", [*no_precompute, kto])
     load_pipeline("korean-llm", overrides=[*rlhf, kto])
-    lora = "stages.rlhf.method=lora"
     load_pipeline("korean-llm", overrides=[*no_precompute, lora])  # the adapter switched off at each step
     load_pipeline("korean-llm", overrides=[*rlhf, full_rlhf])  # dpo, its reference precomputed
     load_pipeline("korean-llm", overrides=[*rlhf, full_rlhf, "stages.rlhf.algorithm=orpo"])
@@ -739,3 +798,56 @@ def test_local_says_what_this_machine_makes_of_the_stages_before_anything_starts
         "stages.cpt.distributed.expert_parallel 4 does not divide the 2 processes of each of the 2 pipeline stages "
         "--local runs cpt with (one per GPU here): each stage spreads its experts over its own processes"
     ]
+
+
+def test_grpo_rows_start_at_zero_and_score_the_completion_tokens_as_trl_s_left_padded_rows() -> None:
+    """`CompletionRows` moves each prompt's own tokens to position 0 (TRL pads prompts on the left), its completion
+    after them; `CompletionLoss.scores` takes each completion token's log-probability (under the temperature) from the
+    logits at the position before it, and scores the tokens past a completion's end 0, as TRL's fused head does."""
+    from stages.pipeline_grpo import START, CompletionLoss, CompletionRows
+
+    prompt_ids = torch.tensor([[0, 0, 7, 8], [5, 6, 7, 8]])  # 0: padding
+    prompt_mask = (prompt_ids != 0).long()
+    completion_ids = torch.tensor([[9, 10, 2], [11, 2, 0]])
+    completion_mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    ids, mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
+    batch = CompletionRows("rlhf", rows=4, width=8, pad_token_id=0)(ids, mask, completion=3)
+    assert batch["input_ids"].tolist() == [
+        [7, 8, 9, 10, 2, 0, 0, 0],
+        [5, 6, 7, 8, 11, 2, 0, 0],
+        [0] * 8,  # rows the step lacks: padding, row -1
+        [0] * 8,
+    ]
+    assert batch["labels"].tolist() == [[0, 2], [1, 4], [-1, 0], [-1, 0]]
+    logits = torch.randn(2, 8, 16)
+    loss = CompletionLoss(trainer=None, temperature=0.7, microbatches=2)
+    loss.begin({}, completion_ids, completion_mask, recording=True)
+    logps, entropies = loss.scores(logits, batch["labels"][:2], entropy=True)
+    for row in range(2):
+        for token in range(3):
+            position = int(batch["labels"][row, START]) + token - 1
+            expected = (logits[row, position] / 0.7).log_softmax(-1)[completion_ids[row, token]]
+            expected = expected * completion_mask[row, token]
+            assert abs(float(logps[row, token] - expected)) < 1e-6
+    assert logps[1, 2] == 0 and entropies is not None and entropies[1, 2] == 0 < float(entropies[0, 2])
+    with pytest.raises(NotSupportedHere, match=r"max_seq_length \(6\) is shorter than a prompt of 4 tokens"):
+        CompletionRows("rlhf", rows=4, width=6, pad_token_id=0)(ids, mask, completion=3)
+
+
+def test_a_stage_s_generation_cache_reads_its_length_from_a_layer_it_holds() -> None:
+    """`stage_cache`: transformers reads a cache's length from layer 0, which only the first stage holds; on the
+    others every layer they do not hold is one of theirs (of the same kind, sliding or full)."""
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig
+
+    from stages.pipeline_grpo import stage_cache
+
+    config = Gemma3TextConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, sliding_window=4, layer_types=["sliding_attention", "full_attention"] * 2,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config)
+    cache = stage_cache(model, range(2, 4))
+    assert cache.layers[0] is cache.layers[2] and cache.layers[1] is cache.layers[3]
+    cache.layers[2].update(torch.zeros(1, 1, 5, 8), torch.zeros(1, 1, 5, 8))
+    cache.layers[3].update(torch.zeros(1, 1, 5, 8), torch.zeros(1, 1, 5, 8))
+    assert cache.get_seq_length() == 5
