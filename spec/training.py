@@ -299,8 +299,9 @@ class DistributedSpec(StrictModel):
         "world size divided by this). For a dense model whose layers do not fit one GPU's memory "
         "together with its optimizer, across nodes where the network is slower than NVLink. 1: none. For cpt, "
         "sft and rlhf's orpo, dpo and kto (their losses taken on the last stage; dpo's and kto's reference "
-        "log-probabilities precomputed through the stages) and grpo (its completions sampled through the stages; "
-        "full fine-tuning with beta 0, or LoRA; without tensor_parallel or expert_parallel), full fine-tuning or "
+        "log-probabilities precomputed through the stages) and grpo (its completions sampled through the stages, full "
+        "training's reference a frozen copy of each stage; without tensor_parallel or expert_parallel), full "
+        "fine-tuning or "
         "LoRA (each stage trains its layers' adapters; the adapter is saved as one) of a "
         "dense model, or of a mixture of experts with training.router_aux_loss_coef 0 (the balance loss is taken "
         "over every layer's routers at once: refused on, by the spec where it knows the model); needs strategy "
@@ -726,8 +727,8 @@ class RlhfStage(TrainingStage):
         """rlhf under tensor or expert parallelism (a model sharded as it loads), and ORPO, DPO and KTO under
         pipeline stages (their losses taken on the last stage, micro-batch by micro-batch, DPO's and KTO's reference
         log-probabilities precomputed through the stages: `stages.pipeline_preference`), and GRPO there (its completions
-        sampled through the stages, its loss on the last: `stages.pipeline_grpo`; with LoRA, or full training with beta
-        0: a full reference would be a second model cut into stages). Sharded, nothing may copy or hash the whole policy
+        sampled through the stages, its loss on the last, full training's reference a frozen copy of each stage:
+        `stages.pipeline_grpo`). Sharded, nothing may copy or hash the whole policy
         (seen with TRL 1.16: DPOTrainer's hash_module, precomputing the reference's log-probabilities, reads every
         weight with .numpy(), which a DTensor refuses): ORPO has no reference; DPO and KTO run with the
         log-probabilities not precomputed, GRPO as it is. With LoRA the reference is the sharded policy with its
@@ -764,13 +765,6 @@ class RlhfStage(TrainingStage):
                             f"is {getattr(self.distributed, other)}; rlhf's grpo samples through pipeline stages that "
                             f"hold whole layers: set {other} to 1, or pipeline_parallel to 1",
                         )
-                if self.method == "full" and self.beta != 0:
-                    raise FieldError(
-                        ("beta",),
-                        f"is {self.beta}; with distributed.pipeline_parallel grpo's full training has no reference "
-                        "model (it would be a second model cut into stages): set beta to 0 (TRL's default: no KL "
-                        "term), or method to lora (the reference is the policy without its adapter)",
-                    )
                 continue
             if sharded and self.algorithm in ("dpo", "kto"):
                 if not self.precompute_ref_log_probs:

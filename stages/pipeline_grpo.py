@@ -21,7 +21,9 @@ stages (`distributed.pipeline_parallel`, `stages.pipeline_parallel`) no rank hol
   (every loss type, the clipping, the KL term, its metrics) in place of its forward, the accumulation it divides by
   being the step's micro-batches. The rows start at position 0 where TRL pads prompts on the left: rotary positions
   count only distances and the padding is masked, so the log-probabilities are TRL's. The reference's
-  log-probabilities (LoRA: the adapter switched off, as TRL switches it) go through the same schedule, forward only.
+  log-probabilities go through the stages forward only: with LoRA the policy's, the adapter switched as TRL switches
+  it; in full training each stage's frozen copy of its starting weights (`Pipeline`'s `reference`), which TRL takes
+  in place of the whole model it would read in every process.
   The metrics the last stage logs are sent to the pipeline's other stages, rank 0 (a first stage) among them.
 """
 
@@ -273,6 +275,13 @@ def grpo_pipeline_trainer(base: type, stage: str, section: TrainingStage) -> typ
                 if hasattr(kwargs["model"], "peft_config") and kwargs["args"].beta != 0:
                     # TRL's frozen copy of a starting adapter, the reference: made before the cut, as DPO's
                     patched.enter_context(reference_adapter_made_before_the_cut(kwargs["model"]))
+                if self.keeps_reference(kwargs["model"], kwargs["args"]):
+                    # TRL reads a full policy's reference whole from the policy's path: the stage's frozen copy
+                    # instead (`Pipeline`'s `reference`), made as the policy was cut
+                    import trl.trainer.grpo_trainer as grpo_module
+
+                    copied = lambda *_args, **_kwargs: self.pipeline.reference_part.model  # noqa: E731
+                    patched.enter_context(mock.patch.object(grpo_module, "create_model_from_path", copied))
                 super().__init__(*args, **kwargs)
             layout = self.pipeline.layout
             self.rows = CompletionRows(stage, rows, training.max_seq_length, self.processing_class.pad_token_id)
@@ -282,6 +291,9 @@ def grpo_pipeline_trainer(base: type, stage: str, section: TrainingStage) -> typ
             from transformers import set_seed
 
             set_seed(self.args.seed + layout.pipeline)
+
+        def keeps_reference(self, model: Any, args: Any) -> bool:
+            return args.beta != 0 and not hasattr(model, "peft_config")  # full training's reference
 
         def fixed_shape_collator(self, data_collator: Any, pad_token_id: int) -> Any:
             return None  # TRL's own (the prompts as it reads them); the rows are laid out once generated
@@ -314,10 +326,12 @@ def grpo_pipeline_trainer(base: type, stage: str, section: TrainingStage) -> typ
             self, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, **kwargs: Any
         ) -> tuple[torch.Tensor, Any, Any]:
             """Inside the last stage's loss: the micro-batch's scores, taken from its logits. Otherwise (the
-            reference's, or the policy's before a step): through the stages, forward only, on every stage."""
+            reference's, or the policy's before a step): through the stages, forward only, on every stage (full
+            training's reference: through its frozen copy of them)."""
             if self._scored is not None:
                 return self._scored
             pipeline, loss = self.pipeline, self.completion_loss
+            reference = model is not None and model is self.ref_model
             found = []
             training = pipeline.part.training
             pipeline.part.eval()
@@ -328,7 +342,7 @@ def grpo_pipeline_trainer(base: type, stage: str, section: TrainingStage) -> typ
                         batch = self.rows(input_ids[chunk], attention_mask[chunk], logits_to_keep)
                         completion = (input_ids[chunk, -logits_to_keep:], attention_mask[chunk, -logits_to_keep:])
                         loss.begin({}, *completion, recording=True)
-                        pipeline.run(batch, train=False)
+                        pipeline.run(batch, train=False, reference=reference)
                         assert loss.found is not None
                         logps = loss.found
                         dist.broadcast(logps, group=pipeline.layout.stage_group, group_src=pipeline.layout.stages - 1)

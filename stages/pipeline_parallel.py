@@ -72,6 +72,7 @@ on: that loss is taken over every layer's routers at once, which no stage holds.
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import shutil
@@ -295,10 +296,12 @@ class Pipeline:
         loaded_once: bool,
         tensor: int = 1,
         expert: int = 1,
+        reference: bool = False,
     ) -> None:
         """`loaded_once`: only rank 0 holds the weights (the others a skeleton on the meta device). `tensor`: ranks
         splitting each layer of a stage (`split_layers`); `expert`: ranks spreading each stage's experts
-        (`spread_experts`)."""
+        (`spread_experts`). `reference`: keep a frozen copy of the stage's starting weights, run forward only by a
+        schedule of its own (`run(..., reference=True)`: a full policy's reference model, cut as the policy is)."""
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
         self.layout = layout = PipelineLayout.build(stages, tensor, expert)
@@ -318,6 +321,12 @@ class Pipeline:
                 print(f"pipeline stage {layout.stage + 1}/{stages}: {received} weights from rank 0", flush=True)
         del whole  # rank 0's copy of the other stages goes with it
         self.part.to(device)
+        self.reference_part: PipelinePart | None = None
+        """The frozen copy of the stage's starting weights, where kept."""
+        if reference:
+            if layout.tensor > 1 or layout.expert > 1:
+                raise ValueError("a reference copy of the stage is kept for whole layers only")
+            self.reference_part = copy.deepcopy(self.part).requires_grad_(False)
         if layout.tensor > 1:
             split_layers(causal, layout.tensor_mesh, experts_spread=layout.expert > 1)
         experts: list[nn.Module] = []
@@ -331,6 +340,8 @@ class Pipeline:
             shard_experts(experts, layout, bf16)
         if layout.pipelines > 1:
             shard_over_pipelines(self.part, layout.replica_mesh, bf16)
+            if self.reference_part is not None:
+                shard_over_pipelines(self.reference_part, layout.replica_mesh, bf16)
         if layout.writes:
             print(
                 f"pipeline stage {layout.stage + 1}/{stages}: layers {layers.start}-{layers.stop - 1} of "
@@ -352,6 +363,11 @@ class Pipeline:
         self.stage = PipelineStage(self.part, layout.stage, stages, device, group=layout.stage_group)
         # the loss is a sum over tokens divided by their count: no further scaling by the micro-batch count
         self.schedule = Schedule1F1B(self.stage, n_microbatches=microbatches, loss_fn=self._loss, scale_grads=False)
+        self.reference_schedule: Any = None
+        if self.reference_part is not None:
+            self.reference_part.eval()
+            reference_stage = PipelineStage(self.reference_part, layout.stage, stages, device, group=layout.stage_group)
+            self.reference_schedule = Schedule1F1B(reference_stage, microbatches, loss_fn=self._loss, scale_grads=False)
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.objective is not None:
@@ -359,11 +375,13 @@ class Pipeline:
         loss = self.loss_function(logits, labels, self.vocab_size, num_items_in_batch=self.tokens)
         return loss * self.layout.pipelines  # FSDP2 averages over the pipelines: their sum is wanted
 
-    def run(self, batch: dict[str, torch.Tensor], train: bool) -> torch.Tensor:
+    def run(self, batch: dict[str, torch.Tensor], train: bool, reference: bool = False) -> torch.Tensor:
         """One step over `batch` (every micro-batch of it), on every rank of the pipeline: the loss summed over
         the batch's tokens, divided by `tokens`, times the pipelines (their mean over the world is the step's
-        loss, as the Trainer logs it)."""
+        loss, as the Trainer logs it). `reference`: forward only, through the reference's stages."""
         run = self.schedule.step if train else self.schedule.eval
+        if reference:
+            run = self.reference_schedule.eval
         losses: list[torch.Tensor] = []
         target = {"target": batch["labels"], "losses": losses} if self.layout.last else {}
         if self.layout.first:
@@ -677,6 +695,7 @@ def pipeline_trainer(base: type, stage: str, section: TrainingStage) -> type:
                 loaded_once=loads_once(section),
                 tensor=tensor_parallel_size(section),
                 expert=expert_parallel_size(section),
+                reference=self.keeps_reference(model, trainer_args),
             )
             # The stage owns its placement and gradient reduction: the Trainer neither wraps nor moves it, as
             # for a model transformers sharded as it loaded (its flag; `checkpoint_sharded` then keeps the shards)
@@ -687,6 +706,10 @@ def pipeline_trainer(base: type, stage: str, section: TrainingStage) -> type:
             super().__init__(*args, model=model, processing_class=processing_class, **kwargs)
             # a stage's checkpoint shards under its own key: each stage's optimizer groups name its own parameters
             self.sharded_state_key = f"stage-{self.pipeline.layout.stage}"
+
+        def keeps_reference(self, model: Any, args: Any) -> bool:
+            """Whether the stage keeps a frozen copy of its starting weights (`Pipeline`'s `reference`)."""
+            return False
 
         def fixed_shape_collator(self, data_collator: Any, pad_token_id: int) -> Any:
             """The collator of the step's batches, each of the shape the schedule planned: `data_collator`'s rows

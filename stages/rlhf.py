@@ -430,6 +430,8 @@ def point_grpo_at_reference(ctx: StageContext, start: StartingModel, config: Tra
     is that model unchanged, else a copy saved to `rlhf/reference/` (safetensors)."""
     if not grpo_loads_reference(ctx, start) or is_sharded_at_load(start.model):
         return  # no reference, or one loaded sharded (`grpo_reference_sharded`)
+    if pipeline_parallel_size(ctx.section) > 1:
+        return  # each stage's frozen copy of its starting weights (`stages.pipeline_grpo`)
     if start.upstream is not None and stage_output(ctx.run_dir, start.upstream).kind == "full":
         return  # loaded from <upstream>/model/, which the config already names
     reference_dir = ctx.dir / "reference"

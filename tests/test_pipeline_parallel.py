@@ -519,19 +519,19 @@ def test_grpo_on_two_stages_samples_and_trains_as_one_process(tmp_path: Path, me
     """rlhf's GRPO cut in two: each prompt's completions sampled through the stages (transformers' pipeline forward,
     each stage caching its own layers, both seeded as the one process), scored on both, then TRL's loss on the last
     stage from its logits; the two sample the same completions and train as one process does over the same
-    micro-batches: the rewards, the losses, TRL's metrics, the adapter (LoRA: the reference is the policy without it)
-    or the weights (full: beta 0, no reference)."""
+    micro-batches: the rewards, the losses, TRL's metrics (the KL term's too), the adapter (LoRA: the reference is the
+    policy without it) or the weights (full: the reference is each stage's frozen copy of its starting weights, run
+    by a schedule of its own, where one process reads TRL's whole copy)."""
     common = [*grpo_settings(method, steps=3), "stages.rlhf.training.gradient_accumulation_steps=2"]
-    if method == "full":
-        common.append("stages.rlhf.beta=0")
     single = make_preference_run_dir(tmp_path / "one", common)
     run_ok(single, "rlhf", OMP_NUM_THREADS="1")
     cut = make_preference_run_dir(tmp_path / "two", [*common, *PIPELINE_RLHF])
     process = torchrun_stage(cut, "rlhf")
     assert process.wait(timeout=600) == 0, (cut.root / "rlhf.torchrun.log").read_text()[-4000:]
     assert_trains_as_one(single, cut, "rlhf", steps=3, weights=SAVED[method], atol=1e-4)
-    logged = ["reward", "entropy", "clip_ratio/region_mean", "completions/mean_length", "num_tokens"]
-    assert_grpo_logged_alike(single, cut, [*logged, "kl"] if method == "lora" else logged)
+    logged = ["reward", "entropy", "clip_ratio/region_mean", "completions/mean_length", "num_tokens", "kl"]
+    assert_grpo_logged_alike(single, cut, logged)
+    assert not (cut.stage_dir("rlhf") / "reference").exists()  # no whole copy saved for TRL to read
 
 
 def assert_grpo_logged_alike(one: RunDir, other: RunDir, keys: list[str]) -> None:
@@ -707,9 +707,7 @@ def test_the_spec_refuses_what_the_pipeline_cannot_run() -> None:
     rlhf.append("stages.rlhf.reward_functions=[{name: hangul_ratio}]")
     lora = "stages.rlhf.method=lora"
     load_pipeline("korean-llm", overrides=[*rlhf, grpo, lora])  # sampled through the stages; its reference: no adapter
-    load_pipeline("korean-llm", overrides=[*rlhf, grpo, full_rlhf, "stages.rlhf.beta=0"])  # no reference
-    error = spec_error("korean-llm", [*rlhf, grpo, full_rlhf])
-    assert "stages.rlhf.beta: is 0.1; with distributed.pipeline_parallel grpo's full training has no reference" in error
+    load_pipeline("korean-llm", overrides=[*rlhf, grpo, full_rlhf])  # its reference: each stage's frozen copy
     split = [*rlhf, grpo, lora, "stages.rlhf.distributed.tensor_parallel=2"]
     assert "tensor_parallel: is 2; rlhf's grpo samples through pipeline stages" in spec_error("korean-llm", split)
     no_precompute = [*rlhf, "stages.rlhf.precompute_ref_log_probs=false", full_rlhf]
