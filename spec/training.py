@@ -299,7 +299,9 @@ class DistributedSpec(StrictModel):
         "world size divided by this). For a dense model whose layers do not fit one GPU's memory "
         "together with its optimizer, across nodes where the network is slower than NVLink. 1: none. For cpt, "
         "sft and rlhf's orpo, dpo and kto (their losses taken on the last stage; dpo's and kto's reference "
-        "log-probabilities precomputed through the stages) and grpo (its completions sampled through the stages, full "
+        "log-probabilities computed through the stages, before training or, precompute_ref_log_probs false, at each "
+        "step, full training's reference then a frozen copy of each stage) and grpo (its completions sampled "
+        "through the stages, full "
         "training's reference a frozen copy of each stage; without tensor_parallel or expert_parallel), full "
         "fine-tuning or "
         "LoRA (each stage trains its layers' adapters; the adapter is saved as one) of a "
@@ -726,9 +728,10 @@ class RlhfStage(TrainingStage):
     def _expert_parallel_reference(self) -> None:
         """rlhf under tensor or expert parallelism (a model sharded as it loads), and ORPO, DPO and KTO under
         pipeline stages (their losses taken on the last stage, micro-batch by micro-batch, DPO's and KTO's reference
-        log-probabilities precomputed through the stages: `stages.pipeline_preference`), and GRPO there (its completions
-        sampled through the stages, its loss on the last, full training's reference a frozen copy of each stage:
-        `stages.pipeline_grpo`). Sharded, nothing may copy or hash the whole policy
+        log-probabilities computed through the stages, before training or at each step, full training's reference
+        then each stage's frozen copy of its starting weights: `stages.pipeline_preference`), and GRPO there (its
+        completions sampled through the stages, its loss on the last, full training's reference a frozen copy of each
+        stage: `stages.pipeline_grpo`). Sharded, nothing may copy or hash the whole policy
         (seen with TRL 1.16: DPOTrainer's hash_module, precomputing the reference's log-probabilities, reads every
         weight with .numpy(), which a DTensor refuses): ORPO has no reference; DPO and KTO run with the
         log-probabilities not precomputed, GRPO as it is. With LoRA the reference is the sharded policy with its
@@ -744,17 +747,9 @@ class RlhfStage(TrainingStage):
             if self.algorithm == "orpo":
                 continue  # no reference: its loss is the policy's alone, over a sharded model or pipeline stages
             if not sharded and self.algorithm in ("dpo", "kto"):
-                # the reference's log-probabilities through the stages: once before training, or (LoRA: the
-                # adapter switched) at each step
-                if self.precompute_ref_log_probs or self.method == "lora":
-                    continue
-                raise FieldError(
-                    ("precompute_ref_log_probs",),
-                    f"is false with method {self.method}; with distributed.pipeline_parallel {self.algorithm} "
-                    "computes a full policy's reference log-probabilities once, through the stages, before training "
-                    "(a frozen reference beside it would be a second model cut into stages): set it to true (the "
-                    "default), or pipeline_parallel to 1",
-                )
+                # the reference's log-probabilities through the stages: once before training, or at each step (LoRA:
+                # the adapter switched; full training: each stage's frozen copy of its starting weights)
+                continue
             if sharded and self.algorithm == "grpo":
                 continue  # its reference is the policy without its adapter, or loaded sharded
             if self.algorithm == "grpo":  # sampled through the stages, its loss on the last one

@@ -697,6 +697,8 @@ def pipeline_trainer(base: type, stage: str, section: TrainingStage) -> type:
                 expert=expert_parallel_size(section),
                 reference=self.keeps_reference(model, trainer_args),
             )
+            if self.pipeline.reference_part is not None and "ref_model" in kwargs:
+                kwargs["ref_model"] = self.pipeline.reference_part.model  # the reference TRL runs: the stage's copy
             # The stage owns its placement and gradient reduction: the Trainer neither wraps nor moves it, as
             # for a model transformers sharded as it loaded (its flag; `checkpoint_sharded` then keeps the shards)
             self.pipeline.causal._is_distributed_loading_by_transformers = True

@@ -25,9 +25,10 @@ computed there, micro-batch by micro-batch:
 - DPO's reference is the starting model, its log-probabilities computed once before training through the same
   schedule, forward only (`precompute_ref_log_probs: true`, the spec's default; with LoRA the adapter switched as
   TRL switches it: to its frozen copy `ref`, or off), each pipeline its share of the rows, gathered into every rank's
-  rows as TRL's `ref_chosen_logps` and `ref_rejected_logps` columns. With LoRA and `precompute_ref_log_probs: false`
-  the same pass runs over each step's batch (and each held-out batch) before it, as TRL computes its reference at
-  each step (`add_reference`).
+  rows as TRL's `ref_chosen_logps` and `ref_rejected_logps` columns. With `precompute_ref_log_probs: false` the
+  same pass runs over each step's batch (and each held-out batch) before it, as TRL computes its reference at each
+  step (`add_reference`): with LoRA the adapter switched, in full training through each stage's frozen copy of its
+  starting weights (`Pipeline`'s `reference`), which TRL takes as its reference model.
 - KTO: `UnpairedRows` lays out each micro-batch's completions then their mismatched completions (the KL rows), and
   `UnpairedLoss` takes TRL's KTO loss with the KL term from the micro-batch's KL rows, detached (see the class); the
   reference's log-probabilities of both computed as DPO's (`ref_logps`, `ref_KL_logps`).
@@ -579,6 +580,10 @@ def preference_pipeline_trainer(base: type, stage: str, section: TrainingStage) 
                 self.pipeline.objective = self._preference_loss
             return self._preference_loss
 
+        def keeps_reference(self, model: Any, args: Any) -> bool:
+            # full training's reference at each step: each stage's frozen copy of its starting weights
+            return referenced and not args.precompute_ref_log_probs and not hasattr(model, "peft_config")
+
         def fixed_shape_collator(self, data_collator: Any, pad_token_id: int) -> Any:
             width = training.max_seq_length
             if kto:
@@ -640,12 +645,13 @@ def preference_pipeline_trainer(base: type, stage: str, section: TrainingStage) 
                 self.pipeline.part.train(training)
 
         def add_reference(self, batch: dict[str, torch.Tensor]) -> None:
-            """`precompute_ref_log_probs: false` (LoRA): the batch's reference log-probabilities through the stages
-            now, as TRL computes them at each step, into its target."""
+            """`precompute_ref_log_probs: false`: the batch's reference log-probabilities through the stages now (LoRA:
+            the policy's, its adapter switched; full training: the stages' frozen copies of their starting weights),
+            as TRL computes them at each step, into its target."""
             layout = self.pipeline.layout
             with self.reference_pass() as loss_function:
                 loss_function.begin(batch["labels"], train=False)
-                self.pipeline.run(batch, train=False)
+                self.pipeline.run(batch, train=False, reference=self.pipeline.reference_part is not None)
                 found = loss_function.reference_logps(layout)[layout.pipeline]  # (pairs a step x 2)
             if kto:
                 halves = ("completion", "KL") if self.mismatched_rows else ("completion",)

@@ -392,6 +392,8 @@ def frozen_reference(ctx: StageContext, start: StartingModel, tokenizer: Any) ->
     section: RlhfStage = ctx.section
     if start.kind == "adapter" or section.precompute_ref_log_probs:
         return None
+    if pipeline_parallel_size(section) > 1:
+        return None  # each stage's frozen copy of its starting weights (`stages.pipeline_parallel.Pipeline`)
     if start.zero3_config is not None:
         set_seed(section.training.seed)  # a model built from config draws the policy's weights again
         reference = load_base(ctx.run_dir, ctx.spec, start.base, tokenizer)

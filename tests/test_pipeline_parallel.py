@@ -499,17 +499,22 @@ def test_dpo_and_kto_with_lora_on_two_pipelines_of_two_stages_train_as_one_proce
 
 
 @pytest.mark.slow
-def test_dpo_with_the_reference_at_each_step_trains_a_lora_adapter_as_one_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("algorithm", "method"), [("dpo", "lora"), ("dpo", "full"), ("kto", "full")])
+def test_dpo_and_kto_with_the_reference_at_each_step_train_as_one_process(
+    tmp_path: Path, algorithm: str, method: str
+) -> None:
     """`precompute_ref_log_probs: false`: each step's (and each held-out batch's) reference log-probabilities through
-    the stages first, forward only, with TRL's frozen `ref` adapter, then the step; two stages train the adapter as
-    one process that computes its reference at each step does."""
-    common = [*orpo_settings("lora", 2, 2, algorithm="dpo"), "stages.rlhf.precompute_ref_log_probs=false"]
+    the stages first, forward only (LoRA: with TRL's frozen `ref` adapter; full: each stage's frozen copy of its
+    starting weights, run by a schedule of its own), then the step; two stages train as one process that computes
+    its reference at each step does (full: with its whole frozen copy)."""
+    common = [*orpo_settings(method, 2, 2, algorithm=algorithm), "stages.rlhf.precompute_ref_log_probs=false"]
     single = make_preference_run_dir(tmp_path / "one", common)
     run_ok(single, "rlhf", OMP_NUM_THREADS="1")
     cut = make_preference_run_dir(tmp_path / "two", [*common, *PIPELINE_RLHF])
     process = torchrun_stage(cut, "rlhf")
     assert process.wait(timeout=600) == 0, (cut.root / "rlhf.torchrun.log").read_text()[-4000:]
-    assert_orpo_trains_as_one(single, cut, "lora", DPO_LOGGED)
+    logged, results, _ = REFERENCED[algorithm]
+    assert_orpo_trains_as_one(single, cut, method, logged, results)
     assert "reference log-probabilities of" not in (cut.root / "rlhf.torchrun.log").read_text()  # none precomputed
 
 
@@ -711,11 +716,9 @@ def test_the_spec_refuses_what_the_pipeline_cannot_run() -> None:
     split = [*rlhf, grpo, lora, "stages.rlhf.distributed.tensor_parallel=2"]
     assert "tensor_parallel: is 2; rlhf's grpo samples through pipeline stages" in spec_error("korean-llm", split)
     no_precompute = [*rlhf, "stages.rlhf.precompute_ref_log_probs=false", full_rlhf]
-    assert "false with method full; with distributed.pipeline_parallel dpo computes a full policy's" in spec_error(
-        "korean-llm", no_precompute
-    )
+    load_pipeline("korean-llm", overrides=no_precompute)  # each stage's frozen copy, run at each step
     kto = "stages.rlhf.algorithm=kto"
-    assert "pipeline_parallel kto computes a full" in spec_error("korean-llm", [*no_precompute, kto])
+    load_pipeline("korean-llm", overrides=[*no_precompute, kto])
     load_pipeline("korean-llm", overrides=[*rlhf, kto])
     load_pipeline("korean-llm", overrides=[*no_precompute, lora])  # the adapter switched off at each step
     load_pipeline("korean-llm", overrides=[*rlhf, full_rlhf])  # dpo, its reference precomputed
