@@ -552,6 +552,23 @@ def assert_grpo_logged_alike(one: RunDir, other: RunDir, keys: list[str]) -> Non
 
 
 @pytest.mark.slow
+def test_grpo_on_two_stages_resumes_from_their_shards_as_one_process_trains(tmp_path: Path) -> None:
+    """GRPO's adapter on two stages, stopped as a preempted pod is (SIGTERM to torchrun) after its second checkpoint:
+    the ranks checkpoint together at the end of the next step (each its RNG, which its sampling goes on from), and the
+    rerun resumes from the shards, samples what one uninterrupted process samples and ends with its adapter."""
+    common = [*grpo_settings("lora", steps=4), "stages.rlhf.training.gradient_accumulation_steps=2"]
+    common += ["stages.rlhf.training.save_steps=2"]
+    single = make_preference_run_dir(tmp_path / "one", common)
+    run_ok(single, "rlhf", OMP_NUM_THREADS="1")
+    cut = make_preference_run_dir(tmp_path / "two", [*common, *PIPELINE_RLHF])
+    preempt_after_checkpoint(cut, "rlhf")
+    resume_sharded_run(cut, "rlhf", "checkpoint-3", pipeline_parallel=2)
+    assert_trains_as_one(single, cut, "rlhf", steps=4, weights=SAVED["lora"], atol=1e-4)
+    one, two = (run.read_result("rlhf").metrics for run in (single, cut))  # type: ignore[union-attr]
+    assert two["reward_last"] == pytest.approx(one["reward_last"], abs=1e-5)
+
+
+@pytest.mark.slow
 def test_grpo_on_two_pipelines_of_two_stages_trains_a_lora_adapter_as_ddp_does(tmp_path: Path) -> None:
     """Four processes: GRPO's adapter over two pipelines of two stages (FSDP2 over the pipelines, which every
     pipeline's sampling steps join until the longest ends), each pipeline sampling its own prompts' completions
