@@ -302,7 +302,7 @@ class DistributedSpec(StrictModel):
         "log-probabilities computed through the stages, before training or, precompute_ref_log_probs false, at each "
         "step, full training's reference then a frozen copy of each stage) and grpo (its completions sampled "
         "through the stages, full "
-        "training's reference a frozen copy of each stage; without tensor_parallel or expert_parallel), full "
+        "training's reference a frozen copy of each stage; not with expert_parallel), full "
         "fine-tuning or "
         "LoRA (each stage trains its layers' adapters; the adapter is saved as one) of a "
         "dense model, or of a mixture of experts with training.router_aux_loss_coef 0 (the balance loss is taken "
@@ -753,13 +753,12 @@ class RlhfStage(TrainingStage):
             if sharded and self.algorithm == "grpo":
                 continue  # its reference is the policy without its adapter, or loaded sharded
             if self.algorithm == "grpo":  # sampled through the stages, its loss on the last one
-                for other in ("tensor_parallel", "expert_parallel"):
-                    if getattr(self.distributed, other) != 1:
-                        raise FieldError(
-                            ("distributed", other),
-                            f"is {getattr(self.distributed, other)}; rlhf's grpo samples through pipeline stages that "
-                            f"hold whole layers: set {other} to 1, or pipeline_parallel to 1",
-                        )
+                if self.distributed.expert_parallel != 1:
+                    raise FieldError(
+                        ("distributed", "expert_parallel"),
+                        f"is {self.distributed.expert_parallel}; rlhf's grpo samples through pipeline stages whose "
+                        "experts are whole on each rank: set expert_parallel to 1, or pipeline_parallel to 1",
+                    )
                 continue
             if sharded and self.algorithm in ("dpo", "kto"):
                 if not self.precompute_ref_log_probs:

@@ -10,8 +10,9 @@ stages (`distributed.pipeline_parallel`, `stages.pipeline_parallel`) no rank hol
   its own on; the last stage's logits are broadcast over the pipeline), every stage of a pipeline calling `generate`
   on the same prompts. Each stage keeps the key/value cache of its own layers; the cache's entries of the layers it
   does not hold are one of its own (`stage_cache`: transformers reads the cached length from layer 0, which only the
-  first stage holds). The stages of a pipeline sample the same tokens from the same logits because they are seeded
-  alike: the seed plus the pipeline's index, as TRL seeds the one DDP process a pipeline stands for.
+  first stage holds). The stages of a pipeline (and a stage's tensor-parallel ranks, which split its layers) sample
+  the same tokens from the same logits because they are seeded alike: the seed plus the pipeline's index, as TRL
+  seeds the one DDP process a pipeline stands for.
 - TRL's data-parallel steps (the sampler's share, the gathers of rewards and token counts, the slice of the
   advantages, the metrics' reductions) span the pipelines, not the world: inside them the trainer sees one process per
   pipeline (`PipelinesAsProcesses`). Every stage of a pipeline scores the same completions.

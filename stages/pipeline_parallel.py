@@ -301,7 +301,8 @@ class Pipeline:
         """`loaded_once`: only rank 0 holds the weights (the others a skeleton on the meta device). `tensor`: ranks
         splitting each layer of a stage (`split_layers`); `expert`: ranks spreading each stage's experts
         (`spread_experts`). `reference`: keep a frozen copy of the stage's starting weights, run forward only by a
-        schedule of its own (`run(..., reference=True)`: a full policy's reference model, cut as the policy is)."""
+        schedule of its own (`run(..., reference=True)`: a full policy's reference model, cut and split as the policy
+        is)."""
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
         self.layout = layout = PipelineLayout.build(stages, tensor, expert)
@@ -324,11 +325,13 @@ class Pipeline:
         self.reference_part: PipelinePart | None = None
         """The frozen copy of the stage's starting weights, where kept."""
         if reference:
-            if layout.tensor > 1 or layout.expert > 1:
-                raise ValueError("a reference copy of the stage is kept for whole layers only")
+            if layout.expert > 1:
+                raise ValueError("a reference copy of the stage is kept for experts not spread only")
             self.reference_part = copy.deepcopy(self.part).requires_grad_(False)
         if layout.tensor > 1:
             split_layers(causal, layout.tensor_mesh, experts_spread=layout.expert > 1)
+            if self.reference_part is not None:
+                split_layers(self.reference_part.model, layout.tensor_mesh)
         experts: list[nn.Module] = []
         if layout.expert > 1:
             experts = spread_experts(causal, layout.expert_mesh["ep"], layout.mesh["tp"])

@@ -374,7 +374,7 @@ def seed_groups_alike(ctx: StageContext, trainer: Any) -> None:
     the same tokens, or they would add up parts of different rows. Each group takes the seed of the DDP process it
     stands for (the seed plus its data-parallel index), so a group trains as that process would."""
     tp = tensor_parallel_size(ctx.section)
-    if tp > 1:
+    if tp > 1 and pipeline_parallel_size(ctx.section) == 1:  # (pipeline stages: each pipeline's seed, all its ranks)
         set_seed(ctx.section.training.seed + trainer.accelerator.process_index // tp)
 
 

@@ -569,6 +569,24 @@ def test_grpo_on_two_stages_resumes_from_their_shards_as_one_process_trains(tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_grpo_on_two_stages_split_over_pairs_trains_as_one_process(tmp_path: Path, method: str) -> None:
+    """Four processes: two stages, each split over a pair (tensor parallelism), sample GRPO's completions through the
+    stages (a pair's ranks alike, seeded as the pipeline) and train as one process does: the adapter, or the weights
+    against each stage's frozen copy split as the policy is."""
+    common = [*grpo_settings(method, steps=3), "stages.rlhf.training.gradient_accumulation_steps=2"]
+    single = make_preference_run_dir(tmp_path / "one", common)
+    run_ok(single, "rlhf", OMP_NUM_THREADS="1")
+    split = [*PIPELINE_RLHF, "stages.rlhf.distributed.tensor_parallel=2"]
+    cut = make_preference_run_dir(tmp_path / "four", [*common, *split])
+    process = torchrun_stage(cut, "rlhf", processes=4)
+    assert process.wait(timeout=900) == 0, (cut.root / "rlhf.torchrun.log").read_text()[-4000:]
+    assert_trains_as_one(single, cut, "rlhf", steps=3, weights=SAVED[method], atol=1e-4)
+    assert_grpo_logged_alike(single, cut, ["reward", "kl", "entropy", "num_tokens"])
+    assert "each layer split over 2 ranks" in (cut.root / "rlhf.torchrun.log").read_text()
+
+
+@pytest.mark.slow
 def test_grpo_on_two_pipelines_of_two_stages_trains_a_lora_adapter_as_ddp_does(tmp_path: Path) -> None:
     """Four processes: GRPO's adapter over two pipelines of two stages (FSDP2 over the pipelines, which every
     pipeline's sampling steps join until the longest ends), each pipeline sampling its own prompts' completions
@@ -730,8 +748,11 @@ def test_the_spec_refuses_what_the_pipeline_cannot_run() -> None:
     lora = "stages.rlhf.method=lora"
     load_pipeline("korean-llm", overrides=[*rlhf, grpo, lora])  # sampled through the stages; its reference: no adapter
     load_pipeline("korean-llm", overrides=[*rlhf, grpo, full_rlhf])  # its reference: each stage's frozen copy
-    split = [*rlhf, grpo, lora, "stages.rlhf.distributed.tensor_parallel=2"]
-    assert "tensor_parallel: is 2; rlhf's grpo samples through pipeline stages" in spec_error("korean-llm", split)
+    load_pipeline("korean-llm", overrides=[*rlhf, grpo, full_rlhf, "stages.rlhf.distributed.tensor_parallel=2"])
+    spread = [*rlhf, grpo, lora, "stages.rlhf.distributed.expert_parallel=2"]
+    assert "expert_parallel: is 2; rlhf's grpo samples through pipeline stages whose" in spec_error(
+        "korean-llm", spread
+    )
     no_precompute = [*rlhf, "stages.rlhf.precompute_ref_log_probs=false", full_rlhf]
     load_pipeline("korean-llm", overrides=no_precompute)  # each stage's frozen copy, run at each step
     kto = "stages.rlhf.algorithm=kto"
