@@ -103,7 +103,8 @@ class CompletionLoss:
         self.batch, self.completion_ids, self.mask, self.recording = batch, completion_ids, mask, recording
         self.completion = completion_ids.shape[1]
         self.logged = []
-        self.found = torch.zeros(completion_ids.shape, dtype=torch.float32, device=completion_ids.device)
+        if recording:
+            self.found = torch.zeros(completion_ids.shape, dtype=torch.float32, device=completion_ids.device)
 
     def scores(self, logits: torch.Tensor, target: torch.Tensor, entropy: bool) -> tuple[torch.Tensor, Any]:
         """The log-probability of each row's completion tokens, and their entropy (where asked), under the sampling
@@ -284,14 +285,10 @@ def grpo_pipeline_trainer(base: type, stage: str, section: TrainingStage) -> typ
                     copied = lambda *_args, **_kwargs: self.pipeline.reference_part.model  # noqa: E731
                     patched.enter_context(mock.patch.object(grpo_module, "create_model_from_path", copied))
                 super().__init__(*args, **kwargs)
-            layout = self.pipeline.layout
             self.rows = CompletionRows(stage, rows, training.max_seq_length, self.processing_class.pad_token_id)
             self.completion_loss = CompletionLoss(self, self.temperature, microbatches)
             self.pipeline.objective = self.completion_loss
-            # TRL seeds each process apart (the seed plus its index); a pipeline's stages must sample alike
-            from transformers import set_seed
-
-            set_seed(self.args.seed + layout.pipeline)
+            # (TRL seeds each process apart; `stages.rlhf.seed_groups_alike` seeds a pipeline's ranks alike)
 
         def keeps_reference(self, model: Any, args: Any) -> bool:
             return args.beta != 0 and not hasattr(model, "peft_config")  # full training's reference

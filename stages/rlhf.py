@@ -372,10 +372,14 @@ def seed_groups_alike(ctx: StageContext, trainer: Any) -> None:
     (`set_seed(seed, device_specific=True)`: the seed plus the process's index) so that DDP's processes sample
     different completions; under tensor parallelism a group's ranks compute the same rows together and must sample
     the same tokens, or they would add up parts of different rows. Each group takes the seed of the DDP process it
-    stands for (the seed plus its data-parallel index), so a group trains as that process would."""
-    tp = tensor_parallel_size(ctx.section)
-    if tp > 1 and pipeline_parallel_size(ctx.section) == 1:  # (pipeline stages: each pipeline's seed, all its ranks)
-        set_seed(ctx.section.training.seed + trainer.accelerator.process_index // tp)
+    stands for (the seed plus its data-parallel index), so a group trains as that process would. Under pipeline
+    stages the group is a pipeline (its stages, and their tensor-parallel ranks), its index the pipeline's."""
+    seed = ctx.section.training.seed
+    pipeline = getattr(trainer, "pipeline", None)
+    if pipeline is not None:
+        set_seed(seed + pipeline.layout.pipeline)
+    elif (tp := tensor_parallel_size(ctx.section)) > 1:
+        set_seed(seed + trainer.accelerator.process_index // tp)
 
 
 def frozen_reference(ctx: StageContext, start: StartingModel, tokenizer: Any) -> Any | None:
