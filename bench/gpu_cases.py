@@ -514,6 +514,15 @@ CASES: list[Case] = [
     ),
     replace(
         B5,
+        name="b5_stage_b4_blocks",
+        per_device_batch_size=4,
+        gradient_checkpointing=True,
+        compile_blocks=True,
+        steps=8,
+        note="as b5_stage_b4_ckpt with each decoder layer compiled, its checkpointing inside the compiled region",
+    ),
+    replace(
+        B5,
         name="b5_stage_sdpa",
         attn="sdpa",
         note="as b5_stage with sdpa (a dense block-diagonal mask from the position ids) instead of flex attention",
