@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from run.run_dir import RunDir, StageResult
+from run.run_dir import RunDir, StageResult, write_text_atomic
 from spec.fields import STAGE_ORDER, TRAINING_STAGES
 from spec.pipeline import PipelineSpec
 
@@ -75,6 +75,13 @@ def conflicting_stages(run_dir: RunDir, spec: PipelineSpec) -> list[str]:
         if changed or (stage in TRAINING_STAGES and stale_outputs(run_dir.stage_dir(stage), previous, wanted)):
             conflicts.append(stage)
     return conflicts
+
+
+def record_outputs_config(stage_dir: Path, wanted: str) -> None:
+    """Record that the checkpoints about to be written in `stage_dir` belong to the config `wanted` (read back by
+    `outputs_config`), atomically: under torchrun the other ranks read it as they begin while rank 0 writes it, and a
+    torn or empty record reads as another config."""
+    write_text_atomic(stage_dir / "checkpoints" / CHECKPOINTS_CONFIG, wanted + "\n")
 
 
 def outputs_config(stage_dir: Path, previous: StageResult | None) -> str | None:

@@ -86,16 +86,20 @@ def now() -> str:
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
-    """Write JSON to `path` so readers see the old file or the new one, never a torn one. RunDirGone, before
-    anything is made, when `path` lies in a run directory whose stage lock this process holds and that was deleted
-    or replaced (`check_still_ours`)."""
+    """Write JSON to `path` so readers see the old file or the new one, never a torn one (`write_text_atomic`)."""
+    write_text_atomic(path, json.dumps(data, indent=2, ensure_ascii=False, sort_keys=True) + "\n")
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` so readers see the old file or the new one, never a torn or empty one: the other
+    ranks of a torchrun job read what rank 0 writes. RunDirGone, before anything is made, when `path` lies in a run
+    directory whose stage lock this process holds and that was deleted or replaced (`check_still_ours`)."""
     check_still_ours(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2, ensure_ascii=False, sort_keys=True)
-            f.write("\n")
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from run.config_hash import CHECKPOINTS_CONFIG, config_hash, has_outputs, outputs_config, stale_outputs
+from run.config_hash import config_hash, has_outputs, outputs_config, record_outputs_config, stale_outputs
 from run.exits import EXIT_FAILED, EXIT_OK, EXIT_RETRYABLE, interrupt_signal
 from run.masking import mask_secrets
 from run.run_dir import (
@@ -306,9 +306,8 @@ class StageContext:
         for path in (self.dir, self.logs_dir):
             path.mkdir(parents=True, exist_ok=True)
         if training and is_main_process():
-            # The checkpoints about to be written belong to this config (read back by the next attempt).
-            self.checkpoints_dir.mkdir(parents=True, exist_ok=True)
-            (self.checkpoints_dir / CHECKPOINTS_CONFIG).write_text(self.config_hash + "\n", encoding="utf-8")
+            # The checkpoints about to be written belong to this config (read back by the next attempt)
+            record_outputs_config(self.dir, self.config_hash)
         self._write()
         return True
 

@@ -8,6 +8,7 @@ import importlib.util
 import json
 import shutil
 import signal
+import threading
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,14 @@ import torch
 from safetensors.torch import save_file
 from training_fixtures import make_run_dir, run_stage, start_stage, wait_for_file
 
-from run.config_hash import CHECKPOINTS_CONFIG, config_hash, conflicting_stages
+from run.config_hash import (
+    CHECKPOINTS_CONFIG,
+    config_hash,
+    conflicting_stages,
+    outputs_config,
+    record_outputs_config,
+    stale_outputs,
+)
 from run.exits import EXIT_RETRYABLE, EXIT_USAGE
 from spec.loading import load_pipeline
 from stages.checkpoints import MARKER, mark_complete, newest_valid_checkpoint, set_aside_torn
@@ -184,3 +192,32 @@ def test_checkpoints_of_another_config_are_refused_and_forced_aside(tmp_path: Pa
     again = run_dir.read_result("cpt")
     assert again.config_hash == config_hash(spec, "cpt") and again.extra["resumed_from_step"] == 0
     assert again.metrics["steps"] == 6 and logged_steps(run_dir) == list(range(1, 7))
+
+
+def test_a_rank_beginning_while_rank_0_records_the_config_never_reads_another(tmp_path: Path) -> None:
+    """Under torchrun every rank checks the checkpoints' config record as it begins while rank 0 rewrites it (the
+    same hash, on a resumed attempt): the record is replaced whole, so a reader never finds it empty or torn, which
+    would read as another config and refuse the resume (seen once on four processes)."""
+    stage_dir = tmp_path / "cpt"
+    (stage_dir / "checkpoints" / "checkpoint-3").mkdir(parents=True)
+    wanted = "c" * 64
+    record_outputs_config(stage_dir, wanted)
+    seen: set[str | None] = set()
+    done = threading.Event()
+
+    def read() -> None:
+        while not done.is_set():
+            seen.add(outputs_config(stage_dir, None))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for _ in range(3000):
+            record_outputs_config(stage_dir, wanted)
+    finally:
+        done.set()
+        reader.join()
+    assert seen == {wanted}
+    assert not stale_outputs(stage_dir, None, wanted)
+    # no temporary file left behind
+    assert sorted(path.name for path in (stage_dir / "checkpoints").iterdir()) == ["checkpoint-3", CHECKPOINTS_CONFIG]
