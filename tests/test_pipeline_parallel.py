@@ -519,6 +519,28 @@ def test_dpo_and_kto_with_the_reference_at_each_step_train_as_one_process(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["dpo", "kto"])
+def test_full_dpo_and_kto_with_the_reference_at_each_step_on_stages_split_over_pairs_train_as_one_process(
+    tmp_path: Path, algorithm: str
+) -> None:
+    """Four processes: two stages, each split over a pair (tensor parallelism), full DPO or KTO with the reference at
+    each step: each stage's frozen copy of its starting weights is split as the policy is and run by its own schedule;
+    the four train as one process that computes its reference at each step from its whole frozen copy."""
+    common = [*orpo_settings("full", 2, 2, algorithm=algorithm), "stages.rlhf.precompute_ref_log_probs=false"]
+    single = make_preference_run_dir(tmp_path / "one", common)
+    run_ok(single, "rlhf", OMP_NUM_THREADS="1")
+    split = [*PIPELINE_RLHF, "stages.rlhf.distributed.tensor_parallel=2"]
+    cut = make_preference_run_dir(tmp_path / "four", [*common, *split])
+    process = torchrun_stage(cut, "rlhf", processes=4)
+    assert process.wait(timeout=900) == 0, (cut.root / "rlhf.torchrun.log").read_text()[-4000:]
+    logged, results, _ = REFERENCED[algorithm]
+    assert_orpo_trains_as_one(single, cut, "full", logged, results)
+    log = (cut.root / "rlhf.torchrun.log").read_text()
+    assert "each layer split over 2 ranks" in log
+    assert "reference log-probabilities of" not in log  # none precomputed
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["lora", "full"])
 def test_grpo_on_two_stages_samples_and_trains_as_one_process(tmp_path: Path, method: str) -> None:
     """rlhf's GRPO cut in two: each prompt's completions sampled through the stages (transformers' pipeline forward,
