@@ -454,6 +454,18 @@ def test_orpo_on_two_pipelines_of_two_stages_trains_a_tied_model_as_one_process(
     assert_orpo_trains_as_one(single, cut, "full")
 
 
+def rlhf_alone_and_on_split_stages(root: Path, common: list[str]) -> tuple[RunDir, RunDir]:
+    """rlhf with the `common` settings on one process, and on four (torchrun): two stages, each split over a pair
+    (tensor parallelism). Both succeed; returns both runs."""
+    single = make_preference_run_dir(root / "one", common)
+    run_ok(single, "rlhf", OMP_NUM_THREADS="1")
+    split = [*PIPELINE_RLHF, "stages.rlhf.distributed.tensor_parallel=2"]
+    cut = make_preference_run_dir(root / "four", [*common, *split])
+    process = torchrun_stage(cut, "rlhf", processes=4)
+    assert process.wait(timeout=900) == 0, (cut.root / "rlhf.torchrun.log").read_text()[-4000:]
+    return single, cut
+
+
 REFERENCED = {"dpo": (DPO_LOGGED, PAIRED_RESULTS, "64 train pairs"), "kto": (KTO_LOGGED, KTO_RESULTS, "128 train rows")}
 """A preference algorithm with a reference: its logged metrics, its stage.json results, its rows a reference pass
 counts."""
@@ -527,12 +539,7 @@ def test_full_dpo_and_kto_with_the_reference_at_each_step_on_stages_split_over_p
     each step: each stage's frozen copy of its starting weights is split as the policy is and run by its own schedule;
     the four train as one process that computes its reference at each step from its whole frozen copy."""
     common = [*orpo_settings("full", 2, 2, algorithm=algorithm), "stages.rlhf.precompute_ref_log_probs=false"]
-    single = make_preference_run_dir(tmp_path / "one", common)
-    run_ok(single, "rlhf", OMP_NUM_THREADS="1")
-    split = [*PIPELINE_RLHF, "stages.rlhf.distributed.tensor_parallel=2"]
-    cut = make_preference_run_dir(tmp_path / "four", [*common, *split])
-    process = torchrun_stage(cut, "rlhf", processes=4)
-    assert process.wait(timeout=900) == 0, (cut.root / "rlhf.torchrun.log").read_text()[-4000:]
+    single, cut = rlhf_alone_and_on_split_stages(tmp_path, common)
     logged, results, _ = REFERENCED[algorithm]
     assert_orpo_trains_as_one(single, cut, "full", logged, results)
     log = (cut.root / "rlhf.torchrun.log").read_text()
@@ -597,12 +604,7 @@ def test_grpo_on_two_stages_split_over_pairs_trains_as_one_process(tmp_path: Pat
     stages (a pair's ranks alike, seeded as the pipeline) and train as one process does: the adapter, or the weights
     against each stage's frozen copy split as the policy is."""
     common = [*grpo_settings(method, steps=3), "stages.rlhf.training.gradient_accumulation_steps=2"]
-    single = make_preference_run_dir(tmp_path / "one", common)
-    run_ok(single, "rlhf", OMP_NUM_THREADS="1")
-    split = [*PIPELINE_RLHF, "stages.rlhf.distributed.tensor_parallel=2"]
-    cut = make_preference_run_dir(tmp_path / "four", [*common, *split])
-    process = torchrun_stage(cut, "rlhf", processes=4)
-    assert process.wait(timeout=900) == 0, (cut.root / "rlhf.torchrun.log").read_text()[-4000:]
+    single, cut = rlhf_alone_and_on_split_stages(tmp_path, common)
     assert_trains_as_one(single, cut, "rlhf", steps=3, weights=SAVED[method], atol=1e-4)
     assert_grpo_logged_alike(single, cut, ["reward", "kl", "entropy", "num_tokens"])
     assert "each layer split over 2 ranks" in (cut.root / "rlhf.torchrun.log").read_text()
