@@ -288,7 +288,6 @@ def grpo_pipeline_trainer(base: type, stage: str, section: TrainingStage) -> typ
             self.rows = CompletionRows(stage, rows, training.max_seq_length, self.processing_class.pad_token_id)
             self.completion_loss = CompletionLoss(self, self.temperature, microbatches)
             self.pipeline.objective = self.completion_loss
-            # (TRL seeds each process apart; `stages.rlhf.seed_groups_alike` seeds a pipeline's ranks alike)
 
         def keeps_reference(self, model: Any, args: Any) -> bool:
             return args.beta != 0 and not hasattr(model, "peft_config")  # full training's reference
