@@ -84,7 +84,9 @@ class Case:
     fp8: bool = False  # training.fp8: the linear layers' matmuls in float8 (torchao)
     fp8_compile: bool | None = None  # fp8: compile each float8 layer (None: the stage's choice)
     fp8_recipe: str | None = None  # fp8: torchao's scaling recipe (None: the stage's)
-    compile_blocks: bool = False  # each decoder layer checkpointed then compiled as one block (torchtitan's order)
+    compile_blocks: bool | None = (
+        None  # each decoder layer compiled whole, its checkpointing inside (None: the stage's choice)
+    )
     expert_parallel: int = 1  # distributed.expert_parallel: experts split over this many ranks (B7 cases: all)
     tensor_parallel: int = 1  # distributed.tensor_parallel: each layer split over this many ranks
     pipeline_parallel: int = 1  # distributed.pipeline_parallel: layers cut into this many stages (0: every process)
@@ -677,29 +679,36 @@ B8_B4 = replace(B8, per_device_batch_size=4, warmup=3, steps=12, extra={})
 """B8 at 4 rows a step, 15 steps (12 timed)."""
 CASES += [
     B8,
-    replace(B8, name="b8_fp8", fp8=True, note="as b8_bf16 with training.fp8 (each float8 layer compiled)"),
-    replace(B8, name="b8_fp8_rowwise", fp8=True, fp8_recipe="rowwise", note="as b8_fp8, rowwise scales"),
-    replace(B8, name="b8_fp8_eager", fp8=True, fp8_compile=False, note="as b8_fp8, nothing compiled"),
+    replace(
+        B8, name="b8_fp8", fp8=True, note="as b8_bf16 with training.fp8 (the stage's: each decoder layer compiled)"
+    ),
+    replace(B8, name="b8_fp8_layers", fp8=True, compile_blocks=False, note="as b8_fp8, each float8 layer compiled"),
+    replace(
+        B8, name="b8_fp8_rowwise", fp8=True, fp8_recipe="rowwise", compile_blocks=False, note="b8_fp8_layers, rowwise"
+    ),
+    replace(
+        B8, name="b8_fp8_eager", fp8=True, fp8_compile=False, compile_blocks=False, note="b8_fp8, nothing compiled"
+    ),
     replace(B8_B4, name="b8_bf16_b4", note="as b8_bf16, 4 rows"),
     replace(B8_B4, name="b8_fp8_b4", fp8=True, note="fp8, 4 rows"),
+    replace(B8_B4, name="b8_fp8_layers_b4", fp8=True, compile_blocks=False, note="b8_fp8_layers, 4 rows"),
     # A learning curve on real text: random tokens bound float8's drift but teach nothing. From random weights, at a
     # learning rate that moves them, every token trained (documents packed into rows of 4096).
     replace(B8, name="b8_bf16_text", text=True, steps=295, extra=B8_CURVE, note="as b8_bf16, Korean text, 300 steps"),
     replace(B8, name="b8_fp8_text", text=True, steps=295, extra=B8_CURVE, fp8=True, note="as b8_fp8, Korean text"),
     replace(B8, name="b8_bf16_24l", layers=24, note="as b8_bf16 with 24 of the 36 layers"),
     replace(B8, name="b8_fp8_24l", layers=24, fp8=True, note="as b8_fp8 with 24 of the 36 layers"),
-    # Each decoder layer compiled whole, its activation checkpointing inside the compiled region (torch's
-    # checkpoint_wrapper, then nn.Module.compile per layer, as torchtitan applies them); Liger keeps only its fused
-    # cross-entropy (Inductor fuses the norms, RoPE and SwiGLU inside a block).
+    # bf16 with each decoder layer compiled whole, its activation checkpointing inside the compiled region, as the
+    # stage does it for fp8 (stages.float8.compile_decoder_layers); Liger's layer kernels off (Inductor fuses the
+    # norms, RoPE and SwiGLU inside a layer), the loss fused by TRL's LM head.
     replace(B8, name="b8_bf16_blocks", compile_blocks=True, note="as b8_bf16, each decoder layer compiled"),
-    replace(B8, name="b8_fp8_blocks", fp8=True, compile_blocks=True, note="as b8_fp8, each decoder layer compiled"),
     replace(B8_B4, name="b8_bf16_blocks_b4", compile_blocks=True, note="as b8_bf16_b4, each decoder layer compiled"),
-    replace(B8_B4, name="b8_fp8_blocks_b4", fp8=True, compile_blocks=True, note="as b8_fp8_b4, each layer compiled"),
     replace(
         B8,
         name="b8_fp8_model_compile",
         fp8=True,
         fp8_compile=False,
+        compile_blocks=False,
         extra={**B8.extra, "torch_compile": True},
         note="as b8_fp8 with the whole model compiled (the trainer's torch_compile) instead of each layer",
     ),

@@ -420,42 +420,42 @@ def build_model(ctx: SimpleNamespace, tokenizer: Any, case: Case, tmp: Path) -> 
             from stages.float8 import train_in_float8
 
             recipe = {"recipe": case.fp8_recipe} if case.fp8_recipe else {}
-            compile_layers = False if case.compile_blocks else case.fp8_compile
+            compile_layers = False if whole_layers(ctx, case) else case.fp8_compile
             train_in_float8(model, ctx.stage, compile_layers=compile_layers, **recipe)
-    if case.compile_blocks:
-        compile_decoder_blocks(model, case.gradient_checkpointing)
+    if whole_layers(ctx, case):
+        from stages.float8 import compile_decoder_layers
+
+        compile_decoder_layers(model, case.gradient_checkpointing)
     model.config.use_cache = False
     return model
 
 
-def compile_decoder_blocks(model: Any, checkpointing: bool) -> None:
-    """Each decoder layer wrapped in torch's activation checkpointing (where the case checkpoints), then compiled
-    as one region: the recomputation is traced with the layer, so Inductor fuses the norms, RoPE, SwiGLU and float8's
-    scaling around the matmuls. transformers' own checkpointing is off for these cases (trainer_args)."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+def whole_layers(ctx: SimpleNamespace, case: Case) -> bool:
+    """Whether the case compiles each decoder layer whole, its checkpointing inside: the stage's choice
+    (`stages.float8.compiles_decoder_layers`) unless the case sets `compile_blocks`."""
+    from stages.float8 import compiles_decoder_layers
 
-    layers = model.get_decoder().layers
-    for index, layer in enumerate(layers):
-        block = checkpoint_wrapper(layer, preserve_rng_state=False) if checkpointing else layer
-        block.compile()
-        layers[index] = block
+    return compiles_decoder_layers(ctx.stage, ctx.section) if case.compile_blocks is None else case.compile_blocks
 
 
 def trainer_args(ctx: SimpleNamespace, model: Any, case: Case) -> dict[str, Any]:
     """trainer_arguments as the stage computes them, with the case's overrides of the GPU defaults."""
-    from stages.training import trainer_arguments
+    from stages.float8 import compiles_decoder_layers
+    from stages.training import kernel_arguments, trainer_arguments
 
     args = trainer_arguments(ctx, model)
+    blocks = whole_layers(ctx, case)
+    if blocks != compiles_decoder_layers(ctx.stage, ctx.section):  # the case overrides the stage's choice
+        checkpointing = case.gradient_checkpointing and not blocks  # compiled whole layers checkpoint themselves
+        args["gradient_checkpointing"] = args["activation_checkpointing"] = checkpointing
+        args.pop("use_liger_kernel", None)
+        args.pop("liger_kernel_config", None)
+        args.update(kernel_arguments(model, ctx.stage, blocks))
     # No checkpoint: with save_strategy "steps" the Trainer saves at the planned end, which for an 8B model under
     # FSDP2 (weights and Adam's state gathered) takes longer than the timed steps; nothing here is resumed.
     args["save_strategy"] = "no"
     if case.liger is not None:
         args["use_liger_kernel"] = case.liger
-    if case.compile_blocks:  # the blocks checkpoint themselves; Inductor fuses what Liger's other kernels would
-        args["gradient_checkpointing"] = False
-        if args.get("use_liger_kernel"):
-            kept = {"rope": False, "rms_norm": False, "swiglu": False, "fused_linear_cross_entropy": True}
-            args["liger_kernel_config"] = kept
     if case.reshard_after_forward is not None and args.get("fsdp_config"):
         args["fsdp_config"] = {**args["fsdp_config"], "reshard_after_forward": case.reshard_after_forward}
     return {**args, **case.extra}

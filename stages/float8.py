@@ -17,11 +17,16 @@ Under tensor parallelism a converted layer gets its plan's forward back (`split_
 shard in float8, each scale taken over the whole weight; under pipeline parallelism each stage's layers are converted
 as they are in a whole model.
 
-On a GPU each converted layer is compiled (`nn.Module.compile`): eager, the scaling is several small kernels per
-tensor around each GEMM, and the step ran at 0.56× bf16's; compiled, 1.14-1.24× (one H200, 12 and 24 layers of the
-8B shape, docs/performance.md B8). Compiling larger regions does not take with transformers' gradient checkpointing,
-which calls each checkpointed decoder layer's uncompiled forward: the trainer's `torch_compile` and a compiled
-decoder layer both ran at the eager speed. torchao's rowwise recipe measured 0.97× bf16's.
+On a GPU the float8 layers are compiled: eager, the scaling is several small kernels per tensor around each GEMM,
+and the step ran at 0.56× bf16's. In cpt and sft under strategy ddp (`compiles_decoder_layers`) each whole decoder
+layer is compiled with its activation checkpointing inside the compiled region (`compile_decoder_layers`,
+torchtitan's order), so Inductor fuses the norms, RoPE, SwiGLU and the scaling around the matmuls: 1.35× bf16's step
+at 2 rows of 4096 and 1.46× at 4 (one H100, 12 layers of the 8B shape, docs/performance.md B8), against 1.17× and
+1.21× with each converted layer compiled alone, which is what FSDP2, tensor and pipeline parallelism and rlhf keep
+(FSDP2's hooks sit on each decoder layer, the model-parallel plans rebuild the layers, and rlhf generates through
+its policy, a new shape per token). transformers' own gradient checkpointing calls each layer's uncompiled forward,
+so where whole layers compile the trainer's checkpointing is off and the layers checkpoint themselves. torchao's
+rowwise recipe measured 0.97× bf16's.
 
 A scale per tensor is taken over every token of the batch, so a packed document's float8 rounding depends on the
 rows beside it: attention still never crosses documents, but the logits of a document packed with others differ
@@ -30,6 +35,7 @@ from its logits alone by more than bf16's rounding (0.30-0.42 against 0.018-0.02
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 from typing import Any
@@ -41,6 +47,8 @@ from stages.contract import NotSupportedHere
 RECIPE = "tensorwise"
 
 MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada (L40S, RTX 4090), Hopper (H100, H200) and newer
+
+WHOLE_LAYER_STAGES = ("cpt", "sft")  # the stages whose trainer only trains: rlhf's also generates
 
 
 class _ImportNoise(logging.Filter):
@@ -113,6 +121,54 @@ def train_in_float8(model: Any, stage: str, compile_layers: bool | None = None, 
     kept = sum(type(m) is torch.nn.Linear for m in model.modules())
     print(f"[{stage}] fp8: {len(chosen)} linear layers in float8, {kept} not", flush=True)
     return len(chosen)
+
+
+def compiles_decoder_layers(stage: str, section: Any) -> bool:
+    """Whether this stage compiles each whole decoder layer, its checkpointing inside (`compile_decoder_layers`),
+    instead of each float8 layer alone: float8 on a GPU, in cpt or sft, with strategy ddp and whole layers on each
+    process (see the module's docstring for why not elsewhere)."""
+    distributed = section.distributed
+    return (
+        section.training.fp8
+        and torch.cuda.is_available()
+        and stage in WHOLE_LAYER_STAGES
+        and distributed.strategy == "ddp"
+        and distributed.tensor_parallel == 1
+        and distributed.pipeline_parallel == 1
+    )
+
+
+def compile_decoder_layers(model: Any, checkpointing: bool) -> int:
+    """Compile each decoder layer of `model` as one region (`nn.Module.compile`), with its activation checkpointing
+    inside the region where `checkpointing`, and return how many. The layer's class becomes a subclass whose forward
+    checkpoints the original one: the module tree, parameter names and saved weights stay as they are (torch's
+    checkpoint_wrapper would rename every parameter). The layers share their compiled graphs (the same code, the
+    parameters as inputs). The trainer's own gradient checkpointing must be off (`stages.training`)."""
+    # The RNG state is kept for the recomputation only where the model drops out (where it does not, as in the
+    # measured runs, keeping it is work for nothing).
+    config = model.config.get_text_config()
+    dropout = any(getattr(config, name, 0) or 0 for name in ("attention_dropout", "hidden_dropout", "dropout"))
+    layers = model.get_decoder().layers
+    for layer in layers:
+        if checkpointing:
+            layer.__class__ = _checkpointed(type(layer), dropout)
+        layer.compile()
+    return len(layers)
+
+
+@functools.cache
+def _checkpointed(layer_class: type, preserve_rng_state: bool) -> type:
+    """`layer_class` with its forward under torch's (non-reentrant) activation checkpointing."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(layer_class):
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            return checkpoint(
+                super().forward, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs
+            )
+
+    Checkpointed.__name__ = Checkpointed.__qualname__ = layer_class.__name__  # FSDP and logs match layers by name
+    return Checkpointed
 
 
 def split_again(model: Any, converted: set[str]) -> None:

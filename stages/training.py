@@ -40,6 +40,7 @@ from spec.training import TrainingStage
 from stages.checkpoints import checkpoint_step, newest_valid_checkpoint, set_aside_torn
 from stages.contract import ExplainedFailure, StageContext, is_main_process
 from stages.distributed import precision_arguments, strategy_arguments
+from stages.float8 import compiles_decoder_layers
 from stages.model_parallel import (
     checkpoint_sharded,
     expert_parallel_size,
@@ -64,7 +65,10 @@ def trainer_arguments(ctx: StageContext, model: Any) -> dict[str, Any]:
     """Keyword arguments for TrainingArguments / SFTConfig from the stage's spec."""
     section: TrainingStage = ctx.section
     t = section.training
-    checkpointing = t.gradient_checkpointing and on_gpu()  # recomputation only pays off on a GPU
+    # Recomputation only pays off on a GPU; decoder layers compiled whole checkpoint themselves, inside the compiled
+    # region (transformers' checkpointing would call their uncompiled forward).
+    whole_layers = compiles_decoder_layers(ctx.stage, section)
+    checkpointing = t.gradient_checkpointing and on_gpu() and not whole_layers
     return {
         "output_dir": str(ctx.checkpoints_dir),
         "per_device_train_batch_size": t.per_device_batch_size,
@@ -95,7 +99,7 @@ def trainer_arguments(ctx: StageContext, model: Any) -> dict[str, Any]:
         "report_to": "none",  # the stage tracker's callback reports instead
         "disable_tqdm": True,
         **precision_arguments(weights_dtype(ctx.spec.model)),
-        **kernel_arguments(model),
+        **kernel_arguments(model, ctx.stage, whole_layers),
         **strategy_arguments(ctx.stage, section, model),  # last: FSDP replaces the checkpointing settings
     }
 
@@ -121,7 +125,7 @@ def build_config(ctx: StageContext, config_class: type[TrainingArguments], argum
         raise StageRefused(f"{where}: {config_class.__name__} refused these settings: {exc}") from None
 
 
-def kernel_arguments(model: Any) -> dict[str, Any]:
+def kernel_arguments(model: Any, stage: str = "", whole_layers: bool = False) -> dict[str, Any]:
     """Fused Triton kernels on a GPU where liger-kernel is installed: RMSNorm, SwiGLU, RoPE and the fused linear
     cross-entropy, which never materialises the logits (see docs/performance.md). Nothing on CPU.
 
@@ -129,9 +133,18 @@ def kernel_arguments(model: Any) -> dict[str, Any]:
     over the experts (slower than the grouped_mm experts, `stages.modeling.experts_implementation`), and breaks
     on the experts' LoRA wrapper (`lora.target_experts`: "'ParamWrapper' object has no attribute 'hidden_dim'",
     measured on an H200, B5 in docs/performance.md). A model split by tensor parallelism keeps transformers' own
-    layers: Liger's fused cross-entropy and SwiGLU take the whole weight matrices, which no rank holds."""
+    layers: Liger's fused cross-entropy and SwiGLU take the whole weight matrices, which no rank holds.
+
+    Decoder layers compiled whole (`whole_layers`, `stages.float8.compiles_decoder_layers`) keep only the fused
+    cross-entropy, in cpt: inside a compiled layer Inductor fuses what Liger's layer kernels do, and sft's
+    SFTTrainer has a fused LM head of its own (TRL's, which refuses Liger's)."""
     if not on_gpu() or importlib.util.find_spec("liger_kernel") is None:
         return {}
+    if whole_layers:
+        if stage != "cpt":
+            return {}
+        only_the_loss = {"rope": False, "rms_norm": False, "swiglu": False, "fused_linear_cross_entropy": True}
+        return {"use_liger_kernel": True, "liger_kernel_config": only_the_loss}
     if (getattr(model, "tp_size", None) or 1) > 1:
         return {}  # split layers (tensor_parallel): Liger's kernels read whole weights, the model holds shards
     if expert_parameters(model):

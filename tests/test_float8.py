@@ -25,7 +25,13 @@ from run.run_dir import RunDir
 from spec.loading import load_pipeline
 from stages.checkpoints import MARKER
 from stages.contract import NotSupportedHere
-from stages.float8 import check_float8, float8_layers, train_in_float8
+from stages.float8 import (
+    check_float8,
+    compile_decoder_layers,
+    compiles_decoder_layers,
+    float8_layers,
+    train_in_float8,
+)
 from stages.modeling import model_fingerprint
 from stages.training import read_log_history
 
@@ -91,6 +97,79 @@ def test_a_gpu_without_float8_tensor_cores_is_refused_naming_the_field(monkeypat
         check_float8("sft")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda: (9, 0))
     check_float8("sft")  # an H100
+
+
+def test_decoder_layers_compiled_whole_train_as_the_model_does_checkpointed_and_named_as_before() -> None:
+    """The fp8 stages' compile on a GPU (stages.float8.compile_decoder_layers), run here on CPU's Inductor: the same
+    loss and gradients as the eager model, one graph for every layer, no graph break, the parameters' names and the
+    saved keys unchanged, and the checkpointing inside the compiled region (fewer activations kept)."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    eager = tiny()
+    ids = torch.randint(0, 256, (2, 48))
+
+    def kept_activations(model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+        sizes: list[int] = []
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            sizes.append(tensor.numel())
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss  # as the stages train
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, sum(sizes)
+
+    loss, grads, _ = kept_activations(eager)
+    results = {}
+    for checkpointing in (True, False):
+        torch._dynamo.reset()
+        counters.clear()
+        model = tiny()
+        model.load_state_dict(eager.state_dict())
+        assert compile_decoder_layers(model, checkpointing) == 2
+        results[checkpointing] = kept_activations(model)
+        assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+        assert model.state_dict().keys() == eager.state_dict().keys()
+        assert type(model.model.layers[0]).__name__ == "LlamaDecoderLayer"
+    compiled_loss, compiled_grads, checkpointed = results[True]
+    torch.testing.assert_close(compiled_loss, loss, rtol=1e-5, atol=1e-5)
+    assert compiled_grads.keys() == grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(compiled_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+    assert checkpointed < results[False][2]  # the checkpointed layers keep only their inputs
+
+
+def test_whole_decoder_layers_compile_for_float8_in_cpt_and_sft_under_ddp_on_a_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from stages import training
+
+    def section(overrides: list[str], stage: str = "cpt") -> object:
+        return getattr(load_pipeline("korean-llm", overrides=overrides).spec.stages, stage)
+
+    fp8 = ["stages.cpt.training.fp8=true", "stages.cpt.distributed.strategy=ddp"]
+    assert not compiles_decoder_layers("cpt", section(fp8))  # CPU: nothing compiles
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert compiles_decoder_layers("cpt", section(fp8))
+    assert not compiles_decoder_layers("cpt", section(fp8[1:]))  # bf16
+    assert not compiles_decoder_layers("cpt", section([fp8[0], "stages.cpt.distributed.strategy=fsdp"]))
+    tensor_parallel = [fp8[0], "stages.cpt.distributed.strategy=fsdp", "stages.cpt.distributed.tensor_parallel=2"]
+    assert not compiles_decoder_layers("cpt", section(tensor_parallel))
+    rlhf = ["stages.rlhf.training.fp8=true", "stages.rlhf.method=full", "stages.rlhf.distributed.strategy=ddp"]
+    assert not compiles_decoder_layers("rlhf", section(rlhf, "rlhf"))  # rlhf generates through its policy
+    # Liger: in cpt its fused cross-entropy only (Inductor fuses the rest inside a layer); sft's trainer has its own.
+    monkeypatch.setattr(training, "on_gpu", lambda: True)
+    monkeypatch.setattr(training.importlib.util, "find_spec", lambda name: object() if name == "liger_kernel" else None)
+    dense = tiny()
+    assert training.kernel_arguments(dense, "cpt", whole_layers=True)["liger_kernel_config"] == {
+        "rope": False,
+        "rms_norm": False,
+        "swiglu": False,
+        "fused_linear_cross_entropy": True,
+    }
+    assert training.kernel_arguments(dense, "sft", whole_layers=True) == {}
 
 
 def test_the_spec_refuses_what_float8_cannot_combine_with() -> None:
