@@ -143,7 +143,8 @@ def kernel_arguments(model: Any, stage: str = "", whole_layers: bool = False) ->
     if whole_layers:
         if stage != "cpt":
             return {}
-        only_the_loss = {"rope": False, "rms_norm": False, "swiglu": False, "fused_linear_cross_entropy": True}
+        layer_kernels = ("rope", "rms_norm", "swiglu", "geglu")  # Liger takes those the model's patch function has
+        only_the_loss = {**dict.fromkeys(layer_kernels, False), "fused_linear_cross_entropy": True}
         return {"use_liger_kernel": True, "liger_kernel_config": only_the_loss}
     if (getattr(model, "tp_size", None) or 1) > 1:
         return {}  # split layers (tensor_parallel): Liger's kernels read whole weights, the model holds shards

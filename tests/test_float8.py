@@ -167,6 +167,7 @@ def test_whole_decoder_layers_compile_for_float8_in_cpt_and_sft_under_ddp_on_a_g
         "rope": False,
         "rms_norm": False,
         "swiglu": False,
+        "geglu": False,
         "fused_linear_cross_entropy": True,
     }
     assert training.kernel_arguments(dense, "sft", whole_layers=True) == {}
