@@ -720,6 +720,29 @@ CASES += [
     ),
 ]
 
+# B8 over every GPU of the node (issue 38's float8 row: the 8B full fine-tune on 4 x H100): all 36 layers of the 8B
+# shape, FSDP2 as the stage configures it (float32 masters, each decoder layer a shard unit), 2 packed rows of 4096 per
+# GPU, checkpointing. The stage compiles each float8 layer alone under FSDP2; the _blocks cases compile each decoder
+# layer whole, its checkpointing inside, before FSDP2 shards it (torchtitan's order), FSDP2's own recomputation off.
+B8_FSDP = replace(
+    B8,
+    name="b8_fsdp_bf16",
+    group="B8-N",
+    layers=None,
+    strategy="fsdp",
+    warmup=3,
+    steps=15,
+    extra={"logging_steps": 1},
+    note="B8 over every GPU: the 8B shape's 36 layers, full fine-tuning under FSDP2, 2 rows of 4096 per GPU, "
+    "checkpointing, bf16 (baseline)",
+)
+CASES += [
+    B8_FSDP,
+    replace(B8_FSDP, name="b8_fsdp_fp8", fp8=True, note="as b8_fsdp_bf16 with training.fp8 (the stage's)"),
+    replace(B8_FSDP, name="b8_fsdp_bf16_blocks", compile_blocks=True, note="b8_fsdp_bf16, each layer compiled"),
+    replace(B8_FSDP, name="b8_fsdp_fp8_blocks", fp8=True, compile_blocks=True, note="b8_fsdp_fp8, layers compiled"),
+]
+
 # B9: pipeline and tensor parallelism (issue 38) over every GPU of the node (torchrun); B9-1: their one-GPU baseline.
 # Pipeline: 12 layers of the 8B shape cut into as many stages as GPUs, one pipeline, 8 micro-batches of one row of
 # 4096 a step, learning Korean text (BENCH_TEXT_TOKENS) from random weights, 50 steps with every step's loss; the
@@ -810,7 +833,7 @@ CASES += [
     ),
 ]
 
-MULTI_GPU_GROUPS = ("B3", "B6", "B7", "B9")
+MULTI_GPU_GROUPS = ("B3", "B6", "B7", "B8-N", "B9")
 """Groups whose cases run under torchrun over every GPU of the node."""
 
 

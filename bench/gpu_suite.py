@@ -447,7 +447,10 @@ def trainer_args(ctx: SimpleNamespace, model: Any, case: Case) -> dict[str, Any]
     blocks = whole_layers(ctx, case)
     if blocks != compiles_decoder_layers(ctx.stage, ctx.section):  # the case overrides the stage's choice
         checkpointing = case.gradient_checkpointing and not blocks  # compiled whole layers checkpoint themselves
-        args["gradient_checkpointing"] = args["activation_checkpointing"] = checkpointing
+        if args.get("fsdp_config"):  # FSDP2 recomputes with its own wrapper, applied after the compile: off too
+            args["fsdp_config"] = {**args["fsdp_config"], "activation_checkpointing": checkpointing}
+        else:
+            args["gradient_checkpointing"] = args["activation_checkpointing"] = checkpointing
         args.pop("use_liger_kernel", None)
         args.pop("liger_kernel_config", None)
         args.update(kernel_arguments(model, ctx.stage, blocks))
