@@ -22,11 +22,12 @@ and the step ran at 0.56× bf16's. In cpt and sft under strategy ddp (`compiles_
 layer is compiled with its activation checkpointing inside the compiled region (`compile_decoder_layers`,
 torchtitan's order), so Inductor fuses the norms, RoPE, SwiGLU and the scaling around the matmuls: 1.35× bf16's step
 at 2 rows of 4096 and 1.46× at 4 (one H100, 12 layers of the 8B shape, docs/performance.md B8), against 1.17× and
-1.21× with each converted layer compiled alone, which is what FSDP2, tensor and pipeline parallelism and rlhf keep
-(FSDP2's hooks sit on each decoder layer, the model-parallel plans rebuild the layers, and rlhf generates through
-its policy, a new shape per token). transformers' own gradient checkpointing calls each layer's uncompiled forward,
-so where whole layers compile the trainer's checkpointing is off and the layers checkpoint themselves. torchao's
-rowwise recipe measured 0.97× bf16's.
+1.21× with each converted layer compiled alone, which is what FSDP2, tensor and pipeline parallelism and rlhf keep:
+under FSDP2 whole layers have not run on GPUs yet (the bench's `b8_fsdp_*` cases wait for several; torchtitan
+composes them so: checkpoint, compile, then shard each layer), the model-parallel plans rebuild the layers, and rlhf
+generates through its policy (a new shape per token). transformers' own gradient checkpointing calls each layer's
+uncompiled forward, so where whole layers compile the trainer's checkpointing is off and the layers checkpoint
+themselves. torchao's rowwise recipe measured 0.97× bf16's.
 
 A scale per tensor is taken over every token of the batch, so a packed document's float8 rounding depends on the
 rows beside it: attention still never crosses documents, but the logits of a document packed with others differ
