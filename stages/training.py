@@ -162,8 +162,9 @@ def record_inputs(ctx: StageContext, cache: Any) -> None:
 def write_distributed_config(ctx: StageContext, args: Any) -> Path:
     """Rank 0: `<stage>/logs/distributed.json`, the distributed settings generated from
     `stages.<stage>.distributed` as the Trainer received them (`fsdp`/`fsdp_config`, `deepspeed`, the DDP
-    backend, precision; the tensor-parallel and expert group sizes, where transformers shards the model): the
-    configuration accelerate runs with, there for the user to read."""
+    backend, precision; the tensor-parallel and expert group sizes, where transformers shards the model; whether
+    the decoder layers are compiled whole, `stages.float8.compile_decoder_layers`): the configuration accelerate runs
+    with, there for the user to read."""
     path = ctx.logs_dir / "distributed.json"
     if is_main_process():
         settings = {
@@ -180,6 +181,8 @@ def write_distributed_config(ctx: StageContext, args: Any) -> Path:
             "deepspeed": args.deepspeed,
             "mixed_precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "no",
             "gradient_checkpointing": args.gradient_checkpointing,
+            # float8's whole decoder layers checkpoint themselves, with the trainer's checkpointing off
+            "compiled_decoder_layers": compiles_decoder_layers(ctx.stage, ctx.section),
         }
         write_json_atomic(path, json.loads(json.dumps(settings, default=str)))  # enums and options as text
     return path

@@ -78,6 +78,7 @@ def test_cpt_trains_a_full_model(trained: RunDir) -> None:
         "deepspeed": None,
         "mixed_precision": "no",
         "gradient_checkpointing": False,
+        "compiled_decoder_layers": False,
     }
 
 
