@@ -383,6 +383,7 @@ def build_model(ctx: SimpleNamespace, tokenizer: Any, case: Case, tmp: Path) -> 
         use_attention,
     )
 
+    blocks = whole_layers(ctx, case)  # each decoder layer compiled whole (the stage's choice unless the case sets it)
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu() else torch.device("cpu")
     with device:
         model = build_from_config(ctx.spec.model, tokenizer)
@@ -420,9 +421,9 @@ def build_model(ctx: SimpleNamespace, tokenizer: Any, case: Case, tmp: Path) -> 
             from stages.float8 import train_in_float8
 
             recipe = {"recipe": case.fp8_recipe} if case.fp8_recipe else {}
-            compile_layers = False if whole_layers(ctx, case) else case.fp8_compile
+            compile_layers = False if blocks else case.fp8_compile
             train_in_float8(model, ctx.stage, compile_layers=compile_layers, **recipe)
-    if whole_layers(ctx, case):
+    if blocks:
         from stages.float8 import compile_decoder_layers
 
         compile_decoder_layers(model, case.gradient_checkpointing)
