@@ -722,8 +722,9 @@ CASES += [
 
 # B8 over every GPU of the node (issue 38's float8 row: the 8B full fine-tune on 4 x H100): all 36 layers of the 8B
 # shape, FSDP2 as the stage configures it (float32 masters, each decoder layer a shard unit), 2 packed rows of 4096 per
-# GPU, checkpointing. The stage compiles each float8 layer alone under FSDP2; the _blocks cases compile each decoder
-# layer whole, its checkpointing inside, before FSDP2 shards it (torchtitan's order), FSDP2's own recomputation off.
+# GPU, checkpointing. The stage compiles each decoder layer whole in float8, its checkpointing inside, before FSDP2
+# shards it (torchtitan's order), FSDP2's own recomputation off; _layers compiles each float8 layer alone, and
+# bf16_blocks compiles bf16's decoder layers as the stage does float8's.
 B8_FSDP = replace(
     B8,
     name="b8_fsdp_bf16",
@@ -739,8 +740,16 @@ B8_FSDP = replace(
 CASES += [
     B8_FSDP,
     replace(B8_FSDP, name="b8_fsdp_fp8", fp8=True, note="as b8_fsdp_bf16 with training.fp8 (the stage's)"),
+    replace(B8_FSDP, name="b8_fsdp_fp8_layers", fp8=True, compile_blocks=False, note="b8_fsdp_fp8, per float8 layer"),
     replace(B8_FSDP, name="b8_fsdp_bf16_blocks", compile_blocks=True, note="b8_fsdp_bf16, each layer compiled"),
-    replace(B8_FSDP, name="b8_fsdp_fp8_blocks", fp8=True, compile_blocks=True, note="b8_fsdp_fp8, layers compiled"),
+]
+# The same four with 8 of the 36 layers: they fit one GPU, where FSDP2 shards over a single rank (its hooks, float8's
+# and the compiled layers under them run; nothing is gathered), a check of the path before 4 GPUs are lent:
+#   python -m torch.distributed.run --standalone --nproc-per-node=1 bench/gpu_suite.py case b8_fsdp_fp8_8l --out OUT
+CASES += [
+    replace(case, name=f"{case.name}_8l", layers=8, note=f"{case.note}; 8 layers")
+    for case in CASES
+    if case.name.startswith("b8_fsdp_")
 ]
 
 # B9: pipeline and tensor parallelism (issue 38) over every GPU of the node (torchrun); B9-1: their one-GPU baseline.

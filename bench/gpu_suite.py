@@ -677,11 +677,14 @@ def run_case(case: Case, tiny: bool, tmp: Path) -> dict[str, Any]:
             from trl import SFTConfig, SFTTrainer
 
             dataset = Dataset.from_dict(columns)
+            from stages.distributed import fsdp_mixed_precision
+
             args = SFTConfig(
                 **trainer_args(ctx, model, case),
                 max_length=case.max_seq_length,
                 dataset_kwargs={"skip_prepare_dataset": True},
             )
+            fsdp_mixed_precision(args)  # as the stages' build_config: FSDP2 reduces in float32
             multiple = batch_width_multiple(ctx.section.training)
             collator = CountingCollator(
                 PackedCollator(
@@ -760,7 +763,8 @@ def run_case(case: Case, tiny: bool, tmp: Path) -> dict[str, Any]:
     result["use_liger_kernel"] = bool(getattr(trainer.args, "use_liger_kernel", False))
     result["gradient_checkpointing"] = bool(trainer.args.gradient_checkpointing)
     result["optim"] = str(trainer.args.optim)
-    probe = update_probe(trainer.model) if world == 1 and case.method == "full" else None
+    # FSDP2 (even over one rank) trains parameters it makes when training starts: the probe's would never move
+    probe = update_probe(trainer.model) if world == 1 and case.method == "full" and case.strategy == "ddp" else None
     result["weights_dtype"] = str(next(trainer.model.parameters()).dtype)
     trainer.train()
     if probe is not None:

@@ -18,16 +18,16 @@ shard in float8, each scale taken over the whole weight; under pipeline parallel
 as they are in a whole model.
 
 On a GPU the float8 layers are compiled: eager, the scaling is several small kernels per tensor around each GEMM,
-and the step ran at 0.56× bf16's. In cpt and sft under strategy ddp (`compiles_decoder_layers`) each whole decoder
-layer is compiled with its activation checkpointing inside the compiled region (`compile_decoder_layers`,
-torchtitan's order), so Inductor fuses the norms, RoPE, SwiGLU and the scaling around the matmuls: 1.35× bf16's step
-at 2 rows of 4096 and 1.46× at 4 (one H100, 12 layers of the 8B shape, docs/performance.md B8), against 1.17× and
-1.21× with each converted layer compiled alone, which is what FSDP2, tensor and pipeline parallelism and rlhf keep:
-under FSDP2 whole layers have not run on GPUs yet (the bench's `b8_fsdp_*` cases wait for several; torchtitan
-composes them so: checkpoint, compile, then shard each layer), the model-parallel plans rebuild the layers, and rlhf
-generates through its policy (a new shape per token). transformers' own gradient checkpointing calls each layer's
-uncompiled forward, so where whole layers compile the trainer's checkpointing is off and the layers checkpoint
-themselves. torchao's rowwise recipe measured 0.97× bf16's.
+and the step ran at 0.56× bf16's. In cpt and sft under strategy ddp or fsdp (`compiles_decoder_layers`) each whole
+decoder layer is compiled with its activation checkpointing inside the compiled region (`compile_decoder_layers`,
+before FSDP2 shards each layer: torchtitan's order), so Inductor fuses the norms, RoPE, SwiGLU and the scaling around
+the matmuls. Under DDP: 1.35× bf16's step at 2 rows of 4096 and 1.46× at 4 (one H100, 12 layers of the 8B shape,
+docs/performance.md B8), against 1.17× and 1.21× with each converted layer compiled alone; under FSDP2 (one H100, 8
+layers; several GPUs not measured yet) 1.19×, against 0.98× alone. Tensor, expert and pipeline parallelism and rlhf
+keep each converted layer compiled alone: the model-parallel plans rebuild the layers, and rlhf generates through
+its policy (a new shape per token). transformers' own gradient checkpointing and FSDP's call each layer's uncompiled
+forward, so where whole layers compile both are off and the layers checkpoint themselves. torchao's rowwise recipe
+measured 0.97× bf16's.
 
 A scale per tensor is taken over every token of the batch, so a packed document's float8 rounding depends on the
 rows beside it: attention still never crosses documents, but the logits of a document packed with others differ
@@ -126,17 +126,25 @@ def train_in_float8(model: Any, stage: str, compile_layers: bool | None = None, 
 
 def compiles_decoder_layers(stage: str, section: Any) -> bool:
     """Whether this stage compiles each whole decoder layer, its checkpointing inside (`compile_decoder_layers`),
-    instead of each float8 layer alone: float8 on a GPU, in cpt or sft, with strategy ddp and whole layers on each
-    process (see the module's docstring for why not elsewhere)."""
+    instead of each float8 layer alone: float8 on a GPU, in cpt or sft, under strategy ddp or fsdp (FSDP2 then shards
+    the compiled layers), with whole layers on each process (see the module's docstring for why not elsewhere)."""
     distributed = section.distributed
     return (
         section.training.fp8
         and torch.cuda.is_available()
         and stage in WHOLE_LAYER_STAGES
-        and distributed.strategy == "ddp"
-        and distributed.tensor_parallel == 1
+        and distributed.strategy in ("ddp", "fsdp")
+        and not distributed.sharded_at_load
         and distributed.pipeline_parallel == 1
     )
+
+
+def checkpoints_layers(section: Any) -> bool:
+    """Whether the decoder layers recompute their activations: the trainer's gradient checkpointing, or FSDP's
+    (`distributed.activation_checkpointing`)."""
+    distributed = section.distributed
+    fsdp_recomputes = distributed.strategy == "fsdp" and distributed.activation_checkpointing
+    return section.training.gradient_checkpointing or fsdp_recomputes
 
 
 def compile_decoder_layers(model: Any, checkpointing: bool) -> int:

@@ -51,7 +51,13 @@ from spec.training import TrainingStage
 from stages.contract import ExplainedFailure, NotSupportedHere, StageContext, is_main_process
 from stages.distributed import zero3_loading
 from stages.expert_lora import GROUPED_EXPERTS
-from stages.float8 import check_float8, compile_decoder_layers, compiles_decoder_layers, train_in_float8
+from stages.float8 import (
+    check_float8,
+    checkpoints_layers,
+    compile_decoder_layers,
+    compiles_decoder_layers,
+    train_in_float8,
+)
 from stages.model_parallel import (
     average_split_adapters,
     check_fits,
@@ -1011,7 +1017,7 @@ def load_starting_model(
             whole_layers = compiles_decoder_layers(stage, section)
             train_in_float8(model, stage, compile_layers=False if whole_layers else None)
             if whole_layers:
-                compile_decoder_layers(model, section.training.gradient_checkpointing)
+                compile_decoder_layers(model, checkpoints_layers(section))
         start = StartingModel(
             model=model,
             kind="full",

@@ -39,7 +39,7 @@ from spec.pipeline import PipelineSpec
 from spec.training import TrainingStage
 from stages.checkpoints import checkpoint_step, newest_valid_checkpoint, set_aside_torn
 from stages.contract import ExplainedFailure, StageContext, is_main_process
-from stages.distributed import precision_arguments, strategy_arguments
+from stages.distributed import fsdp_mixed_precision, precision_arguments, strategy_arguments
 from stages.float8 import compiles_decoder_layers
 from stages.model_parallel import (
     checkpoint_sharded,
@@ -105,8 +105,9 @@ def trainer_arguments(ctx: StageContext, model: Any) -> dict[str, Any]:
 
 
 def build_config(ctx: StageContext, config_class: type[TrainingArguments], arguments: dict[str, Any]) -> Any:
-    """`config_class(**arguments)` with the spec's `training.extra_args` added. A name the class does not have, or
-    one the stage already sets, is refused (StageRefused: one error line naming the field path, exit 2)."""
+    """`config_class(**arguments)` with the spec's `training.extra_args` added, FSDP2's gradients reduced in float32
+    (`fsdp_mixed_precision`). A name the class does not have, or one the stage already sets, is refused
+    (StageRefused: one error line naming the field path, exit 2)."""
     extra = ctx.section.training.extra_args
     where = f"stages.{ctx.stage}.training.extra_args"
     known = {f.name for f in dataclasses.fields(config_class) if f.init}
@@ -118,11 +119,12 @@ def build_config(ctx: StageContext, config_class: type[TrainingArguments], argum
         if key in arguments:
             raise StageRefused(f"{where}.{key}: the {ctx.stage} stage sets {key} itself; remove it from extra_args")
     try:
-        return config_class(**arguments, **extra)
+        config = config_class(**arguments, **extra)
     except (ValueError, TypeError) as exc:
         if not extra:
             raise
         raise StageRefused(f"{where}: {config_class.__name__} refused these settings: {exc}") from None
+    return fsdp_mixed_precision(config)
 
 
 def kernel_arguments(model: Any, stage: str = "", whole_layers: bool = False) -> dict[str, Any]:
@@ -180,12 +182,23 @@ def write_distributed_config(ctx: StageContext, args: Any) -> Path:
             "fsdp_config": args.fsdp_config if args.fsdp else None,
             "deepspeed": args.deepspeed,
             "mixed_precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "no",
+            # FSDP2's compute, gradient-reduction and output dtypes (stages.distributed.fsdp_mixed_precision)
+            "fsdp_mixed_precision": fsdp_policy_record(args),
             "gradient_checkpointing": args.gradient_checkpointing,
             # float8's whole decoder layers checkpoint themselves, with the trainer's checkpointing off
             "compiled_decoder_layers": compiles_decoder_layers(ctx.stage, ctx.section),
         }
         write_json_atomic(path, json.loads(json.dumps(settings, default=str)))  # enums and options as text
     return path
+
+
+def fsdp_policy_record(args: Any) -> dict[str, str | None] | None:
+    """FSDP2's mixed-precision policy as the stage gave it to accelerate, by dtype name; None without one."""
+    policy = (getattr(args, "fsdp_plugin_args", None) or {}).get("mixed_precision_policy")
+    if policy is None:
+        return None
+    names = ("param_dtype", "reduce_dtype", "output_dtype")
+    return {name: None if getattr(policy, name) is None else str(getattr(policy, name)) for name in names}
 
 
 def resume_checkpoint(ctx: StageContext) -> Path | None:

@@ -1,8 +1,10 @@
 """Distributed training: two CPU processes under torchrun (DDP over gloo) follow the same loss trajectory as
-one process on the same global batch; FSDP and DeepSpeed are configured from the spec and refused on CPU."""
+one process on the same global batch; FSDP and DeepSpeed are configured from the spec and refused on CPU; FSDP2's
+mixed precision reduces gradients and returns the loss in float32."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -77,3 +79,20 @@ def test_strategy_settings_follow_the_spec() -> None:
 
     ddp = strategy_arguments("sft", spec.stages.sft, model=None)
     assert "fsdp" not in ddp and "deepspeed" not in ddp
+
+
+def test_fsdp2_reduces_gradients_and_returns_the_loss_in_float32(tmp_path: Path) -> None:
+    """accelerate's own bf16 policy reduces in bf16 and rounds the loss to bf16 (its logged value at 0.4%): the
+    stage's arguments give FSDP2 float32 reductions and outputs, through accelerate's real preparation."""
+    check = Path(__file__).with_name("fsdp_precision_check.py")
+    out = tmp_path / "precision.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(check)]
+    done = subprocess.run([*command, str(out)], env=child_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    assert json.loads(out.read_text()) == {
+        "param_dtype": "torch.bfloat16",
+        "reduce_dtype": "torch.float32",
+        "output_dtype": "None",
+        "loss_dtype": "torch.float32",
+        "grad_dtypes": ["torch.float32"],
+    }

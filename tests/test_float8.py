@@ -27,6 +27,7 @@ from stages.checkpoints import MARKER
 from stages.contract import NotSupportedHere
 from stages.float8 import (
     check_float8,
+    checkpoints_layers,
     compile_decoder_layers,
     compiles_decoder_layers,
     float8_layers,
@@ -141,10 +142,11 @@ def test_decoder_layers_compiled_whole_train_as_the_model_does_checkpointed_and_
     assert checkpointed < results[False][2]  # the checkpointed layers keep only their inputs
 
 
-def test_whole_decoder_layers_compile_for_float8_in_cpt_and_sft_under_ddp_on_a_gpu(
+def test_whole_decoder_layers_compile_for_float8_in_cpt_and_sft_under_ddp_and_fsdp_on_a_gpu(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from stages import training
+    from stages.distributed import strategy_arguments
 
     def section(overrides: list[str], stage: str = "cpt") -> object:
         return getattr(load_pipeline("korean-llm", overrides=overrides).spec.stages, stage)
@@ -154,9 +156,23 @@ def test_whole_decoder_layers_compile_for_float8_in_cpt_and_sft_under_ddp_on_a_g
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert compiles_decoder_layers("cpt", section(fp8))
     assert not compiles_decoder_layers("cpt", section(fp8[1:]))  # bf16
-    assert not compiles_decoder_layers("cpt", section([fp8[0], "stages.cpt.distributed.strategy=fsdp"]))
-    tensor_parallel = [fp8[0], "stages.cpt.distributed.strategy=fsdp", "stages.cpt.distributed.tensor_parallel=2"]
-    assert not compiles_decoder_layers("cpt", section(tensor_parallel))
+    fsdp = [fp8[0], "stages.cpt.distributed.strategy=fsdp"]
+    assert compiles_decoder_layers("cpt", section(fsdp))  # FSDP2 shards the compiled layers
+    for parallel in ("tensor_parallel", "pipeline_parallel"):  # these plans rebuild the layers (fp8 refuses experts')
+        assert not compiles_decoder_layers("cpt", section([*fsdp, f"stages.cpt.distributed.{parallel}=2"]))
+    # FSDP's own recomputation off there: it would wrap the compiled layers, which checkpoint themselves
+    settings = strategy_arguments("cpt", section(fsdp), tiny())
+    assert settings["fsdp_config"]["activation_checkpointing"] is False
+    assert checkpoints_layers(section(fsdp))
+    assert checkpoints_layers(section([*fsdp, "stages.cpt.training.gradient_checkpointing=false"])) is False
+    fsdp_recomputes = [
+        *fsdp,
+        "stages.cpt.training.gradient_checkpointing=false",
+        "stages.cpt.distributed.activation_checkpointing=true",
+    ]
+    assert checkpoints_layers(section(fsdp_recomputes))
+    unchanged = strategy_arguments("cpt", section([*fp8[1:], "stages.cpt.distributed.strategy=fsdp"]), tiny())
+    assert unchanged["fsdp_config"]["activation_checkpointing"] is True  # bf16: FSDP recomputes
     rlhf = ["stages.rlhf.training.fp8=true", "stages.rlhf.method=full", "stages.rlhf.distributed.strategy=ddp"]
     assert not compiles_decoder_layers("rlhf", section(rlhf, "rlhf"))  # rlhf generates through its policy
     # Liger: in cpt its fused cross-entropy only (Inductor fuses the rest inside a layer); sft's trainer has its own.

@@ -77,6 +77,7 @@ def test_cpt_trains_a_full_model(trained: RunDir) -> None:
         "fsdp_config": None,
         "deepspeed": None,
         "mixed_precision": "no",
+        "fsdp_mixed_precision": None,
         "gradient_checkpointing": False,
         "compiled_decoder_layers": False,
     }
