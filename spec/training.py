@@ -198,7 +198,7 @@ class TrainingSpec(StrictModel):
         "capability 8.9 or newer (H100, H200, L40S); on CPU the same float8 matmuls run, slowly (--local). On a GPU "
         "the layers are compiled (torch.compile), so the first steps are slower: in cpt and sft with strategy ddp "
         "or fsdp each whole decoder layer, its gradient checkpointing inside the compiled region (1.35-1.46x the "
-        "bf16 step on one H100 under ddp, 12 layers of an 8B model at 2 and 4 rows of 4096; 1.19x under fsdp, 8 "
+        "bf16 step on one H100 under ddp, 12 layers of an 8B model at 2 and 4 rows of 4096; 1.17x under fsdp, 8 "
         "layers); elsewhere each converted layer alone (1.14-1.24x on one H200). The loss stayed within 0.03% of "
         "bf16's over 50 steps on random tokens; from random weights on Korean text it learned more slowly at first "
         "(15% higher loss at step 50, within 1% by step 300): compare a short run with and without fp8 on your own "

@@ -23,11 +23,11 @@ decoder layer is compiled with its activation checkpointing inside the compiled 
 before FSDP2 shards each layer: torchtitan's order), so Inductor fuses the norms, RoPE, SwiGLU and the scaling around
 the matmuls. Under DDP: 1.35× bf16's step at 2 rows of 4096 and 1.46× at 4 (one H100, 12 layers of the 8B shape,
 docs/performance.md B8), against 1.17× and 1.21× with each converted layer compiled alone; under FSDP2 (one H100, 8
-layers; several GPUs not measured yet) 1.19×, against 0.98× alone. Tensor, expert and pipeline parallelism and rlhf
-keep each converted layer compiled alone: the model-parallel plans rebuild the layers, and rlhf generates through
-its policy (a new shape per token). transformers' own gradient checkpointing and FSDP's call each layer's uncompiled
-forward, so where whole layers compile both are off and the layers checkpoint themselves. torchao's rowwise recipe
-measured 0.97× bf16's.
+layers; several GPUs not measured yet) 1.17-1.19×, against 0.92-0.98× alone. Tensor, expert and pipeline
+parallelism and rlhf keep each converted layer compiled alone: the model-parallel plans rebuild the layers, and rlhf
+generates through its policy (a new shape per token). transformers' own gradient checkpointing and FSDP's call each
+layer's uncompiled forward, so where whole layers compile both are off and the layers checkpoint themselves.
+torchao's rowwise recipe measured 0.97× bf16's.
 
 A scale per tensor is taken over every token of the batch, so a packed document's float8 rounding depends on the
 rows beside it: attention still never crosses documents, but the logits of a document packed with others differ
