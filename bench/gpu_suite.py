@@ -676,9 +676,9 @@ def run_case(case: Case, tiny: bool, tmp: Path) -> dict[str, Any]:
         else:
             from trl import SFTConfig, SFTTrainer
 
-            dataset = Dataset.from_dict(columns)
             from stages.distributed import fsdp_mixed_precision
 
+            dataset = Dataset.from_dict(columns)
             args = SFTConfig(
                 **trainer_args(ctx, model, case),
                 max_length=case.max_seq_length,
