@@ -17,6 +17,7 @@ import socket
 import subprocess
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 import requests
@@ -29,6 +30,10 @@ ENV_DIR = Path(__file__).resolve().parent.parent / ".venv-vllm"
 CPU_KV_CACHE_GIB = "1"
 """VLLM_CPU_KVCACHE_SPACE where unset: vLLM's CPU build otherwise reserves most of the machine's memory."""
 LOG_LINES = 15
+PORT_TAKEN = "Address already in use"
+"""What vLLM's server prints when another process bound its port before it (the OSError of its socket's bind)."""
+PORT_ATTEMPTS = 3
+"""How often a server is started again, each time on another free port, when its port was taken."""
 
 
 class ServerFailed(Exception):
@@ -83,6 +88,7 @@ class Server:
     stops both), its output in `log`."""
 
     def __init__(self, argv: list[str], env: dict[str, str], log: Path) -> None:
+        self.argv = argv
         self.log = log
         log.parent.mkdir(parents=True, exist_ok=True)
         with log.open("wb") as out:
@@ -135,6 +141,36 @@ class Server:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait()
+
+
+def start_ready(
+    argv_on: Callable[[int], list[str]],
+    env: dict[str, str],
+    log: Path,
+    timeout: float,
+    setting: str,
+    announce: Callable[[list[str]], None],
+) -> tuple[Server, str, float]:
+    """Start vLLM with `argv_on(port)` on a free port of 127.0.0.1 and wait until it is ready: the server, its base
+    URL and the seconds it took (`Server.wait_ready`; `announce` gets the argv first). A port is free when chosen,
+    and another process (a run or a test beside this one) can bind it before vLLM does: vLLM then exits saying so
+    before it serves anything, and it is started again on another port, up to PORT_ATTEMPTS times."""
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        port = free_port()
+        argv = argv_on(port)
+        announce(argv)
+        server = Server(argv, env, log)
+        base_url = f"http://{LOCAL_HOST}:{port}"
+        try:
+            return server, base_url, server.wait_ready(base_url, timeout, setting)
+        except ServerFailed:
+            server.stop()
+            if attempt == PORT_ATTEMPTS or PORT_TAKEN not in server.tail():
+                raise
+        except BaseException:  # interrupted while waiting (SIGTERM, Ctrl-C): the server stops with the step
+            server.stop()
+            raise
+    raise AssertionError("unreachable: the last attempt returns or raises")
 
 
 def engine_version(base_url: str) -> str:

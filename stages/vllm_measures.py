@@ -30,8 +30,8 @@ from typing import Any
 
 import requests
 
-from run.serving import LOCAL_HOST, RUNTIME_ENV, evaluation_server_argv
-from run.vllm_server import Server, ServerFailed, engine_version, free_port, server_env, vllm_python, where_expected
+from run.serving import RUNTIME_ENV, evaluation_server_argv
+from run.vllm_server import ServerFailed, engine_version, server_env, start_ready, vllm_python, where_expected
 from stages.contract import StageContext
 from stages.data import DataError
 from stages.measures import (
@@ -174,22 +174,29 @@ def served(ctx: StageContext, who: str, folder: Path, positions: int | None, hea
     if positions is not None:
         length = min(length, int(positions))
     shards = tensor_parallel(section.resources.gpus_per_node, heads)
-    port = free_port()
-    argv = evaluation_server_argv(
-        str(python),
-        str(folder),
-        who,
-        port,
-        max_model_len=length,
-        dtype=spec.model.dtype,
-        tensor_parallel=shards,
-        seed=spec.stage(stage).training.seed,
+    seed = spec.stage(stage).training.seed
+
+    def argv_on(port: int) -> list[str]:
+        return evaluation_server_argv(
+            str(python),
+            str(folder),
+            who,
+            port,
+            max_model_len=length,
+            dtype=spec.model.dtype,
+            tensor_parallel=shards,
+            seed=seed,
+        )
+
+    server, base_url, ready = start_ready(
+        argv_on,
+        server_env(RUNTIME_ENV, shards),
+        ctx.dir / "logs" / f"vllm-{who}.log",
+        READY_TIMEOUT_S,
+        "the start timeout",
+        lambda argv: print(f"[evaluate] {who}: starting vLLM: {' '.join(argv)}", flush=True),
     )
-    base_url = f"http://{LOCAL_HOST}:{port}"
-    print(f"[evaluate] {who}: starting vLLM: {' '.join(argv)}", flush=True)
-    server = Server(argv, server_env(RUNTIME_ENV, shards), ctx.dir / "logs" / f"vllm-{who}.log")
     try:
-        ready = server.wait_ready(base_url, READY_TIMEOUT_S)
         version = engine_version(base_url)
         print(f"[evaluate] {who}: vLLM {version} ready after {ready:.0f}s", flush=True)
         yield Endpoint(base_url, who, folder, version)

@@ -5,7 +5,9 @@ file in the python's place through a wrapper script); $FAKE_VLLM picks the behav
 - `empty`: /health, /version (`fake-0`) and chat answers of whitespace only (a good server is the real one:
   tests/test_local_serving.py, tests/test_shipped_pipelines.py);
 - `crash`: says why on stderr and exits 1 before it listens;
-- `never`: never listens (a load that hangs).
+- `never`: never listens (a load that hangs);
+- `port-taken`: exits as vLLM does when another process bound its port first, each start (its argv appended
+  to $FAKE_VLLM_ARGV_FILE.starts); `port-taken-once`: the first start does, later ones serve as `empty`.
 It writes its pid to $FAKE_VLLM_PID_FILE and its argv to $FAKE_VLLM_ARGV_FILE, so that a test can check that the
 step stopped it and what it was started with.
 """
@@ -61,6 +63,14 @@ def main() -> int:
     if BEHAVIOUR == "never":
         while True:
             time.sleep(1)
+    if BEHAVIOUR.startswith("port-taken"):
+        starts = Path(os.environ["FAKE_VLLM_ARGV_FILE"] + ".starts")
+        first = not starts.exists()
+        with starts.open("a") as f:
+            f.write(json.dumps(sys.argv[1:]) + "\n")
+        if first or BEHAVIOUR == "port-taken":
+            print("OSError: [Errno 98] Address already in use", file=sys.stderr, flush=True)
+            return 1
     ThreadingHTTPServer((options["host"], int(options["port"])), Handler).serve_forever()
     return 0
 

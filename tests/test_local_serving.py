@@ -201,6 +201,31 @@ def test_a_server_that_fails_leaves_champion_where_it_was(
     assert_stopped(tmp_path)
 
 
+@pytest.mark.parametrize(("behaviour", "starts"), [("port-taken-once", 2), ("port-taken", 3)])
+def test_a_port_taken_before_vllm_bound_it_is_tried_again_on_another(
+    tmp_path: Path,
+    deployed: tuple[Path, object],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    behaviour: str,
+    starts: int,
+) -> None:
+    """A port is free when the step chooses it, and another process (a run or a test beside it) can bind it before
+    vLLM does: vLLM exits saying so, and the step starts it again on another port, at most 3 times. (The fake's
+    second start serves empty answers: the step got as far as the smoke check.)"""
+    run_dir, spec = deployed
+    fake_python(tmp_path, monkeypatch, behaviour)
+    assert local_serving.main(["--run-dir", str(run_dir)]) == 1
+    out, err = capsys.readouterr()
+    argvs = [json.loads(line) for line in (tmp_path / "vllm.argv.starts").read_text().splitlines()]
+    assert len(argvs) == starts and out.count("[serve] starting vLLM:") == starts
+    if behaviour == "port-taken-once":
+        assert "smoke check: the answer to" in err and "Address already in use" not in err
+    else:  # given up: the last start's own words
+        assert "vLLM exited with 1 before it was ready" in err and "Address already in use" in err
+    assert champion(spec) == "1" and served_record(run_dir) is None
+
+
 def test_without_a_serving_environment_the_step_says_so_in_one_line(
     deployed: tuple[Path, object], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

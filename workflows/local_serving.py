@@ -33,11 +33,10 @@ from typing import Any
 from run.run_dir import RunDir, StageResult
 from run.serving import LOCAL_HOST, RUNTIME_ENV, inference_service_name, server_argv
 from run.vllm_server import (
-    Server,
     ServerFailed,
     engine_version,
-    free_port,
     server_env,
+    start_ready,
     vllm_python,
     where_expected,
 )
@@ -63,18 +62,15 @@ def serve(spec: PipelineSpec, run_dir: Path, python: Path) -> dict[str, Any]:
     if not (model_dir / "config.json").is_file():
         raise BadInput(f"{model_dir} holds no model: deploy writes it")
     name = inference_service_name(spec)
-    port = free_port()
-    argv = [*server_argv(spec, str(python), str(model_dir), name, port), f"--host={LOCAL_HOST}"]
-    env = server_env(RUNTIME_ENV, spec.stages.deploy.serving.gpus)
-    base_url = f"http://{LOCAL_HOST}:{port}"
-    print(f"[serve] starting vLLM: {' '.join(argv)}", flush=True)
-    server = Server(argv, env, deploy_dir / "logs" / "vllm.log")
+    server, base_url, ready = start_ready(
+        lambda port: [*server_argv(spec, str(python), str(model_dir), name, port), f"--host={LOCAL_HOST}"],
+        server_env(RUNTIME_ENV, spec.stages.deploy.serving.gpus),
+        deploy_dir / "logs" / "vllm.log",
+        spec.stages.deploy.serving.smoke_check.ready_timeout_seconds,
+        "stages.deploy.serving.smoke_check.ready_timeout_seconds",
+        lambda argv: print(f"[serve] starting vLLM: {' '.join(argv)}", flush=True),
+    )
     try:
-        ready = server.wait_ready(
-            base_url,
-            spec.stages.deploy.serving.smoke_check.ready_timeout_seconds,
-            "stages.deploy.serving.smoke_check.ready_timeout_seconds",
-        )
         version = engine_version(base_url)
         print(f"[serve] vLLM {version} ready on {base_url} after {ready:.0f}s", flush=True)
         answers = smoke_check(base_url, name, smoke_prompts(spec), spec.stages.deploy.serving)
@@ -83,7 +79,7 @@ def serve(spec: PipelineSpec, run_dir: Path, python: Path) -> dict[str, Any]:
     return {
         "engine": "vllm",
         "engine_version": version,
-        "argv": argv,
+        "argv": server.argv,
         "ready_seconds": round(ready, 1),
         "answers": [{"prompt": a.prompt, "answer": a.text, "seconds": round(a.seconds, 2)} for a in answers],
     }
