@@ -39,7 +39,8 @@ for _name, _value in {
     "POSTTRAIN_VLLM_PYTHON": "off",
 }.items():
     os.environ[_name] = _value
-_bin = str(Path(sys.executable).parent)  # `python` in a README line the tests run is this venv's
+# `python` in a README line the tests run is this venv's; normalised, as pytest-xdist's workers see it
+_bin = os.path.normpath(os.path.dirname(os.path.abspath(sys.executable)))
 if os.environ.get("PATH", "").split(os.pathsep)[0] != _bin:
     os.environ["PATH"] = os.pathsep.join(p for p in (_bin, os.environ.get("PATH", "")) if p)
 if str(REPO_ROOT) not in sys.path:  # the tests run against the checkout, installed or not

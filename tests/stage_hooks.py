@@ -150,8 +150,14 @@ _INSTALLED = (
 
 
 def script() -> str:
-    """A script that runs `python -m stages <args>` with the hooks: a fresh stage process, usable by torchrun."""
-    return _INSTALLED + "from stages.__main__ import main\nsys.exit(main(sys.argv[1:]))\n"
+    """A script that runs `python -m stages <args>` with the hooks: a fresh stage process, usable by torchrun; a
+    torchrun rank with warm ranks asked for forks its stage from the tests' warm-start server instead
+    (tests/warm_ranks.py), before any import of the stages'."""
+    forked = (
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\nimport warm_ranks\n"
+        "if (code := warm_ranks.forked(sys.argv[1:])) is not None:\n    warm_ranks.end_as(code)\n"
+    )
+    return "import sys\n" + forked + _INSTALLED + "from stages.__main__ import main\nsys.exit(main(sys.argv[1:]))\n"
 
 
 def server_command() -> list[str]:

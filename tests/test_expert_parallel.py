@@ -69,7 +69,7 @@ def test_full_training_with_experts_over_two_processes_matches_one_and_resumes_f
     single = one_process(tmp_path, "cpt", 160, 10)
     sharded = make_run_dir(tmp_path / "two", settings("cpt", 2), 160, 10)
     checkpoints = sharded.stage_dir("cpt") / "checkpoints"
-    first = torchrun_stage(sharded, "cpt", hold_after_checkpoint=2)
+    first = torchrun_stage(sharded, "cpt", hold_after_checkpoint=2, warm=False)  # its ranks SIGKILLed below
     wait_for_file(checkpoints / "checkpoint-2" / MARKER, first)  # type: ignore[arg-type]
     ranks = psutil.Process(first.pid).children(recursive=True)  # torchrun starts each in a session of its own
     for process in [psutil.Process(first.pid), *ranks]:  # the node is lost: every rank at once

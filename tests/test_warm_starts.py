@@ -403,3 +403,31 @@ def test_every_test_starts_in_the_environment_of_the_shared_server(tmp_path: Pat
     finally:
         environment.restore()
         starts.close()
+
+
+@pytest.mark.slow
+def test_the_tests_torchrun_ranks_fork_their_stages_and_stop_and_end_as_they_do(tmp_path: Path) -> None:
+    """tests/warm_ranks.py: each rank of the tests' torchrun_stage forks its stage from the shared server (none
+    starts its own), torchrun's SIGTERM reaches both stages (they checkpoint and record the run interrupted), and the
+    rerun resumes from that checkpoint, its ranks ending as their stages did."""
+    from training_fixtures import make_run_dir, torchrun_stage, wait_for_file
+
+    from stages.checkpoints import MARKER
+
+    steps = ["stages.cpt.training.max_steps=4", "stages.cpt.training.save_steps=2"]
+    run_dir = make_run_dir(tmp_path / "run", [*steps, "stages.cpt.training.per_device_batch_size=2"], 160, 10)
+    first = torchrun_stage(run_dir, "cpt", hold_after_checkpoint=2)
+    wait_for_file(run_dir.stage_dir("cpt") / "checkpoints" / "checkpoint-2" / MARKER, first)
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(timeout=300) != 0
+    stopped = run_dir.read_result("cpt")
+    assert stopped is not None and stopped.status == "interrupted", stopped
+
+    assert torchrun_stage(run_dir, "cpt").wait(timeout=300) == 0
+    log = (run_dir.root / "cpt.torchrun.log").read_text()
+    assert sorted(line.split(":")[0] for line in log.splitlines() if "forked from the tests'" in line) == [
+        *["rank 0", "rank 0", "rank 1", "rank 1"]
+    ]
+    assert "starts its own" not in log and "no fork" not in log
+    result = run_dir.read_result("cpt")
+    assert result is not None and result.status == "succeeded" and result.extra["resumed_from"] == "checkpoint-3"

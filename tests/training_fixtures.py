@@ -24,6 +24,7 @@ from typing import Any
 import environment
 import pytest
 import stage_hooks
+from warm_ranks import WARM_RANKS
 
 from run.exits import die_with_runner
 from run.names import METRICS_PORT_ENV
@@ -157,6 +158,14 @@ def child_env(base: dict[str, str] | None = None, **extra: str | None) -> dict[s
     return env
 
 
+TORCHRUN_VARIABLES = (
+    *("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME"),
+    *("WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"),
+    *("TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID"),
+    *("TORCHELASTIC_SIGNALS_TO_HANDLE", "TORCHELASTIC_USE_AGENT_STORE", "TORCH_NCCL_ASYNC_ERROR_HANDLING"),
+)
+"""What torchrun sets in each rank's environment."""
+
 RUNTIME_VARIABLES = (
     *warm_starts.RUNTIME_VARIABLES,  # the local runner's: MLflow's, pytest's test name
     *stage_hooks.SWITCHES,
@@ -168,6 +177,7 @@ RUNTIME_VARIABLES = (
     "PYTEST_XDIST_WORKER",  # set in each pytest-xdist worker, whose runs share the controller's server
     "PYTEST_XDIST_WORKER_COUNT",
     "PYTEST_XDIST_TESTRUNUID",
+    *TORCHRUN_VARIABLES,  # a warm rank's (tests/warm_ranks.py): read when the stage sets up its process group
 )
 """Variables the stages (and the hooks) read when they run, never at import: a child whose environment differs
 from the warm-start server's only in these is still forked from it."""
@@ -434,15 +444,17 @@ def losses(run_dir: RunDir, stage: str) -> list[float]:
 
 
 def torchrun_stage(
-    run_dir: RunDir, stage: str, processes: int = 2, hold_after_checkpoint: int | None = None
+    run_dir: RunDir, stage: str, processes: int = 2, hold_after_checkpoint: int | None = None, warm: bool = True
 ) -> subprocess.Popen[str]:
-    """`stage` as its pod launches it, `processes` processes of one node under torchrun, its output appended to
-    `<run>/<stage>.torchrun.log`; paused after a checkpoint if asked (tests/stage_hooks.py)."""
+    """`stage` on `processes` processes of one node under torchrun, its output appended to
+    `<run>/<stage>.torchrun.log`; paused after a checkpoint if asked (tests/stage_hooks.py). Each rank forks its stage
+    from the tests' warm-start server (tests/warm_ranks.py) unless `warm` is False: then it is a fresh
+    `python -m stages` process, as in the pod."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes)]
     command += [str(stage_script(run_dir.root)), stage, "--run-dir", str(run_dir.root)]
     log = (run_dir.root / f"{stage}.torchrun.log").open("a")
     hold = str(hold_after_checkpoint) if hold_after_checkpoint else None
-    env = child_env(OMP_NUM_THREADS="1", HOLD_AFTER_CHECKPOINT=hold)
+    env = child_env(OMP_NUM_THREADS="1", HOLD_AFTER_CHECKPOINT=hold, **{WARM_RANKS: "1" if warm else None})
     return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
 
 
