@@ -93,10 +93,11 @@ def test_two_stages_train_as_one_process_and_resume_from_their_shards(tmp_path: 
     done = run_stage(single, "cpt", OMP_NUM_THREADS="1")
     assert done.returncode == 0, done.stderr[-3000:]
 
+    # Its ranks start as the pod starts them (fresh `python -m stages` processes): the other tests' fork.
     cut = make_run_dir(tmp_path / "two", [*cpt_settings(2), *PIPELINE], 160, 10)
-    preempt_after_checkpoint(cut, "cpt")
+    preempt_after_checkpoint(cut, "cpt", warm=False)
 
-    resume_sharded_run(cut, "cpt", "checkpoint-3", pipeline_parallel=2)
+    resume_sharded_run(cut, "cpt", "checkpoint-3", warm=False, pipeline_parallel=2)
     assert_trains_as_one(single, cut, "cpt", steps=4)
     model = cut.stage_dir("cpt") / "model"
     index = json.loads((model / "model.safetensors.index.json").read_text())

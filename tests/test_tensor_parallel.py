@@ -60,10 +60,11 @@ def test_layers_split_over_two_processes_train_as_one_and_resume_from_their_shar
     done = run_stage(single, "cpt", OMP_NUM_THREADS="1")
     assert done.returncode == 0, done.stderr[-3000:]
 
+    # Its ranks start as the pod starts them (fresh `python -m stages` processes): the other tests' fork.
     split = make_run_dir(tmp_path / "two", settings(2, 2, accumulate=2), 160, 10)
-    preempt_after_checkpoint(split, "cpt")
+    preempt_after_checkpoint(split, "cpt", warm=False)
 
-    resume_sharded_run(split, "cpt", "checkpoint-3", tensor_parallel=2)
+    resume_sharded_run(split, "cpt", "checkpoint-3", warm=False, tensor_parallel=2)
 
     # Two micro-batches a step: transformers' own hook summed q_norm's and k_norm's partial gradients again at the
     # second (7e-3 off after 3 steps; `sum_partial_gradients_per_backward`). Adam turns the split's summation order

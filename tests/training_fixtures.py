@@ -458,14 +458,14 @@ def torchrun_stage(
     return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
 
 
-def preempt_after_checkpoint(run_dir: RunDir, stage: str, processes: int = 2) -> None:
+def preempt_after_checkpoint(run_dir: RunDir, stage: str, processes: int = 2, warm: bool = True) -> None:
     """Start `stage` on `processes` processes (two unless told) and stop it as a preempted pod is stopped (SIGTERM
     to torchrun, which passes it to the ranks) once checkpoint-2 is complete: the ranks save checkpoint-3 together,
     shards included, at the end of the next step and stop; stage.json says interrupted."""
     from stages.checkpoints import MARKER
 
     checkpoints = run_dir.stage_dir(stage) / "checkpoints"
-    first = torchrun_stage(run_dir, stage, processes, hold_after_checkpoint=2)
+    first = torchrun_stage(run_dir, stage, processes, hold_after_checkpoint=2, warm=warm)
     wait_for_file(checkpoints / "checkpoint-2" / MARKER, first)  # type: ignore[arg-type]
     first.send_signal(signal.SIGTERM)
     assert first.wait(timeout=300) != 0
@@ -475,11 +475,13 @@ def preempt_after_checkpoint(run_dir: RunDir, stage: str, processes: int = 2) ->
     assert (checkpoints / "checkpoint-3" / "sharded").is_dir()  # the model's and optimizer's shards
 
 
-def resume_sharded_run(run_dir: RunDir, stage: str, checkpoint: str, processes: int = 2, **sizes: int) -> None:
+def resume_sharded_run(
+    run_dir: RunDir, stage: str, checkpoint: str, processes: int = 2, warm: bool = True, **sizes: int
+) -> None:
     """Rerun `stage` on `processes` processes (two unless told) after it was stopped: it succeeds, resumed from
     `checkpoint`, with the model sharded in groups of `sizes` (distributed.json: tensor_parallel, expert_parallel,
     pipeline_parallel), not by accelerate's FSDP."""
-    again = torchrun_stage(run_dir, stage, processes)
+    again = torchrun_stage(run_dir, stage, processes, warm=warm)
     assert again.wait(timeout=600) == 0, (run_dir.root / f"{stage}.torchrun.log").read_text()[-4000:]
     result = run_dir.read_result(stage)
     assert result is not None and result.status == "succeeded"

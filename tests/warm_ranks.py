@@ -11,8 +11,8 @@ it: SIGTERM and SIGINT from torchrun's agent are passed on, and the worker ends 
 signal that ended it). If this worker dies (SIGKILL), its connection closes and the server sends the child SIGTERM.
 
 What the pod's launch path itself does (torchrun running `python -m stages` in the container, the operator's node
-variables) is tested by tests/test_launch.py and tests/test_local_dag.py, and the tests that kill a rank or check
-what each rank's own process does start their ranks the usual way (`warm=False`).
+variables) is tested by tests/test_launch.py and tests/test_local_dag.py; the tests that kill a rank, and one
+preempted and resumed run each of tensor and pipeline parallelism, start their ranks the usual way (`warm=False`).
 """
 
 from __future__ import annotations
