@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from collections import deque
 from collections.abc import Callable
@@ -32,6 +34,8 @@ CPU_KV_CACHE_GIB = "1"
 LOG_LINES = 15
 PORT_TAKEN = "Address already in use"
 """What vLLM's server prints when another process bound its port before it (the OSError of its socket's bind)."""
+RPC_BASE_PATH = "VLLM_RPC_BASE_PATH"
+"""The directory vLLM makes its ZeroMQ IPC sockets in (vLLM's default: the temporary directory)."""
 PORT_ATTEMPTS = 3
 """How often a server is started again, each time on another free port, when its port was taken."""
 
@@ -85,16 +89,18 @@ def server_env(extra: dict[str, str], shards: int) -> dict[str, str]:
 
 class Server:
     """vLLM's server process, in a session of its own (its engine core is a child process: stopping the session
-    stops both), its output in `log`."""
+    stops both), its output in `log`. Its ZeroMQ sockets (VLLM_RPC_BASE_PATH: by default the temporary directory,
+    where a stopped server left 6-7 of them a start) go into a directory of its own, removed when it stops."""
 
     def __init__(self, argv: list[str], env: dict[str, str], log: Path) -> None:
         self.argv = argv
         self.log = log
         log.parent.mkdir(parents=True, exist_ok=True)
+        self.sockets = Path(tempfile.mkdtemp(prefix="vllm-ipc-", dir=env.get(RPC_BASE_PATH)))
         with log.open("wb") as out:
             self.process = subprocess.Popen(
                 argv,
-                env=env,
+                env={**env, RPC_BASE_PATH: str(self.sockets)},
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -131,16 +137,19 @@ class Server:
 
     def stop(self, grace: float = 20) -> None:
         """SIGTERM to the server's session, SIGKILL to what is left of it after `grace` seconds (vLLM's engine
-        core and workers are processes of their own, which may outlive the API server)."""
+        core and workers are processes of their own, which may outlive the API server); then its sockets' directory
+        goes."""
         try:
             os.killpg(self.process.pid, signal.SIGTERM)
         except ProcessLookupError:
-            return
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.process.wait(grace)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGKILL)
+            pass
+        else:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(grace)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait()
+        shutil.rmtree(self.sockets, ignore_errors=True)
 
 
 def start_ready(

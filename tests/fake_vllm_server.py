@@ -8,7 +8,8 @@ file in the python's place through a wrapper script); $FAKE_VLLM picks the behav
 - `never`: never listens (a load that hangs);
 - `port-taken`: exits as vLLM does when another process bound its port first, each start (its argv appended
   to $FAKE_VLLM_ARGV_FILE.starts); `port-taken-once`: the first start does, later ones serve as `empty`.
-It writes its pid to $FAKE_VLLM_PID_FILE and its argv to $FAKE_VLLM_ARGV_FILE, so that a test can check that the
+It writes its pid to $FAKE_VLLM_PID_FILE (and where its sockets would go, $VLLM_RPC_BASE_PATH, to the same name with
+`.sockets`, leaving a file there as vLLM does) and its argv to $FAKE_VLLM_ARGV_FILE, so that a test can check that the
 step stopped it and what it was started with.
 """
 
@@ -55,6 +56,9 @@ class Handler(JsonHandler):
 
 def main() -> int:
     Path(os.environ["FAKE_VLLM_PID_FILE"]).write_text(str(os.getpid()))
+    sockets = Path(os.environ["VLLM_RPC_BASE_PATH"])  # as vLLM's engine makes its ZeroMQ sockets there
+    (sockets / "engine-ipc").touch()
+    Path(os.environ["FAKE_VLLM_PID_FILE"] + ".sockets").write_text(str(sockets))
     Path(os.environ["FAKE_VLLM_ARGV_FILE"]).write_text(json.dumps(sys.argv[1:]))
     options = dict(arg[2:].split("=", 1) for arg in sys.argv[1:] if arg.startswith("--") and "=" in arg)
     if BEHAVIOUR == "crash":

@@ -131,9 +131,12 @@ def fake_python(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, behaviour: str)
 
 
 def assert_stopped(tmp_path: Path) -> None:
+    """The server is gone, and so is the directory of its sockets (VLLM_RPC_BASE_PATH, made for it)."""
     pid = int((tmp_path / "vllm.pid").read_text())
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+    sockets = Path((tmp_path / "vllm.pid.sockets").read_text())
+    assert sockets.name.startswith("vllm-ipc-") and not sockets.exists()
 
 
 def served_record(run_dir: Path) -> dict | None:
