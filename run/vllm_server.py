@@ -97,16 +97,20 @@ class Server:
         self.log = log
         log.parent.mkdir(parents=True, exist_ok=True)
         self.sockets = Path(tempfile.mkdtemp(prefix="vllm-ipc-", dir=env.get(RPC_BASE_PATH)))
-        with log.open("wb") as out:
-            self.process = subprocess.Popen(
-                argv,
-                env={**env, RPC_BASE_PATH: str(self.sockets)},
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-                preexec_fn=die_with_runner(),  # SIGTERM to vLLM if the step dies before it can stop it
-            )
+        try:
+            with log.open("wb") as out:
+                self.process = subprocess.Popen(
+                    argv,
+                    env={**env, RPC_BASE_PATH: str(self.sockets)},
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                    preexec_fn=die_with_runner(),  # SIGTERM to vLLM if the step dies before it can stop it
+                )
+        except BaseException:  # nothing started: nothing will stop it and remove its directory
+            shutil.rmtree(self.sockets, ignore_errors=True)
+            raise
 
     def tail(self) -> str:
         try:
