@@ -31,6 +31,11 @@ VLLM_PYTHON_VARIABLE = "POSTTRAIN_VLLM_PYTHON"
 ENV_DIR = Path(__file__).resolve().parent.parent / ".venv-vllm"
 CPU_KV_CACHE_GIB = "1"
 """VLLM_CPU_KVCACHE_SPACE where unset: vLLM's CPU build otherwise reserves most of the machine's memory."""
+CPU_EAGER = "VLLM_CPU_CI_ENV"
+"""Set to 1 where unset: vLLM's CPU build then traces the model with dynamo and runs it eagerly instead of compiling
+it with inductor, as vLLM's own CPU CI does. The inductor compile took 24 s of every start on 2 cores (a tiny Qwen3;
+0.4-1 s without it, its first request ~2 s slower) and is never reused by the next model: vLLM's compile cache is
+keyed by the model's path, and every run serves a folder of its own. The GPU build never reads it."""
 LOG_LINES = 15
 PORT_TAKEN = "Address already in use"
 """What vLLM's server prints when another process bound its port before it (the OSError of its socket's bind)."""
@@ -79,9 +84,11 @@ def cpu_binding(shards: int) -> str:
 
 def server_env(extra: dict[str, str], shards: int) -> dict[str, str]:
     """The server's environment: this process's, `extra` (the runtime's variables), and on this machine's CPU build
-    a bounded KV cache and, over several tensor-parallel workers, their cores (each only where unset)."""
+    a bounded KV cache, no inductor compile (CPU_EAGER) and, over several tensor-parallel workers, their cores (each
+    only where unset)."""
     env = {**os.environ, **extra}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
+    env.setdefault(CPU_EAGER, "1")
     if shards > 1:
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(shards))
     return env

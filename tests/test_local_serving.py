@@ -171,6 +171,9 @@ def test_a_good_server_is_checked_recorded_stopped_and_its_model_promoted(
     with pytest.raises(requests.ConnectionError):  # stopped: nothing listens there any more
         requests.get(f"http://127.0.0.1:{port}/health", timeout=5)
     assert "[serve] smoke check:" in capsys.readouterr().out
+    # vLLM's CPU build ran the model eagerly (run.vllm_server.CPU_EAGER): no inductor compile of this folder.
+    log = (run_dir / "deploy" / "logs" / "vllm.log").read_text()
+    assert "Supported tasks" in log and "Warming up model for the compilation" not in log
 
 
 @pytest.mark.parametrize(
