@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from test_hpo import SEARCHED, TRIAL
-from training_fixtures import make_run_dir, runner_env
+from training_fixtures import make_run_dir, run_stages_cli, runner_env
 
 import workflows.local as local
 from run.exits import EXIT_RETRYABLE, EXIT_USAGE
@@ -109,15 +109,7 @@ def test_a_stage_before_its_inputs_says_what_is_missing_and_writes_nothing(
     if setup is not None:
         setup(root)
     before = _tree(root)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run(
-        [sys.executable, "-m", "stages", *args, "--run-dir", str(root)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = run_stages_cli([*args, "--run-dir", str(root)], cwd=tmp_path)
     assert done.returncode == EXIT_USAGE, done.stderr
     assert "Traceback" not in done.stdout + done.stderr
     lines = done.stderr.strip().splitlines()

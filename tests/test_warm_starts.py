@@ -431,3 +431,31 @@ def test_the_tests_torchrun_ranks_fork_their_stages_and_stop_and_end_as_they_do(
     assert "starts its own" not in log and "no fork" not in log
     result = run_dir.read_result("cpt")
     assert result is not None and result.status == "succeeded" and result.extra["resumed_from"] == "checkpoint-3"
+
+
+def test_the_tests_stages_command_lines_fork_in_their_directory_and_say_what_a_fresh_one_does(
+    tmp_path: Path,
+) -> None:
+    """training_fixtures.run_stages_cli (the error contract's refusals): `python -m stages` forked from the shared
+    server in the directory given (a relative --spec is read there), its exit status and stderr a fresh process's."""
+    import contextlib
+
+    import training_fixtures
+
+    (tmp_path / "bad.yaml").write_text("name: korean-llm\nstages: [unclosed\n", encoding="utf-8")
+    argv = ["check-data", "--spec", "bad.yaml"]
+    fresh = subprocess.run(
+        [sys.executable, "-m", "stages", *argv],
+        cwd=tmp_path,
+        env=training_fixtures.child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    with contextlib.chdir(tmp_path):
+        process = training_fixtures._warm_command(argv, {}, separate_stderr=True)
+    assert process is not None  # forked: the tests' environment is the server's
+    forked = training_fixtures._completed(process)
+    assert (forked.returncode, forked.stderr) == (fresh.returncode, fresh.stderr) == (2, fresh.stderr)
+    assert "bad.yaml" in fresh.stderr and fresh.stderr.startswith("error: "), fresh.stderr
+    assert training_fixtures.run_stages_cli(argv, cwd=tmp_path).stderr == fresh.stderr

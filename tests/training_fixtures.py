@@ -251,7 +251,14 @@ def _warm_start(
 ) -> WarmProcess | None:
     """The stage forked from this worker's server, as the local runner forks its stages; None where its environment
     differs from the server's in more than RUNTIME_VARIABLES (a test that changed os.environ)."""
-    command = [sys.executable, "-m", "stages", stage, "--run-dir", str(run_dir.root), *args]
+    return _warm_command([stage, "--run-dir", str(run_dir.root), *args], env, **how)
+
+
+def _warm_command(argv: list[str], env: dict[str, str | None], **how: Any) -> WarmProcess | None:
+    """`python -m stages ARGV` forked from this worker's server, in this process's working directory; None where it
+    must start as a fresh process (`_warm_start`)."""
+    command = [sys.executable, "-m", "stages", *argv]
+    stage = argv[0] if argv else ""
     # The environment tests start with (a test that started the server must not give it its own changes).
     server_env = {k: v for k, v in child_env(environment.baseline()).items() if k not in RUNTIME_VARIABLES}
     warm, stage_env = _warm_starts(server_env), child_env(**env)
@@ -281,11 +288,30 @@ def run_stage(run_dir: RunDir, stage: str, *args: str, **env: str | None) -> sub
         return subprocess.run(
             [*stage_command(run_dir, stage), *args], env=child_env(**env), capture_output=True, text=True, timeout=600
         )
+    return _completed(process)
+
+
+def run_stages_cli(
+    argv: list[str], cwd: Path, timeout: float = 120, **env: str | None
+) -> subprocess.CompletedProcess[str]:
+    """`python -m stages ARGV` run to completion in `cwd` (`env`: variables to set, None to unset), forked from this
+    worker's warm-start server where it can be, else a fresh process: for tests of what the command line says,
+    returns and leaves, which are the same either way (tests/test_warm_starts.py)."""
+    with contextlib.chdir(cwd):  # the server starts a forked stage in the requester's working directory
+        process = _warm_command(argv, env, separate_stderr=True)
+    if process is None:
+        command = [sys.executable, "-m", "stages", *argv]
+        return subprocess.run(command, cwd=cwd, env=child_env(**env), capture_output=True, text=True, timeout=timeout)
+    return _completed(process, timeout)
+
+
+def _completed(process: WarmProcess, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    """A forked stage waited for (killed past `timeout`), with what it printed, as subprocess.run returns it."""
     out: list[bytes] = []
     err: list[bytes] = []
     readers = [_read_all(process.stdout, out), _read_all(process.stderr, err)]
     try:
-        returncode = process.wait(timeout=600)
+        returncode = process.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         process.kill()
         raise
