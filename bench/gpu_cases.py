@@ -71,6 +71,7 @@ class Case:
     packing: bool = True
     per_device_batch_size: int = 4
     gradient_checkpointing: bool = False
+    recompute_layers: int | None = None  # training.recompute_layers: the first N layers recompute (None: all)
     attn: str | None = None  # None: the stage's default for the device
     liger: bool | None = None  # None: the stage's default for the device
     strategy: str = "ddp"
@@ -523,6 +524,58 @@ CASES: list[Case] = [
         name="b5_stage_b4_blocks",
         compile_blocks=True,
         note="as b5_stage_b4_ckpt with each decoder layer compiled, its checkpointing inside the compiled region",
+    ),
+    replace(
+        B5_B4,
+        name="b5_stage_b4_keep4",
+        recompute_layers=44,
+        steps=12,
+        note="as b5_stage_b4_ckpt with the last 4 of the 48 layers keeping their activations (recompute_layers 44)",
+    ),
+    replace(
+        B5_B4,
+        name="b5_stage_b4_keep6",
+        recompute_layers=42,
+        steps=12,
+        note="as b5_stage_b4_ckpt with the last 6 of the 48 layers keeping their activations (recompute_layers 42)",
+    ),
+    replace(
+        B5_B4,
+        name="b5_stage_b4_keep10",
+        recompute_layers=38,
+        steps=12,
+        note="as b5_stage_b4_ckpt with the last 10 of the 48 layers keeping their activations (recompute_layers 38)",
+    ),
+    replace(
+        B5_B4,
+        name="b5_stage_b4_keep12",
+        recompute_layers=36,
+        steps=12,
+        note="as b5_stage_b4_ckpt with the last 12 of the 48 layers keeping their activations (recompute_layers 36)",
+    ),
+    replace(B5_B4, name="b5_stage_b4_ckpt_12", steps=12, note="b5_stage_b4_ckpt timed over 12 steps (baseline)"),
+    replace(
+        B5_B4,
+        name="b5_stage_b5_keep6",
+        per_device_batch_size=5,
+        recompute_layers=42,
+        steps=12,
+        note="5 rows of 4096 a step, the last 6 of the 48 layers keeping their activations (recompute_layers 42)",
+    ),
+    replace(
+        B5_B4,
+        name="b5_stage_b5_keep8",
+        per_device_batch_size=5,
+        recompute_layers=40,
+        steps=12,
+        note="5 rows of 4096 a step, the last 8 of the 48 layers keeping their activations (recompute_layers 40)",
+    ),
+    replace(
+        B5_B4,
+        name="b5_stage_b5_ckpt",
+        per_device_batch_size=5,
+        steps=12,
+        note="as b5_stage_b4_ckpt with 5 rows per step",
     ),
     replace(
         B5,

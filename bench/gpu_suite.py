@@ -326,6 +326,7 @@ def stage_context(case: Case, tmp: Path, tiny: bool) -> SimpleNamespace:
         max_seq_length=case.max_seq_length,
         packing=case.packing,
         gradient_checkpointing=case.gradient_checkpointing,
+        recompute_layers=case.recompute_layers,
         max_steps=case.warmup + case.steps,
         logging_steps=1000,
         save_steps=100000,
@@ -426,7 +427,7 @@ def build_model(ctx: SimpleNamespace, tokenizer: Any, case: Case, tmp: Path) -> 
     if blocks:
         from stages.float8 import compile_decoder_layers
 
-        compile_decoder_layers(model, case.gradient_checkpointing)
+        compile_decoder_layers(model, case.gradient_checkpointing, case.recompute_layers)
     model.config.use_cache = False
     return model
 
@@ -633,6 +634,10 @@ def run_case(case: Case, tiny: bool, tmp: Path) -> dict[str, Any]:
     callbacks = [timer] if profiler is None else [timer, profiler]
     probe_grads = nonfinite_probe()
     callbacks.append(probe_grads)
+    if case.kind.startswith("stage_"):  # the stages' own callback: training.recompute_layers
+        from stages.recompute import RecomputeLayers
+
+        callbacks.append(RecomputeLayers("bench", case.recompute_layers))
     started = time.perf_counter()
     result: dict[str, Any] = {"case": asdict(case), "world_size": world}
 

@@ -28,6 +28,7 @@ from stages.modeling import (
 from stages.packing import PackedCollator, batch_width_multiple, load_token_cache
 from stages.pipeline_parallel import pipeline_trainer
 from stages.progress import ProgressLog
+from stages.recompute import RecomputeLayers
 from stages.router_loss import mask_router_loss
 from stages.tracking import StageTracker
 from stages.training import (
@@ -84,7 +85,8 @@ def train(ctx: StageContext, sigterm: SigtermCheckpoint) -> int:
         )
         progress = ProgressLog(ctx.stage, start.model)
         gauges = StageMetrics.for_stage(ctx, progress)  # served by rank 0 on POSTTRAIN_METRICS_PORT, if set
-        callbacks = [tracker.hf_callback(), progress, gauges, CheckpointMarker(), sigterm]
+        recompute = RecomputeLayers(ctx.stage, ctx.section.training.recompute_layers)
+        callbacks = [tracker.hf_callback(), progress, gauges, CheckpointMarker(), sigterm, recompute]
         with mesh_over_gloo(ctx.section):
             trainer = pipeline_trainer(Trainer, ctx.stage, ctx.section)(  # Trainer itself unless pipelined
                 model=start.model,

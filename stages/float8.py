@@ -153,9 +153,10 @@ def checkpoints_layers(section: Any) -> bool:
     return section.training.gradient_checkpointing or fsdp_recomputes
 
 
-def compile_decoder_layers(model: Any, checkpointing: bool) -> int:
+def compile_decoder_layers(model: Any, checkpointing: bool, recompute_layers: int | None = None) -> int:
     """Compile each decoder layer of `model` as one region (`nn.Module.compile`), with its activation checkpointing
-    inside the region where `checkpointing`, and return how many. The layer's class becomes a subclass whose forward
+    inside the region where `checkpointing` (in the first `recompute_layers` only, where set:
+    `stages.recompute`), and return how many. The layer's class becomes a subclass whose forward
     checkpoints the original one: the module tree, parameter names and saved weights stay as they are (torch's
     checkpoint_wrapper would rename every parameter). The layers share their compiled graphs (the same code, the
     parameters as inputs). The trainer's own gradient checkpointing must be off (`stages.training`)."""
@@ -164,8 +165,9 @@ def compile_decoder_layers(model: Any, checkpointing: bool) -> int:
     config = model.config.get_text_config()
     dropout = any(getattr(config, name, 0) or 0 for name in ("attention_dropout", "hidden_dropout", "dropout"))
     layers = model.get_decoder().layers
-    for layer in layers:
-        if checkpointing:
+    recomputing = (len(layers) if recompute_layers is None else recompute_layers) if checkpointing else 0
+    for index, layer in enumerate(layers):
+        if index < recomputing:
             layer.__class__ = _checkpointed(type(layer), dropout)
         layer.compile()
     return len(layers)

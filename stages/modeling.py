@@ -1017,7 +1017,7 @@ def load_starting_model(
             whole_layers = compiles_decoder_layers(stage, section)
             train_in_float8(model, stage, compile_layers=False if whole_layers else None)
             if whole_layers:
-                compile_decoder_layers(model, checkpoints_layers(section))
+                compile_decoder_layers(model, checkpoints_layers(section), section.training.recompute_layers)
         start = StartingModel(
             model=model,
             kind="full",

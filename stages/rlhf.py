@@ -58,6 +58,7 @@ from stages.pipeline_grpo import grpo_pipeline_trainer
 from stages.pipeline_parallel import pipeline_parallel_size
 from stages.pipeline_preference import preference_pipeline_trainer
 from stages.progress import ProgressLog
+from stages.recompute import RecomputeLayers
 from stages.rewards import RewardError, build_reward_functions
 from stages.tracking import StageTracker
 from stages.training import (
@@ -135,7 +136,8 @@ def train(ctx: StageContext, sigterm: SigtermCheckpoint) -> int:
         )
         progress = ProgressLog(ctx.stage, start.model)
         gauges = StageMetrics.for_stage(ctx, progress)  # served by rank 0 on POSTTRAIN_METRICS_PORT, if set
-        callbacks = [tracker.hf_callback(), progress, gauges, CheckpointMarker(), sigterm]
+        recompute = RecomputeLayers(ctx.stage, ctx.section.training.recompute_layers)
+        callbacks = [tracker.hf_callback(), progress, gauges, CheckpointMarker(), sigterm, recompute]
         with mesh_over_gloo(ctx.section):
             trainer = make_trainer(ctx, start, config, tokenizer, train_rows, eval_rows, callbacks)
 

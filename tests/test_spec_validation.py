@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 from annotated_types import Ge, Gt, Le, Lt
 from pydantic import AfterValidator, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
@@ -26,7 +27,7 @@ from test_parameters import _params_dir
 from spec import form as spec_form
 from spec.document import MAX_EXPANDED_NODES, SpecError
 from spec.fields import IntegerRange, out_of_int64
-from spec.loading import load_pipeline
+from spec.loading import known_pipelines, load_pipeline, pipeline_path
 from spec.model_shapes import AttentionShape, known_shape, tensor_parallel_problem
 from spec.pipeline import PipelineSpec
 from spec.reference import _models
@@ -189,10 +190,11 @@ def test_a_late_error_in_a_file_names_its_line(tmp_path: Path) -> None:
 
 
 def test_the_shipped_pipelines_pass_every_rule() -> None:
-    for name, profile in [("korean-llm", None), ("korean-llm", "local"), ("qwen3-30b-a3b", "qlora")]:
-        load_pipeline(name, profile)
-    for name in ("llama3-dolly", "qwen3-30b-a3b"):
-        load_pipeline(name)
+    """Every shipped pipeline, with each of its profiles."""
+    for name in known_pipelines():
+        profiles = yaml.safe_load(pipeline_path(name).read_text(encoding="utf-8")).get("profiles") or {}
+        for profile in (None, *profiles):
+            load_pipeline(name, profile)
 
 
 # --------------------------------------------------------------------------- YAML traps

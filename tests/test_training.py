@@ -125,10 +125,12 @@ def test_lora_without_cpt_merges_into_the_base_when_asked(tmp_path: Path) -> Non
         "stages.cpt.enabled=false",
         "stages.sft.training.max_steps=3",
         "stages.sft.lora.merge_after=true",
+        "stages.sft.training.recompute_layers=1",  # the stage's callback says that a CPU recomputes nothing
     ]
     run_dir = make_run_dir(tmp_path / "run", overrides=overrides, n_text=20, n_chat=60)
     done = run_stage(run_dir, "sft")
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "[sft] training.recompute_layers: no decoder layer recomputes here" in done.stdout
     result = run_dir.read_result("sft")
     assert result is not None
     assert (result.extra["model_kind"], result.extra["base_kind"]) == ("full", "from_config")
