@@ -189,7 +189,7 @@ class TrainingSpec(StrictModel):
         "recompute their activations in the backward pass, the first ones of the model (under pipeline_parallel, "
         "of each process's stage); the rest keep theirs, which spares their recomputation for about one layer's "
         "activations of GPU memory each. Megatron-LM's recompute_num_layers with the block method. Measured on one "
-        "H100 (Qwen3-30B-A3B, LoRA on attention, 4 rows of 4096): 1.0 GiB and 0.7% faster per layer kept; 5 rows "
+        "H100 (Qwen3-30B-A3B, LoRA on attention, 4 rows of 4096): about 1 GiB and 0.7% faster per layer kept; 5 rows "
         "with recompute_layers 40 reached 13,173 tok/s at 76.4 GiB against 12,200 at 63.7 GiB with all 48 "
         "recomputing (docs/performance.md B5). None: every layer recomputes.",
     )

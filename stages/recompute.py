@@ -70,5 +70,5 @@ class RecomputeLayers(TrainerCallback):
                 f"(training.recompute_layers); the other {before - recomputing} keep their activations",
                 flush=True,
             )
-        else:  # on a CPU the stages train without gradient checkpointing
-            print(f"[{self.stage}] training.recompute_layers: no decoder layer recomputes here", flush=True)
+        elif not torch.cuda.is_available():  # (on a GPU, layers compiled whole took the count as they compiled)
+            print(f"[{self.stage}] training.recompute_layers: no decoder layer recomputes on a CPU", flush=True)
