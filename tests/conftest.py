@@ -35,7 +35,8 @@ for _name, _value in {
     "PYTHONPATH": str(REPO_ROOT),
     "CUDA_VISIBLE_DEVICES": "",  # the local runs' stages are the tiny CPU ones, also where a GPU is
     # Local runs serve nothing (vLLM takes a minute to start) but in the tests that serve with it for real
-    # (tests/test_local_serving.py, tests/test_shipped_pipelines.py, tests/test_variants.py: `real_vllm`).
+    # (tests/test_local_serving.py, tests/test_shipped_pipelines.py, tests/test_variants.py: `real_vllm`;
+    # tests/test_local_dag.py's run).
     "POSTTRAIN_VLLM_PYTHON": "off",
 }.items():
     os.environ[_name] = _value

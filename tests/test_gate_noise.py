@@ -2,8 +2,8 @@
 by bench/gate_noise.py (bench/results/2026-11-28-gate-noise-cpu.json, and 2026-12-03-gate-noise-qwen-72b-cpu.json
 for qwen-72b since its stand-in trains its embedding and head; docs/gates.md): a candidate trained with
 another seed passes against the champion of any seed, and the untrained candidate fails against every one. A gate
-tightened below the noise or loosened past the untrained candidate fails here; tests/test_shipped_pipelines.py and
-tests/test_variants.py train the untrained candidate and watch the gate stop it."""
+tightened below the noise or loosened past the untrained candidate fails here; tests/test_shipped_pipelines.py,
+tests/test_local_dag.py and tests/test_variants.py train the untrained candidate and watch the gate stop it."""
 
 from __future__ import annotations
 

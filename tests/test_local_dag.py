@@ -4,7 +4,8 @@ launches it (no warm start: each training stage under torchrun with the operator
 `python -m stages <stage>`, as their Argo steps run them): every stage succeeds, MLflow
 holds the pipeline run with one nested run per stage, the model is registered and loads back by alias, W&B
 offline holds one run per training stage, the builtin lm-eval task is measured and gated, the report is written,
-and the training losses go down."""
+the training losses go down, and the real vLLM engine serves the deployed model. It is also korean-llm's run of
+tests/test_shipped_pipelines.py: its progress lines, and its gate stopping a candidate that learned nothing."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import REAL_VLLM_PYTHON, require_real_vllm
 from training_fixtures import wandb_offline_runs
+from worse_candidate import assert_the_gate_stopped_it, untrained_overrides
 
 from run.run_dir import RunDir
 from run.tracking import local_store_uri
@@ -47,11 +50,14 @@ def dag(tmp_path_factory: pytest.TempPathFactory) -> RunDir:
             "TOKENIZERS_PARALLELISM": "false",
         }
     )
+    if REAL_VLLM_PYTHON.is_file():  # the serve step with the real engine (test_the_deployed_model_is_served)
+        env["POSTTRAIN_VLLM_PYTHON"] = str(REAL_VLLM_PYTHON)
     command = [sys.executable, "-m", "workflows.submit", "korean-llm", "--local", "--run-dir", str(root)]
     started = time.monotonic()
     done = subprocess.run(command, env=env, cwd=root.parent, capture_output=True, text=True, timeout=1200)
     print(f"\nthe local DAG took {time.monotonic() - started:.0f} s")  # reported, not asserted
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    (root.parent / "submit.out").write_text(done.stdout, encoding="utf-8")  # what the user saw
     return RunDir(root)
 
 
@@ -106,8 +112,11 @@ def test_the_model_is_registered_and_loads_back_by_alias(dag: RunDir) -> None:
     challenger = client.get_model_version_by_alias(MODEL, "challenger")
     assert str(challenger.version) == deploy.extra["model_version"]
     assert str(client.get_model_version_by_alias(MODEL, "champion").version) == str(challenger.version)
-    smoke = deploy.extra["smoke"]  # deploy loaded models:/korean-llm@champion from the registry and generated
-    assert smoke["uri"] == f"models:/{MODEL}@champion" and smoke["version"] == str(challenger.version)
+    # deploy loaded the model from the registry and generated: as champion, or, where the serve step runs (the real
+    # vLLM engine here), as challenger, champion moving once the served model answered
+    alias = "challenger" if REAL_VLLM_PYTHON.is_file() else "champion"
+    smoke = deploy.extra["smoke"]
+    assert smoke["uri"] == f"models:/{MODEL}@{alias}" and smoke["version"] == str(challenger.version)
     assert int(smoke["new_tokens"]) > 0
 
 
@@ -139,3 +148,50 @@ def test_the_report_is_written(dag: RunDir) -> None:
     data = markdown.split("## Training data", 1)[1].split("##", 1)[0]
     assert "| cpt | builtin:korean-corpus |" in data and "4 email, 4 phone |" in data, data
     assert (report / "report.html").stat().st_size > 0
+
+
+def test_the_progress_lines_are_the_stages_own(dag: RunDir) -> None:
+    """No terminal here (as in CI or a pod's log): each training stage's progress lines come as they are printed,
+    library noise does not, and the summary is one whole line per stage."""
+    said = (dag.root.parent / "submit.out").read_text(encoding="utf-8")
+    assert "[profile local]" in said  # the runner said what the profile swapped
+    lines = said.splitlines()
+    for stage in TRAINING_STAGES:
+        assert any(line.startswith(f"[{stage}] step ") and "loss" in line for line in lines), stage
+    assert not any(line.startswith(("{'loss'", "{'train_runtime'")) for line in lines)
+    assert any(line.split()[:2] == ["deploy", "succeeded"] for line in lines if line.startswith("  deploy "))
+
+
+def test_the_deployed_model_is_served_by_vllm(dag: RunDir) -> None:
+    """The deployed folder (the adapters merged into full weights) served by the real vLLM engine, answering chat
+    requests through the family's template; the champion moved only after that."""
+    require_real_vllm()
+    said = (dag.root.parent / "submit.out").read_text(encoding="utf-8")
+    lines = said.splitlines()
+    assert any(line.split()[:2] == ["serve", "succeeded"] for line in lines if line.startswith("  serve "))
+    deployed = dag.read_result("deploy").extra
+    served = deployed["served"]
+    assert served["engine"] == "vllm" and served["engine_version"] == "0.32.0", served
+    assert served["answers"] and all(a["answer"].strip() for a in served["answers"]), served["answers"]
+    assert deployed["promoted"] == "false" and "is champion" in said  # promoted by the serve step, not deploy
+    config = json.loads((dag.stage_dir("deploy") / "model" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3ForCausalLM"]
+
+
+def test_the_gate_stops_a_candidate_that_learned_nothing(
+    dag: RunDir, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pipeline again beside the first run (so against the champion it promoted), each learning rate divided by
+    10,000: the gate fails, deploy does not run, --fail-on-gate exits 3. (This run may fork its stages from the
+    tests' warm-start server: the launch path is the first run's.)"""
+    from workflows.submit import main as submit_main
+
+    for name in ("MLFLOW_TRACKING_URI", "WANDB_API_KEY", "WANDB_MODE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(dag.root.parent)
+    worse = dag.root.parent / "worse"
+    untrained = untrained_overrides(json.loads((dag.root / "spec.json").read_text()))
+    code = submit_main(["korean-llm", "--local", "--run-dir", str(worse), "--fail-on-gate", *untrained])
+    said = capsys.readouterr()
+    assert code == 3, said.out[-4000:] + said.err[-4000:]
+    assert_the_gate_stopped_it(worse)

@@ -3,8 +3,8 @@ rollout's smoke check against it, its record in deploy's stage.json, champion mo
 
 The command line is held to the kserve-vllm ServingRuntime and the InferenceService deploy renders. Faults the real
 engine cannot be made to show on cue (a crash before it listens, a load that never ends, empty answers) come from
-tests/fake_vllm_server.py; the real engine serves each shipped pipeline's model in tests/test_shipped_pipelines.py
-and tests/test_variants.py, and a deploy folder here."""
+tests/fake_vllm_server.py; the real engine serves each shipped pipeline's model in tests/test_shipped_pipelines.py,
+tests/test_local_dag.py and tests/test_variants.py, and a deploy folder here."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """Every shipped pipeline runs with --local as itself: its own model family (a tiny random model of it) and its own
 data format and column mapping: llama3-dolly (a Llama with Llama-3's template, dolly-shaped rows read through
-`columns`), qwen3-30b-a3b (a Qwen3 mixture of experts, ShareGPT rows, full fine-tuning and DPO) and korean-llm (whose
-run launched as its pods launch it is checked in depth by tests/test_local_dag.py; qwen-multi's in
-tests/test_variants.py), and the real vLLM engine serves the model each deployed. Then each local gate stops a
-candidate that learned nothing: the pipeline trained again, on the same data, with each learning rate divided by
-10,000, against the champion the first run promoted."""
+`columns`) and qwen3-30b-a3b (a Qwen3 mixture of experts, ShareGPT rows, full fine-tuning and DPO; with LoRA on its
+experts too), and the real vLLM engine serves the model each deployed. Then each local gate stops a candidate that
+learned nothing: the pipeline trained again, on the same data, with each learning rate divided by 10,000, against
+the champion the first run promoted. korean-llm's run is tests/test_local_dag.py's (launched as its pods launch it,
+with the same checks), qwen-multi's tests/test_variants.py's."""
 
 from __future__ import annotations
 
@@ -28,9 +28,8 @@ into its base), and merged into full weights by deploy, the folder serving loads
         ("llama3-dolly", "LlamaForCausalLM", ("prepare", "sft", "evaluate", "deploy"), ()),
         ("qwen3-30b-a3b", "Qwen3MoeForCausalLM", ("prepare", "sft", "rlhf", "evaluate", "deploy"), ()),
         ("qwen3-30b-a3b", "Qwen3MoeForCausalLM", ("prepare", "sft", "rlhf", "evaluate", "deploy"), MOE_ADAPTER),
-        ("korean-llm", "Qwen3ForCausalLM", ("prepare", "cpt", "sft", "rlhf", "evaluate", "deploy"), ()),
     ],
-    ids=["llama3-dolly", "qwen3-30b-a3b", "qwen3-30b-a3b-lora-experts", "korean-llm"],
+    ids=["llama3-dolly", "qwen3-30b-a3b", "qwen3-30b-a3b-lora-experts"],
 )
 def test_a_shipped_pipeline_runs_locally_as_itself(
     tmp_path: Path,
@@ -81,8 +80,6 @@ def test_a_shipped_pipeline_runs_locally_as_itself(
         with safe_open(str(run_root / "rlhf" / "model" / "adapter_model.safetensors"), "pt") as f:
             assert any("experts" in key for key in f.keys())  # noqa: SIM118 (safe_open has keys(), no __iter__)
         trained = "deploy"
-    elif pipeline == "korean-llm":
-        trained = "deploy"  # its sft and rlhf train LoRA adapters; deploy's folder is the merged model
     else:
         trained = "rlhf" if "rlhf" in stages else "sft"
     config = json.loads((run_root / trained / "model" / "config.json").read_text())
