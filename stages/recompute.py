@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from transformers import TrainerCallback
 from transformers.modeling_layers import GradientCheckpointingLayer
 
@@ -31,7 +31,7 @@ def recomputing_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [
         module
         for module in model.modules()
-        if isinstance(module, ActivationWrapper)
+        if isinstance(module, CheckpointWrapper)
         or (isinstance(module, GradientCheckpointingLayer) and module.gradient_checkpointing)
     ]
 
@@ -41,7 +41,7 @@ def keep_activations(model: torch.nn.Module, recompute_layers: int) -> tuple[int
     (layers that still recompute, layers that recomputed before)."""
     layers = recomputing_layers(model)
     for layer in layers[recompute_layers:]:
-        if isinstance(layer, ActivationWrapper):
+        if isinstance(layer, CheckpointWrapper):
             layer.checkpoint_fn = _forward  # the wrapped layer's own call: its activations kept for the backward
         else:
             layer.gradient_checkpointing = False
