@@ -525,58 +525,21 @@ CASES: list[Case] = [
         compile_blocks=True,
         note="as b5_stage_b4_ckpt with each decoder layer compiled, its checkpointing inside the compiled region",
     ),
-    replace(
-        B5_B4,
-        name="b5_stage_b4_keep4",
-        recompute_layers=44,
-        steps=12,
-        note="as b5_stage_b4_ckpt with the last 4 of the 48 layers keeping their activations (recompute_layers 44)",
-    ),
-    replace(
-        B5_B4,
-        name="b5_stage_b4_keep6",
-        recompute_layers=42,
-        steps=12,
-        note="as b5_stage_b4_ckpt with the last 6 of the 48 layers keeping their activations (recompute_layers 42)",
-    ),
-    replace(
-        B5_B4,
-        name="b5_stage_b4_keep10",
-        recompute_layers=38,
-        steps=12,
-        note="as b5_stage_b4_ckpt with the last 10 of the 48 layers keeping their activations (recompute_layers 38)",
-    ),
-    replace(
-        B5_B4,
-        name="b5_stage_b4_keep12",
-        recompute_layers=36,
-        steps=12,
-        note="as b5_stage_b4_ckpt with the last 12 of the 48 layers keeping their activations (recompute_layers 36)",
+    # training.recompute_layers: the last `kept` of the 48 layers keep their activations, at 4 and 5 rows a step
+    *(
+        replace(
+            B5_B4,
+            name=f"b5_stage_b{rows}_keep{kept}",
+            per_device_batch_size=rows,
+            recompute_layers=48 - kept,
+            steps=12,
+            note=f"{rows} rows of 4096 a step, the last {kept} of the 48 layers keeping their activations "
+            f"(recompute_layers {48 - kept})",
+        )
+        for rows, kept in ((4, 4), (4, 6), (4, 10), (4, 12), (5, 6), (5, 8))
     ),
     replace(B5_B4, name="b5_stage_b4_ckpt_12", steps=12, note="b5_stage_b4_ckpt timed over 12 steps (baseline)"),
-    replace(
-        B5_B4,
-        name="b5_stage_b5_keep6",
-        per_device_batch_size=5,
-        recompute_layers=42,
-        steps=12,
-        note="5 rows of 4096 a step, the last 6 of the 48 layers keeping their activations (recompute_layers 42)",
-    ),
-    replace(
-        B5_B4,
-        name="b5_stage_b5_keep8",
-        per_device_batch_size=5,
-        recompute_layers=40,
-        steps=12,
-        note="5 rows of 4096 a step, the last 8 of the 48 layers keeping their activations (recompute_layers 40)",
-    ),
-    replace(
-        B5_B4,
-        name="b5_stage_b5_ckpt",
-        per_device_batch_size=5,
-        steps=12,
-        note="as b5_stage_b4_ckpt with 5 rows per step",
-    ),
+    replace(B5_B4, name="b5_stage_b5_ckpt", per_device_batch_size=5, steps=12, note="as b5_stage_b4_ckpt, 5 rows"),
     replace(
         B5,
         name="b5_stage_sdpa",

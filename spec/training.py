@@ -441,10 +441,7 @@ class TrainingStage(StageBase):
         self._tensor_parallel_fits()
         self._pipeline_parallel_fits()
         self._float8_fits()
-        recomputes = self.training.gradient_checkpointing or (
-            self.distributed.strategy == "fsdp" and self.distributed.activation_checkpointing
-        )
-        if self.training.recompute_layers is not None and not recomputes:
+        if self.training.recompute_layers is not None and not self.recomputes_activations:
             raise FieldError(
                 ("training", "recompute_layers"),
                 "training.recompute_layers chooses which layers recompute their activations, and none do: set "
@@ -459,6 +456,13 @@ class TrainingStage(StageBase):
                 "(data.eval_fraction: 0.02) or drop eval_steps",
             )
         return self
+
+    @property
+    def recomputes_activations(self) -> bool:
+        """Whether the decoder layers recompute their activations in the backward pass (on a GPU): the trainer's
+        gradient checkpointing, or FSDP's (`distributed.activation_checkpointing`)."""
+        fsdp_recomputes = self.distributed.strategy == "fsdp" and self.distributed.activation_checkpointing
+        return self.training.gradient_checkpointing or fsdp_recomputes
 
     def _sharded_by_transformers(self, field: str) -> None:
         """What tensor and expert parallelism (`field`) need: FSDP2 for the rest of the model, no accelerate setting

@@ -146,11 +146,8 @@ def compiles_decoder_layers(stage: str, section: Any) -> bool:
 
 
 def checkpoints_layers(section: Any) -> bool:
-    """Whether the decoder layers recompute their activations: the trainer's gradient checkpointing, or FSDP's
-    (`distributed.activation_checkpointing`)."""
-    distributed = section.distributed
-    fsdp_recomputes = distributed.strategy == "fsdp" and distributed.activation_checkpointing
-    return section.training.gradient_checkpointing or fsdp_recomputes
+    """Whether the decoder layers recompute their activations (the spec's rule: `recomputes_activations`)."""
+    return section.recomputes_activations
 
 
 def compile_decoder_layers(model: Any, checkpointing: bool, recompute_layers: int | None = None) -> int:
