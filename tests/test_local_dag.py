@@ -181,9 +181,9 @@ def test_the_deployed_model_is_served_by_vllm(dag: RunDir) -> None:
 def test_the_gate_stops_a_candidate_that_learned_nothing(
     dag: RunDir, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The pipeline again beside the first run (so against the champion it promoted), each learning rate divided by
-    10,000: the gate fails, deploy does not run, --fail-on-gate exits 3. (This run may fork its stages from the
-    tests' warm-start server: the launch path is the first run's.)"""
+    """The pipeline again beside the first run (so against the champion it promoted), one step a stage at each
+    learning rate divided by 10,000: the gate fails, deploy does not run, --fail-on-gate exits 3. (This run may fork
+    its stages from the tests' warm-start server: the launch path is the first run's.)"""
     from workflows.submit import main as submit_main
 
     for name in ("MLFLOW_TRACKING_URI", "WANDB_API_KEY", "WANDB_MODE"):

@@ -2,9 +2,9 @@
 data format and column mapping: llama3-dolly (a Llama with Llama-3's template, dolly-shaped rows read through
 `columns`) and qwen3-30b-a3b (a Qwen3 mixture of experts, ShareGPT rows, full fine-tuning and DPO; with LoRA on its
 experts too), and the real vLLM engine serves the model each deployed. Then each local gate stops a candidate that
-learned nothing: the pipeline trained again, on the same data, with each learning rate divided by 10,000, against
-the champion the first run promoted. korean-llm's run is tests/test_local_dag.py's (launched as its pods launch it,
-with the same checks), qwen-multi's tests/test_variants.py's."""
+learned nothing: the pipeline trained again, on the same data, one step a stage at each learning rate divided by
+10,000, against the champion the first run promoted. korean-llm's run is tests/test_local_dag.py's (launched as
+its pods launch it, with the same checks), qwen-multi's tests/test_variants.py's."""
 
 from __future__ import annotations
 
@@ -104,8 +104,8 @@ def test_a_shipped_pipeline_runs_locally_as_itself(
 def assert_the_gate_stops_a_candidate_that_learned_nothing(
     pipeline: str, spec: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The pipeline again in the same folder (so against the champion the first run promoted), with each learning
-    rate divided by 10,000: the gate fails, deploy does not run, --fail-on-gate exits 3."""
+    """The pipeline again in the same folder (so against the champion the first run promoted), one step a stage at
+    each learning rate divided by 10,000: the gate fails, deploy does not run, --fail-on-gate exits 3."""
     worse = tmp_path / "worse"
     code = submit_main([pipeline, "--local", "--run-dir", str(worse), "--fail-on-gate", *untrained_overrides(spec)])
     said = capsys.readouterr()

@@ -215,7 +215,7 @@ stages:
   sft:
     enabled: true
     data: { uri: tools.jsonl, format: messages, eval_fraction: 0.1 }
-    training: { max_steps: 150, learning_rate: 1.0e-2, logging_steps: 20 }
+    training: { max_steps: 80, learning_rate: 1.0e-2, logging_steps: 20 }
   deploy:
     serving:
       max_model_len: 2048
@@ -248,7 +248,7 @@ def agent_rows(n: int) -> list[dict[str, Any]]:
 def test_a_tool_call_dataset_trains_through_local_and_the_agent_calls_through_vllm(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, real_vllm: Path
 ) -> None:
-    """An agent pipeline under --local: tool conversations trained into a tiny Qwen3 (150 steps over 64 of them:
+    """An agent pipeline under --local: tool conversations trained into a tiny Qwen3 (80 steps over 64 of them:
     enough for it to learn the call's syntax), deployed, served by the real vLLM engine with the hermes parser, and
     asked with the tools offered: the smoke check gets OpenAI tool_calls to get_weather with JSON arguments."""
     from training_fixtures import write_jsonl
@@ -268,7 +268,7 @@ def test_a_tool_call_dataset_trains_through_local_and_the_agent_calls_through_vl
     train = [json.loads(line) for line in (run / "prepare/data/sft/train.jsonl").read_text().splitlines()]
     assert train and all("tools" in row and "tool_calls" in row["messages"][1] for row in train)
     record = json.loads((run / "sft/stage.json").read_text())
-    assert record["status"] == "succeeded" and record["metrics"]["steps"] == 150
+    assert record["status"] == "succeeded" and record["metrics"]["steps"] == 80
     served = json.loads((run / "deploy/stage.json").read_text())["extra"]["served"]
     assert "--tool-call-parser=hermes" in served["argv"] and "--enable-auto-tool-choice" in served["argv"]
     calls = {a["prompt"]: a["answer"] for a in served["answers"]}

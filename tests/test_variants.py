@@ -356,8 +356,8 @@ def test_local_runs_both_variants_one_after_the_other(tmp_path: Path, real_vllm:
     summary = done.stdout[done.stdout.rindex("\nvariants\n") :]  # the plain summary (no terminal here)
     assert "qwen-7b" in summary and "qwen-72b" in summary and summary.count("done") == 2
 
-    # Each variant's gate stops a candidate that learned nothing (each learning rate / 10,000) against the champion
-    # that variant's run promoted: --fail-on-gate exits 3 and nothing is deployed.
+    # Each variant's gate stops a candidate that learned nothing (one step a stage at its learning rate / 10,000)
+    # against the champion that variant's run promoted: --fail-on-gate exits 3 and nothing is deployed.
     for name in ("qwen-7b", "qwen-72b"):
         first = next(run for run in runs if run.name.startswith(f"qwen-multi-{name}-"))
         untrained = untrained_overrides(json.loads((first / "spec.json").read_text()))

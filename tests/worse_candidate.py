@@ -9,13 +9,16 @@ from typing import Any
 
 
 def untrained_overrides(spec: dict[str, Any]) -> list[str]:
-    """--set arguments that divide each training stage's learning rate by 10,000 (a search is switched off: it
-    would choose the learning rate again)."""
+    """--set arguments that train each training stage one step at its learning rate / 10,000 (a search is switched
+    off: it would choose the learning rate again). The stages all run, as in the pipeline, and learn nothing: more
+    steps at that rate only cost the suite time (korean-llm's perplexity 2,071.85 after its 80 steps, 2,072.10 after
+    3)."""
     sets = []
     for stage in ("cpt", "sft", "rlhf"):
         section = spec["stages"].get(stage)
         if section and section.get("enabled", True):
             sets += ["--set", f"stages.{stage}.training.learning_rate={section['training']['learning_rate'] / 1e4:g}"]
+            sets += ["--set", f"stages.{stage}.training.max_steps=1"]
             if section.get("hpo"):
                 sets += ["--set", f"stages.{stage}.hpo=null"]
     return sets
