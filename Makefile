@@ -7,9 +7,6 @@ TORCH ?= torch==2.13.0
 
 .PHONY: local test lint render golden clean
 
-# DeepSpeed is an sdist built without its compiled ops; the one a CPU process uses (the shared-memory collective,
-# loaded as ZeRO starts) is compiled in here, once, else the first ZeRO process of every new environment compiles it
-# (about 90 s of two cores: ~/.cache/torch_extensions is keyed by the environment's path).
 $(VENV)/.installed: pyproject.toml
 	@echo "setting up $(VENV) (first use, or pyproject.toml changed): a few minutes"
 	$(PYTHON) -m venv $(VENV)
@@ -18,9 +15,6 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q $(TORCH)
 	@echo "installing the project with its train and test extras (transformers, TRL, PEFT, MLflow, DeepSpeed, ...)"
 	$(BIN)/pip install -q -e '.[train,test]'
-	@echo "rebuilding DeepSpeed with its shared-memory collective for CPU processes compiled in (DS_BUILD_SHM_COMM)"
-	DS_BUILD_SHM_COMM=1 $(BIN)/pip install -q --no-deps --force-reinstall --no-build-isolation --no-cache-dir \
-		"deepspeed==$$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("deepspeed"))')"
 	touch $@
 
 # vLLM in an environment of its own, as it has a pod of its own: it pins its own transformers. The local serve

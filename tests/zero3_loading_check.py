@@ -11,7 +11,8 @@ Three things keep DeepSpeed off a CPU job, and only those are changed here:
 
 Each rank writes `<out>/rank-<r>.json`: whether transformers saw ZeRO-3 when `from_pretrained` (or `from_config`)
 ran, whether every parameter of the starting model is partitioned, the elements this rank holds against the whole
-model's, and the base weights that, gathered, differ from the checkpoint. The stage then trains and saves as usual.
+model's, the base weights that, gathered, differ from the checkpoint, and whether DeepSpeed's backend holds its
+shared-memory all-reduce. The stage then trains and saves as usual.
 
     torchrun --standalone --nproc-per-node 2 tests/zero3_loading_check.py OUT STAGE --run-dir RUN_DIR
 """
@@ -40,7 +41,8 @@ import stages.training
 OUT = Path(sys.argv[1])
 report: dict[str, Any] = {}
 
-deepspeed.comm.torch.build_shm_op = lambda: None
+# `deepspeed.comm.torch` reads as torch itself (deepspeed.comm re-exports it), so the module is patched by its name.
+sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
 stages.distributed.check_strategy = lambda stage, distributed: None
 stages.training.precision_arguments = lambda dtype: {"bf16": False, "fp16": False}
 prepare_backend = PartialState._prepare_backend
@@ -102,6 +104,8 @@ def describe_load(model: Any, spec: Any) -> dict[str, Any]:
 def watched_start(run_dir: Any, spec: Any, stage: str, *args: Any, **kwargs: Any) -> Any:
     start = load_starting_model(run_dir, spec, stage, *args, **kwargs)
     report.update(describe_load(start.model, spec))
+    backend = sys.modules["deepspeed.comm.comm"].cdb  # DeepSpeed's communication backend, started by the load
+    report["shm_all_reduce"] = getattr(backend, "shm_comm_op", None) is not None
     return start
 
 
