@@ -145,11 +145,6 @@ def compiles_decoder_layers(stage: str, section: Any) -> bool:
     )
 
 
-def checkpoints_layers(section: Any) -> bool:
-    """Whether the decoder layers recompute their activations (the spec's rule: `recomputes_activations`)."""
-    return section.recomputes_activations
-
-
 def compile_decoder_layers(model: Any, checkpointing: bool, recompute_layers: int | None = None) -> int:
     """Compile each decoder layer of `model` as one region (`nn.Module.compile`), with its activation checkpointing
     inside the region where `checkpointing` (in the first `recompute_layers` only, where set:

@@ -53,7 +53,6 @@ from stages.distributed import zero3_loading
 from stages.expert_lora import GROUPED_EXPERTS
 from stages.float8 import (
     check_float8,
-    checkpoints_layers,
     compile_decoder_layers,
     compiles_decoder_layers,
     train_in_float8,
@@ -1017,7 +1016,7 @@ def load_starting_model(
             whole_layers = compiles_decoder_layers(stage, section)
             train_in_float8(model, stage, compile_layers=False if whole_layers else None)
             if whole_layers:
-                compile_decoder_layers(model, checkpoints_layers(section), section.training.recompute_layers)
+                compile_decoder_layers(model, section.recomputes_activations, section.training.recompute_layers)
         start = StartingModel(
             model=model,
             kind="full",

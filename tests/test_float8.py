@@ -28,7 +28,6 @@ from stages.contract import NotSupportedHere
 from stages.float8 import (
     RECIPE,
     check_float8,
-    checkpoints_layers,
     compile_decoder_layers,
     compiles_decoder_layers,
     float8_layers,
@@ -187,14 +186,14 @@ def test_whole_decoder_layers_compile_for_float8_in_cpt_and_sft_under_ddp_and_fs
     # FSDP's own recomputation off there: it would wrap the compiled layers, which checkpoint themselves
     settings = strategy_arguments("cpt", section(fsdp), tiny())
     assert settings["fsdp_config"]["activation_checkpointing"] is False
-    assert checkpoints_layers(section(fsdp))
-    assert checkpoints_layers(section([*fsdp, "stages.cpt.training.gradient_checkpointing=false"])) is False
+    assert section(fsdp).recomputes_activations
+    assert section([*fsdp, "stages.cpt.training.gradient_checkpointing=false"]).recomputes_activations is False
     fsdp_recomputes = [
         *fsdp,
         "stages.cpt.training.gradient_checkpointing=false",
         "stages.cpt.distributed.activation_checkpointing=true",
     ]
-    assert checkpoints_layers(section(fsdp_recomputes))
+    assert section(fsdp_recomputes).recomputes_activations
     unchanged = strategy_arguments("cpt", section([*fp8[1:], "stages.cpt.distributed.strategy=fsdp"]), tiny())
     assert unchanged["fsdp_config"]["activation_checkpointing"] is True  # bf16: FSDP recomputes
     rlhf = ["stages.rlhf.training.fp8=true", "stages.rlhf.method=full", "stages.rlhf.distributed.strategy=ddp"]
