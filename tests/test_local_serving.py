@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -89,6 +90,23 @@ def test_dtype_and_the_tool_call_parser_reach_vllm() -> None:
     assert inference_service(spec, "pvc://c/m", "r")["spec"]["predictor"]["model"]["args"] == args
     with pytest.raises(SpecError, match="tool_call_parser"):
         load_pipeline("korean-llm", overrides=["stages.deploy.serving.tool_call_parser=qwen"])
+
+
+def test_the_cpu_build_serves_a_whole_model_from_the_engine_core_and_splits_cores_between_shards(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One shard: its worker in the engine core's process; several: a worker process each, with cores of their own;
+    a value the environment sets wins."""
+    from run.vllm_server import CPU_EAGER, CPU_ONE_PROCESS, server_env
+
+    monkeypatch.delenv(CPU_ONE_PROCESS, raising=False)
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    whole, split = server_env({}, 1), server_env({}, 2)
+    assert whole[CPU_ONE_PROCESS] == "0" and "VLLM_CPU_OMP_THREADS_BIND" not in whole
+    assert CPU_ONE_PROCESS not in split and split["VLLM_CPU_OMP_THREADS_BIND"].count("|") == 1
+    assert whole[CPU_EAGER] == split[CPU_EAGER] == "1"
+    monkeypatch.setenv(CPU_ONE_PROCESS, "1")
+    assert server_env({}, 1)[CPU_ONE_PROCESS] == "1"
 
 
 def test_a_context_longer_than_the_models_positions_is_refused_before_anything_runs() -> None:
@@ -171,9 +189,11 @@ def test_a_good_server_is_checked_recorded_stopped_and_its_model_promoted(
     with pytest.raises(requests.ConnectionError):  # stopped: nothing listens there any more
         requests.get(f"http://127.0.0.1:{port}/health", timeout=5)
     assert "[serve] smoke check:" in capsys.readouterr().out
-    # vLLM's CPU build ran the model eagerly (run.vllm_server.CPU_EAGER): no inductor compile of this folder.
+    # vLLM's CPU build ran the model eagerly (run.vllm_server.CPU_EAGER): no inductor compile of this folder; and in
+    # the engine core's process (CPU_ONE_PROCESS): no worker process of its own.
     log = (run_dir / "deploy" / "logs" / "vllm.log").read_text()
     assert "Supported tasks" in log and "Warming up model for the compilation" not in log
+    assert re.search(r"\(EngineCore pid=\d+\) .*Starting to load model", log) and "(Worker pid=" not in log
 
 
 @pytest.mark.parametrize(
