@@ -291,6 +291,7 @@ def test_axolotl_datasets_become_a_list(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- the whole run
 
 
+@pytest.mark.slow
 def test_a_mixture_of_a_json_array_a_csv_and_parquet_tool_calls_trains_through_local(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -245,6 +245,7 @@ def agent_rows(n: int) -> list[dict[str, Any]]:
     return rows
 
 
+@pytest.mark.slow
 def test_a_tool_call_dataset_trains_through_local_and_the_agent_calls_through_vllm(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, real_vllm: Path
 ) -> None:
