@@ -38,9 +38,9 @@ it with inductor, as vLLM's own CPU CI does. The inductor compile took 24 s of e
 keyed by the model's path, and every run serves a folder of its own. The GPU build never reads it."""
 CPU_ONE_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"
 """Set to 0 where unset and the model is served whole: vLLM's CPU build then runs its one worker inside the engine
-core's process, as the GPU build always does, instead of spawning a third process that imports vLLM and torch again
-(8 s of every start on 2 cores: ready after 15.5 s instead of 23.9 s, a tiny Qwen3). The API server reads it not:
-its engine core stays a process of its own."""
+core's process, as the GPU build does for one GPU, instead of spawning a third process that imports vLLM and torch
+again (8 s of every start on 2 cores: ready after 15.5 s instead of 23.9 s, a tiny Qwen3). The engine core stays a
+process of its own (the API server always starts one). The GPU build's server only logs it."""
 LOG_LINES = 15
 PORT_TAKEN = "Address already in use"
 """What vLLM's server prints when another process bound its port before it (the OSError of its socket's bind)."""
