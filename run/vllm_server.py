@@ -94,10 +94,10 @@ def server_env(extra: dict[str, str], shards: int) -> dict[str, str]:
     env = {**os.environ, **extra}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
     env.setdefault(CPU_EAGER, "1")
-    if shards == 1:
-        env.setdefault(CPU_ONE_PROCESS, "0")
-    else:
+    if shards > 1:
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(shards))
+    else:  # served whole (serving.gpus 0 or 1)
+        env.setdefault(CPU_ONE_PROCESS, "0")
     return env
 
 

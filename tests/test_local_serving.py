@@ -103,6 +103,7 @@ def test_the_cpu_build_serves_a_whole_model_from_the_engine_core_and_splits_core
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     whole, split = server_env({}, 1), server_env({}, 2)
     assert whole[CPU_ONE_PROCESS] == "0" and "VLLM_CPU_OMP_THREADS_BIND" not in whole
+    assert server_env({}, 0) == whole  # serving.gpus 0: the predictor on CPU, the model whole
     assert CPU_ONE_PROCESS not in split and split["VLLM_CPU_OMP_THREADS_BIND"].count("|") == 1
     assert whole[CPU_EAGER] == split[CPU_EAGER] == "1"
     monkeypatch.setenv(CPU_ONE_PROCESS, "1")
