@@ -122,11 +122,12 @@ def test_the_summary_shows_the_gate_and_the_registered_version() -> None:
 # --------------------------------------------------------------------------- signals: the runner never orphans a stage
 
 _STAGE = """
-import signal, sys, time
+import os, signal, sys, time
 from pathlib import Path
 
-def stop(signum, frame):
-    Path(sys.argv[1]).write_text(signal.Signals(signum).name)
+def stop(signum, frame):  # the name appears whole: a reader never sees the file created and not yet written
+    Path(sys.argv[1] + ".part").write_text(signal.Signals(signum).name)
+    os.replace(sys.argv[1] + ".part", sys.argv[1])
     sys.exit(75)
 
 signal.signal(signal.SIGTERM, stop)
