@@ -31,6 +31,7 @@ from run.serving import (
     runtime_args,
     server_argv,
 )
+from run.vllm_server import CPU_EAGER, CPU_ONE_PROCESS, server_env
 from spec.loading import SpecError, load_pipeline
 from workflows import local_serving
 
@@ -97,8 +98,6 @@ def test_the_cpu_build_serves_a_whole_model_from_the_engine_core_and_splits_core
 ) -> None:
     """One shard: its worker in the engine core's process; several: a worker process each, with cores of their own;
     a value the environment sets wins."""
-    from run.vllm_server import CPU_EAGER, CPU_ONE_PROCESS, server_env
-
     monkeypatch.delenv(CPU_ONE_PROCESS, raising=False)
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     whole, split = server_env({}, 1), server_env({}, 2)
