@@ -185,8 +185,13 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 @pytest.fixture(autouse=True)
 def _same_environment_for_every_test() -> Any:
     """Every test starts with the same environment, whatever collection, earlier tests or imports set
-    (tests/environment.py)."""
+    (tests/environment.py), and torch's random numbers from the same seed."""
     environment.restore()
+    torch = sys.modules.get("torch")  # seeded where imported already (it starts from a fixed seed when imported)
+    if torch is not None:
+        # Same random tensors whatever ran before on this worker: a numerical comparison then sees the same
+        # values in every run of the suite, not those its place in the run hands it.
+        torch.manual_seed(0)
     yield
     environment.restore()
 

@@ -92,25 +92,37 @@ def test_converted_layers_keep_their_weights_and_state_dict() -> None:
 
 def test_on_a_cpu_the_float8_layers_emulate_the_gemm_with_the_outputs_and_gradients_of_scaled_mm() -> None:
     """torch._scaled_mm's CPU kernel is hundreds of times slower than torchao's emulation (stages/float8.py): on a CPU
-    the stage's float8 layers emulate, with what _scaled_mm gives: the same float8 values and scales multiplied."""
+    the stage's float8 layers emulate, with what _scaled_mm gives: the same float8 values and scales multiplied.
+
+    Not bit for bit: the two sum in different orders, and a last-bit difference in an output can round a gradient's
+    element to the neighbouring float8 value (1 seed in 70 flipped one at a 1e-5 elementwise tolerance). Measured over
+    300 seeds: emulation against _scaled_mm differs by at most 0.3% of a gradient's norm; float8 against the same layers
+    in float32 by at least 7.6%. So each is held to 1% of its norm, and float8's own error shown to be far above it."""
     import copy
 
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
+    torch.manual_seed(0)
     model = tiny()
     reference = copy.deepcopy(model.model.layers[0].mlp)
+    float32 = copy.deepcopy(reference)
     train_in_float8(model, "cpt", compile_layers=False)
     mlp = model.model.layers[0].mlp
     assert all(getattr(mlp, name).config.emulate for name in ("gate_proj", "up_proj", "down_proj"))
     convert_to_float8_training(reference, config=Float8LinearConfig.from_recipe_name(RECIPE))
     assert not reference.down_proj.config.emulate
+
+    def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+        return ((a - b).norm() / b.norm()).item()
+
     x = torch.randn(2, 16, 64)
-    ours, theirs = mlp(x), reference(x)
-    torch.testing.assert_close(ours, theirs)
-    ours.square().sum().backward()
-    theirs.square().sum().backward()
+    ours, theirs, exact = mlp(x), reference(x), float32(x)
+    assert relative(ours, theirs) < 0.01 < relative(exact, theirs)
+    for output in (ours, theirs, exact):
+        output.square().sum().backward()
     for name, parameter in mlp.named_parameters():
-        torch.testing.assert_close(parameter.grad, reference.get_parameter(name).grad, msg=name)
+        theirs_grad, exact_grad = reference.get_parameter(name).grad, float32.get_parameter(name).grad
+        assert relative(parameter.grad, theirs_grad) < 0.01 < relative(exact_grad, theirs_grad), name
 
 
 def test_a_gpu_without_float8_tensor_cores_is_refused_naming_the_field(monkeypatch: pytest.MonkeyPatch) -> None:
