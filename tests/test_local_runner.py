@@ -122,12 +122,12 @@ def test_the_summary_shows_the_gate_and_the_registered_version() -> None:
 # --------------------------------------------------------------------------- signals: the runner never orphans a stage
 
 _STAGE = """
-import os, signal, sys, time
+import signal, sys, time
 from pathlib import Path
+from run.run_dir import write_text_atomic
 
 def stop(signum, frame):  # the name appears whole: a reader never sees the file created and not yet written
-    Path(sys.argv[1] + ".part").write_text(signal.Signals(signum).name)
-    os.replace(sys.argv[1] + ".part", sys.argv[1])
+    write_text_atomic(Path(sys.argv[1]), signal.Signals(signum).name)
     sys.exit(75)
 
 signal.signal(signal.SIGTERM, stop)
