@@ -46,6 +46,9 @@ PORT_TAKEN = "Address already in use"
 """What vLLM's server prints when another process bound its port before it (the OSError of its socket's bind)."""
 RPC_BASE_PATH = "VLLM_RPC_BASE_PATH"
 """The directory vLLM makes its ZeroMQ IPC sockets in (vLLM's default: the temporary directory)."""
+TEMPORARY = "TMPDIR"
+"""The server's temporary directory: vLLM's executor rendezvous there through a file (`vllm_dist_<hex>`, torch's
+FileStore) that a stopped server leaves behind, one a start. vLLM keeps its compile caches elsewhere (~/.cache/vllm)."""
 PORT_ATTEMPTS = 3
 """How often a server is started again, each time on another free port, when its port was taken."""
 
@@ -104,7 +107,8 @@ def server_env(extra: dict[str, str], shards: int) -> dict[str, str]:
 class Server:
     """vLLM's server process, in a session of its own (its engine core is a child process: stopping the session
     stops both), its output in `log`. Its ZeroMQ sockets (VLLM_RPC_BASE_PATH: by default the temporary directory,
-    where a stopped server left 6-7 of them a start) go into a directory of its own, removed when it stops."""
+    where a stopped server left 6-7 of them a start) and its temporary files (TMPDIR) go into a directory of its
+    own, removed when it stops."""
 
     def __init__(self, argv: list[str], env: dict[str, str], log: Path) -> None:
         self.argv = argv
@@ -115,7 +119,7 @@ class Server:
             with log.open("wb") as out:
                 self.process = subprocess.Popen(
                     argv,
-                    env={**env, RPC_BASE_PATH: str(self.sockets)},
+                    env={**env, RPC_BASE_PATH: str(self.sockets), TEMPORARY: str(self.sockets)},
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,

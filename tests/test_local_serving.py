@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -162,14 +163,24 @@ def served_record(run_dir: Path) -> dict | None:
 
 
 def test_a_good_server_is_checked_recorded_stopped_and_its_model_promoted(
-    tmp_path: Path, deployed: tuple[Path, object], real_vllm: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    deployed: tuple[Path, object],
+    real_vllm: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    request: pytest.FixtureRequest,
 ) -> None:
     """The real engine on a tiny model as deploy writes it: the rollout's smoke check answered through the qwen3
-    template, the record, the server gone, champion moved."""
+    template, the record, the server gone, champion moved, nothing of it left in the temporary directory."""
     from training_fixtures import write_tiny_model
 
     from run.run_dir import RunDir
 
+    # A temporary directory of its own, short enough for vLLM's sockets (107 characters a path), not pytest's.
+    temporary = Path(tempfile.mkdtemp(prefix="serve-"))
+    request.addfinalizer(lambda: shutil.rmtree(temporary, ignore_errors=True))
+    monkeypatch.setenv("TMPDIR", str(temporary))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
     run_dir, spec = deployed
     shutil.rmtree(run_dir / "deploy" / "model")
     shutil.move(write_tiny_model(tmp_path / "tiny"), run_dir / "deploy" / "model")
@@ -189,6 +200,8 @@ def test_a_good_server_is_checked_recorded_stopped_and_its_model_promoted(
     with pytest.raises(requests.ConnectionError):  # stopped: nothing listens there any more
         requests.get(f"http://127.0.0.1:{port}/health", timeout=5)
     assert "[serve] smoke check:" in capsys.readouterr().out
+    # Its sockets and its executor's rendezvous file (`vllm_dist_<hex>`) went with the server's own directory.
+    assert list(temporary.iterdir()) == []
     # vLLM's CPU build ran the model eagerly (run.vllm_server.CPU_EAGER): no inductor compile of this folder; and in
     # the engine core's process (CPU_ONE_PROCESS): no worker process of its own.
     log = (run_dir / "deploy" / "logs" / "vllm.log").read_text()
