@@ -114,12 +114,12 @@ class Server:
         self.argv = argv
         self.log = log
         log.parent.mkdir(parents=True, exist_ok=True)
-        self.sockets = Path(tempfile.mkdtemp(prefix="vllm-ipc-", dir=env.get(RPC_BASE_PATH)))
+        self.directory = Path(tempfile.mkdtemp(prefix="vllm-ipc-", dir=env.get(RPC_BASE_PATH)))
         try:
             with log.open("wb") as out:
                 self.process = subprocess.Popen(
                     argv,
-                    env={**env, RPC_BASE_PATH: str(self.sockets), TEMPORARY: str(self.sockets)},
+                    env={**env, RPC_BASE_PATH: str(self.directory), TEMPORARY: str(self.directory)},
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
@@ -127,7 +127,7 @@ class Server:
                     preexec_fn=die_with_runner(),  # SIGTERM to vLLM if the step dies before it can stop it
                 )
         except BaseException:  # nothing started: nothing will stop it and remove its directory
-            shutil.rmtree(self.sockets, ignore_errors=True)
+            shutil.rmtree(self.directory, ignore_errors=True)
             raise
 
     def tail(self) -> str:
@@ -159,7 +159,7 @@ class Server:
 
     def stop(self, grace: float = 20) -> None:
         """SIGTERM to the server's session, SIGKILL to what is left of it after `grace` seconds (vLLM's engine
-        core and workers are processes of their own, which may outlive the API server); then its sockets' directory
+        core and workers are processes of their own, which may outlive the API server); then its own directory
         goes."""
         try:
             os.killpg(self.process.pid, signal.SIGTERM)
@@ -171,7 +171,7 @@ class Server:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait()
-        shutil.rmtree(self.sockets, ignore_errors=True)
+        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 def start_ready(
